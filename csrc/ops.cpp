@@ -1,0 +1,42 @@
+// The taps_ops operator schemas: the one place they are declared. Each backend registers its
+// kernels in its own file (csrc/cpu/*.cpp: CPU, csrc/cuda/*.cu: CUDA); Python wrappers with
+// defaults and docstrings live in python/taps_ops/__init__.py.
+#include <Python.h>
+#include <torch/library.h>
+
+extern "C" {
+// `import taps_ops._C` loads this shared library, whose static initialisers register the ops.
+PyObject* PyInit__C(void) {
+  static struct PyModuleDef module_def = {PyModuleDef_HEAD_INIT, "_C", nullptr, -1, nullptr};
+  return PyModule_Create(&module_def);
+}
+}
+
+TORCH_LIBRARY(taps_ops, m) {
+  // logits [B, N, V] f32/bf16/f16; tokens, parents [B, N] i64; temperature [B] f32;
+  // top_k [B] i64 (0 = off); top_p [B] f32; draft_probs [B, N, V] f32/bf16/f16 or None;
+  // uniforms [B, N] f32 in [0, 1).
+  // -> out_tokens [B, N] i64 (-1 padded), num_accepted [B] i64, path [B, N] i64 (-1 padded)
+  m.def(
+      "verify_tree(Tensor logits, Tensor tokens, Tensor parents, Tensor temperature, Tensor top_k, "
+      "Tensor top_p, Tensor? draft_probs, Tensor uniforms, bool validate) -> (Tensor, Tensor, Tensor)");
+  // scores [B, M] f32; tokens, parents [B, M] i64 (parent -1 = child of the root; token < 0 marks
+  // a padding candidate, which is never kept);
+  // root_tokens [B] i64 or None.
+  // -> tokens, parents, depth [B, num_nodes] i64, tree_mask [B, num_nodes, W] i64,
+  //    scores [B, num_nodes] f32, candidate_index [B, num_nodes] i64
+  m.def(
+      "build_tree(Tensor scores, Tensor tokens, Tensor parents, int num_nodes, Tensor? root_tokens) "
+      "-> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)");
+  // tokens, parents [B, T, N] i64; scores [B, T, N] f32; weights [B, T] f32 (log-weights) or None.
+  // -> tokens, parents, depth [B, num_nodes] i64, tree_mask [B, num_nodes, W] i64,
+  //    scores [B, num_nodes] f32, source [B, num_nodes] i64 (bit t = drafter t proposed the node)
+  m.def(
+      "merge_trees(Tensor tokens, Tensor parents, Tensor scores, int num_nodes, Tensor? weights) "
+      "-> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)");
+  // q [B, Hq, N, D]; k, v [B, Hkv, S, D]; tree_mask [B, N, W] i64; kv_lens [B] i64 -> out [B, Hq, N, D]
+  m.def("tree_attention(Tensor q, Tensor k, Tensor v, Tensor tree_mask, Tensor kv_lens, float scale) -> Tensor");
+  // caches: per layer K and V tensors [B, H, S, D], updated in place; path [B, P] i64 (-1 padded,
+  // path[:, 0] == 0); prefix_lens [B] i64: cache position of tree node i is prefix_lens[b] + i.
+  m.def("compact_kv(Tensor(a!)[] caches, Tensor path, Tensor prefix_lens) -> ()");
+}

@@ -1,0 +1,271 @@
+"""taps_ops: speculative-decoding kernels for PyTorch (CPU and CUDA).
+
+Public API (shapes in brackets; B requests, N tree nodes, V vocabulary):
+
+- :func:`verify_tree` lossless acceptance of a draft tree against the target's logits
+- :func:`build_tree`  top-by-score, ancestor-closed draft tree from EAGLE-2 style candidates
+- :func:`merge_trees` trie union of several drafters' trees under one root, cut to a node budget
+- :func:`tree_attention` attention of tree queries over a prefix plus the masked tree tail
+- :func:`compact_kv` in-place move of the accepted path's KV entries next to the prefix
+
+The tree format and the op contracts are those of the project's DESIGN.md; :mod:`taps_ops.reference`
+holds a plain-PyTorch implementation of every op that the tests and benchmarks compare against.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from typing import NamedTuple, Optional, Sequence, Union
+
+import torch
+from torch import Tensor
+
+
+def _load_library() -> None:
+    # TAPS_OPS_LIBRARY points at a shared library built elsewhere (development builds); the
+    # installed package carries its own `_C` extension.
+    path = os.environ.get("TAPS_OPS_LIBRARY")
+    if path:
+        torch.ops.load_library(path)
+    else:
+        from . import _C  # noqa: F401
+
+
+_load_library()
+
+__all__ = [
+    "VerifyOutput", "Tree", "MergedTree", "verify_tree", "build_tree", "merge_trees",
+    "tree_attention", "compact_kv", "has_cuda_kernels",
+]
+
+Scalar = Union[float, int, Tensor]
+
+
+class VerifyOutput(NamedTuple):
+    """Result of :func:`verify_tree`.
+
+    tokens:       [B, N] int64, the accepted draft tokens, then one bonus/correction token, then -1.
+    num_accepted: [B] int64, accepted draft tokens (tokens emitted = num_accepted + 1).
+    path:         [B, N] int64, node indices of the accepted path (path[:, 0] == 0), then -1.
+    """
+
+    tokens: Tensor
+    num_accepted: Tensor
+    path: Tensor
+
+
+class Tree(NamedTuple):
+    """A batch of draft trees in the project's tree format ([B, N] unless noted).
+
+    tokens (int64, -1 padding), parents (int64, root and padding -1), depth (int64, root 0, padding -1),
+    tree_mask [B, N, ceil(N / 64)] int64 ancestor bitmask (bit j of word j // 64 in row i: node j is
+    node i or one of its ancestors), scores (float32 cumulative draft log-prob, root 0, padding -inf),
+    candidate_index (int64, the candidate each node came from, -1 for the root and padding).
+    """
+
+    tokens: Tensor
+    parents: Tensor
+    depth: Tensor
+    tree_mask: Tensor
+    scores: Tensor
+    candidate_index: Tensor
+
+
+class MergedTree(NamedTuple):
+    """A :class:`Tree` from :func:`merge_trees`: ``source [B, N] int64`` is a bitmask of the drafters
+    (bit t = tree t) that proposed each node, in place of ``candidate_index``."""
+
+    tokens: Tensor
+    parents: Tensor
+    depth: Tensor
+    tree_mask: Tensor
+    scores: Tensor
+    source: Tensor
+
+
+def has_cuda_kernels() -> bool:
+    """True when the extension was built with its CUDA kernels."""
+    return torch._C._dispatch_has_kernel_for_dispatch_key("taps_ops::verify_tree", "CUDA")
+
+
+def _per_request(value: Scalar, batch: int, dtype: torch.dtype, device: torch.device, name: str) -> Tensor:
+    """A Python scalar or a [B] / [] tensor as a [B] tensor of `dtype` on `device`."""
+    if isinstance(value, Tensor):
+        if value.dim() == 0:
+            value = value.reshape(1).expand(batch)
+        if value.dim() != 1 or value.shape[0] != batch:
+            raise ValueError(f"taps_ops: {name} must be a scalar or a [B] = [{batch}] tensor, got shape {tuple(value.shape)}")
+        if value.is_floating_point() and dtype == torch.int64:
+            raise TypeError(f"taps_ops: {name} must hold integers, got dtype {value.dtype}")
+        return value.to(device=device, dtype=dtype).contiguous()
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"taps_ops: {name} must be a Python number or a tensor, got {type(value).__name__}")
+    if dtype == torch.int64 and not float(value).is_integer():
+        raise TypeError(f"taps_ops: {name} must be an integer, got {value!r}")
+    return torch.full((batch,), value, dtype=dtype, device=device)
+
+
+def _check_scalar_ranges(temperature: Scalar, top_k: Scalar, top_p: Scalar) -> None:
+    # Python scalars are checked here at no cost; tensors are checked by the op itself.
+    if isinstance(temperature, (int, float)) and not (temperature >= 0 and math.isfinite(temperature)):
+        raise ValueError(f"taps_ops: temperature must be finite and >= 0, got {temperature!r}")
+    if isinstance(top_k, (int, float)) and not top_k >= 0:
+        raise ValueError(f"taps_ops: top_k must be >= 0 (0 = off), got {top_k!r}")
+    if isinstance(top_p, (int, float)) and not (0.0 < top_p <= 1.0):
+        raise ValueError(f"taps_ops: top_p must be in (0, 1], got {top_p!r}")
+
+
+def verify_tree(
+    logits: Tensor,
+    tokens: Tensor,
+    parents: Tensor,
+    *,
+    temperature: Scalar = 0.0,
+    top_k: Scalar = 0,
+    top_p: Scalar = 1.0,
+    draft_probs: Optional[Tensor] = None,
+    uniforms: Optional[Tensor] = None,
+    generator: Optional[torch.Generator] = None,
+    validate: bool = True,
+) -> VerifyOutput:
+    """Lossless acceptance of a batch of draft trees (one target forward pass over the tree).
+
+    Args:
+        logits: [B, N, V] float32/bfloat16/float16. Row i holds the target's logits for the token
+            after node i. Only the rows of visited nodes (the accepted path plus one) are read.
+        tokens: [B, N] int64 tree tokens (node 0 = root, the last committed token; -1 padding).
+        parents: [B, N] int64 (parents[:, 0] == -1; 0 <= parents[b, i] < i for real nodes; -1 padding).
+        temperature: scalar or [B]; 0 = greedy (argmax, ties to the lowest id). Default 0.
+        top_k: scalar or [B] int; 0 = off. Keeps every token whose logit is >= the k-th largest.
+        top_p: scalar or [B] in (0, 1]; keeps the smallest set of most likely tokens (after top-k)
+            whose mass reaches top_p, with every token tied at the threshold. Default 1 (off).
+        draft_probs: optional [B, N, V]: row i is the distribution each child of node i was sampled
+            from; selects recursive rejection sampling. None: deterministic candidates (any drafter).
+        uniforms: optional [B, N] float32 in [0, 1), the coin of each node; identical uniforms give
+            identical results on CPU and CUDA. Drawn from `generator` when None.
+        generator: torch.Generator for the uniforms.
+        validate: check tree structure and NaN logits (needs a device sync on CUDA). With False the
+            kernels still never read or write out of bounds, but a malformed tree gives unspecified
+            (in-bounds) results.
+
+    Returns:
+        VerifyOutput(tokens [B, N], num_accepted [B], path [B, N]), int64, -1 padded.
+    """
+    if not isinstance(logits, Tensor) or logits.dim() != 3:
+        raise ValueError(f"taps_ops.verify_tree: logits must be a [B, N, V] tensor, got "
+                         f"{tuple(logits.shape) if isinstance(logits, Tensor) else type(logits).__name__}")
+    _check_scalar_ranges(temperature, top_k, top_p)
+    batch, num_nodes, device = logits.shape[0], logits.shape[1], logits.device
+    temperature_t = _per_request(temperature, batch, torch.float32, device, "temperature")
+    top_k_t = _per_request(top_k, batch, torch.int64, device, "top_k")
+    top_p_t = _per_request(top_p, batch, torch.float32, device, "top_p")
+    if uniforms is None:
+        uniforms = torch.rand((batch, num_nodes), generator=generator, device=device, dtype=torch.float32)
+    out = torch.ops.taps_ops.verify_tree.default(
+        logits, tokens, parents, temperature_t, top_k_t, top_p_t, draft_probs, uniforms, validate)
+    return VerifyOutput(*out)
+
+
+def build_tree(
+    scores: Tensor,
+    tokens: Tensor,
+    parents: Tensor,
+    num_nodes: int,
+    root_tokens: Optional[Tensor] = None,
+) -> Tree:
+    """Select an ancestor-closed draft tree of `num_nodes` nodes from EAGLE-2 style candidates.
+
+    Args:
+        scores: [B, M] float32 cumulative draft log-prob of each candidate.
+        tokens: [B, M] int64 candidate tokens; a negative token marks a padding candidate.
+        parents: [B, M] int64, -1 = child of the root, else the index of an earlier candidate.
+        num_nodes: nodes in the output tree, root included (>= 1). The best `num_nodes - 1`
+            candidates are kept, closed under ancestors (ties: shallower, then earlier candidate).
+        root_tokens: optional [B] int64 token of the root (node 0); -1 when None.
+
+    Returns:
+        Tree with [B, num_nodes] fields, siblings ordered by score (best first), -1 padded.
+    """
+    return Tree(*torch.ops.taps_ops.build_tree.default(scores, tokens, parents, int(num_nodes), root_tokens))
+
+
+def merge_trees(
+    tokens: Tensor,
+    parents: Tensor,
+    scores: Tensor,
+    num_nodes: Optional[int] = None,
+    weights: Optional[Tensor] = None,
+) -> MergedTree:
+    """Trie union of T drafters' trees per request, cut to `num_nodes` by score.
+
+    Args:
+        tokens: [B, T, N] int64 trees in the tree format (node 0 the shared root, -1 padding).
+        parents: [B, T, N] int64.
+        scores: [B, T, N] float32 cumulative draft log-prob of each node.
+        num_nodes: output nodes, root included; default T * (N - 1) + 1, room for the whole union.
+        weights: optional [T] or [B, T] per-drafter log-weight added to that drafter's scores.
+
+    Returns:
+        MergedTree with [B, num_nodes] fields; a merged node's score is the max over its sources,
+        `source` the bitmask of drafters that proposed it (T <= 63).
+    """
+    if not isinstance(tokens, Tensor) or tokens.dim() != 3:
+        raise ValueError("taps_ops.merge_trees: tokens must be a [B, T, N] tensor")
+    batch, num_trees, n = tokens.shape
+    if num_nodes is None:
+        num_nodes = num_trees * max(n - 1, 0) + 1
+    if weights is not None:
+        if not isinstance(weights, Tensor):
+            weights = torch.as_tensor(weights, dtype=torch.float32)
+        if weights.dim() == 1:
+            weights = weights.unsqueeze(0).expand(batch, -1)
+        if weights.dim() != 2 or tuple(weights.shape) != (batch, num_trees):
+            raise ValueError(f"taps_ops.merge_trees: weights must be [T] or [B, T] = [{batch}, {num_trees}], "
+                             f"got shape {tuple(weights.shape)}")
+        weights = weights.to(device=tokens.device, dtype=torch.float32).contiguous()
+    return MergedTree(*torch.ops.taps_ops.merge_trees.default(tokens, parents, scores, int(num_nodes), weights))
+
+
+def tree_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    tree_mask: Tensor,
+    kv_lens: Tensor,
+    scale: Optional[float] = None,
+) -> Tensor:
+    """Attention of N tree queries over each request's prefix plus the tree nodes.
+
+    Args:
+        q: [B, Hq, N, D] float32/bfloat16/float16.
+        k, v: [B, Hkv, S, D], same dtype; Hq a multiple of Hkv (grouped-query attention).
+        tree_mask: [B, N, ceil(N / 64)] int64 ancestor bitmask (as from build_tree).
+        kv_lens: [B] int64; request b's keys are k[b, :, :kv_lens[b]], the last N of them tree nodes
+            0..N-1, the rest a fully visible prefix. N <= kv_lens[b] <= S.
+        scale: softmax scale, default 1 / sqrt(D).
+
+    Returns:
+        out [B, Hq, N, D] in q's dtype (float32 accumulation).
+    """
+    if scale is None:
+        scale = 1.0 / math.sqrt(q.shape[-1])
+    return torch.ops.taps_ops.tree_attention.default(q, k, v, tree_mask, kv_lens, float(scale))
+
+
+def compact_kv(caches: Sequence[Tensor], path: Tensor, prefix_lens: Tensor) -> None:
+    """Move the KV entries of each request's accepted path next to its prefix, in place.
+
+    Args:
+        caches: K and V tensors of every layer, each [B, H, S, D] (any float dtype); tree node i of
+            request b sits at position prefix_lens[b] + i before the call.
+        path: [B, P] int64 accepted node indices (root first, path[:, 0] == 0, strictly increasing),
+            -1 padded, e.g. VerifyOutput.path.
+        prefix_lens: [B] int64 committed positions before the tree.
+
+    After the call, entry j of the path is at position prefix_lens[b] + j of every cache.
+    """
+    torch.ops.taps_ops.compact_kv.default(list(caches), path, prefix_lens)
+
+
+from . import _fake  # noqa: E402,F401  (shape functions for torch.compile / FakeTensor)

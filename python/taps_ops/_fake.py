@@ -1,0 +1,42 @@
+"""Shape functions of the taps_ops operators (FakeTensor / torch.compile / opcheck)."""
+
+import torch
+
+
+def _mask_words(n: int) -> int:
+    return (n + 63) // 64
+
+
+@torch.library.register_fake("taps_ops::verify_tree")
+def _verify_tree_fake(logits, tokens, parents, temperature, top_k, top_p, draft_probs, uniforms, validate):
+    b, n = logits.shape[0], logits.shape[1]
+    out_tokens = logits.new_empty((b, n), dtype=torch.int64)
+    return out_tokens, logits.new_empty((b,), dtype=torch.int64), logits.new_empty((b, n), dtype=torch.int64)
+
+
+def _tree_fake(like, batch, num_nodes):
+    i64 = dict(dtype=torch.int64)
+    return (like.new_empty((batch, num_nodes), **i64), like.new_empty((batch, num_nodes), **i64),
+            like.new_empty((batch, num_nodes), **i64),
+            like.new_empty((batch, num_nodes, _mask_words(num_nodes)), **i64),
+            like.new_empty((batch, num_nodes), dtype=torch.float32), like.new_empty((batch, num_nodes), **i64))
+
+
+@torch.library.register_fake("taps_ops::build_tree")
+def _build_tree_fake(scores, tokens, parents, num_nodes, root_tokens):
+    return _tree_fake(scores, scores.shape[0], num_nodes)
+
+
+@torch.library.register_fake("taps_ops::merge_trees")
+def _merge_trees_fake(tokens, parents, scores, num_nodes, weights):
+    return _tree_fake(scores, scores.shape[0], num_nodes)
+
+
+@torch.library.register_fake("taps_ops::tree_attention")
+def _tree_attention_fake(q, k, v, tree_mask, kv_lens, scale):
+    return torch.empty_like(q)
+
+
+@torch.library.register_fake("taps_ops::compact_kv")
+def _compact_kv_fake(caches, path, prefix_lens):
+    return None
