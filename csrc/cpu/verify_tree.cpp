@@ -1,0 +1,239 @@
+// verify_tree, CPU: input checks, then one walk per request (at::parallel_for over requests).
+// The walk and every decision are the header-only core's (taps/verify.h); this file supplies the
+// sequential row backend, vectorised with at::vec for the two hot reductions (max and sum of exp).
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <ATen/cpu/vec/vec.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+#include <torch/library.h>
+
+#include <vector>
+
+#include "checks.h"
+#include "verify_checks.h"
+#include "taps/verify.h"
+
+namespace taps {
+namespace {
+
+using verify::FindResult;
+using verify::RowScan;
+using verify::Target;
+
+// Sequential row backend (one participant). Children come from per-request linked lists built once.
+struct CpuOps {
+  static constexpr bool kLeader = true;
+  const int32_t* first_child;   // [N]
+  const int32_t* next_sibling;  // [N]
+
+  void sync() const {}
+
+  int32_t collect_children(const int64_t*, int64_t, int64_t cur, int32_t* out) const {
+    int32_t count = 0;
+    for (int32_t c = first_child[cur]; c >= 0; c = next_sibling[c]) out[count++] = c;
+    return count;
+  }
+
+  template <typename scalar_t>
+  RowScan max_scan(const scalar_t* row, int64_t vocab) const {
+    using Vec = at::vec::Vectorized<float>;
+    constexpr int64_t W = Vec::size();
+    float m = -INFINITY;
+    bool nan = false, posinf = false;
+    int64_t v = 0;
+    if constexpr (std::is_same_v<scalar_t, float>) {
+      Vec vm(-INFINITY);  // at::vec::maximum propagates NaN, so a NaN shows in the lanes
+      for (; v + W <= vocab; v += W) vm = at::vec::maximum(vm, Vec::loadu(row + v));
+      float lanes[W];
+      vm.store(lanes);
+      for (int64_t i = 0; i < W; ++i) {
+        if (lanes[i] != lanes[i]) nan = true;
+        else if (lanes[i] > m) m = lanes[i];
+      }
+      if (nan) {  // rare: recompute the max of the non-NaN values
+        m = -INFINITY;
+        v = 0;
+      }
+    }
+    for (; v < vocab; ++v) {
+      const float x = float(row[v]);
+      if (x != x) nan = true;
+      else if (x > m) m = x;
+    }
+    posinf = m == INFINITY;
+    int64_t arg = 0;
+    for (int64_t i = 0; i < vocab; ++i) {
+      if (float(row[i]) == m) {
+        arg = i;
+        break;
+      }
+    }
+    return RowScan{m, arg, (nan ? int32_t(verify::kRowNaN) : 0) | (posinf ? int32_t(verify::kRowPosInf) : 0)};
+  }
+
+  template <typename scalar_t>
+  float sum_target(const scalar_t* row, int64_t vocab, const Target& t) const {
+    using Vec = at::vec::Vectorized<float>;
+    constexpr int64_t W = Vec::size();
+    float total = 0.0f;
+    int64_t v = 0;
+    if constexpr (std::is_same_v<scalar_t, float>) {
+      const Vec vmax(t.max), vinv(t.inv_temperature), vthr(t.threshold), zero(0.0f);
+      Vec acc(0.0f);
+      for (; v + W <= vocab; v += W) {
+        const Vec x = Vec::loadu(row + v);
+        const Vec w = ((x - vmax) * vinv).exp();
+        acc = acc + Vec::blendv(zero, w, x >= vthr);
+      }
+      float lanes[W];
+      acc.store(lanes);
+      for (int64_t i = 0; i < W; ++i) total += lanes[i];
+    } else {
+      // 16-bit logits: convert a block at a time, then the same vector loop.
+      constexpr int64_t kBlock = 1024;
+      float buf[kBlock];
+      const Vec vmax(t.max), vinv(t.inv_temperature), vthr(t.threshold), zero(0.0f);
+      Vec acc(0.0f);
+      for (; v + kBlock <= vocab; v += kBlock) {
+        for (int64_t i = 0; i < kBlock; ++i) buf[i] = float(row[v + i]);
+        for (int64_t i = 0; i < kBlock; i += W) {
+          const Vec x = Vec::loadu(buf + i);
+          acc = acc + Vec::blendv(zero, ((x - vmax) * vinv).exp(), x >= vthr);
+        }
+      }
+      float lanes[W];
+      acc.store(lanes);
+      for (int64_t i = 0; i < W; ++i) total += lanes[i];
+    }
+    for (; v < vocab; ++v) total += verify::target_weight(t, float(row[v]));
+    return total;
+  }
+
+  template <class G>
+  float sum(int64_t vocab, const G& g) const {
+    float total = 0.0f;
+    for (int64_t v = 0; v < vocab; ++v) total += g(v);
+    return total;
+  }
+
+  template <class KeyFn, class G>
+  void histogram(int64_t vocab, const KeyFn& key, const G& g, int shift, uint32_t prefix, float* bins) const {
+    for (int d = 0; d < 256; ++d) bins[d] = 0.0f;
+    const uint64_t high_mask = shift >= 24 ? 0 : (~uint64_t(0) << (shift + 8)) & 0xffffffffu;
+    for (int64_t v = 0; v < vocab; ++v) {
+      const uint32_t k = key(v);
+      if ((k & high_mask) != (prefix & high_mask)) continue;
+      bins[(k >> shift) & 255u] += g(v);
+    }
+  }
+
+  template <class G>
+  FindResult scan_find(int64_t vocab, const G& g, float t) const {
+    float acc = 0.0f;
+    int64_t last = -1;
+    for (int64_t v = 0; v < vocab; ++v) {
+      const float w = g(v);
+      if (w > 0.0f) {
+        last = v;
+        acc += w;
+        if (t < acc) return FindResult{v, v};
+      }
+    }
+    return FindResult{-1, last};
+  }
+};
+
+template <typename scalar_t, typename prob_t>
+void verify_cpu_impl(const at::Tensor& logits, const at::Tensor& tokens, const at::Tensor& parents,
+                     const at::Tensor& temperature, const at::Tensor& top_k, const at::Tensor& top_p,
+                     const at::Tensor* draft_probs, const at::Tensor& uniforms, bool validate, at::Tensor& out_tokens,
+                     at::Tensor& num_accepted, at::Tensor& path, at::Tensor& errors) {
+  const int64_t batch = logits.size(0), n = logits.size(1), vocab = logits.size(2);
+  const scalar_t* lg = logits.data_ptr<scalar_t>();
+  const prob_t* dp = draft_probs ? draft_probs->data_ptr<prob_t>() : nullptr;
+  const int64_t* tk = tokens.data_ptr<int64_t>();
+  const int64_t* pr = parents.data_ptr<int64_t>();
+  const float* temp = temperature.data_ptr<float>();
+  const int64_t* topk = top_k.data_ptr<int64_t>();
+  const float* topp = top_p.data_ptr<float>();
+  const float* uni = uniforms.data_ptr<float>();
+  int64_t* o_tok = out_tokens.data_ptr<int64_t>();
+  int64_t* o_acc = num_accepted.data_ptr<int64_t>();
+  int64_t* o_path = path.data_ptr<int64_t>();
+  int32_t* o_err = errors.data_ptr<int32_t>();
+
+  at::parallel_for(0, batch, 1, [&](int64_t begin, int64_t end) {
+    std::vector<int32_t> ints(static_cast<size_t>(4 * n));
+    std::vector<uint8_t> flags(static_cast<size_t>(n));
+    std::vector<float> floats(static_cast<size_t>(n) + 256);
+    verify::Scratch scratch{ints.data(), ints.data() + n, flags.data(), floats.data(), floats.data() + n};
+    int32_t* first_child = ints.data() + 2 * n;
+    int32_t* next_sibling = ints.data() + 3 * n;
+    for (int64_t b = begin; b < end; ++b) {
+      const int64_t* tb = tk + b * n;
+      const int64_t* pb = pr + b * n;
+      const float* ub = uni + b * n;
+      if (validate) {
+        o_err[b] = verify::check_request(tb, pb, ub, n, vocab, temp[b], topk[b], topp[b]);
+        if (o_err[b] != 0) continue;
+      }
+      // Children lists: nodes with a parent in [0, i) (anything else has no parent), sibling order.
+      for (int64_t i = 0; i < n; ++i) first_child[i] = next_sibling[i] = -1;
+      for (int64_t i = n - 1; i >= 1; --i) {
+        const int64_t p = pb[i];
+        if (p >= 0 && p < i) {
+          next_sibling[i] = first_child[p];
+          first_child[p] = int32_t(i);
+        }
+      }
+      CpuOps ops{first_child, next_sibling};
+      verify::Request<scalar_t, prob_t> rq{lg + b * n * vocab, dp ? dp + b * n * vocab : nullptr, tb, pb, ub,
+                                           n, vocab, temp[b], topp[b], topk[b]};
+      verify::WalkState st{};
+      verify::Outputs out{o_tok + b * n, o_path + b * n, o_acc + b, o_err + b};
+      verify::verify_walk(ops, rq, scratch, st, out, validate);
+    }
+  });
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> verify_tree_cpu(
+    const at::Tensor& logits_in, const at::Tensor& tokens_in, const at::Tensor& parents_in,
+    const at::Tensor& temperature_in, const at::Tensor& top_k_in, const at::Tensor& top_p_in,
+    const std::optional<at::Tensor>& draft_probs_in, const at::Tensor& uniforms_in, bool validate) {
+  check_verify_inputs(logits_in, tokens_in, parents_in, temperature_in, top_k_in, top_p_in, draft_probs_in,
+                      uniforms_in);
+  const at::Tensor logits = logits_in.contiguous(), tokens = tokens_in.contiguous(),
+                   parents = parents_in.contiguous(), temperature = temperature_in.contiguous(),
+                   top_k = top_k_in.contiguous(), top_p = top_p_in.contiguous(), uniforms = uniforms_in.contiguous();
+  at::Tensor draft_probs;
+  if (draft_probs_in.has_value()) draft_probs = draft_probs_in->contiguous();
+  const int64_t batch = logits.size(0), n = logits.size(1);
+  auto i64 = logits.options().dtype(at::kLong);
+  at::Tensor out_tokens = at::full({batch, n}, -1, i64);
+  at::Tensor path = at::full({batch, n}, -1, i64);
+  at::Tensor num_accepted = at::zeros({batch}, i64);
+  at::Tensor errors = at::zeros({batch}, logits.options().dtype(at::kInt));
+  if (batch == 0 || n == 0) return {out_tokens, num_accepted, path};
+
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, logits.scalar_type(), "verify_tree_cpu", [&] {
+    using logit_t = scalar_t;
+    if (draft_probs.defined()) {
+      AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, draft_probs.scalar_type(), "verify_tree_cpu_q", [&] {
+        verify_cpu_impl<logit_t, scalar_t>(logits, tokens, parents, temperature, top_k, top_p, &draft_probs, uniforms,
+                                           validate, out_tokens, num_accepted, path, errors);
+      });
+    } else {
+      verify_cpu_impl<logit_t, float>(logits, tokens, parents, temperature, top_k, top_p, nullptr, uniforms,
+                                      validate, out_tokens, num_accepted, path, errors);
+    }
+  });
+  if (validate) raise_verify_error(errors);
+  return {out_tokens, num_accepted, path};
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(taps_ops, CPU, m) { m.impl("verify_tree", &verify_tree_cpu); }
+
+}  // namespace taps
