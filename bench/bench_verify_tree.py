@@ -1,0 +1,132 @@
+"""verify_tree microbenchmark: plain PyTorch vs reference.py vs taps_ops (CPU, CUDA when present).
+
+    python bench/bench_verify_tree.py [--batch 8] [--nodes 64] [--vocab 128256] [--accept 0.7] [--quick]
+
+"plain torch" is what a user writes without taps_ops: argmax (greedy) or softmax (sampling) over every
+node's row, then the walk in Python. taps_ops reads only the rows it visits (the accepted path plus
+one). The floor is the time to read those visited rows at the device's measured copy bandwidth
+(bytes read + written per second by a 512 MB device-to-device copy).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import fmt_time, machine_line, print_table, time_call  # noqa: E402
+
+import taps_ops  # noqa: E402
+from taps_ops import reference  # noqa: E402
+
+
+def make_case(batch, nodes, vocab, accept, dtype, device, seed=0):
+    """A random tree per request and logits that accept each node's first child w.p. ~`accept`."""
+    g = torch.Generator().manual_seed(seed)
+    parents = torch.full((batch, nodes), -1, dtype=torch.int64)
+    for i in range(1, nodes):
+        # shallow-biased random parents, like an EAGLE-2 tree (many children near the root)
+        parents[:, i] = (torch.rand(batch, generator=g) ** 2 * i).long()
+    tokens = torch.randint(0, vocab, (batch, nodes), generator=g)
+    logits = torch.randn(batch, nodes, vocab, generator=g) * 2.0
+    first_child = torch.full((batch, nodes), -1, dtype=torch.int64)
+    for i in range(nodes - 1, 0, -1):
+        first_child[torch.arange(batch), parents[:, i]] = i
+    boost = (torch.rand(batch, nodes, generator=g) < accept) & (first_child >= 0)
+    b_idx, n_idx = boost.nonzero(as_tuple=True)
+    logits[b_idx, n_idx, tokens[b_idx, first_child[b_idx, n_idx]]] += 12.0
+    uniforms = torch.rand(batch, nodes, generator=g)
+    return (logits.to(device=device, dtype=dtype), tokens.to(device), parents.to(device), uniforms.to(device))
+
+
+def plain_torch_verify(logits, tokens, parents, temperature, generator=None):
+    """Verification as written with plain PyTorch: full-row argmax/softmax for every node, then a walk."""
+    batch, nodes, _ = logits.shape
+    if temperature == 0:
+        target = logits.argmax(-1)  # [B, N]: every row read
+    else:
+        probs = torch.softmax(logits.float() / temperature, dim=-1)  # [B, N, V] materialised
+    tokens_l, parents_l = tokens.tolist(), parents.tolist()
+    out_tokens = torch.full((batch, nodes), -1, dtype=torch.int64)
+    num_accepted = torch.zeros(batch, dtype=torch.int64)
+    target_l = target.tolist() if temperature == 0 else None
+    for b in range(batch):
+        children = [[] for _ in range(nodes)]
+        for i in range(1, nodes):
+            if parents_l[b][i] >= 0:
+                children[parents_l[b][i]].append(i)
+        cur, emitted = 0, []
+        while True:
+            if temperature == 0:
+                y = target_l[b][cur]
+            else:
+                y = int(torch.multinomial(probs[b, cur], 1, generator=generator))
+            nxt = next((c for c in children[cur] if tokens_l[b][c] == y), None)
+            emitted.append(y)
+            if nxt is None:
+                break
+            cur = nxt
+        out_tokens[b, : len(emitted)] = torch.tensor(emitted)
+        num_accepted[b] = len(emitted) - 1
+    return out_tokens, num_accepted
+
+
+def copy_bandwidth(device) -> float:
+    """Bytes per second of a large device-to-device copy, counting read + write."""
+    n = 128 * 1024 * 1024  # 512 MB of float32
+    src = torch.empty(n, dtype=torch.float32, device=device).fill_(1.0)
+    dst = torch.empty_like(src)
+    t = time_call(lambda: dst.copy_(src), device, warmup=2, repeats=10)
+    return 2 * src.numel() * 4 / t
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--nodes", type=int, default=64)
+    ap.add_argument("--vocab", type=int, default=128256)
+    ap.add_argument("--accept", type=float, default=0.7)
+    ap.add_argument("--repeats", type=int, default=10)
+    ap.add_argument("--quick", action="store_true", help="small sizes, few repeats (smoke run)")
+    ap.add_argument("--no-reference", action="store_true")
+    args = ap.parse_args()
+    if args.quick:
+        args.batch, args.nodes, args.vocab, args.repeats = 4, 16, 5003, 3
+    print(f"verify_tree: B={args.batch} N={args.nodes} V={args.vocab} | {machine_line()}")
+    devices = ["cpu"] + (["cuda"] if torch.cuda.is_available() and taps_ops.has_cuda_kernels() else [])
+    bandwidth = {d: copy_bandwidth(d) for d in devices}
+    for d in devices:
+        print(f"copy bandwidth {d}: {bandwidth[d] / 1e9:.1f} GB/s (read + write)")
+
+    rows = []
+    for dtype in (torch.float32, torch.bfloat16):
+        for temperature in (0.0, 1.0):
+            logits, tokens, parents, uniforms = make_case(args.batch, args.nodes, args.vocab, args.accept, dtype, "cpu")
+            out = taps_ops.verify_tree(logits, tokens, parents, temperature=temperature, uniforms=uniforms)
+            visited_rows = int((out.num_accepted + 1).sum())
+            floor_bytes = visited_rows * args.vocab * logits.element_size()
+            t_ref = float("nan")
+            if not args.no_reference:
+                t_ref = time_call(lambda: reference.verify_tree_ref(
+                    logits, tokens, parents, temperature=temperature, top_k=0, top_p=1.0, draft_probs=None,
+                    uniforms=uniforms), "cpu", warmup=1, repeats=max(1, args.repeats // 3))
+            case = f"{str(dtype).replace('torch.', '')} T={temperature:g}"
+            mean_acc = f"{out.num_accepted.float().mean():.2f}"
+            for d in devices:
+                lg, tk, pr, un = (x.to(d) for x in (logits, tokens, parents, uniforms))
+                t_plain = time_call(lambda: plain_torch_verify(lg, tk, pr, temperature), d, repeats=args.repeats)
+                t = time_call(lambda: taps_ops.verify_tree(lg, tk, pr, temperature=temperature, uniforms=un), d,
+                              repeats=args.repeats * (10 if d == "cuda" else 1), flush=(d == "cuda"))
+                floor = floor_bytes / bandwidth[d]
+                rows.append([case, d, mean_acc, fmt_time(t_plain), fmt_time(t_ref), fmt_time(t),
+                             f"{t_plain / t:.1f}x", fmt_time(floor), f"{100 * floor / t:.0f}%"])
+    print_table(["case", "device", "accepted", "plain torch", "reference.py (cpu)", "taps_ops", "vs plain",
+                 "floor", "of floor"], rows)
+    print("floor = visited rows x V x dtype bytes at the device's copy bandwidth; 'of floor' = floor / time.")
+
+
+if __name__ == "__main__":
+    main()
