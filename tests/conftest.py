@@ -1,0 +1,72 @@
+"""Shared pytest fixtures of the taps_ops suites.
+
+`device` runs a test on "cpu" and on "cuda"; the CUDA case is skipped when there is no GPU or the
+extension was built without its CUDA kernels. Every test starts from a fixed torch seed.
+"""
+
+import pytest
+import torch
+
+import taps_ops
+
+
+def cuda_available() -> bool:
+    """True when a GPU and the extension's CUDA kernels are both present."""
+    return torch.cuda.is_available() and taps_ops.has_cuda_kernels()
+
+
+DEVICES = [
+    "cpu",
+    pytest.param("cuda", marks=pytest.mark.skipif(not cuda_available(), reason="no GPU or no CUDA kernels")),
+]
+
+
+@pytest.fixture(params=DEVICES)
+def device(request) -> str:
+    """The device a test runs on: "cpu", then "cuda" when available."""
+    return request.param
+
+
+@pytest.fixture(autouse=True)
+def _seed():
+    torch.manual_seed(0)
+    yield
+
+
+def check_tree_invariants(tree, last_field_padding: int = -1) -> None:
+    """Assert the tree format of DESIGN.md on a build_tree / merge_trees output: real nodes first with
+    topological parents, depth = parent's depth + 1, the ancestor bitmask consistent with the parents,
+    siblings best first, breadth-first order, and well-formed padding."""
+    tokens, parents, depth, mask, scores, last = (t.cpu() for t in tree)
+    batch, n = tokens.shape
+    words = (n + 63) // 64
+    assert tuple(mask.shape) == (batch, n, words)
+    assert tokens.dtype == parents.dtype == depth.dtype == mask.dtype == last.dtype == torch.int64
+    assert scores.dtype == torch.float32
+    for b in range(batch):
+        assert parents[b, 0] == -1 and depth[b, 0] == 0 and scores[b, 0] == 0
+        bits = [1]
+        real = 1
+        while real < n and parents[b, real] >= 0:
+            real += 1
+        for i in range(1, n):
+            if i < real:
+                p = int(parents[b, i])
+                assert 0 <= p < i, f"node {i} of request {b}: parent {p} not topological"
+                assert tokens[b, i] >= 0
+                assert depth[b, i] == depth[b, p] + 1
+                assert depth[b, i] >= depth[b, i - 1], "not breadth first"
+                if depth[b, i] == depth[b, i - 1]:
+                    assert p >= parents[b, i - 1], "one depth not ordered by parent"
+                bits.append(bits[p] | (1 << i))
+                if i > 1 and parents[b, i - 1] == p:
+                    assert scores[b, i - 1] >= scores[b, i], "siblings not ordered by score"
+            else:
+                assert tokens[b, i] == -1 and parents[b, i] == -1 and depth[b, i] == -1
+                assert scores[b, i] == float("-inf") and last[b, i] == last_field_padding
+                bits.append(0)
+        for i in range(n):
+            for w in range(words):
+                word = (bits[i] >> (64 * w)) & ((1 << 64) - 1)
+                word = word - (1 << 64) if word >= (1 << 63) else word
+                assert mask[b, i, w] == word, f"tree_mask row {i} word {w} of request {b}"
