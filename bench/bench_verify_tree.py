@@ -37,7 +37,7 @@ def make_case(batch, nodes, vocab, accept, dtype, device, seed=0):
         first_child[torch.arange(batch), parents[:, i]] = i
     boost = (torch.rand(batch, nodes, generator=g) < accept) & (first_child >= 0)
     b_idx, n_idx = boost.nonzero(as_tuple=True)
-    logits[b_idx, n_idx, tokens[b_idx, first_child[b_idx, n_idx]]] += 12.0
+    logits[b_idx, n_idx, tokens[b_idx, first_child[b_idx, n_idx]]] += 16.0
     uniforms = torch.rand(batch, nodes, generator=g)
     return (logits.to(device=device, dtype=dtype), tokens.to(device), parents.to(device), uniforms.to(device))
 

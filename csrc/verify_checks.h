@@ -42,6 +42,9 @@ inline void check_verify_inputs(const at::Tensor& logits, const at::Tensor& toke
     TORCH_CHECK(draft_probs->sizes() == logits.sizes(), "taps_ops: verify_tree: draft_probs must have the shape of logits ",
                 logits.sizes(), ", got ", draft_probs->sizes());
     check_same_device(logits, *draft_probs, "logits", "draft_probs");
+    TORCH_CHECK(draft_probs->scalar_type() == at::kFloat || draft_probs->scalar_type() == logits.scalar_type(),
+                "taps_ops: verify_tree: draft_probs must be float32 or the dtype of logits (", logits.scalar_type(),
+                "), got ", draft_probs->scalar_type());
   }
 }
 
