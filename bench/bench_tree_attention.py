@@ -1,0 +1,113 @@
+"""Microbenchmark of taps_ops.tree_attention against PyTorch SDPA with a dense boolean mask.
+
+    PYTHONPATH=python python bench/bench_tree_attention.py [--repeats 7] [--quick]
+
+Columns: SDPA (torch.nn.functional.scaled_dot_product_attention, dense bool mask [B, 1, N, S],
+enable_gqa=True), the float64-free reference (taps_ops.reference.tree_attention_ref in the input dtype,
+small sizes only), taps on CPU, taps on CUDA when present; median of `repeats` timed runs each.
+Speedups are SDPA time / taps time on the same device. For CUDA, "GB/s" is the K/V bytes of the
+visible keys (2 * B * Hkv * sum(kv_lens) * D * elem) over the taps time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+import torch.nn.functional as F
+
+import taps_ops
+from taps_ops.reference import tree_attention_dense_mask, tree_attention_ref
+
+
+def random_tree_mask(batch: int, num_nodes: int, device) -> torch.Tensor:
+    """A random ancestor bitmask of random trees (parent of node i uniform in [0, i))."""
+    words = (num_nodes + 63) // 64
+    mask = torch.zeros(batch, num_nodes, words, dtype=torch.int64)
+    for b in range(batch):
+        rows = [0] * num_nodes
+        rows[0] = 1
+        for i in range(1, num_nodes):
+            parent = int(torch.randint(0, i, ()))
+            rows[i] = rows[parent] | (1 << i)
+        for i in range(num_nodes):
+            for w in range(words):
+                word = (rows[i] >> (64 * w)) & ((1 << 64) - 1)
+                mask[b, i, w] = word - (1 << 64) if word >= (1 << 63) else word
+    return mask.to(device)
+
+
+def timed(fn, repeats: int, cuda: bool) -> float:
+    """Median seconds of `repeats` runs after one warm-up."""
+    fn()
+    times = []
+    for _ in range(repeats):
+        if cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            torch.cuda.synchronize()
+            times.append(start.elapsed_time(end) / 1e3)
+        else:
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def case(batch, heads_q, heads_kv, num_nodes, head_dim, cache_len, dtype, repeats, device):
+    cuda = device == "cuda"
+    q = torch.randn(batch, heads_q, num_nodes, head_dim, dtype=dtype, device=device)
+    k = torch.randn(batch, heads_kv, cache_len, head_dim, dtype=dtype, device=device)
+    v = torch.randn(batch, heads_kv, cache_len, head_dim, dtype=dtype, device=device)
+    kv_lens = torch.full((batch,), cache_len, dtype=torch.int64, device=device)
+    tree_mask = random_tree_mask(batch, num_nodes, device)
+    dense = tree_attention_dense_mask(tree_mask, kv_lens, cache_len)[:, None]
+    row = {}
+    row["sdpa"] = timed(lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=dense, enable_gqa=True),
+                        repeats, cuda)
+    small = batch * heads_q * num_nodes * cache_len <= 2_000_000
+    row["ref"] = timed(lambda: tree_attention_ref(q, k, v, tree_mask, kv_lens, dtype=dtype), repeats, cuda) \
+        if small else None
+    row["taps"] = timed(lambda: taps_ops.tree_attention(q, k, v, tree_mask, kv_lens), repeats, cuda)
+    kv_bytes = 2 * batch * heads_kv * cache_len * head_dim * k.element_size()
+    return row, kv_bytes
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--repeats", type=int, default=7)
+    ap.add_argument("--quick", action="store_true", help="small sizes only")
+    args = ap.parse_args()
+    torch.manual_seed(0)
+    shapes = [  # B, Hq, Hkv, N, D, S, dtype
+        (1, 8, 2, 7, 64, 257, torch.float32),
+        (2, 32, 8, 16, 128, 1000, torch.float32),
+        (4, 32, 8, 64, 128, 2048, torch.float32),
+        (4, 32, 8, 64, 128, 2048, torch.bfloat16),
+        (1, 32, 8, 64, 128, 8192, torch.bfloat16),
+        (1, 32, 8, 64, 128, 8192, torch.float32),
+    ]
+    if args.quick:
+        shapes = shapes[:2]
+    devices = ["cpu"] + (["cuda"] if torch.cuda.is_available() and taps_ops.has_cuda_kernels() else [])
+    print(f"torch {torch.__version__}, threads {torch.get_num_threads()}, "
+          f"CPU capability {torch.backends.cpu.get_cpu_capability()}, median of {args.repeats}")
+    header = f"{'device':6} {'B':>2} {'Hq':>3} {'Hkv':>3} {'N':>4} {'D':>4} {'S':>5} {'dtype':>8} " \
+             f"{'sdpa ms':>9} {'ref ms':>9} {'taps ms':>9} {'x sdpa':>7} {'x ref':>7} {'GB/s':>7}"
+    print(header)
+    for device in devices:
+        for (b, hq, hkv, n, d, s, dt) in shapes:
+            row, kv_bytes = case(b, hq, hkv, n, d, s, dt, args.repeats, device)
+            ref = f"{row['ref'] * 1e3:9.2f}" if row["ref"] else f"{'-':>9}"
+            x_ref = f"{row['ref'] / row['taps']:7.2f}" if row["ref"] else f"{'-':>7}"
+            bw = f"{kv_bytes / row['taps'] / 1e9:7.1f}" if device == "cuda" else f"{'-':>7}"
+            print(f"{device:6} {b:2} {hq:3} {hkv:3} {n:4} {d:4} {s:5} {str(dt)[6:]:>8} {row['sdpa'] * 1e3:9.2f} "
+                  f"{ref} {row['taps'] * 1e3:9.2f} {row['sdpa'] / row['taps']:7.2f} {x_ref} {bw}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,116 @@
+// CPU kernel of taps_ops::compact_kv.
+//
+// caches: list of [B, H, S, D] tensors (K and V of every layer; any floating dtype, one per tensor),
+// updated in place; path [B, P] i64 (-1 padded, path[:, 0] == 0, strictly increasing);
+// prefix_lens [B] i64. Entry j of path[b] moves from position prefix_lens[b] + path[b, j] to
+// prefix_lens[b] + j.
+//
+// Sources and destinations overlap, but walking a request's path in increasing j is safe: the
+// destination prefix + j is below every later source prefix + path[k] (k > j, path[k] >= k > j), and
+// an entry that does not move (path[j] == j) is skipped. Work is parallel over (tensor, b, h).
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <climits>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "checks.h"
+#include "taps/attention.h"
+
+namespace {
+
+struct CacheView {
+  char* data;
+  int64_t heads, stride_b, stride_h, stride_s, row_bytes;  // strides in bytes
+};
+
+void compact_kv_cpu(at::TensorList caches, const at::Tensor& path_in, const at::Tensor& prefix_lens_in) {
+  using taps::check_size;
+  using taps::check_tensor;
+  check_tensor(path_in, "compact_kv: path [B, P]", 2, {at::kLong});
+  check_tensor(prefix_lens_in, "compact_kv: prefix_lens [B]", 1, {at::kLong});
+  const int64_t batch = path_in.size(0), path_cols = path_in.size(1);
+  check_size(prefix_lens_in, 0, batch, "compact_kv: prefix_lens", "B (path's batch)");
+  taps::check_same_device(path_in, prefix_lens_in, "path", "compact_kv: prefix_lens");
+  TORCH_CHECK(path_in.device().is_cpu(), "taps_ops: compact_kv: path must be on the CPU for the CPU kernel, got ",
+              path_in.device());
+
+  std::vector<CacheView> views;
+  int64_t cache_len = -1;
+  for (size_t t = 0; t < caches.size(); ++t) {
+    const at::Tensor& c = caches[t];
+    const std::string name = "compact_kv: caches[" + std::to_string(t) + "] [B, H, S, D]";
+    TORCH_CHECK(c.defined(), "taps_ops: ", name, " is undefined");
+    TORCH_CHECK(c.dim() == 4, "taps_ops: ", name, " must have 4 dimensions, got shape ", c.sizes());
+    TORCH_CHECK(c.is_floating_point(), "taps_ops: ", name, " must have a floating dtype, got ", c.scalar_type());
+    taps::check_same_device(path_in, c, "path", name.c_str());
+    TORCH_CHECK(c.size(0) == batch, "taps_ops: ", name, " dimension 0 must be B = ", batch, ", got shape ",
+                c.sizes());
+    TORCH_CHECK(c.size(3) <= 1 || c.stride(3) == 1, "taps_ops: ", name,
+                " must have a contiguous last dimension (it is updated in place), got strides ", c.strides());
+    TORCH_CHECK(cache_len < 0 || c.size(2) == cache_len, "taps_ops: ", name, " has S = ", c.size(2),
+                " but caches[0] has S = ", cache_len, "; all caches must have one length");
+    cache_len = c.size(2);
+    const int64_t e = c.element_size();
+    views.push_back({static_cast<char*>(c.data_ptr()), c.size(1), c.stride(0) * e, c.stride(1) * e,
+                     c.stride(2) * e, c.size(3) * e});
+  }
+  const at::Tensor path = path_in.contiguous(), prefix_lens = prefix_lens_in.contiguous();
+  const int64_t* pp = path.data_ptr<int64_t>();
+  const int64_t* pl = prefix_lens.data_ptr<int64_t>();
+  std::vector<int64_t> moves(batch);
+  for (int64_t b = 0; b < batch; ++b) {
+    const int64_t* pb = pp + b * path_cols;
+    // Validate even without caches (the bound against S then needs a cache; skip it).
+    moves[b] = taps::compact_path_length(pb, path_cols, pl[b], cache_len < 0 ? INT64_MAX : cache_len);
+    if (moves[b] < 0) {
+      TORCH_CHECK(path_cols == 0 || pb[0] == 0, "taps_ops: compact_kv: path[", b, ", 0] must be 0 (the root), got ",
+                  pb[0]);
+      TORCH_CHECK(pl[b] >= 0, "taps_ops: compact_kv: prefix_lens[", b, "] = ", pl[b], " must be >= 0");
+      for (int64_t j = 1; j < path_cols && pb[j] >= 0; ++j)
+        TORCH_CHECK(pb[j] > pb[j - 1], "taps_ops: compact_kv: path[", b, "] must be strictly increasing before its ",
+                    "first -1, got ", pb[j - 1], " then ", pb[j], " at column ", j);
+      TORCH_CHECK(false, "taps_ops: compact_kv: prefix_lens[", b, "] + path[", b, ", j] must be < S = ", cache_len,
+                  " (prefix_lens[", b, "] = ", pl[b], ")");
+    }
+  }
+  if (views.empty() || path_cols <= 1) return;
+  const int64_t heads_total = [&] {
+    int64_t n = 0;
+    for (const auto& v : views) n += v.heads;
+    return n;
+  }();
+  // Items: (b, global head over all tensors).
+  std::vector<std::pair<int32_t, int64_t>> head_of(heads_total);
+  for (int64_t t = 0, n = 0; t < static_cast<int64_t>(views.size()); ++t)
+    for (int64_t h = 0; h < views[t].heads; ++h) head_of[n++] = {static_cast<int32_t>(t), h};
+  // Small moves (the common case: a few rows per head) run on the calling thread; threads only pay
+  // off for about 1 MiB or more.
+  int64_t bytes = 0, max_moves = 0;
+  for (const auto& v : views) bytes += v.heads * v.row_bytes;
+  for (int64_t b = 0; b < batch; ++b) max_moves = std::max(max_moves, moves[b]);
+  bytes *= batch * max_moves;
+  const int64_t items = batch * heads_total;
+  const int64_t grain = bytes < (int64_t{1} << 20) ? items : std::max<int64_t>(1, items * (int64_t{1} << 18) / bytes);
+  at::parallel_for(0, items, grain, [&](int64_t begin, int64_t end) {
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t b = item / heads_total;
+      const auto [t, h] = head_of[item % heads_total];
+      const CacheView& v = views[t];
+      const int64_t* pb = pp + b * path_cols;
+      char* base = v.data + b * v.stride_b + h * v.stride_h;
+      for (int64_t j = 1; j < moves[b]; ++j) {
+        if (pb[j] == j) continue;
+        std::memcpy(base + (pl[b] + j) * v.stride_s, base + (pl[b] + pb[j]) * v.stride_s, v.row_bytes);
+      }
+    }
+  });
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(taps_ops, CPU, m) { m.impl("compact_kv", &compact_kv_cpu); }

@@ -1,0 +1,107 @@
+// CUDA binding of taps_ops::compact_kv (kernel in taps/attention.h).
+//
+// caches: list of [B, H, S, D] tensors (any floating dtype, one per tensor), updated in place;
+// path [B, P] i64 (-1 padded, path[:, 0] == 0, strictly increasing); prefix_lens [B] i64.
+// The path checks read device data: one small reduction and one device-to-host sync per call. The
+// kernel re-validates each request's path and leaves a request with an invalid path untouched, so it
+// never reads or writes out of bounds. One launch per cache tensor, each moving whole rows in the
+// widest word (1..16 bytes) that the tensor's alignment allows.
+// NOTE: compiled (sm_80, sm_90a) but never run on a GPU by its author; the tests cover it on a GPU.
+#include <ATen/ATen.h>
+#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <torch/library.h>
+
+#include <cstdint>
+#include <string>
+
+#include "checks.h"
+#include "taps/attention.h"
+
+namespace {
+
+template <class U>
+void launch_unit(const at::Tensor& c, int64_t unit_elems, int64_t cache_len, const int64_t* path, int64_t cols,
+                 const int64_t* prefix, cudaStream_t stream) {
+  C10_CUDA_CHECK(taps::launch_compact_kv<U>(static_cast<U*>(c.data_ptr()), c.size(0), c.size(1), cache_len,
+                                            c.size(3) / unit_elems, c.stride(0) / unit_elems,
+                                            c.stride(1) / unit_elems, c.stride(2) / unit_elems, path, cols, prefix,
+                                            stream));
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+void compact_kv_cuda(at::TensorList caches, const at::Tensor& path_in, const at::Tensor& prefix_lens_in) {
+  using taps::check_size;
+  using taps::check_tensor;
+  check_tensor(path_in, "compact_kv: path [B, P]", 2, {at::kLong});
+  check_tensor(prefix_lens_in, "compact_kv: prefix_lens [B]", 1, {at::kLong});
+  const int64_t batch = path_in.size(0), cols = path_in.size(1);
+  check_size(prefix_lens_in, 0, batch, "compact_kv: prefix_lens", "B (path's batch)");
+  taps::check_same_device(path_in, prefix_lens_in, "path", "compact_kv: prefix_lens");
+  TORCH_CHECK(batch <= 65535, "taps_ops: compact_kv: B = ", batch, " exceeds the CUDA grid limit 65535");
+  int64_t cache_len = -1;
+  for (size_t t = 0; t < caches.size(); ++t) {
+    const at::Tensor& c = caches[t];
+    const std::string name = "compact_kv: caches[" + std::to_string(t) + "] [B, H, S, D]";
+    TORCH_CHECK(c.defined(), "taps_ops: ", name, " is undefined");
+    TORCH_CHECK(c.dim() == 4, "taps_ops: ", name, " must have 4 dimensions, got shape ", c.sizes());
+    TORCH_CHECK(c.is_floating_point(), "taps_ops: ", name, " must have a floating dtype, got ", c.scalar_type());
+    taps::check_same_device(path_in, c, "path", name.c_str());
+    TORCH_CHECK(c.size(0) == batch, "taps_ops: ", name, " dimension 0 must be B = ", batch, ", got shape ",
+                c.sizes());
+    TORCH_CHECK(c.size(3) <= 1 || c.stride(3) == 1, "taps_ops: ", name,
+                " must have a contiguous last dimension (it is updated in place), got strides ", c.strides());
+    TORCH_CHECK(cache_len < 0 || c.size(2) == cache_len, "taps_ops: ", name, " has S = ", c.size(2),
+                " but caches[0] has S = ", cache_len, "; all caches must have one length");
+    TORCH_CHECK(c.size(1) <= 65535, "taps_ops: ", name, " H exceeds the CUDA grid limit 65535");
+    cache_len = c.size(2);
+  }
+  c10::cuda::CUDAGuard guard(path_in.device());
+  const at::Tensor path = path_in.contiguous(), prefix_lens = prefix_lens_in.contiguous();
+  if (batch == 0 || cols == 0) return;
+  {  // the one device sync of this op: all checks in one reduction
+    const at::Tensor valid = path >= 0;
+    const at::Tensor live = valid.cumprod(1).to(at::kBool);  // entries before the first -1
+    const at::Tensor prev = at::cat({at::full({batch, 1}, -1, path.options()), path.narrow(1, 0, cols - 1)}, 1);
+    const at::Tensor bad_order = at::logical_and(live, path <= prev);
+    const at::Tensor bad_root = path.select(1, 0) != 0;
+    const at::Tensor bad_prefix = prefix_lens < 0;
+    at::Tensor bad_bound = at::zeros({batch}, path.options().dtype(at::kBool));
+    if (cache_len >= 0)
+      bad_bound = at::logical_and(live, (path + prefix_lens.unsqueeze(1)) >= cache_len).any(1);
+    const at::Tensor flags = at::stack({bad_root.any(), bad_order.any(), bad_bound.any(), bad_prefix.any()}).cpu();
+    const bool* f = flags.data_ptr<bool>();
+    TORCH_CHECK(!f[0], "taps_ops: compact_kv: path[b, 0] must be 0 (the root) for every request, got ",
+                path.select(1, 0).cpu());
+    TORCH_CHECK(!f[1], "taps_ops: compact_kv: every path row must be strictly increasing before its first -1");
+    TORCH_CHECK(!f[3], "taps_ops: compact_kv: prefix_lens must be >= 0, got ", prefix_lens.cpu());
+    TORCH_CHECK(!f[2], "taps_ops: compact_kv: prefix_lens[b] + path[b, j] must be < S = ", cache_len);
+  }
+  if (cols <= 1) return;
+  const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
+  for (const at::Tensor& c : caches) {
+    if (c.numel() == 0) continue;
+    const int64_t elem = c.element_size();
+    // Widest word w (bytes) dividing the data pointer, the row size and the b/h/s strides.
+    const auto addr = reinterpret_cast<uintptr_t>(c.data_ptr());
+    int64_t w = 16;
+    while (w > elem && (addr % w || (c.size(3) * elem) % w || (c.stride(0) * elem) % w ||
+                        (c.stride(1) * elem) % w || (c.stride(2) * elem) % w))
+      w /= 2;
+    const int64_t unit = w / elem;  // elements per word
+    const int64_t* pp = path.data_ptr<int64_t>();
+    const int64_t* pl = prefix_lens.data_ptr<int64_t>();
+    switch (w) {
+      case 16: launch_unit<uint4>(c, unit, cache_len, pp, cols, pl, stream); break;
+      case 8: launch_unit<uint2>(c, unit, cache_len, pp, cols, pl, stream); break;
+      case 4: launch_unit<uint32_t>(c, unit, cache_len, pp, cols, pl, stream); break;
+      case 2: launch_unit<uint16_t>(c, unit, cache_len, pp, cols, pl, stream); break;
+      default: launch_unit<uint8_t>(c, unit, cache_len, pp, cols, pl, stream); break;
+    }
+  }
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(taps_ops, CUDA, m) { m.impl("compact_kv", &compact_kv_cuda); }

@@ -1,0 +1,155 @@
+"""taps_ops.tree_attention against the float64 dense-mask reference (taps_ops.reference).
+
+Accuracy rule (flash-attention's): the kernel's max error against the float64 reference is at most
+twice the error of plain PyTorch attention computed in the same dtype, plus a small floor.
+"""
+
+import math
+
+import pytest
+import torch
+
+import taps_ops
+from taps_ops.reference import tree_attention_ref
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+
+
+def random_tree_mask(batch: int, num_nodes: int, words: int = None) -> torch.Tensor:
+    """Ancestor bitmasks of random trees (parent of node i uniform in [0, i)), [B, N, W] int64."""
+    words = words or (num_nodes + 63) // 64
+    parents = [[int(torch.randint(0, i, ())) if i else -1 for i in range(num_nodes)] for _ in range(batch)]
+    bits = torch.zeros(batch, num_nodes, num_nodes, dtype=torch.bool)
+    for b in range(batch):
+        for i in range(num_nodes):
+            bits[b, i, i] = True
+            if i:
+                bits[b, i] |= bits[b, parents[b][i]]
+    mask = torch.zeros(batch, num_nodes, words, dtype=torch.int64)
+    for j in range(num_nodes):
+        mask[:, :, j // 64] |= bits[:, :, j].long() << (j % 64)
+    return mask
+
+
+def make_inputs(batch, heads_q, heads_kv, num_nodes, head_dim, cache_len, dtype, device, ragged=True):
+    q = torch.randn(batch, heads_q, num_nodes, head_dim, dtype=dtype)
+    k = torch.randn(batch, heads_kv, cache_len, head_dim, dtype=dtype)
+    v = torch.randn(batch, heads_kv, cache_len, head_dim, dtype=dtype)
+    if ragged:
+        kv_lens = torch.randint(num_nodes, cache_len + 1, (batch,))
+        kv_lens[0] = cache_len
+        kv_lens[-1] = num_nodes if batch > 1 else kv_lens[-1]
+    else:
+        kv_lens = torch.full((batch,), cache_len)
+    mask = random_tree_mask(batch, num_nodes)
+    return [t.to(device) for t in (q, k, v, mask, kv_lens)]
+
+
+def check_accuracy(q, k, v, mask, kv_lens, scale=None):
+    out = taps_ops.tree_attention(q, k, v, mask, kv_lens, scale)
+    assert out.dtype == q.dtype and out.shape == q.shape and out.device == q.device
+    ref = tree_attention_ref(q.cpu(), k.cpu(), v.cpu(), mask.cpu(), kv_lens.cpu(), scale)
+    plain = tree_attention_ref(q.cpu(), k.cpu(), v.cpu(), mask.cpu(), kv_lens.cpu(), scale, dtype=q.dtype)
+    err = (out.cpu().double() - ref).abs().max().item()
+    plain_err = (plain.double() - ref).abs().max().item()
+    assert err <= 2 * plain_err + 1e-5, (err, plain_err)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("num_nodes,cache_len", [(1, 50), (7, 257), (65, 257), (130, 1000), (7, 1000)])
+def test_matches_reference(device, dtype, num_nodes, cache_len):
+    check_accuracy(*make_inputs(3, 8, 2, num_nodes, 64, cache_len, dtype, device))
+
+
+@pytest.mark.parametrize("head_dim", [64, 80, 96, 128, 256, 40])
+def test_head_dims(device, head_dim):
+    if device == "cuda" and head_dim == 40:
+        pytest.skip("CUDA kernels are compiled for head dims 64, 80, 96, 128, 256")
+    check_accuracy(*make_inputs(2, 4, 4, 7, head_dim, 100, torch.float32, device))
+
+
+@pytest.mark.parametrize("heads", [(1, 1), (4, 1), (6, 3), (8, 8)])
+def test_gqa_and_long_split(device, heads):
+    # B * Hkv small and a long cache: the CPU kernel splits the keys and merges by log-sum-exp.
+    check_accuracy(*make_inputs(1, heads[0], heads[1], 9, 64, 1500, torch.float32, device))
+
+
+def test_scale_and_strided_inputs(device):
+    q, k, v, mask, kv_lens = make_inputs(2, 4, 2, 5, 64, 60, torch.float32, device)
+    # q as a transposed view ([B, N, Hq, D] storage), k/v as slices of a longer cache.
+    q_t = q.transpose(1, 2).contiguous().transpose(1, 2)
+    big_k = torch.randn(2, 2, 80, 64, device=device)
+    big_k[:, :, :60] = k
+    big_v = torch.randn(2, 2, 80, 64, device=device)
+    big_v[:, :, :60] = v
+    out = taps_ops.tree_attention(q_t, big_k[:, :, :60], big_v[:, :, :60], mask, kv_lens, 0.3)
+    ref = tree_attention_ref(q.cpu(), k.cpu(), v.cpu(), mask.cpu(), kv_lens.cpu(), 0.3)
+    torch.testing.assert_close(out.cpu().double(), ref, atol=1e-5, rtol=1e-5)
+    # Non-contiguous feature dim is accepted too (copied).
+    out2 = taps_ops.tree_attention(q, k, v.transpose(2, 3).contiguous().transpose(2, 3), mask, kv_lens, 0.3)
+    torch.testing.assert_close(out2.cpu().double(), ref, atol=1e-5, rtol=1e-5)
+
+
+def test_literal_tree(device):
+    # Prefix of 2 keys, a chain 0 -> 1 and a sibling 2 of 1: query 2 must not see node 1.
+    q = torch.zeros(1, 1, 3, 4, device=device)
+    k = torch.zeros(1, 1, 5, 4, device=device)  # all scores 0: uniform over the visible keys
+    v = torch.arange(5, dtype=torch.float32, device=device).view(1, 1, 5, 1).expand(1, 1, 5, 4).contiguous()
+    mask = torch.tensor([[[0b001], [0b011], [0b101]]], device=device)
+    out = taps_ops.tree_attention(q, k, v, mask, torch.tensor([5], device=device))
+    expected = torch.tensor([(0 + 1 + 2) / 3, (0 + 1 + 2 + 3) / 4, (0 + 1 + 2 + 4) / 4], device=device)
+    torch.testing.assert_close(out[0, 0, :, 0], expected)
+
+
+def test_wider_mask_and_padding_rows(device):
+    # W larger than needed is accepted; a row that sees nothing at all (malformed) gives zeros.
+    q, k, v, mask, kv_lens = make_inputs(2, 2, 1, 3, 64, 3, torch.float32, device, ragged=False)
+    wide = torch.cat([mask, torch.zeros_like(mask)], dim=2)
+    wide[:, 2] = 0
+    out = taps_ops.tree_attention(q, k, v, wide, kv_lens)
+    assert torch.all(out[:, :, 2] == 0)
+    ref = tree_attention_ref(q.cpu(), k.cpu(), v.cpu(), wide.cpu(), kv_lens.cpu())
+    torch.testing.assert_close(out.cpu().double(), ref, atol=1e-5, rtol=1e-5)
+
+
+def test_opcheck(device):
+    args = make_inputs(2, 4, 2, 7, 64, 40, torch.float32, device)
+    torch.library.opcheck(torch.ops.taps_ops.tree_attention.default, (*args, 0.125))
+
+
+@pytest.mark.parametrize(
+    "change,message",
+    [
+        (lambda a: a.update(kv_lens=a["kv_lens"] * 0 + 2), "kv_lens"),
+        (lambda a: a.update(kv_lens=a["kv_lens"] * 0 + 41), "kv_lens"),
+        (lambda a: a.update(q=a["q"][:, :3]), "multiple of Hkv"),
+        (lambda a: a.update(tree_mask=a["tree_mask"][:, :, :0]), "ceil\\(N / 64\\)"),
+        (lambda a: a.update(k=a["k"].half()), "one dtype"),
+        (lambda a: a.update(q=a["q"][0]), "4 dimensions"),
+        (lambda a: a.update(tree_mask=a["tree_mask"].int()), "tree_mask"),
+        (lambda a: a.update(kv_lens=a["kv_lens"][:1]), "kv_lens"),
+        (lambda a: a.update(v=a["v"][:, :, :30]), "v must have k's shape"),
+        (lambda a: a.update(q=a["q"].double()), "dtype"),
+    ],
+)
+def test_bad_inputs(device, change, message):
+    q, k, v, tree_mask, kv_lens = make_inputs(2, 4, 2, 7, 64, 40, torch.float32, device)
+    args = dict(q=q, k=k, v=v, tree_mask=tree_mask, kv_lens=kv_lens)
+    change(args)
+    with pytest.raises(RuntimeError, match=message):
+        torch.ops.taps_ops.tree_attention.default(args["q"], args["k"], args["v"], args["tree_mask"],
+                                                  args["kv_lens"], 0.125)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_device_mismatch():
+    q, k, v, tree_mask, kv_lens = make_inputs(1, 2, 1, 3, 64, 10, torch.float32, "cpu")
+    with pytest.raises(RuntimeError, match="device"):
+        torch.ops.taps_ops.tree_attention.default(q.cuda(), k.cuda(), v.cuda(), tree_mask, kv_lens.cuda(), 1.0)
+
+
+def test_default_scale():
+    q, k, v, mask, kv_lens = make_inputs(1, 2, 1, 3, 64, 10, torch.float32, "cpu")
+    a = taps_ops.tree_attention(q, k, v, mask, kv_lens)
+    b = taps_ops.tree_attention(q, k, v, mask, kv_lens, 1 / math.sqrt(64))
+    assert torch.equal(a, b)
