@@ -1,0 +1,447 @@
+"""Tree verification for Hugging Face causal LMs through the taps_ops kernels.
+
+A target model (LlamaForCausalLM first; Qwen2, Qwen3 and Mistral share its attention code) verifies a
+whole draft tree in one forward pass. Three pieces make that work:
+
+- :func:`register_taps_attention` registers an attention function named ``"taps"`` with the
+  transformers attention interface. Outside a tree context it is plain ``"sdpa"``; inside one
+  (:func:`tree_attention_context`, set by :func:`tree_verify_forward`) it calls
+  :func:`taps_ops.tree_attention` on the cache's full per-layer K/V tensors, so each tree node attends
+  to the request's prefix and to its own ancestors only.
+- :class:`TreeKVCache`, a transformers ``Cache`` with preallocated per-layer K and V tensors
+  ``[B, Hkv, max_len, D]`` and per-request lengths ``lengths [B]``, so that requests of different
+  lengths share one batch and :func:`taps_ops.compact_kv` can update it in place.
+- the forward helpers :func:`prefill` (ragged prompts, also plain decode steps),
+  :func:`tree_verify_forward` and :func:`compact_cache`.
+
+Cache layout. ``cache.lengths[b]`` entries of request b are committed: positions ``0 .. lengths[b]-1``
+of every layer hold the K/V of its tokens, in order, and position p has rotary position p. Positions at
+or past ``lengths[b]`` hold scratch data. One decoding step is::
+
+    out = prefill(model, cache, prompt_ids, prompt_lens)      # lengths = prompt_lens
+    root = out.logits.argmax(-1)                              # last committed token, not yet cached
+    # draft a tree per request whose node 0 is `root` ...
+    out = tree_verify_forward(model, cache, tree.tokens, tree.tree_mask, tree.depth)
+    ver = taps_ops.verify_tree(out.logits, tree.tokens, tree.parents)
+    compact_cache(cache, ver.path)       # lengths += num_accepted + 1 (the root and accepted drafts)
+    # the bonus token ver.tokens[b, ver.num_accepted[b]] is the next root
+
+The tree forward writes node i of request b at position ``lengths[b] + i`` (the layout compact_kv
+expects) with rotary position ``lengths[b] + depth[b, i]``; ``lengths`` is left unchanged until
+:func:`compact_cache` moves the accepted path (root first) next to the prefix and advances it.
+
+Ragged prompts are right padded: ``input_ids [B, T]`` with ``num_new [B]`` real tokens per row. Every
+row writes T entries starting at its own length, so each row's real tokens land at consecutive positions
+and its padding lands past its new length, where it is scratch that later writes overwrite; the
+attention mask is causal in each request's own positions, so real tokens never see padding.
+
+Limits: attention is computed from the cache as written (no sliding window beyond the checks below, no
+logit soft-capping); logits are ``lm_head(final hidden state)``, as in Llama, Qwen2/3 and Mistral.
+Works with the layered ``Cache`` API of transformers >= 4.56 and 5.x.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import inspect
+from typing import Iterator, List, NamedTuple, Optional
+
+import torch
+from torch import Tensor
+
+import taps_ops
+
+from transformers.cache_utils import Cache, CacheLayerMixin
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, AttentionInterface
+
+try:  # transformers >= 4.53 builds masks through a registry keyed by the attention name
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+except ImportError:  # pragma: no cover - older transformers
+    AttentionMaskInterface = None
+    sdpa_mask = None
+
+__all__ = [
+    "TAPS_ATTENTION", "register_taps_attention", "use_taps_attention", "tree_attention_context",
+    "taps_attention_forward", "TreeKVCache", "ForwardOutput", "prefill", "tree_verify_forward",
+    "compact_cache",
+]
+
+#: Name under which the attention function is registered (``attn_implementation="taps"``).
+TAPS_ATTENTION = "taps"
+
+
+# ---------------------------------------------------------------------------------------------------
+# The attention hook
+# ---------------------------------------------------------------------------------------------------
+
+class _ForwardContext(NamedTuple):
+    tree_mask: Optional[Tensor]  # [B, N, W] int64 ancestor bitmask; None: causal (sdpa) attention
+    kv_lens: Optional[Tensor]    # [B] int64, prefix length + N (tree forwards only)
+    max_kv_len: int              # the longest context any query sees, known on the host
+
+
+_CONTEXT: contextvars.ContextVar[Optional[_ForwardContext]] = contextvars.ContextVar(
+    "taps_forward_context", default=None)
+
+
+@contextlib.contextmanager
+def _forward_context(ctx: _ForwardContext) -> Iterator[None]:
+    token = _CONTEXT.set(ctx)
+    try:
+        yield
+    finally:
+        _CONTEXT.reset(token)
+
+
+@contextlib.contextmanager
+def tree_attention_context(tree_mask: Tensor, kv_lens: Tensor, max_kv_len: Optional[int] = None) -> Iterator[None]:
+    """Within this context the ``"taps"`` attention runs tree attention instead of sdpa.
+
+    Args:
+        tree_mask: [B, N, ceil(N / 64)] int64 ancestor bitmask of the N query tokens.
+        kv_lens: [B] int64; request b's keys are the first kv_lens[b] positions of the K/V the cache
+            returns, the last N of them the tree nodes 0..N-1 (see :func:`taps_ops.tree_attention`).
+        max_kv_len: max(kv_lens) if the caller knows it (saves a device sync); used only to check that
+            a sliding-window layer's window covers every key.
+    """
+    if max_kv_len is None:
+        max_kv_len = int(kv_lens.max()) if kv_lens.numel() else 0
+    with _forward_context(_ForwardContext(tree_mask, kv_lens, int(max_kv_len))):
+        yield
+
+
+def _check_window(kwargs: dict, max_kv_len: int) -> None:
+    # Our masks never hide keys by distance: fine as long as a sliding window covers the whole context.
+    window = kwargs.get("sliding_window")
+    if window is not None and max_kv_len > window:
+        raise NotImplementedError(
+            f"taps attention: a sliding-window layer (window {window}) would need to hide keys of a "
+            f"{max_kv_len}-token context; only contexts within the window are supported")
+
+
+def taps_attention_forward(module: torch.nn.Module, query: Tensor, key: Tensor, value: Tensor,
+                           attention_mask: Optional[Tensor], scaling: Optional[float] = None,
+                           dropout: float = 0.0, **kwargs):
+    """Attention function registered as ``"taps"`` (transformers' attention-interface signature).
+
+    query [B, Hq, T, D]; key, value [B, Hkv, S, D] as returned by the cache's ``update``.
+    Returns (out [B, T, Hq, D], None). Without a tree context this is transformers' sdpa attention.
+    """
+    ctx = _CONTEXT.get()
+    if ctx is None or ctx.tree_mask is None:
+        if ctx is not None:
+            _check_window(kwargs, ctx.max_kv_len)
+        return ALL_ATTENTION_FUNCTIONS["sdpa"](module, query, key, value, attention_mask,
+                                               scaling=scaling, dropout=dropout, **kwargs)
+    if dropout:
+        raise ValueError("taps attention: tree verification runs without dropout (call model.eval())")
+    if kwargs.get("softcap") is not None:
+        raise NotImplementedError("taps attention: attention logit soft-capping is not supported")
+    _check_window(kwargs, ctx.max_kv_len)
+    if query.shape[2] != ctx.tree_mask.shape[1]:
+        raise ValueError(f"taps attention: {query.shape[2]} query tokens but the tree context has "
+                         f"{ctx.tree_mask.shape[1]} nodes")
+    out = taps_ops.tree_attention(query, key, value, ctx.tree_mask, ctx.kv_lens, scaling)
+    return out.transpose(1, 2).contiguous(), None
+
+
+def register_taps_attention(name: str = TAPS_ATTENTION) -> str:
+    """Register the ``"taps"`` attention (and its mask builder, that of sdpa) with transformers.
+
+    Idempotent. Load a model with ``attn_implementation="taps"`` afterwards, or call
+    :func:`use_taps_attention` on a loaded one. Returns the registered name.
+    """
+    AttentionInterface.register(name, taps_attention_forward)
+    if AttentionMaskInterface is not None:
+        AttentionMaskInterface.register(name, sdpa_mask)
+    return name
+
+
+def use_taps_attention(model: torch.nn.Module, name: str = TAPS_ATTENTION) -> torch.nn.Module:
+    """Register the hook and switch a loaded model to it. Returns the model."""
+    register_taps_attention(name)
+    if hasattr(model, "set_attn_implementation"):
+        model.set_attn_implementation(name)
+    else:  # pragma: no cover - older transformers
+        model.config._attn_implementation = name
+    return model
+
+
+# ---------------------------------------------------------------------------------------------------
+# The cache
+# ---------------------------------------------------------------------------------------------------
+
+class _WriteState(NamedTuple):
+    positions: Tensor         # [B, T] int64 cache position of each new token
+    kv_span: Optional[int]    # update() returns positions [0, kv_span); None: the full tensors
+
+
+class _SharedState:
+    """What every layer of one TreeKVCache needs to know about the forward in progress."""
+
+    def __init__(self, batch_size: int, device: torch.device):
+        self.lengths = torch.zeros(batch_size, dtype=torch.int64, device=device)
+        self.rows = torch.arange(batch_size, device=device).unsqueeze(1)  # [B, 1]
+        self.write: Optional[_WriteState] = None
+
+
+class _TreeKVLayer(CacheLayerMixin):
+    """One layer of a :class:`TreeKVCache`: preallocated keys and values [B, Hkv, max_len, D]."""
+
+    is_sliding = False
+    is_compileable = False
+    is_croppable = False
+
+    def __init__(self, state: _SharedState, keys: Tensor, values: Tensor):
+        super().__init__()
+        self._state = state
+        self.keys = keys
+        self.values = values
+        self.device = keys.device
+        self.dtype = keys.dtype
+        self.is_initialized = True
+
+    def lazy_initialization(self, key_states: Tensor, value_states: Optional[Tensor] = None) -> None:
+        pass  # preallocated
+
+    def update(self, key_states: Tensor, value_states: Tensor, *args, **kwargs):
+        """Write key/value_states [B, Hkv, T, D] at each request's positions; return the K/V to attend."""
+        write = self._state.write
+        if write is None:
+            raise RuntimeError("TreeKVCache is written only through taps.hf.prefill / tree_verify_forward, "
+                               "which set each request's write positions")
+        if key_states.shape[2] != write.positions.shape[1]:
+            raise ValueError(f"TreeKVCache: {key_states.shape[2]} new tokens, expected {write.positions.shape[1]}")
+        rows = self._state.rows
+        # Advanced indices around a slice: the indexed view is [B, T, Hkv, D].
+        self.keys[rows, :, write.positions] = key_states.transpose(1, 2).to(self.dtype)
+        self.values[rows, :, write.positions] = value_states.transpose(1, 2).to(self.dtype)
+        if write.kv_span is None:
+            return self.keys, self.values
+        return self.keys[:, :, :write.kv_span], self.values[:, :, :write.kv_span]
+
+    def get_mask_sizes(self, query_length, *args, **kwargs):
+        # (kv_length, kv_offset); transformers 4.x passes cache_position [T] instead of the length T.
+        write = self._state.write
+        if write is not None and write.kv_span is not None:
+            return write.kv_span, 0
+        if isinstance(query_length, Tensor):
+            query_length = query_length.shape[0]
+        return self.get_seq_length() + query_length, 0
+
+    def get_seq_length(self, *args, **kwargs) -> int:
+        return int(self._state.lengths.max()) if self._state.lengths.numel() else 0
+
+    def get_max_length(self) -> int:
+        return self.keys.shape[2]
+
+    get_max_cache_shape = get_max_length  # the transformers 4.x name
+
+    def reset(self) -> None:
+        self.keys.zero_()
+        self.values.zero_()
+        self._state.lengths.zero_()
+
+
+class TreeKVCache(Cache):
+    """Preallocated K/V cache with a length per request, for ragged batches and tree verification.
+
+    Every layer holds ``keys``, ``values`` [B, Hkv, max_len, D] (``cache.layers[i].keys``); request b's
+    committed entries are positions ``0 .. lengths[b]-1``. Written only through :func:`prefill` and
+    :func:`tree_verify_forward`; :func:`compact_cache` commits a verified path.
+
+    Args:
+        config: the model's config (its text config is used for multimodal ones).
+        batch_size: B.
+        max_len: positions per request (prompt + generated + one tree of N nodes must fit).
+        dtype, device: of the K/V tensors; must match the model's.
+    """
+
+    def __init__(self, config, batch_size: int, max_len: int, *, dtype: torch.dtype = torch.float32,
+                 device: torch.device | str = "cpu"):
+        text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
+        num_layers = text_config.num_hidden_layers
+        num_heads = text_config.num_attention_heads
+        num_kv_heads = getattr(text_config, "num_key_value_heads", None) or num_heads
+        head_dim = getattr(text_config, "head_dim", None) or text_config.hidden_size // num_heads
+        device = torch.device(device)
+        state = _SharedState(batch_size, device)
+        shape = (batch_size, num_kv_heads, max_len, head_dim)
+        layers = [_TreeKVLayer(state, torch.zeros(shape, dtype=dtype, device=device),
+                               torch.zeros(shape, dtype=dtype, device=device)) for _ in range(num_layers)]
+        super().__init__(layers=layers)
+        self._state = state
+        self.max_len = max_len
+
+    @classmethod
+    def for_model(cls, model: torch.nn.Module, batch_size: int, max_len: int) -> "TreeKVCache":
+        """A cache matching `model`'s config, dtype and device."""
+        param = next(model.parameters())
+        return cls(model.config, batch_size, max_len, dtype=param.dtype, device=param.device)
+
+    @property
+    def lengths(self) -> Tensor:
+        """[B] int64 committed positions per request (updated in place by the helpers)."""
+        return self._state.lengths
+
+    def kv_tensors(self) -> List[Tensor]:
+        """K and V of every layer, [B, Hkv, max_len, D] each: the `caches` list of taps_ops.compact_kv."""
+        out: List[Tensor] = []
+        for layer in self.layers:
+            out += [layer.keys, layer.values]
+        return out
+
+    @contextlib.contextmanager
+    def _writing(self, positions: Tensor, kv_span: Optional[int]) -> Iterator[None]:
+        self._state.write = _WriteState(positions, kv_span)
+        try:
+            yield
+        finally:
+            self._state.write = None
+
+
+# ---------------------------------------------------------------------------------------------------
+# Forward helpers
+# ---------------------------------------------------------------------------------------------------
+
+class ForwardOutput(NamedTuple):
+    """logits: see the helper; hidden_states: [B, T, H] final (normalised) hidden states, the input of
+    lm_head, as EAGLE-style feature drafters consume them; None unless asked for."""
+
+    logits: Tensor
+    hidden_states: Optional[Tensor]
+
+
+_CACHE_KWARG: dict = {}
+
+
+def _cache_kwarg(module: torch.nn.Module) -> str:
+    # transformers 5.x names the argument `cache` (past_key_values is deprecated); 4.x `past_key_values`.
+    cls = type(module)
+    if cls not in _CACHE_KWARG:
+        params = inspect.signature(module.forward).parameters
+        _CACHE_KWARG[cls] = "cache" if "cache" in params else "past_key_values"
+    return _CACHE_KWARG[cls]
+
+
+def _decoder(model: torch.nn.Module) -> torch.nn.Module:
+    decoder = model.get_decoder() if hasattr(model, "get_decoder") else None
+    if decoder is None or decoder is model:
+        decoder = getattr(model, getattr(model, "base_model_prefix", "model"))
+    return decoder
+
+
+def _run_decoder(model, cache: TreeKVCache, input_ids: Tensor, position_ids: Tensor, mask: Tensor) -> Tensor:
+    decoder = _decoder(model)
+    out = decoder(input_ids=input_ids, position_ids=position_ids, attention_mask=mask, use_cache=True,
+                  **{_cache_kwarg(decoder): cache})
+    return out[0]
+
+
+def _lm_head(model) -> torch.nn.Module:
+    return model.get_output_embeddings()
+
+
+def _check_model(model) -> None:
+    impl = getattr(model.config, "_attn_implementation", None)
+    if impl != TAPS_ATTENTION:
+        raise ValueError(f"taps.hf: the model's attention implementation is {impl!r}; call "
+                         "use_taps_attention(model) or load it with attn_implementation='taps'")
+
+
+def prefill(model, cache: TreeKVCache, input_ids: Tensor, num_new: Optional[Tensor] = None, *,
+            all_logits: bool = False, return_hidden: bool = False) -> ForwardOutput:
+    """Append tokens to every request of the cache with causal attention (a prompt, or a decode step).
+
+    Args:
+        model: a causal LM using the ``"taps"`` attention.
+        cache: its :class:`TreeKVCache`; request b's tokens go to positions lengths[b] + t.
+        input_ids: [B, T] int64, right padded (padding values are ignored; -1 is allowed).
+        num_new: [B] int64 real tokens per row (1 <= num_new[b] <= T); default T for every row.
+        all_logits: return logits for all T tokens ([B, T, V]) instead of the last real one ([B, V]).
+        return_hidden: also return the final hidden states [B, T, H].
+
+    Returns:
+        ForwardOutput; cache.lengths is advanced by num_new.
+    """
+    _check_model(model)
+    batch, num_tokens = input_ids.shape
+    lengths = cache.lengths
+    device = lengths.device
+    if num_new is None:
+        num_new = torch.full((batch,), num_tokens, dtype=torch.int64, device=device)
+    num_new = num_new.to(device=device, dtype=torch.int64)
+    positions = lengths.unsqueeze(1) + torch.arange(num_tokens, device=device)  # [B, T]
+    kv_span = int(lengths.max()) + num_tokens
+    if kv_span > cache.max_len:
+        raise ValueError(f"taps.hf.prefill: {kv_span} positions needed, the cache holds {cache.max_len}")
+    # Causal in each request's own positions: key j is visible to new token t iff j <= lengths[b] + t.
+    mask = (torch.arange(kv_span, device=device) <= positions.unsqueeze(-1)).unsqueeze(1)  # [B, 1, T, S]
+    with cache._writing(positions, kv_span), _forward_context(_ForwardContext(None, None, kv_span)):
+        hidden = _run_decoder(model, cache, input_ids.clamp_min(0).to(device), positions, mask)
+    lengths.add_(num_new)
+    if all_logits:
+        logits = _lm_head(model)(hidden)
+    else:
+        last = (num_new - 1).clamp_min(0)
+        logits = _lm_head(model)(hidden[torch.arange(batch, device=device), last])
+    return ForwardOutput(logits, hidden if return_hidden else None)
+
+
+def tree_verify_forward(model, cache: TreeKVCache, tree_tokens: Tensor, tree_mask: Tensor, depth: Tensor,
+                        prefix_lens: Optional[Tensor] = None, *, return_hidden: bool = False) -> ForwardOutput:
+    """One target forward over a batch of draft trees (the verification pass).
+
+    Args:
+        model: a causal LM using the ``"taps"`` attention.
+        cache: its :class:`TreeKVCache`.
+        tree_tokens: [B, N] int64 (node 0 the root, the last committed token; -1 padding).
+        tree_mask: [B, N, ceil(N / 64)] int64 ancestor bitmask.
+        depth: [B, N] int64 (root 0; padding -1).
+        prefix_lens: [B] int64 committed positions before the tree; default ``cache.lengths``.
+
+    Node i of request b is written at cache position prefix_lens[b] + i, with rotary position
+    prefix_lens[b] + depth[b, i]. cache.lengths is not changed (see :func:`compact_cache`).
+
+    Returns:
+        ForwardOutput(logits [B, N, V]: row i is the target's prediction after node i, hidden [B, N, H]).
+    """
+    _check_model(model)
+    batch, num_nodes = tree_tokens.shape
+    device = cache.lengths.device
+    prefix = cache.lengths if prefix_lens is None else prefix_lens.to(device=device, dtype=torch.int64)
+    kv_lens = prefix + num_nodes
+    max_kv_len = int(kv_lens.max())
+    if max_kv_len > cache.max_len:
+        raise ValueError(f"taps.hf.tree_verify_forward: {max_kv_len} positions needed, the cache holds "
+                         f"{cache.max_len}")
+    positions = prefix.unsqueeze(1) + depth.to(device).clamp_min(0)
+    write_positions = prefix.unsqueeze(1) + torch.arange(num_nodes, device=device)
+    # A 4D placeholder so that transformers builds no mask of its own; the hook uses tree_mask.
+    placeholder = torch.ones((1, 1, 1, 1), dtype=torch.bool, device=device).expand(
+        batch, 1, num_nodes, cache.max_len)
+    with cache._writing(write_positions, None), tree_attention_context(tree_mask.to(device), kv_lens, max_kv_len):
+        hidden = _run_decoder(model, cache, tree_tokens.clamp_min(0).to(device), positions, placeholder)
+    logits = _lm_head(model)(hidden)
+    return ForwardOutput(logits, hidden if return_hidden else None)
+
+
+def compact_cache(cache: TreeKVCache, path: Tensor, prefix_lens: Optional[Tensor] = None) -> Tensor:
+    """Commit each request's accepted path after a verification forward, for every layer.
+
+    Args:
+        cache: the cache :func:`tree_verify_forward` wrote the tree into.
+        path: [B, P] int64 accepted node indices, root first, -1 padded (``VerifyOutput.path``).
+        prefix_lens: [B] int64 committed positions before the tree; default ``cache.lengths``.
+
+    Returns:
+        new lengths [B] int64 = prefix_lens + path length (also stored in ``cache.lengths``).
+    """
+    device = cache.lengths.device
+    prefix = cache.lengths if prefix_lens is None else prefix_lens.to(device=device, dtype=torch.int64)
+    path = path.to(device=device, dtype=torch.int64)
+    taps_ops.compact_kv(cache.kv_tensors(), path, prefix)
+    new_lengths = prefix + (path >= 0).sum(dim=1)
+    cache.lengths.copy_(new_lengths)
+    return new_lengths
