@@ -240,13 +240,15 @@ def tree_attention(
     Args:
         q: [B, Hq, N, D] float32/bfloat16/float16.
         k, v: [B, Hkv, S, D], same dtype; Hq a multiple of Hkv (grouped-query attention).
-        tree_mask: [B, N, ceil(N / 64)] int64 ancestor bitmask (as from build_tree).
+        tree_mask: [B, N, W] int64 ancestor bitmask (as from build_tree), W >= ceil(N / 64).
         kv_lens: [B] int64; request b's keys are k[b, :, :kv_lens[b]], the last N of them tree nodes
             0..N-1, the rest a fully visible prefix. N <= kv_lens[b] <= S.
         scale: softmax scale, default 1 / sqrt(D).
 
     Returns:
         out [B, Hq, N, D] in q's dtype (float32 accumulation).
+
+    CUDA: head dims 64, 80, 96, 128, 256; checking kv_lens costs one device sync.
     """
     if scale is None:
         scale = 1.0 / math.sqrt(q.shape[-1])
