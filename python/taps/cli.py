@@ -13,21 +13,18 @@ import time
 import torch
 
 
-def _synthetic_drafter(batch, depth, top_k, vocab, seed, shared_tokens=None, shared_frac=0.0):
+def _synthetic_drafter(batch, depth, top_k, vocab, seed):
     """EAGLE-2 style candidates of a synthetic drafter (cumulative log-probs along each path)."""
     g = torch.Generator().manual_seed(seed)
     scores, tokens, parents = [], [], []
     frontier_score = torch.zeros(batch, 1)
     frontier_idx = torch.full((batch, 1), -1, dtype=torch.int64)
     offset = 0
-    for level in range(depth):
+    for _ in range(depth):
         width = frontier_score.shape[1]
         logp = torch.log_softmax(torch.randn(batch, width, top_k, generator=g) * 2.5, -1)
         cum = (frontier_score.unsqueeze(-1) + logp).reshape(batch, -1)
         tok = torch.randint(0, vocab, (batch, width * top_k), generator=g)
-        if shared_tokens is not None and level < len(shared_tokens):
-            same = torch.rand(tok.shape, generator=g) < shared_frac
-            tok = torch.where(same, shared_tokens[level][:, : tok.shape[1]], tok)
         scores.append(cum)
         tokens.append(tok)
         parents.append(frontier_idx.repeat_interleave(top_k, dim=1))
@@ -47,7 +44,10 @@ def demo(args) -> int:
 
     # 1. two drafters propose candidates; build_tree keeps the best `budget` nodes of each
     cand_a = _synthetic_drafter(batch, depth, top_k, vocab, seed=1)
-    cand_b = _synthetic_drafter(batch, depth, top_k, vocab, seed=2)
+    # drafter B: its own scores, agreeing with A on about 60% of the candidate tokens
+    scores_b, tokens_b, _ = _synthetic_drafter(batch, depth, top_k, vocab, seed=2)
+    agree = torch.rand(tokens_b.shape, generator=torch.Generator().manual_seed(3)) < 0.6
+    cand_b = (scores_b, torch.where(agree, cand_a[1], tokens_b), cand_a[2])
     root = torch.randint(0, vocab, (batch,))
     tree_a = taps_ops.build_tree(*cand_a, budget, root_tokens=root)
     tree_b = taps_ops.build_tree(*cand_b, budget, root_tokens=root)
@@ -59,10 +59,12 @@ def demo(args) -> int:
     merged = taps_ops.merge_trees(stack("tokens"), stack("parents"), stack("scores"))
     equal = taps_ops.merge_trees(stack("tokens"), stack("parents"), stack("scores"), num_nodes=budget)
     sizes = (merged.tokens >= 0).sum(1).tolist()
-    print(f"2. merge_trees: union sizes {sizes} of at most {2 * (budget - 1) + 1}; "
-          f"cut to the single-drafter budget of {budget}: sources "
-          f"A-only {(equal.source == 1).sum().item()}, B-only {(equal.source == 2).sum().item()}, "
-          f"both {(equal.source == 3).sum().item()}")
+    real = equal.tokens >= 0
+    real[:, 0] = False
+    print(f"2. merge_trees: deduplicated union sizes {sizes} (at most {2 * (budget - 1) + 1} without dedup); "
+          f"cut to the single-drafter budget of {budget} nodes, the {int(real.sum())} non-root nodes of the "
+          f"{batch} requests came from A only: {int((real & (equal.source == 1)).sum())}, B only: "
+          f"{int((real & (equal.source == 2)).sum())}, both: {int((real & (equal.source == 3)).sum())}")
 
     # 3. a synthetic target that mostly agrees with drafter A's best path; verify the merged tree
     logits = torch.randn(batch, merged.tokens.shape[1], vocab) * 1.5
