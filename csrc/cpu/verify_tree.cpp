@@ -1,9 +1,9 @@
 // verify_tree, CPU: input checks, then one walk per request (at::parallel_for over requests).
 // The walk and every decision are the header-only core's (taps/verify.h); this file supplies the
-// sequential row backend, vectorised with at::vec for the two hot reductions (max and sum of exp).
+// sequential row backend, whose two hot passes (max, sum of exp) are AVX-512 when the CPU has it
+// (cpu/row_kernels.h).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
-#include <ATen/cpu/vec/vec.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
 #include <torch/library.h>
@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "checks.h"
+#include "cpu/row_kernels.h"
 #include "verify_checks.h"
 #include "taps/verify.h"
 
@@ -36,78 +37,54 @@ struct CpuOps {
   }
 
   template <typename scalar_t>
+  static constexpr rows::Dtype dtype_of() {
+    if constexpr (std::is_same_v<scalar_t, float>) return rows::Dtype::kF32;
+    else if constexpr (std::is_same_v<scalar_t, c10::BFloat16>) return rows::Dtype::kBF16;
+    else return rows::Dtype::kF16;
+  }
+
+  template <typename scalar_t>
   RowScan max_scan(const scalar_t* row, int64_t vocab) const {
-    using Vec = at::vec::Vectorized<float>;
-    constexpr int64_t W = Vec::size();
-    float m = -INFINITY;
-    bool nan = false, posinf = false;
-    int64_t v = 0;
-    if constexpr (std::is_same_v<scalar_t, float>) {
-      Vec vm(-INFINITY);  // at::vec::maximum propagates NaN, so a NaN shows in the lanes
-      for (; v + W <= vocab; v += W) vm = at::vec::maximum(vm, Vec::loadu(row + v));
-      float lanes[W];
-      vm.store(lanes);
-      for (int64_t i = 0; i < W; ++i) {
-        if (lanes[i] != lanes[i]) nan = true;
-        else if (lanes[i] > m) m = lanes[i];
-      }
-      if (nan) {  // rare: recompute the max of the non-NaN values
-        m = -INFINITY;
-        v = 0;
-      }
-    }
-    for (; v < vocab; ++v) {
-      const float x = float(row[v]);
-      if (x != x) nan = true;
-      else if (x > m) m = x;
-    }
-    posinf = m == INFINITY;
-    int64_t arg = 0;
-    for (int64_t i = 0; i < vocab; ++i) {
-      if (float(row[i]) == m) {
-        arg = i;
-        break;
-      }
-    }
-    return RowScan{m, arg, (nan ? int32_t(verify::kRowNaN) : 0) | (posinf ? int32_t(verify::kRowPosInf) : 0)};
+    const rows::MaxResult r = rows::row_max(row, vocab, dtype_of<scalar_t>());
+    const int64_t arg = r.max > -INFINITY ? rows::row_first_equal(row, vocab, dtype_of<scalar_t>(), r.max) : 0;
+    return RowScan{r.max, arg < 0 ? 0 : arg,
+                   (r.nan ? int32_t(verify::kRowNaN) : 0) | (r.max == INFINITY ? int32_t(verify::kRowPosInf) : 0)};
   }
 
   template <typename scalar_t>
   float sum_target(const scalar_t* row, int64_t vocab, const Target& t) const {
-    using Vec = at::vec::Vectorized<float>;
-    constexpr int64_t W = Vec::size();
-    float total = 0.0f;
-    int64_t v = 0;
-    if constexpr (std::is_same_v<scalar_t, float>) {
-      const Vec vmax(t.max), vinv(t.inv_temperature), vthr(t.threshold), zero(0.0f);
-      Vec acc(0.0f);
-      for (; v + W <= vocab; v += W) {
-        const Vec x = Vec::loadu(row + v);
-        const Vec w = ((x - vmax) * vinv).exp();
-        acc = acc + Vec::blendv(zero, w, x >= vthr);
-      }
-      float lanes[W];
-      acc.store(lanes);
-      for (int64_t i = 0; i < W; ++i) total += lanes[i];
-    } else {
-      // 16-bit logits: convert a block at a time, then the same vector loop.
-      constexpr int64_t kBlock = 1024;
-      float buf[kBlock];
-      const Vec vmax(t.max), vinv(t.inv_temperature), vthr(t.threshold), zero(0.0f);
-      Vec acc(0.0f);
-      for (; v + kBlock <= vocab; v += kBlock) {
-        for (int64_t i = 0; i < kBlock; ++i) buf[i] = float(row[v + i]);
-        for (int64_t i = 0; i < kBlock; i += W) {
-          const Vec x = Vec::loadu(buf + i);
-          acc = acc + Vec::blendv(zero, ((x - vmax) * vinv).exp(), x >= vthr);
-        }
-      }
-      float lanes[W];
-      acc.store(lanes);
-      for (int64_t i = 0; i < W; ++i) total += lanes[i];
+    return rows::row_sum_exp(row, vocab, dtype_of<scalar_t>(), t.max, t.inv_temperature, t.threshold);
+  }
+
+  // The draw past the children: skip whole blocks by their vectorised weight sums (child tokens'
+  // weights taken out), then scan the block where the running sum crosses t token by token.
+  template <typename scalar_t>
+  FindResult scan_find_target(const scalar_t* row, int64_t vocab, const Target& t, const verify::Scratch& s,
+                              int32_t distinct, float x) const {
+    constexpr int64_t kBlock = 2048;
+    auto g = [&](int64_t v) {
+      return verify::is_child_token(s, distinct, v) ? 0.0f : verify::target_weight(t, float(row[v]));
+    };
+    float acc = 0.0f;
+    int64_t start = 0;
+    int32_t next_child = 0;
+    for (; start < vocab; start += kBlock) {
+      const int64_t end = start + kBlock < vocab ? start + kBlock : vocab;
+      float block = rows::row_sum_exp(row + start, end - start, dtype_of<scalar_t>(), t.max, t.inv_temperature,
+                                      t.threshold);
+      for (; next_child < distinct && s.sorted_tokens[next_child] < end; ++next_child)
+        block -= verify::target_weight(t, float(row[s.sorted_tokens[next_child]]));
+      if (acc + block > x) break;
+      acc += block;
     }
-    for (; v < vocab; ++v) total += verify::target_weight(t, float(row[v]));
-    return total;
+    for (int64_t v = start; v < vocab; ++v) {
+      const float w = g(v);
+      acc += w;
+      if (w > 0.0f && x < acc) return FindResult{v, v};
+    }
+    for (int64_t v = vocab - 1; v >= 0; --v)  // rounding fallback: the last positive token
+      if (g(v) > 0.0f) return FindResult{-1, v};
+    return FindResult{-1, -1};
   }
 
   template <class G>
@@ -216,18 +193,24 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> verify_tree_cpu(
   at::Tensor errors = at::zeros({batch}, logits.options().dtype(at::kInt));
   if (batch == 0 || n == 0) return {out_tokens, num_accepted, path};
 
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, logits.scalar_type(), "verify_tree_cpu", [&] {
-    using logit_t = scalar_t;
-    if (draft_probs.defined()) {
-      AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, draft_probs.scalar_type(), "verify_tree_cpu_q", [&] {
-        verify_cpu_impl<logit_t, scalar_t>(logits, tokens, parents, temperature, top_k, top_p, &draft_probs, uniforms,
-                                           validate, out_tokens, num_accepted, path, errors);
-      });
-    } else {
-      verify_cpu_impl<logit_t, float>(logits, tokens, parents, temperature, top_k, top_p, nullptr, uniforms,
+  auto run = [&](auto logit_tag) {
+    using logit_t = decltype(logit_tag);
+    if (!draft_probs.defined()) {
+      verify_cpu_impl<logit_t, float>(logits, tokens, parents, temperature, top_k, top_p, nullptr, uniforms, validate,
+                                      out_tokens, num_accepted, path, errors);
+    } else if (draft_probs.scalar_type() == at::kFloat) {
+      verify_cpu_impl<logit_t, float>(logits, tokens, parents, temperature, top_k, top_p, &draft_probs, uniforms,
                                       validate, out_tokens, num_accepted, path, errors);
+    } else {  // the dtype of logits (checked)
+      verify_cpu_impl<logit_t, logit_t>(logits, tokens, parents, temperature, top_k, top_p, &draft_probs, uniforms,
+                                        validate, out_tokens, num_accepted, path, errors);
     }
-  });
+  };
+  switch (logits.scalar_type()) {
+    case at::kFloat: run(float{}); break;
+    case at::kBFloat16: run(c10::BFloat16{}); break;
+    default: run(c10::Half{}); break;  // the dtypes were checked
+  }
   if (validate) raise_verify_error(errors);
   return {out_tokens, num_accepted, path};
 }

@@ -190,6 +190,12 @@ struct BlockOps {
 
   // First v whose running sum of g exceeds t: each thread sums a contiguous chunk, a block exclusive
   // scan of the chunk sums finds the crossing chunk, whose thread rescans it.
+  template <class Row>
+  __device__ FindResult scan_find_target(const Row& row, int64_t vocab, const Target& t, const verify::Scratch& s,
+                                      int32_t distinct, float x) const {
+    return verify::scan_find_target_generic(*this, row, vocab, t, s, distinct, x);
+  }
+
   template <class G>
   __device__ FindResult scan_find(int64_t vocab, const G& g, float t) const {
     const int64_t chunk = (vocab + kThreads - 1) / kThreads;

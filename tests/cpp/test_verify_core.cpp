@@ -52,6 +52,12 @@ struct SeqOps {
       bins[(k >> shift) & 255u] += g(v);
     }
   }
+  template <class Row>
+  verify::FindResult scan_find_target(const Row& row, int64_t vocab, const verify::Target& t,
+                                      const verify::Scratch& s, int32_t distinct, float x) const {
+    return verify::scan_find_target_generic(*this, row, vocab, t, s, distinct, x);
+  }
+
   template <class G>
   verify::FindResult scan_find(int64_t vocab, const G& g, float t) const {
     float acc = 0;

@@ -17,6 +17,9 @@
 //                            `prefix` above bit shift + 8 and has digit d at `shift`
 //   ops.scan_find(V, g, t)   -> FindResult: first v with g(0) + ... + g(v) > t, and the last v with
 //                            g(v) > 0 (the rounding fallback)
+//   ops.scan_find_target(row, V, target, scratch, distinct, t)  scan_find of the target weights with
+//                            the child tokens left out (the draw past the children); a backend may
+//                            forward to scan_find_target_generic or skip ahead by block sums
 // The CPU backend runs each sequentially in one thread; the CUDA backend runs them with a whole thread
 // block (vectorised loads, warp-shuffle reductions), and `kLeader` does the scalar bookkeeping in shared
 // memory between barriers. Both see the same `WalkState` and produce the same decisions for the same
@@ -260,6 +263,14 @@ TAPS_HD bool is_child_token(const Scratch& s, int32_t count, int64_t v) {
   return lo < count && s.sorted_tokens[lo] == v;
 }
 
+// The draw past the children: the first non-child token whose running target weight exceeds t.
+template <class Ops, class Row>
+TAPS_HD FindResult scan_find_target_generic(Ops& ops, const Row& row, int64_t vocab, const Target& target,
+                                            const Scratch& s, int32_t distinct, float t) {
+  auto g = [&](int64_t v) { return is_child_token(s, distinct, v) ? 0.0f : target_weight(target, float(row[v])); };
+  return ops.scan_find(vocab, g, t);
+}
+
 // Residual of the recursive rejection after `level` rejections at a node, at token v:
 // r_0 = w / z, r_l = max(r_{l-1} - q, 0) / residual_z[l - 1].
 TAPS_HD float residual_at(float w_over_z, float q, const float* residual_z, int32_t level) {
@@ -351,11 +362,7 @@ TAPS_HD void verify_walk(Ops& ops, const Request<scalar_t, prob_t>& rq, const Sc
       }
       ops.sync();
       if (st.pick < 0) {
-        const int32_t distinct = st.num_distinct;
-        auto g = [&](int64_t v) {
-          return is_child_token(s, distinct, v) ? 0.0f : target_weight(target, float(row[v]));
-        };
-        const FindResult found = ops.scan_find(rq.vocab, g, st.remaining);
+        const FindResult found = ops.scan_find_target(row, rq.vocab, target, s, st.num_distinct, st.remaining);
         if (ops.kLeader) {
           int64_t y = found.first >= 0 ? found.first : found.last;
           if (y < 0) {  // every kept token is a child token and rounding left the coin past them all
