@@ -1,316 +1,44 @@
-// verify_tree, CUDA: one thread block per request runs the core's walk (taps/verify.h) with a
-// block-parallel row backend. UNVERIFIED: this code compiles for sm_80 / sm_90a in CI but has not yet
-// run on a GPU; bench/gpu_check.sh is the prepared first run.
-//
-// Work per request: the visited rows only (accepted path + 1). Floor: bytes = visited rows x V x
-// sizeof(logit) (plus the same again per extra pass that misses L2), at HBM bandwidth. Passes over a
-// visited row: greedy 1 (max + argmax); sampling 2 (max, sum of exp) + 4 radix passes each for top-k
-// and top-p + 1 scan when the draw rejects every child; the extra passes usually hit L2 (a 128k fp32
-// row is 512 KB).
-// Known limits (see bench/RESULTS.md): one block per request, so a batch smaller than the SM count
-// leaves SMs idle (splitting a row across a thread-block cluster is the planned next step); shared
-// float atomics in the radix histogram.
+// verify_tree, CUDA binding: input checks, dtype dispatch, the launch (taps/verify_kernel.cuh) on the
+// current stream, and with validate one device sync to raise errors. UNVERIFIED: this code compiles
+// for sm_80 / sm_90a in CI but has not yet run on a GPU; bench/gpu_check.sh is the prepared first run.
 #include <ATen/ATen.h>
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
 #include <torch/library.h>
 
 #include <optional>
 
 #include "checks.h"
-#include "taps/verify.h"
+#include "taps/verify_kernel.cuh"
 #include "verify_checks.h"
 
 namespace taps {
 namespace {
 
-constexpr int kThreads = 512;
-constexpr int kWarps = kThreads / 32;
-constexpr int kMaxNodes = 1024;
+// torch element type -> the CUDA type the kernel templates use
+template <typename T> struct DeviceType { using type = T; };
+template <> struct DeviceType<c10::BFloat16> { using type = __nv_bfloat16; };
+template <> struct DeviceType<c10::Half> { using type = __half; };
 
-using verify::FindResult;
-using verify::RowScan;
-using verify::Target;
-
-// Up to 8 floats from one aligned 16-byte load.
-template <typename scalar_t>
-struct Vec16 {
-  static constexpr int kElems = 16 / sizeof(scalar_t);
-  __device__ static void load(const scalar_t* p, float* out) {
-    const uint4 raw = *reinterpret_cast<const uint4*>(p);
-    if constexpr (sizeof(scalar_t) == 4) {
-      out[0] = __uint_as_float(raw.x);
-      out[1] = __uint_as_float(raw.y);
-      out[2] = __uint_as_float(raw.z);
-      out[3] = __uint_as_float(raw.w);
-    } else {
-      const scalar_t* e = reinterpret_cast<const scalar_t*>(&raw);
-#pragma unroll
-      for (int i = 0; i < kElems; ++i) out[i] = float(e[i]);
-    }
-  }
-};
-
-// Calls f(v, x) for every element of row[0, V) assigned to this thread: a scalar head up to 16-byte
-// alignment, 16-byte vector loads (thread-strided, coalesced), a scalar tail.
-template <typename scalar_t, class F>
-__device__ __forceinline__ void for_each_element(const scalar_t* row, int64_t vocab, F&& f) {
-  constexpr int kE = Vec16<scalar_t>::kElems;
-  const uintptr_t addr = reinterpret_cast<uintptr_t>(row);
-  int64_t head = int64_t(((16 - (addr & 15)) & 15) / sizeof(scalar_t));
-  if ((addr % sizeof(scalar_t)) != 0) head = vocab;  // not even element-aligned: all scalar
-  if (head > vocab) head = vocab;
-  for (int64_t v = threadIdx.x; v < head; v += kThreads) f(v, float(row[v]));
-  const int64_t body = (vocab - head) / kE;
-  const scalar_t* base = row + head;
-  for (int64_t j = threadIdx.x; j < body; j += kThreads) {
-    float x[kE];
-    Vec16<scalar_t>::load(base + j * kE, x);
-#pragma unroll
-    for (int i = 0; i < kE; ++i) f(head + j * kE + i, x[i]);
-  }
-  for (int64_t v = head + body * kE + threadIdx.x; v < vocab; v += kThreads) f(v, float(row[v]));
-}
-
-struct SharedReduce {
-  float f[kWarps];
-  int64_t i[kWarps];
-  int32_t flags[kWarps];
-  RowScan scan;
-  float total;
-  FindResult found;
-  int32_t count;
-  int32_t first_thread;
-  float exclusive[kThreads];
-};
-
-// Block-parallel row backend: every thread of the block participates in each call, and every thread
-// gets the same result.
-struct BlockOps {
-  bool kLeader;
-  SharedReduce* red;
-
-  __device__ void sync() const { __syncthreads(); }
-
-  __device__ int32_t collect_children(const int64_t* parents, int64_t n, int64_t cur, int32_t* out) const {
-    // Ordered stream compaction of {i : parents[i] == cur, cur < i < n}: warp ballots, warp offsets.
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    int32_t base = 0;
-    for (int64_t tile = cur + 1; tile < n; tile += kThreads) {
-      const int64_t i = tile + threadIdx.x;
-      const bool child = i < n && parents[i] == cur;
-      const unsigned ballot = __ballot_sync(0xffffffffu, child);
-      __syncthreads();  // red->i is free
-      if (lane == 0) red->i[warp] = __popc(ballot);
-      __syncthreads();
-      int32_t offset = base;
-      for (int w = 0; w < warp; ++w) offset += int32_t(red->i[w]);
-      if (child) out[offset + __popc(ballot & ((1u << lane) - 1u))] = int32_t(i);
-      for (int w = 0; w < kWarps; ++w) base += int32_t(red->i[w]);
-    }
-    __syncthreads();
-    return base;
-  }
-
-  __device__ static RowScan shfl_scan(RowScan s, int delta) {
-    RowScan o;
-    o.max = __shfl_down_sync(0xffffffffu, s.max, delta);
-    o.argmax = __shfl_down_sync(0xffffffffu, s.argmax, delta);
-    o.flags = __shfl_down_sync(0xffffffffu, s.flags, delta);
-    return o;
-  }
-
-  template <typename scalar_t>
-  __device__ RowScan max_scan(const scalar_t* row, int64_t vocab) const {
-    RowScan s = verify::scan_identity();
-    for_each_element(row, vocab, [&](int64_t v, float x) { s = verify::combine_scan(s, verify::scan_one(x, v)); });
-    for (int d = 16; d > 0; d >>= 1) s = verify::combine_scan(s, shfl_scan(s, d));
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    __syncthreads();
-    if (lane == 0) {
-      red->f[warp] = s.max;
-      red->i[warp] = s.argmax;
-      red->flags[warp] = s.flags;
-    }
-    __syncthreads();
-    if (threadIdx.x == 0) {
-      RowScan r = verify::scan_identity();
-      for (int w = 0; w < kWarps; ++w) r = verify::combine_scan(r, RowScan{red->f[w], red->i[w], red->flags[w]});
-      red->scan = r;
-    }
-    __syncthreads();
-    return red->scan;
-  }
-
-  __device__ float block_sum(float x) const {
-    for (int d = 16; d > 0; d >>= 1) x += __shfl_down_sync(0xffffffffu, x, d);
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    __syncthreads();
-    if (lane == 0) red->f[warp] = x;
-    __syncthreads();
-    if (threadIdx.x == 0) {
-      float t = 0.0f;
-      for (int w = 0; w < kWarps; ++w) t += red->f[w];
-      red->total = t;
-    }
-    __syncthreads();
-    return red->total;
-  }
-
-  template <typename scalar_t>
-  __device__ float sum_target(const scalar_t* row, int64_t vocab, const Target& t) const {
-    float acc = 0.0f;
-    for_each_element(row, vocab, [&](int64_t, float x) { acc += verify::target_weight(t, x); });
-    return block_sum(acc);
-  }
-
-  template <class G>
-  __device__ float sum(int64_t vocab, const G& g) const {
-    float acc = 0.0f;
-    for (int64_t v = threadIdx.x; v < vocab; v += kThreads) acc += g(v);
-    return block_sum(acc);
-  }
-
-  template <class KeyFn, class G>
-  __device__ void histogram(int64_t vocab, const KeyFn& key, const G& g, int shift, uint32_t prefix,
-                            float* bins) const {
-    __syncthreads();  // every thread has finished reading the previous bins
-    for (int d = threadIdx.x; d < 256; d += kThreads) bins[d] = 0.0f;
-    __syncthreads();
-    const uint32_t high_mask = shift >= 24 ? 0u : uint32_t((~uint64_t(0) << (shift + 8)) & 0xffffffffu);
-    for (int64_t v = threadIdx.x; v < vocab; v += kThreads) {
-      const uint32_t k = key(v);
-      if ((k & high_mask) != (prefix & high_mask)) continue;
-      const float w = g(v);
-      if (w != 0.0f) atomicAdd(&bins[(k >> shift) & 255u], w);
-    }
-    __syncthreads();
-  }
-
-  // First v whose running sum of g exceeds t: each thread sums a contiguous chunk, a block exclusive
-  // scan of the chunk sums finds the crossing chunk, whose thread rescans it.
-  template <class Row>
-  __device__ FindResult scan_find_target(const Row& row, int64_t vocab, const Target& t, const verify::Scratch& s,
-                                      int32_t distinct, float x) const {
-    return verify::scan_find_target_generic(*this, row, vocab, t, s, distinct, x);
-  }
-
-  template <class G>
-  __device__ FindResult scan_find(int64_t vocab, const G& g, float t) const {
-    const int64_t chunk = (vocab + kThreads - 1) / kThreads;
-    const int64_t lo = int64_t(threadIdx.x) * chunk;
-    const int64_t hi = lo + chunk < vocab ? lo + chunk : vocab;
-    float local = 0.0f;
-    int64_t last = -1;
-    for (int64_t v = lo; v < hi; ++v) {
-      const float w = g(v);
-      if (w > 0.0f) {
-        local += w;
-        last = v;
-      }
-    }
-    // exclusive scan of `local` over threads
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    float incl = local;
-    for (int d = 1; d < 32; d <<= 1) {
-      const float y = __shfl_up_sync(0xffffffffu, incl, d);
-      if (lane >= d) incl += y;
-    }
-    __syncthreads();
-    if (lane == 31) red->f[warp] = incl;
-    if (threadIdx.x == 0) {
-      red->first_thread = kThreads;
-      red->found = FindResult{-1, -1};
-    }
-    __syncthreads();
-    float warp_base = 0.0f;
-    for (int w = 0; w < warp; ++w) warp_base += red->f[w];
-    const float excl = warp_base + incl - local;
-    if (local > 0.0f && excl + local > t) atomicMin(&red->first_thread, int(threadIdx.x));
-    // last positive v over the block (`last` is reduced in place: the rescan below does not need it)
-    for (int d = 16; d > 0; d >>= 1) {
-      const int64_t o = __shfl_down_sync(0xffffffffu, last, d);
-      last = o > last ? o : last;
-    }
-    __syncthreads();
-    if (lane == 0) red->i[warp] = last;
-    __syncthreads();
-    if (int(threadIdx.x) == red->first_thread) {
-      // Rescan the crossing chunk sequentially; if rounding keeps the running sum at or below t, take
-      // the chunk's last positive token (the crossing is within rounding of its end).
-      float acc = excl;
-      int64_t pick = -1, chunk_last = -1;
-      for (int64_t v = lo; v < hi && pick < 0; ++v) {
-        const float w = g(v);
-        if (w > 0.0f) {
-          chunk_last = v;
-          acc += w;
-          if (t < acc) pick = v;
-        }
-      }
-      red->found.first = pick >= 0 ? pick : chunk_last;
-    }
-    if (threadIdx.x == 0) {
-      int64_t m = -1;
-      for (int w = 0; w < kWarps; ++w) m = red->i[w] > m ? red->i[w] : m;
-      red->found.last = m;
-    }
-    __syncthreads();
-    return red->found;
-  }
-};
-
-// errors [B] int32: per-request checks (validate=True), one thread per request.
-__global__ void verify_check_kernel(const int64_t* tokens, const int64_t* parents, const float* uniforms,
-                                    const float* temperature, const int64_t* top_k, const float* top_p,
-                                    int64_t batch, int64_t n, int64_t vocab, int32_t* errors) {
-  const int64_t b = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
-  if (b >= batch) return;
-  errors[b] = verify::check_request(tokens + b * n, parents + b * n, uniforms + b * n, n, vocab, temperature[b],
-                                    top_k[b], top_p[b]);
-}
-
-// grid: [B]; block: kThreads. logits, draft_probs [B, N, V]; tokens, parents, uniforms [B, N];
-// temperature, top_p [B] f32; top_k [B]; out_tokens, path [B, N] (pre-filled -1); num_accepted [B];
-// errors [B] (in: check results when validating; out: walk errors).
-template <typename scalar_t, typename prob_t>
-__global__ void __launch_bounds__(kThreads) verify_tree_kernel(
-    const scalar_t* logits, const prob_t* draft_probs, const int64_t* tokens, const int64_t* parents,
-    const float* uniforms, const float* temperature, const int64_t* top_k, const float* top_p, int64_t n,
-    int64_t vocab, bool validate, int64_t* out_tokens, int64_t* num_accepted, int64_t* path, int32_t* errors) {
-  const int64_t b = blockIdx.x;
-  if (validate && errors[b] != 0) return;
-  __shared__ int32_t child_idx[kMaxNodes];
-  __shared__ int32_t sorted_tokens[kMaxNodes];
-  __shared__ uint8_t first_of_token[kMaxNodes];
-  __shared__ float residual_z[kMaxNodes];
-  __shared__ float bins[256];
-  __shared__ SharedReduce red;
-  __shared__ verify::WalkState st;
-  BlockOps ops{threadIdx.x == 0, &red};
-  verify::Scratch scratch{child_idx, sorted_tokens, first_of_token, residual_z, bins};
-  const int64_t off = b * n;
-  verify::Request<scalar_t, prob_t> rq{logits + off * vocab, draft_probs ? draft_probs + off * vocab : nullptr,
-                                       tokens + off, parents + off, uniforms + off, n, vocab, temperature[b],
-                                       top_p[b], top_k[b]};
-  verify::Outputs out{out_tokens + off, path + off, num_accepted + b, errors + b};
-  verify::verify_walk(ops, rq, scratch, st, out, validate);
-}
-
-template <typename scalar_t, typename prob_t>
-void launch_verify(const at::Tensor& logits, const at::Tensor* draft_probs, const at::Tensor& tokens,
-                   const at::Tensor& parents, const at::Tensor& uniforms, const at::Tensor& temperature,
-                   const at::Tensor& top_k, const at::Tensor& top_p, bool validate, at::Tensor& out_tokens,
-                   at::Tensor& num_accepted, at::Tensor& path, at::Tensor& errors, cudaStream_t stream) {
-  const int64_t batch = logits.size(0), n = logits.size(1), vocab = logits.size(2);
-  verify_tree_kernel<scalar_t, prob_t><<<dim3(unsigned(batch)), kThreads, 0, stream>>>(
-      logits.data_ptr<scalar_t>(), draft_probs ? draft_probs->data_ptr<prob_t>() : nullptr,
+template <typename logit_t, typename prob_t>
+void launch(const at::Tensor& logits, const at::Tensor* draft_probs, const at::Tensor& tokens,
+            const at::Tensor& parents, const at::Tensor& uniforms, const at::Tensor& temperature,
+            const at::Tensor& top_k, const at::Tensor& top_p, bool validate, at::Tensor& out_tokens,
+            at::Tensor& num_accepted, at::Tensor& path, at::Tensor& errors) {
+  using L = typename DeviceType<logit_t>::type;
+  using P = typename DeviceType<prob_t>::type;
+  verify_cuda::VerifyArgs<L, P> a{
+      reinterpret_cast<const L*>(logits.data_ptr<logit_t>()),
+      draft_probs ? reinterpret_cast<const P*>(draft_probs->data_ptr<prob_t>()) : nullptr,
       tokens.data_ptr<int64_t>(), parents.data_ptr<int64_t>(), uniforms.data_ptr<float>(),
-      temperature.data_ptr<float>(), top_k.data_ptr<int64_t>(), top_p.data_ptr<float>(), n, vocab, validate,
+      temperature.data_ptr<float>(), top_k.data_ptr<int64_t>(), top_p.data_ptr<float>(),
+      logits.size(0), logits.size(1), logits.size(2), validate,
       out_tokens.data_ptr<int64_t>(), num_accepted.data_ptr<int64_t>(), path.data_ptr<int64_t>(),
-      errors.data_ptr<int32_t>());
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
+      errors.data_ptr<int32_t>()};
+  C10_CUDA_CHECK(verify_cuda::launch_verify_tree(a, at::cuda::getCurrentCUDAStream()));
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> verify_tree_cuda(
@@ -319,8 +47,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> verify_tree_cuda(
     const std::optional<at::Tensor>& draft_probs_in, const at::Tensor& uniforms_in, bool validate) {
   check_verify_inputs(logits_in, tokens_in, parents_in, temperature_in, top_k_in, top_p_in, draft_probs_in,
                       uniforms_in);
-  TORCH_CHECK(logits_in.size(1) <= kMaxNodes, "taps_ops: verify_tree: the CUDA kernel supports trees of up to ",
-              kMaxNodes, " nodes, got N = ", logits_in.size(1));
+  TORCH_CHECK(logits_in.size(1) <= verify_cuda::kMaxNodes, "taps_ops: verify_tree: the CUDA kernel supports trees of up to ",
+              verify_cuda::kMaxNodes, " nodes, got N = ", logits_in.size(1));
   TORCH_CHECK(logits_in.size(0) < (int64_t(1) << 31), "taps_ops: verify_tree: batch too large for one launch");
   const c10::cuda::CUDAGuard guard(logits_in.device());
   const at::Tensor logits = logits_in.contiguous(), tokens = tokens_in.contiguous(),
@@ -328,58 +56,29 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> verify_tree_cuda(
                    top_k = top_k_in.contiguous(), top_p = top_p_in.contiguous(), uniforms = uniforms_in.contiguous();
   at::Tensor draft_probs;
   if (draft_probs_in.has_value()) draft_probs = draft_probs_in->contiguous();
-  const int64_t batch = logits.size(0), n = logits.size(1), vocab = logits.size(2);
+  const int64_t batch = logits.size(0), n = logits.size(1);
   auto i64 = logits.options().dtype(at::kLong);
   at::Tensor out_tokens = at::full({batch, n}, -1, i64);
   at::Tensor path = at::full({batch, n}, -1, i64);
   at::Tensor num_accepted = at::zeros({batch}, i64);
   at::Tensor errors = at::zeros({batch}, logits.options().dtype(at::kInt));
   if (batch == 0) return {out_tokens, num_accepted, path};
-  const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
-  if (validate) {
-    verify_check_kernel<<<unsigned((batch + 127) / 128), 128, 0, stream>>>(
-        tokens.data_ptr<int64_t>(), parents.data_ptr<int64_t>(), uniforms.data_ptr<float>(),
-        temperature.data_ptr<float>(), top_k.data_ptr<int64_t>(), top_p.data_ptr<float>(), batch, n, vocab,
-        errors.data_ptr<int32_t>());
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  auto run = [&](auto logit_tag) {
+    using logit_t = decltype(logit_tag);
+    const at::Tensor* dp = draft_probs.defined() ? &draft_probs : nullptr;
+    if (dp == nullptr || draft_probs.scalar_type() == at::kFloat) {
+      launch<logit_t, float>(logits, dp, tokens, parents, uniforms, temperature, top_k, top_p, validate, out_tokens,
+                             num_accepted, path, errors);
+    } else {  // the dtype of logits (checked)
+      launch<logit_t, logit_t>(logits, dp, tokens, parents, uniforms, temperature, top_k, top_p, validate,
+                               out_tokens, num_accepted, path, errors);
+    }
+  };
+  switch (logits.scalar_type()) {
+    case at::kFloat: run(float{}); break;
+    case at::kBFloat16: run(c10::BFloat16{}); break;
+    default: run(c10::Half{}); break;  // the dtypes were checked
   }
-  AT_DISPATCH_SWITCH(logits.scalar_type(), "verify_tree_cuda",
-      AT_DISPATCH_CASE(at::kFloat, [&] {
-        using logit_t = scalar_t;
-        if (!draft_probs.defined()) {
-          launch_verify<logit_t, float>(logits, nullptr, tokens, parents, uniforms, temperature, top_k, top_p,
-                                        validate, out_tokens, num_accepted, path, errors, stream);
-        } else {
-          launch_verify<logit_t, float>(logits, &draft_probs, tokens, parents, uniforms, temperature, top_k, top_p,
-                                        validate, out_tokens, num_accepted, path, errors, stream);
-        }
-      })
-      AT_DISPATCH_CASE(at::kBFloat16, [&] {
-        using logit_t = scalar_t;
-        if (!draft_probs.defined()) {
-          launch_verify<logit_t, float>(logits, nullptr, tokens, parents, uniforms, temperature, top_k, top_p,
-                                        validate, out_tokens, num_accepted, path, errors, stream);
-        } else if (draft_probs.scalar_type() == at::kFloat) {
-          launch_verify<logit_t, float>(logits, &draft_probs, tokens, parents, uniforms, temperature, top_k, top_p,
-                                        validate, out_tokens, num_accepted, path, errors, stream);
-        } else {
-          launch_verify<logit_t, logit_t>(logits, &draft_probs, tokens, parents, uniforms, temperature, top_k,
-                                          top_p, validate, out_tokens, num_accepted, path, errors, stream);
-        }
-      })
-      AT_DISPATCH_CASE(at::kHalf, [&] {
-        using logit_t = scalar_t;
-        if (!draft_probs.defined()) {
-          launch_verify<logit_t, float>(logits, nullptr, tokens, parents, uniforms, temperature, top_k, top_p,
-                                        validate, out_tokens, num_accepted, path, errors, stream);
-        } else if (draft_probs.scalar_type() == at::kFloat) {
-          launch_verify<logit_t, float>(logits, &draft_probs, tokens, parents, uniforms, temperature, top_k, top_p,
-                                        validate, out_tokens, num_accepted, path, errors, stream);
-        } else {
-          launch_verify<logit_t, logit_t>(logits, &draft_probs, tokens, parents, uniforms, temperature, top_k,
-                                          top_p, validate, out_tokens, num_accepted, path, errors, stream);
-        }
-      }));
   if (validate) raise_verify_error(errors);  // one device sync
   return {out_tokens, num_accepted, path};
 }

@@ -11,6 +11,14 @@
 #define TAPS_DEVICE inline
 #endif
 
+// Kernel launch that the host emulation (tests/cpp/emu) can replace: TAPS_LAUNCH(kernel, grid, block,
+// shared_bytes, stream, args...). `kernel` must be one token (take a pointer to a template instance).
+#if defined(TAPS_CUDA_EMULATION)
+#define TAPS_LAUNCH(kernel, grid, block, smem, stream, ...) emu_launch(kernel, grid, block, smem, __VA_ARGS__)
+#else
+#define TAPS_LAUNCH(kernel, grid, block, smem, stream, ...) kernel<<<grid, block, smem, stream>>>(__VA_ARGS__)
+#endif
+
 namespace taps {
 
 // Order-preserving map of a float to uint32 (a < b  <=>  key(a) < key(b), for non-NaN values),
