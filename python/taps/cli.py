@@ -2,6 +2,7 @@
 
     taps demo [--quick]     a tour of the kernels: two drafters' trees merged, verified losslessly,
                             the output distribution checked, and the speed against plain PyTorch
+    taps train tokenizer|target ...   reproduce the shipped models (docs/TRAINING.md)
 """
 
 from __future__ import annotations
@@ -126,9 +127,14 @@ def main(argv=None) -> int:
     sub = ap.add_subparsers(dest="command", required=True)
     d = sub.add_parser("demo", help="a tour of the kernels")
     d.add_argument("--quick", action="store_true", help="smaller sizes")
+    from taps.train.cli import add_train_subcommands
+
+    add_train_subcommands(sub)
     args = ap.parse_args(argv)
     if args.command == "demo":
         return demo(args)
+    if args.command == "train":
+        return args.func(args)
     return 2
 
 

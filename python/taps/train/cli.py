@@ -1,0 +1,75 @@
+"""``taps train ...`` subcommands.
+
+    taps train tokenizer [--out models/tokenizer] [--vocab-size 8192] [--seed 0]
+    taps train target    [--tokenizer models/tokenizer] [--out models/target] [--run-dir runs/target]
+                         [--preset 5m] [--tokens 10000000] [--device auto] ...
+
+``add_train_subcommands(subparsers)`` registers them under a ``train`` command of an argparse
+sub-parser set; ``python -m taps.train ...`` runs the same commands without the main CLI.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from .data import REPO_ROOT
+
+
+def _tokenizer(args) -> int:
+    from .tokenizer import mixed_corpus, train_tokenizer
+
+    texts, info, held = mixed_corpus(seed=args.seed, chat_fraction=args.chat_fraction, shared=args.shared_data)
+    print(f"[train tokenizer] corpus: {len(texts)} texts, {sum(map(len, texts)):,} chars "
+          f"(math {info['math']['chars']:,}, chat {info['chat']['chars']:,})", flush=True)
+    tok = train_tokenizer(
+        texts, args.out, vocab_size=args.vocab_size, min_frequency=args.min_frequency, eval_texts=held,
+        manifest_extra={"data": info, "command": (f"taps train tokenizer --vocab-size {args.vocab_size} "
+                                                  f"--min-frequency {args.min_frequency} "
+                                                  f"--chat-fraction {args.chat_fraction} --seed {args.seed}")})
+    manifest = json.loads((args.out / "manifest.json").read_text())
+    print(f"[train tokenizer] saved {args.out}: vocab {tok.vocab_size}; chars/token "
+          + ", ".join(f"{k} {v['chars_per_token']}" for k, v in manifest.get("compression", {}).items()))
+    return 0
+
+
+def _target(args) -> int:
+    from .target import TargetTrainConfig, train_target
+
+    cfg = TargetTrainConfig(**{k: getattr(args, k) for k in TargetTrainConfig.field_names() if hasattr(args, k)})
+    train_target(cfg)
+    return 0
+
+
+def add_train_subcommands(subparsers) -> argparse.ArgumentParser:
+    """Register ``train tokenizer`` and ``train target`` on ``subparsers`` (from add_subparsers())."""
+    from pathlib import Path
+
+    train = subparsers.add_parser("train", help="train the tokenizer and the target model from the offline data")
+    sub = train.add_subparsers(dest="train_command", required=True)
+
+    t = sub.add_parser("tokenizer", help="train the byte-level BPE tokenizer on the chat + math training text")
+    t.add_argument("--out", type=Path, default=REPO_ROOT / "models" / "tokenizer")
+    t.add_argument("--vocab-size", type=int, default=8192)
+    t.add_argument("--min-frequency", type=int, default=2)
+    t.add_argument("--chat-fraction", type=float, default=0.5, help="share of chat in the corpus characters")
+    t.add_argument("--seed", type=int, default=0)
+    t.add_argument("--shared-data", type=Path, default=None,
+                   help="folder of the shared training data (default ../shared/data or $TAPS_SHARED_DATA)")
+    t.set_defaults(func=_tokenizer)
+
+    from .target import add_target_arguments
+
+    g = sub.add_parser("target", help="train the target causal LM (resumable; rerun the same command to continue)")
+    add_target_arguments(g)
+    g.set_defaults(func=_target)
+    return train
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m taps.train")
+    sub = ap.add_subparsers(dest="command", required=True)
+    add_train_subcommands(sub)
+    args = ap.parse_args(["train"] + list(sys.argv[1:] if argv is None else argv))
+    return args.func(args)
