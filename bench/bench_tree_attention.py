@@ -1,6 +1,6 @@
 """Microbenchmark of taps_ops.tree_attention against PyTorch SDPA with a dense boolean mask.
 
-    PYTHONPATH=python python bench/bench_tree_attention.py [--repeats 7] [--quick]
+    PYTHONPATH=python python bench/bench_tree_attention.py [--repeats 7] [--quick] [--threads T]
 
 Columns: SDPA (torch.nn.functional.scaled_dot_product_attention, dense bool mask [B, 1, N, S],
 enable_gqa=True), the float64-free reference (taps_ops.reference.tree_attention_ref in the input dtype,
@@ -81,7 +81,10 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--quick", action="store_true", help="small sizes only")
+    ap.add_argument("--threads", type=int, default=0, help="torch.set_num_threads (0: torch's default)")
     args = ap.parse_args()
+    if args.threads > 0:
+        torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     shapes = [  # B, Hq, Hkv, N, D, S, dtype
         (1, 8, 2, 7, 64, 257, torch.float32),

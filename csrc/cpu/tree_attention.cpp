@@ -17,12 +17,19 @@
 // units), and once for the baseline with a plain 16-lane vector struct; the binding picks the
 // AVX-512 one when the CPU has it and ATen's own capability (ATEN_CPU_CAPABILITY) allows it.
 // Elsewhere (aarch64, clang, ...) the body is compiled once with the default Vectorized<float>.
+//
+// On AVX-512 hosts fp32 and bf16 (when oneDNN's brgemm runs on AMX) with D % 16 == 0 take the
+// GEMM-shaped fast path instead (namespace taps_attn::avx512::fast, after the body include): same work
+// items, tiles and online softmax, but both tile products are row-major micro-GEMMs (a hand-written
+// 6 x 64 AVX-512 kernel for fp32, at::native::cpublas::brgemm for bf16). fp16 and other head dims use
+// the body's kernel.
 #ifndef TAPS_ATTN_KERNEL_BODY
 
 #include <ATen/ATen.h>
 #include <ATen/NumericUtils.h>
 #include <ATen/Parallel.h>
 #include <ATen/Version.h>
+#include <ATen/native/CPUBlas.h>
 #include <ATen/native/Math.h>
 #include <ATen/native/cpu/zmath.h>
 #include <c10/util/BFloat16-math.h>
@@ -46,6 +53,12 @@
 
 #include "checks.h"
 #include "taps/attention.h"
+
+// at::native::cpublas::brgemm / could_pack (oneDNN ukernels, AMX for bf16): declared by the torch
+// releases that define these macros; older headers build without the bf16 brgemm path.
+#if defined(CPUBLAS_BRGEMM_BF16BF16F32) && defined(CPUBLAS_BRGEMM_F32F32F32)
+#define TAPS_ATTN_BRGEMM 1
+#endif
 
 namespace taps_attn {
 
@@ -102,6 +115,321 @@ using Vec = at::vec::Vectorized<float>;
 #define TAPS_ATTN_KERNEL_BODY
 #include __FILE__
 #undef TAPS_ATTN_KERNEL_BODY
+
+// ---- Fast path (AVX-512 hosts): GEMM-shaped tiles ----------------------------------------------
+// Same work items and online softmax as the body above, restructured so that both tile products are
+// plain row-major GEMMs C[M][N] (+)= A[M][K] * B[K][N]:
+//   S[rows][kFastTile] = Q[rows][D] * Kt[D][kFastTile]   (K tile transposed once per tile, 16x16 blocks)
+//   acc[rows][D]      += P[rows][tile] * V[tile][D]        (acc rows rescaled only when their max grew)
+// fp32: a register-blocked AVX-512 micro-GEMM (6 rows x 64 columns, 24 accumulators; V read in place).
+// bf16 on hosts with AMX (at::native::cpublas::could_pack): at::native::cpublas::brgemm (oneDNN
+// ukernel) with K^T and V packed to VNNI pairs; P is rounded to bf16 for P * V like PyTorch's CPU flash
+// attention, everything else accumulates in fp32. Scores are scaled in fp32 (q is not pre-rounded).
+namespace fast {
+
+// Keys per tile and query rows per block (S block rows x tile fp32 = 64 KiB). fp32: K^T and V tiles of
+// 32 KiB stay in L1/L2 for all rows. bf16: long tiles keep the AMX P * V product efficient (K = 256).
+template <class T> constexpr int64_t kFastTile = std::is_same_v<T, float> ? 64 : 256;
+template <class T> constexpr int64_t kFastRows = std::is_same_v<T, float> ? 256 : 64;
+
+// C[MR x 16 NV] (+)= A[MR x K] * B[K x 16 NV]
+template <int MR, int NV>
+inline void micro_gemm(int64_t K, const float* A, int64_t lda, const float* B, int64_t ldb, float* C, int64_t ldc,
+                       bool add) {
+  __m512 c[MR][NV];
+#pragma GCC unroll 8
+  for (int m = 0; m < MR; ++m)
+#pragma GCC unroll 4
+    for (int v = 0; v < NV; ++v) c[m][v] = add ? _mm512_loadu_ps(C + m * ldc + 16 * v) : _mm512_setzero_ps();
+  for (int64_t k = 0; k < K; ++k) {
+    __m512 b[NV];
+#pragma GCC unroll 4
+    for (int v = 0; v < NV; ++v) b[v] = _mm512_loadu_ps(B + k * ldb + 16 * v);
+#pragma GCC unroll 8
+    for (int m = 0; m < MR; ++m) {
+      const __m512 a = _mm512_set1_ps(A[m * lda + k]);
+#pragma GCC unroll 4
+      for (int v = 0; v < NV; ++v) c[m][v] = _mm512_fmadd_ps(a, b[v], c[m][v]);
+    }
+  }
+#pragma GCC unroll 8
+  for (int m = 0; m < MR; ++m)
+#pragma GCC unroll 4
+    for (int v = 0; v < NV; ++v) _mm512_storeu_ps(C + m * ldc + 16 * v, c[m][v]);
+}
+
+template <int NV>
+inline void gemm_cols(int64_t M, int64_t K, const float* A, int64_t lda, const float* B, int64_t ldb, float* C,
+                      int64_t ldc, bool add) {
+  int64_t m = 0;
+  for (; m + 6 <= M; m += 6) micro_gemm<6, NV>(K, A + m * lda, lda, B, ldb, C + m * ldc, ldc, add);
+  const float* a = A + m * lda;
+  float* c = C + m * ldc;
+  switch (M - m) {
+    case 5: micro_gemm<5, NV>(K, a, lda, B, ldb, c, ldc, add); break;
+    case 4: micro_gemm<4, NV>(K, a, lda, B, ldb, c, ldc, add); break;
+    case 3: micro_gemm<3, NV>(K, a, lda, B, ldb, c, ldc, add); break;
+    case 2: micro_gemm<2, NV>(K, a, lda, B, ldb, c, ldc, add); break;
+    case 1: micro_gemm<1, NV>(K, a, lda, B, ldb, c, ldc, add); break;
+    default: break;
+  }
+}
+
+// C[M][N] (+)= A[M][K] * B[K][N], fp32, N a multiple of 16.
+inline void gemm_f32(int64_t M, int64_t N, int64_t K, const float* A, int64_t lda, const float* B, int64_t ldb,
+                     float* C, int64_t ldc, bool add) {
+  int64_t n = 0;
+  for (; n + 64 <= N; n += 64) gemm_cols<4>(M, K, A, lda, B + n, ldb, C + n, ldc, add);
+  switch ((N - n) / 16) {
+    case 3: gemm_cols<3>(M, K, A, lda, B + n, ldb, C + n, ldc, add); break;
+    case 2: gemm_cols<2>(M, K, A, lda, B + n, ldb, C + n, ldc, add); break;
+    case 1: gemm_cols<1>(M, K, A, lda, B + n, ldb, C + n, ldc, add); break;
+    default: break;
+  }
+}
+
+// 16 x 16 transpose of 32-bit words: out[c] = column c of the rows r[0..16).
+inline void transpose16(__m512i r[16]) {
+  __m512i t[16], u[16];
+  for (int k = 0; k < 8; ++k) {
+    t[2 * k] = _mm512_unpacklo_epi32(r[2 * k], r[2 * k + 1]);
+    t[2 * k + 1] = _mm512_unpackhi_epi32(r[2 * k], r[2 * k + 1]);
+  }
+  for (int g = 0; g < 4; ++g) {
+    u[4 * g + 0] = _mm512_unpacklo_epi64(t[4 * g], t[4 * g + 2]);
+    u[4 * g + 1] = _mm512_unpackhi_epi64(t[4 * g], t[4 * g + 2]);
+    u[4 * g + 2] = _mm512_unpacklo_epi64(t[4 * g + 1], t[4 * g + 3]);
+    u[4 * g + 3] = _mm512_unpackhi_epi64(t[4 * g + 1], t[4 * g + 3]);
+  }
+  // u[4 g + c] holds, in 128-bit lane L, column 4 L + c of rows 4 g .. 4 g + 3.
+  for (int c = 0; c < 4; ++c) {
+    const __m512i ab_lo = _mm512_shuffle_i32x4(u[c], u[4 + c], 0x44), ab_hi = _mm512_shuffle_i32x4(u[c], u[4 + c], 0xEE);
+    const __m512i cd_lo = _mm512_shuffle_i32x4(u[8 + c], u[12 + c], 0x44),
+                  cd_hi = _mm512_shuffle_i32x4(u[8 + c], u[12 + c], 0xEE);
+    r[c] = _mm512_shuffle_i32x4(ab_lo, cd_lo, 0x88);
+    r[4 + c] = _mm512_shuffle_i32x4(ab_lo, cd_lo, 0xDD);
+    r[8 + c] = _mm512_shuffle_i32x4(ab_hi, cd_hi, 0x88);
+    r[12 + c] = _mm512_shuffle_i32x4(ab_hi, cd_hi, 0xDD);
+  }
+}
+
+// dst[w][j] = word w of key row j (j < tl), 0 for tl <= j < tile; `words` 32-bit words per row.
+// fp32: K^T. bf16: the VNNI layout of K^T (word w = features 2w, 2w + 1).
+inline void pack_kt(const char* src, int64_t row_bytes, int64_t tl, int64_t words, uint32_t* dst, int64_t tile) {
+  for (int64_t j0 = 0; j0 < tile; j0 += 16) {
+    int64_t w0 = 0;
+    if (j0 + 16 <= tl) {
+      for (; w0 + 16 <= words; w0 += 16) {
+        __m512i r[16];
+        for (int i = 0; i < 16; ++i) r[i] = _mm512_loadu_si512(src + (j0 + i) * row_bytes + 4 * w0);
+        transpose16(r);
+        for (int c = 0; c < 16; ++c) _mm512_storeu_si512(dst + (w0 + c) * tile + j0, r[c]);
+      }
+    }
+    for (int64_t w = w0; w < words; ++w)
+      for (int64_t j = j0; j < j0 + 16; ++j) {
+        uint32_t x = 0;
+        if (j < tl) std::memcpy(&x, src + j * row_bytes + 4 * w, 4);
+        dst[w * tile + j] = x;
+      }
+  }
+}
+
+// fp32 -> bf16 (round to nearest even; inputs finite) of 16 values.
+inline void store_bf16(c10::BFloat16* dst, __m512 x) {
+  __m512i u = _mm512_castps_si512(x);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+  u = _mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff)));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst), _mm512_cvtepi32_epi16(_mm512_srli_epi32(u, 16)));
+}
+
+struct FastScratch {
+  std::vector<float> s, acc, row_max, row_sum, qf;
+  std::vector<uint32_t> kt, vp;
+  std::vector<c10::BFloat16> qh, ph;
+  std::vector<uint64_t> vis, valid;
+};
+
+template <class T>
+constexpr bool kUseBrgemm = !std::is_same_v<T, float>;
+
+// One work item (b, hkv, keys [key_begin, key_end)); leaves the unnormalised state in sc.
+template <class T>
+void attend_fast(const Problem<T>& p, int64_t b, int64_t hkv, int64_t key_begin, int64_t key_end,
+                 const taps::TreeSpan& span, FastScratch& sc) {
+  const int64_t rows = p.group * p.num_nodes, D = p.head_dim, N = p.num_nodes;
+  constexpr int64_t Tk = kFastTile<T>, Tw = Tk / 64;  // Tw mask words per tile
+  const int64_t rb_max = std::min(rows, kFastRows<T>);
+  const float neg_inf = -std::numeric_limits<float>::infinity();
+  sc.acc.assign(rows * D, 0.0f);
+  sc.row_max.assign(rows, neg_inf);
+  sc.row_sum.assign(rows, 0.0f);
+  sc.s.resize(rb_max * Tk);
+  sc.kt.resize(D * Tk);  // fp32: D words x Tk; bf16: D / 2 words x Tk
+  sc.vis.resize(N * Tw);
+  sc.valid.resize(Tw);
+  for (int64_t r = 0; r < rows; ++r) {
+    const int64_t h = hkv * p.group + r / N, i = r % N;
+    const T* src = p.q + b * p.q_sb + h * p.q_sh + i * p.q_sn;
+    if constexpr (kUseBrgemm<T>) {
+      sc.qh.resize(rows * D);
+      std::memcpy(&sc.qh[r * D], src, sizeof(T) * D);
+    } else {
+      sc.qf.resize(rows * D);
+      std::memcpy(&sc.qf[r * D], src, sizeof(T) * D);
+    }
+  }
+  if constexpr (kUseBrgemm<T>) {
+    sc.vp.resize(Tk / 2 * D);
+    sc.ph.resize(rb_max * Tk);
+  }
+  const T* kb = p.k + b * p.k_sb + hkv * p.k_sh;
+  const T* vb = p.v + b * p.v_sb + hkv * p.v_sh;
+  const __m512 scale = _mm512_set1_ps(p.scale), ninf = _mm512_set1_ps(neg_inf);
+
+  for (int64_t t0 = key_begin; t0 < key_end; t0 += Tk) {
+    const int64_t tl = std::min(Tk, key_end - t0);
+    const int64_t words = kUseBrgemm<T> ? D / 2 : D;
+    pack_kt(reinterpret_cast<const char*>(kb + t0 * p.k_ss), p.k_ss * static_cast<int64_t>(sizeof(T)), tl, words,
+            sc.kt.data(), Tk);
+    if (kUseBrgemm<T> && t0 + Tk < key_end) {  // bf16: prefetch the next tile's K and V rows into L2
+      // (fp32: no measurable change within this machine's noise, so left to the hardware prefetchers)
+      const int64_t nl = std::min(Tk, key_end - t0 - Tk);
+      for (int64_t j = 0; j < nl; ++j) {
+        const char* kr = reinterpret_cast<const char*>(kb + (t0 + Tk + j) * p.k_ss);
+        const char* vr = reinterpret_cast<const char*>(vb + (t0 + Tk + j) * p.v_ss);
+        for (int64_t off = 0; off < D * static_cast<int64_t>(sizeof(T)); off += 64) {
+          _mm_prefetch(kr + off, _MM_HINT_T1);
+          _mm_prefetch(vr + off, _MM_HINT_T1);
+        }
+      }
+    }
+    int64_t pv_k = tl;
+    if constexpr (kUseBrgemm<T>) {  // V to VNNI pairs [ceil(tl / 2)][D][2], odd tail padded with zeros
+      pv_k = (tl + 1) / 2 * 2;
+      for (int64_t j2 = 0; j2 < pv_k / 2; ++j2) {
+        const T* a = vb + (t0 + 2 * j2) * p.v_ss;
+        const T* c = vb + (t0 + 2 * j2 + 1) * p.v_ss;
+        const bool has_c = 2 * j2 + 1 < tl;
+        for (int64_t d = 0; d < D; d += 16) {
+          const __m512i lo = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(a + d)));
+          const __m512i hi = has_c ? _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(c + d)))
+                                   : _mm512_setzero_si512();
+          _mm512_storeu_si512(&sc.vp[j2 * D + d], _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16)));
+        }
+      }
+    }
+    // Visible columns of this tile per tree node (bit j = key t0 + j).
+    for (int64_t w = 0; w < Tw; ++w) {
+      const int64_t n = std::clamp<int64_t>(tl - 64 * w, 0, 64);
+      sc.valid[w] = n == 64 ? ~uint64_t{0} : ((uint64_t{1} << n) - 1);
+    }
+    const bool tail = t0 + tl > span.tree_start;
+    if (tail) {
+      for (int64_t i = 0; i < N; ++i) {
+        const int64_t* mask_row = p.tree_mask + (b * N + i) * p.mask_words;
+        uint64_t* bits = &sc.vis[i * Tw];
+        for (int64_t w = 0; w < Tw; ++w) bits[w] = 0;
+        for (int64_t j = 0; j < tl; ++j)
+          if (taps::key_visible(span, mask_row, t0 + j)) bits[j / 64] |= uint64_t{1} << (j % 64);
+      }
+    }
+    for (int64_t r0 = 0; r0 < rows; r0 += rb_max) {
+      const int64_t rb = std::min(rb_max, rows - r0);
+      float* S = sc.s.data();
+      if constexpr (kUseBrgemm<T>) {
+#if defined(TAPS_ATTN_BRGEMM)
+        at::native::cpublas::brgemm(rb, Tk, D, D, Tk, Tk, false, &sc.qh[r0 * D],
+                                    reinterpret_cast<const c10::BFloat16*>(sc.kt.data()), S, true);
+#endif
+      } else {
+        gemm_f32(rb, Tk, D, &sc.qf[r0 * D], D, reinterpret_cast<const float*>(sc.kt.data()), Tk, S, Tk, false);
+      }
+      for (int64_t rr = 0; rr < rb; ++rr) {
+        const int64_t r = r0 + rr;
+        float* s = S + rr * Tk;
+        const uint64_t* vis = tail ? &sc.vis[(r % N) * Tw] : sc.valid.data();
+        __m512 mx = ninf;
+        for (int c = 0; c < Tk / 16; ++c) {  // scale, mask, max
+          const __mmask16 k = static_cast<__mmask16>(vis[c / 4] >> (16 * (c % 4)));
+          const __m512 x = _mm512_mask_mul_ps(ninf, k, _mm512_loadu_ps(s + 16 * c), scale);
+          _mm512_storeu_ps(s + 16 * c, x);
+          mx = _mm512_max_ps(mx, x);
+        }
+        const float old_max = sc.row_max[r];
+        const float new_max = std::max(old_max, _mm512_reduce_max_ps(mx));
+        if (new_max == neg_inf) {  // nothing visible yet: p = 0, the state stays empty
+          for (int c = 0; c < Tk / 16; ++c) {
+            if constexpr (kUseBrgemm<T>) store_bf16(&sc.ph[rr * Tk + 16 * c], _mm512_setzero_ps());
+            else _mm512_storeu_ps(s + 16 * c, _mm512_setzero_ps());
+          }
+        } else {
+          if (old_max != new_max && old_max != neg_inf) {
+            const float alpha = std::exp(old_max - new_max);
+            const __m512 al = _mm512_set1_ps(alpha);
+            float* a = &sc.acc[r * D];
+            for (int64_t d = 0; d < D; d += 16) _mm512_storeu_ps(a + d, _mm512_mul_ps(_mm512_loadu_ps(a + d), al));
+            sc.row_sum[r] *= alpha;
+          }
+          sc.row_max[r] = new_max;
+          const __m512 nm = _mm512_set1_ps(new_max);
+          __m512 sum = _mm512_setzero_ps();
+          for (int c = 0; c < Tk / 16; ++c) {  // p = exp(x - max), row sum
+            const __m512 e = Vec(_mm512_sub_ps(_mm512_loadu_ps(s + 16 * c), nm)).exp_u20();
+            sum = _mm512_add_ps(sum, e);
+            if constexpr (kUseBrgemm<T>) store_bf16(&sc.ph[rr * Tk + 16 * c], e);
+            else _mm512_storeu_ps(s + 16 * c, e);
+          }
+          sc.row_sum[r] += _mm512_reduce_add_ps(sum);
+        }
+      }
+      if constexpr (kUseBrgemm<T>) {
+#if defined(TAPS_ATTN_BRGEMM)
+        at::native::cpublas::brgemm(rb, D, pv_k, Tk, D, D, true, sc.ph.data(),
+                                    reinterpret_cast<const c10::BFloat16*>(sc.vp.data()), &sc.acc[r0 * D], true);
+#endif
+      } else {
+        gemm_f32(rb, D, pv_k, S, Tk, reinterpret_cast<const float*>(vb + t0 * p.v_ss), p.v_ss, &sc.acc[r0 * D], D,
+                 true);
+      }
+    }
+  }
+}
+
+template <class T>
+void attend_items_fast(const Problem<T>& p, int64_t begin, int64_t end) {
+  FastScratch sc;
+  const int64_t rows = p.group * p.num_nodes, D = p.head_dim;
+  for (int64_t item = begin; item < end; ++item) {
+    const int64_t split = item % p.splits, bh = item / p.splits;
+    const int64_t b = bh / p.heads_kv, hkv = bh % p.heads_kv;
+    const taps::TreeSpan span = taps::tree_span(p.kv_lens[b], p.num_nodes, p.cache_len);
+    const int64_t split_keys = taps::ceil_div(taps::ceil_div(span.len, p.splits), kFastTile<T>) * kFastTile<T>;
+    const int64_t key_begin = std::min(span.len, split * split_keys);
+    const int64_t key_end = std::min(span.len, key_begin + split_keys);
+    attend_fast(p, b, hkv, key_begin, key_end, span, sc);
+    if (p.splits == 1) {
+      for (int64_t r = 0; r < rows; ++r) {
+        const int64_t h = hkv * p.group + r / p.num_nodes, i = r % p.num_nodes;
+        T* o = p.out + ((b * p.heads_q + h) * p.num_nodes + i) * D;
+        const float inv = sc.row_sum[r] > 0.0f ? 1.0f / sc.row_sum[r] : 0.0f;
+        for (int64_t d = 0; d < D; ++d) o[d] = static_cast<T>(sc.acc[r * D + d] * inv);
+      }
+    } else {
+      const int64_t base = (split * p.batch + b) * p.heads_kv + hkv;  // [splits, B, Hkv]
+      for (int64_t r = 0; r < rows; ++r) {
+        std::memcpy(p.part + (base * rows + r) * D, &sc.acc[r * D], sizeof(float) * D);
+        p.part_max[base * rows + r] = sc.row_max[r];
+        p.part_sum[base * rows + r] = sc.row_sum[r];
+      }
+    }
+  }
+#if defined(TAPS_ATTN_BRGEMM)
+  if constexpr (kUseBrgemm<T>) at::native::cpublas::brgemm_release(true);
+#endif
+}
+
+}  // namespace fast
 }  // namespace taps_attn::avx512
 #pragma GCC pop_options
 
@@ -159,11 +487,33 @@ bool use_avx512() {
 #endif
 }
 
+// The GEMM-shaped fast path: AVX-512 hosts, D a multiple of 16; fp32 always, bf16 where oneDNN's
+// brgemm ukernel runs on AMX (could_pack). Everything else takes the body's kernel.
+template <class T>
+bool use_fast(const Problem<T>& p) {
+#if defined(TAPS_ATTN_X86_AVX512)
+  if (!use_avx512() || p.head_dim % 16 != 0) return false;
+  if constexpr (std::is_same_v<T, float>) {
+    return true;
+  } else if constexpr (std::is_same_v<T, c10::BFloat16>) {
+#if defined(TAPS_ATTN_BRGEMM)
+    static const bool amx = at::native::cpublas::could_pack(at::kBFloat16);
+    return amx;
+#endif
+  }
+#endif
+  return false;
+}
+
 template <class T>
 void run(const Problem<T>& p) {
   const int64_t items = p.batch * p.heads_kv * p.splits;
+  [[maybe_unused]] const bool fast = use_fast(p);
   at::parallel_for(0, items, 1, [&](int64_t begin, int64_t end) {
 #if defined(TAPS_ATTN_X86_AVX512)
+    if constexpr (std::is_same_v<T, float> || std::is_same_v<T, c10::BFloat16>) {
+      if (fast) return avx512::fast::attend_items_fast(p, begin, end);
+    }
     if (use_avx512()) return avx512::attend_items(p, begin, end);
 #endif
     generic::attend_items(p, begin, end);
