@@ -1,3 +1,38 @@
-"""taps: task-aware speculative decoding on top of the taps_ops kernels (orchestration lives here)."""
+"""taps: task-aware speculative decoding on top of the taps_ops kernels (orchestration lives here).
+
+Public names (imported lazily, so ``import taps`` stays light for the CLI):
+
+- drafters: :class:`Drafter`, :class:`ModelDrafter` (an independent small causal LM),
+  :class:`EagleDrafter` (EAGLE-1/2 / HASS feature head), :func:`average_drafters`
+- :func:`expand`: the EAGLE-2 tree expansion every drafter uses
+- strategies: :data:`STRATEGIES`, :func:`make_strategy`
+- :class:`SpeculativeDecoder` and its :class:`GenerateOutput`; :class:`RequestStats`, :class:`Profiler`
+- :mod:`taps.hf`: the target's tree-verification forward and KV cache
+"""
+
+import importlib
 
 __version__ = "0.1.0"
+
+_EXPORTS = {
+    "DraftCandidates": "drafters", "Drafter": "drafters", "EagleDrafter": "drafters",
+    "ModelDrafter": "drafters", "average_drafters": "drafters",
+    "expand": "expansion",
+    "STRATEGIES": "strategies", "make_strategy": "strategies",
+    "Profiler": "stats", "RequestStats": "stats", "summarize": "stats",
+    "GenerateOutput": "decoder", "SpeculativeDecoder": "decoder",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name):
+    if name in _EXPORTS:
+        value = getattr(importlib.import_module(f".{_EXPORTS[name]}", __name__), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'taps' has no attribute {name!r}")
+
+
+def __dir__():
+    return sorted(list(globals()) + __all__)

@@ -1,0 +1,154 @@
+"""Combining drafters (taps.strategies): routing, merging, budgets.
+
+1. Confidence routing picks the drafter whose tree has the higher mean node confidence, on constructed
+   candidates and end to end (a sharp copy of the target against a flattened one); entropy routing the
+   drafter with the lower entropy.
+2. Merged trees deduplicate (identical drafters give the single tree, every node from both) and
+   merged-budget / adaptive respect the node budget.
+3. The adaptive split of the budget and the candidate cut it uses.
+"""
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+import taps_ops  # noqa: E402
+from taps import ModelDrafter, SpeculativeDecoder  # noqa: E402
+from taps.drafters import DraftCandidates  # noqa: E402
+from taps.strategies import allocate_budget, cut_candidates, make_strategy, tree_confidence  # noqa: E402
+
+
+def _cands(batch, m, seed, sharp=1.0, depth=3, top_k=2, vocab=50):
+    """Synthetic EAGLE-2 candidates: level 1 = top_k root children, then top_k children of the best
+    top_k nodes of the previous level; `sharp` scales the log-probs (higher = less confident)."""
+    g = torch.Generator().manual_seed(seed)
+    scores, tokens, parents = [], [], []
+    front_s = torch.zeros(batch, 1)
+    front_i = torch.full((batch, 1), -1)
+    offset = 0
+    for _ in range(depth):
+        w = front_s.shape[1]
+        logp = torch.log_softmax(torch.randn(batch, w, top_k, generator=g), -1).sort(-1, descending=True).values * sharp
+        cum = (front_s.unsqueeze(-1) + logp).reshape(batch, -1)
+        tok = torch.randint(0, vocab, (batch, w * top_k), generator=g)
+        scores.append(cum), tokens.append(tok), parents.append(front_i.repeat_interleave(top_k, 1))
+        best = cum.topk(min(top_k, cum.shape[1]), -1)
+        front_s, front_i = best.values, best.indices + offset
+        offset += cum.shape[1]
+    return DraftCandidates(torch.cat(scores, 1), torch.cat(tokens, 1), torch.cat(parents, 1),
+                           torch.rand(batch, generator=g))
+
+
+def test_confidence_routing_picks_the_confident_drafter():
+    batch, budget = 4, 7
+    root = torch.arange(batch)
+    sure = _cands(batch, 0, seed=1, sharp=0.2)
+    unsure = _cands(batch, 0, seed=2, sharp=3.0)
+    strat = make_strategy("route-confidence", 2, budget)
+    strat.reset(batch, torch.device("cpu"))
+    out = strat.combine({0: unsure, 1: sure}, root)
+    assert out.choice.tolist() == [1] * batch
+    tree = taps_ops.build_tree(sure.scores, sure.tokens, sure.parents, budget, root_tokens=root)
+    assert torch.equal(out.tokens, tree.tokens) and torch.equal(out.parents, tree.parents)
+    assert ((out.source == 2) | (out.tokens < 0) | (torch.arange(budget) == 0)).all()
+    conf_sure = tree_confidence(tree)
+    conf_unsure = tree_confidence(taps_ops.build_tree(unsure.scores, unsure.tokens, unsure.parents, budget))
+    assert (conf_sure > conf_unsure).all()
+    # mixed per request: request 0 gets the sure drafter's candidates in slot 0
+    mixed0 = DraftCandidates(*(torch.cat([s[:1], u[1:]]) for s, u in zip(sure, unsure)))
+    mixed1 = DraftCandidates(*(torch.cat([u[:1], s[1:]]) for s, u in zip(sure, unsure)))
+    assert strat.combine({0: mixed0, 1: mixed1}, root).choice.tolist() == [0, 1, 1, 1]
+    # entropy routing: the lower entropy wins
+    ent = make_strategy("route-entropy", 2, budget)
+    ent.reset(batch, torch.device("cpu"))
+    low = sure._replace(entropy=torch.tensor([0.1, 2.0, 0.1, 2.0]))
+    high = unsure._replace(entropy=torch.tensor([1.0, 1.0, 1.0, 1.0]))
+    assert ent.combine({0: low, 1: high}, root).choice.tolist() == [0, 1, 0, 1]
+
+
+def test_prompt_routing_decides_once():
+    batch, budget = 2, 7
+    root = torch.zeros(batch, dtype=torch.int64)
+    strat = make_strategy("route-confidence-prompt", 3, budget, route_steps=2)
+    strat.reset(batch, torch.device("cpu"))
+    a, b, c = _cands(batch, 0, 1, sharp=0.2), _cands(batch, 0, 2, sharp=3.0), _cands(batch, 0, 3, sharp=1.0)
+    assert strat.combine({0: b, 1: a, 2: c}, root).choice.tolist() == [1, 1]
+    assert strat.alive() == [0, 1, 2]
+    strat.combine({0: b, 1: a, 2: c}, root)
+    assert strat.alive() == [1]  # decided: only drafter 1 drafts from now on
+    assert strat.combine({1: b}, root).choice.tolist() == [1, 1]  # fixed, whatever its trees look like
+
+
+def _target():
+    config = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                                      initializer_range=0.1, tie_word_embeddings=False)
+    torch.manual_seed(3)
+    return transformers.LlamaForCausalLM(config).eval()
+
+
+def test_routing_end_to_end_prefers_the_sharp_drafter():
+    import copy
+    target = _target()
+    sharp, flat = copy.deepcopy(target), copy.deepcopy(target)
+    with torch.no_grad():
+        sharp.lm_head.weight.mul_(8.0)
+        flat.lm_head.weight.mul_(0.05)
+    for name in ("route-confidence", "route-entropy"):
+        dec = SpeculativeDecoder(target, [ModelDrafter(flat), ModelDrafter(sharp)], strategy=name, depth=3, top_k=2)
+        out = dec.generate([[1, 2, 3], [9, 8, 7, 6, 5]], max_new_tokens=8)
+        for s in out.stats:
+            assert s.route_decisions and set(s.route_decisions) == {1}, name
+
+
+def test_merged_trees_deduplicate_and_respect_budget():
+    batch, budget = 3, 9
+    root = torch.tensor([4, 5, 6])
+    a, b = _cands(batch, 0, seed=1), _cands(batch, 0, seed=2)
+    tree_a = taps_ops.build_tree(a.scores, a.tokens, a.parents, budget, root_tokens=root)
+    # identical drafters: the union is the single tree, every node from both
+    same = make_strategy("merged", 2, budget)
+    same.reset(batch, torch.device("cpu"))
+    out = same.combine({0: a, 1: a}, root)
+    assert out.tokens.shape == (batch, 2 * (budget - 1) + 1)
+    real = out.tokens >= 0
+    assert torch.equal(real.sum(1), (tree_a.tokens >= 0).sum(1))
+    assert torch.equal(out.tokens[:, :budget], tree_a.tokens) and torch.equal(out.parents[:, :budget], tree_a.parents)
+    assert (out.source[:, 1:][real[:, 1:]] == 3).all() and (out.source[:, 0] == 0).all()
+    # different drafters: every token path appears once; merged-budget keeps `budget` nodes
+    for name, cap in (("merged", 2 * (budget - 1) + 1), ("merged-budget", budget), ("adaptive", budget)):
+        s = make_strategy(name, 2, budget)
+        s.reset(batch, torch.device("cpu"))
+        out = s.combine({0: a, 1: b}, root)
+        assert out.tokens.shape[1] == cap
+        for r in range(batch):
+            par, tok = out.parents[r].tolist(), out.tokens[r].tolist()
+            n = sum(t >= 0 for t in tok)
+            assert n <= cap
+            keys = [(par[i], tok[i]) for i in range(1, n)]
+            assert len(keys) == len(set(keys)), f"{name}: duplicate child"
+            assert all(out.source[r, i] in (1, 2, 3) for i in range(1, n))
+
+
+def test_adaptive_split_and_cut():
+    alloc = allocate_budget(torch.tensor([[3.0, 1.0], [1.0, 1.0], [0.0, 5.0], [1.0, 0.0]]), 10)
+    assert alloc.tolist() == [[7, 3], [5, 5], [1, 9], [9, 1]]
+    assert allocate_budget(torch.tensor([[1.0, 1.0, 1.0]]), 2).sum().item() == 2
+    cand = _cands(2, 0, seed=4, depth=3, top_k=3)
+    keep = torch.tensor([4, 0])
+    cut = cut_candidates(cand, keep)
+    kept = cut.tokens >= 0
+    assert kept.sum(1).tolist() == [4, 0]
+    for m in kept[0].nonzero().flatten().tolist():  # closed under ancestors
+        p = int(cand.parents[0, m])
+        assert p < 0 or kept[0, p]
+    assert set(cand.scores[0][kept[0]].tolist()) == set(cand.scores[0].topk(4).values.tolist())
+    # the adaptive strategy moves budget to the drafter that gets accepted
+    s = make_strategy("adaptive", 2, 9)
+    s.reset(1, torch.device("cpu"))
+    s.observe(torch.tensor([[10, 0]]))
+    a, b = _cands(1, 0, seed=5), _cands(1, 0, seed=6)
+    out = s.combine({0: a, 1: b}, torch.tensor([0]))
+    src = out.source[0][out.tokens[0] >= 0][1:]
+    assert int(((src & 1) > 0).sum()) > int(((src & 2) > 0).sum())
