@@ -15,7 +15,10 @@ print(" ".join("-I" + p for p in paths))
 PY
 )
 out=${TMPDIR:-/tmp}/check_cu_$(basename "$src").o
+# The defines torch's extension build adds to every nvcc command (keep in step with torch.utils.cpp_extension).
 "$CUDA_HOME/bin/nvcc" -std=c++20 -O3 --expt-relaxed-constexpr -lineinfo -Xcompiler -fPIC \
+  -D__CUDA_NO_HALF_OPERATORS__ -D__CUDA_NO_HALF_CONVERSIONS__ -D__CUDA_NO_BFLOAT16_CONVERSIONS__ \
+  -D__CUDA_NO_HALF2_OPERATORS__ \
   -gencode arch=compute_80,code=sm_80 -gencode arch=compute_90a,code=sm_90a \
   -DTORCH_EXTENSION_NAME=_C -DTORCH_API_INCLUDE_EXTENSION_H \
   -Icsrc/include -Icsrc $inc -c "$src" -o "$out" ${NVCC_EXTRA:-}

@@ -5,10 +5,9 @@
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
-#include <cuda_bf16.h>
-#include <cuda_fp16.h>
 #include <torch/library.h>
 
+#include <cstdlib>
 #include <optional>
 
 #include "checks.h"
@@ -18,24 +17,35 @@
 namespace taps {
 namespace {
 
-// torch element type -> the CUDA type the kernel templates use
-template <typename T> struct DeviceType { using type = T; };
-template <> struct DeviceType<c10::BFloat16> { using type = __nv_bfloat16; };
-template <> struct DeviceType<c10::Half> { using type = __half; };
+// Blocks per request: on sm_90+ a cluster of up to 8 blocks shares a request's rows when the batch
+// alone would leave SMs idle (each block keeps >= 4096 tokens of a row). TAPS_VERIFY_CLUSTER=1 forces
+// one block per request; 2, 4 or 8 force that cluster size (sm_90+).
+int cluster_size_for(int64_t batch, int64_t vocab) {
+  const cudaDeviceProp* prop = at::cuda::getCurrentDeviceProperties();
+  if (prop->major < 9) return 1;
+  if (const char* env = std::getenv("TAPS_VERIFY_CLUSTER")) {
+    const int forced = std::atoi(env);
+    TORCH_CHECK(forced == 1 || forced == 2 || forced == 4 || forced == 8,
+                "taps_ops: TAPS_VERIFY_CLUSTER must be 1, 2, 4 or 8, got '", env, "'");
+    return forced;
+  }
+  int c = 1;
+  while (c < 8 && batch * 2 * c <= prop->multiProcessorCount && vocab / (2 * c) >= 4096) c *= 2;
+  return c;
+}
 
 template <typename logit_t, typename prob_t>
 void launch(const at::Tensor& logits, const at::Tensor* draft_probs, const at::Tensor& tokens,
             const at::Tensor& parents, const at::Tensor& uniforms, const at::Tensor& temperature,
             const at::Tensor& top_k, const at::Tensor& top_p, bool validate, at::Tensor& out_tokens,
             at::Tensor& num_accepted, at::Tensor& path, at::Tensor& errors) {
-  using L = typename DeviceType<logit_t>::type;
-  using P = typename DeviceType<prob_t>::type;
-  verify_cuda::VerifyArgs<L, P> a{
-      reinterpret_cast<const L*>(logits.data_ptr<logit_t>()),
-      draft_probs ? reinterpret_cast<const P*>(draft_probs->data_ptr<prob_t>()) : nullptr,
+  // The kernel templates take torch's element types (c10::BFloat16 / c10::Half convert to float on the
+  // device; torch builds with the CUDA types' own conversions switched off).
+  verify_cuda::VerifyArgs<logit_t, prob_t> a{
+      logits.data_ptr<logit_t>(), draft_probs ? draft_probs->data_ptr<prob_t>() : nullptr,
       tokens.data_ptr<int64_t>(), parents.data_ptr<int64_t>(), uniforms.data_ptr<float>(),
       temperature.data_ptr<float>(), top_k.data_ptr<int64_t>(), top_p.data_ptr<float>(),
-      logits.size(0), logits.size(1), logits.size(2), validate,
+      logits.size(0), logits.size(1), logits.size(2), validate, cluster_size_for(logits.size(0), logits.size(2)),
       out_tokens.data_ptr<int64_t>(), num_accepted.data_ptr<int64_t>(), path.data_ptr<int64_t>(),
       errors.data_ptr<int32_t>()};
   C10_CUDA_CHECK(verify_cuda::launch_verify_tree(a, at::cuda::getCurrentCUDAStream()));
