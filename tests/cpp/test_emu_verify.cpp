@@ -1,11 +1,13 @@
 // The CUDA verify_tree kernel (taps/verify_kernel.cuh) run under the host CUDA emulation
 // (tests/cpp/emu/cuda_runtime.h) with small blocks, against the sequential core walk (seq_ops.h), on
 // random trees of odd sizes in every mode. This tests the block-parallel logic (child compaction,
-// reductions, radix histograms, chunked inverse-CDF scan, the leader/barrier protocol) without a GPU;
+// reductions, radix histograms, chunked inverse-CDF scan, the leader/barrier protocol, and the
+// thread-block-cluster variant that splits each row across blocks) without a GPU;
 // it says nothing about performance or real-hardware memory effects.
 #include <cuda_runtime.h>  // the emulation header (tests/cpp/emu is first on the include path)
 
 #include <cmath>
+#include <initializer_list>
 #include <cstdio>
 #include <random>
 #include <vector>
@@ -22,7 +24,7 @@ struct Case {
   bool draft;
 };
 
-static int run_case(const Case& c, std::mt19937& rng) {
+static int run_case(const Case& c, int cluster_size, std::mt19937& rng) {
   const int64_t B = c.batch, N = c.n, V = c.vocab;
   std::normal_distribution<float> normal(0.0f, 2.0f);
   std::uniform_real_distribution<float> unif(0.0f, 1.0f);
@@ -64,7 +66,7 @@ static int run_case(const Case& c, std::mt19937& rng) {
   std::vector<int32_t> k_err(size_t(B), 0);
   verify_cuda::VerifyArgs<float, float> a{logits.data(), c.draft ? q.data() : nullptr, tokens.data(), parents.data(),
                                           uniforms.data(), temp.data(), top_k.data(), top_p.data(), B, N, V, true,
-                                          k_tok.data(), k_acc.data(), k_path.data(), k_err.data()};
+                                          cluster_size, k_tok.data(), k_acc.data(), k_path.data(), k_err.data()};
   verify_cuda::launch_verify_tree(a, nullptr);
   // sequential core walk
   int mismatches = 0;
@@ -88,9 +90,9 @@ static int run_case(const Case& c, std::mt19937& rng) {
       same = same && r_tok[size_t(i)] == k_tok[size_t(b * N + i)] && r_path[size_t(i)] == k_path[size_t(b * N + i)];
     if (!same) {
       ++mismatches;
-      std::printf("mismatch: V=%lld N=%lld T=%g top_k=%lld top_p=%g draft=%d request %lld: accepted %lld vs %lld, "
+      std::printf("mismatch (cluster %d): V=%lld N=%lld T=%g top_k=%lld top_p=%g draft=%d request %lld: accepted %lld vs %lld, "
                   "first token %lld vs %lld, error %d vs %d\n",
-                  (long long)V, (long long)N, c.temperature, (long long)c.top_k, c.top_p, int(c.draft), (long long)b,
+                  cluster_size, (long long)V, (long long)N, c.temperature, (long long)c.top_k, c.top_p, int(c.draft), (long long)b,
                   (long long)r_acc, (long long)k_acc[size_t(b)], (long long)r_tok[0], (long long)k_tok[size_t(b * N)],
                   r_err, k_err[size_t(b)]);
     }
@@ -112,8 +114,13 @@ int main() {
           {3, N, V, 0.8f, 0.9f, 4, true},
       };
       for (const Case& c : modes) {
-        mismatches += run_case(c, rng);
-        ++cases;
+        // one block per request, and clusters of 2 and 4 blocks sharing each row (sm_90 path)
+        for (int cluster : {1, 2, 4}) {
+          if (cluster > 1 && (V < 100 || N == 1)) continue;  // keep the emulation fast
+          if (cluster == 4 && V == 1000) continue;
+          mismatches += run_case(c, cluster, rng);
+          ++cases;
+        }
       }
     }
   }

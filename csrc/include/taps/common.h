@@ -19,6 +19,42 @@
 #define TAPS_LAUNCH(kernel, grid, block, smem, stream, ...) kernel<<<grid, block, smem, stream>>>(__VA_ARGS__)
 #endif
 
+// A launch whose blocks form thread-block clusters of `cluster` blocks along x (sm_90+), returning the
+// launch's cudaError_t: TAPS_LAUNCH_CLUSTER(kernel, grid, block, smem, stream, cluster, args...).
+#if defined(TAPS_CUDA_EMULATION)
+#define TAPS_LAUNCH_CLUSTER(kernel, grid, block, smem, stream, cluster, ...) \
+  emu_launch_cluster(kernel, grid, block, smem, cluster, __VA_ARGS__)
+#elif defined(__CUDACC__)
+template <class Kernel, class... Args>
+inline cudaError_t taps_launch_cluster(Kernel kernel, unsigned grid, unsigned block, size_t smem,
+                                       cudaStream_t stream, int cluster, Args... args) {
+  cudaLaunchConfig_t config = {};
+  config.gridDim = dim3(grid);
+  config.blockDim = dim3(block);
+  config.dynamicSmemBytes = smem;
+  config.stream = stream;
+  cudaLaunchAttribute attribute[1];
+  attribute[0].id = cudaLaunchAttributeClusterDimension;
+  attribute[0].val.clusterDim.x = unsigned(cluster);
+  attribute[0].val.clusterDim.y = 1;
+  attribute[0].val.clusterDim.z = 1;
+  config.attrs = attribute;
+  config.numAttrs = 1;
+  return cudaLaunchKernelEx(&config, kernel, args...);
+}
+#define TAPS_LAUNCH_CLUSTER(kernel, grid, block, smem, stream, cluster, ...) \
+  taps_launch_cluster(kernel, grid, block, smem, stream, cluster, __VA_ARGS__)
+#endif
+
+// Dynamic shared memory of a kernel, 16-byte aligned, sized by the launch: TAPS_DYNAMIC_SHARED(type, name)
+// declares `type name[]` (a pointer to the emulation's per-block buffer under the host emulation, where
+// `extern __shared__` cannot be expressed: its `__shared__` is `static`).
+#if defined(TAPS_CUDA_EMULATION)
+#define TAPS_DYNAMIC_SHARED(type, name) type* const name = static_cast<type*>(taps_emu::dynamic_shared())
+#else
+#define TAPS_DYNAMIC_SHARED(type, name) extern __shared__ __align__(16) type name[]
+#endif
+
 namespace taps {
 
 // Order-preserving map of a float to uint32 (a < b  <=>  key(a) < key(b), for non-NaN values),

@@ -9,11 +9,14 @@
 // sizeof(logit) at HBM bandwidth. Passes over a visited row: greedy 1 (max + argmax); sampling 2 (max,
 // sum of exp) + 4 radix passes each for top-k and top-p + 1 scan when the draw rejects every child;
 // the extra passes usually hit L2 (a 128k fp32 row is 512 KB).
-// Known limits: one block per request, so a batch smaller than the SM count leaves SMs idle (splitting
-// a row across a thread-block cluster is the planned next step); shared float atomics in the radix
-// histogram.
+// Small batches: on sm_90+ a cluster of up to 8 blocks shares each request's rows (ClusterOps), so a
+// batch smaller than the SM count still spreads its rows over many SMs. Known limit: shared float
+// atomics in the radix histogram.
 #pragma once
 #include <cuda_runtime.h>
+#if !defined(TAPS_CUDA_EMULATION)
+#include <cooperative_groups.h>
+#endif
 
 #include <cstdint>
 
@@ -52,17 +55,17 @@ struct Vec16 {
   }
 };
 
-// Calls f(v, x) for every element of row[0, V) assigned to this thread: a scalar head up to 16-byte
-// alignment, 16-byte vector loads (thread-strided, coalesced), a scalar tail.
+// Calls f(v, x) for every element v in [lo, hi) of a row assigned to this thread: a scalar head up to
+// 16-byte alignment, 16-byte vector loads (thread-strided, coalesced), a scalar tail.
 template <typename scalar_t, class F>
-__device__ __forceinline__ void for_each_element(const scalar_t* row, int64_t vocab, F&& f) {
+__device__ __forceinline__ void for_each_element(const scalar_t* row, int64_t lo, int64_t hi, F&& f) {
   constexpr int kE = Vec16<scalar_t>::kElems;
-  const uintptr_t addr = reinterpret_cast<uintptr_t>(row);
-  int64_t head = int64_t(((16 - (addr & 15)) & 15) / sizeof(scalar_t));
-  if ((addr % sizeof(scalar_t)) != 0) head = vocab;  // not even element-aligned: all scalar
-  if (head > vocab) head = vocab;
-  for (int64_t v = threadIdx.x; v < head; v += kThreads) f(v, float(row[v]));
-  const int64_t body = (vocab - head) / kE;
+  const uintptr_t addr = reinterpret_cast<uintptr_t>(row + lo);
+  int64_t head = lo + int64_t(((16 - (addr & 15)) & 15) / sizeof(scalar_t));
+  if ((addr % sizeof(scalar_t)) != 0) head = hi;  // not even element-aligned: all scalar
+  if (head > hi) head = hi;
+  for (int64_t v = lo + threadIdx.x; v < head; v += kThreads) f(v, float(row[v]));
+  const int64_t body = (hi - head) / kE;
   const scalar_t* base = row + head;
   for (int64_t j = threadIdx.x; j < body; j += kThreads) {
     float x[kE];
@@ -70,7 +73,7 @@ __device__ __forceinline__ void for_each_element(const scalar_t* row, int64_t vo
 #pragma unroll
     for (int i = 0; i < kE; ++i) f(head + j * kE + i, x[i]);
   }
-  for (int64_t v = head + body * kE + threadIdx.x; v < vocab; v += kThreads) f(v, float(row[v]));
+  for (int64_t v = head + body * kE + threadIdx.x; v < hi; v += kThreads) f(v, float(row[v]));
 }
 
 struct SharedReduce {
@@ -86,10 +89,12 @@ struct SharedReduce {
 };
 
 // Block-parallel row backend: every thread of the block participates in each call, and every thread
-// gets the same result.
+// gets the same result. The row operations cover the slice [lo, hi) of the vocabulary (the whole row
+// for a block per request; one block's part when a thread-block cluster shares a row).
 struct BlockOps {
   bool kLeader;
   SharedReduce* red;
+  int64_t lo, hi;
 
   __device__ void sync() const { __syncthreads(); }
 
@@ -122,9 +127,9 @@ struct BlockOps {
   }
 
   template <typename scalar_t>
-  __device__ RowScan max_scan(const scalar_t* row, int64_t vocab) const {
+  __device__ RowScan max_scan(const scalar_t* row, int64_t) const {
     RowScan s = verify::scan_identity();
-    for_each_element(row, vocab, [&](int64_t v, float x) { s = verify::combine_scan(s, verify::scan_one(x, v)); });
+    for_each_element(row, lo, hi, [&](int64_t v, float x) { s = verify::combine_scan(s, verify::scan_one(x, v)); });
     for (int d = 16; d > 0; d >>= 1) s = verify::combine_scan(s, shfl_scan(s, d));
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     __syncthreads();
@@ -159,27 +164,27 @@ struct BlockOps {
   }
 
   template <typename scalar_t>
-  __device__ float sum_target(const scalar_t* row, int64_t vocab, const Target& t) const {
+  __device__ float sum_target(const scalar_t* row, int64_t, const Target& t) const {
     float acc = 0.0f;
-    for_each_element(row, vocab, [&](int64_t, float x) { acc += verify::target_weight(t, x); });
+    for_each_element(row, lo, hi, [&](int64_t, float x) { acc += verify::target_weight(t, x); });
     return block_sum(acc);
   }
 
   template <class G>
-  __device__ float sum(int64_t vocab, const G& g) const {
+  __device__ float sum(int64_t, const G& g) const {
     float acc = 0.0f;
-    for (int64_t v = threadIdx.x; v < vocab; v += kThreads) acc += g(v);
+    for (int64_t v = lo + threadIdx.x; v < hi; v += kThreads) acc += g(v);
     return block_sum(acc);
   }
 
   template <class KeyFn, class G>
-  __device__ void histogram(int64_t vocab, const KeyFn& key, const G& g, int shift, uint32_t prefix,
+  __device__ void histogram(int64_t, const KeyFn& key, const G& g, int shift, uint32_t prefix,
                             float* bins) const {
     __syncthreads();  // every thread has finished reading the previous bins
     for (int d = threadIdx.x; d < 256; d += kThreads) bins[d] = 0.0f;
     __syncthreads();
     const uint32_t high_mask = shift >= 24 ? 0u : uint32_t((~uint64_t(0) << (shift + 8)) & 0xffffffffu);
-    for (int64_t v = threadIdx.x; v < vocab; v += kThreads) {
+    for (int64_t v = lo + threadIdx.x; v < hi; v += kThreads) {
       const uint32_t k = key(v);
       if ((k & high_mask) != (prefix & high_mask)) continue;
       const float w = g(v);
@@ -197,13 +202,13 @@ struct BlockOps {
   }
 
   template <class G>
-  __device__ FindResult scan_find(int64_t vocab, const G& g, float t) const {
-    const int64_t chunk = (vocab + kThreads - 1) / kThreads;
-    const int64_t lo = int64_t(threadIdx.x) * chunk;
-    const int64_t hi = lo + chunk < vocab ? lo + chunk : vocab;
+  __device__ FindResult scan_find(int64_t, const G& g, float t) const {
+    const int64_t chunk = (hi - lo + kThreads - 1) / kThreads;
+    const int64_t c_lo = lo + int64_t(threadIdx.x) * chunk;
+    const int64_t c_hi = c_lo + chunk < hi ? c_lo + chunk : hi;
     float local = 0.0f;
     int64_t last = -1;
-    for (int64_t v = lo; v < hi; ++v) {
+    for (int64_t v = c_lo; v < c_hi; ++v) {
       const float w = g(v);
       if (w > 0.0f) {
         local += w;
@@ -241,7 +246,7 @@ struct BlockOps {
       // the chunk's last positive token (the crossing is within rounding of its end).
       float acc = excl;
       int64_t pick = -1, chunk_last = -1;
-      for (int64_t v = lo; v < hi && pick < 0; ++v) {
+      for (int64_t v = c_lo; v < c_hi && pick < 0; ++v) {
         const float w = g(v);
         if (w > 0.0f) {
           chunk_last = v;
@@ -271,33 +276,192 @@ static __global__ void verify_check_kernel(const int64_t* tokens, const int64_t*
                                     top_k[b], top_p[b]);
 }
 
-// grid: [B]; block: kThreads. logits, draft_probs [B, N, V]; tokens, parents, uniforms [B, N];
-// temperature, top_p [B] f32; top_k [B]; out_tokens, path [B, N] (pre-filled -1); num_accepted [B];
-// errors [B] (in: check results when validating; out: walk errors).
-template <typename scalar_t, typename prob_t>
-__global__ void __launch_bounds__(kThreads) verify_tree_kernel(
-    const scalar_t* logits, const prob_t* draft_probs, const int64_t* tokens, const int64_t* parents,
-    const float* uniforms, const float* temperature, const int64_t* top_k, const float* top_p, int64_t n,
-    int64_t vocab, bool validate, int64_t* out_tokens, int64_t* num_accepted, int64_t* path, int32_t* errors) {
-  const int64_t b = blockIdx.x;
-  if (validate && errors[b] != 0) return;
-  __shared__ int32_t child_idx[kMaxNodes];
-  __shared__ int32_t sorted_tokens[kMaxNodes];
-  __shared__ uint8_t first_of_token[kMaxNodes];
-  __shared__ float residual_z[kMaxNodes];
-  __shared__ float bins[256];
-  __shared__ SharedReduce red;
-  __shared__ verify::WalkState st;
-  BlockOps ops{threadIdx.x == 0, &red};
-  verify::Scratch scratch{child_idx, sorted_tokens, first_of_token, residual_z, bins};
+// Shared memory of one block: the walk's scratch, reductions and state, plus the exchange area read by
+// the other blocks of a cluster.
+struct ClusterExchange {
+  RowScan scan, scan_result;
+  float f, f_result;
+  FindResult found, found_result;
+  float hist[256];
+};
+
+struct VerifySmem {
+  int32_t child_idx[kMaxNodes];
+  int32_t sorted_tokens[kMaxNodes];
+  float residual_z[kMaxNodes];
+  float bins[256];
+  uint8_t first_of_token[kMaxNodes];
+  SharedReduce red;
+  ClusterExchange x;
+  verify::WalkState st;
+};
+
+// Thread-block cluster primitives (sm_90+; the cluster kernel is never launched on older GPUs).
+__device__ __forceinline__ void cluster_sync() {
+#if defined(TAPS_CUDA_EMULATION)
+  taps_emu::cluster_sync();
+#elif defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  cooperative_groups::this_cluster().sync();
+#else
+  __trap();
+#endif
+}
+__device__ __forceinline__ unsigned cluster_rank() {
+#if defined(TAPS_CUDA_EMULATION)
+  return taps_emu::cluster_rank();
+#elif defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  return cooperative_groups::this_cluster().block_rank();
+#else
+  return 0;
+#endif
+}
+template <class T>
+__device__ __forceinline__ T* cluster_map(T* p, unsigned rank) {
+#if defined(TAPS_CUDA_EMULATION)
+  return taps_emu::cluster_map(p, rank);
+#elif defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  return cooperative_groups::this_cluster().map_shared_rank(p, rank);
+#else
+  return p;
+#endif
+}
+
+// Row backend for a row shared by the `size` blocks of a cluster: each block reduces its slice with
+// BlockOps, then the slices' partials are combined in rank order through distributed shared memory, so
+// every block gets bitwise the same result and keeps an identical copy of the walk state (its thread 0
+// is a leader; the blocks write identical outputs). Children lists are built by each block alone.
+struct ClusterOps {
+  bool kLeader;
+  BlockOps block;
+  ClusterExchange* x;
+  unsigned rank, size;
+
+  __device__ void sync() const { __syncthreads(); }
+
+  __device__ int32_t collect_children(const int64_t* parents, int64_t n, int64_t cur, int32_t* out) const {
+    return block.collect_children(parents, n, cur, out);
+  }
+
+  // Combine one value per block in rank order; every thread of every block gets the result.
+  template <class T, class Combine>
+  __device__ T allreduce(T part, T* slot, T* result, Combine combine) const {
+    if (threadIdx.x == 0) *slot = part;
+    cluster_sync();
+    if (threadIdx.x == 0) {
+      T acc = *cluster_map(slot, 0);
+      for (unsigned r = 1; r < size; ++r) acc = combine(acc, *cluster_map(slot, r));
+      *result = acc;
+    }
+    cluster_sync();  // results visible; no block reuses its slot before every block has read it
+    return *result;
+  }
+
+  template <typename scalar_t>
+  __device__ RowScan max_scan(const scalar_t* row, int64_t vocab) const {
+    return allreduce(block.max_scan(row, vocab), &x->scan, &x->scan_result,
+                     [](RowScan a, RowScan b) { return verify::combine_scan(a, b); });
+  }
+
+  __device__ float add_all(float part) const {
+    return allreduce(part, &x->f, &x->f_result, [](float a, float b) { return a + b; });
+  }
+
+  template <typename scalar_t>
+  __device__ float sum_target(const scalar_t* row, int64_t vocab, const Target& t) const {
+    return add_all(block.sum_target(row, vocab, t));
+  }
+
+  template <class G>
+  __device__ float sum(int64_t vocab, const G& g) const {
+    return add_all(block.sum(vocab, g));
+  }
+
+  template <class KeyFn, class G>
+  __device__ void histogram(int64_t vocab, const KeyFn& key, const G& g, int shift, uint32_t prefix,
+                            float* bins) const {
+    block.histogram(vocab, key, g, shift, prefix, x->hist);  // this slice's bins
+    cluster_sync();
+    for (int d = threadIdx.x; d < 256; d += kThreads) {
+      float total = 0.0f;
+      for (unsigned r = 0; r < size; ++r) total += cluster_map(x->hist, r)[d];
+      bins[d] = total;
+    }
+    cluster_sync();
+  }
+
+  // Each block scans its slice with the coin's target shifted by the mass of the lower slices; the
+  // lowest rank that finds a crossing wins.
+  template <class G>
+  __device__ FindResult scan_find(int64_t vocab, const G& g, float t) const {
+    const float mine = block.sum(vocab, g);
+    if (threadIdx.x == 0) x->f = mine;
+    cluster_sync();
+    float below = 0.0f;
+    for (unsigned r = 0; r < rank; ++r) below += *cluster_map(&x->f, r);
+    cluster_sync();
+    const FindResult part = block.scan_find(vocab, g, t - below);
+    return allreduce(part, &x->found, &x->found_result, [](FindResult a, FindResult b) {
+      return FindResult{a.first >= 0 ? a.first : b.first, a.last > b.last ? a.last : b.last};
+    });
+  }
+
+  template <class Row>
+  __device__ FindResult scan_find_target(const Row& row, int64_t vocab, const Target& t, const verify::Scratch& s,
+                                         int32_t distinct, float value) const {
+    return verify::scan_find_target_generic(*this, row, vocab, t, s, distinct, value);
+  }
+};
+
+// The walk of request b with a row backend `ops` over the block's shared memory `sm`.
+template <class Ops, typename scalar_t, typename prob_t>
+__device__ __forceinline__ void run_request(Ops& ops, VerifySmem& sm, int64_t b, const scalar_t* logits,
+                                            const prob_t* draft_probs, const int64_t* tokens, const int64_t* parents,
+                                            const float* uniforms, const float* temperature, const int64_t* top_k,
+                                            const float* top_p, int64_t n, int64_t vocab, bool validate,
+                                            int64_t* out_tokens, int64_t* num_accepted, int64_t* path,
+                                            int32_t* errors) {
+  verify::Scratch scratch{sm.child_idx, sm.sorted_tokens, sm.first_of_token, sm.residual_z, sm.bins};
   const int64_t off = b * n;
   verify::Request<scalar_t, prob_t> rq{logits + off * vocab, draft_probs ? draft_probs + off * vocab : nullptr,
                                        tokens + off, parents + off, uniforms + off, n, vocab, temperature[b],
                                        top_p[b], top_k[b]};
   verify::Outputs out{out_tokens + off, path + off, num_accepted + b, errors + b};
-  verify::verify_walk(ops, rq, scratch, st, out, validate);
+  verify::verify_walk(ops, rq, scratch, sm.st, out, validate);
 }
 
+// grid: [B] (one block per request) or [B * C] (clusters of C blocks share a request's rows);
+// block: kThreads; dynamic shared memory: sizeof(VerifySmem).
+// logits, draft_probs [B, N, V]; tokens, parents, uniforms [B, N]; temperature, top_p [B] f32; top_k [B];
+// out_tokens, path [B, N] (pre-filled -1); num_accepted [B]; errors [B] (in: check results when
+// validating; out: walk errors).
+template <typename scalar_t, typename prob_t, bool kCluster>
+__global__ void __launch_bounds__(kThreads) verify_tree_kernel(
+    const scalar_t* logits, const prob_t* draft_probs, const int64_t* tokens, const int64_t* parents,
+    const float* uniforms, const float* temperature, const int64_t* top_k, const float* top_p, int64_t n,
+    int64_t vocab, bool validate, int64_t* out_tokens, int64_t* num_accepted, int64_t* path, int32_t* errors,
+    int cluster_size) {
+  TAPS_DYNAMIC_SHARED(unsigned char, smem_raw);
+  VerifySmem& sm = *reinterpret_cast<VerifySmem*>(smem_raw);
+  const int64_t b = int64_t(blockIdx.x) / cluster_size;
+  // Every block of a cluster reads the same flag before any block can write errors (the walk starts
+  // with a cluster-wide reduction), so a cluster returns as a whole.
+  if (validate && errors[b] != 0) return;
+  if constexpr (kCluster) {
+    const unsigned rank = cluster_rank();
+    // slices of whole 16-element groups, so that every slice start keeps the row's alignment
+    const int64_t per = ((vocab + cluster_size - 1) / cluster_size + 15) / 16 * 16;
+    const int64_t lo = int64_t(rank) * per < vocab ? int64_t(rank) * per : vocab;
+    const int64_t hi = lo + per < vocab ? lo + per : vocab;
+    ClusterOps ops{threadIdx.x == 0, BlockOps{threadIdx.x == 0, &sm.red, lo, hi}, &sm.x, rank,
+                   unsigned(cluster_size)};
+    run_request(ops, sm, b, logits, draft_probs, tokens, parents, uniforms, temperature, top_k, top_p, n, vocab,
+                validate, out_tokens, num_accepted, path, errors);
+  } else {
+    BlockOps ops{threadIdx.x == 0, &sm.red, 0, vocab};
+    run_request(ops, sm, b, logits, draft_probs, tokens, parents, uniforms, temperature, top_k, top_p, n, vocab,
+                validate, out_tokens, num_accepted, path, errors);
+  }
+}
 
 // Arguments of one verify_tree launch (all device pointers; see verify_tree_kernel for shapes).
 template <typename scalar_t, typename prob_t>
@@ -312,6 +476,7 @@ struct VerifyArgs {
   const float* top_p;
   int64_t batch, n, vocab;
   bool validate;
+  int cluster_size;  // 1: a block per request; 2..8 (sm_90+): a cluster of blocks shares each row
   int64_t* out_tokens;
   int64_t* num_accepted;
   int64_t* path;
@@ -328,11 +493,18 @@ cudaError_t launch_verify_tree(const VerifyArgs<scalar_t, prob_t>& a, cudaStream
     const cudaError_t e = cudaGetLastError();
     if (e != cudaSuccess) return e;
   }
-  auto* kernel = &verify_tree_kernel<scalar_t, prob_t>;
-  TAPS_LAUNCH(kernel, unsigned(a.batch), kThreads, 0, stream,
+  const size_t smem = sizeof(VerifySmem);
+  if (a.cluster_size <= 1) {
+    auto* kernel = &verify_tree_kernel<scalar_t, prob_t, false>;
+    TAPS_LAUNCH(kernel, unsigned(a.batch), kThreads, smem, stream,
+        a.logits, a.draft_probs, a.tokens, a.parents, a.uniforms, a.temperature, a.top_k, a.top_p, a.n, a.vocab,
+        a.validate, a.out_tokens, a.num_accepted, a.path, a.errors, 1);
+    return cudaGetLastError();
+  }
+  auto* kernel = &verify_tree_kernel<scalar_t, prob_t, true>;
+  return TAPS_LAUNCH_CLUSTER(kernel, unsigned(a.batch * a.cluster_size), kThreads, smem, stream, a.cluster_size,
       a.logits, a.draft_probs, a.tokens, a.parents, a.uniforms, a.temperature, a.top_k, a.top_p, a.n, a.vocab,
-      a.validate, a.out_tokens, a.num_accepted, a.path, a.errors);
-  return cudaGetLastError();
+      a.validate, a.out_tokens, a.num_accepted, a.path, a.errors, a.cluster_size);
 }
 
 }  // namespace verify_cuda
