@@ -152,7 +152,7 @@ __global__ void __launch_bounds__(kAttnWarps * 32)
 tree_attention_kernel(TreeAttentionParams p) {
   static_assert(D % 32 == 0 || D == 80, "head dim");
   constexpr int kPerLane = (D + 31) / 32;  // features per lane in PV (D = 80: 3, last partial)
-  extern __shared__ float smem[];
+  TAPS_DYNAMIC_SHARED(float, smem);
   float* k_tile = smem;                                // [kTileKeys][D + 1]
   float* v_tile = k_tile + kTileKeys * (D + 1);        // [kTileKeys][D + 1]
   float* q_rows = v_tile + kTileKeys * (D + 1);        // [kAttnRows][D], pre-scaled
@@ -330,12 +330,14 @@ cudaError_t launch_tree_attention(const TreeAttentionParams& p, cudaStream_t str
   if (err != cudaSuccess) return err;
   dim3 grid(static_cast<unsigned>(p.splits), static_cast<unsigned>(p.heads_kv * row_blocks),
             static_cast<unsigned>(p.batch));
-  tree_attention_kernel<T, D><<<grid, kAttnWarps * 32, smem, stream>>>(p);
+  auto* kernel = &tree_attention_kernel<T, D>;
+  TAPS_LAUNCH(kernel, grid, kAttnWarps * 32, smem, stream, p);
   err = cudaGetLastError();
   if (err != cudaSuccess || p.splits == 1) return err;
   const int64_t rows_all = p.batch * p.heads_q * p.num_nodes;
-  tree_attention_combine_kernel<T><<<static_cast<unsigned>((rows_all + 3) / 4), dim3(32, 4), 0, stream>>>(
-      p.part_acc, p.part_max, p.part_sum, static_cast<T*>(p.out), rows_all, p.splits, D);
+  auto* combine = &tree_attention_combine_kernel<T>;
+  TAPS_LAUNCH(combine, static_cast<unsigned>((rows_all + 3) / 4), dim3(32, 4), 0, stream,
+      p.part_acc, p.part_max, p.part_sum, static_cast<T*>(p.out), rows_all, p.splits, int64_t(D));
   return cudaGetLastError();
 }
 
@@ -374,8 +376,9 @@ cudaError_t launch_compact_kv(U* cache, int64_t batch, int64_t heads, int64_t ca
   const int threads = row_units >= 128 ? 128 : 32;
   dim3 grid(static_cast<unsigned>((row_units + threads - 1) / threads), static_cast<unsigned>(heads),
             static_cast<unsigned>(batch));
-  compact_kv_kernel<U><<<grid, threads, 0, stream>>>(cache, stride_b, stride_h, stride_s, row_units, cache_len,
-                                                    path, path_cols, prefix_lens);
+  auto* kernel = &compact_kv_kernel<U>;
+  TAPS_LAUNCH(kernel, grid, threads, 0, stream, cache, stride_b, stride_h, stride_s, row_units, cache_len,
+      path, path_cols, prefix_lens);
   return cudaGetLastError();
 }
 

@@ -88,7 +88,7 @@ __global__ void __launch_bounds__(kBuildTreeThreads)
     build_tree_kernel(const float* __restrict__ scores, const int64_t* __restrict__ tokens,
                       const int64_t* __restrict__ parents, const int64_t* __restrict__ root_tokens, int32_t M,
                       TreeBatch out_batch, int32_t* __restrict__ errors) {
-  extern __shared__ __align__(16) unsigned char smem[];
+  TAPS_DYNAMIC_SHARED(unsigned char, smem);
   const int64_t b = blockIdx.x;
   const int32_t tid = int32_t(threadIdx.x), nthreads = int32_t(blockDim.x);
   const int32_t num_nodes = int32_t(out_batch.num_nodes);
@@ -189,8 +189,8 @@ inline cudaError_t launch_build_tree(const float* scores, const int64_t* tokens,
         cudaFuncSetAttribute(build_tree_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem));
     if (e != cudaSuccess) return e;
   }
-  build_tree_kernel<<<unsigned(B), kBuildTreeThreads, smem, stream>>>(scores, tokens, parents, root_tokens,
-                                                                       int32_t(M), out, errors);
+  TAPS_LAUNCH(build_tree_kernel, unsigned(B), kBuildTreeThreads, smem, stream, scores, tokens, parents, root_tokens,
+              int32_t(M), out, errors);
   return cudaGetLastError();
 }
 

@@ -162,7 +162,7 @@ __global__ void __launch_bounds__(kMergeTreesThreads)
     merge_trees_kernel(const int64_t* __restrict__ tokens, const int64_t* __restrict__ parents,
                        const float* __restrict__ scores, const float* __restrict__ weights, int32_t T, int32_t N,
                        TreeBatch out_batch, int32_t* __restrict__ errors) {
-  extern __shared__ __align__(16) unsigned char smem[];
+  TAPS_DYNAMIC_SHARED(unsigned char, smem);
   const int64_t b = blockIdx.x;
   const int32_t tid = int32_t(threadIdx.x), nthreads = int32_t(blockDim.x);
   const int32_t O = T * N;
@@ -298,8 +298,8 @@ inline cudaError_t launch_merge_trees(const int64_t* tokens, const int64_t* pare
         cudaFuncSetAttribute(merge_trees_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem));
     if (e != cudaSuccess) return e;
   }
-  merge_trees_kernel<<<unsigned(B), kMergeTreesThreads, smem, stream>>>(tokens, parents, scores, weights,
-                                                                         int32_t(T), int32_t(N), out, errors);
+  TAPS_LAUNCH(merge_trees_kernel, unsigned(B), kMergeTreesThreads, smem, stream, tokens, parents, scores, weights,
+              int32_t(T), int32_t(N), out, errors);
   return cudaGetLastError();
 }
 

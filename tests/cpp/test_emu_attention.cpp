@@ -1,0 +1,211 @@
+// The CUDA tree_attention kernels (attention kernel, split combine) and the compact_kv kernel of
+// taps/attention.h, run under the host CUDA emulation (tests/cpp/emu/cuda_runtime.h), against plain
+// loops written here: tree_attention in double precision (tolerance 2e-5 relative to the largest
+// |value|), compact_kv exactly (gathering from a copy of the original cache, so the kernel's in-place
+// order is checked too). float32 only; head dims 64 and 80 (the partial lane); odd node counts and
+// cache lengths, grouped-query heads (also groups spanning several row blocks), ragged kv_lens, query
+// strides of a [B, N, H, D] layout, padded K/V head strides, one split and several (a split may lie
+// wholly past a request's length), a mask row that sees nothing.
+// Not shown: device numerics (__expf, FMA contraction), performance, memory-model effects.
+#include <cuda_runtime.h>  // the emulation header (tests/cpp/emu is first on the include path)
+
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "taps/attention.h"
+
+namespace {
+
+std::mt19937 rng(777);
+int rnd(int lo, int hi) { return lo + int(rng() % unsigned(hi - lo + 1)); }
+float normal() { return std::normal_distribution<float>(0.0f, 1.0f)(rng); }
+
+int passed = 0, failed = 0;
+void check(bool ok, const std::string& what) {
+  if (ok) {
+    ++passed;
+  } else {
+    ++failed;
+    std::printf("FAIL: %s\n", what.c_str());
+  }
+}
+
+struct AttnCase {
+  int B, Hq, Hkv, N, S, split_keys;  // split_keys 0: one split
+  bool empty_row;                    // request 0: kv_len = N and one mask row without bits
+};
+
+template <int D>
+void attention_case(const AttnCase& c) {
+  const int B = c.B, Hq = c.Hq, Hkv = c.Hkv, N = c.N, S = c.S, G = Hq / Hkv;
+  const int W = (N + 63) / 64;
+  const int pad_h = 3 * D;  // K/V head stride padding
+  // q laid out [B, N, Hq, D] (strided view of [B, Hq, N, D]); k, v [B, Hkv, S, D] with padded heads.
+  std::vector<float> q(size_t(B * N * Hq * D)), k(size_t(B * Hkv * (S * D + pad_h))), v(k.size());
+  for (auto& x : q) x = normal();
+  for (auto& x : k) x = normal();
+  for (auto& x : v) x = normal();
+  const int64_t qs_b = int64_t(N) * Hq * D, qs_h = D, qs_n = int64_t(Hq) * D;
+  const int64_t ks_b = int64_t(Hkv) * (S * D + pad_h), ks_h = S * D + pad_h, ks_s = D;
+  // Masks: a random tree per request, each row its ancestors and itself.
+  std::vector<int64_t> mask(size_t(B * N * W), 0), kv_lens(static_cast<size_t>(B));
+  for (int b = 0; b < B; ++b) {
+    std::vector<int> parent(size_t(N), -1);
+    for (int i = 1; i < N; ++i) parent[size_t(i)] = rnd(0, i - 1);
+    for (int i = 0; i < N; ++i)
+      for (int a = i; a >= 0; a = parent[size_t(a)])
+        mask[size_t((b * N + i) * W + a / 64)] |= int64_t(uint64_t(1) << (a % 64));
+    kv_lens[size_t(b)] = b == B - 1 ? S : rnd(N, S);  // ragged; the last request fills the cache
+  }
+  if (c.empty_row) {
+    kv_lens[0] = N;  // no prefix
+    for (int w = 0; w < W; ++w) mask[size_t((0 * N + N / 2) * W + w)] = 0;
+  }
+  const float scale = 1.0f / std::sqrt(float(D));
+  // Reference, double precision.
+  std::vector<double> ref(size_t(B * Hq * N * D), 0.0);
+  for (int b = 0; b < B; ++b)
+    for (int h = 0; h < Hq; ++h)
+      for (int i = 0; i < N; ++i) {
+        const int hk = h / G;
+        const int64_t L = kv_lens[size_t(b)], start = L - N;
+        const float* qi = q.data() + b * qs_b + h * qs_h + i * qs_n;
+        std::vector<double> s;
+        std::vector<int64_t> pos;
+        for (int64_t j = 0; j < L; ++j) {
+          const int64_t node = j - start;
+          if (node >= 0 && !((uint64_t(mask[size_t((b * N + i) * W + node / 64)]) >> (node % 64)) & 1)) continue;
+          const float* kj = k.data() + b * ks_b + hk * ks_h + j * ks_s;
+          double dot = 0;
+          for (int d = 0; d < D; ++d) dot += double(qi[d]) * double(kj[d]);
+          s.push_back(dot * scale);
+          pos.push_back(j);
+        }
+        if (s.empty()) continue;  // sees nothing: zeros
+        double m = s[0], z = 0;
+        for (double x : s) m = std::max(m, x);
+        for (double& x : s) z += (x = std::exp(x - m));
+        double* o = ref.data() + ((b * Hq + h) * N + i) * D;
+        for (size_t t = 0; t < s.size(); ++t) {
+          const float* vj = v.data() + b * ks_b + hk * ks_h + pos[t] * ks_s;
+          for (int d = 0; d < D; ++d) o[d] += s[t] / z * double(vj[d]);
+        }
+      }
+  // Kernel.
+  taps::TreeAttentionParams p{};
+  std::vector<float> out(ref.size(), 12345.0f);
+  const int64_t split_keys = c.split_keys > 0 ? c.split_keys : S;
+  const int64_t splits = (S + split_keys - 1) / split_keys;
+  const int64_t rows_all = int64_t(B) * Hq * N;
+  std::vector<float> part_acc(size_t(splits * rows_all * D), 999.0f), part_max(size_t(splits * rows_all), 999.0f),
+      part_sum(part_max.size(), 999.0f);
+  p.q = q.data();
+  p.k = k.data();
+  p.v = v.data();
+  p.tree_mask = mask.data();
+  p.kv_lens = kv_lens.data();
+  p.out = out.data();
+  p.part_acc = splits > 1 ? part_acc.data() : nullptr;
+  p.part_max = splits > 1 ? part_max.data() : nullptr;
+  p.part_sum = splits > 1 ? part_sum.data() : nullptr;
+  p.q_stride_b = qs_b, p.q_stride_h = qs_h, p.q_stride_n = qs_n;
+  p.k_stride_b = p.v_stride_b = ks_b;
+  p.k_stride_h = p.v_stride_h = ks_h;
+  p.k_stride_s = p.v_stride_s = ks_s;
+  p.batch = B, p.heads_q = Hq, p.heads_kv = Hkv, p.num_nodes = N, p.cache_len = S, p.mask_words = W;
+  p.splits = splits, p.split_keys = split_keys, p.scale = scale;
+  taps::launch_tree_attention<float, D>(p, nullptr);
+  double big = 1e-30, err = 0;
+  size_t worst = 0;
+  for (size_t e = 0; e < ref.size(); ++e) {
+    big = std::max(big, std::fabs(ref[e]));
+    const double d = std::fabs(double(out[e]) - ref[e]);
+    if (!(d <= err)) err = d, worst = e;  // NaN counts as worst
+  }
+  char label[200];
+  std::snprintf(label, sizeof label,
+                "tree_attention D=%d B=%d Hq=%d Hkv=%d N=%d S=%d splits=%lld empty_row=%d: max error %.3g at %zu "
+                "(got %g, want %g)",
+                D, B, Hq, Hkv, N, S, (long long)splits, int(c.empty_row), err, worst, double(out[worst]), ref[worst]);
+  check(err <= 2e-5 * big, label);
+  if (c.empty_row) {  // the row that sees nothing is exactly zero in every head
+    bool zero = true;
+    for (int h = 0; h < Hq; ++h)
+      for (int d = 0; d < D; ++d) zero = zero && out[size_t(((0 * Hq + h) * N + N / 2) * D + d)] == 0.0f;
+    check(zero, std::string(label) + ": row without visible keys is not zero");
+  }
+}
+
+// compact_kv on a cache of units U viewed as [B, H, S, row_units] with padded heads.
+template <class U>
+void compact_case(int B, int H, int S, int row_units, int cols, const char* name) {
+  static_assert(sizeof(U) % 4 == 0, "units of 4-byte words here");
+  constexpr int kWords = sizeof(U) / 4;
+  const int64_t stride_s = row_units, stride_h = int64_t(S) * row_units + 5, stride_b = H * stride_h + 2;
+  std::vector<U> cache(size_t(B * stride_b));
+  {
+    std::vector<uint32_t> words(cache.size() * kWords);
+    for (auto& x : words) x = uint32_t(rng());
+    std::memcpy(cache.data(), words.data(), words.size() * 4);
+  }
+  const std::vector<U> original = cache;
+  std::vector<int64_t> path(size_t(B * cols), -1), prefix(static_cast<size_t>(B));
+  for (int b = 0; b < B; ++b) {
+    int64_t* pb = path.data() + b * cols;
+    prefix[size_t(b)] = rnd(0, S / 2);
+    const int span = S - int(prefix[size_t(b)]);  // path entries < span stay in the cache
+    const int len = rnd(1, std::min(cols, span));
+    pb[0] = 0;
+    for (int j = 1; j < len; ++j) {  // strictly increasing; sometimes keeps a node in place
+      const int lo = int(pb[j - 1]) + 1, hi = span - (len - j);
+      pb[j] = rnd(0, 2) == 0 && j >= lo ? j : rnd(lo, std::max(lo, hi));
+    }
+    switch (b % 7) {  // invalid paths: must be left untouched
+      case 3: if (len >= 3) pb[2] = pb[1]; break;        // not increasing
+      case 4: pb[0] = 1; break;                          // does not start at the root
+      case 5: pb[len - 1] = span; break;                 // past the cache
+      case 6: prefix[size_t(b)] = -1; break;             // negative prefix
+      default: break;
+    }
+    if (b == 1) std::fill(pb, pb + cols, -1);  // all padding: invalid too
+  }
+  taps::launch_compact_kv<U>(cache.data(), B, H, S, row_units, stride_b, stride_h, stride_s, path.data(), cols,
+                             prefix.data(), nullptr);
+  // Reference: new row prefix + j = old row prefix + path[j] for a valid path, everything else kept.
+  std::vector<U> want = original;
+  for (int b = 0; b < B; ++b) {
+    const int64_t n = taps::compact_path_length(path.data() + b * cols, cols, prefix[size_t(b)], S);
+    for (int h = 0; h < H; ++h)
+      for (int64_t j = 1; j < n; ++j)
+        for (int u = 0; u < row_units; ++u)
+          want[size_t(b * stride_b + h * stride_h + (prefix[size_t(b)] + j) * stride_s + u)] =
+              original[size_t(b * stride_b + h * stride_h + (prefix[size_t(b)] + path[size_t(b * cols + j)]) * stride_s +
+                              u)];
+  }
+  const bool same = std::memcmp(cache.data(), want.data(), cache.size() * sizeof(U)) == 0;
+  check(same, std::string("compact_kv ") + name + " B=" + std::to_string(B) + " H=" + std::to_string(H) +
+                  " S=" + std::to_string(S) + " row_units=" + std::to_string(row_units) +
+                  " cols=" + std::to_string(cols));
+}
+
+}  // namespace
+
+int main() {
+  // {B, Hq, Hkv, N, S, split_keys, empty_row}
+  attention_case<64>({2, 4, 2, 5, 47, 0, false});     // one split, GQA 2, odd N and S
+  attention_case<64>({3, 2, 2, 13, 100, 32, false});  // four splits, ragged lengths
+  attention_case<80>({2, 3, 1, 7, 61, 0, false});     // D = 80, GQA 3 (21 rows: two row blocks)
+  attention_case<80>({2, 2, 1, 37, 90, 64, true});    // two splits, a row that sees nothing
+  attention_case<64>({1, 1, 1, 1, 33, 32, false});    // single node, second split holds one key
+  attention_case<64>({2, 2, 1, 70, 140, 32, false});  // N > 64: two mask words, five splits
+  compact_case<uint32_t>(7, 2, 40, 37, 9, "u32");      // 32-thread blocks, two blocks per row
+  compact_case<uint32_t>(7, 1, 30, 130, 12, "u32");    // 128-thread blocks
+  compact_case<uint4>(7, 3, 25, 3, 6, "uint4");
+  std::printf("emulated CUDA tree_attention / compact_kv vs plain loops\n");
+  std::printf("%d passed, %d failed\n", passed, failed);
+  return failed == 0 ? 0 : 1;
+}
