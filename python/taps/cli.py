@@ -119,7 +119,58 @@ def demo(args) -> int:
     print(f"5. speed, B={b} N={n} V={v} fp32 on CPU, temperature 1: plain softmax over every node "
           f"{t_plain * 1e3:.1f} ms (before any walk) vs taps_ops.verify_tree {t_ops * 1e3:.2f} ms "
           f"({t_plain / t_ops:.0f}x); bench/bench_verify_tree.py has the full table")
+    _demo_engine(args)
     return 0
+
+
+def _demo_engine(args) -> None:
+    """Speculative decoding end to end on a small randomly initialised Llama (no download): drafters are
+    the target's first layer used as an early exit (A) and a perturbed copy of it (B)."""
+    try:
+        import copy
+
+        import transformers
+    except ImportError:
+        print("6. engine: skipped (pip install transformers)")
+        return
+    from taps import ModelDrafter, SpeculativeDecoder
+
+    cfg = transformers.LlamaConfig(vocab_size=512, hidden_size=128, intermediate_size=384, num_hidden_layers=4,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+                                   initializer_range=0.05, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    target = transformers.LlamaForCausalLM(cfg).eval()
+    with torch.no_grad():  # later layers refine the first one's guess, so an early exit drafts well
+        target.lm_head.weight.mul_(8.0)
+        for layer in target.model.layers[1:]:
+            layer.self_attn.o_proj.weight.mul_(0.3)
+            layer.mlp.down_proj.weight.mul_(0.3)
+    small = copy.deepcopy(cfg)
+    small.num_hidden_layers = 1
+    early_exit = transformers.LlamaForCausalLM(small).eval()
+    early_exit.load_state_dict({k: v for k, v in target.state_dict().items()
+                                if not k.startswith("model.layers.") or k.startswith("model.layers.0.")})
+    noisy = copy.deepcopy(early_exit)
+    with torch.no_grad():
+        g = torch.Generator().manual_seed(1)
+        for p in noisy.model.layers[0].parameters():
+            if p.dim() > 1:
+                p.add_(torch.randn(p.shape, generator=g) * p.std() * 0.5)
+    prompts = [torch.randint(0, 512, (12 + 5 * i,), generator=torch.Generator().manual_seed(i)).tolist()
+               for i in range(3)]
+    new_tokens = 24 if args.quick else 48
+    reference = SpeculativeDecoder(target, [], strategy="autoregressive").generate(prompts, max_new_tokens=new_tokens)
+    print(f"6. engine on a small random Llama (4 layers; drafters: early exit A, perturbed copy B), "
+          f"batch of 3 ragged prompts, {new_tokens} tokens, greedy:")
+    for strategy, drafters in (("single", [early_exit]), ("route-confidence", [early_exit, noisy]),
+                               ("merged", [early_exit, noisy]), ("merged-budget", [early_exit, noisy]),
+                               ("adaptive", [early_exit, noisy])):
+        dec = SpeculativeDecoder(target, [ModelDrafter(m) for m in drafters], strategy=strategy, depth=4, top_k=4,
+                                 budget=16)
+        out = dec.generate(prompts, max_new_tokens=new_tokens)
+        same = out.tokens == reference.tokens
+        taus = [round(s.tau, 2) for s in out.stats]
+        print(f"   {strategy:16s} tau per request {taus}  identical to the target's own greedy output: {same}")
 
 
 def main(argv=None) -> int:
