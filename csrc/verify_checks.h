@@ -3,6 +3,7 @@
 #include <ATen/ATen.h>
 
 #include <optional>
+#include <tuple>
 
 #include "checks.h"
 #include "taps/verify.h"
@@ -47,6 +48,53 @@ inline void check_verify_inputs(const at::Tensor& logits, const at::Tensor& toke
                 "), got ", draft_probs->scalar_type());
   }
 }
+
+// One call's tensors: the inputs made contiguous and the outputs allocated (-1 padded), shared by the
+// CPU and CUDA bindings.
+struct VerifyCall {
+  at::Tensor logits, tokens, parents, temperature, top_k, top_p, uniforms, draft_probs;  // draft_probs may be undefined
+  at::Tensor out_tokens, num_accepted, path, errors;  // [B, N], [B], [B, N] int64; errors [B] int32
+  bool validate;
+
+  static VerifyCall prepare(const at::Tensor& logits, const at::Tensor& tokens, const at::Tensor& parents,
+                            const at::Tensor& temperature, const at::Tensor& top_k, const at::Tensor& top_p,
+                            const std::optional<at::Tensor>& draft_probs, const at::Tensor& uniforms, bool validate) {
+    VerifyCall c;
+    c.logits = logits.contiguous();
+    c.tokens = tokens.contiguous();
+    c.parents = parents.contiguous();
+    c.temperature = temperature.contiguous();
+    c.top_k = top_k.contiguous();
+    c.top_p = top_p.contiguous();
+    c.uniforms = uniforms.contiguous();
+    if (draft_probs.has_value()) c.draft_probs = draft_probs->contiguous();
+    const int64_t batch = logits.size(0), n = logits.size(1);
+    const auto i64 = logits.options().dtype(at::kLong);
+    c.out_tokens = at::full({batch, n}, -1, i64);
+    c.path = at::full({batch, n}, -1, i64);
+    c.num_accepted = at::zeros({batch}, i64);
+    c.errors = at::zeros({batch}, logits.options().dtype(at::kInt));
+    c.validate = validate;
+    return c;
+  }
+
+  std::tuple<at::Tensor, at::Tensor, at::Tensor> outputs() const { return {out_tokens, num_accepted, path}; }
+
+  // Calls f.template operator()<logit_t, prob_t>() with the element types of logits and draft_probs
+  // (prob_t = float without draft_probs; draft_probs are float32 or logits' dtype, as checked).
+  template <class F>
+  void dispatch(F&& f) const {
+    auto with_logits = [&]<typename logit_t>() {
+      if (!draft_probs.defined() || draft_probs.scalar_type() == at::kFloat) f.template operator()<logit_t, float>();
+      else f.template operator()<logit_t, logit_t>();
+    };
+    switch (logits.scalar_type()) {
+      case at::kFloat: with_logits.template operator()<float>(); break;
+      case at::kBFloat16: with_logits.template operator()<c10::BFloat16>(); break;
+      default: with_logits.template operator()<c10::Half>(); break;  // the dtypes were checked
+    }
+  }
+};
 
 // errors: [B] int32 encoded per request (0 = fine). Raises for the first request with an error.
 inline void raise_verify_error(const at::Tensor& errors) {

@@ -51,6 +51,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "attention_checks.h"
 #include "checks.h"
 #include "taps/attention.h"
 
@@ -530,37 +531,9 @@ void run(const Problem<T>& p) {
 
 at::Tensor tree_attention_cpu(const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in,
                               const at::Tensor& tree_mask_in, const at::Tensor& kv_lens_in, double scale) {
-  using taps::check_same_device;
-  using taps::check_size;
-  using taps::check_tensor;
-  const auto floats = {at::kFloat, at::kBFloat16, at::kHalf};
-  check_tensor(q_in, "tree_attention: q [B, Hq, N, D]", 4, floats);
-  check_tensor(k_in, "tree_attention: k [B, Hkv, S, D]", 4, floats);
-  check_tensor(v_in, "tree_attention: v [B, Hkv, S, D]", 4, floats);
-  check_tensor(tree_mask_in, "tree_attention: tree_mask [B, N, W]", 3, {at::kLong});
-  check_tensor(kv_lens_in, "tree_attention: kv_lens [B]", 1, {at::kLong});
-  check_same_device(q_in, k_in, "q", "tree_attention: k");
-  check_same_device(q_in, v_in, "q", "tree_attention: v");
-  check_same_device(q_in, tree_mask_in, "q", "tree_attention: tree_mask");
-  check_same_device(q_in, kv_lens_in, "q", "tree_attention: kv_lens");
-  TORCH_CHECK(k_in.scalar_type() == q_in.scalar_type() && v_in.scalar_type() == q_in.scalar_type(),
-              "taps_ops: tree_attention: q, k and v must have one dtype, got ", q_in.scalar_type(), ", ",
-              k_in.scalar_type(), ", ", v_in.scalar_type());
+  taps::check_tree_attention_inputs(q_in, k_in, v_in, tree_mask_in, kv_lens_in, scale);
   const int64_t batch = q_in.size(0), heads_q = q_in.size(1), num_nodes = q_in.size(2), head_dim = q_in.size(3);
   const int64_t heads_kv = k_in.size(1), cache_len = k_in.size(2);
-  check_size(k_in, 0, batch, "tree_attention: k", "B");
-  check_size(k_in, 3, head_dim, "tree_attention: k", "D (q's head dim)");
-  TORCH_CHECK(v_in.sizes() == k_in.sizes(), "taps_ops: tree_attention: v must have k's shape ", k_in.sizes(),
-              ", got ", v_in.sizes());
-  TORCH_CHECK(heads_kv > 0 && heads_q % heads_kv == 0, "taps_ops: tree_attention: Hq = ", heads_q,
-              " must be a multiple of Hkv = ", heads_kv);
-  check_size(tree_mask_in, 0, batch, "tree_attention: tree_mask", "B");
-  check_size(tree_mask_in, 1, num_nodes, "tree_attention: tree_mask", "N");
-  TORCH_CHECK(tree_mask_in.size(2) >= taps::ceil_div(num_nodes, 64), "taps_ops: tree_attention: tree_mask needs ",
-              "at least ceil(N / 64) = ", taps::ceil_div(num_nodes, 64), " words per row, got shape ",
-              tree_mask_in.sizes());
-  check_size(kv_lens_in, 0, batch, "tree_attention: kv_lens", "B");
-  TORCH_CHECK(std::isfinite(scale), "taps_ops: tree_attention: scale must be finite, got ", scale);
 
   const at::Tensor kv_lens = kv_lens_in.contiguous();
   const int64_t* lens = kv_lens.data_ptr<int64_t>();

@@ -122,23 +122,21 @@ struct CpuOps {
 };
 
 template <typename scalar_t, typename prob_t>
-void verify_cpu_impl(const at::Tensor& logits, const at::Tensor& tokens, const at::Tensor& parents,
-                     const at::Tensor& temperature, const at::Tensor& top_k, const at::Tensor& top_p,
-                     const at::Tensor* draft_probs, const at::Tensor& uniforms, bool validate, at::Tensor& out_tokens,
-                     at::Tensor& num_accepted, at::Tensor& path, at::Tensor& errors) {
-  const int64_t batch = logits.size(0), n = logits.size(1), vocab = logits.size(2);
-  const scalar_t* lg = logits.data_ptr<scalar_t>();
-  const prob_t* dp = draft_probs ? draft_probs->data_ptr<prob_t>() : nullptr;
-  const int64_t* tk = tokens.data_ptr<int64_t>();
-  const int64_t* pr = parents.data_ptr<int64_t>();
-  const float* temp = temperature.data_ptr<float>();
-  const int64_t* topk = top_k.data_ptr<int64_t>();
-  const float* topp = top_p.data_ptr<float>();
-  const float* uni = uniforms.data_ptr<float>();
-  int64_t* o_tok = out_tokens.data_ptr<int64_t>();
-  int64_t* o_acc = num_accepted.data_ptr<int64_t>();
-  int64_t* o_path = path.data_ptr<int64_t>();
-  int32_t* o_err = errors.data_ptr<int32_t>();
+void verify_cpu_impl(const VerifyCall& c) {
+  const int64_t batch = c.logits.size(0), n = c.logits.size(1), vocab = c.logits.size(2);
+  const bool validate = c.validate;
+  const scalar_t* lg = c.logits.data_ptr<scalar_t>();
+  const prob_t* dp = c.draft_probs.defined() ? c.draft_probs.data_ptr<prob_t>() : nullptr;
+  const int64_t* tk = c.tokens.data_ptr<int64_t>();
+  const int64_t* pr = c.parents.data_ptr<int64_t>();
+  const float* temp = c.temperature.data_ptr<float>();
+  const int64_t* topk = c.top_k.data_ptr<int64_t>();
+  const float* topp = c.top_p.data_ptr<float>();
+  const float* uni = c.uniforms.data_ptr<float>();
+  int64_t* o_tok = c.out_tokens.data_ptr<int64_t>();
+  int64_t* o_acc = c.num_accepted.data_ptr<int64_t>();
+  int64_t* o_path = c.path.data_ptr<int64_t>();
+  int32_t* o_err = c.errors.data_ptr<int32_t>();
 
   at::parallel_for(0, batch, 1, [&](int64_t begin, int64_t end) {
     std::vector<int32_t> ints(static_cast<size_t>(4 * n));
@@ -180,39 +178,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> verify_tree_cpu(
     const std::optional<at::Tensor>& draft_probs_in, const at::Tensor& uniforms_in, bool validate) {
   check_verify_inputs(logits_in, tokens_in, parents_in, temperature_in, top_k_in, top_p_in, draft_probs_in,
                       uniforms_in);
-  const at::Tensor logits = logits_in.contiguous(), tokens = tokens_in.contiguous(),
-                   parents = parents_in.contiguous(), temperature = temperature_in.contiguous(),
-                   top_k = top_k_in.contiguous(), top_p = top_p_in.contiguous(), uniforms = uniforms_in.contiguous();
-  at::Tensor draft_probs;
-  if (draft_probs_in.has_value()) draft_probs = draft_probs_in->contiguous();
-  const int64_t batch = logits.size(0), n = logits.size(1);
-  auto i64 = logits.options().dtype(at::kLong);
-  at::Tensor out_tokens = at::full({batch, n}, -1, i64);
-  at::Tensor path = at::full({batch, n}, -1, i64);
-  at::Tensor num_accepted = at::zeros({batch}, i64);
-  at::Tensor errors = at::zeros({batch}, logits.options().dtype(at::kInt));
-  if (batch == 0 || n == 0) return {out_tokens, num_accepted, path};
-
-  auto run = [&](auto logit_tag) {
-    using logit_t = decltype(logit_tag);
-    if (!draft_probs.defined()) {
-      verify_cpu_impl<logit_t, float>(logits, tokens, parents, temperature, top_k, top_p, nullptr, uniforms, validate,
-                                      out_tokens, num_accepted, path, errors);
-    } else if (draft_probs.scalar_type() == at::kFloat) {
-      verify_cpu_impl<logit_t, float>(logits, tokens, parents, temperature, top_k, top_p, &draft_probs, uniforms,
-                                      validate, out_tokens, num_accepted, path, errors);
-    } else {  // the dtype of logits (checked)
-      verify_cpu_impl<logit_t, logit_t>(logits, tokens, parents, temperature, top_k, top_p, &draft_probs, uniforms,
-                                        validate, out_tokens, num_accepted, path, errors);
-    }
-  };
-  switch (logits.scalar_type()) {
-    case at::kFloat: run(float{}); break;
-    case at::kBFloat16: run(c10::BFloat16{}); break;
-    default: run(c10::Half{}); break;  // the dtypes were checked
-  }
-  if (validate) raise_verify_error(errors);
-  return {out_tokens, num_accepted, path};
+  const VerifyCall call = VerifyCall::prepare(logits_in, tokens_in, parents_in, temperature_in, top_k_in, top_p_in,
+                                              draft_probs_in, uniforms_in, validate);
+  if (logits_in.size(0) == 0 || logits_in.size(1) == 0) return call.outputs();
+  call.dispatch([&]<typename logit_t, typename prob_t>() { verify_cpu_impl<logit_t, prob_t>(call); });
+  if (validate) raise_verify_error(call.errors);
+  return call.outputs();
 }
 
 }  // namespace

@@ -16,6 +16,7 @@
 #include <cstdint>
 #include <string>
 
+#include "attention_checks.h"
 #include "checks.h"
 #include "taps/attention.h"
 
@@ -32,31 +33,12 @@ void launch_unit(const at::Tensor& c, int64_t unit_elems, int64_t cache_len, con
 }
 
 void compact_kv_cuda(at::TensorList caches, const at::Tensor& path_in, const at::Tensor& prefix_lens_in) {
-  using taps::check_size;
-  using taps::check_tensor;
-  check_tensor(path_in, "compact_kv: path [B, P]", 2, {at::kLong});
-  check_tensor(prefix_lens_in, "compact_kv: prefix_lens [B]", 1, {at::kLong});
+  taps::check_compact_kv_path(path_in, prefix_lens_in);
   const int64_t batch = path_in.size(0), cols = path_in.size(1);
-  check_size(prefix_lens_in, 0, batch, "compact_kv: prefix_lens", "B (path's batch)");
-  taps::check_same_device(path_in, prefix_lens_in, "path", "compact_kv: prefix_lens");
   TORCH_CHECK(batch <= 65535, "taps_ops: compact_kv: B = ", batch, " exceeds the CUDA grid limit 65535");
-  int64_t cache_len = -1;
-  for (size_t t = 0; t < caches.size(); ++t) {
-    const at::Tensor& c = caches[t];
-    const std::string name = "compact_kv: caches[" + std::to_string(t) + "] [B, H, S, D]";
-    TORCH_CHECK(c.defined(), "taps_ops: ", name, " is undefined");
-    TORCH_CHECK(c.dim() == 4, "taps_ops: ", name, " must have 4 dimensions, got shape ", c.sizes());
-    TORCH_CHECK(c.is_floating_point(), "taps_ops: ", name, " must have a floating dtype, got ", c.scalar_type());
-    taps::check_same_device(path_in, c, "path", name.c_str());
-    TORCH_CHECK(c.size(0) == batch, "taps_ops: ", name, " dimension 0 must be B = ", batch, ", got shape ",
-                c.sizes());
-    TORCH_CHECK(c.size(3) <= 1 || c.stride(3) == 1, "taps_ops: ", name,
-                " must have a contiguous last dimension (it is updated in place), got strides ", c.strides());
-    TORCH_CHECK(cache_len < 0 || c.size(2) == cache_len, "taps_ops: ", name, " has S = ", c.size(2),
-                " but caches[0] has S = ", cache_len, "; all caches must have one length");
-    TORCH_CHECK(c.size(1) <= 65535, "taps_ops: ", name, " H exceeds the CUDA grid limit 65535");
-    cache_len = c.size(2);
-  }
+  const int64_t cache_len = taps::check_compact_kv_caches(caches, path_in, batch);
+  for (size_t t = 0; t < caches.size(); ++t)
+    TORCH_CHECK(caches[t].size(1) <= 65535, "taps_ops: compact_kv: caches[", t, "] H exceeds the CUDA grid limit 65535");
   c10::cuda::CUDAGuard guard(path_in.device());
   const at::Tensor path = path_in.contiguous(), prefix_lens = prefix_lens_in.contiguous();
   if (batch == 0 || cols == 0) return;

@@ -35,19 +35,17 @@ int cluster_size_for(int64_t batch, int64_t vocab) {
 }
 
 template <typename logit_t, typename prob_t>
-void launch(const at::Tensor& logits, const at::Tensor* draft_probs, const at::Tensor& tokens,
-            const at::Tensor& parents, const at::Tensor& uniforms, const at::Tensor& temperature,
-            const at::Tensor& top_k, const at::Tensor& top_p, bool validate, at::Tensor& out_tokens,
-            at::Tensor& num_accepted, at::Tensor& path, at::Tensor& errors) {
+void launch(const VerifyCall& c) {
   // The kernel templates take torch's element types (c10::BFloat16 / c10::Half convert to float on the
   // device; torch builds with the CUDA types' own conversions switched off).
   verify_cuda::VerifyArgs<logit_t, prob_t> a{
-      logits.data_ptr<logit_t>(), draft_probs ? draft_probs->data_ptr<prob_t>() : nullptr,
-      tokens.data_ptr<int64_t>(), parents.data_ptr<int64_t>(), uniforms.data_ptr<float>(),
-      temperature.data_ptr<float>(), top_k.data_ptr<int64_t>(), top_p.data_ptr<float>(),
-      logits.size(0), logits.size(1), logits.size(2), validate, cluster_size_for(logits.size(0), logits.size(2)),
-      out_tokens.data_ptr<int64_t>(), num_accepted.data_ptr<int64_t>(), path.data_ptr<int64_t>(),
-      errors.data_ptr<int32_t>()};
+      c.logits.data_ptr<logit_t>(), c.draft_probs.defined() ? c.draft_probs.data_ptr<prob_t>() : nullptr,
+      c.tokens.data_ptr<int64_t>(), c.parents.data_ptr<int64_t>(), c.uniforms.data_ptr<float>(),
+      c.temperature.data_ptr<float>(), c.top_k.data_ptr<int64_t>(), c.top_p.data_ptr<float>(),
+      c.logits.size(0), c.logits.size(1), c.logits.size(2), c.validate,
+      cluster_size_for(c.logits.size(0), c.logits.size(2)),
+      c.out_tokens.data_ptr<int64_t>(), c.num_accepted.data_ptr<int64_t>(), c.path.data_ptr<int64_t>(),
+      c.errors.data_ptr<int32_t>()};
   C10_CUDA_CHECK(verify_cuda::launch_verify_tree(a, at::cuda::getCurrentCUDAStream()));
 }
 
@@ -61,36 +59,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> verify_tree_cuda(
               verify_cuda::kMaxNodes, " nodes, got N = ", logits_in.size(1));
   TORCH_CHECK(logits_in.size(0) < (int64_t(1) << 31), "taps_ops: verify_tree: batch too large for one launch");
   const c10::cuda::CUDAGuard guard(logits_in.device());
-  const at::Tensor logits = logits_in.contiguous(), tokens = tokens_in.contiguous(),
-                   parents = parents_in.contiguous(), temperature = temperature_in.contiguous(),
-                   top_k = top_k_in.contiguous(), top_p = top_p_in.contiguous(), uniforms = uniforms_in.contiguous();
-  at::Tensor draft_probs;
-  if (draft_probs_in.has_value()) draft_probs = draft_probs_in->contiguous();
-  const int64_t batch = logits.size(0), n = logits.size(1);
-  auto i64 = logits.options().dtype(at::kLong);
-  at::Tensor out_tokens = at::full({batch, n}, -1, i64);
-  at::Tensor path = at::full({batch, n}, -1, i64);
-  at::Tensor num_accepted = at::zeros({batch}, i64);
-  at::Tensor errors = at::zeros({batch}, logits.options().dtype(at::kInt));
-  if (batch == 0) return {out_tokens, num_accepted, path};
-  auto run = [&](auto logit_tag) {
-    using logit_t = decltype(logit_tag);
-    const at::Tensor* dp = draft_probs.defined() ? &draft_probs : nullptr;
-    if (dp == nullptr || draft_probs.scalar_type() == at::kFloat) {
-      launch<logit_t, float>(logits, dp, tokens, parents, uniforms, temperature, top_k, top_p, validate, out_tokens,
-                             num_accepted, path, errors);
-    } else {  // the dtype of logits (checked)
-      launch<logit_t, logit_t>(logits, dp, tokens, parents, uniforms, temperature, top_k, top_p, validate,
-                               out_tokens, num_accepted, path, errors);
-    }
-  };
-  switch (logits.scalar_type()) {
-    case at::kFloat: run(float{}); break;
-    case at::kBFloat16: run(c10::BFloat16{}); break;
-    default: run(c10::Half{}); break;  // the dtypes were checked
-  }
-  if (validate) raise_verify_error(errors);  // one device sync
-  return {out_tokens, num_accepted, path};
+  const VerifyCall call = VerifyCall::prepare(logits_in, tokens_in, parents_in, temperature_in, top_k_in, top_p_in,
+                                              draft_probs_in, uniforms_in, validate);
+  if (logits_in.size(0) == 0) return call.outputs();
+  call.dispatch([&]<typename logit_t, typename prob_t>() { launch<logit_t, prob_t>(call); });
+  if (validate) raise_verify_error(call.errors);  // one device sync
+  return call.outputs();
 }
 
 }  // namespace
