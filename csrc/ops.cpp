@@ -35,7 +35,10 @@ TORCH_LIBRARY(taps_ops, m) {
       "merge_trees(Tensor tokens, Tensor parents, Tensor scores, int num_nodes, Tensor? weights) "
       "-> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)");
   // q [B, Hq, N, D]; k, v [B, Hkv, S, D]; tree_mask [B, N, W] i64; kv_lens [B] i64 -> out [B, Hq, N, D]
-  m.def("tree_attention(Tensor q, Tensor k, Tensor v, Tensor tree_mask, Tensor kv_lens, float scale) -> Tensor");
+  // validate=False skips the kv_lens range check (a device sync on CUDA); the kernels clamp anyway.
+  m.def(
+      "tree_attention(Tensor q, Tensor k, Tensor v, Tensor tree_mask, Tensor kv_lens, float scale, "
+      "bool validate=True) -> Tensor");
   // caches: per layer K and V tensors [B, H, S, D], updated in place; path [B, P] i64 (-1 padded,
   // path[:, 0] == 0); prefix_lens [B] i64: cache position of tree node i is prefix_lens[b] + i.
   m.def("compact_kv(Tensor(a!)[] caches, Tensor path, Tensor prefix_lens) -> ()");

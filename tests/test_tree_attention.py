@@ -153,3 +153,18 @@ def test_default_scale():
     a = taps_ops.tree_attention(q, k, v, mask, kv_lens)
     b = taps_ops.tree_attention(q, k, v, mask, kv_lens, 1 / math.sqrt(64))
     assert torch.equal(a, b)
+
+
+def test_validate_false_same_result_and_opcheck(device):
+    q, k, v, mask, kv_lens = make_inputs(2, 4, 2, 7, 64, 40, torch.float32, device)
+    a = taps_ops.tree_attention(q, k, v, mask, kv_lens)
+    b = taps_ops.tree_attention(q, k, v, mask, kv_lens, validate=False)
+    assert torch.equal(a, b)
+    torch.library.opcheck(torch.ops.taps_ops.tree_attention.default, (q, k, v, mask, kv_lens, 0.125, False))
+
+
+def test_validate_false_still_checks_on_cpu():
+    # The CPU check costs no device sync, so the CPU kernel keeps it even with validate=False.
+    q, k, v, mask, kv_lens = make_inputs(2, 4, 2, 7, 64, 40, torch.float32, "cpu")
+    with pytest.raises(RuntimeError, match="kv_lens"):
+        taps_ops.tree_attention(q, k, v, mask, kv_lens * 0 + 2, validate=False)

@@ -530,7 +530,8 @@ void run(const Problem<T>& p) {
 }
 
 at::Tensor tree_attention_cpu(const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in,
-                              const at::Tensor& tree_mask_in, const at::Tensor& kv_lens_in, double scale) {
+                              const at::Tensor& tree_mask_in, const at::Tensor& kv_lens_in, double scale,
+                              bool /*validate: the CPU always checks kv_lens (no sync to save)*/) {
   taps::check_tree_attention_inputs(q_in, k_in, v_in, tree_mask_in, kv_lens_in, scale);
   const int64_t batch = q_in.size(0), heads_q = q_in.size(1), num_nodes = q_in.size(2), head_dim = q_in.size(3);
   const int64_t heads_kv = k_in.size(1), cache_len = k_in.size(2);

@@ -38,7 +38,8 @@ void dispatch_head_dim(const taps::TreeAttentionParams& p, int64_t head_dim, cud
 }
 
 at::Tensor tree_attention_cuda(const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in,
-                               const at::Tensor& tree_mask_in, const at::Tensor& kv_lens_in, double scale) {
+                               const at::Tensor& tree_mask_in, const at::Tensor& kv_lens_in, double scale,
+                               bool validate) {
   taps::check_tree_attention_inputs(q_in, k_in, v_in, tree_mask_in, kv_lens_in, scale);
   const int64_t batch = q_in.size(0), heads_q = q_in.size(1), num_nodes = q_in.size(2), head_dim = q_in.size(3);
   const int64_t heads_kv = k_in.size(1), cache_len = k_in.size(2);
@@ -46,7 +47,7 @@ at::Tensor tree_attention_cuda(const at::Tensor& q_in, const at::Tensor& k_in, c
 
   c10::cuda::CUDAGuard guard(q_in.device());
   const at::Tensor kv_lens = kv_lens_in.contiguous();
-  if (batch > 0) {  // the one device sync of this op (see the file comment)
+  if (validate && batch > 0) {  // the one device sync of this op (see the file comment)
     const bool bad = at::logical_or(kv_lens < num_nodes, kv_lens > cache_len).any().item<bool>();
     TORCH_CHECK(!bad, "taps_ops: tree_attention: every kv_lens[b] must be in [N, S] = [", num_nodes, ", ",
                 cache_len, "], got ", kv_lens.cpu());

@@ -79,6 +79,7 @@ class _ForwardContext(NamedTuple):
     tree_mask: Optional[Tensor]  # [B, N, W] int64 ancestor bitmask; None: causal (sdpa) attention
     kv_lens: Optional[Tensor]    # [B] int64, prefix length + N (tree forwards only)
     max_kv_len: int              # the longest context any query sees, known on the host
+    validate: bool = True        # taps_ops.tree_attention's kv_lens check (a device sync per layer on CUDA)
 
 
 _CONTEXT: contextvars.ContextVar[Optional[_ForwardContext]] = contextvars.ContextVar(
@@ -95,7 +96,8 @@ def _forward_context(ctx: _ForwardContext) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def tree_attention_context(tree_mask: Tensor, kv_lens: Tensor, max_kv_len: Optional[int] = None) -> Iterator[None]:
+def tree_attention_context(tree_mask: Tensor, kv_lens: Tensor, max_kv_len: Optional[int] = None,
+                           validate: bool = True) -> Iterator[None]:
     """Within this context the ``"taps"`` attention runs tree attention instead of sdpa.
 
     Args:
@@ -104,10 +106,12 @@ def tree_attention_context(tree_mask: Tensor, kv_lens: Tensor, max_kv_len: Optio
             returns, the last N of them the tree nodes 0..N-1 (see :func:`taps_ops.tree_attention`).
         max_kv_len: max(kv_lens) if the caller knows it (saves a device sync); used only to check that
             a sliding-window layer's window covers every key.
+        validate: let every layer's tree_attention check kv_lens (on CUDA one device sync per layer);
+            False when the caller has checked N <= kv_lens <= S once, as tree_verify_forward does.
     """
     if max_kv_len is None:
         max_kv_len = int(kv_lens.max()) if kv_lens.numel() else 0
-    with _forward_context(_ForwardContext(tree_mask, kv_lens, int(max_kv_len))):
+    with _forward_context(_ForwardContext(tree_mask, kv_lens, int(max_kv_len), validate)):
         yield
 
 
@@ -142,7 +146,7 @@ def taps_attention_forward(module: torch.nn.Module, query: Tensor, key: Tensor, 
     if query.shape[2] != ctx.tree_mask.shape[1]:
         raise ValueError(f"taps attention: {query.shape[2]} query tokens but the tree context has "
                          f"{ctx.tree_mask.shape[1]} nodes")
-    out = taps_ops.tree_attention(query, key, value, ctx.tree_mask, ctx.kv_lens, scaling)
+    out = taps_ops.tree_attention(query, key, value, ctx.tree_mask, ctx.kv_lens, scaling, validate=ctx.validate)
     return out.transpose(1, 2).contiguous(), None
 
 
@@ -412,7 +416,9 @@ def tree_verify_forward(model, cache: TreeKVCache, tree_tokens: Tensor, tree_mas
     device = cache.lengths.device
     prefix = cache.lengths if prefix_lens is None else prefix_lens.to(device=device, dtype=torch.int64)
     kv_lens = prefix + num_nodes
-    max_kv_len = int(kv_lens.max())
+    min_kv_len, max_kv_len = (int(x) for x in torch.stack(torch.aminmax(kv_lens)).tolist())  # one sync
+    if min_kv_len < num_nodes:
+        raise ValueError("taps.hf.tree_verify_forward: prefix_lens must be >= 0")
     if max_kv_len > cache.max_len:
         raise ValueError(f"taps.hf.tree_verify_forward: {max_kv_len} positions needed, the cache holds "
                          f"{cache.max_len}")
@@ -421,7 +427,8 @@ def tree_verify_forward(model, cache: TreeKVCache, tree_tokens: Tensor, tree_mas
     # A 4D placeholder so that transformers builds no mask of its own; the hook uses tree_mask.
     placeholder = torch.ones((1, 1, 1, 1), dtype=torch.bool, device=device).expand(
         batch, 1, num_nodes, cache.max_len)
-    with cache._writing(write_positions, None), tree_attention_context(tree_mask.to(device), kv_lens, max_kv_len):
+    with cache._writing(write_positions, None), tree_attention_context(tree_mask.to(device), kv_lens, max_kv_len,
+                                                                        validate=False):
         hidden = _run_decoder(model, cache, tree_tokens.clamp_min(0).to(device), positions, placeholder)
     logits = _lm_head(model)(hidden)
     return ForwardOutput(logits, hidden if return_hidden else None)

@@ -234,6 +234,8 @@ def tree_attention(
     tree_mask: Tensor,
     kv_lens: Tensor,
     scale: Optional[float] = None,
+    *,
+    validate: bool = True,
 ) -> Tensor:
     """Attention of N tree queries over each request's prefix plus the tree nodes.
 
@@ -244,6 +246,9 @@ def tree_attention(
         kv_lens: [B] int64; request b's keys are k[b, :, :kv_lens[b]], the last N of them tree nodes
             0..N-1, the rest a fully visible prefix. N <= kv_lens[b] <= S.
         scale: softmax scale, default 1 / sqrt(D).
+        validate: check N <= kv_lens[b] <= S (one device sync on CUDA; always checked on the CPU, where it
+            is free). With False the CUDA kernel clamps kv_lens into range instead of raising: for hot
+            loops and CUDA graphs where the caller guarantees the lengths.
 
     Returns:
         out [B, Hq, N, D] in q's dtype (float32 accumulation).
@@ -252,7 +257,7 @@ def tree_attention(
     """
     if scale is None:
         scale = 1.0 / math.sqrt(q.shape[-1])
-    return torch.ops.taps_ops.tree_attention.default(q, k, v, tree_mask, kv_lens, float(scale))
+    return torch.ops.taps_ops.tree_attention.default(q, k, v, tree_mask, kv_lens, float(scale), validate)
 
 
 def compact_kv(caches: Sequence[Tensor], path: Tensor, prefix_lens: Tensor) -> None:
