@@ -224,10 +224,7 @@ class ModelDrafter(Drafter):
         self._root_logits = hf.prefill(self.model, self.cache, tokens.clamp_min(0), num_new).logits
 
     def forward_nodes(self, tokens, parent_slot, write_pos, rope_pos, mask, level):
-        cache = self.cache
-        span = mask.shape[-1]
-        with cache._writing(write_pos, span), hf._forward_context(hf._ForwardContext(None, None, span)):
-            hidden = hf._run_decoder(self.model, cache, tokens, rope_pos, mask)
+        hidden = hf.masked_forward(self.model, self.cache, tokens, write_pos, rope_pos, mask)
         return self.model.get_output_embeddings()(hidden)
 
     def clone(self) -> "ModelDrafter":

@@ -62,7 +62,7 @@ except ImportError:  # pragma: no cover - older transformers
     sdpa_mask = None
 
 __all__ = [
-    "TAPS_ATTENTION", "register_taps_attention", "use_taps_attention", "tree_attention_context",
+    "TAPS_ATTENTION", "register_taps_attention", "use_taps_attention", "tree_attention_context", "masked_forward",
     "taps_attention_forward", "TreeKVCache", "ForwardOutput", "prefill", "tree_verify_forward",
     "compact_cache",
 ]
@@ -354,6 +354,25 @@ def _check_model(model) -> None:
                          "use_taps_attention(model) or load it with attn_implementation='taps'")
 
 
+def masked_forward(model, cache: TreeKVCache, input_ids: Tensor, write_positions: Tensor, position_ids: Tensor,
+                   mask: Tensor) -> Tensor:
+    """One decoder forward with an explicit attention mask (the building block of prefill and of drafters'
+    tree expansion).
+
+    Args:
+        input_ids: [B, T] tokens; write_positions: [B, T] cache position each token's K/V is written to;
+        position_ids: [B, T] rotary positions; mask: [B, 1, T, S] bool, True = query t sees key s, over
+        the first S cache positions (S <= cache.max_len).
+
+    Returns:
+        hidden [B, T, H]: the final normalised hidden states (apply the model's lm_head for logits).
+        cache.lengths is not changed.
+    """
+    kv_span = int(mask.shape[-1])
+    with cache._writing(write_positions, kv_span), _forward_context(_ForwardContext(None, None, kv_span)):
+        return _run_decoder(model, cache, input_ids, position_ids, mask)
+
+
 def prefill(model, cache: TreeKVCache, input_ids: Tensor, num_new: Optional[Tensor] = None, *,
             all_logits: bool = False, return_hidden: bool = False) -> ForwardOutput:
     """Append tokens to every request of the cache with causal attention (a prompt, or a decode step).
@@ -382,8 +401,7 @@ def prefill(model, cache: TreeKVCache, input_ids: Tensor, num_new: Optional[Tens
         raise ValueError(f"taps.hf.prefill: {kv_span} positions needed, the cache holds {cache.max_len}")
     # Causal in each request's own positions: key j is visible to new token t iff j <= lengths[b] + t.
     mask = (torch.arange(kv_span, device=device) <= positions.unsqueeze(-1)).unsqueeze(1)  # [B, 1, T, S]
-    with cache._writing(positions, kv_span), _forward_context(_ForwardContext(None, None, kv_span)):
-        hidden = _run_decoder(model, cache, input_ids.clamp_min(0).to(device), positions, mask)
+    hidden = masked_forward(model, cache, input_ids.clamp_min(0).to(device), positions, positions, mask)
     lengths.add_(num_new)
     if all_logits:
         logits = _lm_head(model)(hidden)
