@@ -33,6 +33,23 @@ def _seed():
     yield
 
 
+def tree_lists(tree):
+    """The fields of a build_tree / merge_trees output as nested Python lists."""
+    return [t.cpu().tolist() for t in tree]
+
+
+def assert_literal_tree(tree, tokens, parents, depth, mask, scores, last):
+    """Compare a one-request tree with literal lists (mask: one int per row, < 2**63; `last` is
+    candidate_index for build_tree, source for merge_trees)."""
+    got = tree_lists(tree)
+    assert got[0] == [tokens]
+    assert got[1] == [parents]
+    assert got[2] == [depth]
+    assert got[3] == [[[m] for m in mask]]
+    assert got[4] == [pytest.approx(scores)]
+    assert got[5] == [last]
+
+
 def check_tree_invariants(tree, last_field_padding: int = -1) -> None:
     """Assert the tree format of DESIGN.md on a build_tree / merge_trees output: real nodes first with
     topological parents, depth = parent's depth + 1, the ancestor bitmask consistent with the parents,

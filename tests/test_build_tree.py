@@ -8,7 +8,7 @@ import torch
 import taps_ops
 from taps_ops.reference import build_tree_ref
 
-from conftest import check_tree_invariants, cuda_available
+from conftest import assert_literal_tree as _assert_tree, check_tree_invariants, cuda_available, tree_lists as _lists
 
 BAD_INPUT = (RuntimeError, ValueError, TypeError, IndexError)
 NEG_INF = float("-inf")
@@ -17,21 +17,6 @@ NEG_INF = float("-inf")
 def _build(device, scores, tokens, parents, num_nodes, root_tokens=None):
     to = (lambda t: None if t is None else t.to(device))
     return taps_ops.build_tree(to(scores), to(tokens), to(parents), num_nodes, to(root_tokens))
-
-
-def _lists(tree):
-    return [t.cpu().tolist() for t in tree]
-
-
-def _assert_tree(tree, tokens, parents, depth, mask, scores, candidate_index):
-    """Compare one request's tree with literal lists (mask: one int per row, < 2**63)."""
-    got = _lists(tree)
-    assert got[0] == [tokens]
-    assert got[1] == [parents]
-    assert got[2] == [depth]
-    assert got[3] == [[[m] for m in mask]]
-    assert got[4] == [pytest.approx(scores)]
-    assert got[5] == [candidate_index]
 
 
 def _t(values, dtype=torch.int64):

@@ -10,7 +10,7 @@ import torch
 import taps_ops
 from taps_ops.reference import build_tree_ref, merge_trees_ref
 
-from conftest import check_tree_invariants, cuda_available
+from conftest import assert_literal_tree as _assert_tree, check_tree_invariants, cuda_available, tree_lists as _lists
 
 BAD_INPUT = (RuntimeError, ValueError, TypeError, IndexError)
 NEG_INF = float("-inf")
@@ -20,19 +20,6 @@ def _merge(device, tokens, parents, scores, num_nodes=None, weights=None):
     return taps_ops.merge_trees(tokens.to(device), parents.to(device), scores.to(device), num_nodes,
                                 None if weights is None else weights.to(device))
 
-
-def _lists(tree):
-    return [t.cpu().tolist() for t in tree]
-
-
-def _assert_tree(tree, tokens, parents, depth, mask, scores, source):
-    got = _lists(tree)
-    assert got[0] == [tokens]
-    assert got[1] == [parents]
-    assert got[2] == [depth]
-    assert got[3] == [[[m] for m in mask]]
-    assert got[4] == [pytest.approx(scores)]
-    assert got[5] == [source]
 
 
 # two trees over one root (token 0):
