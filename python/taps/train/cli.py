@@ -3,6 +3,8 @@
     taps train tokenizer [--out models/tokenizer] [--vocab-size 8192] [--seed 0]
     taps train target    [--tokenizer models/tokenizer] [--out models/target] [--run-dir runs/target]
                          [--preset 5m] [--tokens 10000000] [--device auto] ...
+    taps train drafter   --family eagle2|hass --data math|chat|mixed [--tokens 1000000] [--name NAME] ...
+    taps train average   models/drafters/A models/drafters/B --out models/drafters/A-B-avg
 
 ``add_train_subcommands(subparsers)`` registers them under a ``train`` command of an argparse
 sub-parser set; ``python -m taps.train ...`` runs the same commands without the main CLI.
@@ -42,8 +44,23 @@ def _target(args) -> int:
     return 0
 
 
+def _drafter(args) -> int:
+    from .drafter import DrafterTrainConfig, train_drafter
+
+    cfg = DrafterTrainConfig(**{k: getattr(args, k) for k in DrafterTrainConfig.field_names() if hasattr(args, k)})
+    train_drafter(cfg)
+    return 0
+
+
+def _average(args) -> int:
+    from .drafter import average_checkpoints
+
+    average_checkpoints(args.inputs, args.out, args.target)
+    return 0
+
+
 def add_train_subcommands(subparsers) -> argparse.ArgumentParser:
-    """Register ``train tokenizer`` and ``train target`` on ``subparsers`` (from add_subparsers())."""
+    """Register ``train tokenizer|target|drafter|average`` on ``subparsers`` (from add_subparsers())."""
     from pathlib import Path
 
     train = subparsers.add_parser("train", help="train the tokenizer and the target model from the offline data")
@@ -64,6 +81,19 @@ def add_train_subcommands(subparsers) -> argparse.ArgumentParser:
     g = sub.add_parser("target", help="train the target causal LM (resumable; rerun the same command to continue)")
     add_target_arguments(g)
     g.set_defaults(func=_target)
+
+    from .drafter import add_drafter_arguments
+
+    dr = sub.add_parser("drafter", help="train an EAGLE-style drafter on the target's features (eagle2 or hass "
+                                        "objective; resumable)")
+    add_drafter_arguments(dr)
+    dr.set_defaults(func=_drafter)
+
+    av = sub.add_parser("average", help="weight-space mean of drafter checkpoints")
+    av.add_argument("inputs", type=Path, nargs="+", help="drafter folders (same shapes)")
+    av.add_argument("--out", type=Path, required=True)
+    av.add_argument("--target", type=Path, default=REPO_ROOT / "models" / "target")
+    av.set_defaults(func=_average)
     return train
 
 

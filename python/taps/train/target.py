@@ -301,6 +301,28 @@ def _save_checkpoint(path: Path, model, opt, step: int, tokens_seen: int, cfg: T
     os.replace(tmp, path)
 
 
+def resume(ckpt: Path, log: Path, model, opt, cfg, device, tag: str, total_steps: int):
+    """Load ``ckpt`` (written by :func:`_save_checkpoint` with the same ``cfg.run_key()``) into model and
+    optimizer, restore the RNG state and cut the log back to its step; without a checkpoint, start a
+    fresh log. Returns (step, tokens_seen, elapsed seconds)."""
+    if not ckpt.exists():
+        if log.exists():
+            log.unlink()
+        return 0, 0, 0.0
+    st = torch.load(ckpt, map_location=device, weights_only=True)
+    if st["run_key"] != json.dumps(cfg.run_key(), sort_keys=True):
+        raise RuntimeError(f"{ckpt} belongs to a run with other settings ({st['run_key']}); use another "
+                           "--run-dir or delete it to start over")
+    model.load_state_dict(st["model"])
+    opt.load_state_dict(st["optimizer"])
+    torch.set_rng_state(st["rng_cpu"].cpu())
+    if "rng_cuda" in st and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all([s.cpu() for s in st["rng_cuda"]])
+    _truncate_log(log, st["step"])
+    print(f"{tag} resumed from {ckpt} at step {st['step']}/{total_steps}", flush=True)
+    return st["step"], st["tokens_seen"], st["elapsed"]
+
+
 def _truncate_log(log: Path, step: int) -> None:
     """Drop log lines written after the checkpoint (a run killed between two checkpoints)."""
     if not log.exists():
@@ -339,22 +361,7 @@ def train_target(cfg: TargetTrainConfig, data: Optional[TokenData] = None, tok=N
     opt = make_optimizer(model, cfg)
     n_params = sum(p.numel() for p in model.parameters())
     ckpt, log = run_dir / "checkpoint.pt", run_dir / "log.jsonl"
-    step, tokens_seen, elapsed0 = 0, 0, 0.0
-    if ckpt.exists():
-        st = torch.load(ckpt, map_location=device, weights_only=True)
-        if st["run_key"] != json.dumps(cfg.run_key(), sort_keys=True):
-            raise RuntimeError(f"{ckpt} belongs to a run with other settings ({st['run_key']}); use another "
-                               "--run-dir or delete it to start over")
-        model.load_state_dict(st["model"])
-        opt.load_state_dict(st["optimizer"])
-        step, tokens_seen, elapsed0 = st["step"], st["tokens_seen"], st["elapsed"]
-        torch.set_rng_state(st["rng_cpu"].cpu())
-        if "rng_cuda" in st and torch.cuda.is_available():
-            torch.cuda.set_rng_state_all([s.cpu() for s in st["rng_cuda"]])
-        _truncate_log(log, step)
-        print(f"[train target] resumed from {ckpt} at step {step}/{total_steps}", flush=True)
-    elif log.exists():
-        log.unlink()
+    step, tokens_seen, elapsed0 = resume(ckpt, log, model, opt, cfg, device, "[train target]", total_steps)
     stop_at = min(total_steps, cfg.max_steps) if cfg.max_steps else total_steps
     if step == 0 and not cfg.quiet:
         print(f"[train target] {n_params:,} parameters on {device}; {total_steps} steps of {cfg.batch_size} x "

