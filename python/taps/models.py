@@ -1,0 +1,165 @@
+"""Loading the shipped models: the target and the EAGLE / HASS drafters trained for it.
+
+Layout of the models folder (:data:`MODELS_DIR`, the repository's ``models/``; ``$TAPS_MODELS_DIR``
+overrides it)::
+
+    models/target/                     Hugging Face LlamaForCausalLM folder + tokenizer files + manifest.json
+    models/drafters/<family>-<data>/   config.json + model.safetensors (EagleDrafter.save_pretrained)
+                                       + manifest.json
+
+``family`` is one of :data:`FAMILIES` (``eagle2``, ``hass``), ``data`` one of :data:`DATA_NAMES`
+(``math``, ``chat``, ``mixed``, ``mixed2`` and ``avg``, the weight average of the specialists).
+
+Every manifest.json holds ``"files": {relative path: sha256 hex}`` for the files of its folder (the
+layout :func:`taps.train.tokenizer.file_hashes` writes); :func:`verify_manifest` checks them, and the
+loaders do so by default.
+
+    target, tok = load_target()                      # fp32, eval mode, + ChatTokenizer
+    math = load_drafter("eagle2", "math", target)    # bound to the target
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Dict, List, Optional, Union
+
+import torch
+
+from .train.tokenizer import sha256_file
+
+__all__ = ["MODELS_DIR", "FAMILIES", "DATA_NAMES", "models_dir", "verify_manifest", "load_target",
+           "available_drafters", "drafter_dir", "load_drafter"]
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+#: The models folder as of import time (``$TAPS_MODELS_DIR`` or the repository's ``models/``);
+#: the loaders read the environment again on each call (:func:`models_dir`).
+MODELS_DIR = Path(os.environ.get("TAPS_MODELS_DIR") or REPO_ROOT / "models")
+FAMILIES = ("eagle2", "hass")
+DATA_NAMES = ("math", "chat", "mixed", "mixed2", "avg")
+MANIFEST = "manifest.json"
+
+PathLike = Union[str, os.PathLike]
+
+
+def models_dir() -> Path:
+    """The models folder: ``$TAPS_MODELS_DIR`` when set, else the repository's ``models/``."""
+    return Path(os.environ.get("TAPS_MODELS_DIR") or REPO_ROOT / "models")
+
+
+def _manifest_files(manifest: dict, where: Path) -> Dict[str, str]:
+    """The {relative path: sha256} map of a manifest (``files``; ``sha256`` accepted as an alias;
+    values may also be ``{"sha256": ...}`` objects)."""
+    files = manifest.get("files", manifest.get("sha256"))
+    if not isinstance(files, dict) or not files:
+        raise ValueError(f"{where}: no 'files' map of sha256 digests")
+    out = {}
+    for name, digest in files.items():
+        if isinstance(digest, dict):
+            digest = digest.get("sha256")
+        if not isinstance(digest, str):
+            raise ValueError(f"{where}: entry {name!r} has no sha256 digest")
+        out[str(name)] = digest.lower()
+    return out
+
+
+def verify_manifest(folder: PathLike) -> None:
+    """Recompute the sha256 of every file listed in ``folder/manifest.json``.
+
+    Raises ValueError naming the file when a listed file is missing or its digest differs, and when the
+    manifest itself is missing or malformed. Files not listed (and manifest.json itself) are ignored.
+    """
+    folder = Path(folder)
+    path = folder / MANIFEST
+    if not path.is_file():
+        raise ValueError(f"{path}: manifest missing (load with verify=False to skip the check)")
+    try:
+        manifest = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path}: not valid JSON ({e})") from None
+    if not isinstance(manifest, dict):
+        raise ValueError(f"{path}: expected a JSON object")
+    root = folder.resolve()
+    for name, digest in _manifest_files(manifest, path).items():
+        file = (folder / name).resolve()
+        if root not in file.parents:
+            raise ValueError(f"{path}: entry {name!r} points outside {folder}")
+        if not file.is_file():
+            raise ValueError(f"{folder}: file {name} listed in {MANIFEST} is missing")
+        got = sha256_file(file)
+        if got != digest:
+            raise ValueError(f"{folder}: file {name} does not match {MANIFEST} (sha256 {got[:12]}..., "
+                             f"expected {digest[:12]}...); the file is corrupted or was replaced")
+
+
+def load_target(path: Optional[PathLike] = None, dtype: torch.dtype = torch.float32, verify: bool = True):
+    """Load the target causal LM and its chat tokenizer.
+
+    Args:
+        path: the target folder (default ``models_dir() / "target"``).
+        dtype: the weights' dtype in memory (the shipped weights are bf16; fp32 by default).
+        verify: check the files against manifest.json first (:func:`verify_manifest`).
+    Returns:
+        (model in eval mode, :class:`taps.train.chat.ChatTokenizer`).
+    """
+    from transformers import AutoModelForCausalLM
+
+    from .train.chat import ChatTokenizer
+
+    folder = Path(path) if path is not None else models_dir() / "target"
+    if not (folder / "config.json").is_file():
+        raise FileNotFoundError(f"no target model in {folder} (expected a Hugging Face folder with config.json; "
+                                "train one with `taps train target` or set TAPS_MODELS_DIR)")
+    if verify:
+        verify_manifest(folder)
+    model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=dtype)
+    return model.eval(), ChatTokenizer.from_pretrained(folder)
+
+
+def drafter_dir(family: str, data: str, path: Optional[PathLike] = None) -> Path:
+    """``<drafters folder>/<family>-<data>`` (drafters folder default ``models_dir() / "drafters"``)."""
+    root = Path(path) if path is not None else models_dir() / "drafters"
+    return root / f"{family}-{data}"
+
+
+def available_drafters(path: Optional[PathLike] = None) -> Dict[str, List[str]]:
+    """Drafters present in the drafters folder (default ``models_dir() / "drafters"``): family -> sorted
+    data names, for every ``<family>-<data>`` sub-folder holding a config.json. Families and data names
+    outside :data:`FAMILIES` / :data:`DATA_NAMES` are listed too."""
+    root = Path(path) if path is not None else models_dir() / "drafters"
+    found: Dict[str, List[str]] = {}
+    if not root.is_dir():
+        return found
+    for sub in sorted(root.iterdir()):
+        if not sub.is_dir() or "-" not in sub.name or not (sub / "config.json").is_file():
+            continue
+        family, data = sub.name.split("-", 1)
+        found.setdefault(family, []).append(data)
+    return {f: sorted(d) for f, d in sorted(found.items())}
+
+
+def load_drafter(family: str, data: str, target: torch.nn.Module, path: Optional[PathLike] = None,
+                 verify: bool = True):
+    """Load drafter ``<family>-<data>`` as an :class:`taps.drafters.EagleDrafter` bound to `target` (in
+    the target's dtype and on its device).
+
+    Args:
+        family, data: e.g. ``"eagle2"``, ``"math"``.
+        target: the target model (from :func:`load_target`).
+        path: the drafters folder (default ``models_dir() / "drafters"``).
+        verify: check the files against the drafter's manifest.json first.
+    Raises:
+        FileNotFoundError listing the drafters that are available when this one is not.
+    """
+    from .drafters import EagleDrafter
+
+    folder = drafter_dir(family, data, path)
+    if not (folder / "config.json").is_file():
+        have = available_drafters(folder.parent)
+        listing = ", ".join(f"{f}-{d}" for f, ds in have.items() for d in ds) or "none"
+        raise FileNotFoundError(f"no drafter {family}-{data} in {folder.parent} (available: {listing})")
+    if verify:
+        verify_manifest(folder)
+    dtype = next(target.parameters()).dtype
+    return EagleDrafter.from_pretrained(str(folder), target=target, dtype=dtype)
