@@ -1,4 +1,4 @@
-"""The README's main job, `taps demo`, runs end to end (reduced size)."""
+"""`taps tour` (the kernel tour) runs end to end (reduced size)."""
 
 import pytest
 
@@ -7,8 +7,8 @@ from taps import cli
 pytest.importorskip("transformers")
 
 
-def test_demo_quick(capsys):
-    assert cli.main(["demo", "--quick"]) == 0
+def test_tour_quick(capsys):
+    assert cli.main(["tour", "--quick"]) == 0
     out = capsys.readouterr().out
     for step in ("1. build_tree", "2. merge_trees", "3. verify_tree", "4. lossless check", "5. speed", "6. engine"):
         assert step in out

@@ -1,8 +1,11 @@
 """The `taps` command line.
 
-    taps demo [--quick]     a tour of the kernels: two drafters' trees merged, verified losslessly,
+    taps demo [--quick]     the shipped models: streamed math and chat answers with the accepted draft
+                            tokens marked, then a small acceptance-length table (taps.demo)
+    taps eval ...           the paper's tables over MT-Bench, GSM8K, MATH-500 and SVAMP (taps.eval)
+    taps tour [--quick]     a tour of the kernels: two drafters' trees merged, verified losslessly,
                             the output distribution checked, and the speed against plain PyTorch
-    taps train tokenizer|target ...   reproduce the shipped models (docs/TRAINING.md)
+    taps train tokenizer|target|drafter|average ...   reproduce the shipped models (docs/TRAINING.md)
 """
 
 from __future__ import annotations
@@ -35,7 +38,7 @@ def _synthetic_drafter(batch, depth, top_k, vocab, seed):
     return torch.cat(scores, 1), torch.cat(tokens, 1), torch.cat(parents, 1)
 
 
-def demo(args) -> int:
+def tour(args) -> int:
     import taps_ops
 
     torch.manual_seed(0)
@@ -176,14 +179,28 @@ def _demo_engine(args) -> None:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="taps", description="TAPS speculative decoding")
     sub = ap.add_subparsers(dest="command", required=True)
-    d = sub.add_parser("demo", help="a tour of the kernels")
-    d.add_argument("--quick", action="store_true", help="smaller sizes")
+    from taps.demo import add_demo_arguments
+    from taps.eval import add_eval_arguments
     from taps.train.cli import add_train_subcommands
 
+    d = sub.add_parser("demo", help="the shipped models: streamed answers and a small acceptance-length table")
+    add_demo_arguments(d)
+    e = sub.add_parser("eval", help="acceptance length of every drafter and strategy on the benchmarks")
+    add_eval_arguments(e)
+    t = sub.add_parser("tour", help="a tour of the kernels on synthetic trees and a random Llama")
+    t.add_argument("--quick", action="store_true", help="smaller sizes")
     add_train_subcommands(sub)
     args = ap.parse_args(argv)
     if args.command == "demo":
+        from taps.demo import demo
+
         return demo(args)
+    if args.command == "eval":
+        from taps.eval import run_eval
+
+        return 1 if run_eval(args).get("greedy_mismatches") else 0
+    if args.command == "tour":
+        return tour(args)
     if args.command == "train":
         return args.func(args)
     return 2

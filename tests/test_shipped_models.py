@@ -1,0 +1,86 @@
+"""The shipped models (models/): manifests and sha256, losslessness of speculative greedy decoding with
+every strategy, and the README's main job (`taps demo`, reduced size)."""
+
+import json
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+pytest.importorskip("safetensors")
+
+from taps import models  # noqa: E402
+from taps.decoder import SpeculativeDecoder  # noqa: E402
+from taps.strategies import STRATEGIES  # noqa: E402
+
+FAMILIES = ("eagle2", "hass")
+DATA = ("math", "chat", "mixed", "mixed2", "avg")
+
+
+@pytest.fixture(scope="module")
+def target_and_tok():
+    torch.manual_seed(0)
+    return models.load_target()
+
+
+def test_manifests_and_sha256():
+    root = models.models_dir()
+    folders = [root / "tokenizer", root / "target"] + [root / "drafters" / f"{f}-{d}" for f in FAMILIES for d in DATA]
+    for folder in folders:
+        assert (folder / "manifest.json").is_file(), f"{folder} has no manifest"
+        models.verify_manifest(folder)  # raises on a missing file or a sha256 mismatch
+    total = sum(p.stat().st_size for f in folders for p in f.iterdir() if p.is_file())
+    assert total < 40e6, f"shipped models are {total / 1e6:.1f} MB (limit ~40 MB)"
+
+
+def test_drafter_manifests_record_the_training():
+    target_sha = json.loads((models.models_dir() / "target" / "manifest.json").read_text())["files"]["model.safetensors"]
+    for fam in FAMILIES:
+        for d in ("math", "chat", "mixed", "mixed2"):
+            m = json.loads((models.models_dir() / "drafters" / f"{fam}-{d}" / "manifest.json").read_text())
+            assert m["family"] == fam and m["finished"] and m["tokens_seen"] > 0 and m["steps"] > 0
+            assert m["target_sha256"] == target_sha, f"{fam}-{d} was trained on another target"
+            assert m["seed"] == 0 and "final_heldout" in m and "command" in m
+        mixed, mixed2 = (json.loads((models.models_dir() / "drafters" / f"{fam}-{n}" / "manifest.json").read_text())
+                         for n in ("mixed", "mixed2"))
+        assert abs(mixed2["tokens_seen"] - 2 * mixed["tokens_seen"]) <= 0.01 * mixed2["tokens_seen"]
+        avg = json.loads((models.models_dir() / "drafters" / f"{fam}-avg" / "manifest.json").read_text())
+        assert sorted(avg["inputs"]) == sorted(f"models/drafters/{fam}-{d}" for d in ("math", "chat"))
+
+
+def test_specialists_specialise():
+    """Held-out top-1 agreement with the target: each specialist is best on its own domain."""
+    for fam in FAMILIES:
+        acc = {d: json.loads((models.models_dir() / "drafters" / f"{fam}-{d}" / "manifest.json").read_text())
+               ["final_heldout"] for d in ("math", "chat")}
+        assert acc["math"]["math"]["acc@1"] > acc["chat"]["math"]["acc@1"]
+        assert acc["chat"]["chat"]["acc@1"] > acc["math"]["chat"]["acc@1"]
+
+
+def test_greedy_equals_target_for_every_strategy(target_and_tok):
+    from taps.train.data import load_eval_prompts
+
+    target, tok = target_and_tok
+    prompts = [tok.encode_chat(load_eval_prompts(b)[i].messages, add_generation_prompt=True)
+               for b, i in (("gsm8k", 3), ("mt_bench", 5))]
+    ref = SpeculativeDecoder(target, [], strategy="autoregressive").generate(prompts, max_new_tokens=20,
+                                                                             eos_token_id=tok.eos_id)
+    for i, strategy in enumerate(s for s in STRATEGIES if s != "autoregressive"):
+        fam = FAMILIES[i % 2]
+        names = ("mixed",) if strategy == "single" else ("math", "chat")
+        ds = [models.load_drafter(fam, n, target, verify=False) for n in names]
+        out = SpeculativeDecoder(target, ds, strategy=strategy, depth=4, top_k=6, budget=20).generate(
+            prompts, max_new_tokens=20, eos_token_id=tok.eos_id)
+        assert out.tokens == ref.tokens, f"{strategy} ({fam}) differs from the target's greedy output"
+        assert out.summary["tau"] > 1.0, f"{strategy} ({fam}) accepted nothing"
+
+
+def test_demo_quick(capsys):
+    from taps import cli
+
+    assert cli.main(["demo", "--quick", "--no-color"]) == 0
+    out = capsys.readouterr().out
+    assert out.count("identical to the target's own greedy output: True") == 2
+    for row in ("math", "chat", "avg", "route-confidence", "merged", "adaptive"):
+        assert f"\n{row} " in out or f" {row} " in out
+    assert "demo finished" in out
