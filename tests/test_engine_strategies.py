@@ -16,7 +16,7 @@ transformers = pytest.importorskip("transformers")
 import taps_ops  # noqa: E402
 from taps import ModelDrafter, SpeculativeDecoder  # noqa: E402
 from taps.drafters import DraftCandidates  # noqa: E402
-from taps.strategies import allocate_budget, cut_candidates, make_strategy, tree_confidence  # noqa: E402
+from taps.strategies import allocate_budget, make_strategy, reserve_nodes, tree_confidence  # noqa: E402
 
 
 def _cands(batch, m, seed, sharp=1.0, depth=3, top_k=2, vocab=50):
@@ -135,15 +135,18 @@ def test_adaptive_split_and_cut():
     alloc = allocate_budget(torch.tensor([[3.0, 1.0], [1.0, 1.0], [0.0, 5.0], [1.0, 0.0]]), 10)
     assert alloc.tolist() == [[7, 3], [5, 5], [1, 9], [9, 1]]
     assert allocate_budget(torch.tensor([[1.0, 1.0, 1.0]]), 2).sum().item() == 2
+    # reserve_nodes: the root and the best alloc[b, t] nodes of each tree, closed under ancestors
     cand = _cands(2, 0, seed=4, depth=3, top_k=3)
-    keep = torch.tensor([4, 0])
-    cut = cut_candidates(cand, keep)
-    kept = cut.tokens >= 0
-    assert kept.sum(1).tolist() == [4, 0]
-    for m in kept[0].nonzero().flatten().tolist():  # closed under ancestors
-        p = int(cand.parents[0, m])
+    tree = taps_ops.build_tree(cand.scores, cand.tokens, cand.parents, 10, root_tokens=torch.tensor([0, 0]))
+    alloc = torch.tensor([[4], [0]])
+    raised = reserve_nodes(tree.scores.unsqueeze(1), tree.tokens.unsqueeze(1), alloc)[:, 0]
+    kept = raised > tree.scores + 1
+    assert kept.sum(1).tolist() == [5, 1] and kept[:, 0].all()
+    for m in kept[0].nonzero().flatten().tolist():
+        p = int(tree.parents[0, m])
         assert p < 0 or kept[0, p]
-    assert set(cand.scores[0][kept[0]].tolist()) == set(cand.scores[0].topk(4).values.tolist())
+    draft = tree.scores[0, 1:][tree.tokens[0, 1:] >= 0]
+    assert sorted(tree.scores[0, 1:][kept[0, 1:]].tolist()) == sorted(draft.topk(4).values.tolist())
     # the adaptive strategy moves budget to the drafter that gets accepted
     s = make_strategy("adaptive", 2, 9)
     s.reset(1, torch.device("cpu"))
@@ -152,3 +155,5 @@ def test_adaptive_split_and_cut():
     out = s.combine({0: a, 1: b}, torch.tensor([0]))
     src = out.source[0][out.tokens[0] >= 0][1:]
     assert int(((src & 1) > 0).sum()) > int(((src & 2) > 0).sum())
+    # the reserved sets overlap less than the budget: the rest is filled, the tree is full
+    assert int((out.tokens[0] >= 0).sum()) == 9

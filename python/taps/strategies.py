@@ -18,7 +18,9 @@ Names (:data:`STRATEGIES`):
 - ``merged``: the trie union of the full trees (``taps_ops.merge_trees``, up to T * (budget - 1) + 1 nodes).
 - ``merged-budget``: that union cut to ``budget`` nodes by score.
 - ``adaptive``: the ``budget - 1`` draft nodes split between drafters in proportion to their running
-  accepted tokens on this request (plus a prior; at least one node each), then merged.
+  accepted tokens on this request (plus a prior; at least one node each): each drafter's best nodes of
+  its share are reserved (:func:`reserve_nodes`), the union is cut to ``budget`` nodes keeping the
+  reserved ones first, and the room their overlap leaves is filled with the best other nodes by score.
 - ``autoregressive``: no drafter; the tree is the root alone (the baseline through the same loop).
 """
 
@@ -34,7 +36,7 @@ import taps_ops
 from .drafters import DraftCandidates
 
 __all__ = ["STRATEGIES", "Combined", "Strategy", "make_strategy", "tree_confidence", "allocate_budget",
-           "cut_candidates"]
+           "reserve_nodes"]
 
 STRATEGIES = ("single", "average", "route-confidence", "route-entropy", "route-confidence-prompt",
               "route-entropy-prompt", "merged", "merged-budget", "adaptive", "autoregressive")
@@ -87,16 +89,24 @@ def allocate_budget(weights: Tensor, nodes: int) -> Tensor:
     return alloc + (rank < left).long() + base
 
 
-def cut_candidates(cand: DraftCandidates, keep: Tensor) -> DraftCandidates:
-    """Keep each request's best `keep[b]` candidates by score (ties: earlier first), marking the rest as
-    padding (token -1). Cumulative log-probs never increase along a path, so the kept set is closed
-    under ancestors."""
-    order = cand.scores.argsort(dim=1, descending=True, stable=True)
+#: added to the scores of reserved nodes; cumulative log-probs of real drafts stay far above -RESERVE
+RESERVE = 1000.0
+
+
+def reserve_nodes(scores: Tensor, tokens: Tensor, alloc: Tensor) -> Tensor:
+    """Scores [B, T, N] of T trees with each tree's root and best ``alloc[b, t]`` draft nodes (by score,
+    ties: lower index first) raised by :data:`RESERVE`, so that ``merge_trees`` cut to a budget keeps
+    every reserved node first and fills what the overlap of the reserved sets leaves free with the best
+    of the rest. Scores never increase along a path, so a reserved set is closed under ancestors."""
+    real = tokens >= 0
+    key = torch.where(real, scores, torch.full_like(scores, float("-inf")))
+    key[..., 0] = float("inf")  # the root first
+    order = key.argsort(dim=-1, descending=True, stable=True)
     rank = torch.empty_like(order)
-    batch, m = order.shape
-    rank.scatter_(1, order, torch.arange(m, device=order.device).expand(batch, m))
-    tokens = torch.where(rank < keep.unsqueeze(1), cand.tokens, torch.full_like(cand.tokens, -1))
-    return DraftCandidates(cand.scores, tokens, cand.parents, cand.entropy)
+    n = order.shape[-1]
+    rank.scatter_(-1, order, torch.arange(n, device=order.device).expand_as(order))
+    keep = (rank <= alloc.unsqueeze(-1)) & real
+    return scores + keep.to(scores.dtype) * RESERVE
 
 
 class Strategy:
@@ -152,13 +162,13 @@ class Strategy:
             return Combined(tree.tokens, tree.parents, tree.depth, tree.tree_mask, _single_source(tree, t), None)
         if name.startswith("route"):
             return self._route(cands, root)
-        if name == "adaptive":
-            weights = self.accepted + self.prior
-            alloc = allocate_budget(weights, n - 1)                        # [B, T]
-            cands = {t: cut_candidates(c, alloc[:, t]) for t, c in cands.items()}
         trees = [_build(cands[t], n, root) for t in sorted(cands)]
         stack = lambda f: torch.stack([getattr(tr, f) for tr in trees], 1)  # noqa: E731
-        merged = taps_ops.merge_trees(stack("tokens"), stack("parents"), stack("scores"),
+        scores = stack("scores")
+        if name == "adaptive":
+            alloc = allocate_budget(self.accepted[:, sorted(cands)] + self.prior, n - 1)  # [B, T]
+            scores = reserve_nodes(scores, stack("tokens"), alloc)
+        merged = taps_ops.merge_trees(stack("tokens"), stack("parents"), scores,
                                       num_nodes=None if name == "merged" else n)
         # merge_trees numbers its trees 0..len-1; map bits back to drafter indices
         source = merged.source
