@@ -398,10 +398,11 @@ def format_tables(results: dict) -> str:
     return "\n".join(lines).rstrip() + "\n"
 
 
-def plot_acceptance(results: dict, path: Union[str, Path]) -> Optional[Path]:
+def plot_acceptance(results: dict, path: Union[str, Path], min_steps: int = 20) -> Optional[Path]:
     """Plot the acceptance rate per depth of the single-drafter rows: one subplot per benchmark, one row
-    of subplots per family, temperature 0 when evaluated (else the first one). Returns the path, or
-    None (with a message) when matplotlib is missing or there is nothing to plot."""
+    of subplots per family, temperature 0 when evaluated (else the first one). A point is drawn only
+    when at least `min_steps` steps reached the depth before it. Returns the path, or None (with a
+    message) when matplotlib is missing or there is nothing to plot."""
     try:
         import matplotlib
 
@@ -431,7 +432,11 @@ def plot_acceptance(results: dict, path: Union[str, Path]) -> Optional[Path]:
                 if c is None or not c["acceptance_rate_per_depth"]:
                     continue
                 rates = c["acceptance_rate_per_depth"]
-                ax.plot(range(1, len(rates) + 1), rates, marker="o", label=row)
+                reach = c.get("steps_reaching_depth") or []
+                # rate at depth d is over the steps that reached d - 1; drop estimates from few steps
+                pts = [(d, r) for d, r in enumerate(rates, 1) if d - 1 >= len(reach) or reach[d - 1] >= min_steps]
+                if pts:
+                    ax.plot([d for d, _ in pts], [r for _, r in pts], marker="o", label=row)
             ax.set_xticks(range(1, int(results["config"]["depth"]) + 1))
             ax.set_title(f"{family} / {bench}", fontsize=9)
             ax.set_xlabel("depth")
@@ -447,7 +452,8 @@ def plot_acceptance(results: dict, path: Union[str, Path]) -> Optional[Path]:
                 handles, labels = h, lab
     if handles:
         fig.legend(handles, labels, loc="upper right", fontsize=8)
-    fig.suptitle(f"acceptance rate per depth (temperature {temperature_key(temp)})", fontsize=10)
+    fig.suptitle(f"acceptance rate at depth d given depth d-1 accepted (temperature {temperature_key(temp)}; "
+                 f"points from >= {min_steps} steps)", fontsize=10)
     fig.tight_layout(rect=(0, 0, 0.92, 0.95))
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
