@@ -253,3 +253,15 @@ def test_merge_results_equals_one_run(results, tmp_path, capsys):
         json.loads(json.dumps(taps_eval._finite(results["tables"])))
     assert merged["greedy_mismatches"] == results["greedy_mismatches"]
     assert "temperature 0" in capsys.readouterr().out
+
+
+def test_merge_later_cells_replace_earlier(results):
+    rerun = json.loads(json.dumps(taps_eval._finite(results)))
+    for c in rerun["cells"]:
+        c["tau"] = 9.0
+    rerun["cells"] = [c for c in rerun["cells"] if c["row"] == "merged"]
+    merged = taps_eval.merge_results([json.loads(json.dumps(taps_eval._finite(results))), rerun])
+    assert len(merged["cells"]) == len(results["cells"])
+    for temps in merged["tables"].values():
+        for rows in temps.values():
+            assert rows["merged"]["avg"] == 9.0 and rows["math"]["avg"] != 9.0

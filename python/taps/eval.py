@@ -492,7 +492,8 @@ def add_eval_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-verify", action="store_true", help="skip the manifest sha256 checks")
     p.add_argument("--merge", nargs="+", default=None, metavar="JSON",
                    help="evaluate nothing: combine results files of earlier runs (e.g. one per family, run in "
-                        "parallel with --threads 1) into --out, print the tables and plot")
+                        "parallel with --threads 1; a later file's cells replace the same cells of an earlier "
+                        "one) into --out, print the tables and plot")
 
 
 def _device(name: str) -> torch.device:
@@ -524,11 +525,16 @@ def _jsonable(v):
 
 def merge_results(parts: Sequence[dict]) -> dict:
     """One results dict from several (e.g. one per family run in parallel): cells and notes
-    concatenated, tables and routing recomputed; the config is the first part's, with every part's
+    concatenated (a later part's cell replaces an earlier one of the same family, temperature, row and
+    benchmark: a rerun of some rows), tables and routing recomputed; the config is the first part's, with every part's
     families and commands."""
     if not parts:
         raise ValueError("merge_results: nothing to merge")
-    cells = [c for p in parts for c in p["cells"]]
+    keyed: Dict[tuple, dict] = {}
+    for p in parts:  # a later part's cell replaces an earlier one of the same family/temperature/row/benchmark
+        for c in p["cells"]:
+            keyed[(c["family"], float(c["temperature"]), c["row"], c["benchmark"])] = c
+    cells = list(keyed.values())
     for c in cells:  # JSON null -> NaN, as evaluate() holds them
         for k in ("tau", "nodes_per_step"):
             if c.get(k) is None:
