@@ -61,7 +61,10 @@ def main(path: str) -> None:
             print("|" + " --- |" * (len(HEAD) + 5))
             best = {b: max((v.get(b, float("nan")) for v in tab.values() if v.get(b) is not None),
                            default=float("nan")) for b in BENCHES + ("avg",)}
-            for row, vals in tab.items():
+            order = ["math", "chat", "mixed", "mixed2", "avg", "route-confidence", "route-entropy", "merged",
+                     "merged-budget", "adaptive"]
+            for row in [r for r in order if r in tab] + [r for r in tab if r not in order]:
+                vals = tab[row]
                 cells = []
                 for b in BENCHES + ("avg",):
                     x = vals.get(b)
@@ -72,7 +75,7 @@ def main(path: str) -> None:
                     pname, pv = paper[0], " / ".join(f2(x) for x in paper[1][fam][t])
                 else:
                     pname, pv = "(none)", "-"
-                print(f"| {row} | " + " | ".join(cells) + f" | {f2(vals.get('nodes'))} | {pname} | {pv} |")
+                print(f"| {row} | " + " | ".join(cells) + f" | {vals.get('nodes', float('nan')):.1f} | {pname} | {pv} |")
             print()
     print("### Confidence / entropy routing: share of steps routed to the math drafter\n")
     print("| family | T | row | " + " | ".join(HEAD) + " |")

@@ -2,7 +2,7 @@
 # Reproduce the shipped drafters (models/drafters): two families (eagle2, hass) x math-only, chat-only,
 # mixed (equal total tokens) and mixed2 (double tokens), then the weight-space average of each family's
 # math and chat specialists. Every run resumes from its checkpoint when rerun.
-#   usage: tools/train_drafters.sh [TOKENS]   (default 500000 per specialist; about 45 min on 2 CPU cores)
+#   usage: tools/train_drafters.sh [TOKENS]   (default 500000 per specialist; about an hour on 2 CPU cores)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 N=${1:-500000}
