@@ -47,7 +47,8 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .data import REPO_ROOT
-from .target import _recent_train_loss, _save_checkpoint, lr_at, make_optimizer, pack, resolve_device, resume
+from .target import (_recent_train_loss, checkpoint_if_due, finish_run, lr_at, make_optimizer, pack, resolve_device,
+                     resume)
 
 FAMILIES = ("eagle2", "hass")
 DATA_MIXES = ("math", "chat", "mixed")
@@ -459,14 +460,8 @@ def train_drafter(cfg: DrafterTrainConfig) -> dict:
         bar.update(1)
         bar.set_postfix(loss=f"{loss.item():.3f}", acc=f"{metrics['acc@1']:.2f}",
                         tok_s=f"{tokens_seen / max(elapsed, 1e-9):.0f}", refresh=False)
-        if (time.time() - last_ckpt >= cfg.ckpt_minutes * 60 or (cfg.ckpt_every and step % cfg.ckpt_every == 0)
-                or step == stop_at):
-            _save_checkpoint(ckpt, drafter, opt, step, tokens_seen, cfg, elapsed)
-            last_ckpt = time.time()
-    bar.close()
-    logf.close()
-    summary = {"steps": step, "total_steps": total_steps, "tokens_seen": tokens_seen, "parameters": n_params,
-               "finished": step >= total_steps, "elapsed_s": round(elapsed0 + time.time() - t_start, 1)}
+        last_ckpt = checkpoint_if_due(ckpt, drafter, opt, step, stop_at, tokens_seen, cfg, elapsed, last_ckpt)
+    summary = finish_run(bar, logf, step, total_steps, tokens_seen, n_params, elapsed0, t_start)
     if summary["finished"]:
         if last_eval is None:
             last_eval = {d: heldout_metrics(drafter, head_w, embed_w, held[d][0], held[d][1], cfg, device)

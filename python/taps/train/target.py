@@ -323,6 +323,26 @@ def resume(ckpt: Path, log: Path, model, opt, cfg, device, tag: str, total_steps
     return st["step"], st["tokens_seen"], st["elapsed"]
 
 
+def checkpoint_if_due(ckpt: Path, model, opt, step: int, stop_at: int, tokens_seen: int, cfg, elapsed: float,
+                      last_ckpt: float) -> float:
+    """Write the checkpoint every ``cfg.ckpt_minutes`` (and every ``cfg.ckpt_every`` steps when set) and
+    at ``stop_at``; returns the time of the last checkpoint."""
+    if (time.time() - last_ckpt >= cfg.ckpt_minutes * 60 or (cfg.ckpt_every and step % cfg.ckpt_every == 0)
+            or step == stop_at):
+        _save_checkpoint(ckpt, model, opt, step, tokens_seen, cfg, elapsed)
+        return time.time()
+    return last_ckpt
+
+
+def finish_run(bar, logf, step: int, total_steps: int, tokens_seen: int, n_params: int, elapsed0: float,
+               t_start: float) -> dict:
+    """Close the progress bar and the log; the run's summary dict."""
+    bar.close()
+    logf.close()
+    return {"steps": step, "total_steps": total_steps, "tokens_seen": tokens_seen, "parameters": n_params,
+            "finished": step >= total_steps, "elapsed_s": round(elapsed0 + time.time() - t_start, 1)}
+
+
 def _truncate_log(log: Path, step: int) -> None:
     """Drop log lines written after the checkpoint (a run killed between two checkpoints)."""
     if not log.exists():
@@ -411,16 +431,8 @@ def train_target(cfg: TargetTrainConfig, data: Optional[TokenData] = None, tok=N
         logf.flush()
         bar.update(1)
         bar.set_postfix(loss=f"{loss_val:.3f}", tok_s=f"{tokens_seen / max(elapsed, 1e-9):.0f}", refresh=False)
-        due = (time.time() - last_ckpt >= cfg.ckpt_minutes * 60 or (cfg.ckpt_every and step % cfg.ckpt_every == 0)
-               or step == stop_at)
-        if due:
-            _save_checkpoint(ckpt, model, opt, step, tokens_seen, cfg, elapsed)
-            last_ckpt = time.time()
-    bar.close()
-    logf.close()
-
-    summary = {"steps": step, "total_steps": total_steps, "tokens_seen": tokens_seen, "parameters": n_params,
-               "finished": step >= total_steps, "elapsed_s": round(elapsed0 + time.time() - t_start, 1)}
+        last_ckpt = checkpoint_if_due(ckpt, model, opt, step, stop_at, tokens_seen, cfg, elapsed, last_ckpt)
+    summary = finish_run(bar, logf, step, total_steps, tokens_seen, n_params, elapsed0, t_start)
     if summary["finished"]:
         if last_eval is None:  # eval_every=0, or resumed after the final evaluation was written
             last_eval = _last_heldout(log) or {d: round(heldout_loss(model, data.heldout[d], device, micro), 5)
