@@ -89,5 +89,4 @@ setup(
     package_dir={"": "python"},
     ext_modules=[extension()],
     cmdclass={"build_ext": BuildExtension.with_options(use_ninja=True)},
-    entry_points={"console_scripts": ["taps=taps.cli:main"]},
 )

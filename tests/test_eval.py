@@ -121,6 +121,17 @@ def test_evaluate_structure(results):
     json.dumps(results)  # serialisable as it is
 
 
+def test_per_prompt_tau_and_standard_error(results):
+    import statistics
+
+    for c in results["cells"]:
+        taus = [t for t in c["tau_per_prompt"] if t == t]
+        assert len(c["tau_per_prompt"]) == c["prompts"]
+        assert abs(c["tau"] - sum(taus) / len(taus)) < 1e-12
+        if len(taus) > 1:
+            assert abs(c["tau_se"] - statistics.stdev(taus) / len(taus) ** 0.5) < 1e-12
+
+
 def test_format_tables(results):
     text = taps_eval.format_tables(results)
     for row in ROWS:

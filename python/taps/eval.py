@@ -300,6 +300,9 @@ def _cell(family, row, strategy, names, temperature, bench, stats, summary, node
         # mean over the prompts that took at least one verification step (a prompt answered by the
         # prefill's token alone has no tau)
         tau=sum(active) / len(active) if active else float("nan"),
+        # per prompt (NaN: no verification step) and the standard error of the mean over the prompts
+        tau_per_prompt=[s.tau if s.target_forwards > 0 else float("nan") for s in stats],
+        tau_se=(_std(active) / math.sqrt(len(active))) if len(active) > 1 else float("nan"),
         acceptance_rate_per_depth=summary.get("acceptance_rate_per_depth", []),
         # steps whose accepted length reached d = 0 .. depth (the denominators of the rates above)
         steps_reaching_depth=[sum(s.depth_reached[d] for s in stats if d < len(s.depth_reached))
@@ -316,6 +319,12 @@ def _cell(family, row, strategy, names, temperature, bench, stats, summary, node
         share = summary.get("drafter_share") or [0.0] * len(names)
         cell["drafter_share"] = {n: share[i] if i < len(share) else 0.0 for i, n in enumerate(names)}
     return cell
+
+
+def _std(xs: Sequence[float]) -> float:
+    """Sample standard deviation."""
+    m = sum(xs) / len(xs)
+    return math.sqrt(sum((x - m) ** 2 for x in xs) / (len(xs) - 1))
 
 
 def _mean(xs: Sequence[float]) -> float:
