@@ -1,6 +1,8 @@
 """Markdown tables for docs/RESULTS.md from a `taps eval` results JSON, next to the paper's numbers.
 
     python tools/results_md.py runs/eval/results.json > /tmp/tables.md
+    python tools/results_md.py --paired runs/eval/results.json    # paired row differences +- SE
+    python tools/results_md.py --drafters                          # held-out accuracy of the drafters
 
 The paper's acceptance lengths (Llama-3-8B-Instruct target) are those of the authors' repository README
 (github.com/Moe-Zbeeb/TAPS, "Main results (acceptance length)"), which presents them as the paper's
@@ -105,7 +107,38 @@ def drafters(root: str = "models/drafters") -> None:
                   f"{h['chat']['acc@3']:.3f} |")
 
 
+PAIRS = (("merged-budget", "route-confidence"), ("adaptive", "merged-budget"), ("merged", "route-confidence"),
+         ("route-confidence", "route-entropy"), ("mixed2", "merged"), ("math", "avg"), ("chat", "avg"))
+
+
+def paired(path: str) -> None:
+    """Per-prompt paired differences of tau between rows (the same prompts and coins), pooled over the
+    benchmarks: mean +- standard error. Needs cells with tau_per_prompt."""
+    import statistics
+
+    res = json.load(open(path))
+    cells = {(c["family"], c["temperature"], c["row"], c["benchmark"]): c for c in res["cells"]}
+    keys = sorted({(f, t) for f, t, _, _ in cells})
+    print("| family | T | A - B | mean difference of tau per prompt | standard error | prompts |")
+    print("|" + " --- |" * 6)
+    for fam, t in keys:
+        for a, b in PAIRS:
+            diffs = []
+            for bench in BENCHES:
+                ca, cb = cells.get((fam, t, a, bench)), cells.get((fam, t, b, bench))
+                if not ca or not cb or "tau_per_prompt" not in ca or "tau_per_prompt" not in cb:
+                    continue
+                diffs += [x - y for x, y in zip(ca["tau_per_prompt"], cb["tau_per_prompt"])
+                          if x is not None and y is not None]
+            if len(diffs) > 1:
+                se = statistics.stdev(diffs) / len(diffs) ** 0.5
+                print(f"| {fam} | {t:g} | {a} - {b} | {statistics.mean(diffs):+.3f} | {se:.3f} | {len(diffs)} |")
+
+
 if __name__ == "__main__":
+    if sys.argv[1:2] == ["--paired"]:
+        paired(sys.argv[2])
+        sys.exit(0)
     if sys.argv[1:2] == ["--drafters"]:
         drafters(*sys.argv[2:3])
     else:
