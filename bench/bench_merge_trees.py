@@ -5,14 +5,13 @@
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import fmt_time, machine_line, print_table, time_call  # noqa: E402
+from common import fmt_time, print_table, time_call, tree_bench_setup  # noqa: E402
 from tree_cases import eagle_candidates  # noqa: E402
 
 import taps_ops  # noqa: E402
@@ -57,12 +56,7 @@ def drafter_trees(batch, num_trees, nodes, vocab, overlap=0.5):
 
 
 def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--no-reference", action="store_true", help="skip the slow reference column")
-    args = ap.parse_args()
-    print(f"merge_trees | {machine_line()}")
-    devices = ["cpu"] + (["cuda"] if torch.cuda.is_available() and taps_ops.has_cuda_kernels() else [])
+    args, devices = tree_bench_setup("merge_trees")
     configs = [(1, 2, 64), (8, 3, 64), (64, 3, 64), (64, 4, 128)]
     if args.quick:
         configs = configs[:2]

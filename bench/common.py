@@ -82,3 +82,19 @@ def machine_line() -> str:
     if torch.cuda.is_available():
         parts.append(torch.cuda.get_device_name())
     return ", ".join(parts)
+
+
+def tree_bench_setup(op: str):
+    """The command line (--quick, --no-reference) and the devices of the tree benchmarks; prints the
+    header line. Returns (args, devices)."""
+    import argparse
+
+    import taps_ops
+
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--no-reference", action="store_true", help="skip the slow reference column")
+    args = ap.parse_args()
+    print(f"{op} | {machine_line()}")
+    devices = ["cpu"] + (["cuda"] if torch.cuda.is_available() and taps_ops.has_cuda_kernels() else [])
+    return args, devices

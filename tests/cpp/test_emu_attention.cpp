@@ -18,21 +18,14 @@
 
 #include "taps/attention.h"
 
+#include "check.h"
+
 namespace {
 
-std::mt19937 rng(777);
-int rnd(int lo, int hi) { return lo + int(rng() % unsigned(hi - lo + 1)); }
+using taps_test::check;
+using taps_test::rng;
+using taps_test::rnd;
 float normal() { return std::normal_distribution<float>(0.0f, 1.0f)(rng); }
-
-int passed = 0, failed = 0;
-void check(bool ok, const std::string& what) {
-  if (ok) {
-    ++passed;
-  } else {
-    ++failed;
-    std::printf("FAIL: %s\n", what.c_str());
-  }
-}
 
 struct AttnCase {
   int B, Hq, Hkv, N, S, split_keys;  // split_keys 0: one split
@@ -195,6 +188,7 @@ void compact_case(int B, int H, int S, int row_units, int cols, const char* name
 }  // namespace
 
 int main() {
+  rng.seed(777);
   // {B, Hq, Hkv, N, S, split_keys, empty_row}
   attention_case<64>({2, 4, 2, 5, 47, 0, false});     // one split, GQA 2, odd N and S
   attention_case<64>({3, 2, 2, 13, 100, 32, false});  // four splits, ragged lengths
@@ -206,6 +200,5 @@ int main() {
   compact_case<uint32_t>(7, 1, 30, 130, 12, "u32");    // 128-thread blocks
   compact_case<uint4>(7, 3, 25, 3, 6, "uint4");
   std::printf("emulated CUDA tree_attention / compact_kv vs plain loops\n");
-  std::printf("%d passed, %d failed\n", passed, failed);
-  return failed == 0 ? 0 : 1;
+  return taps_test::finish();
 }

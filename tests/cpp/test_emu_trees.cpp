@@ -23,21 +23,14 @@
 
 using namespace taps::tree;
 
+#include "check.h"
+
 namespace {
 
-std::mt19937 rng(20240611);
-int rnd(int lo, int hi) { return lo + int(rng() % unsigned(hi - lo + 1)); }
+using taps_test::check;
+using taps_test::rng;
+using taps_test::rnd;
 float unif(float lo, float hi) { return std::uniform_real_distribution<float>(lo, hi)(rng); }
-
-int passed = 0, failed = 0;
-void check(bool ok, const std::string& what) {
-  if (ok) {
-    ++passed;
-  } else {
-    ++failed;
-    std::printf("FAIL: %s\n", what.c_str());
-  }
-}
 
 // Outputs of B requests, pre-filled with a marker so that an unwritten entry shows.
 struct Out {
@@ -284,6 +277,7 @@ void merge_error_case(int threads) {
 }  // namespace
 
 int main() {
+  rng.seed(20240611);
   const int thread_choices[] = {32, 64, 96, 128};
   // build_tree: edge sizes first (no candidates, one output node, one candidate, all padding).
   build_case(2, 0, 5, 32, true, true, false, 0.0, 5);
@@ -312,6 +306,5 @@ int main() {
   for (int trial = 0; trial < 24; ++trial) merge_error_case(thread_choices[trial % 4]);
   std::printf("emulated CUDA build_tree / merge_trees vs CPU path (largest dynamic shared memory %zu bytes)\n",
               taps_emu::state.max_dynamic_bytes_seen);
-  std::printf("%d passed, %d failed\n", passed, failed);
-  return failed == 0 ? 0 : 1;
+  return taps_test::finish();
 }
