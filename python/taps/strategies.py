@@ -164,11 +164,11 @@ class Strategy:
             return self._route(cands, root)
         trees = [_build(cands[t], n, root) for t in sorted(cands)]
         stack = lambda f: torch.stack([getattr(tr, f) for tr in trees], 1)  # noqa: E731
-        scores = stack("scores")
+        tokens, scores = stack("tokens"), stack("scores")
         if name == "adaptive":
             alloc = allocate_budget(self.accepted[:, sorted(cands)] + self.prior, n - 1)  # [B, T]
-            scores = reserve_nodes(scores, stack("tokens"), alloc)
-        merged = taps_ops.merge_trees(stack("tokens"), stack("parents"), scores,
+            scores = reserve_nodes(scores, tokens, alloc)
+        merged = taps_ops.merge_trees(tokens, stack("parents"), scores,
                                       num_nodes=None if name == "merged" else n)
         # merge_trees numbers its trees 0..len-1; map bits back to drafter indices
         source = merged.source

@@ -343,11 +343,11 @@ def heldout_metrics(drafter, head_w, embed_w, blocks: Tensor, feats: Tensor, cfg
     drafter.eval()
     sums: Dict[str, float] = {}
     n = 0
+    plain = dataclasses.replace(cfg, family="eagle2")  # reg + cls only, at every alignment step
     for i in range(0, len(blocks), micro):
         x = blocks[i:i + micro].to(device=device, dtype=torch.long)
         f = feats[i:i + micro].to(device=device, dtype=torch.float32)
-        _, m = drafter_losses(drafter, head_w, embed_w, x, f, dataclasses.replace(cfg, family="eagle2"),
-                              EVAL_STEPS, 0.0)
+        _, m = drafter_losses(drafter, head_w, embed_w, x, f, plain, EVAL_STEPS, 0.0)
         for k, v in m.items():
             sums[k] = sums.get(k, 0.0) + v * len(x)
         n += len(x)
@@ -356,21 +356,6 @@ def heldout_metrics(drafter, head_w, embed_w, blocks: Tensor, feats: Tensor, cfg
 
 
 # ------------------------------------------------------------------------------------------------ main
-
-def load_target(path: Path, device):
-    """The target (fp32, frozen, eval mode) and its ChatTokenizer from a `taps train target` folder."""
-    from transformers import AutoModelForCausalLM
-
-    from .chat import ChatTokenizer
-
-    path = Path(path)
-    if not (path / "config.json").is_file():
-        raise FileNotFoundError(f"no target model at {path}: run `taps train target` first (or pass --target)")
-    target = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).to(device).eval()
-    for p in target.parameters():
-        p.requires_grad_(False)
-    return target, ChatTokenizer.from_pretrained(path)
-
 
 def training_blocks(cfg: DrafterTrainConfig, target, tok, device):
     """(train tokens, train features, domain ids, {domain: (heldout tokens, features)}, info)."""
@@ -402,7 +387,10 @@ def train_drafter(cfg: DrafterTrainConfig) -> dict:
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     device = resolve_device(cfg.device)
-    target, tok = load_target(cfg.target, device)
+    from taps.models import load_target
+
+    target, tok = load_target(cfg.target, verify=False)  # fp32
+    target.to(device).requires_grad_(False)
     train, feats, dom, held, data_info = training_blocks(cfg, target, tok, device)
     total_steps = len(train) // cfg.batch_size
     if total_steps < 1:
