@@ -6,7 +6,10 @@ Columns: SDPA (torch.nn.functional.scaled_dot_product_attention, dense bool mask
 enable_gqa=True), the float64-free reference (taps_ops.reference.tree_attention_ref in the input dtype,
 small sizes only), taps on CPU, taps on CUDA when present; median of `repeats` timed runs each.
 Speedups are SDPA time / taps time on the same device. For CUDA, "GB/s" is the K/V bytes of the
-visible keys (2 * B * Hkv * sum(kv_lens) * D * elem) over the taps time.
+visible keys (2 * B * Hkv * sum(kv_lens) * D * elem) over the taps time, and "% copy" that rate over
+the device-to-device copy rate measured first (a 1 GiB copy: its read plus write bytes over its time),
+the practical ceiling of HBM bandwidth. On CUDA, Llama-3-8B head shapes at S = 1k, 4k, 32k run too;
+bf16 / fp16 rows with G * N >= 16 take the tensor-core kernel ("kernel" column).
 """
 
 from __future__ import annotations
@@ -58,6 +61,13 @@ def timed(fn, repeats: int, cuda: bool) -> float:
     return statistics.median(times)
 
 
+def copy_bandwidth(repeats: int) -> float:
+    """Bytes per second of a 1 GiB device-to-device copy (read + write)."""
+    src = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    return 2 * src.numel() / timed(lambda: dst.copy_(src), repeats, True)
+
+
 def case(batch, heads_q, heads_kv, num_nodes, head_dim, cache_len, dtype, repeats, device):
     cuda = device == "cuda"
     q = torch.randn(batch, heads_q, num_nodes, head_dim, dtype=dtype, device=device)
@@ -94,22 +104,39 @@ def main() -> None:
         (1, 32, 8, 64, 128, 8192, torch.bfloat16),
         (1, 32, 8, 64, 128, 8192, torch.float32),
     ]
+    gpu_shapes = [  # Llama-3-8B heads, a 64-node tree: S = 1k, 4k, 32k (and a batch of 8)
+        (1, 32, 8, 64, 128, 1024, torch.bfloat16),
+        (1, 32, 8, 64, 128, 4096, torch.bfloat16),
+        (1, 32, 8, 64, 128, 32768, torch.bfloat16),
+        (8, 32, 8, 64, 128, 4096, torch.bfloat16),
+        (1, 32, 8, 64, 128, 4096, torch.float16),
+        (1, 32, 8, 3, 128, 4096, torch.bfloat16),  # 12 rows per KV head: the SIMT kernel
+        (1, 32, 8, 64, 128, 4096, torch.float32),
+    ]
     if args.quick:
-        shapes = shapes[:2]
+        shapes, gpu_shapes = shapes[:2], gpu_shapes[:2]
     devices = ["cpu"] + (["cuda"] if torch.cuda.is_available() and taps_ops.has_cuda_kernels() else [])
     print(f"torch {torch.__version__}, threads {torch.get_num_threads()}, "
           f"CPU capability {torch.backends.cpu.get_cpu_capability()}, median of {args.repeats}")
-    header = f"{'device':6} {'B':>2} {'Hq':>3} {'Hkv':>3} {'N':>4} {'D':>4} {'S':>5} {'dtype':>8} " \
-             f"{'sdpa ms':>9} {'ref ms':>9} {'taps ms':>9} {'x sdpa':>7} {'x ref':>7} {'GB/s':>7}"
+    ceiling = None
+    if "cuda" in devices:
+        ceiling = copy_bandwidth(args.repeats)
+        print(f"{torch.cuda.get_device_name()}: device-to-device copy {ceiling / 1e9:.0f} GB/s")
+    header = f"{'device':6} {'B':>2} {'Hq':>3} {'Hkv':>3} {'N':>4} {'D':>4} {'S':>5} {'dtype':>8} {'kernel':>6} " \
+             f"{'sdpa ms':>9} {'ref ms':>9} {'taps ms':>9} {'x sdpa':>7} {'x ref':>7} {'GB/s':>7} {'% copy':>6}"
     print(header)
     for device in devices:
-        for (b, hq, hkv, n, d, s, dt) in shapes:
+        for (b, hq, hkv, n, d, s, dt) in shapes + (gpu_shapes if device == "cuda" else []):
             row, kv_bytes = case(b, hq, hkv, n, d, s, dt, args.repeats, device)
             ref = f"{row['ref'] * 1e3:9.2f}" if row["ref"] else f"{'-':>9}"
             x_ref = f"{row['ref'] / row['taps']:7.2f}" if row["ref"] else f"{'-':>7}"
-            bw = f"{kv_bytes / row['taps'] / 1e9:7.1f}" if device == "cuda" else f"{'-':>7}"
-            print(f"{device:6} {b:2} {hq:3} {hkv:3} {n:4} {d:4} {s:5} {str(dt)[6:]:>8} {row['sdpa'] * 1e3:9.2f} "
-                  f"{ref} {row['taps'] * 1e3:9.2f} {row['sdpa'] / row['taps']:7.2f} {x_ref} {bw}")
+            kernel = "cpu" if device == "cpu" else ("mma" if dt != torch.float32 and hq // hkv * n >= 16 else "simt")
+            rate = kv_bytes / row["taps"]
+            bw = f"{rate / 1e9:7.1f}" if device == "cuda" else f"{'-':>7}"
+            share = f"{100 * rate / ceiling:6.1f}" if device == "cuda" else f"{'-':>6}"
+            print(f"{device:6} {b:2} {hq:3} {hkv:3} {n:4} {d:4} {s:5} {str(dt)[6:]:>8} {kernel:>6} "
+                  f"{row['sdpa'] * 1e3:9.2f} {ref} {row['taps'] * 1e3:9.3f} {row['sdpa'] / row['taps']:7.2f} "
+                  f"{x_ref} {bw} {share}")
 
 
 if __name__ == "__main__":

@@ -22,9 +22,9 @@ cand_parents = torch.tensor([[-1 if i < 4 else (i - 4) // 3 for i in range(40)]]
 tree = taps_ops.build_tree(scores.to(dev), cand_tokens.to(dev), cand_parents.to(dev), 17)
 t = lambda x: torch.stack([x, x], 1)  # noqa: E731
 taps_ops.merge_trees(t(tree.tokens), t(tree.parents), t(tree.scores), 20)
-for dtype in (torch.float32, torch.bfloat16):
+for dtype, heads_q in ((torch.float32, 4), (torch.bfloat16, 4), (torch.bfloat16, 8)):  # bf16 Hq 8: tensor cores
     for d in (64, 128):
-        q = torch.randn(2, 4, 7, d, generator=g).to(dev, dtype)
+        q = torch.randn(2, heads_q, 7, d, generator=g).to(dev, dtype)
         k = torch.randn(2, 2, 50, d, generator=g).to(dev, dtype)
         v = torch.randn(2, 2, 50, d, generator=g).to(dev, dtype)
         mask = torch.full((2, 7, 1), -1, dtype=torch.int64)

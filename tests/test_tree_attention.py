@@ -68,6 +68,37 @@ def test_head_dims(device, head_dim):
     check_accuracy(*make_inputs(2, 4, 4, 7, head_dim, 100, torch.float32, device))
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("head_dim", [64, 80, 96, 128, 256])
+def test_head_dims_half(device, dtype, head_dim):
+    # G * N = 4 * 9 = 36 query rows per KV head: on CUDA the tensor-core kernel (3 m-tiles, the last
+    # partial), with one K/V tile partly past the cache end.
+    check_accuracy(*make_inputs(2, 8, 2, 9, head_dim, 300, dtype, device))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_large_group_half(device, dtype):
+    # G * N = 4 * 70 = 280 rows at D = 128: on CUDA two row blocks of the tensor-core kernel (256 + 24
+    # rows), two mask words, and key splits merged by log-sum-exp.
+    check_accuracy(*make_inputs(1, 4, 1, 70, 128, 2000, dtype, device))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_unaligned_half_rows(device, dtype):
+    # Rows that are not 16-byte aligned (q starts 4 elements into its storage, k / v rows 68 elements
+    # apart): on CUDA the tensor-core kernel cannot load them 16 bytes at a time, so the SIMT kernel
+    # runs. The answer must be the same either way.
+    q, k, v, mask, kv_lens = make_inputs(2, 8, 2, 9, 64, 120, dtype, device)
+    q_big = torch.zeros(*q.shape[:3], 72, dtype=dtype, device=device)
+    q_big[..., 4:68] = q
+    k_big = torch.zeros(*k.shape[:3], 68, dtype=dtype, device=device)
+    v_big = torch.zeros_like(k_big)
+    k_big[..., :64], v_big[..., :64] = k, v
+    out = taps_ops.tree_attention(q_big[..., 4:68], k_big[..., :64], v_big[..., :64], mask, kv_lens)
+    torch.testing.assert_close(out, taps_ops.tree_attention(q, k, v, mask, kv_lens), atol=2e-2, rtol=2e-2)
+    check_accuracy(q_big[..., 4:68], k_big[..., :64], v_big[..., :64], mask, kv_lens)
+
+
 @pytest.mark.parametrize("heads", [(1, 1), (4, 1), (6, 3), (8, 8)])
 def test_gqa_and_long_split(device, heads):
     # B * Hkv small and a long cache: the CPU kernel splits the keys and merges by log-sum-exp.

@@ -1,7 +1,8 @@
 // CUDA binding of taps_ops::tree_attention (kernels in taps/attention.h).
 //
 // q [B, Hq, N, D]; k, v [B, Hkv, S, D]; tree_mask [B, N, W] i64; kv_lens [B] i64 -> out [B, Hq, N, D].
-// Head dims 64, 80, 96, 128, 256 (compile-time dispatch); fp32 / bf16 / fp16.
+// Head dims 64, 80, 96, 128, 256 (compile-time dispatch); fp32 / bf16 / fp16. bf16 / fp16 with at
+// least 16 query rows per KV head (G * N >= 16) run the tensor-core kernel, the rest the SIMT kernel.
 //
 // The kv_lens range check (N <= kv_lens[b] <= S) reads device data: it costs one small reduction and
 // one device-to-host sync per call (a single .item()). The kernel clamps kv_lens to [0, S] anyway, so
@@ -23,14 +24,15 @@
 namespace {
 
 template <class T>
-void dispatch_head_dim(const taps::TreeAttentionParams& p, int64_t head_dim, cudaStream_t stream) {
+void dispatch_head_dim(const taps::TreeAttentionParams& p, const taps::AttentionPlan& plan, int64_t head_dim,
+                       cudaStream_t stream) {
   cudaError_t err = cudaSuccess;
   switch (head_dim) {
-    case 64: err = taps::launch_tree_attention<T, 64>(p, stream); break;
-    case 80: err = taps::launch_tree_attention<T, 80>(p, stream); break;
-    case 96: err = taps::launch_tree_attention<T, 96>(p, stream); break;
-    case 128: err = taps::launch_tree_attention<T, 128>(p, stream); break;
-    case 256: err = taps::launch_tree_attention<T, 256>(p, stream); break;
+    case 64: err = taps::launch_tree_attention<T, 64>(p, plan, stream); break;
+    case 80: err = taps::launch_tree_attention<T, 80>(p, plan, stream); break;
+    case 96: err = taps::launch_tree_attention<T, 96>(p, plan, stream); break;
+    case 128: err = taps::launch_tree_attention<T, 128>(p, plan, stream); break;
+    case 256: err = taps::launch_tree_attention<T, 256>(p, plan, stream); break;
     default: TORCH_CHECK(false, "taps_ops: tree_attention: CUDA supports head dims 64, 80, 96, 128, 256, got ", head_dim);
   }
   C10_CUDA_CHECK(err);
@@ -58,14 +60,21 @@ at::Tensor tree_attention_cuda(const at::Tensor& q_in, const at::Tensor& k_in, c
   at::Tensor out = at::empty({batch, heads_q, num_nodes, head_dim}, q.options());
   if (out.numel() == 0) return out;
 
-  // Key splits (flash-decoding): enough blocks for about two waves, at least 256 keys per split.
-  const int64_t rows_total = (heads_q / heads_kv) * num_nodes;
-  const int64_t base = batch * heads_kv * taps::ceil_div(rows_total, taps::kAttnRows);
-  const int64_t sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
-  int64_t splits = std::min<int64_t>({taps::kMaxSplits, std::max<int64_t>(1, taps::ceil_div(2 * sms, base)),
-                                      std::max<int64_t>(1, cache_len / 256)});
-  const int64_t split_keys = taps::ceil_div(taps::ceil_div(cache_len, splits), taps::kTileKeys) * taps::kTileKeys;
-  splits = std::max<int64_t>(1, taps::ceil_div(cache_len, split_keys));
+  // Kernel choice, rows per block and key splits (taps::plan_tree_attention). The tensor-core kernel
+  // loads rows 16 bytes at a time: it needs 16-byte aligned base pointers and row strides.
+  const auto* props = at::cuda::getCurrentDeviceProperties();
+  auto rows_aligned = [](const at::Tensor& t) {
+    const int64_t bytes = t.element_size();
+    return reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0 && (t.stride(0) * bytes) % 16 == 0 &&
+           (t.stride(1) * bytes) % 16 == 0 && (t.stride(2) * bytes) % 16 == 0;
+  };
+  const bool mma_ok = q.scalar_type() != at::kFloat && props->major >= 8 && rows_aligned(q) && rows_aligned(k) &&
+                      rows_aligned(v);
+  const taps::AttentionPlan plan = taps::plan_tree_attention(batch, heads_kv, (heads_q / heads_kv) * num_nodes,
+                                                             cache_len, head_dim, mma_ok, props->multiProcessorCount);
+  TORCH_CHECK(heads_kv * plan.row_blocks <= 65535, "taps_ops: tree_attention: Hkv x row blocks = ",
+              heads_kv * plan.row_blocks, " exceeds the CUDA grid limit 65535");
+  const int64_t splits = plan.splits, split_keys = plan.split_keys;
   at::Tensor part_acc, part_max, part_sum;
   if (splits > 1) {
     auto f32 = q.options().dtype(at::kFloat);
@@ -92,9 +101,9 @@ at::Tensor tree_attention_cuda(const at::Tensor& q_in, const at::Tensor& k_in, c
   p.scale = static_cast<float>(scale);
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
   switch (q.scalar_type()) {
-    case at::kFloat: dispatch_head_dim<float>(p, head_dim, stream); break;
-    case at::kBFloat16: dispatch_head_dim<__nv_bfloat16>(p, head_dim, stream); break;
-    default: dispatch_head_dim<__half>(p, head_dim, stream); break;
+    case at::kFloat: dispatch_head_dim<float>(p, plan, head_dim, stream); break;
+    case at::kBFloat16: dispatch_head_dim<__nv_bfloat16>(p, plan, head_dim, stream); break;
+    default: dispatch_head_dim<__half>(p, plan, head_dim, stream); break;
   }
   return out;
 }

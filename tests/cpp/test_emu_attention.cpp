@@ -1,19 +1,26 @@
-// The CUDA tree_attention kernels (attention kernel, split combine) and the compact_kv kernel of
-// taps/attention.h, run under the host CUDA emulation (tests/cpp/emu/cuda_runtime.h), against plain
-// loops written here: tree_attention in double precision (tolerance 2e-5 relative to the largest
-// |value|), compact_kv exactly (gathering from a copy of the original cache, so the kernel's in-place
-// order is checked too). float32 only; head dims 64 and 80 (the partial lane); odd node counts and
-// cache lengths, grouped-query heads (also groups spanning several row blocks), ragged kv_lens, query
-// strides of a [B, N, H, D] layout, padded K/V head strides, one split and several (a split may lie
-// wholly past a request's length), a mask row that sees nothing.
-// Not shown: device numerics (__expf, FMA contraction), performance, memory-model effects.
+// The CUDA tree_attention kernels (SIMT kernel, tensor-core kernel, split combine) and the compact_kv
+// kernel of taps/attention.h, run under the host CUDA emulation (tests/cpp/emu/cuda_runtime.h, whose
+// m16n8k16 mma follows the PTX fragment layout), against plain loops written here: tree_attention in
+// double precision from the same (rounded) inputs, within 2e-5 (fp32), 2e-3 (fp16) or 1e-2 (bf16)
+// of the largest |value| (the tensor-core kernel rounds P to the input type, as flash attention does;
+// a fragment-layout slip gives errors of order 1), compact_kv exactly (gathering from a copy of the
+// original cache, so the kernel's in-place order is checked too). Head dims 64, 80 (the partial lane
+// of the SIMT kernel, five k-steps of the mma) and 128; odd node counts and cache lengths,
+// grouped-query heads (also groups spanning several row blocks and warps holding several m-tiles),
+// ragged kv_lens, query strides of a [B, N, H, D] layout, padded K/V head strides, one split and
+// several (a split may lie wholly past a request's length), a mask row that sees nothing.
+// Also the launch plan (kernel choice, rows per block, splits) for a few shapes.
+// Not shown: device numerics (__expf, FMA contraction, the tensor core's summation order),
+// performance, memory-model effects.
 #include <cuda_runtime.h>  // the emulation header (tests/cpp/emu is first on the include path)
 
 #include <cmath>
 #include <cstdio>
 #include <cstring>
+#include <cstdlib>
 #include <random>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "taps/attention.h"
@@ -28,20 +35,34 @@ using taps_test::rnd;
 float normal() { return std::normal_distribution<float>(0.0f, 1.0f)(rng); }
 
 struct AttnCase {
-  int B, Hq, Hkv, N, S, split_keys;  // split_keys 0: one split
+  int B, Hq, Hkv, N, S, split_keys;  // split_keys 0: the plan's (one split at sms = 1 for these sizes)
   bool empty_row;                    // request 0: kv_len = N and one mask row without bits
+  bool mma = true;                   // allow the tensor-core kernel (bf16 / fp16 only)
 };
 
-template <int D>
+template <class T> const char* type_name();
+template <> const char* type_name<float>() { return "fp32"; }
+template <> const char* type_name<__nv_bfloat16>() { return "bf16"; }
+template <> const char* type_name<__half>() { return "fp16"; }
+float as_float(float x) { return x; }
+float as_float(__nv_bfloat16 x) { return __bfloat162float(x); }
+float as_float(__half x) { return __half2float(x); }
+template <class T> T from_f(float x);
+template <> float from_f<float>(float x) { return x; }
+template <> __nv_bfloat16 from_f<__nv_bfloat16>(float x) { return __float2bfloat16_rn(x); }
+template <> __half from_f<__half>(float x) { return __float2half_rn(x); }
+template <class T> double tolerance() { return std::is_same_v<T, float> ? 2e-5 : (std::is_same_v<T, __half> ? 2e-3 : 1e-2); }
+
+template <class T, int D>
 void attention_case(const AttnCase& c) {
   const int B = c.B, Hq = c.Hq, Hkv = c.Hkv, N = c.N, S = c.S, G = Hq / Hkv;
   const int W = (N + 63) / 64;
-  const int pad_h = 3 * D;  // K/V head stride padding
+  const int pad_h = 3 * D;  // K/V head stride padding (a multiple of 8 elements: 16-byte rows)
   // q laid out [B, N, Hq, D] (strided view of [B, Hq, N, D]); k, v [B, Hkv, S, D] with padded heads.
-  std::vector<float> q(size_t(B * N * Hq * D)), k(size_t(B * Hkv * (S * D + pad_h))), v(k.size());
-  for (auto& x : q) x = normal();
-  for (auto& x : k) x = normal();
-  for (auto& x : v) x = normal();
+  std::vector<T> q(size_t(B * N * Hq * D)), k(size_t(B * Hkv * (S * D + pad_h))), v(k.size());
+  for (auto& x : q) x = from_f<T>(normal());
+  for (auto& x : k) x = from_f<T>(normal());
+  for (auto& x : v) x = from_f<T>(normal());
   const int64_t qs_b = int64_t(N) * Hq * D, qs_h = D, qs_n = int64_t(Hq) * D;
   const int64_t ks_b = int64_t(Hkv) * (S * D + pad_h), ks_h = S * D + pad_h, ks_s = D;
   // Masks: a random tree per request, each row its ancestors and itself.
@@ -66,15 +87,15 @@ void attention_case(const AttnCase& c) {
       for (int i = 0; i < N; ++i) {
         const int hk = h / G;
         const int64_t L = kv_lens[size_t(b)], start = L - N;
-        const float* qi = q.data() + b * qs_b + h * qs_h + i * qs_n;
+        const T* qi = q.data() + b * qs_b + h * qs_h + i * qs_n;
         std::vector<double> s;
         std::vector<int64_t> pos;
         for (int64_t j = 0; j < L; ++j) {
           const int64_t node = j - start;
           if (node >= 0 && !((uint64_t(mask[size_t((b * N + i) * W + node / 64)]) >> (node % 64)) & 1)) continue;
-          const float* kj = k.data() + b * ks_b + hk * ks_h + j * ks_s;
+          const T* kj = k.data() + b * ks_b + hk * ks_h + j * ks_s;
           double dot = 0;
-          for (int d = 0; d < D; ++d) dot += double(qi[d]) * double(kj[d]);
+          for (int d = 0; d < D; ++d) dot += double(as_float(qi[d])) * double(as_float(kj[d]));
           s.push_back(dot * scale);
           pos.push_back(j);
         }
@@ -84,15 +105,20 @@ void attention_case(const AttnCase& c) {
         for (double& x : s) z += (x = std::exp(x - m));
         double* o = ref.data() + ((b * Hq + h) * N + i) * D;
         for (size_t t = 0; t < s.size(); ++t) {
-          const float* vj = v.data() + b * ks_b + hk * ks_h + pos[t] * ks_s;
-          for (int d = 0; d < D; ++d) o[d] += s[t] / z * double(vj[d]);
+          const T* vj = v.data() + b * ks_b + hk * ks_h + pos[t] * ks_s;
+          for (int d = 0; d < D; ++d) o[d] += s[t] / z * double(as_float(vj[d]));
         }
       }
   // Kernel.
+  const bool half_type = !std::is_same_v<T, float>;
+  taps::AttentionPlan plan = taps::plan_tree_attention(B, Hkv, int64_t(G) * N, S, D, half_type && c.mma, 1);
+  if (c.split_keys > 0) {
+    plan.split_keys = c.split_keys;
+    plan.splits = (S + c.split_keys - 1) / c.split_keys;
+  }
   taps::TreeAttentionParams p{};
-  std::vector<float> out(ref.size(), 12345.0f);
-  const int64_t split_keys = c.split_keys > 0 ? c.split_keys : S;
-  const int64_t splits = (S + split_keys - 1) / split_keys;
+  std::vector<T> out(ref.size(), from_f<T>(12345.0f));
+  const int64_t splits = plan.splits;
   const int64_t rows_all = int64_t(B) * Hq * N;
   std::vector<float> part_acc(size_t(splits * rows_all * D), 999.0f), part_max(size_t(splits * rows_all), 999.0f),
       part_sum(part_max.size(), 999.0f);
@@ -110,27 +136,55 @@ void attention_case(const AttnCase& c) {
   p.k_stride_h = p.v_stride_h = ks_h;
   p.k_stride_s = p.v_stride_s = ks_s;
   p.batch = B, p.heads_q = Hq, p.heads_kv = Hkv, p.num_nodes = N, p.cache_len = S, p.mask_words = W;
-  p.splits = splits, p.split_keys = split_keys, p.scale = scale;
-  taps::launch_tree_attention<float, D>(p, nullptr);
+  p.splits = splits, p.split_keys = plan.split_keys, p.scale = scale;
+  taps::launch_tree_attention<T, D>(p, plan, nullptr);
   double big = 1e-30, err = 0;
   size_t worst = 0;
   for (size_t e = 0; e < ref.size(); ++e) {
     big = std::max(big, std::fabs(ref[e]));
-    const double d = std::fabs(double(out[e]) - ref[e]);
+    const double d = std::fabs(double(as_float(out[e])) - ref[e]);
     if (!(d <= err)) err = d, worst = e;  // NaN counts as worst
   }
-  char label[200];
+  char label[260];
   std::snprintf(label, sizeof label,
-                "tree_attention D=%d B=%d Hq=%d Hkv=%d N=%d S=%d splits=%lld empty_row=%d: max error %.3g at %zu "
-                "(got %g, want %g)",
-                D, B, Hq, Hkv, N, S, (long long)splits, int(c.empty_row), err, worst, double(out[worst]), ref[worst]);
-  check(err <= 2e-5 * big, label);
+                "tree_attention %s %s D=%d B=%d Hq=%d Hkv=%d N=%d S=%d warps=%d row_blocks=%lld splits=%lld "
+                "empty_row=%d: max error %.3g (%.2g of max) at %zu (got %g, want %g)",
+                type_name<T>(), plan.mma ? "mma" : "simt", D, B, Hq, Hkv, N, S, plan.warps,
+                (long long)plan.row_blocks, (long long)splits, int(c.empty_row), err, err / big, worst,
+                double(as_float(out[worst])), ref[worst]);
+  check(err <= tolerance<T>() * big, label);
+  if (std::getenv("TAPS_EMU_VERBOSE")) std::printf("%s\n", label);
   if (c.empty_row) {  // the row that sees nothing is exactly zero in every head
     bool zero = true;
     for (int h = 0; h < Hq; ++h)
-      for (int d = 0; d < D; ++d) zero = zero && out[size_t(((0 * Hq + h) * N + N / 2) * D + d)] == 0.0f;
+      for (int d = 0; d < D; ++d) zero = zero && as_float(out[size_t(((0 * Hq + h) * N + N / 2) * D + d)]) == 0.0f;
     check(zero, std::string(label) + ": row without visible keys is not zero");
   }
+}
+
+// The launch plan: which kernel, how many warps and row blocks, and the split arithmetic.
+void plan_cases() {
+  // bf16, G * N = 4 * 64 = 256 rows, D = 128: 8 warps x 2 m-tiles hold the whole group in one block.
+  taps::AttentionPlan p = taps::plan_tree_attention(4, 8, 256, 2048, 128, true, 132);
+  check(p.mma && p.warps == 8 && p.block_rows == 256 && p.row_blocks == 1, "plan: whole group per block (D=128)");
+  // 4 * 8 = 32 blocks on 132 SMs: ceil(264 / 32) = 9 splits for two waves, capped at 2048 / 256 = 8,
+  // of 256 keys (a multiple of the 64-key tile).
+  check(p.splits == 8 && p.split_keys == 256, "plan: splits for two waves, whole tiles");
+  // D = 256 holds 128 rows per block: two row blocks.
+  p = taps::plan_tree_attention(1, 8, 256, 8192, 256, true, 132);
+  check(p.mma && p.block_rows == 128 && p.row_blocks == 2, "plan: D=256 row blocks");
+  // 16 blocks: ceil(264 / 16) = 17 splits of ceil(8192 / 17) = 482 -> 512 keys: 16 splits.
+  check(p.splits == 16 && p.split_keys == 512, "plan: D=256 splits");
+  // 28 rows: two warps of one m-tile each; fewer than 16 rows or fp32: the SIMT kernel.
+  p = taps::plan_tree_attention(3, 2, 28, 257, 64, true, 132);
+  check(p.mma && p.warps == 2 && p.block_rows == 64 && p.row_blocks == 1 && p.splits == 1, "plan: small group");
+  p = taps::plan_tree_attention(3, 2, 8, 257, 64, true, 132);
+  check(!p.mma && p.block_rows == taps::kAttnRows && p.row_blocks == 1, "plan: under 16 rows -> SIMT");
+  p = taps::plan_tree_attention(3, 2, 256, 257, 64, false, 132);
+  check(!p.mma && p.row_blocks == 16 && p.split_keys % taps::kTileKeys == 0, "plan: fp32 -> SIMT");
+  // Short caches never split; long ones at most kMaxSplits.
+  check(taps::plan_tree_attention(1, 1, 16, 255, 64, true, 132).splits == 1, "plan: short cache, one split");
+  check(taps::plan_tree_attention(1, 1, 16, 1 << 20, 64, true, 132).splits <= taps::kMaxSplits, "plan: split cap");
 }
 
 // compact_kv on a cache of units U viewed as [B, H, S, row_units] with padded heads.
@@ -189,13 +243,24 @@ void compact_case(int B, int H, int S, int row_units, int cols, const char* name
 
 int main() {
   rng.seed(777);
+  plan_cases();
   // {B, Hq, Hkv, N, S, split_keys, empty_row}
-  attention_case<64>({2, 4, 2, 5, 47, 0, false});     // one split, GQA 2, odd N and S
-  attention_case<64>({3, 2, 2, 13, 100, 32, false});  // four splits, ragged lengths
-  attention_case<80>({2, 3, 1, 7, 61, 0, false});     // D = 80, GQA 3 (21 rows: two row blocks)
-  attention_case<80>({2, 2, 1, 37, 90, 64, true});    // two splits, a row that sees nothing
-  attention_case<64>({1, 1, 1, 1, 33, 32, false});    // single node, second split holds one key
-  attention_case<64>({2, 2, 1, 70, 140, 32, false});  // N > 64: two mask words, five splits
+  attention_case<float, 64>({2, 4, 2, 5, 47, 0, false});     // one split, GQA 2, odd N and S
+  attention_case<float, 64>({3, 2, 2, 13, 100, 32, false});  // four splits, ragged lengths
+  attention_case<float, 80>({2, 3, 1, 7, 61, 0, false});     // D = 80, GQA 3 (21 rows: two row blocks)
+  attention_case<float, 80>({2, 2, 1, 37, 90, 64, true});    // two splits, a row that sees nothing
+  attention_case<float, 64>({1, 1, 1, 1, 33, 32, false});    // single node, second split holds one key
+  attention_case<float, 64>({2, 2, 1, 70, 140, 32, false});  // N > 64: two mask words, five splits
+  // Tensor-core kernel (G * N >= 16).
+  attention_case<__half, 64>({2, 4, 2, 5, 47, 0, false});          // 10 rows: under 16 -> SIMT, fp16
+  attention_case<__half, 64>({2, 8, 2, 7, 93, 0, false});          // 28 rows: 2 warps, a partial m-tile
+  attention_case<__nv_bfloat16, 64>({2, 8, 2, 7, 93, 0, false});   // the same in bf16
+  attention_case<__half, 80>({2, 2, 1, 37, 150, 64, true});        // D = 80, 3 splits, an empty row
+  attention_case<__half, 64>({1, 6, 1, 23, 200, 0, false});        // 138 rows: 8 warps, warp 0 holds a second m-tile
+  attention_case<__half, 128>({1, 4, 1, 70, 190, 128, false});     // 280 rows: 2 row blocks, N > 64
+  attention_case<__half, 128>({1, 2, 1, 16, 16, 0, false});        // no prefix at all: tail tile only
+  attention_case<__nv_bfloat16, 80>({2, 4, 2, 9, 70, 0, false, false});  // bf16 on the SIMT kernel
+  // compact_kv
   compact_case<uint32_t>(7, 2, 40, 37, 9, "u32");      // 32-thread blocks, two blocks per row
   compact_case<uint32_t>(7, 1, 30, 130, 12, "u32");    // 128-thread blocks
   compact_case<uint4>(7, 3, 25, 3, 6, "uint4");

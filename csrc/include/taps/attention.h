@@ -14,6 +14,8 @@
 #pragma once
 #include <cmath>
 #include <cstdint>
+#include <cstring>
+#include <type_traits>
 
 #include "taps/common.h"
 
@@ -79,6 +81,68 @@ TAPS_HD void lse_combine_weights(const float* max, const float* sum, int64_t spl
   for (int64_t s = 0; s < splits; ++s) weight[s] *= inv;
 }
 
+// ---- launch plan of the CUDA tree_attention (host logic, here so that the CPU tests cover it) ----
+// Two kernels: the tensor-core kernel (bf16 / fp16, when a KV head's query group has at least 16 rows
+// and the rows are 16-byte aligned, on sm_80+) and the SIMT kernel (everything else).
+constexpr int kAttnWarps = 4;      // SIMT kernel: warps per block
+constexpr int kRowsPerWarp = 4;    // SIMT kernel: query rows per warp
+constexpr int kAttnRows = kAttnWarps * kRowsPerWarp;
+constexpr int kTileKeys = 32;      // SIMT kernel: keys per K/V tile
+constexpr int kMmaKeys = 64;       // tensor-core kernel: keys per K/V tile
+constexpr int kMmaMaxWarps = 8;    // tensor-core kernel: at most 8 warps (16-row m-tiles) per block
+constexpr int kMaxSplits = 64;     // key splits merged by the combine kernel
+
+// m-tiles (16 query rows each) one warp of the tensor-core kernel holds: its fp32 output accumulator
+// is tiles * D / 2 registers per lane, kept at or under 128 (as flash attention 2 does at D = 128; with
+// 4 m-tiles at D = 64 ptxas spilled).
+TAPS_HD constexpr int mma_warp_tiles(int64_t head_dim) { return head_dim <= 128 ? 2 : 1; }
+
+// Shared memory of the tensor-core kernel: query rows, one K tile (rows of D + 8 halves) and one V tile
+// packed by key pairs (kMmaKeys / 2 rows of D + 8 32-bit words). The padding makes every fragment load
+// conflict-free (row strides of 4 (mod 8) words for Q and K, 8 (mod 32) or 24 for V).
+TAPS_HD constexpr int64_t mma_smem_bytes(int64_t head_dim, int64_t block_rows) {
+  return (block_rows + 2 * kMmaKeys) * (head_dim + 8) * 2;
+}
+
+struct AttentionPlan {
+  bool mma;            // tensor-core kernel
+  int warps;           // tensor-core kernel: warps per block (SIMT: kAttnWarps)
+  int64_t block_rows;  // query rows of a KV head's group held per block
+  int64_t row_blocks;  // blocks sharing one (request, KV head): ceil(G * N / block_rows)
+  int64_t splits;      // key splits (flash-decoding), merged by log-sum-exp when > 1
+  int64_t split_keys;  // keys per split, a multiple of the kernel's tile
+};
+
+// mma_ok: bf16 / fp16 on an sm_80+ device with 16-byte aligned rows; sms: the device's SM count.
+// Splits: enough blocks for about two waves, at least 256 keys per split.
+TAPS_HD AttentionPlan plan_tree_attention(int64_t batch, int64_t heads_kv, int64_t group_rows, int64_t cache_len,
+                                          int64_t head_dim, bool mma_ok, int64_t sms) {
+  AttentionPlan plan{};
+  plan.mma = mma_ok && group_rows >= 16;
+  int64_t tile_keys = kTileKeys;
+  if (plan.mma) {
+    const int64_t m_tiles = ceil_div(group_rows, 16);
+    plan.warps = static_cast<int>(m_tiles < kMmaMaxWarps ? m_tiles : kMmaMaxWarps);
+    plan.block_rows = int64_t(plan.warps) * mma_warp_tiles(head_dim) * 16;
+    tile_keys = kMmaKeys;
+  } else {
+    plan.warps = kAttnWarps;
+    plan.block_rows = kAttnRows;
+  }
+  plan.row_blocks = ceil_div(group_rows, plan.block_rows);
+  const int64_t base = batch * heads_kv * plan.row_blocks;
+  int64_t splits = base > 0 ? ceil_div(2 * sms, base) : 1;
+  const int64_t by_len = cache_len / 256;
+  splits = splits < by_len ? splits : by_len;
+  splits = splits < kMaxSplits ? splits : kMaxSplits;
+  splits = splits > 1 ? splits : 1;
+  plan.split_keys = ceil_div(ceil_div(cache_len, splits), tile_keys) * tile_keys;
+  if (plan.split_keys < tile_keys) plan.split_keys = tile_keys;
+  plan.splits = ceil_div(cache_len, plan.split_keys);
+  if (plan.splits < 1) plan.splits = 1;
+  return plan;
+}
+
 // compact_kv validity of one request's path (P entries, -1 padded): returns the number of path
 // entries to move (up to the first -1), or -1 when the path is invalid (path[0] != 0, not strictly
 // increasing, or prefix_len + path[j] >= cache_len, or prefix_len < 0).
@@ -119,11 +183,6 @@ template <> TAPS_DEVICE __nv_bfloat16 from_float<__nv_bfloat16>(float x) { retur
 // With splits == 1 the block writes out directly; otherwise it writes its partial state
 // (max, sum, unnormalised acc) and tree_attention_combine_kernel merges the splits (log-sum-exp).
 // ------------------------------------------------------------------------------------------------
-constexpr int kAttnWarps = 4;
-constexpr int kRowsPerWarp = 4;
-constexpr int kAttnRows = kAttnWarps * kRowsPerWarp;
-constexpr int kTileKeys = 32;
-
 struct TreeAttentionParams {
   const void* q;  // [B, Hq, N, D] strides q_stride_{b,h,n}, feature stride 1
   const void* k;  // [B, Hkv, S, D] strides k_stride_{b,h,s}
@@ -299,9 +358,271 @@ tree_attention_kernel(TreeAttentionParams p) {
   }
 }
 
+// ------------------------------------------------------------------------------------------------
+// tree_attention, tensor-core version (bf16 / fp16 inputs, fp32 accumulation).
+// NOTE: written without access to a GPU; it compiles for sm_80 / sm_90a and passes the host-emulation
+// test (tests/cpp/test_emu_attention.cpp, whose mma follows the PTX fragment layout), but it has not
+// been run on a device.
+//
+// Grid (splits, Hkv * row_blocks, B); block plan.warps warps (at most kMmaMaxWarps). A block holds
+// block_rows = warps * MT * 16 rows of one KV head's query group (the whole group when it fits: G * N
+// up to 256 rows at D <= 128, 128 at D = 256), so each K/V tile is read from global memory once for
+// all of them (larger groups take several row blocks, which re-read the tile mostly from L2). Warp w owns the 16-row m-tiles w, w + warps, ... (MT at most). Per tile
+// of kMmaKeys keys, staged in shared memory (K as rows, V packed by key pairs so that a B fragment of
+// P V is one 32-bit load):
+//   S = Q K^T   mma.m16n8k16 (A: Q rows from shared memory, B: K rows), fp32;
+//   online softmax on the S fragments (a row's 8 key columns per n-tile live in the 4 lanes of a quad:
+//   max and sum reduce with two xor shuffles), the tree mask tested only on tiles that reach the tail;
+//   O += P V    P rounded to the input type and reused in registers as the A fragment (the S layout of
+//   n-tiles 2j, 2j + 1 is the A layout of k-step j), B from the packed V tile.
+// Output / partial state as the SIMT kernel (same combine kernel).
+// ------------------------------------------------------------------------------------------------
+template <class T> TAPS_DEVICE uint16_t bits16(T x) {
+  uint16_t u;
+  memcpy(&u, &x, 2);
+  return u;
+}
+template <class T> TAPS_DEVICE T from_bits16(uint16_t u) {
+  T x;
+  memcpy(&x, &u, 2);
+  return x;
+}
+// Two floats rounded to T, packed low half first (the fragment element order).
+template <class T> TAPS_DEVICE uint32_t pack2(float lo, float hi) {
+  return uint32_t(bits16(from_float<T>(lo))) | (uint32_t(bits16(from_float<T>(hi))) << 16);
+}
+
+// d += a b for one m16n8k16 tile (fragment layout: see the emulation's mma_m16n8k16).
+template <class T>
+TAPS_DEVICE void mma_m16n8k16(float (&d)[4], const uint32_t (&a)[4], const uint32_t (&b)[2]) {
+#if defined(TAPS_CUDA_EMULATION)
+  taps_emu::mma_m16n8k16(d, a, b, [](uint16_t u) { return to_float(from_bits16<T>(u)); });
+#elif defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  if constexpr (std::is_same_v<T, __nv_bfloat16>) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+        "{%0, %1, %2, %3};\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+  } else {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+        "{%0, %1, %2, %3};\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+  }
+#elif defined(__CUDA_ARCH__)
+  __trap();  // the plan never picks this kernel below sm_80
+#endif
+}
+
+template <class T, int D>
+__global__ void __launch_bounds__(kMmaMaxWarps * 32)
+tree_attention_mma_kernel(TreeAttentionParams p) {
+  static_assert(D % 16 == 0, "head dim: a multiple of 16");
+  constexpr int MT = mma_warp_tiles(D);
+  constexpr int kRow = D + 8;               // Q / K shared rows, in halves
+  constexpr int kRowWords = kRow / 2;
+  constexpr int kVRow = D + 8;              // packed V rows, in 32-bit words
+  constexpr int NT = D / 8;                 // n-tiles of the output
+  constexpr int KS = D / 16;                // k-steps of Q K^T
+  constexpr int KT = kMmaKeys / 8;          // n-tiles of S
+  constexpr int kChunks = D / 8;            // 16-byte chunks of a row
+  TAPS_DYNAMIC_SHARED(uint32_t, smem_words);  // (its own name: extern shared arrays of two types clash)
+  const int warps = static_cast<int>(blockDim.x / 32);
+  const int64_t block_rows = int64_t(warps) * MT * 16;
+  uint32_t* q_s = smem_words;                                      // [block_rows][kRowWords]
+  uint32_t* k_s = q_s + block_rows * kRowWords;               // [kMmaKeys][kRowWords]
+  uint32_t* v_s = k_s + kMmaKeys * kRowWords;                 // [kMmaKeys / 2][kVRow]
+
+  const int split = blockIdx.x, b = blockIdx.z;
+  const int64_t group = p.heads_q / p.heads_kv;
+  const int64_t rows_total = group * p.num_nodes;
+  const int64_t row_blocks = ceil_div(rows_total, block_rows);
+  const int64_t hkv = blockIdx.y / row_blocks;
+  const int64_t row0 = (blockIdx.y % row_blocks) * block_rows;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int g = lane / 4, t = lane % 4;
+  const TreeSpan span = tree_span(p.kv_lens[b], p.num_nodes, p.cache_len);
+  const int64_t key_begin = split * p.split_keys;
+  int64_t key_end = key_begin + p.split_keys;
+  key_end = key_end < span.len ? key_end : span.len;
+
+  const T* q = static_cast<const T*>(p.q);
+  const T* kb = static_cast<const T*>(p.k) + b * p.k_stride_b + hkv * p.k_stride_h;
+  const T* vb = static_cast<const T*>(p.v) + b * p.v_stride_b + hkv * p.v_stride_h;
+
+  // Stage the block's query rows (row r -> head hkv * G + r / N, node r % N), 16 bytes at a time.
+  for (int64_t idx = threadIdx.x; idx < block_rows * kChunks; idx += blockDim.x) {
+    const int64_t r = idx / kChunks;
+    const int c = static_cast<int>(idx % kChunks);
+    const int64_t row = row0 + r;
+    uint4 x = {0u, 0u, 0u, 0u};
+    if (row < rows_total) {
+      const int64_t h = hkv * group + row / p.num_nodes, i = row % p.num_nodes;
+      x = *reinterpret_cast<const uint4*>(q + b * p.q_stride_b + h * p.q_stride_h + i * p.q_stride_n + 8 * c);
+    }
+    *reinterpret_cast<uint4*>(q_s + r * kRowWords + 4 * c) = x;
+  }
+
+  // Per m-tile state of this lane: rows g and g + 8 of the tile.
+  float acc[MT][NT][4];
+  float row_max[MT][2], row_sum[MT][2];
+  const int64_t* mask_row[MT][2];
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt) {
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt) acc[mt][nt][0] = acc[mt][nt][1] = acc[mt][nt][2] = acc[mt][nt][3] = 0.0f;
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      row_max[mt][h] = -INFINITY;
+      row_sum[mt][h] = 0.0f;
+      const int64_t row = row0 + (int64_t(mt) * warps + warp) * 16 + g + 8 * h;
+      const int64_t i = row < rows_total ? row % p.num_nodes : 0;
+      mask_row[mt][h] = p.tree_mask + (b * p.num_nodes + i) * p.mask_words;
+    }
+  }
+
+  for (int64_t tile0 = key_begin; tile0 < key_end; tile0 += kMmaKeys) {
+    const int tile_len = static_cast<int>(key_end - tile0 < kMmaKeys ? key_end - tile0 : kMmaKeys);
+    __syncthreads();  // previous tile consumed (and the query rows staged, the first time)
+    // K rows as they are; V by key pairs: word w of packed row m = (V[2m][w], V[2m + 1][w]).
+    for (int idx = threadIdx.x; idx < kMmaKeys * kChunks; idx += blockDim.x) {
+      const int j = idx / kChunks, c = idx % kChunks;
+      uint4 x = {0u, 0u, 0u, 0u};
+      if (j < tile_len) x = *reinterpret_cast<const uint4*>(kb + (tile0 + j) * p.k_stride_s + 8 * c);
+      *reinterpret_cast<uint4*>(k_s + j * kRowWords + 4 * c) = x;
+    }
+    for (int idx = threadIdx.x; idx < (kMmaKeys / 2) * kChunks; idx += blockDim.x) {
+      const int m = idx / kChunks, c = idx % kChunks;
+      uint4 lo = {0u, 0u, 0u, 0u}, hi = {0u, 0u, 0u, 0u};
+      if (2 * m < tile_len) lo = *reinterpret_cast<const uint4*>(vb + (tile0 + 2 * m) * p.v_stride_s + 8 * c);
+      if (2 * m + 1 < tile_len) hi = *reinterpret_cast<const uint4*>(vb + (tile0 + 2 * m + 1) * p.v_stride_s + 8 * c);
+      const uint32_t l[4] = {lo.x, lo.y, lo.z, lo.w}, u[4] = {hi.x, hi.y, hi.z, hi.w};
+      uint32_t w[8];
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        w[2 * e] = (l[e] & 0xffffu) | (u[e] << 16);
+        w[2 * e + 1] = (l[e] >> 16) | (u[e] & 0xffff0000u);
+      }
+      uint4* dst = reinterpret_cast<uint4*>(v_s + m * kVRow + 8 * c);
+      dst[0] = uint4{w[0], w[1], w[2], w[3]};
+      dst[1] = uint4{w[4], w[5], w[6], w[7]};
+    }
+    __syncthreads();
+    const bool tail_tile = tile0 + tile_len > span.tree_start;  // only these need the mask
+
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt) {
+      const int64_t tile_row = (int64_t(mt) * warps + warp) * 16;  // block-relative first row
+      if (row0 + tile_row >= rows_total) continue;                // warp-uniform
+      // S = Q K^T for 16 rows x kMmaKeys keys.
+      float sc[KT][4];
+#pragma unroll
+      for (int nt = 0; nt < KT; ++nt) sc[nt][0] = sc[nt][1] = sc[nt][2] = sc[nt][3] = 0.0f;
+      const uint32_t* qa = q_s + (tile_row + g) * kRowWords + t;
+#pragma unroll
+      for (int ks = 0; ks < KS; ++ks) {
+        const uint32_t a[4] = {qa[ks * 8], qa[8 * kRowWords + ks * 8], qa[ks * 8 + 4], qa[8 * kRowWords + ks * 8 + 4]};
+#pragma unroll
+        for (int nt = 0; nt < KT; ++nt) {
+          const uint32_t* kr = k_s + (nt * 8 + g) * kRowWords + ks * 8 + t;
+          const uint32_t bfrag[2] = {kr[0], kr[4]};
+          mma_m16n8k16<T>(sc[nt], a, bfrag);
+        }
+      }
+      // Online softmax: element e of n-tile nt is row g + 8 (e / 2), key tile0 + nt * 8 + 2t + e % 2.
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        float m = -INFINITY;
+#pragma unroll
+        for (int nt = 0; nt < KT; ++nt) {
+#pragma unroll
+          for (int e = 0; e < 2; ++e) {
+            const int key = nt * 8 + 2 * t + e;
+            bool visible = key < tile_len;
+            if (tail_tile && visible) visible = key_visible(span, mask_row[mt][h], tile0 + key);
+            const float sv = visible ? sc[nt][2 * h + e] * p.scale : -INFINITY;
+            sc[nt][2 * h + e] = sv;
+            m = fmaxf(m, sv);
+          }
+        }
+        m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 1));
+        m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 2));
+        const float new_max = fmaxf(row_max[mt][h], m);
+        const float alpha = softmax_rescale(row_max[mt][h], new_max);
+        float sum = 0.0f;
+#pragma unroll
+        for (int nt = 0; nt < KT; ++nt) {
+#pragma unroll
+          for (int e = 0; e < 2; ++e) {
+            const float pj = new_max == -INFINITY ? 0.0f : __expf(sc[nt][2 * h + e] - new_max);
+            sc[nt][2 * h + e] = pj;
+            sum += pj;
+          }
+        }
+        row_max[mt][h] = new_max;
+        row_sum[mt][h] = row_sum[mt][h] * alpha + sum;  // per-lane partial, reduced at the end
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt) {
+          acc[mt][nt][2 * h] *= alpha;
+          acc[mt][nt][2 * h + 1] *= alpha;
+        }
+      }
+      // O += P V: k-step j covers keys 16 j .. 16 j + 15 (S n-tiles 2 j, 2 j + 1).
+#pragma unroll
+      for (int j = 0; j < kMmaKeys / 16; ++j) {
+        const uint32_t a[4] = {pack2<T>(sc[2 * j][0], sc[2 * j][1]), pack2<T>(sc[2 * j][2], sc[2 * j][3]),
+                               pack2<T>(sc[2 * j + 1][0], sc[2 * j + 1][1]),
+                               pack2<T>(sc[2 * j + 1][2], sc[2 * j + 1][3])};
+        const uint32_t* vr = v_s + (j * 8 + t) * kVRow + g;
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt) {
+          const uint32_t bfrag[2] = {vr[nt * 8], vr[4 * kVRow + nt * 8]};
+          mma_m16n8k16<T>(acc[mt][nt], a, bfrag);
+        }
+      }
+    }
+  }
+
+  // Epilogue: reduce the row sums over the quad, then write the output or the partial state.
+  const int64_t rows_all = p.batch * p.heads_q * p.num_nodes;
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt) {
+    const int64_t tile_row = (int64_t(mt) * warps + warp) * 16;
+    if (row0 + tile_row >= rows_total) continue;  // warp-uniform
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      float l = row_sum[mt][h];
+      l += __shfl_xor_sync(0xffffffffu, l, 1);
+      l += __shfl_xor_sync(0xffffffffu, l, 2);
+      const int64_t row = row0 + tile_row + g + 8 * h;
+      if (row >= rows_total) continue;
+      const int64_t head = hkv * group + row / p.num_nodes, i = row % p.num_nodes;
+      const int64_t out_row = (b * p.heads_q + head) * p.num_nodes + i;
+      if (p.splits == 1) {
+        const float inv = l > 0.0f ? 1.0f / l : 0.0f;
+        uint32_t* o = reinterpret_cast<uint32_t*>(static_cast<T*>(p.out) + out_row * D);
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt) o[nt * 4 + t] = pack2<T>(acc[mt][nt][2 * h] * inv, acc[mt][nt][2 * h + 1] * inv);
+      } else {
+        float* pa = p.part_acc + (split * rows_all + out_row) * D;
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt) {
+          pa[nt * 8 + 2 * t] = acc[mt][nt][2 * h];
+          pa[nt * 8 + 2 * t + 1] = acc[mt][nt][2 * h + 1];
+        }
+        if (t == 0) {
+          p.part_max[split * rows_all + out_row] = row_max[mt][h];
+          p.part_sum[split * rows_all + out_row] = l;
+        }
+      }
+    }
+  }
+}
+
 // Combine the split partial states: grid (ceil(rows_all / 4)), block (32, 4): one warp per output
 // row [B * Hq * N], lanes over features. Splits are at most kMaxSplits.
-constexpr int kMaxSplits = 64;
 template <class T>
 __global__ void tree_attention_combine_kernel(const float* __restrict__ part_acc, const float* __restrict__ part_max,
                                               const float* __restrict__ part_sum, T* __restrict__ out,
@@ -318,20 +639,31 @@ __global__ void tree_attention_combine_kernel(const float* __restrict__ part_acc
   }
 }
 
-// Launcher: q [B, Hq, N, D], k/v [B, Hkv, S, D], out [B, Hq, N, D]; p.splits / p.split_keys chosen
-// by the caller (splits <= kMaxSplits; part_* buffers sized for splits when splits > 1).
+// Launcher: q [B, Hq, N, D], k/v [B, Hkv, S, D], out [B, Hq, N, D]; `plan` from plan_tree_attention
+// for these sizes (p.splits / p.split_keys must be the plan's; part_* buffers sized for splits > 1).
 template <class T, int D>
-cudaError_t launch_tree_attention(const TreeAttentionParams& p, cudaStream_t stream) {
-  const int64_t rows_total = (p.heads_q / p.heads_kv) * p.num_nodes;
-  const int64_t row_blocks = (rows_total + kAttnRows - 1) / kAttnRows;
-  const size_t smem = sizeof(float) * attn_smem_floats<D>();
-  cudaError_t err = cudaFuncSetAttribute(tree_attention_kernel<T, D>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                         static_cast<int>(smem));
-  if (err != cudaSuccess) return err;
-  dim3 grid(static_cast<unsigned>(p.splits), static_cast<unsigned>(p.heads_kv * row_blocks),
+cudaError_t launch_tree_attention(const TreeAttentionParams& p, const AttentionPlan& plan, cudaStream_t stream) {
+  dim3 grid(static_cast<unsigned>(p.splits), static_cast<unsigned>(p.heads_kv * plan.row_blocks),
             static_cast<unsigned>(p.batch));
-  auto* kernel = &tree_attention_kernel<T, D>;
-  TAPS_LAUNCH(kernel, grid, kAttnWarps * 32, smem, stream, p);
+  cudaError_t err = cudaSuccess;
+  if constexpr (!std::is_same_v<T, float> && D % 16 == 0) {
+    if (plan.mma) {
+      const size_t smem = static_cast<size_t>(mma_smem_bytes(D, plan.block_rows));
+      err = cudaFuncSetAttribute(tree_attention_mma_kernel<T, D>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                 static_cast<int>(smem));
+      if (err != cudaSuccess) return err;
+      auto* kernel = &tree_attention_mma_kernel<T, D>;
+      TAPS_LAUNCH(kernel, grid, plan.warps * 32, smem, stream, p);
+    }
+  }
+  if (!plan.mma) {
+    const size_t smem = sizeof(float) * attn_smem_floats<D>();
+    err = cudaFuncSetAttribute(tree_attention_kernel<T, D>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                               static_cast<int>(smem));
+    if (err != cudaSuccess) return err;
+    auto* kernel = &tree_attention_kernel<T, D>;
+    TAPS_LAUNCH(kernel, grid, kAttnWarps * 32, smem, stream, p);
+  }
   err = cudaGetLastError();
   if (err != cudaSuccess || p.splits == 1) return err;
   const int64_t rows_all = p.batch * p.heads_q * p.num_nodes;

@@ -1,6 +1,6 @@
 // Host emulation of the CUDA features the taps kernels use, for testing their block-level logic
-// (barriers, warp shuffles and ballots, shared-memory atomics, thread indexing) on a machine without a
-// GPU. One OS thread per CUDA thread; the blocks of a grid run one after another, so `__shared__`
+// (barriers, warp shuffles and ballots, shared-memory atomics, thread indexing, the m16n8k16 tensor-core
+// mma) on a machine without a GPU. One OS thread per CUDA thread; the blocks of a grid run one after another, so `__shared__`
 // variables become function-local statics shared by the threads of the running block, and the dynamic
 // shared memory of a launch (TAPS_DYNAMIC_SHARED in taps/common.h) is one host buffer, refilled with
 // garbage bytes before each block. Warp operations exchange values through a per-warp buffer between
@@ -115,6 +115,7 @@ struct BlockState {
   std::unique_ptr<Barrier> block;
   std::vector<std::unique_ptr<Barrier>> warps;
   std::vector<uint64_t> exchange;        // one slot per thread
+  std::vector<uint32_t> mma_words;       // mma_m16n8k16: 6 fragment words per thread
   std::atomic<int> reduce[3];            // __syncthreads_{or,and,count}: rotating slots
   std::vector<uint64_t> dynamic_shared;  // 8-byte words (16-byte alignment via operator new is enough)
 };
@@ -176,6 +177,47 @@ T warp_exchange(T v, int src_lane, bool valid) {
   if (valid) std::memcpy(&out, &cur->exchange[size_t(w * 32 + unsigned(src_lane))], sizeof(T));
   cur->warps[w]->arrive_and_wait();
   return out;
+}
+
+// Warp-wide mma.sync.aligned.m16n8k16.row.col.f32.{bf16,f16}.{bf16,f16}.f32 with D = C (d += A B),
+// fragments laid out as the PTX ISA specifies ("Matrix Fragments for mma.m16n8k16 with floating point
+// type"); lane = 4 * g + t (g = groupID, t = threadID_in_group); element pairs pack low half first:
+//   A (16 x 16, 4 words): a[0] rows g, cols 2t, 2t+1; a[1] row g+8, cols 2t, 2t+1;
+//                         a[2] row g, cols 2t+8, 2t+9; a[3] row g+8, cols 2t+8, 2t+9.
+//   B (16 x 8, 2 words):  b[0] rows 2t, 2t+1 of col g; b[1] rows 2t+8, 2t+9 of col g.
+//   C / D (16 x 8 fp32):  d[0], d[1] row g, cols 2t, 2t+1; d[2], d[3] row g+8, cols 2t, 2t+1.
+// `to_float` converts one 16-bit element. Products are summed in float in k order (the tensor core's
+// internal order and rounding are not specified; the tests allow for that).
+template <class ToFloat>
+void mma_m16n8k16(float* d, const uint32_t* a, const uint32_t* b, ToFloat to_float) {
+  const unsigned w = warp_of_thread();
+  uint32_t* mine = cur->mma_words.data() + size_t(linear_tid) * 6;
+  for (int i = 0; i < 4; ++i) mine[i] = a[i];
+  mine[4] = b[0];
+  mine[5] = b[1];
+  cur->warps[w]->arrive_and_wait();
+  float A[16][16], B[16][8];
+  for (int l = 0; l < 32; ++l) {
+    const uint32_t* f = cur->mma_words.data() + size_t(w * 32 + unsigned(l)) * 6;
+    const int g = l / 4, t = l % 4;
+    for (int i = 0; i < 4; ++i) {
+      const int row = g + 8 * (i & 1), col = 2 * t + 8 * (i >> 1);
+      A[row][col] = to_float(uint16_t(f[i] & 0xffffu));
+      A[row][col + 1] = to_float(uint16_t(f[i] >> 16));
+    }
+    for (int i = 0; i < 2; ++i) {
+      B[2 * t + 8 * i][g] = to_float(uint16_t(f[4 + i] & 0xffffu));
+      B[2 * t + 8 * i + 1][g] = to_float(uint16_t(f[4 + i] >> 16));
+    }
+  }
+  cur->warps[w]->arrive_and_wait();
+  const int g = lane() / 4, t = lane() % 4;
+  for (int i = 0; i < 4; ++i) {
+    const int row = g + 8 * (i >> 1), col = 2 * t + (i & 1);
+    float sum = d[i];
+    for (int k = 0; k < 16; ++k) sum += A[row][k] * B[k][col];
+    d[i] = sum;
+  }
 }
 
 // Block-wide reduction with one barrier: call k accumulates into slot k % 3 and clears slot
@@ -330,6 +372,7 @@ cudaError_t emu_launch_cluster(K kernel, dim3 grid, dim3 block, size_t smem, int
           b->block = std::make_unique<taps_emu::Barrier>(threads);
           for (unsigned w = 0; w < threads / 32; ++w) b->warps.push_back(std::make_unique<taps_emu::Barrier>(32));
           b->exchange.assign(threads, 0);
+          b->mma_words.assign(size_t(threads) * 6, 0);
           for (auto& x : b->reduce) x.store(0);
           b->dynamic_shared.assign((smem + 7) / 8 + 2, 0);
           std::memset(b->dynamic_shared.data(), 0xA5, b->dynamic_shared.size() * 8);
