@@ -9,7 +9,8 @@ Speedups are SDPA time / taps time on the same device. For CUDA, "GB/s" is the K
 visible keys (2 * B * Hkv * sum(kv_lens) * D * elem) over the taps time, and "% copy" that rate over
 the device-to-device copy rate measured first (a 1 GiB copy: its read plus write bytes over its time),
 the practical ceiling of HBM bandwidth. On CUDA, Llama-3-8B head shapes at S = 1k, 4k, 32k run too;
-bf16 / fp16 rows with G * N >= 16 take the tensor-core kernel ("kernel" column).
+bf16 / fp16 rows with G * N >= 16 take the tensor-core kernel ("kernel" column). "x flashinfer" is
+FlashInfer's single_prefill_with_kv_cache with the same custom mask over taps (B = 1, when installed).
 """
 
 from __future__ import annotations
@@ -68,6 +69,19 @@ def copy_bandwidth(repeats: int) -> float:
     return 2 * src.numel() / timed(lambda: dst.copy_(src), repeats, True)
 
 
+def flashinfer_time(q, k, v, dense, repeats):
+    """FlashInfer's single-request prefill with the same dense custom mask (B = 1), when importable.
+    Never run by this project yet (FlashInfer was not available where the benchmark last ran)."""
+    try:
+        import flashinfer
+    except ImportError:
+        return None
+    q_nhd = q[0].transpose(0, 1).contiguous()  # [N, Hq, D]
+    mask = dense[0, 0].contiguous()            # [N, S] bool
+    return timed(lambda: flashinfer.single_prefill_with_kv_cache(q_nhd, k[0], v[0], custom_mask=mask,
+                                                                 kv_layout="HND"), repeats, True)
+
+
 def case(batch, heads_q, heads_kv, num_nodes, head_dim, cache_len, dtype, repeats, device):
     cuda = device == "cuda"
     q = torch.randn(batch, heads_q, num_nodes, head_dim, dtype=dtype, device=device)
@@ -83,6 +97,7 @@ def case(batch, heads_q, heads_kv, num_nodes, head_dim, cache_len, dtype, repeat
     row["ref"] = timed(lambda: tree_attention_ref(q, k, v, tree_mask, kv_lens, dtype=dtype), repeats, cuda) \
         if small else None
     row["taps"] = timed(lambda: taps_ops.tree_attention(q, k, v, tree_mask, kv_lens), repeats, cuda)
+    row["flashinfer"] = flashinfer_time(q, k, v, dense, repeats) if cuda and batch == 1 else None
     kv_bytes = 2 * batch * heads_kv * cache_len * head_dim * k.element_size()
     return row, kv_bytes
 
@@ -123,7 +138,8 @@ def main() -> None:
         ceiling = copy_bandwidth(args.repeats)
         print(f"{torch.cuda.get_device_name()}: device-to-device copy {ceiling / 1e9:.0f} GB/s")
     header = f"{'device':6} {'B':>2} {'Hq':>3} {'Hkv':>3} {'N':>4} {'D':>4} {'S':>5} {'dtype':>8} {'kernel':>6} " \
-             f"{'sdpa ms':>9} {'ref ms':>9} {'taps ms':>9} {'x sdpa':>7} {'x ref':>7} {'GB/s':>7} {'% copy':>6}"
+             f"{'sdpa ms':>9} {'ref ms':>9} {'taps ms':>9} {'x sdpa':>7} {'x ref':>7} {'GB/s':>7} {'% copy':>6} " \
+             f"{'x flashinfer':>12}"
     print(header)
     for device in devices:
         for (b, hq, hkv, n, d, s, dt) in shapes + (gpu_shapes if device == "cuda" else []):
@@ -134,9 +150,10 @@ def main() -> None:
             rate = kv_bytes / row["taps"]
             bw = f"{rate / 1e9:7.1f}" if device == "cuda" else f"{'-':>7}"
             share = f"{100 * rate / ceiling:6.1f}" if device == "cuda" else f"{'-':>6}"
+            x_fi = f"{row['flashinfer'] / row['taps']:.2f}" if row["flashinfer"] else "-"
             print(f"{device:6} {b:2} {hq:3} {hkv:3} {n:4} {d:4} {s:5} {str(dt)[6:]:>8} {kernel:>6} "
                   f"{row['sdpa'] * 1e3:9.2f} {ref} {row['taps'] * 1e3:9.3f} {row['sdpa'] / row['taps']:7.2f} "
-                  f"{x_ref} {bw} {share}")
+                  f"{x_ref} {bw} {share} {x_fi:>12}")
 
 
 if __name__ == "__main__":
