@@ -201,6 +201,37 @@ struct TreeAttentionParams {
   float scale;
 };
 
+// What a block of either attention kernel works on. Grid (splits, Hkv * row_blocks, B): the block's
+// request, key split, KV head, first query row of the head's group (row r = g * N + i: query head
+// hkv * G + g, tree node i), its key range [key_begin, key_end) clamped to the request's length, and
+// the request's K / V of that head.
+template <class T>
+struct AttnBlock {
+  int split, b;
+  int64_t group, rows_total, hkv, row0, key_begin, key_end;
+  TreeSpan span;
+  const T *q, *k, *v;
+};
+template <class T>
+TAPS_DEVICE AttnBlock<T> attn_block(const TreeAttentionParams& p, int64_t block_rows) {
+  AttnBlock<T> a;
+  a.split = static_cast<int>(blockIdx.x);
+  a.b = static_cast<int>(blockIdx.z);
+  a.group = p.heads_q / p.heads_kv;
+  a.rows_total = a.group * p.num_nodes;
+  const int64_t row_blocks = ceil_div(a.rows_total, block_rows);
+  a.hkv = blockIdx.y / row_blocks;
+  a.row0 = (blockIdx.y % row_blocks) * block_rows;
+  a.span = tree_span(p.kv_lens[a.b], p.num_nodes, p.cache_len);
+  a.key_begin = a.split * p.split_keys;
+  const int64_t end = a.key_begin + p.split_keys;
+  a.key_end = end < a.span.len ? end : a.span.len;
+  a.q = static_cast<const T*>(p.q);
+  a.k = static_cast<const T*>(p.k) + a.b * p.k_stride_b + a.hkv * p.k_stride_h;
+  a.v = static_cast<const T*>(p.v) + a.b * p.v_stride_b + a.hkv * p.v_stride_h;
+  return a;
+}
+
 template <int D> constexpr int attn_smem_floats() {
   return 2 * kTileKeys * (D + 1) + kAttnRows * D + kAttnRows * kTileKeys;
 }
@@ -217,21 +248,13 @@ tree_attention_kernel(TreeAttentionParams p) {
   float* q_rows = v_tile + kTileKeys * (D + 1);        // [kAttnRows][D], pre-scaled
   float* p_rows = q_rows + kAttnRows * D;              // [kAttnRows][kTileKeys]
 
-  const int split = blockIdx.x, b = blockIdx.z;
-  const int64_t group = p.heads_q / p.heads_kv;
-  const int64_t rows_total = group * p.num_nodes;
-  const int64_t row_blocks = (rows_total + kAttnRows - 1) / kAttnRows;
-  const int64_t hkv = blockIdx.y / row_blocks;
-  const int64_t row0 = (blockIdx.y % row_blocks) * kAttnRows;
+  const AttnBlock<T> blk = attn_block<T>(p, kAttnRows);
+  const int split = blk.split, b = blk.b;
+  const int64_t group = blk.group, rows_total = blk.rows_total, hkv = blk.hkv, row0 = blk.row0;
+  const int64_t key_begin = blk.key_begin, key_end = blk.key_end;
+  const TreeSpan span = blk.span;
+  const T *q = blk.q, *kb = blk.k, *vb = blk.v;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const TreeSpan span = tree_span(p.kv_lens[b], p.num_nodes, p.cache_len);
-  const int64_t key_begin = split * p.split_keys;
-  int64_t key_end = key_begin + p.split_keys;
-  key_end = key_end < span.len ? key_end : span.len;
-
-  const T* q = static_cast<const T*>(p.q);
-  const T* kb = static_cast<const T*>(p.k) + b * p.k_stride_b + hkv * p.k_stride_h;
-  const T* vb = static_cast<const T*>(p.v) + b * p.v_stride_b + hkv * p.v_stride_h;
 
   // Stage this block's query rows (row r -> head hkv * G + r / N, node r % N), scaled.
   for (int idx = threadIdx.x; idx < kAttnRows * D; idx += blockDim.x) {
@@ -435,22 +458,14 @@ tree_attention_mma_kernel(TreeAttentionParams p) {
   uint32_t* k_s = q_s + block_rows * kRowWords;               // [kMmaKeys][kRowWords]
   uint32_t* v_s = k_s + kMmaKeys * kRowWords;                 // [kMmaKeys / 2][kVRow]
 
-  const int split = blockIdx.x, b = blockIdx.z;
-  const int64_t group = p.heads_q / p.heads_kv;
-  const int64_t rows_total = group * p.num_nodes;
-  const int64_t row_blocks = ceil_div(rows_total, block_rows);
-  const int64_t hkv = blockIdx.y / row_blocks;
-  const int64_t row0 = (blockIdx.y % row_blocks) * block_rows;
+  const AttnBlock<T> blk = attn_block<T>(p, block_rows);
+  const int split = blk.split, b = blk.b;
+  const int64_t group = blk.group, rows_total = blk.rows_total, hkv = blk.hkv, row0 = blk.row0;
+  const int64_t key_begin = blk.key_begin, key_end = blk.key_end;
+  const TreeSpan span = blk.span;
+  const T *q = blk.q, *kb = blk.k, *vb = blk.v;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int g = lane / 4, t = lane % 4;
-  const TreeSpan span = tree_span(p.kv_lens[b], p.num_nodes, p.cache_len);
-  const int64_t key_begin = split * p.split_keys;
-  int64_t key_end = key_begin + p.split_keys;
-  key_end = key_end < span.len ? key_end : span.len;
-
-  const T* q = static_cast<const T*>(p.q);
-  const T* kb = static_cast<const T*>(p.k) + b * p.k_stride_b + hkv * p.k_stride_h;
-  const T* vb = static_cast<const T*>(p.v) + b * p.v_stride_b + hkv * p.v_stride_h;
 
   // Stage the block's query rows (row r -> head hkv * G + r / N, node r % N), 16 bytes at a time.
   for (int64_t idx = threadIdx.x; idx < block_rows * kChunks; idx += blockDim.x) {
