@@ -16,14 +16,32 @@ from taps.train import drafter as TD  # noqa: E402
 from taps.train.data import REPO_ROOT  # noqa: E402
 
 
-def tiny_target(vocab=8192):
-    from transformers import LlamaConfig, LlamaForCausalLM
+def tiny_target(vocab=8192, arch="llama"):
+    import transformers
 
     torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                      tie_word_embeddings=True)
-    return LlamaForCausalLM(cfg).eval()
+    prefix = {"llama": "Llama", "qwen2": "Qwen2", "qwen3": "Qwen3", "mistral": "Mistral"}[arch]
+    kw = dict(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+              num_key_value_heads=2, max_position_embeddings=512, tie_word_embeddings=True)
+    if arch == "qwen3":
+        kw.update(head_dim=16, rope_parameters={"rope_type": "default", "rope_theta": 5e5})  # not hidden / heads
+    cfg = getattr(transformers, prefix + "Config")(**kw)
+    return getattr(transformers, prefix + "ForCausalLM")(cfg).eval()
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3", "mistral"])
+def test_drafter_config_of_other_families(arch):
+    """The drafter is Llama-shaped whatever the target's family, with the target's heads, head dim and
+    rotary settings (Qwen2 configs lack mlp_bias, so copying the target's config class failed)."""
+    target = tiny_target(vocab=97, arch=arch)
+    cfg = TD.drafter_config(target.config, 2)
+    assert type(cfg).__name__ == "LlamaConfig" and cfg.num_hidden_layers == 2
+    for k in ("hidden_size", "num_attention_heads", "num_key_value_heads", "intermediate_size", "rms_norm_eps"):
+        assert getattr(cfg, k) == getattr(target.config, k), k
+    assert cfg.head_dim == (16 if arch == "qwen3" else 8)
+    assert cfg.rope_parameters["rope_theta"] == target.config.rope_parameters["rope_theta"]
+    drafter = TD.new_drafter(target)
+    assert drafter.layers[0].self_attn.q_proj.out_features == 4 * cfg.head_dim
 
 
 def test_alignment_mask_literal():
@@ -48,11 +66,11 @@ def _inference_features(drafter, tokens, feats):
     return drafter.features(tokens, feats, pos, pos, mask)
 
 
-@pytest.mark.parametrize("layers", [1, 2])
-def test_unrolled_steps_equal_the_inference_context(layers):
+@pytest.mark.parametrize("layers,arch", [(1, "llama"), (2, "llama"), (1, "qwen3")])
+def test_unrolled_steps_equal_the_inference_context(layers, arch):
     """Step j's prediction at position t equals the inference forward over a sequence whose last j - 1
     inputs are the drafter's own earlier predictions: the context it has at depth j of a draft."""
-    target = tiny_target(vocab=97)
+    target = tiny_target(vocab=97, arch=arch)
     drafter = TD.new_drafter(target, num_layers=layers)
     with torch.no_grad():
         for p in drafter.parameters():
@@ -78,10 +96,10 @@ def test_unrolled_steps_equal_the_inference_context(layers):
 
 
 @pytest.fixture()
-def tiny_setup(tmp_path, monkeypatch):
+def tiny_setup(tmp_path, monkeypatch, request):
     """A tiny target folder (the shipped tokenizer's files) and random token blocks instead of the
-    real data (so the test does not read ShareGPT)."""
-    target = tiny_target()
+    real data (so the test does not read ShareGPT). Llama unless parametrized (indirect) with an arch."""
+    target = tiny_target(arch=getattr(request, "param", "llama"))
     tdir = tmp_path / "target"
     target.save_pretrained(str(tdir))
     for f in ("tokenizer.json", "tokenizer_config.json"):
@@ -130,6 +148,30 @@ def test_tiny_run_trains_and_exports(tiny_setup, family):
     target = AutoModelForCausalLM.from_pretrained(str(tdir))
     d = EagleDrafter.from_pretrained(str(c.out), target=target)
     assert d.fc.weight.dtype == torch.float32 and len(d.layers) == 1
+
+
+@pytest.mark.parametrize("tiny_setup", ["qwen3"], indirect=True)
+def test_qwen3_target_trains_exports_and_drafts(tiny_setup):
+    """The whole path on a Qwen3 target: train, export, load, and draft losslessly (greedy output of a
+    speculative decode with the trained drafter equals the target's own greedy output)."""
+    cfg, tdir = tiny_setup
+    c = cfg(family="hass", tokens=4096, lr=1e-2)
+    summary = TD.train_drafter(c)
+    assert summary["finished"]
+    from transformers import AutoModelForCausalLM
+
+    from taps.decoder import SpeculativeDecoder
+
+    target = AutoModelForCausalLM.from_pretrained(str(tdir)).eval()
+    d = EagleDrafter.from_pretrained(str(c.out), target=target, dtype=torch.float32)
+    assert type(d.config).__name__ == "LlamaConfig" and d.config.head_dim == 16
+    prompts = torch.randint(6, 400, (2, 12), generator=torch.Generator().manual_seed(3)).tolist()
+    ref = SpeculativeDecoder(target, [], strategy="autoregressive").generate(prompts, max_new_tokens=24,
+                                                                               temperature=0.0)
+    out = SpeculativeDecoder(target, [d], strategy="single", depth=4, top_k=3, budget=12).generate(
+        prompts, max_new_tokens=24, temperature=0.0)
+    assert out.tokens == ref.tokens
+    assert out.summary["tau"] >= 1.0
 
 
 def test_resume_equals_uninterrupted(tiny_setup, tmp_path):

@@ -243,18 +243,31 @@ def load_domain_features(domain: str, cfg: DrafterTrainConfig, tokens: int, targ
 
 # ------------------------------------------------------------------------------------------ the model
 
+# Fields of the target's config that shape an EAGLE drafter layer (a Llama decoder layer) for it.
+_LAYER_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads",
+                 "head_dim", "hidden_act", "max_position_embeddings", "rms_norm_eps", "rope_parameters")
+
+
+def drafter_config(target_config, num_layers: int = 1):
+    """The LlamaConfig of an EAGLE drafter for a target of any Llama-like family (Llama, Qwen2/3,
+    Mistral, ...): the target's widths, heads, head dim, activation, norm epsilon and rotary settings,
+    ``num_layers`` layers, no attention or MLP bias. The drafter is always Llama-shaped (EAGLE's
+    layout); copying the target's own config class would drag in family fields the layer code does not
+    know (Qwen2 has no ``mlp_bias``, Qwen3 a ``q_norm``)."""
+    from transformers import LlamaConfig
+
+    text = target_config.get_text_config() if hasattr(target_config, "get_text_config") else target_config
+    fields = {k: getattr(text, k) for k in _LAYER_FIELDS if getattr(text, k, None) is not None}
+    if "rope_parameters" not in fields and getattr(text, "rope_theta", None) is not None:
+        fields["rope_parameters"] = {"rope_type": "default", "rope_theta": text.rope_theta}
+    return LlamaConfig(num_hidden_layers=num_layers, **fields)
+
+
 def new_drafter(target, num_layers: int = 1):
     """An EagleDrafter shaped like the target's decoder layers (``num_layers`` of them), bound to it."""
-    import copy
-
     from taps.drafters import EagleDrafter
 
-    cfg = copy.deepcopy(target.config)
-    cfg.num_hidden_layers = num_layers
-    for k in ("architectures", "auto_map"):
-        if hasattr(cfg, k):
-            setattr(cfg, k, None)
-    drafter = EagleDrafter(cfg)
+    drafter = EagleDrafter(drafter_config(target.config, num_layers))
     drafter.to(torch.float32)
     drafter._bound = (target.get_input_embeddings(), target.get_output_embeddings())
     return drafter
