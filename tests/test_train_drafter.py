@@ -213,3 +213,29 @@ def test_bad_config():
         TD.DrafterTrainConfig(data="code")
     with pytest.raises(ValueError, match="tokens"):
         TD.DrafterTrainConfig(tokens=0)
+
+
+def test_weights_sha256_single_and_sharded(tmp_path):
+    """The target's weights digest: the file's own sha256 for one model.safetensors (as the shipped
+    manifests record it), a digest over every shard otherwise (real targets are sharded)."""
+    from taps.train.tokenizer import sha256_file, weights_sha256
+
+    target = tiny_target(vocab=97)
+    one, sharded = tmp_path / "one", tmp_path / "sharded"
+    target.save_pretrained(str(one))
+    target.save_pretrained(str(sharded), max_shard_size="20KB")
+    shards = sorted(sharded.glob("*.safetensors"))
+    assert len(shards) > 1
+    assert weights_sha256(one) == sha256_file(one / "model.safetensors")
+    before = weights_sha256(sharded)
+    assert len(before) == 64 and before != weights_sha256(one)
+    with open(shards[-1], "r+b") as f:  # change one byte of the last shard's payload (size unchanged)
+        f.seek(-1, 2)
+        last = f.read(1)
+        f.seek(-1, 2)
+        f.write(bytes([last[0] ^ 1]))
+    import os
+    os.utime(shards[-1], ns=(1, 1))  # a new mtime: the remembered digest is not reused
+    assert weights_sha256(sharded) != before
+    with pytest.raises(FileNotFoundError, match="weights"):
+        weights_sha256(tmp_path)

@@ -27,6 +27,28 @@ def sha256_file(path) -> str:
     return h.hexdigest()
 
 
+_WEIGHTS_DIGESTS: Dict[tuple, str] = {}
+
+
+def weights_sha256(folder) -> str:
+    """One sha256 for a Hugging Face model folder's weights: the file's own digest when it is a single
+    ``model.safetensors``; for sharded (``*.safetensors``) or ``*.bin`` weights, the digest of the
+    lines "name digest" of every file, sorted by name. Remembered per (folder, file names, sizes,
+    mtimes), so that a run that needs it several times reads a large target once."""
+    folder = Path(folder)
+    files = sorted(folder.glob("*.safetensors")) or sorted(folder.glob("*.bin"))
+    if not files:
+        raise FileNotFoundError(f"{folder}: no *.safetensors or *.bin weights")
+    key = (str(folder.resolve()),) + tuple((f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in files)
+    if key not in _WEIGHTS_DIGESTS:
+        if len(files) == 1 and files[0].name == "model.safetensors":
+            digest = sha256_file(files[0])
+        else:
+            digest = hashlib.sha256("".join(f"{f.name} {sha256_file(f)}\n" for f in files).encode()).hexdigest()
+        _WEIGHTS_DIGESTS[key] = digest
+    return _WEIGHTS_DIGESTS[key]
+
+
 def file_hashes(folder) -> Dict[str, str]:
     """sha256 of every file in ``folder`` except manifest.json (relative path -> hex digest)."""
     folder = Path(folder)
