@@ -70,8 +70,9 @@ at::Tensor tree_attention_cuda(const at::Tensor& q_in, const at::Tensor& k_in, c
   };
   const bool mma_ok = q.scalar_type() != at::kFloat && props->major >= 8 && rows_aligned(q) && rows_aligned(k) &&
                       rows_aligned(v);
-  const taps::AttentionPlan plan = taps::plan_tree_attention(batch, heads_kv, (heads_q / heads_kv) * num_nodes,
-                                                             cache_len, head_dim, mma_ok, props->multiProcessorCount);
+  const taps::AttentionPlan plan =
+      taps::plan_tree_attention(batch, heads_kv, (heads_q / heads_kv) * num_nodes, cache_len, head_dim, mma_ok,
+                                props->multiProcessorCount, static_cast<int64_t>(props->sharedMemPerBlockOptin));
   TORCH_CHECK(heads_kv * plan.row_blocks <= 65535, "taps_ops: tree_attention: Hkv x row blocks = ",
               heads_kv * plan.row_blocks, " exceeds the CUDA grid limit 65535");
   const int64_t splits = plan.splits, split_keys = plan.split_keys;

@@ -1,6 +1,7 @@
 // The CUDA tree_attention kernels (SIMT kernel, tensor-core kernel, split combine) and the compact_kv
 // kernel of taps/attention.h, run under the host CUDA emulation (tests/cpp/emu/cuda_runtime.h, whose
-// m16n8k16 mma follows the PTX fragment layout), against plain loops written here: tree_attention in
+// m16n8k16 mma and ldmatrix follow the PTX fragment layouts, and whose cp.async copies land only at
+// the wait), against plain loops written here: tree_attention in
 // double precision from the same (rounded) inputs, within 2e-5 (fp32), 2e-3 (fp16) or 1e-2 (bf16)
 // of the largest |value| (the tensor-core kernel rounds P to the input type, as flash attention does;
 // a fragment-layout slip gives errors of order 1), compact_kv exactly (gathering from a copy of the
@@ -39,6 +40,8 @@ struct AttnCase {
   bool empty_row;                    // request 0: kv_len = N and one mask row without bits
   bool mma = true;                   // allow the tensor-core kernel (bf16 / fp16 only)
 };
+
+constexpr int64_t kH100Smem = 227 * 1024;  // opt-in shared memory per block on sm_90
 
 template <class T> const char* type_name();
 template <> const char* type_name<float>() { return "fp32"; }
@@ -111,7 +114,7 @@ void attention_case(const AttnCase& c) {
       }
   // Kernel.
   const bool half_type = !std::is_same_v<T, float>;
-  taps::AttentionPlan plan = taps::plan_tree_attention(B, Hkv, int64_t(G) * N, S, D, half_type && c.mma, 1);
+  taps::AttentionPlan plan = taps::plan_tree_attention(B, Hkv, int64_t(G) * N, S, D, half_type && c.mma, 1, kH100Smem);
   if (c.split_keys > 0) {
     plan.split_keys = c.split_keys;
     plan.splits = (S + c.split_keys - 1) / c.split_keys;
@@ -164,27 +167,42 @@ void attention_case(const AttnCase& c) {
 
 // The launch plan: which kernel, how many warps and row blocks, and the split arithmetic.
 void plan_cases() {
+  auto plan_tree_attention = [](int64_t batch, int64_t heads_kv, int64_t rows, int64_t s, int64_t d, bool mma,
+                                int64_t sms) {
+    return taps::plan_tree_attention(batch, heads_kv, rows, s, d, mma, sms, kH100Smem);
+  };
   // bf16, G * N = 4 * 64 = 256 rows, D = 128: 8 warps x 2 m-tiles hold the whole group in one block.
-  taps::AttentionPlan p = taps::plan_tree_attention(4, 8, 256, 2048, 128, true, 132);
+  taps::AttentionPlan p = plan_tree_attention(4, 8, 256, 2048, 128, true, 132);
   check(p.mma && p.warps == 8 && p.block_rows == 256 && p.row_blocks == 1, "plan: whole group per block (D=128)");
   // 4 * 8 = 32 blocks on 132 SMs: ceil(264 / 32) = 9 splits for two waves, capped at 2048 / 256 = 8,
   // of 256 keys (a multiple of the 64-key tile).
   check(p.splits == 8 && p.split_keys == 256, "plan: splits for two waves, whole tiles");
   // D = 256 holds 128 rows per block: two row blocks.
-  p = taps::plan_tree_attention(1, 8, 256, 8192, 256, true, 132);
+  p = plan_tree_attention(1, 8, 256, 8192, 256, true, 132);
   check(p.mma && p.block_rows == 128 && p.row_blocks == 2, "plan: D=256 row blocks");
   // 16 blocks: ceil(264 / 16) = 17 splits of ceil(8192 / 17) = 482 -> 512 keys: 16 splits.
   check(p.splits == 16 && p.split_keys == 512, "plan: D=256 splits");
   // 28 rows: two warps of one m-tile each; fewer than 16 rows or fp32: the SIMT kernel.
-  p = taps::plan_tree_attention(3, 2, 28, 257, 64, true, 132);
+  p = plan_tree_attention(3, 2, 28, 257, 64, true, 132);
   check(p.mma && p.warps == 2 && p.block_rows == 64 && p.row_blocks == 1 && p.splits == 1, "plan: small group");
-  p = taps::plan_tree_attention(3, 2, 8, 257, 64, true, 132);
+  p = plan_tree_attention(3, 2, 8, 257, 64, true, 132);
   check(!p.mma && p.block_rows == taps::kAttnRows && p.row_blocks == 1, "plan: under 16 rows -> SIMT");
-  p = taps::plan_tree_attention(3, 2, 256, 257, 64, false, 132);
+  p = plan_tree_attention(3, 2, 256, 257, 64, false, 132);
   check(!p.mma && p.row_blocks == 16 && p.split_keys % taps::kTileKeys == 0, "plan: fp32 -> SIMT");
   // Short caches never split; long ones at most kMaxSplits.
-  check(taps::plan_tree_attention(1, 1, 16, 255, 64, true, 132).splits == 1, "plan: short cache, one split");
-  check(taps::plan_tree_attention(1, 1, 16, 1 << 20, 64, true, 132).splits <= taps::kMaxSplits, "plan: split cap");
+  check(plan_tree_attention(1, 1, 16, 255, 64, true, 132).splits == 1, "plan: short cache, one split");
+  check(plan_tree_attention(1, 1, 16, 1 << 20, 64, true, 132).splits <= taps::kMaxSplits, "plan: split cap");
+  // sm_80 (A100) opts in to 163 KB: D = 256 takes 3 warps (157 KB) instead of 8 (203 KB); D = 128 keeps 8
+  // (136 KB).
+  constexpr int64_t kA100Smem = 163 * 1024;
+  p = taps::plan_tree_attention(1, 8, 256, 8192, 256, true, 108, kA100Smem);
+  check(p.mma && p.warps == 3 && p.block_rows == 48 && p.row_blocks == 6, "plan: D=256 on sm_80 smem");
+  check(taps::mma_smem_bytes(256, 48) <= kA100Smem && taps::mma_smem_bytes(256, 64) > kA100Smem, "smem sizes");
+  p = taps::plan_tree_attention(1, 8, 256, 8192, 128, true, 108, kA100Smem);
+  check(p.mma && p.warps == 8 && p.block_rows == 256, "plan: D=128 on sm_80 smem");
+  // A device with too little shared memory for even one warp's rows: the SIMT kernel.
+  p = taps::plan_tree_attention(1, 8, 256, 8192, 128, true, 108, 48 * 1024);
+  check(!p.mma && p.block_rows == taps::kAttnRows && p.split_keys % taps::kTileKeys == 0, "plan: no smem -> SIMT");
 }
 
 // compact_kv on a cache of units U viewed as [B, H, S, row_units] with padded heads.

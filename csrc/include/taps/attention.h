@@ -97,11 +97,13 @@ constexpr int kMaxSplits = 64;     // key splits merged by the combine kernel
 // 4 m-tiles at D = 64 ptxas spilled).
 TAPS_HD constexpr int mma_warp_tiles(int64_t head_dim) { return head_dim <= 128 ? 2 : 1; }
 
-// Shared memory of the tensor-core kernel: query rows, one K tile (rows of D + 8 halves) and one V tile
-// packed by key pairs (kMmaKeys / 2 rows of D + 8 32-bit words). The padding makes every fragment load
-// conflict-free (row strides of 4 (mod 8) words for Q and K, 8 (mod 32) or 24 for V).
+// Shared memory of the tensor-core kernel: the query rows and two stages of one K and one V tile, all
+// rows of D + 8 halves. The padding (a row stride of 4 (mod 8) words) makes the 32-bit fragment loads of
+// Q and K and the 16-byte row reads of ldmatrix on V bank-conflict-free. At most 203 KB (D = 256, 128
+// rows), within the 227 KB a block may opt in to on sm_90 (sm_80: 163 KB, so D = 256 needs fewer rows
+// there: see plan_tree_attention).
 TAPS_HD constexpr int64_t mma_smem_bytes(int64_t head_dim, int64_t block_rows) {
-  return (block_rows + 2 * kMmaKeys) * (head_dim + 8) * 2;
+  return (block_rows + 4 * kMmaKeys) * (head_dim + 8) * 2;
 }
 
 struct AttentionPlan {
@@ -113,19 +115,26 @@ struct AttentionPlan {
   int64_t split_keys;  // keys per split, a multiple of the kernel's tile
 };
 
-// mma_ok: bf16 / fp16 on an sm_80+ device with 16-byte aligned rows; sms: the device's SM count.
+// mma_ok: bf16 / fp16 on an sm_80+ device with 16-byte aligned rows; sms: the device's SM count;
+// max_smem: the shared memory a block may opt in to (the tensor-core kernel takes fewer warps, or the
+// SIMT kernel runs, when its rows and two K/V stages do not fit).
 // Splits: enough blocks for about two waves, at least 256 keys per split.
 TAPS_HD AttentionPlan plan_tree_attention(int64_t batch, int64_t heads_kv, int64_t group_rows, int64_t cache_len,
-                                          int64_t head_dim, bool mma_ok, int64_t sms) {
+                                          int64_t head_dim, bool mma_ok, int64_t sms, int64_t max_smem) {
   AttentionPlan plan{};
   plan.mma = mma_ok && group_rows >= 16;
   int64_t tile_keys = kTileKeys;
   if (plan.mma) {
     const int64_t m_tiles = ceil_div(group_rows, 16);
+    const int64_t warp_rows = int64_t(mma_warp_tiles(head_dim)) * 16;
     plan.warps = static_cast<int>(m_tiles < kMmaMaxWarps ? m_tiles : kMmaMaxWarps);
-    plan.block_rows = int64_t(plan.warps) * mma_warp_tiles(head_dim) * 16;
+    while (plan.warps > 1 && mma_smem_bytes(head_dim, plan.warps * warp_rows) > max_smem) --plan.warps;
+    plan.block_rows = plan.warps * warp_rows;
+    plan.mma = mma_smem_bytes(head_dim, plan.block_rows) <= max_smem;
     tile_keys = kMmaKeys;
-  } else {
+  }
+  if (!plan.mma) {
+    tile_keys = kTileKeys;
     plan.warps = kAttnWarps;
     plan.block_rows = kAttnRows;
   }
@@ -439,14 +448,58 @@ TAPS_DEVICE void mma_m16n8k16(float (&d)[4], const uint32_t (&a)[4], const uint3
 #endif
 }
 
+// ldmatrix.x4.trans: four transposed 8x8 b16 matrices; lane l gives the address of row l % 8 of matrix
+// l / 8 (16-byte aligned, shared memory) and gets in r[m] the pair at rows 2 (l % 4), 2 (l % 4) + 1 of
+// column l / 4 of matrix m: for a row-major V tile, exactly mma's B fragments of P V.
+TAPS_DEVICE void ldmatrix_x4_trans(uint32_t (&r)[4], const void* row) {
+#if defined(TAPS_CUDA_EMULATION)
+  taps_emu::ldmatrix_x4(r, row, true);
+#elif defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  const unsigned addr = static_cast<unsigned>(__cvta_generic_to_shared(row));
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(addr));
+#elif defined(__CUDA_ARCH__)
+  __trap();
+#endif
+}
+
+// 16-byte asynchronous global -> shared copy (cp.async.cg, bypassing L1), and its group fences.
+TAPS_DEVICE void cp_async_16(void* smem, const void* gmem) {
+#if defined(TAPS_CUDA_EMULATION)
+  taps_emu::cp_async16(smem, gmem);
+#elif defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  const unsigned addr = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(addr), "l"(gmem));
+#elif defined(__CUDA_ARCH__)
+  __trap();
+#endif
+}
+TAPS_DEVICE void cp_async_commit() {
+#if defined(TAPS_CUDA_EMULATION)
+  taps_emu::cp_async_commit();
+#elif defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  asm volatile("cp.async.commit_group;\n" ::);
+#endif
+}
+// Wait until at most `Pending` of this thread's committed groups are still in flight.
+template <int Pending>
+TAPS_DEVICE void cp_async_wait() {
+#if defined(TAPS_CUDA_EMULATION)
+  taps_emu::cp_async_wait(Pending);
+#elif defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(Pending));
+#endif
+}
+
 template <class T, int D>
 __global__ void __launch_bounds__(kMmaMaxWarps * 32)
 tree_attention_mma_kernel(TreeAttentionParams p) {
   static_assert(D % 16 == 0, "head dim: a multiple of 16");
   constexpr int MT = mma_warp_tiles(D);
-  constexpr int kRow = D + 8;               // Q / K shared rows, in halves
+  constexpr int kRow = D + 8;               // Q / K / V shared rows, in halves
   constexpr int kRowWords = kRow / 2;
-  constexpr int kVRow = D + 8;              // packed V rows, in 32-bit words
+  constexpr int kTileWords = kMmaKeys * kRowWords;
   constexpr int NT = D / 8;                 // n-tiles of the output
   constexpr int KS = D / 16;                // k-steps of Q K^T
   constexpr int KT = kMmaKeys / 8;          // n-tiles of S
@@ -454,9 +507,8 @@ tree_attention_mma_kernel(TreeAttentionParams p) {
   TAPS_DYNAMIC_SHARED(uint32_t, smem_words);  // (its own name: extern shared arrays of two types clash)
   const int warps = static_cast<int>(blockDim.x / 32);
   const int64_t block_rows = int64_t(warps) * MT * 16;
-  uint32_t* q_s = smem_words;                                      // [block_rows][kRowWords]
-  uint32_t* k_s = q_s + block_rows * kRowWords;               // [kMmaKeys][kRowWords]
-  uint32_t* v_s = k_s + kMmaKeys * kRowWords;                 // [kMmaKeys / 2][kVRow]
+  uint32_t* q_s = smem_words;                       // [block_rows][kRowWords]
+  uint32_t* kv_s = q_s + block_rows * kRowWords;    // two stages of {K, V} tiles, [kMmaKeys][kRowWords] each
 
   const AttnBlock<T> blk = attn_block<T>(p, block_rows);
   const int split = blk.split, b = blk.b;
@@ -483,7 +535,6 @@ tree_attention_mma_kernel(TreeAttentionParams p) {
   // Per m-tile state of this lane: rows g and g + 8 of the tile.
   float acc[MT][NT][4];
   float row_max[MT][2], row_sum[MT][2];
-  const int64_t* mask_row[MT][2];
 #pragma unroll
   for (int mt = 0; mt < MT; ++mt) {
 #pragma unroll
@@ -492,39 +543,45 @@ tree_attention_mma_kernel(TreeAttentionParams p) {
     for (int h = 0; h < 2; ++h) {
       row_max[mt][h] = -INFINITY;
       row_sum[mt][h] = 0.0f;
-      const int64_t row = row0 + (int64_t(mt) * warps + warp) * 16 + g + 8 * h;
-      const int64_t i = row < rows_total ? row % p.num_nodes : 0;
-      mask_row[mt][h] = p.tree_mask + (b * p.num_nodes + i) * p.mask_words;
     }
   }
 
-  for (int64_t tile0 = key_begin; tile0 < key_end; tile0 += kMmaKeys) {
-    const int tile_len = static_cast<int>(key_end - tile0 < kMmaKeys ? key_end - tile0 : kMmaKeys);
-    __syncthreads();  // previous tile consumed (and the query rows staged, the first time)
-    // K rows as they are; V by key pairs: word w of packed row m = (V[2m][w], V[2m + 1][w]).
+  // K / V tiles in two stages: tile it + 1 is copied (cp.async) while tile it is computed. Rows past
+  // the split's end are zeroed with plain stores (their P is 0, and 0 x garbage could be NaN).
+  const int64_t n_tiles = key_end > key_begin ? ceil_div(key_end - key_begin, kMmaKeys) : 0;
+  auto load_tile = [&](int64_t tile, int stage) {
+    const int64_t first = key_begin + tile * kMmaKeys;
+    const int len = static_cast<int>(key_end - first < kMmaKeys ? key_end - first : kMmaKeys);
+    uint32_t* k_dst = kv_s + 2 * stage * kTileWords;
+    uint32_t* v_dst = k_dst + kTileWords;
     for (int idx = threadIdx.x; idx < kMmaKeys * kChunks; idx += blockDim.x) {
       const int j = idx / kChunks, c = idx % kChunks;
-      uint4 x = {0u, 0u, 0u, 0u};
-      if (j < tile_len) x = *reinterpret_cast<const uint4*>(kb + (tile0 + j) * p.k_stride_s + 8 * c);
-      *reinterpret_cast<uint4*>(k_s + j * kRowWords + 4 * c) = x;
-    }
-    for (int idx = threadIdx.x; idx < (kMmaKeys / 2) * kChunks; idx += blockDim.x) {
-      const int m = idx / kChunks, c = idx % kChunks;
-      uint4 lo = {0u, 0u, 0u, 0u}, hi = {0u, 0u, 0u, 0u};
-      if (2 * m < tile_len) lo = *reinterpret_cast<const uint4*>(vb + (tile0 + 2 * m) * p.v_stride_s + 8 * c);
-      if (2 * m + 1 < tile_len) hi = *reinterpret_cast<const uint4*>(vb + (tile0 + 2 * m + 1) * p.v_stride_s + 8 * c);
-      const uint32_t l[4] = {lo.x, lo.y, lo.z, lo.w}, u[4] = {hi.x, hi.y, hi.z, hi.w};
-      uint32_t w[8];
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        w[2 * e] = (l[e] & 0xffffu) | (u[e] << 16);
-        w[2 * e + 1] = (l[e] >> 16) | (u[e] & 0xffff0000u);
+      const int off = j * kRowWords + 4 * c;
+      if (j < len) {
+        cp_async_16(k_dst + off, kb + (first + j) * p.k_stride_s + 8 * c);
+        cp_async_16(v_dst + off, vb + (first + j) * p.v_stride_s + 8 * c);
+      } else {
+        *reinterpret_cast<uint4*>(k_dst + off) = uint4{0u, 0u, 0u, 0u};
+        *reinterpret_cast<uint4*>(v_dst + off) = uint4{0u, 0u, 0u, 0u};
       }
-      uint4* dst = reinterpret_cast<uint4*>(v_s + m * kVRow + 8 * c);
-      dst[0] = uint4{w[0], w[1], w[2], w[3]};
-      dst[1] = uint4{w[4], w[5], w[6], w[7]};
     }
-    __syncthreads();
+    cp_async_commit();
+  };
+  if (n_tiles > 0) load_tile(0, 0);
+
+  for (int64_t it = 0; it < n_tiles; ++it) {
+    const int stage = static_cast<int>(it & 1);
+    const int64_t tile0 = key_begin + it * kMmaKeys;
+    const int tile_len = static_cast<int>(key_end - tile0 < kMmaKeys ? key_end - tile0 : kMmaKeys);
+    if (it + 1 < n_tiles) {
+      load_tile(it + 1, stage ^ 1);  // that stage was last read in iteration it - 1 (barrier since)
+      cp_async_wait<1>();            // this thread's copies of tile it have landed
+    } else {
+      cp_async_wait<0>();
+    }
+    __syncthreads();  // everyone's copies of tile it (and the query rows, the first time) are visible
+    const uint32_t* k_s = kv_s + 2 * stage * kTileWords;
+    const uint32_t* v_s = k_s + kTileWords;
     const bool tail_tile = tile0 + tile_len > span.tree_start;  // only these need the mask
 
 #pragma unroll
@@ -549,6 +606,12 @@ tree_attention_mma_kernel(TreeAttentionParams p) {
       // Online softmax: element e of n-tile nt is row g + 8 (e / 2), key tile0 + nt * 8 + 2t + e % 2.
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
+        // The row's mask (tail tiles only; found here rather than kept in registers across the loop).
+        const int64_t* mask_row = p.tree_mask;
+        if (tail_tile) {
+          const int64_t row = row0 + tile_row + g + 8 * h;
+          mask_row += (b * p.num_nodes + (row < rows_total ? row % p.num_nodes : 0)) * p.mask_words;
+        }
         float m = -INFINITY;
 #pragma unroll
         for (int nt = 0; nt < KT; ++nt) {
@@ -556,7 +619,7 @@ tree_attention_mma_kernel(TreeAttentionParams p) {
           for (int e = 0; e < 2; ++e) {
             const int key = nt * 8 + 2 * t + e;
             bool visible = key < tile_len;
-            if (tail_tile && visible) visible = key_visible(span, mask_row[mt][h], tile0 + key);
+            if (tail_tile && visible) visible = key_visible(span, mask_row, tile0 + key);
             const float sv = visible ? sc[nt][2 * h + e] * p.scale : -INFINITY;
             sc[nt][2 * h + e] = sv;
             m = fmaxf(m, sv);
@@ -590,14 +653,20 @@ tree_attention_mma_kernel(TreeAttentionParams p) {
         const uint32_t a[4] = {pack2<T>(sc[2 * j][0], sc[2 * j][1]), pack2<T>(sc[2 * j][2], sc[2 * j][3]),
                                pack2<T>(sc[2 * j + 1][0], sc[2 * j + 1][1]),
                                pack2<T>(sc[2 * j + 1][2], sc[2 * j + 1][3])};
-        const uint32_t* vr = v_s + (j * 8 + t) * kVRow + g;
+        // ldmatrix.x4.trans: lanes 0-7 / 8-15 address keys 16 j + 0..7 / 8..15 of features 8 nt.., lanes
+        // 16-31 the same keys of features 8 nt + 8..: the B fragments of n-tiles nt and nt + 1.
+        const uint32_t* vr = v_s + (j * 16 + (lane & 15)) * kRowWords + (lane >> 4) * 4;
 #pragma unroll
-        for (int nt = 0; nt < NT; ++nt) {
-          const uint32_t bfrag[2] = {vr[nt * 8], vr[4 * kVRow + nt * 8]};
-          mma_m16n8k16<T>(acc[mt][nt], a, bfrag);
+        for (int nt = 0; nt < NT; nt += 2) {
+          uint32_t r[4];
+          ldmatrix_x4_trans(r, vr + nt * 4);
+          const uint32_t b0[2] = {r[0], r[1]}, b1[2] = {r[2], r[3]};
+          mma_m16n8k16<T>(acc[mt][nt], a, b0);
+          mma_m16n8k16<T>(acc[mt][nt + 1], a, b1);
         }
       }
     }
+    __syncthreads();  // tile it consumed: its stage takes tile it + 2 next iteration
   }
 
   // Epilogue: reduce the row sums over the quad, then write the output or the partial state.

@@ -1,24 +1,25 @@
 // Host emulation of the CUDA features the taps kernels use, for testing their block-level logic
 // (barriers, warp shuffles and ballots, shared-memory atomics, thread indexing, the m16n8k16 tensor-core
-// mma) on a machine without a GPU. One OS thread per CUDA thread; the blocks of a grid run one after another, so `__shared__`
-// variables become function-local statics shared by the threads of the running block, and the dynamic
-// shared memory of a launch (TAPS_DYNAMIC_SHARED in taps/common.h) is one host buffer, refilled with
-// garbage bytes before each block. Warp operations exchange values through a per-warp buffer between
-// two warp barriers. Launches go through emu_launch (TAPS_LAUNCH in taps/common.h). Blocks may be 1-,
-// 2- or 3-dimensional; the linear thread index x + y * bx + z * bx * by gives the warp, as on a GPU.
-// A thread that returns early leaves the block's and its warp's barriers (like an exited CUDA thread).
+// mma, ldmatrix, cp.async) on a machine without a GPU. One OS thread per CUDA thread; the blocks of a
+// grid run one after another, so `__shared__` variables become function-local statics shared by the
+// threads of the running block, and the dynamic shared memory of a launch (TAPS_DYNAMIC_SHARED in
+// taps/common.h) is one host buffer, refilled with garbage bytes before each block. Warp operations
+// exchange values through a per-warp buffer between two warp barriers. Launches go through emu_launch
+// (TAPS_LAUNCH in taps/common.h). Blocks may be 1-, 2- or 3-dimensional; the linear thread index x + y *
+// bx + z * bx * by gives the warp, as on a GPU. A thread that returns early leaves the block's and its
+// warp's barriers (like an exited CUDA thread).
 //
 // What it cannot show: memory-model or timing effects of real hardware (every barrier here is a full
-// fence; warps never run ahead of each other inside a warp-synchronous section), performance,
-// register or shared-memory limits beyond the opt-in size check below, fp32 rounding differences of
-// the device math (`__expf` is expf, fmaf is the host's). Since blocks run one at a time, races
-// between blocks (global-memory atomics across blocks, write-after-read across blocks) are never
-// exercised. Only the features listed below exist; a kernel using anything else fails to compile.
+// fence; warps never run ahead of each other inside a warp-synchronous section), performance, register
+// or shared-memory limits beyond the opt-in size check below, fp32 rounding differences of the device
+// math (`__expf` is expf, fmaf is the host's). Since blocks run one at a time, races between blocks
+// (global-memory atomics across blocks, write-after-read across blocks) are never exercised. Only the
+// features listed below exist; a kernel using anything else fails to compile.
 //
-// It is a test tool, included by tests/cpp/test_emu_*.cpp only (on the include path before the real
-// CUDA headers, which are not present on a CPU machine anyway). It defines __CUDACC__ (not
-// __CUDA_ARCH__) after including the standard headers, so the core headers compile both their host
-// code and their CUDA kernels into the same test.
+// It is a test tool, included by tests/cpp/test_emu_*.cpp only (on the include path before the real CUDA
+// headers, which are not present on a CPU machine anyway). It defines __CUDACC__ (not __CUDA_ARCH__)
+// after including the standard headers, so the core headers compile both their host code and their CUDA
+// kernels into the same test.
 #pragma once
 #define TAPS_CUDA_EMULATION 1
 
@@ -220,6 +221,51 @@ void mma_m16n8k16(float* d, const uint32_t* a, const uint32_t* b, ToFloat to_flo
   }
 }
 
+// ldmatrix.sync.aligned.m8n8.x4[.trans].shared.b16: lane l supplies the address of row l % 8 of 8x8
+// matrix l / 8 (16 bytes of 16-bit elements); lane l receives in r[m] the element pair of matrix m at
+// row l / 4, columns 2 (l % 4) and 2 (l % 4) + 1, or with .trans the pair at rows 2 (l % 4) and
+// 2 (l % 4) + 1 of column l / 4 (low half first).
+inline void ldmatrix_x4(uint32_t* r, const void* row, bool trans) {
+  const unsigned w = warp_of_thread();
+  cur->exchange[linear_tid] = reinterpret_cast<uint64_t>(row);
+  cur->warps[w]->arrive_and_wait();
+  const int l = lane();
+  auto at = [&](int m, int i, int j) {  // element (i, j) of matrix m
+    const auto* p = reinterpret_cast<const uint16_t*>(cur->exchange[size_t(w * 32 + unsigned(m * 8 + i))]);
+    return uint32_t(p[j]);
+  };
+  for (int m = 0; m < 4; ++m) {
+    const int a = l / 4, b = 2 * (l % 4);
+    r[m] = trans ? (at(m, b, a) | (at(m, b + 1, a) << 16)) : (at(m, a, b) | (at(m, a, b + 1) << 16));
+  }
+  cur->warps[w]->arrive_and_wait();
+}
+
+// cp.async.cg.shared.global (16 bytes), commit_group and wait_group: the copies a thread issued are
+// done, oldest group first, when it waits; until then the destination holds garbage (0xA5 bytes,
+// written at issue). So a read before the wait and barrier, or an issue into a buffer other threads
+// still read, gives wrong values, as it may on a GPU.
+struct AsyncCopy {
+  void* dst;
+  const void* src;
+};
+inline thread_local std::vector<AsyncCopy> async_open;                 // issued, not committed
+inline thread_local std::vector<std::vector<AsyncCopy>> async_groups;  // committed, oldest first
+inline void cp_async16(void* dst, const void* src) {
+  std::memset(dst, 0xA5, 16);
+  async_open.push_back({dst, src});
+}
+inline void cp_async_commit() {
+  async_groups.push_back(std::move(async_open));
+  async_open.clear();
+}
+inline void cp_async_wait(int pending) {
+  while (int(async_groups.size()) > pending) {
+    for (const AsyncCopy& c : async_groups.front()) std::memcpy(c.dst, c.src, 16);
+    async_groups.erase(async_groups.begin());
+  }
+}
+
 // Block-wide reduction with one barrier: call k accumulates into slot k % 3 and clears slot
 // (k + 1) % 3, whose last readers (call k - 2) finished before the barrier of call k - 1.
 enum class Reduce { kOr, kAnd, kCount };
@@ -390,7 +436,13 @@ cudaError_t emu_launch_cluster(K kernel, dim3 grid, dim3 block, size_t smem, int
               taps_emu::reduce_calls = 0;
               threadIdx = dim3(t % block.x, (t / block.x) % block.y, t / (block.x * block.y));
               blockIdx = dim3(first + r, by, bz);
+              taps_emu::async_open.clear();
+              taps_emu::async_groups.clear();
               kernel(args...);
+              if (!taps_emu::async_open.empty() || !taps_emu::async_groups.empty()) {
+                std::fprintf(stderr, "emu_launch: a thread exited with cp.async copies not waited for\n");
+                std::abort();
+              }
               // An exited thread no longer takes part in barriers (as on the GPU since Volta).
               taps_emu::cur->warps[t / 32]->arrive_and_drop();
               taps_emu::cur->block->arrive_and_drop();
