@@ -519,19 +519,6 @@ tree_attention_mma_kernel(TreeAttentionParams p) {
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int g = lane / 4, t = lane % 4;
 
-  // Stage the block's query rows (row r -> head hkv * G + r / N, node r % N), 16 bytes at a time.
-  for (int64_t idx = threadIdx.x; idx < block_rows * kChunks; idx += blockDim.x) {
-    const int64_t r = idx / kChunks;
-    const int c = static_cast<int>(idx % kChunks);
-    const int64_t row = row0 + r;
-    uint4 x = {0u, 0u, 0u, 0u};
-    if (row < rows_total) {
-      const int64_t h = hkv * group + row / p.num_nodes, i = row % p.num_nodes;
-      x = *reinterpret_cast<const uint4*>(q + b * p.q_stride_b + h * p.q_stride_h + i * p.q_stride_n + 8 * c);
-    }
-    *reinterpret_cast<uint4*>(q_s + r * kRowWords + 4 * c) = x;
-  }
-
   // Per m-tile state of this lane: rows g and g + 8 of the tile.
   float acc[MT][NT][4];
   float row_max[MT][2], row_sum[MT][2];
@@ -568,6 +555,20 @@ tree_attention_mma_kernel(TreeAttentionParams p) {
     cp_async_commit();
   };
   if (n_tiles > 0) load_tile(0, 0);
+
+  // Stage the block's query rows (row r -> head hkv * G + r / N, node r % N), 16 bytes at a time, while
+  // the first K/V tile is in flight.
+  for (int64_t idx = threadIdx.x; idx < block_rows * kChunks; idx += blockDim.x) {
+    const int64_t r = idx / kChunks;
+    const int c = static_cast<int>(idx % kChunks);
+    const int64_t row = row0 + r;
+    uint4 x = {0u, 0u, 0u, 0u};
+    if (row < rows_total) {
+      const int64_t h = hkv * group + row / p.num_nodes, i = row % p.num_nodes;
+      x = *reinterpret_cast<const uint4*>(q + b * p.q_stride_b + h * p.q_stride_h + i * p.q_stride_n + 8 * c);
+    }
+    *reinterpret_cast<uint4*>(q_s + r * kRowWords + 4 * c) = x;
+  }
 
   for (int64_t it = 0; it < n_tiles; ++it) {
     const int stage = static_cast<int>(it & 1);
