@@ -82,7 +82,7 @@ def flashinfer_time(q, k, v, dense, repeats):
                                                                  kv_layout="HND"), repeats, True)
 
 
-def case(batch, heads_q, heads_kv, num_nodes, head_dim, cache_len, dtype, repeats, device):
+def case(batch, heads_q, heads_kv, num_nodes, head_dim, cache_len, dtype, repeats, device, reference=True):
     cuda = device == "cuda"
     q = torch.randn(batch, heads_q, num_nodes, head_dim, dtype=dtype, device=device)
     k = torch.randn(batch, heads_kv, cache_len, head_dim, dtype=dtype, device=device)
@@ -93,7 +93,7 @@ def case(batch, heads_q, heads_kv, num_nodes, head_dim, cache_len, dtype, repeat
     row = {}
     row["sdpa"] = timed(lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=dense, enable_gqa=True),
                         repeats, cuda)
-    small = batch * heads_q * num_nodes * cache_len <= 2_000_000
+    small = reference and batch * heads_q * num_nodes * cache_len <= 2_000_000
     row["ref"] = timed(lambda: tree_attention_ref(q, k, v, tree_mask, kv_lens, dtype=dtype), repeats, cuda) \
         if small else None
     row["taps"] = timed(lambda: taps_ops.tree_attention(q, k, v, tree_mask, kv_lens), repeats, cuda)
@@ -107,6 +107,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--quick", action="store_true", help="small sizes only")
     ap.add_argument("--threads", type=int, default=0, help="torch.set_num_threads (0: torch's default)")
+    ap.add_argument("--no-reference", action="store_true", help="skip the plain-PyTorch reference column")
     args = ap.parse_args()
     if args.threads > 0:
         torch.set_num_threads(args.threads)
@@ -143,7 +144,7 @@ def main() -> None:
     print(header)
     for device in devices:
         for (b, hq, hkv, n, d, s, dt) in shapes + (gpu_shapes if device == "cuda" else []):
-            row, kv_bytes = case(b, hq, hkv, n, d, s, dt, args.repeats, device)
+            row, kv_bytes = case(b, hq, hkv, n, d, s, dt, args.repeats, device, not args.no_reference)
             ref = f"{row['ref'] * 1e3:9.2f}" if row["ref"] else f"{'-':>9}"
             x_ref = f"{row['ref'] / row['taps']:7.2f}" if row["ref"] else f"{'-':>7}"
             kernel = "cpu" if device == "cpu" else ("mma" if dt != torch.float32 and hq // hkv * n >= 16 else "simt")

@@ -26,7 +26,7 @@ export TAPS_OPS_LIBRARY="$so" PYTHONPATH=python
 "$PY" -c "import taps_ops; assert taps_ops.has_cuda_kernels()" || { echo "no CUDA kernels" | tee -a "$summary"; exit 1; }
 
 step "pytest (all, CUDA included)"
-timeout 300 "$PY" -m pytest -q -x -p no:cacheprovider tests >"$OUT/pytest.txt" 2>&1
+timeout 300 "$PY" -m pytest -q --maxfail=25 -p no:cacheprovider tests >"$OUT/pytest.txt" 2>&1
 echo "pytest rc=$?: $(tail -n 1 "$OUT/pytest.txt")" | tee -a "$summary"
 
 step "compute-sanitizer (memcheck, racecheck) on small cases"
