@@ -100,6 +100,7 @@ at::Tensor tree_attention_cuda(const at::Tensor& q_in, const at::Tensor& k_in, c
   p.batch = batch, p.heads_q = heads_q, p.heads_kv = heads_kv, p.num_nodes = num_nodes;
   p.cache_len = cache_len, p.mask_words = tree_mask.size(2), p.splits = splits, p.split_keys = split_keys;
   p.scale = static_cast<float>(scale);
+  p.block_rows = plan.block_rows;
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
   switch (q.scalar_type()) {
     case at::kFloat: dispatch_head_dim<float>(p, plan, head_dim, stream); break;

@@ -139,7 +139,7 @@ void attention_case(const AttnCase& c) {
   p.k_stride_h = p.v_stride_h = ks_h;
   p.k_stride_s = p.v_stride_s = ks_s;
   p.batch = B, p.heads_q = Hq, p.heads_kv = Hkv, p.num_nodes = N, p.cache_len = S, p.mask_words = W;
-  p.splits = splits, p.split_keys = plan.split_keys, p.scale = scale;
+  p.splits = splits, p.split_keys = plan.split_keys, p.scale = scale, p.block_rows = plan.block_rows;
   taps::launch_tree_attention<T, D>(p, plan, nullptr);
   double big = 1e-30, err = 0;
   size_t worst = 0;
@@ -165,6 +165,29 @@ void attention_case(const AttnCase& c) {
   }
 }
 
+// tile_visibility against key_visible, key by key: random masks of 1-3 words (garbage bits past N
+// too), every tile start from far in the prefix to past the end, valid and short (len < N) requests.
+void visibility_cases() {
+  int bad = 0, total = 0;
+  for (int trial = 0; trial < 300; ++trial) {
+    const int64_t N = rnd(1, 190), W = (N + 63) / 64 + rnd(0, 1), S = N + rnd(0, 300);
+    const int64_t len = trial % 10 == 0 ? rnd(0, int(N)) : rnd(int(N), int(S));
+    std::vector<int64_t> row(static_cast<size_t>(W));
+    for (auto& x : row) x = int64_t((uint64_t(rng()) << 32) ^ uint64_t(rng()));
+    const taps::TreeSpan span = taps::tree_span(len, N, S);
+    for (int64_t tile0 = -70; tile0 < span.len + 70; tile0 += rnd(1, 40)) {
+      if (tile0 < 0) continue;
+      const uint64_t vis = taps::tile_visibility(span, row.data(), W, tile0);
+      for (int j = 0; j < 64 && tile0 + j < span.len; ++j) {
+        ++total;
+        bad += ((vis >> j) & 1u) != uint64_t(taps::key_visible(span, row.data(), tile0 + j));
+      }
+    }
+  }
+  check(bad == 0 && total > 10000, "tile_visibility equals key_visible (" + std::to_string(total) + " keys, " +
+                                       std::to_string(bad) + " wrong)");
+}
+
 // The launch plan: which kernel, how many warps and row blocks, and the split arithmetic.
 void plan_cases() {
   auto plan_tree_attention = [](int64_t batch, int64_t heads_kv, int64_t rows, int64_t s, int64_t d, bool mma,
@@ -184,7 +207,10 @@ void plan_cases() {
   check(p.splits == 16 && p.split_keys == 512, "plan: D=256 splits");
   // 28 rows: two warps of one m-tile each; fewer than 16 rows or fp32: the SIMT kernel.
   p = plan_tree_attention(3, 2, 28, 257, 64, true, 132);
-  check(p.mma && p.warps == 2 && p.block_rows == 64 && p.row_blocks == 1 && p.splits == 1, "plan: small group");
+  check(p.mma && p.warps == 2 && p.block_rows == 32 && p.row_blocks == 1 && p.splits == 1, "plan: small group");
+  // 8 m-tiles (128 rows) at D = 128: 8 warps of one m-tile, 128 rows of shared memory (not 256).
+  p = plan_tree_attention(1, 8, 128, 4096, 128, true, 132);
+  check(p.mma && p.warps == 8 && p.block_rows == 128 && p.row_blocks == 1, "plan: rows sized to the group");
   p = plan_tree_attention(3, 2, 8, 257, 64, true, 132);
   check(!p.mma && p.block_rows == taps::kAttnRows && p.row_blocks == 1, "plan: under 16 rows -> SIMT");
   p = plan_tree_attention(3, 2, 256, 257, 64, false, 132);
@@ -262,6 +288,7 @@ void compact_case(int B, int H, int S, int row_units, int cols, const char* name
 int main() {
   rng.seed(777);
   plan_cases();
+  visibility_cases();
   // {B, Hq, Hkv, N, S, split_keys, empty_row}
   attention_case<float, 64>({2, 4, 2, 5, 47, 0, false});     // one split, GQA 2, odd N and S
   attention_case<float, 64>({3, 2, 2, 13, 100, 32, false});  // four splits, ragged lengths
@@ -277,6 +304,10 @@ int main() {
   attention_case<__half, 64>({1, 6, 1, 23, 200, 0, false});        // 138 rows: 8 warps, warp 0 holds a second m-tile
   attention_case<__half, 128>({1, 4, 1, 70, 190, 128, false});     // 280 rows: 2 row blocks, N > 64
   attention_case<__half, 128>({1, 2, 1, 16, 16, 0, false});        // no prefix at all: tail tile only
+  attention_case<__nv_bfloat16, 96>({1, 8, 2, 11, 300, 128, false});     // D = 96, 3 splits of 2 tiles
+  attention_case<__half, 256>({1, 12, 1, 15, 100, 0, false});            // D = 256: 180 rows, 2 row blocks
+  attention_case<__nv_bfloat16, 256>({1, 2, 1, 20, 150, 64, true});     // D = 256, 3 splits, an empty row
+  attention_case<__half, 128>({1, 4, 2, 9, 700, 0, false});              // 11 tiles in one split
   attention_case<__nv_bfloat16, 80>({2, 4, 2, 9, 70, 0, false, false});  // bf16 on the SIMT kernel
   // compact_kv
   compact_case<uint32_t>(7, 2, 40, 37, 9, "u32");      // 32-thread blocks, two blocks per row

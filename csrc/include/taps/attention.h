@@ -49,6 +49,23 @@ TAPS_HD bool key_visible(const TreeSpan& span, const int64_t* mask_row, int64_t 
   return node < 0 || tree_mask_visible(mask_row, node);
 }
 
+// Bit j (0..63): is key tile0 + j visible to the query whose mask row is `mask_row` (W words)? Prefix
+// keys are; a tree node is when its mask bit is set. Bits for keys at or past span.len are meaningless
+// (callers test the tile length too). At most two mask words are read.
+TAPS_HD uint64_t tile_visibility(const TreeSpan& span, const int64_t* mask_row, int64_t mask_words, int64_t tile0) {
+  const int64_t n0 = tile0 - span.tree_start;  // tree node of key tile0 (negative: a prefix key)
+  if (n0 <= -64) return ~uint64_t(0);
+  if (n0 < 0) {  // -n0 prefix keys, then nodes 0, 1, ... (all in word 0: fewer than 64 of them)
+    const int np = static_cast<int>(-n0);
+    return ((uint64_t(1) << np) - 1) | (static_cast<uint64_t>(mask_row[0]) << np);
+  }
+  const int64_t w = n0 >> 6;
+  const int sh = static_cast<int>(n0 & 63);
+  uint64_t bits = w < mask_words ? static_cast<uint64_t>(mask_row[w]) >> sh : 0;
+  if (sh != 0 && w + 1 < mask_words) bits |= static_cast<uint64_t>(mask_row[w + 1]) << (64 - sh);
+  return bits;
+}
+
 // exp(old_max - new_max): the factor that rescales a partial state to a new running max;
 // 0 when the old state is empty (old_max = -inf), also when both are -inf (no NaN).
 TAPS_HD float softmax_rescale(float old_max, float new_max) {
@@ -109,6 +126,7 @@ TAPS_HD constexpr int64_t mma_smem_bytes(int64_t head_dim, int64_t block_rows) {
 struct AttentionPlan {
   bool mma;            // tensor-core kernel
   int warps;           // tensor-core kernel: warps per block (SIMT: kAttnWarps)
+  int64_t smem_limit;  // the device's opt-in shared memory per block (max_smem)
   int64_t block_rows;  // query rows of a KV head's group held per block
   int64_t row_blocks;  // blocks sharing one (request, KV head): ceil(G * N / block_rows)
   int64_t splits;      // key splits (flash-decoding), merged by log-sum-exp when > 1
@@ -122,14 +140,21 @@ struct AttentionPlan {
 TAPS_HD AttentionPlan plan_tree_attention(int64_t batch, int64_t heads_kv, int64_t group_rows, int64_t cache_len,
                                           int64_t head_dim, bool mma_ok, int64_t sms, int64_t max_smem) {
   AttentionPlan plan{};
+  plan.smem_limit = max_smem;
   plan.mma = mma_ok && group_rows >= 16;
   int64_t tile_keys = kTileKeys;
   if (plan.mma) {
     const int64_t m_tiles = ceil_div(group_rows, 16);
     const int64_t warp_rows = int64_t(mma_warp_tiles(head_dim)) * 16;
+    // Rows per block: the whole group when the warps can hold it, else as many as they hold; never
+    // more shared memory for rows than the group has (round up to whole m-tiles).
+    auto rows_for = [&](int64_t warps) {
+      const int64_t cap = warps * warp_rows, need = m_tiles * 16;
+      return cap < need ? cap : need;
+    };
     plan.warps = static_cast<int>(m_tiles < kMmaMaxWarps ? m_tiles : kMmaMaxWarps);
-    while (plan.warps > 1 && mma_smem_bytes(head_dim, plan.warps * warp_rows) > max_smem) --plan.warps;
-    plan.block_rows = plan.warps * warp_rows;
+    while (plan.warps > 1 && mma_smem_bytes(head_dim, rows_for(plan.warps)) > max_smem) --plan.warps;
+    plan.block_rows = rows_for(plan.warps);
     plan.mma = mma_smem_bytes(head_dim, plan.block_rows) <= max_smem;
     tile_keys = kMmaKeys;
   }
@@ -207,6 +232,7 @@ struct TreeAttentionParams {
   int64_t v_stride_b, v_stride_h, v_stride_s;
   int64_t batch, heads_q, heads_kv, num_nodes, cache_len, mask_words;
   int64_t splits, split_keys;  // split s covers key positions [s * split_keys, (s + 1) * split_keys)
+  int64_t block_rows;          // tensor-core kernel: query rows per block (plan.block_rows)
   float scale;
 };
 
@@ -448,17 +474,26 @@ TAPS_DEVICE void mma_m16n8k16(float (&d)[4], const uint32_t (&a)[4], const uint3
 #endif
 }
 
-// ldmatrix.x4.trans: four transposed 8x8 b16 matrices; lane l gives the address of row l % 8 of matrix
-// l / 8 (16-byte aligned, shared memory) and gets in r[m] the pair at rows 2 (l % 4), 2 (l % 4) + 1 of
-// column l / 4 of matrix m: for a row-major V tile, exactly mma's B fragments of P V.
-TAPS_DEVICE void ldmatrix_x4_trans(uint32_t (&r)[4], const void* row) {
+// ldmatrix.x4[.trans]: four 8x8 b16 matrices from shared memory; lane l gives the address of row l % 8
+// of matrix l / 8 (16-byte aligned) and gets in r[m] the pair at row l / 4, columns 2 (l % 4) and
+// 2 (l % 4) + 1 of matrix m, or with Trans the pair at rows 2 (l % 4), 2 (l % 4) + 1 of column l / 4.
+// Plain: mma's A fragments from row-major Q and B fragments from K rows; Trans: B fragments from a
+// row-major V tile.
+template <bool Trans>
+TAPS_DEVICE void ldmatrix_x4(uint32_t (&r)[4], const void* row) {
 #if defined(TAPS_CUDA_EMULATION)
-  taps_emu::ldmatrix_x4(r, row, true);
+  taps_emu::ldmatrix_x4(r, row, Trans);
 #elif defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
   const unsigned addr = static_cast<unsigned>(__cvta_generic_to_shared(row));
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(addr));
+  if constexpr (Trans) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(addr));
+  } else {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(addr));
+  }
 #elif defined(__CUDA_ARCH__)
   __trap();
 #endif
@@ -470,7 +505,7 @@ TAPS_DEVICE void cp_async_16(void* smem, const void* gmem) {
   taps_emu::cp_async16(smem, gmem);
 #elif defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
   const unsigned addr = static_cast<unsigned>(__cvta_generic_to_shared(smem));
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(addr), "l"(gmem));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(addr), "l"(gmem) : "memory");
 #elif defined(__CUDA_ARCH__)
   __trap();
 #endif
@@ -479,7 +514,7 @@ TAPS_DEVICE void cp_async_commit() {
 #if defined(TAPS_CUDA_EMULATION)
   taps_emu::cp_async_commit();
 #elif defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-  asm volatile("cp.async.commit_group;\n" ::);
+  asm volatile("cp.async.commit_group;\n" ::: "memory");
 #endif
 }
 // Wait until at most `Pending` of this thread's committed groups are still in flight.
@@ -488,7 +523,7 @@ TAPS_DEVICE void cp_async_wait() {
 #if defined(TAPS_CUDA_EMULATION)
   taps_emu::cp_async_wait(Pending);
 #elif defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-  asm volatile("cp.async.wait_group %0;\n" ::"n"(Pending));
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(Pending) : "memory");
 #endif
 }
 
@@ -506,7 +541,7 @@ tree_attention_mma_kernel(TreeAttentionParams p) {
   constexpr int kChunks = D / 8;            // 16-byte chunks of a row
   TAPS_DYNAMIC_SHARED(uint32_t, smem_words);  // (its own name: extern shared arrays of two types clash)
   const int warps = static_cast<int>(blockDim.x / 32);
-  const int64_t block_rows = int64_t(warps) * MT * 16;
+  const int64_t block_rows = p.block_rows;  // <= warps * MT * 16, a multiple of 16
   uint32_t* q_s = smem_words;                       // [block_rows][kRowWords]
   uint32_t* kv_s = q_s + block_rows * kRowWords;    // two stages of {K, V} tiles, [kMmaKeys][kRowWords] each
 
@@ -574,44 +609,52 @@ tree_attention_mma_kernel(TreeAttentionParams p) {
     const int stage = static_cast<int>(it & 1);
     const int64_t tile0 = key_begin + it * kMmaKeys;
     const int tile_len = static_cast<int>(key_end - tile0 < kMmaKeys ? key_end - tile0 : kMmaKeys);
-    if (it + 1 < n_tiles) {
-      load_tile(it + 1, stage ^ 1);  // that stage was last read in iteration it - 1 (barrier since)
-      cp_async_wait<1>();            // this thread's copies of tile it have landed
-    } else {
-      cp_async_wait<0>();
-    }
-    __syncthreads();  // everyone's copies of tile it (and the query rows, the first time) are visible
+    cp_async_wait<0>();  // this thread's copies of tile it have landed
+    // Everyone's copies of tile it (and the query rows, the first time) are visible, and every warp is
+    // done with iteration it - 1, so its stage can take tile it + 1, copied while tile it is computed.
+    __syncthreads();
+    if (it + 1 < n_tiles) load_tile(it + 1, stage ^ 1);
     const uint32_t* k_s = kv_s + 2 * stage * kTileWords;
     const uint32_t* v_s = k_s + kTileWords;
     const bool tail_tile = tile0 + tile_len > span.tree_start;  // only these need the mask
 
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt) {
-      const int64_t tile_row = (int64_t(mt) * warps + warp) * 16;  // block-relative first row
-      if (row0 + tile_row >= rows_total) continue;                // warp-uniform
+      const int64_t tile_row = (int64_t(mt) * warps + warp) * 16;             // block-relative first row
+      if (tile_row >= block_rows || row0 + tile_row >= rows_total) continue;  // warp-uniform
       // S = Q K^T for 16 rows x kMmaKeys keys.
       float sc[KT][4];
 #pragma unroll
       for (int nt = 0; nt < KT; ++nt) sc[nt][0] = sc[nt][1] = sc[nt][2] = sc[nt][3] = 0.0f;
-      const uint32_t* qa = q_s + (tile_row + g) * kRowWords + t;
+      // A fragments of k-step ks by ldmatrix.x4: lanes 0-15 address rows 0-15 of the m-tile at features
+      // 16 ks.., lanes 16-31 the same rows at 16 ks + 8.. (matrices a0, a1, a2, a3). B fragments of
+      // n-tiles nt, nt + 1: lanes 0-7 / 8-15 address keys 8 nt + 0..7 at features 16 ks.. / 16 ks + 8..,
+      // lanes 16-31 keys 8 nt + 8..15 likewise.
+      const uint32_t* qa = q_s + (tile_row + (lane & 15)) * kRowWords + (lane >> 4) * 4;
+      const uint32_t* kr = k_s + ((lane & 7) + ((lane >> 4) << 3)) * kRowWords + ((lane >> 3) & 1) * 4;
 #pragma unroll
       for (int ks = 0; ks < KS; ++ks) {
-        const uint32_t a[4] = {qa[ks * 8], qa[8 * kRowWords + ks * 8], qa[ks * 8 + 4], qa[8 * kRowWords + ks * 8 + 4]};
+        uint32_t a[4];
+        ldmatrix_x4<false>(a, qa + ks * 8);
 #pragma unroll
-        for (int nt = 0; nt < KT; ++nt) {
-          const uint32_t* kr = k_s + (nt * 8 + g) * kRowWords + ks * 8 + t;
-          const uint32_t bfrag[2] = {kr[0], kr[4]};
-          mma_m16n8k16<T>(sc[nt], a, bfrag);
+        for (int nt = 0; nt < KT; nt += 2) {
+          uint32_t r[4];
+          ldmatrix_x4<false>(r, kr + nt * 8 * kRowWords + ks * 8);
+          const uint32_t b0[2] = {r[0], r[1]}, b1[2] = {r[2], r[3]};
+          mma_m16n8k16<T>(sc[nt], a, b0);
+          mma_m16n8k16<T>(sc[nt + 1], a, b1);
         }
       }
       // Online softmax: element e of n-tile nt is row g + 8 (e / 2), key tile0 + nt * 8 + 2t + e % 2.
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
-        // The row's mask (tail tiles only; found here rather than kept in registers across the loop).
-        const int64_t* mask_row = p.tree_mask;
+        // The row's visible keys in this tile, as a bit word (tail tiles only: at most two mask words
+        // read per row, found here rather than kept in registers across the loop).
+        uint64_t vis = ~uint64_t(0);
         if (tail_tile) {
           const int64_t row = row0 + tile_row + g + 8 * h;
-          mask_row += (b * p.num_nodes + (row < rows_total ? row % p.num_nodes : 0)) * p.mask_words;
+          const int64_t node = row < rows_total ? row % p.num_nodes : 0;
+          vis = tile_visibility(span, p.tree_mask + (b * p.num_nodes + node) * p.mask_words, p.mask_words, tile0);
         }
         float m = -INFINITY;
 #pragma unroll
@@ -619,8 +662,7 @@ tree_attention_mma_kernel(TreeAttentionParams p) {
 #pragma unroll
           for (int e = 0; e < 2; ++e) {
             const int key = nt * 8 + 2 * t + e;
-            bool visible = key < tile_len;
-            if (tail_tile && visible) visible = key_visible(span, mask_row, tile0 + key);
+            const bool visible = key < tile_len && ((vis >> key) & 1u) != 0;
             const float sv = visible ? sc[nt][2 * h + e] * p.scale : -INFINITY;
             sc[nt][2 * h + e] = sv;
             m = fmaxf(m, sv);
@@ -660,14 +702,13 @@ tree_attention_mma_kernel(TreeAttentionParams p) {
 #pragma unroll
         for (int nt = 0; nt < NT; nt += 2) {
           uint32_t r[4];
-          ldmatrix_x4_trans(r, vr + nt * 4);
+          ldmatrix_x4<true>(r, vr + nt * 4);
           const uint32_t b0[2] = {r[0], r[1]}, b1[2] = {r[2], r[3]};
           mma_m16n8k16<T>(acc[mt][nt], a, b0);
           mma_m16n8k16<T>(acc[mt][nt + 1], a, b1);
         }
       }
     }
-    __syncthreads();  // tile it consumed: its stage takes tile it + 2 next iteration
   }
 
   // Epilogue: reduce the row sums over the quad, then write the output or the partial state.
@@ -675,7 +716,7 @@ tree_attention_mma_kernel(TreeAttentionParams p) {
 #pragma unroll
   for (int mt = 0; mt < MT; ++mt) {
     const int64_t tile_row = (int64_t(mt) * warps + warp) * 16;
-    if (row0 + tile_row >= rows_total) continue;  // warp-uniform
+    if (tile_row >= block_rows || row0 + tile_row >= rows_total) continue;  // warp-uniform
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       float l = row_sum[mt][h];
@@ -731,14 +772,20 @@ cudaError_t launch_tree_attention(const TreeAttentionParams& p, const AttentionP
   dim3 grid(static_cast<unsigned>(p.splits), static_cast<unsigned>(p.heads_kv * plan.row_blocks),
             static_cast<unsigned>(p.batch));
   cudaError_t err = cudaSuccess;
+  if (plan.mma && (std::is_same_v<T, float> || D % 16 != 0)) return cudaErrorInvalidValue;  // not a plan for T
   if constexpr (!std::is_same_v<T, float> && D % 16 == 0) {
     if (plan.mma) {
-      const size_t smem = static_cast<size_t>(mma_smem_bytes(D, plan.block_rows));
+      const int64_t smem = mma_smem_bytes(D, plan.block_rows);
+      if (p.block_rows != plan.block_rows || plan.block_rows > int64_t(plan.warps) * mma_warp_tiles(D) * 16)
+        return cudaErrorInvalidValue;
+      // The opt-in attribute is per kernel and process-wide: always set the same value (the largest
+      // block this device can take), so launches from several host threads cannot undo each other.
+      const int64_t most = mma_smem_bytes(D, int64_t(kMmaMaxWarps) * mma_warp_tiles(D) * 16);
       err = cudaFuncSetAttribute(tree_attention_mma_kernel<T, D>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                 static_cast<int>(smem));
+                                 static_cast<int>(most < plan.smem_limit ? most : plan.smem_limit));
       if (err != cudaSuccess) return err;
       auto* kernel = &tree_attention_mma_kernel<T, D>;
-      TAPS_LAUNCH(kernel, grid, plan.warps * 32, smem, stream, p);
+      TAPS_LAUNCH(kernel, grid, plan.warps * 32, static_cast<size_t>(smem), stream, p);
     }
   }
   if (!plan.mma) {

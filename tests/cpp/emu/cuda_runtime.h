@@ -51,6 +51,7 @@
 typedef int cudaError_t;
 typedef void* cudaStream_t;
 constexpr cudaError_t cudaSuccess = 0;
+constexpr cudaError_t cudaErrorInvalidValue = 1;
 inline cudaError_t cudaGetLastError() { return cudaSuccess; }
 enum cudaFuncAttribute { cudaFuncAttributeMaxDynamicSharedMemorySize = 8 };
 // No-op: the emulated shared memory has no per-kernel limit (emu_launch checks the device's maximum).
@@ -225,7 +226,23 @@ void mma_m16n8k16(float* d, const uint32_t* a, const uint32_t* b, ToFloat to_flo
 // matrix l / 8 (16 bytes of 16-bit elements); lane l receives in r[m] the element pair of matrix m at
 // row l / 4, columns 2 (l % 4) and 2 (l % 4) + 1, or with .trans the pair at rows 2 (l % 4) and
 // 2 (l % 4) + 1 of column l / 4 (low half first).
+inline void check_aligned16(const void* p, const char* what) {
+  if (reinterpret_cast<uintptr_t>(p) % 16 != 0) {
+    std::fprintf(stderr, "%s: address %p is not 16-byte aligned\n", what, p);
+    std::abort();
+  }
+}
+inline bool in_dynamic_shared(const void* p, size_t bytes) {
+  const char* base = reinterpret_cast<const char*>(cur->dynamic_shared.data());
+  const char* c = reinterpret_cast<const char*>(p);
+  return c >= base && c + bytes <= base + state.dynamic_bytes;
+}
 inline void ldmatrix_x4(uint32_t* r, const void* row, bool trans) {
+  check_aligned16(row, "ldmatrix");
+  if (!in_dynamic_shared(row, 16)) {
+    std::fprintf(stderr, "ldmatrix: row address outside the block's dynamic shared memory\n");
+    std::abort();
+  }
   const unsigned w = warp_of_thread();
   cur->exchange[linear_tid] = reinterpret_cast<uint64_t>(row);
   cur->warps[w]->arrive_and_wait();
@@ -252,6 +269,12 @@ struct AsyncCopy {
 inline thread_local std::vector<AsyncCopy> async_open;                 // issued, not committed
 inline thread_local std::vector<std::vector<AsyncCopy>> async_groups;  // committed, oldest first
 inline void cp_async16(void* dst, const void* src) {
+  check_aligned16(dst, "cp.async destination");
+  check_aligned16(src, "cp.async source");
+  if (!in_dynamic_shared(dst, 16)) {
+    std::fprintf(stderr, "cp.async: destination outside the block's dynamic shared memory\n");
+    std::abort();
+  }
   std::memset(dst, 0xA5, 16);
   async_open.push_back({dst, src});
 }
