@@ -46,6 +46,7 @@ def torch_in_place(caches, path, prefix_lens):
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--repeats", type=int, default=7)
+    ap.add_argument("--no-reference", action="store_true", help="skip the plain-PyTorch reference column")
     args = ap.parse_args()
     torch.manual_seed(0)
     shapes = [  # B, layers, H, S, D, path length, dtype
@@ -68,7 +69,7 @@ def main() -> None:
                                             (torch.randperm(63)[: plen - 1] + 1).sort().values])
             path = path.to(device)
             t_torch = timed(lambda: torch_in_place(caches, path, prefix), args.repeats, cuda)
-            small = b * layers <= 8
+            small = b * layers <= 8 and not args.no_reference
             t_ref = timed(lambda: compact_kv_ref(caches, path, prefix), args.repeats, cuda) if small else None
             t_taps = timed(lambda: taps_ops.compact_kv(caches, path, prefix), args.repeats, cuda)
             moved = 2 * (plen - 1) * b * h * d * caches[0].element_size() * len(caches)
