@@ -75,7 +75,7 @@ at::Tensor tree_attention_cuda(const at::Tensor& q_in, const at::Tensor& k_in, c
                                 props->multiProcessorCount, static_cast<int64_t>(props->sharedMemPerBlockOptin));
   TORCH_CHECK(heads_kv * plan.row_blocks <= 65535, "taps_ops: tree_attention: Hkv x row blocks = ",
               heads_kv * plan.row_blocks, " exceeds the CUDA grid limit 65535");
-  const int64_t splits = plan.splits, split_keys = plan.split_keys;
+  const int64_t splits = plan.splits;
   at::Tensor part_acc, part_max, part_sum;
   if (splits > 1) {
     auto f32 = q.options().dtype(at::kFloat);
@@ -98,9 +98,8 @@ at::Tensor tree_attention_cuda(const at::Tensor& q_in, const at::Tensor& k_in, c
   p.k_stride_b = k.stride(0), p.k_stride_h = k.stride(1), p.k_stride_s = k.stride(2);
   p.v_stride_b = v.stride(0), p.v_stride_h = v.stride(1), p.v_stride_s = v.stride(2);
   p.batch = batch, p.heads_q = heads_q, p.heads_kv = heads_kv, p.num_nodes = num_nodes;
-  p.cache_len = cache_len, p.mask_words = tree_mask.size(2), p.splits = splits, p.split_keys = split_keys;
+  p.cache_len = cache_len, p.mask_words = tree_mask.size(2);
   p.scale = static_cast<float>(scale);
-  p.block_rows = plan.block_rows;
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
   switch (q.scalar_type()) {
     case at::kFloat: dispatch_head_dim<float>(p, plan, head_dim, stream); break;

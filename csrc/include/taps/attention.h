@@ -115,8 +115,8 @@ constexpr int kMaxSplits = 64;     // key splits merged by the combine kernel
 TAPS_HD constexpr int mma_warp_tiles(int64_t head_dim) { return head_dim <= 128 ? 2 : 1; }
 
 // Shared memory of the tensor-core kernel: the query rows and two stages of one K and one V tile, all
-// rows of D + 8 halves. The padding (a row stride of 4 (mod 8) words) makes the 32-bit fragment loads of
-// Q and K and the 16-byte row reads of ldmatrix on V bank-conflict-free. At most 203 KB (D = 256, 128
+// rows of D + 8 halves. The padding (a row stride of 4 (mod 8) words) makes the 16-byte row reads of
+// ldmatrix on Q, K and V bank-conflict-free. At most 203 KB (D = 256, 128
 // rows), within the 227 KB a block may opt in to on sm_90 (sm_80: 163 KB, so D = 256 needs fewer rows
 // there: see plan_tree_attention).
 TAPS_HD constexpr int64_t mma_smem_bytes(int64_t head_dim, int64_t block_rows) {
@@ -142,7 +142,6 @@ TAPS_HD AttentionPlan plan_tree_attention(int64_t batch, int64_t heads_kv, int64
   AttentionPlan plan{};
   plan.smem_limit = max_smem;
   plan.mma = mma_ok && group_rows >= 16;
-  int64_t tile_keys = kTileKeys;
   if (plan.mma) {
     const int64_t m_tiles = ceil_div(group_rows, 16);
     const int64_t warp_rows = int64_t(mma_warp_tiles(head_dim)) * 16;
@@ -156,13 +155,12 @@ TAPS_HD AttentionPlan plan_tree_attention(int64_t batch, int64_t heads_kv, int64
     while (plan.warps > 1 && mma_smem_bytes(head_dim, rows_for(plan.warps)) > max_smem) --plan.warps;
     plan.block_rows = rows_for(plan.warps);
     plan.mma = mma_smem_bytes(head_dim, plan.block_rows) <= max_smem;
-    tile_keys = kMmaKeys;
   }
   if (!plan.mma) {
-    tile_keys = kTileKeys;
     plan.warps = kAttnWarps;
     plan.block_rows = kAttnRows;
   }
+  const int64_t tile_keys = plan.mma ? kMmaKeys : kTileKeys;
   plan.row_blocks = ceil_div(group_rows, plan.block_rows);
   const int64_t base = batch * heads_kv * plan.row_blocks;
   int64_t splits = base > 0 ? ceil_div(2 * sms, base) : 1;
@@ -231,8 +229,9 @@ struct TreeAttentionParams {
   int64_t k_stride_b, k_stride_h, k_stride_s;
   int64_t v_stride_b, v_stride_h, v_stride_s;
   int64_t batch, heads_q, heads_kv, num_nodes, cache_len, mask_words;
+  // Set by launch_tree_attention from the plan:
   int64_t splits, split_keys;  // split s covers key positions [s * split_keys, (s + 1) * split_keys)
-  int64_t block_rows;          // tensor-core kernel: query rows per block (plan.block_rows)
+  int64_t block_rows;          // tensor-core kernel: query rows per block
   float scale;
 };
 
@@ -419,20 +418,23 @@ tree_attention_kernel(TreeAttentionParams p) {
 // ------------------------------------------------------------------------------------------------
 // tree_attention, tensor-core version (bf16 / fp16 inputs, fp32 accumulation).
 // NOTE: written without access to a GPU; it compiles for sm_80 / sm_90a and passes the host-emulation
-// test (tests/cpp/test_emu_attention.cpp, whose mma follows the PTX fragment layout), but it has not
-// been run on a device.
+// test (tests/cpp/test_emu_attention.cpp, whose mma and ldmatrix follow the PTX fragment layouts and
+// whose cp.async lands only at the wait), but it has not been run on a device.
 //
 // Grid (splits, Hkv * row_blocks, B); block plan.warps warps (at most kMmaMaxWarps). A block holds
-// block_rows = warps * MT * 16 rows of one KV head's query group (the whole group when it fits: G * N
-// up to 256 rows at D <= 128, 128 at D = 256), so each K/V tile is read from global memory once for
-// all of them (larger groups take several row blocks, which re-read the tile mostly from L2). Warp w owns the 16-row m-tiles w, w + warps, ... (MT at most). Per tile
-// of kMmaKeys keys, staged in shared memory (K as rows, V packed by key pairs so that a B fragment of
-// P V is one 32-bit load):
-//   S = Q K^T   mma.m16n8k16 (A: Q rows from shared memory, B: K rows), fp32;
+// block_rows (at most warps * MT * 16) rows of one KV head's query group: the whole group when it fits
+// (G * N up to 256 rows at D <= 128, 128 at D = 256), so each K/V tile is read from global memory once
+// for all of them; larger groups take several row blocks, which re-read the tiles mostly from L2.
+// Warp w owns the 16-row m-tiles w, w + warps, ... (MT at most). K / V tiles of kMmaKeys keys are
+// staged in shared memory in two cp.async stages (the copy of tile i + 1 overlaps the work on tile i):
+//   S = Q K^T   mma.m16n8k16, A fragments from the Q rows and B fragments from the K rows by
+//   ldmatrix.x4, fp32;
 //   online softmax on the S fragments (a row's 8 key columns per n-tile live in the 4 lanes of a quad:
-//   max and sum reduce with two xor shuffles), the tree mask tested only on tiles that reach the tail;
+//   max and sum reduce with two xor shuffles), the tree mask tested only on tiles that reach the tail
+//   (one tile_visibility word per row);
 //   O += P V    P rounded to the input type and reused in registers as the A fragment (the S layout of
-//   n-tiles 2j, 2j + 1 is the A layout of k-step j), B from the packed V tile.
+//   n-tiles 2j, 2j + 1 is the A layout of k-step j), B fragments from the row-major V tile by
+//   ldmatrix.x4.trans.
 // Output / partial state as the SIMT kernel (same combine kernel).
 // ------------------------------------------------------------------------------------------------
 template <class T> TAPS_DEVICE uint16_t bits16(T x) {
@@ -766,9 +768,15 @@ __global__ void tree_attention_combine_kernel(const float* __restrict__ part_acc
 }
 
 // Launcher: q [B, Hq, N, D], k/v [B, Hkv, S, D], out [B, Hq, N, D]; `plan` from plan_tree_attention
-// for these sizes (p.splits / p.split_keys must be the plan's; part_* buffers sized for splits > 1).
+// for these sizes. The plan's splits, split_keys and block_rows replace those fields of `params`
+// (part_* buffers sized for plan.splits when it is > 1).
 template <class T, int D>
-cudaError_t launch_tree_attention(const TreeAttentionParams& p, const AttentionPlan& plan, cudaStream_t stream) {
+cudaError_t launch_tree_attention(const TreeAttentionParams& params, const AttentionPlan& plan,
+                                  cudaStream_t stream) {
+  TreeAttentionParams p = params;
+  p.splits = plan.splits;
+  p.split_keys = plan.split_keys;
+  p.block_rows = plan.block_rows;
   dim3 grid(static_cast<unsigned>(p.splits), static_cast<unsigned>(p.heads_kv * plan.row_blocks),
             static_cast<unsigned>(p.batch));
   cudaError_t err = cudaSuccess;
@@ -776,8 +784,7 @@ cudaError_t launch_tree_attention(const TreeAttentionParams& p, const AttentionP
   if constexpr (!std::is_same_v<T, float> && D % 16 == 0) {
     if (plan.mma) {
       const int64_t smem = mma_smem_bytes(D, plan.block_rows);
-      if (p.block_rows != plan.block_rows || plan.block_rows > int64_t(plan.warps) * mma_warp_tiles(D) * 16)
-        return cudaErrorInvalidValue;
+      if (plan.block_rows > int64_t(plan.warps) * mma_warp_tiles(D) * 16) return cudaErrorInvalidValue;
       // The opt-in attribute is per kernel and process-wide: always set the same value (the largest
       // block this device can take), so launches from several host threads cannot undo each other.
       const int64_t most = mma_smem_bytes(D, int64_t(kMmaMaxWarps) * mma_warp_tiles(D) * 16);

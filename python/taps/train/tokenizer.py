@@ -39,7 +39,8 @@ def weights_sha256(folder) -> str:
     files = sorted(folder.glob("*.safetensors")) or sorted(folder.glob("*.bin"))
     if not files:
         raise FileNotFoundError(f"{folder}: no *.safetensors or *.bin weights")
-    key = (str(folder.resolve()),) + tuple((f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in files)
+    stats = [(f.name, f.stat()) for f in files]
+    key = (str(folder.resolve()),) + tuple((name, st.st_size, st.st_mtime_ns) for name, st in stats)
     if key not in _WEIGHTS_DIGESTS:
         if len(files) == 1 and files[0].name == "model.safetensors":
             digest = sha256_file(files[0])
