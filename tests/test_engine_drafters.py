@@ -92,7 +92,7 @@ def test_expansion_scores_match_sequential_paths(kind):
                 logp = torch.log_softmax(drafter.root_logits[0].float(), -1)
                 expected += float(logp[tokens[node]])
                 if j + 1 < len(path):
-                    feature = drafter._root_feature.view(1, 1, -1) if kind == "eagle" else None
+                    feature = drafter.root_feature.view(1, 1, -1) if kind == "eagle" else None
                     drafter.advance(torch.tensor([[tokens[node]]]), torch.tensor([1]), feature)
             assert float(cand.scores[b, m]) == pytest.approx(expected, abs=1e-4), f"request {b} candidate {m}"
         drafter.start(*start, 64)

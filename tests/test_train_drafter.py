@@ -58,9 +58,6 @@ def test_alignment_mask_literal():
 def _inference_features(drafter, tokens, feats):
     """EagleDrafter.features over one causal sequence (its own cache): the inference path."""
     b, n, _ = feats.shape
-    a = drafter.layers[0].self_attn
-    drafter._kv = [[torch.zeros(b, a.num_kv_heads, n, a.head_dim), torch.zeros(b, a.num_kv_heads, n, a.head_dim)]
-                   for _ in drafter.layers]
     pos = torch.arange(n).unsqueeze(0).expand(b, -1)
     mask = torch.tril(torch.ones(n, n, dtype=torch.bool)).expand(b, 1, n, n)
     return drafter.features(tokens, feats, pos, pos, mask)

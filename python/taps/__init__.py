@@ -5,7 +5,7 @@ Public names (imported lazily, so ``import taps`` stays light for the CLI):
 - drafters: :class:`Drafter`, :class:`ModelDrafter` (an independent small causal LM),
   :class:`EagleDrafter` (EAGLE-1/2 / HASS feature head), :func:`average_drafters`
 - :func:`expand`: the EAGLE-2 tree expansion every drafter uses
-- strategies: :data:`STRATEGIES`, :func:`make_strategy`
+- strategies: :data:`STRATEGIES`, :func:`make_strategy`, :func:`register_strategy`
 - :class:`SpeculativeDecoder` and its :class:`GenerateOutput`; :class:`RequestStats`, :class:`Profiler`
 - :mod:`taps.hf`: the target's tree-verification forward and KV cache
 """
@@ -18,7 +18,7 @@ _EXPORTS = {
     "DraftCandidates": "drafters", "Drafter": "drafters", "EagleDrafter": "drafters",
     "ModelDrafter": "drafters", "average_drafters": "drafters",
     "expand": "expansion",
-    "STRATEGIES": "strategies", "make_strategy": "strategies",
+    "STRATEGIES": "strategies", "make_strategy": "strategies", "register_strategy": "strategies",
     "Profiler": "stats", "RequestStats": "stats", "summarize": "stats",
     "GenerateOutput": "decoder", "SpeculativeDecoder": "decoder",
 }

@@ -4,18 +4,24 @@
     out = decoder.generate(["prompt one", "a longer prompt two"], max_new_tokens=64, temperature=0)
     out.tokens, out.text, out.stats[0].tau, out.summary
 
-Per step: every alive drafter expands its EAGLE-2 candidates -> the strategy builds the tree to verify
--> one target forward over the tree (:func:`taps.hf.tree_verify_forward`) -> ``taps_ops.verify_tree``
-(deterministic candidates: ``draft_probs=None``; lossless at any temperature / top-k / top-p) ->
-``compact_kv`` of the target cache (:func:`taps.hf.compact_cache`) -> each drafter appends the accepted
-tokens and the bonus token to its own cache. Batches of ragged prompts; a request that is done (EOS or
-``max_new_tokens``) stops emitting and its caches stop growing while the others continue.
+Per step: the drafters expand their EAGLE-2 candidates (drafters of one kind and shape as one batched
+forward, :func:`taps.drafters.make_groups`) -> the strategy builds the tree to verify -> one target
+forward over the tree (:class:`taps.forward.TargetForward`: the lean path for Llama-family targets, else
+the Hugging Face module) -> ``taps_ops.verify_tree`` (deterministic candidates: ``draft_probs=None``;
+lossless at any temperature / top-k / top-p) -> ``taps_ops.compact_kv`` of the target cache -> one
+device-to-host copy of what the step decided (accepted tokens, counts, statistics) -> each drafter group
+appends the accepted tokens and the bonus token to its own cache. Batches of ragged prompts; a request
+that is done (EOS or ``max_new_tokens``) stops emitting and its caches stop growing while the others
+continue. Sizes that masks need (the longest committed length) are kept on the host, so a step has one
+device sync: that copy.
 """
 
 from __future__ import annotations
 
+import math
+import warnings
 from dataclasses import dataclass
-from typing import Callable, Dict, List, Optional, Sequence, Union
+from typing import Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import Tensor, nn
@@ -23,14 +29,23 @@ from torch import Tensor, nn
 import taps_ops
 
 from . import hf
-from .drafters import Drafter, average_drafters, target_vocab_size
+from .drafters import DraftGroup, Drafter, average_drafters, make_groups, target_vocab_size
 from .expansion import scratch_positions
+from .forward import TargetForward
+from .lean import stack_key
 from .stats import Profiler, RequestStats, summarize
-from .strategies import STRATEGIES, Strategy, make_strategy
+from .strategies import STRATEGIES, Candidates, Strategy, make_strategy
 
-__all__ = ["SpeculativeDecoder", "GenerateOutput", "check_same_tokenizer"]
+__all__ = ["SpeculativeDecoder", "GenerateOutput", "check_same_tokenizer", "DEFAULT_SETTINGS"]
 
 Prompt = Union[str, Sequence[int], Tensor]
+
+#: Tree settings used when SpeculativeDecoder is not given them, per device type (chosen by measured
+#: tokens/s of the shipped models, bench/bench_e2e.py; see bench/RESULTS.md).
+DEFAULT_SETTINGS: Dict[str, Dict[str, int]] = {
+    "cpu": dict(depth=5, top_k=8),
+    "cuda": dict(depth=5, top_k=8),
+}
 
 
 @dataclass
@@ -64,18 +79,21 @@ class SpeculativeDecoder:
         target: the target causal LM (switched to the ``"taps"`` attention; put in eval mode).
         drafters: :class:`taps.drafters.Drafter` instances (empty for ``strategy="autoregressive"``).
         strategy: one of :data:`taps.strategies.STRATEGIES`.
-        depth: tree depth below the root (EAGLE-2 expansion levels).
-        top_k: children per expanded node and frontier width.
+        depth: tree depth below the root (EAGLE-2 expansion levels); default per device type
+            (:data:`DEFAULT_SETTINGS`).
+        top_k: children per expanded node and frontier width; default per device type.
         budget: nodes of one drafter's tree, root included (default depth * top_k + 1, capped by the
             number of candidates + 1). ``merged`` verifies up to T * (budget - 1) + 1 nodes.
         tokenizer: the target's tokenizer (needed for text prompts; checked against drafters' ones).
         route_steps: steps a ``route-*-prompt`` strategy observes before deciding per request.
         adaptive_prior: pseudo-count of accepted tokens per drafter for ``adaptive``.
+        lean: run the target on the lean path (:mod:`taps.lean`): None = when the architecture is
+            covered (Llama, Mistral, Qwen2, Qwen3), True = require it, False = the Hugging Face module.
     """
 
     def __init__(self, target: nn.Module, drafters: Sequence[Drafter] = (), strategy: str = "single", *,
-                 depth: int = 5, top_k: int = 8, budget: Optional[int] = None, tokenizer=None,
-                 route_steps: int = 3, adaptive_prior: float = 1.0):
+                 depth: Optional[int] = None, top_k: Optional[int] = None, budget: Optional[int] = None,
+                 tokenizer=None, route_steps: int = 3, adaptive_prior: float = 1.0, lean: Optional[bool] = None):
         if strategy not in STRATEGIES:
             raise ValueError(f"unknown strategy {strategy!r}; choose one of {', '.join(STRATEGIES)}")
         if isinstance(drafters, Drafter):
@@ -84,9 +102,12 @@ class SpeculativeDecoder:
         for d in drafters:
             if not isinstance(d, Drafter):
                 raise TypeError(f"drafters must be taps Drafter instances, got {type(d).__name__}")
+        self.target = hf.use_taps_attention(target.eval())
+        defaults = DEFAULT_SETTINGS.get(self.device.type, DEFAULT_SETTINGS["cuda"])
+        depth = defaults["depth"] if depth is None else depth
+        top_k = defaults["top_k"] if top_k is None else top_k
         if depth < 1 or top_k < 1:
             raise ValueError(f"depth and top_k must be >= 1, got depth={depth}, top_k={top_k}")
-        self.target = hf.use_taps_attention(target.eval())
         self.tokenizer = tokenizer
         if strategy == "average":
             if len(drafters) < 1:
@@ -101,10 +122,14 @@ class SpeculativeDecoder:
         self.depth, self.top_k = int(depth), int(top_k)
         k = min(self.top_k, target_vocab_size(self.target))
         max_budget = k + (self.depth - 1) * k * k + 1
-        self.budget = min(int(budget) if budget is not None else self.depth * k + 1, max_budget)
+        if budget is None:
+            budget = defaults.get("budget", self.depth * k + 1)
+        self.budget = min(int(budget), max_budget)
         self.strategy: Strategy = make_strategy(strategy, len(drafters), self.budget, route_steps=route_steps,
                                                 prior=adaptive_prior)
         self.needs_hidden = any(d.needs_hidden for d in drafters)
+        self.forward = TargetForward(self.target, lean=lean)
+        self._groups: Optional[Tuple[tuple, List[DraftGroup]]] = None
 
     @property
     def device(self) -> torch.device:
@@ -115,6 +140,8 @@ class SpeculativeDecoder:
         if isinstance(inputs, str):
             inputs = [inputs]
         if isinstance(inputs, Tensor):
+            if inputs.is_floating_point() or inputs.is_complex() or inputs.dtype == torch.bool:
+                raise TypeError(f"input_ids must hold integer token ids, got dtype {inputs.dtype}")
             if inputs.dim() == 1:
                 inputs = inputs.unsqueeze(0)
             if inputs.dim() != 2:
@@ -130,9 +157,16 @@ class SpeculativeDecoder:
                         raise ValueError("text prompts need SpeculativeDecoder(..., tokenizer=...)")
                     rows.append(list(self.tokenizer(x)["input_ids"]))
                 elif isinstance(x, Tensor):
+                    if x.is_floating_point() or x.is_complex() or x.dtype == torch.bool:
+                        raise TypeError(f"prompt tensors must hold integer token ids, got dtype {x.dtype}")
                     rows.append(x.reshape(-1).tolist())
                 else:
-                    rows.append([int(t) for t in x])
+                    row = []
+                    for t in x:
+                        if isinstance(t, bool) or not float(t).is_integer():
+                            raise TypeError(f"prompt token ids must be integers, got {t!r}")
+                        row.append(int(t))
+                    rows.append(row)
         if not rows or any(len(r) == 0 for r in rows):
             raise ValueError("every prompt needs at least one token")
         vocab = target_vocab_size(self.target)
@@ -149,6 +183,14 @@ class SpeculativeDecoder:
             return {eos_token_id}
         return {int(e) for e in eos_token_id}
 
+    def _draft_groups(self) -> List[DraftGroup]:
+        """The drafters' batched groups, rebuilt when a drafter's weights (or the target's) changed."""
+        key = tuple((id(d), id(d.draft_vocab), stack_key(list(d.parameters()))) for d in self.drafters)
+        key += (stack_key(list(self.target.parameters())),)
+        if self._groups is None or self._groups[0] != key:
+            self._groups = (key, make_groups(self.drafters))
+        return self._groups[1]
+
     @torch.no_grad()
     def generate(self, inputs, max_new_tokens: int = 64, temperature: float = 0.0, top_k: int = 0,
                  top_p: float = 1.0, eos_token_id=None, stream: Optional[Callable[[int, List[int]], None]] = None,
@@ -159,7 +201,7 @@ class SpeculativeDecoder:
         Args:
             inputs: a string, a list of strings (needs the tokenizer), a list of token ids, a list of
                 token-id lists (ragged), or an int64 tensor [T] / [B, T].
-            max_new_tokens: per request.
+            max_new_tokens: per request (>= 0).
             temperature, top_k, top_p: the target's sampling (0 = greedy; scalars or [B] tensors), as
                 ``taps_ops.verify_tree`` applies them; the output distribution is the target's own.
             eos_token_id: an id or a collection of ids that end a request (kept in its output).
@@ -170,17 +212,27 @@ class SpeculativeDecoder:
         Returns:
             :class:`GenerateOutput`.
         """
+        if isinstance(max_new_tokens, bool) or not float(max_new_tokens).is_integer() or max_new_tokens < 0:
+            raise ValueError(f"max_new_tokens must be an integer >= 0, got {max_new_tokens!r}")
+        max_new_tokens = int(max_new_tokens)
         rows = self._prepare(inputs)
         device = self.device
         batch = len(rows)
+        limit = getattr(self.target.config, "max_position_embeddings", None)
+        longest = max(len(r) for r in rows)
+        if limit is not None and longest + max_new_tokens > limit:
+            warnings.warn(f"SpeculativeDecoder.generate: a prompt of {longest} tokens plus max_new_tokens="
+                          f"{max_new_tokens} passes the target's max_position_embeddings ({limit}); positions "
+                          "past it are outside what the model was trained on", stacklevel=2)
         if generator is None and seed is not None:
             generator = torch.Generator(device=device).manual_seed(int(seed))
         eos = self._eos_set(eos_token_id)
         prof = Profiler(enabled=profile, sync=profile and device.type == "cuda")
-        sample = dict(temperature=temperature, top_k=top_k, top_p=top_p, generator=generator)
+        sample = dict(temperature=temperature, top_k=top_k, top_p=top_p, generator=generator,
+                      validate=device.type == "cpu")
 
-        lens = torch.tensor([len(r) for r in rows], dtype=torch.int64, device=device)
-        longest = int(lens.max())
+        host_lengths = [len(r) for r in rows]
+        lens = torch.tensor(host_lengths, dtype=torch.int64, device=device)
         ids = torch.zeros((batch, longest), dtype=torch.int64, device=device)
         for b, r in enumerate(rows):
             ids[b, :len(r)] = torch.tensor(r, dtype=torch.int64)
@@ -189,11 +241,12 @@ class SpeculativeDecoder:
         n_nodes = strategy.num_nodes
         cap = longest + max_new_tokens + self.depth + n_nodes + 4
         drafter_cap = cap + self.depth + 2 + scratch_positions(self.depth, self.top_k)
-        cache = hf.TreeKVCache.for_model(self.target, batch, cap)
+        cache = self.forward.new_cache(batch, cap)
 
-        stats = [RequestStats(prompt_tokens=len(r), drafter_accepted=[0] * len(self.drafters)) for r in rows]
+        num_drafters = len(self.drafters)
+        stats = [RequestStats(prompt_tokens=len(r), drafter_accepted=[0] * num_drafters) for r in rows]
         out_tokens: List[List[int]] = [[] for _ in rows]
-        done = [False] * batch
+        done = [max_new_tokens == 0] * batch
 
         def emit(b: int, new: List[int]) -> None:
             room = max_new_tokens - len(out_tokens[b])
@@ -211,88 +264,115 @@ class SpeculativeDecoder:
             if stream is not None and new:
                 stream(b, new)
 
-        # Prefill: the target reads the prompts; its next token (sampled like any other) is the first root.
-        with prof.section("prefill"):
-            pre = hf.prefill(self.target, cache, ids, lens, return_hidden=self.needs_hidden)
-            one = torch.zeros((batch, 1), dtype=torch.int64, device=device)
-            root = taps_ops.verify_tree(pre.logits.unsqueeze(1), one, one - 1, **sample).tokens[:, 0]
-            if max_new_tokens > 0:
+        if max_new_tokens == 0:
+            for s in stats:
+                s.finish_reason = "length"
+            return GenerateOutput(out_tokens, [""] * batch if self.tokenizer is not None else None, stats,
+                                  summarize(stats), {} if profile else None, 0)
+
+        groups = self._draft_groups()
+        try:
+            # Prefill: the target reads the prompts; its next token (sampled like any other) is the first root.
+            with prof.section("prefill"):
+                pre = self.forward.prefill(cache, ids, lens, 0, return_hidden=self.needs_hidden)
+                one = torch.zeros((batch, 1), dtype=torch.int64, device=device)
+                root = taps_ops.verify_tree(pre.logits.unsqueeze(1), one, one - 1, **sample).tokens[:, 0]
                 for b, t in enumerate(root.tolist()):
                     emit(b, [t])
-            else:
-                done = [True] * batch
-            for t in strategy.alive():
-                self.drafters[t].start(ids, lens, root, pre.hidden_states, drafter_cap)
-
-        steps = 0
-        depth_bins = self.depth
-        num_drafters = len(self.drafters)
-        bit_range = torch.arange(max(num_drafters, 1), device=device)
-        entropy = "entropy" in strategy.name  # only entropy routing reads it
-        try:
-            while not all(done):
-                steps += 1
-                prof.steps += 1
-                with prof.section("step"):
-                    alive = strategy.alive()
-                    with prof.section("draft"):
-                        cands = {t: self.drafters[t].draft(self.depth, self.top_k, prof, entropy) for t in alive}
-                    with prof.section("tree"):
-                        tree = strategy.combine(cands, root)
-                    with prof.section("target_forward"):
-                        fwd = hf.tree_verify_forward(self.target, cache, tree.tokens, tree.tree_mask, tree.depth,
-                                                     return_hidden=self.needs_hidden)
-                    with prof.section("verify"):
-                        ver = taps_ops.verify_tree(fwd.logits, tree.tokens, tree.parents, **sample)
-                    done_t = torch.tensor(done, device=device)
-                    accepted = ver.num_accepted.masked_fill(done_t, 0)
-                    path = ver.path.clone()
-                    path[:, 1:].masked_fill_(done_t.unsqueeze(1), -1)
-                    acc_list = accepted.tolist()
-                    width = max(acc_list) + 1
-                    with prof.section("compact"):
-                        prefix = cache.lengths.clone()
-                        hf.compact_cache(cache, path)
-                        cache.lengths.copy_(torch.where(done_t, prefix, cache.lengths))  # done: frozen
-                    new_tokens = ver.tokens[:, :width]
-                    num_new = accepted + 1
-                    hidden = None
-                    if self.needs_hidden:
-                        idx = path[:, :width].clamp_min(0)
-                        hidden = fwd.hidden_states.gather(1, idx.unsqueeze(-1).expand(-1, -1, fwd.hidden_states.shape[-1]))
-                    with prof.section("draft_update"):
-                        for t in alive:
-                            d = self.drafters[t]
-                            d.advance(new_tokens, num_new, hidden)
-                            d.lengths.sub_(done_t.long())  # done requests: frozen caches
-                    root = ver.tokens.gather(1, accepted.unsqueeze(1)).squeeze(1)
-                    # statistics
-                    if num_drafters:
-                        on_path = path[:, 1:width]
-                        src = tree.source.gather(1, on_path.clamp_min(0)).masked_fill(on_path < 0, 0)
-                        by_drafter = ((src.unsqueeze(-1) >> bit_range) & 1).sum(1)  # [B, T]
-                        strategy.observe(by_drafter)
-                        by_drafter = by_drafter.tolist()
-                    choice = tree.choice.tolist() if tree.choice is not None else None
-                    token_rows = new_tokens.tolist()
-                    for b in range(batch):
-                        if done[b]:
-                            continue
-                        a = acc_list[b]
-                        stats[b].record(a, depth_bins)
-                        if num_drafters:
-                            for t in range(num_drafters):
-                                stats[b].drafter_accepted[t] += by_drafter[b][t]
-                        if choice is not None:
-                            stats[b].route_decisions.append(choice[b])
-                        emit(b, token_rows[b][:a + 1])
+                for g in groups:
+                    g.start(ids, lens, root, pre.hidden_states, drafter_cap, host_lengths)
+            steps = self._loop(groups, cache, root, host_lengths, done, stats, emit, sample, prof)
         finally:
-            for d in self.drafters:
-                d.release()
+            for g in groups:
+                g.release()
         for b in range(batch):
             stats[b].new_tokens = len(out_tokens[b])
         text = None
         if self.tokenizer is not None:
             text = [self.tokenizer.decode(t) for t in out_tokens]
-        return GenerateOutput(out_tokens, text, stats, summarize(stats),
-                              prof.per_step() if profile else None, steps)
+        return GenerateOutput(out_tokens, text, stats, summarize(stats), prof.per_step() if profile else None, steps)
+
+    def _loop(self, groups: List[DraftGroup], cache: hf.TreeKVCache, root: Tensor, host_lengths: List[int],
+              done: List[bool], stats: List[RequestStats], emit, sample: dict, prof: Profiler) -> int:
+        """Verification steps until every request is done; returns the number of steps."""
+        strategy = self.strategy
+        device = root.device
+        batch = root.shape[0]
+        num_drafters = len(self.drafters)
+        depth_bins = self.depth
+        bit_range = torch.arange(max(num_drafters, 1), device=device)
+        alive = strategy.alive()
+        steps = 0
+        while not all(done):
+            steps += 1
+            prof.steps += 1
+            with prof.section("step"):
+                if strategy.alive() != alive:  # a routing decision dropped drafters
+                    alive = strategy.alive()
+                    groups = [g.subset([i for i, t in enumerate(g.members) if t in alive]) for g in groups]
+                    groups = [g for g in groups if g is not None]
+                with prof.section("draft"):
+                    drafted = [g.draft(self.depth, self.top_k, prof, strategy.needs_entropy) for g in groups]
+                with prof.section("tree"):
+                    cands = None
+                    if drafted:
+                        order = tuple(t for g in groups for t in g.members)
+                        cands = Candidates(*(torch.cat([getattr(c, f) for c in drafted]).view(len(order), batch, *drafted[0][i].shape[1:])
+                                             for i, f in enumerate(("scores", "tokens", "parents", "entropy"))), order)
+                    tree = strategy.combine(cands, root)
+                with prof.section("target_forward"):
+                    hidden = self.forward.tree(cache, tree.tokens, tree.tree_mask, tree.depth, max(host_lengths))
+                with prof.section("target_head"):
+                    logits = self.forward.logits(hidden)
+                with prof.section("verify"):
+                    ver = taps_ops.verify_tree(logits, tree.tokens, tree.parents, **sample)
+                accepted, path = ver.num_accepted, ver.path
+                any_done = any(done)
+                if any_done:
+                    done_t = torch.tensor(done, device=device)
+                    accepted = accepted.masked_fill(done_t, 0)
+                    path = path.masked_fill(done_t.unsqueeze(1) & (torch.arange(path.shape[1], device=device) > 0), -1)
+                num_new = accepted + 1
+                if any_done:
+                    num_new = num_new.masked_fill(done_t, 0)
+                with prof.section("compact"):
+                    taps_ops.compact_kv(cache.kv_tensors(), path, cache.lengths)
+                    cache.lengths.add_(num_new)
+                # what the host needs of this step, in one copy: tokens, counts, statistics
+                parts = [ver.tokens, accepted.unsqueeze(1), (tree.tokens >= 0).sum(1, keepdim=True)]
+                if num_drafters:
+                    on_path = path[:, 1:]
+                    src = tree.source.gather(1, on_path.clamp_min(0)).masked_fill(on_path < 0, 0)
+                    by_drafter = ((src.unsqueeze(-1) >> bit_range) & 1).sum(1)  # [B, T]
+                    strategy.observe(by_drafter)
+                    parts.append(by_drafter)
+                if tree.choice is not None:
+                    parts.append(tree.choice.unsqueeze(1))
+                host = torch.cat(parts, 1).tolist()
+                n = ver.tokens.shape[1]
+                acc_list = [row[n] for row in host]
+                width = max(a for a, d in zip(acc_list, done) if not d) + 1
+                num_new_host = [0 if d else a + 1 for a, d in zip(acc_list, done)]
+                with prof.section("draft_update"):
+                    if groups:
+                        new_tokens = ver.tokens[:, :width]
+                        hidden_path = None
+                        if self.needs_hidden:
+                            idx = path[:, :width].clamp_min(0)
+                            hidden_path = hidden.gather(1, idx.unsqueeze(-1).expand(-1, -1, hidden.shape[-1]))
+                        for g in groups:
+                            g.advance(new_tokens, num_new, hidden_path, num_new_host)
+                root = ver.tokens.gather(1, accepted.unsqueeze(1)).squeeze(1)
+                for b in range(batch):
+                    host_lengths[b] += num_new_host[b]
+                    if done[b]:
+                        continue
+                    row, a = host[b], acc_list[b]
+                    stats[b].record(a, depth_bins, nodes=row[n + 1])
+                    if num_drafters:
+                        for t in range(num_drafters):
+                            stats[b].drafter_accepted[t] += row[n + 2 + t]
+                    if tree.choice is not None:
+                        stats[b].route_decisions.append(row[-1])
+                    emit(b, row[:a + 1])
+        return steps

@@ -1,7 +1,7 @@
 """Drafters: models that propose a tree of candidate tokens for the target to verify.
 
 Every drafter has the same small interface (:class:`Drafter`) and keeps its own KV cache of the
-committed context. The decoding loop drives it as follows (B requests, ragged)::
+committed context. A drafter used on its own is driven as follows (B requests, ragged)::
 
     drafter.bind(target)                                  # checks + moves to the target's device/dtype
     drafter.start(prompt_ids, prompt_lens, root, hidden, max_len)   # after the target's prefill
@@ -13,6 +13,13 @@ Cache convention: ``drafter.lengths[b]`` entries are committed, and the last of 
 root (the last token the target committed or sampled, which the target itself has not cached yet).
 ``drafter.root_logits [B, V]`` is the drafter's prediction after the root: the depth-1 candidates.
 
+Drafter groups. The decoding loop runs drafters through *groups* (:meth:`Drafter.make_group`): the
+drafters of one kind and shape (same :meth:`Drafter.group_key`) become one :class:`DraftGroup` that runs
+them as one batched forward (their weights stacked, see :mod:`taps.lean`), with rows group-major (row
+g * B + b is request b of drafter g). A drafter used on its own runs through a group of one, so both
+paths are the same code. Drafter subclasses written elsewhere that only implement the interface above
+run through :class:`_InterfaceGroup`, one at a time.
+
 - :class:`ModelDrafter`: an independent small Hugging Face causal LM sharing the target's tokenizer;
   its entry t is token t.
 - :class:`EagleDrafter`: the EAGLE-1/2 feature head. Entry t pairs the target's final hidden state at
@@ -20,6 +27,11 @@ root (the last token the target committed or sampled, which the target itself ha
   feature, read out by the target's lm_head. Checkpoints in the public EAGLE / HASS layout
   (``config.json`` + ``pytorch_model.bin`` or ``model.safetensors`` with ``fc.*`` and ``layers.0.*``
   weights) load unchanged with :meth:`EagleDrafter.from_pretrained`.
+
+Reduced draft vocabulary. :meth:`Drafter.set_draft_vocab` restricts what a drafter may propose to a
+subset of the target's vocabulary (for example its most frequent tokens, :mod:`taps.vocab`): the head
+then computes logits for those rows only, which is most of a small drafter's cost. The trees still
+hold target token ids; verification is unchanged, so decoding stays lossless.
 """
 
 from __future__ import annotations
@@ -27,29 +39,19 @@ from __future__ import annotations
 import copy
 import json
 import os
-from typing import Dict, List, NamedTuple, Optional, Sequence
+from typing import Dict, Hashable, List, Optional, Sequence, Tuple
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from . import hf
+from .expansion import DraftCandidates, expand
+from .lean import (LayerWeights, LeanCausalLM, Linear, RopeTable, cache_attend, causal_append, decoder_layer,
+                   lean_support, stack_key)
 
-__all__ = ["DraftCandidates", "Drafter", "ModelDrafter", "EagleDrafter", "average_drafters",
-           "target_vocab_size", "target_hidden_size"]
-
-
-class DraftCandidates(NamedTuple):
-    """EAGLE-2 candidates of one drafter ([B, M] unless noted), the input of ``taps_ops.build_tree``.
-
-    scores: float32 cumulative draft log-prob; tokens: int64; parents: int64 (-1 = child of the root,
-    else an earlier candidate); entropy: [B] mean entropy (nats) of the distributions the expansion read.
-    """
-
-    scores: Tensor
-    tokens: Tensor
-    parents: Tensor
-    entropy: Tensor
+__all__ = ["DraftCandidates", "Drafter", "DraftGroup", "ModelDrafter", "EagleDrafter", "average_drafters",
+           "make_groups", "target_vocab_size", "target_hidden_size"]
 
 
 def target_vocab_size(model: nn.Module) -> int:
@@ -66,7 +68,8 @@ class Drafter(nn.Module):
     """Base class of drafters (see the module docstring for the call sequence).
 
     Subclasses implement :meth:`bind`, :meth:`start`, :meth:`advance`, :meth:`forward_nodes` and
-    :meth:`clone`; :meth:`draft` (the EAGLE-2 expansion) is shared.
+    :meth:`clone` (or, for batched execution, :meth:`group_key` and :meth:`make_group`); :meth:`draft`
+    (the EAGLE-2 expansion) is shared.
     """
 
     #: True for feature drafters that consume the target's hidden states.
@@ -77,6 +80,7 @@ class Drafter(nn.Module):
         self.tokenizer = None
         self._lengths: Optional[Tensor] = None
         self._root_logits: Optional[Tensor] = None
+        self.draft_vocab: Optional[Tensor] = None
 
     # -- properties the expansion reads ----------------------------------------------------------
     @property
@@ -92,10 +96,20 @@ class Drafter(nn.Module):
 
     @property
     def root_logits(self) -> Tensor:
-        """[B, V] the drafter's logits for the token after the current root."""
+        """[B, V'] the drafter's logits for the token after the current root (V' = the draft vocabulary)."""
         if self._root_logits is None:
             raise RuntimeError(f"{type(self).__name__}: call start() first")
         return self._root_logits
+
+    @property
+    def token_map(self) -> Optional[Tensor]:
+        """None, or [V'] int64: the target id of each draft-vocabulary entry (see :meth:`set_draft_vocab`)."""
+        return self.draft_vocab
+
+    @property
+    def scratch_start(self) -> int:
+        """Cache column where the expansion writes its scratch entries (>= every request's length)."""
+        return int(self.lengths.max())
 
     # -- the interface ---------------------------------------------------------------------------
     def bind(self, target: nn.Module) -> None:
@@ -134,12 +148,13 @@ class Drafter(nn.Module):
         Args:
             tokens: [B, K] int64 frontier tokens (nodes at depth `level`).
             parent_slot: [B, K] int64 index of each node's parent in the previous frontier (-1: the root).
-            write_pos: [B, K] int64 cache positions to write (past ``lengths``).
+            write_pos: [B, K] int64 cache positions to write (past ``lengths``), or an int: the first of
+                K consecutive columns, the same for every request.
             rope_pos: [B, K] int64 rotary positions.
             mask: [B, 1, K, S] bool, keys visible to each node (its prefix and its scratch ancestors).
             level: depth of the frontier nodes (1-based).
         Returns:
-            logits [B, K, V].
+            logits [B, K, V'].
         """
         raise NotImplementedError
 
@@ -154,29 +169,270 @@ class Drafter(nn.Module):
 
     def draft(self, depth: int, top_k: int, profiler=None, with_entropy: bool = True) -> DraftCandidates:
         """EAGLE-2 candidates after the current root: see :func:`taps.expansion.expand`."""
-        from .expansion import expand
         return expand(self, depth, top_k, profiler, with_entropy)
 
+    # -- reduced draft vocabulary -------------------------------------------------------------------
+    def set_draft_vocab(self, token_ids: Optional[Tensor]) -> "Drafter":
+        """Propose only these target token ids (a 1-D int64 tensor of distinct ids; None: the whole
+        vocabulary). Returns self."""
+        if token_ids is not None:
+            token_ids = torch.as_tensor(token_ids, dtype=torch.int64).flatten()
+            vocab = self.vocab_size
+            if token_ids.numel() == 0 or int(token_ids.min()) < 0 or int(token_ids.max()) >= vocab:
+                raise ValueError(f"{type(self).__name__}.set_draft_vocab: ids must be in [0, {vocab}) and non-empty")
+            if token_ids.unique().numel() != token_ids.numel():
+                raise ValueError(f"{type(self).__name__}.set_draft_vocab: ids must be distinct")
+        self.draft_vocab = token_ids
+        return self
 
-def _causal_ragged(lengths: Tensor, num_tokens: int):
-    """Write/rotary positions [B, T] and the causal mask [B, 1, T, S] for appending T tokens."""
-    device = lengths.device
-    positions = lengths.unsqueeze(1) + torch.arange(num_tokens, device=device)
-    span = int(lengths.max()) + num_tokens
-    mask = (torch.arange(span, device=device) <= positions.unsqueeze(-1)).unsqueeze(1)
-    return positions, mask
+    # -- batched execution -------------------------------------------------------------------------
+    def group_key(self) -> Optional[Hashable]:
+        """Drafters with equal non-None keys can run as one batched group (:meth:`make_group`)."""
+        return None
+
+    @classmethod
+    def make_group(cls, drafters: Sequence["Drafter"]) -> "DraftGroup":
+        """A :class:`DraftGroup` running `drafters` (equal :meth:`group_key`) together."""
+        if len(drafters) != 1:
+            raise ValueError(f"{cls.__name__} drafters run one at a time")
+        return _InterfaceGroup(drafters[0])
+
+
+def make_groups(drafters: Sequence[Drafter]) -> List["DraftGroup"]:
+    """Partition drafters into batched groups (equal :meth:`Drafter.group_key`, order of first
+    appearance); each group's ``members`` lists the indices of its drafters in `drafters`."""
+    buckets: Dict[Hashable, List[int]] = {}
+    order: List[Hashable] = []
+    for i, d in enumerate(drafters):
+        key = d.group_key()
+        key = ("solo", i) if key is None else key
+        if key not in buckets:
+            buckets[key] = []
+            order.append(key)
+        buckets[key].append(i)
+    groups = []
+    for key in order:
+        idx = buckets[key]
+        group = type(drafters[idx[0]]).make_group([drafters[i] for i in idx])
+        group.members = idx
+        groups.append(group)
+    return groups
+
+
+# ---------------------------------------------------------------------------------------------------
+# Groups
+# ---------------------------------------------------------------------------------------------------
+
+class DraftGroup:
+    """G drafters run together over B requests (rows group-major: row g * B + b).
+
+    State shared by the group: every drafter commits the same tokens, so the per-request lengths are
+    one [B] tensor (``lengths_b``) with a host copy (``host_lengths``; the decoding loop passes the
+    accepted counts it already has on the host, so no step needs a device sync for them).
+    """
+
+    needs_hidden = False
+
+    def __init__(self, drafters: Sequence[Drafter]):
+        self.drafters = list(drafters)
+        self.groups = len(self.drafters)
+        self.members: List[int] = list(range(self.groups))
+        self.lengths_b: Optional[Tensor] = None
+        self.host_lengths: List[int] = []
+        self.root_logits: Optional[Tensor] = None
+        self.token_map: Optional[Tensor] = None
+
+    @property
+    def batch(self) -> int:
+        return len(self.host_lengths)
+
+    @property
+    def lengths(self) -> Tensor:
+        """[G * B] committed entries per row."""
+        return self.lengths_b.repeat(self.groups) if self.groups > 1 else self.lengths_b
+
+    @property
+    def scratch_start(self) -> int:
+        return max(self.host_lengths)
+
+    def _rows(self, t: Optional[Tensor]) -> Optional[Tensor]:
+        """[B, ...] -> [G * B, ...] (every drafter reads the same request data)."""
+        if t is None or self.groups == 1:
+            return t
+        return t.repeat(self.groups, *([1] * (t.dim() - 1)))
+
+    def _commit(self, num_new: Tensor, num_new_host: Optional[Sequence[int]]) -> None:
+        if num_new_host is None:
+            num_new_host = num_new.tolist()
+        self.lengths_b += num_new
+        self.host_lengths = [a + int(n) for a, n in zip(self.host_lengths, num_new_host)]
+
+    def _last(self, out: Tensor, num_new: Tensor) -> Tensor:
+        """Row r's entry num_new[r % B] - 1 of out [G * B, T, ...] (the last real token of each row)."""
+        last = self._rows((num_new - 1).clamp_min(0))
+        return out[torch.arange(out.shape[0], device=out.device), last]
+
+    def start(self, input_ids: Tensor, prompt_lens: Tensor, root: Tensor, hidden: Optional[Tensor], max_len: int,
+              prompt_lens_host: Optional[Sequence[int]] = None) -> None:
+        raise NotImplementedError
+
+    def advance(self, tokens: Tensor, num_new: Tensor, hidden: Optional[Tensor],
+                num_new_host: Optional[Sequence[int]] = None) -> None:
+        """As :meth:`Drafter.advance`, for every drafter of the group; num_new[b] may be 0 (a finished
+        request whose cache stays as it is)."""
+        raise NotImplementedError
+
+    def forward_nodes(self, tokens: Tensor, parent_slot: Tensor, write_start: int, rope_pos: Tensor, mask: Tensor,
+                      level: int) -> Tensor:
+        raise NotImplementedError
+
+    def draft(self, depth: int, top_k: int, profiler=None, with_entropy: bool = True) -> DraftCandidates:
+        """EAGLE-2 candidates of every drafter, rows group-major ([G * B, M])."""
+        return expand(self, depth, top_k, profiler, with_entropy)
+
+    def release(self) -> None:
+        self.lengths_b = None
+        self.root_logits = None
+
+    #: per-row state ([G * B, ...] tensors) that :meth:`subset` carries over
+    _row_state: Tuple[str, ...] = ("root_logits",)
+
+    def subset(self, keep: Sequence[int]) -> Optional["DraftGroup"]:
+        """The group of drafters ``keep`` (positions in this group), with their caches and state, for
+        the rest of a generation (routing that dropped the others); None when `keep` is empty."""
+        keep = list(keep)
+        if not keep:
+            self.release()
+            return None
+        if keep == list(range(self.groups)):
+            return self
+        new = type(self)([self.drafters[i] for i in keep])
+        new.members = [self.members[i] for i in keep]
+        batch = self.batch
+        device = self.lengths_b.device
+        rows = torch.cat([torch.arange(i * batch, (i + 1) * batch, device=device) for i in keep])
+        new.lengths_b, new.host_lengths = self.lengths_b, list(self.host_lengths)
+        for name in self._row_state:
+            value = getattr(self, name)
+            setattr(new, name, None if value is None else value.index_select(0, rows))
+        new.kv = [[t.index_select(0, rows) for t in layer] for layer in self.kv]
+        new._share_tables(self)
+        self.release()
+        return new
+
+    def _share_tables(self, other: "DraftGroup") -> None:
+        """Reuse `other`'s precomputed tables (rotary rows) after :meth:`subset`."""
+
+
+class _InterfaceGroup(DraftGroup):
+    """One drafter driven only through the public :class:`Drafter` interface."""
+
+    def __init__(self, drafter: Drafter):
+        super().__init__([drafter])
+        self.needs_hidden = drafter.needs_hidden
+
+    @property
+    def lengths(self) -> Tensor:
+        return self.drafters[0].lengths
+
+    @property
+    def root_logits(self) -> Tensor:
+        return self.drafters[0].root_logits
+
+    @root_logits.setter
+    def root_logits(self, value) -> None:
+        pass  # read from the drafter
+
+    @property
+    def token_map(self) -> Optional[Tensor]:
+        return self.drafters[0].token_map
+
+    @token_map.setter
+    def token_map(self, value) -> None:
+        pass
+
+    def start(self, input_ids, prompt_lens, root, hidden, max_len, prompt_lens_host=None):
+        self.drafters[0].start(input_ids, prompt_lens, root, hidden, max_len)
+        self.host_lengths = self.drafters[0].lengths.tolist()
+
+    def advance(self, tokens, num_new, hidden, num_new_host=None):
+        d = self.drafters[0]
+        finished = num_new == 0
+        d.advance(tokens, num_new.clamp_min(1), hidden)
+        d.lengths.sub_(finished.long())  # the interface commits at least one token; finished rows stay
+        self.host_lengths = d.lengths.tolist()
+
+    def forward_nodes(self, tokens, parent_slot, write_start, rope_pos, mask, level):
+        k = tokens.shape[1]
+        write_pos = write_start + torch.arange(k, device=tokens.device).expand(tokens.shape[0], k)
+        return self.drafters[0].forward_nodes(tokens, parent_slot, write_pos, rope_pos, mask, level)
+
+    def release(self) -> None:
+        self.drafters[0].release()
+
+
+class _SoloMixin:
+    """Drafter methods of the interface, run by a group of one built on :meth:`start` (so a drafter on
+    its own and a drafter in a batched group run the same code)."""
+
+    _solo: Optional[DraftGroup] = None
+
+    def _group(self) -> DraftGroup:
+        if self._solo is None:
+            raise RuntimeError(f"{type(self).__name__}: call start() first")
+        return self._solo
+
+    @property
+    def lengths(self) -> Tensor:
+        return self._group().lengths_b
+
+    @property
+    def root_logits(self) -> Tensor:
+        return self._group().root_logits
+
+    @property
+    def scratch_start(self) -> int:
+        return self._group().scratch_start
+
+    def start(self, input_ids, prompt_lens, root, hidden, max_len):
+        self._solo = type(self).make_group([self])
+        self._solo.start(input_ids, prompt_lens, root, hidden, max_len)
+
+    def advance(self, tokens, num_new, hidden):
+        self._group().advance(tokens, num_new.to(self._group().lengths_b.device), hidden)
+
+    def forward_nodes(self, tokens, parent_slot, write_pos, rope_pos, mask, level):
+        group = self._group()
+        if isinstance(write_pos, Tensor):
+            start = int(write_pos[:, 0].min())
+            if not torch.equal(write_pos, start + torch.arange(tokens.shape[1], device=write_pos.device).expand_as(write_pos)):
+                raise ValueError(f"{type(self).__name__}.forward_nodes: write positions must be the same "
+                                 "consecutive columns for every request")
+            write_pos = start
+        return group.forward_nodes(tokens, parent_slot, write_pos, rope_pos, mask, level)
+
+    def draft(self, depth: int, top_k: int, profiler=None, with_entropy: bool = True) -> DraftCandidates:
+        return self._group().draft(depth, top_k, profiler, with_entropy)
+
+    def release(self) -> None:
+        Drafter.release(self)
+        if self._solo is not None:
+            self._solo.release()
+        self._solo = None
 
 
 # ---------------------------------------------------------------------------------------------------
 # An independent causal LM
 # ---------------------------------------------------------------------------------------------------
 
-class ModelDrafter(Drafter):
+class ModelDrafter(_SoloMixin, Drafter):
     """A small Hugging Face causal LM as a drafter (it must share the target's tokenizer).
 
     Args:
-        model: a causal LM (Llama, Qwen2/3, Mistral, ... as supported by :mod:`taps.hf`); switched to
-            the ``"taps"`` attention. It may be the target itself (a perfect drafter, for tests).
+        model: a causal LM; switched to the ``"taps"`` attention. It may be the target itself (a perfect
+            drafter, for tests). Llama, Mistral, Qwen2 and Qwen3 models run on the lean path
+            (:mod:`taps.lean`; drafters of one shape as one batched forward), others through
+            :mod:`taps.hf`.
         tokenizer: optional; when given, the decoder checks it against the target's.
     """
 
@@ -186,7 +442,6 @@ class ModelDrafter(Drafter):
             raise ValueError("ModelDrafter: the model must be a causal LM with an lm_head")
         self.model = hf.use_taps_attention(model.eval())
         self.tokenizer = tokenizer
-        self.cache: Optional[hf.TreeKVCache] = None
 
     @classmethod
     def from_pretrained(cls, path: str, tokenizer=None, **kwargs) -> "ModelDrafter":
@@ -209,7 +464,104 @@ class ModelDrafter(Drafter):
         param = next(target.parameters())
         self.model.to(device=param.device)
 
-    def start(self, input_ids, prompt_lens, root, hidden, max_len):
+    def clone(self) -> "ModelDrafter":
+        return ModelDrafter(copy.deepcopy(self.model), self.tokenizer)
+
+    def group_key(self) -> Optional[Hashable]:
+        if lean_support(self.model) is not None:
+            return None
+        cfg = self.model.config
+        param = next(self.model.parameters())
+        vocab = None if self.draft_vocab is None else tuple(self.draft_vocab.tolist())
+        return ("lm", type(self.model).__name__, param.dtype, param.device, vocab,
+                json.dumps(cfg.to_dict(), sort_keys=True, default=str))
+
+    @classmethod
+    def make_group(cls, drafters: Sequence["ModelDrafter"]) -> DraftGroup:
+        if lean_support(drafters[0].model) is None:
+            return _LeanLMGroup(drafters)
+        if len(drafters) != 1:
+            raise ValueError("ModelDrafter: only lean-path models run as a batched group")
+        return _HFLMGroup(drafters[0])
+
+
+def _head_rows(weight: Tensor, bias: Optional[Tensor], vocab: Optional[Tensor]) -> Linear:
+    """A head Linear over all rows, or only the draft vocabulary's rows (copied)."""
+    if vocab is None:
+        return Linear(weight, bias)
+    vocab = vocab.to(weight.device)
+    return Linear(weight.detach()[vocab].contiguous(), None if bias is None else bias.detach()[vocab].contiguous())
+
+
+class _LeanLMGroup(DraftGroup):
+    """ModelDrafters of one lean-path shape run as one batched forward (:class:`taps.lean.LeanCausalLM`)."""
+
+    def __init__(self, drafters: Sequence[ModelDrafter]):
+        super().__init__(drafters)
+        self.lean = LeanCausalLM([d.model for d in drafters])
+        vocab = drafters[0].draft_vocab
+        if vocab is not None:
+            if self.groups > 1:
+                raise ValueError("ModelDrafter: a reduced draft vocabulary is supported for one drafter at a time")
+            self.lean.head = _head_rows(self.lean.head.weight, self.lean.head.bias, vocab)
+            self.token_map = vocab.to(self.lean.head.weight.device)
+        self.kv: List[List[Tensor]] = []
+
+    def _run(self, ids: Tensor, positions: Tensor, attend) -> Tensor:
+        hidden = self.lean.hidden(ids, positions, attend)                # [G, R * T, H]
+        return self.lean.logits(hidden).view(ids.shape[0], ids.shape[1], -1)
+
+    def _append(self, ids: Tensor, num_new: Tensor, num_new_host) -> None:
+        positions, mask = causal_append(self.lengths_b, max(self.host_lengths), ids.shape[1])
+        positions, mask = self._rows(positions), self._rows(mask)
+        logits = self._run(self._rows(ids), positions, cache_attend(self.kv, self.lean.layers, mask, positions=positions))
+        self.root_logits = self._last(logits, num_new)
+        self._commit(num_new, num_new_host)
+
+    def start(self, input_ids, prompt_lens, root, hidden, max_len, prompt_lens_host=None):
+        batch, longest = input_ids.shape
+        param = self.lean.embed_weight
+        device = param.device
+        first = self.lean.layers[0]
+        shape = (self.groups * batch, first.kv_heads, max_len, first.head_dim)
+        self.kv = [[torch.zeros(shape, dtype=self.lean.dtype, device=device),
+                    torch.zeros(shape, dtype=self.lean.dtype, device=device)] for _ in self.lean.layers]
+        self.lean.rope.ensure(max_len, device)
+        ids = torch.zeros((batch, longest + 1), dtype=torch.int64, device=device)
+        ids[:, :longest] = input_ids.clamp_min(0)
+        lens = prompt_lens.to(device)
+        ids[torch.arange(batch, device=device), lens] = root.to(device)  # the root after each prompt
+        self.lengths_b = torch.zeros(batch, dtype=torch.int64, device=device)
+        self.host_lengths = [0] * batch
+        host = prompt_lens_host if prompt_lens_host is not None else prompt_lens.tolist()
+        self._append(ids, lens + 1, [int(n) + 1 for n in host])
+
+    def advance(self, tokens, num_new, hidden, num_new_host=None):
+        self._append(tokens.clamp_min(0), num_new, num_new_host)
+
+    def forward_nodes(self, tokens, parent_slot, write_start, rope_pos, mask, level):
+        return self._run(tokens, rope_pos, cache_attend(self.kv, self.lean.layers, mask, start=write_start))
+
+    def release(self) -> None:
+        super().release()
+        self.kv = []
+
+    def _share_tables(self, other) -> None:
+        self.lean.rope = other.lean.rope
+
+
+class _HFLMGroup(DraftGroup):
+    """One ModelDrafter whose architecture the lean path does not cover, run through :mod:`taps.hf`."""
+
+    def __init__(self, drafter: ModelDrafter):
+        super().__init__([drafter])
+        if drafter.draft_vocab is not None:
+            raise ValueError("ModelDrafter: a reduced draft vocabulary needs a lean-path architecture "
+                             f"({lean_support(drafter.model)})")
+        self.model = drafter.model
+        self.cache: Optional[hf.TreeKVCache] = None
+
+    def start(self, input_ids, prompt_lens, root, hidden, max_len, prompt_lens_host=None):
         batch, longest = input_ids.shape
         device = next(self.model.parameters()).device
         self.cache = hf.TreeKVCache.for_model(self.model, batch, max_len)
@@ -217,18 +569,19 @@ class ModelDrafter(Drafter):
         ids[:, :longest] = input_ids.clamp_min(0)
         lens = prompt_lens.to(device)
         ids[torch.arange(batch, device=device), lens] = root.to(device)  # the root after each prompt
-        self._root_logits = hf.prefill(self.model, self.cache, ids, lens + 1).logits
-        self._lengths = self.cache.lengths
+        self.root_logits = hf.prefill(self.model, self.cache, ids, lens + 1).logits
+        self.lengths_b = self.cache.lengths
+        self.host_lengths = self.lengths_b.tolist()
 
-    def advance(self, tokens, num_new, hidden):
-        self._root_logits = hf.prefill(self.model, self.cache, tokens.clamp_min(0), num_new).logits
+    def advance(self, tokens, num_new, hidden, num_new_host=None):
+        self.root_logits = hf.prefill(self.model, self.cache, tokens.clamp_min(0), num_new).logits
+        self.host_lengths = self.lengths_b.tolist()
 
-    def forward_nodes(self, tokens, parent_slot, write_pos, rope_pos, mask, level):
+    def forward_nodes(self, tokens, parent_slot, write_start, rope_pos, mask, level):
+        k = tokens.shape[1]
+        write_pos = write_start + torch.arange(k, device=tokens.device).expand(tokens.shape[0], k)
         hidden = hf.masked_forward(self.model, self.cache, tokens, write_pos, rope_pos, mask)
         return self.model.get_output_embeddings()(hidden)
-
-    def clone(self) -> "ModelDrafter":
-        return ModelDrafter(copy.deepcopy(self.model), self.tokenizer)
 
     def release(self) -> None:
         super().release()
@@ -240,7 +593,7 @@ class ModelDrafter(Drafter):
 # ---------------------------------------------------------------------------------------------------
 
 class _EagleAttention(nn.Module):
-    """Llama self-attention over the drafter's own preallocated cache with an explicit mask."""
+    """Llama self-attention weights of an EAGLE head (run by :func:`taps.lean.decoder_layer`)."""
 
     def __init__(self, config, bias: bool):
         super().__init__()
@@ -253,26 +606,9 @@ class _EagleAttention(nn.Module):
         self.v_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=bias)
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, hidden, bias=False)
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, kv: List[Tensor], write_pos: Tensor,
-                mask: Tensor) -> Tensor:
-        from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
-        batch, num, _ = x.shape
-        q = self.q_proj(x).view(batch, num, self.num_heads, self.head_dim).transpose(1, 2)
-        k = self.k_proj(x).view(batch, num, self.num_kv_heads, self.head_dim).transpose(1, 2)
-        v = self.v_proj(x).view(batch, num, self.num_kv_heads, self.head_dim).transpose(1, 2)
-        q, k = apply_rotary_pos_emb(q, k, cos, sin)
-        keys, values = kv
-        rows = torch.arange(batch, device=x.device).unsqueeze(1)
-        keys[rows, :, write_pos] = k.transpose(1, 2).to(keys.dtype)
-        values[rows, :, write_pos] = v.transpose(1, 2).to(values.dtype)
-        span = mask.shape[-1]
-        out = F.scaled_dot_product_attention(q, keys[:, :, :span], values[:, :, :span], attn_mask=mask,
-                                             enable_gqa=self.num_heads != self.num_kv_heads)
-        return self.o_proj(out.transpose(1, 2).reshape(batch, num, -1))
-
 
 class _EagleLayer(nn.Module):
-    """A Llama decoder layer (EAGLE-1/2 drop the input norm of layer 0)."""
+    """A Llama decoder layer's weights (EAGLE-1/2 drop the input norm of layer 0)."""
 
     def __init__(self, config, bias: bool, input_norm: bool):
         super().__init__()
@@ -283,11 +619,6 @@ class _EagleLayer(nn.Module):
         if input_norm:
             self.input_layernorm = LlamaRMSNorm(config.hidden_size, eps=eps)
         self.post_attention_layernorm = LlamaRMSNorm(config.hidden_size, eps=eps)
-
-    def forward(self, x, cos, sin, kv, write_pos, mask):
-        h = self.input_layernorm(x) if hasattr(self, "input_layernorm") else x
-        x = x + self.self_attn(h, cos, sin, kv, write_pos, mask)
-        return x + self.mlp(self.post_attention_layernorm(x))
 
 
 def _config_from_dict(d: dict):
@@ -300,7 +631,7 @@ def _config_from_dict(d: dict):
 _WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
 
 
-class EagleDrafter(Drafter):
+class EagleDrafter(_SoloMixin, Drafter):
     """EAGLE-1/2 (and HASS) feature head: ``fc`` over [token embedding, target hidden state], then
     ``num_hidden_layers`` Llama decoder layers (one in EAGLE), read out by the target's lm_head.
 
@@ -313,6 +644,7 @@ class EagleDrafter(Drafter):
             it uses the target's embeddings, like its lm_head, after :meth:`bind`.
 
     The parameters it owns (and saves) are ``fc.*``, ``layers.{i}.*`` and optionally ``embed_tokens.*``.
+    Heads of one shape bound to one target run as one batched group in the decoding loop.
     """
 
     needs_hidden = True
@@ -336,9 +668,6 @@ class EagleDrafter(Drafter):
         # In a tuple: not a submodule, so .to(dtype) keeps its inverse frequencies in float32.
         self._rotary = (LlamaRotaryEmbedding(config=config),)
         self._bound: tuple = ()  # (embedding, lm_head) of the target; a tuple so they are not submodules
-        self._kv: List[List[Tensor]] = []
-        self._root_feature: Optional[Tensor] = None
-        self._frontier_feature: Optional[Tensor] = None
 
     # -- checkpoints -----------------------------------------------------------------------------
     @classmethod
@@ -406,6 +735,7 @@ class EagleDrafter(Drafter):
         twin.to(device=param.device, dtype=param.dtype)
         twin.load_state_dict(self.state_dict())
         twin._bound = self._bound
+        twin.draft_vocab = self.draft_vocab
         return twin
 
     # -- binding ---------------------------------------------------------------------------------
@@ -434,76 +764,141 @@ class EagleDrafter(Drafter):
         self.to(device=param.device, dtype=param.dtype)
         self._bound = (target.get_input_embeddings(), target.get_output_embeddings())
 
-    def _embed(self, tokens: Tensor) -> Tensor:
-        if hasattr(self, "embed_tokens"):
-            return self.embed_tokens(tokens)
+    def _require_bound(self) -> None:
         if not self._bound:
-            raise RuntimeError("EagleDrafter: bind(target) first (it uses the target's embeddings)")
-        return self._bound[0](tokens)
+            raise RuntimeError("EagleDrafter: bind(target) first (it uses the target's embeddings and lm_head)")
 
-    def _lm_head(self, feature: Tensor) -> Tensor:
-        if not self._bound:
-            raise RuntimeError("EagleDrafter: bind(target) first (it uses the target's lm_head)")
-        head = self._bound[1]
-        return head(feature.to(head.weight.dtype))
+    def embedding_weight(self) -> Tensor:
+        """The token embedding the head reads: its own, else the target's (after :meth:`bind`)."""
+        if hasattr(self, "embed_tokens"):
+            return self.embed_tokens.weight
+        self._require_bound()
+        return self._bound[0].weight
 
     # -- running ---------------------------------------------------------------------------------
-    def features(self, tokens: Tensor, hidden: Tensor, write_pos: Tensor, rope_pos: Tensor,
-                 mask: Tensor) -> Tensor:
+    @property
+    def root_feature(self) -> Tensor:
+        """[B, H] the head's predicted feature at the current root (what the depth-1 nodes read)."""
+        return self._group().root_feature
+
+    def features(self, tokens: Tensor, hidden: Tensor, write_pos: Tensor, rope_pos: Tensor, mask: Tensor,
+                 kv: Optional[List[List[Tensor]]] = None) -> Tensor:
         """Predicted features [B, T, H] for input pairs (tokens [B, T], target/predicted features
-        [B, T, H]); K/V written at write_pos [B, T]; mask [B, 1, T, S] bool."""
-        dtype = self.fc.weight.dtype
-        x = self.fc(torch.cat([self._embed(tokens).to(dtype), hidden.to(dtype)], dim=-1))
-        cos, sin = self._rotary[0](x, rope_pos)
-        for layer, kv in zip(self.layers, self._kv):
-            x = layer(x, cos, sin, kv, write_pos, mask)
-        return x
+        [B, T, H]); K/V written at write_pos [B, T] into `kv` (per layer [keys, values] [B, Hkv, S, D];
+        default a fresh cache of S = mask.shape[-1] positions); mask [B, 1, T, S] bool."""
+        group = _EagleGroup([self])
+        if kv is None:
+            attn = self.layers[0].self_attn
+            shape = (tokens.shape[0], attn.num_kv_heads, int(mask.shape[-1]), attn.head_dim)
+            kv = [[hidden.new_zeros(shape, dtype=group.dtype), hidden.new_zeros(shape, dtype=group.dtype)]
+                  for _ in self.layers]
+        group.rope.ensure(int(rope_pos.max()) + 1, tokens.device)
+        return group.features(tokens, hidden, rope_pos, cache_attend(kv, group.layers, mask, positions=write_pos))
 
-    def _append(self, tokens: Tensor, hidden: Tensor, num_new: Tensor) -> None:
-        positions, mask = _causal_ragged(self._lengths, tokens.shape[1])
-        out = self.features(tokens.clamp_min(0), hidden, positions, positions, mask)
-        last = out[torch.arange(out.shape[0], device=out.device), num_new - 1]
-        self._lengths += num_new
-        self._root_feature = last
-        self._root_logits = self._lm_head(last)
+    def group_key(self) -> Optional[Hashable]:
+        if not self._bound or hasattr(self, "embed_tokens"):
+            return None
+        p = self.fc.weight
+        shapes = tuple((k, tuple(v.shape)) for k, v in self.state_dict().items())
+        cfg = self.config
+        rope = getattr(cfg, "rope_parameters", None) or {"rope_theta": getattr(cfg, "rope_theta", None),
+                                                          "rope_scaling": getattr(cfg, "rope_scaling", None)}
+        vocab = None if self.draft_vocab is None else tuple(self.draft_vocab.tolist())
+        return ("eagle", shapes, p.dtype, p.device, id(self._bound[0]), id(self._bound[1]),
+                json.dumps(rope, sort_keys=True, default=str), float(getattr(cfg, "rms_norm_eps", 1e-6)), vocab)
 
-    def start(self, input_ids, prompt_lens, root, hidden, max_len):
+    @classmethod
+    def make_group(cls, drafters: Sequence["EagleDrafter"]) -> DraftGroup:
+        return _EagleGroup(drafters)
+
+
+class _EagleGroup(DraftGroup):
+    """EAGLE heads of one shape, bound to one target, run as one batched forward."""
+
+    needs_hidden = True
+
+    def __init__(self, drafters: Sequence[EagleDrafter]):
+        super().__init__(drafters)
+        first = drafters[0]
+        first._require_bound()
+        self.fc = Linear([d.fc.weight for d in drafters], [d.fc.bias for d in drafters])
+        self.layers = [LayerWeights([d.layers[i] for d in drafters]) for i in range(len(first.layers))]
+        self.embed_weight = first.embedding_weight()
+        head = first._bound[1]
+        self.head = _head_rows(head.weight, head.bias, first.draft_vocab)
+        if first.draft_vocab is not None:
+            self.token_map = first.draft_vocab.to(head.weight.device)
+        self.dtype = first.fc.weight.dtype
+        self.rope = RopeTable(first._rotary[0], self.dtype)
+        self.kv: List[List[Tensor]] = []
+        self.root_feature: Optional[Tensor] = None
+        self.frontier: Optional[Tensor] = None
+
+    def features(self, tokens: Tensor, hidden: Tensor, rope_pos: Tensor, attend) -> Tensor:
+        """[G * B, T, H] predicted features of (token, feature) pairs, rows group-major."""
+        rows, num = tokens.shape
+        emb = F.embedding(tokens, self.embed_weight).to(self.dtype)
+        x = self.fc(torch.cat([emb, hidden.to(self.dtype)], dim=-1).view(self.groups, -1, 2 * emb.shape[-1]))
+        cos, sin = self.rope(rope_pos)
+        for i, w in enumerate(self.layers):
+            x = decoder_layer(w, i, x, cos, sin, attend, rows // self.groups, num)
+        return x.view(rows, num, -1)
+
+    def _logits(self, feature: Tensor) -> Tensor:
+        return self.head(feature.to(self.head.weight.dtype))
+
+    def _append(self, tokens: Tensor, hidden: Tensor, num_new: Tensor, num_new_host) -> None:
+        positions, mask = causal_append(self.lengths_b, max(self.host_lengths), tokens.shape[1])
+        positions, mask = self._rows(positions), self._rows(mask)
+        out = self.features(self._rows(tokens), self._rows(hidden), positions,
+                            cache_attend(self.kv, self.layers, mask, positions=positions))
+        self.root_feature = self._last(out, num_new)
+        self.root_logits = self._logits(self.root_feature)
+        self._commit(num_new, num_new_host)
+
+    def start(self, input_ids, prompt_lens, root, hidden, max_len, prompt_lens_host=None):
         if hidden is None:
             raise ValueError("EagleDrafter.start: needs the target's hidden states")
         batch, longest = input_ids.shape
         device = self.fc.weight.device
-        param = self.fc.weight
-        attn = self.layers[0].self_attn
-        shape = (batch, attn.num_kv_heads, max_len, attn.head_dim)
-        self._kv = [[torch.zeros(shape, dtype=param.dtype, device=device),
-                     torch.zeros(shape, dtype=param.dtype, device=device)] for _ in self.layers]
-        self._lengths = torch.zeros(batch, dtype=torch.int64, device=device)
+        first = self.layers[0]
+        shape = (self.groups * batch, first.kv_heads, max_len, first.head_dim)
+        self.kv = [[torch.zeros(shape, dtype=self.dtype, device=device),
+                    torch.zeros(shape, dtype=self.dtype, device=device)] for _ in self.layers]
+        self.rope.ensure(max_len, device)
+        self.lengths_b = torch.zeros(batch, dtype=torch.int64, device=device)
+        self.host_lengths = [0] * batch
         lens = prompt_lens.to(device)
         # Pair h_t with token t + 1: the prompt shifted left, the root after each prompt's last token.
         shifted = torch.zeros((batch, longest), dtype=torch.int64, device=device)
         shifted[:, :longest - 1] = input_ids[:, 1:].clamp_min(0)
         shifted[torch.arange(batch, device=device), lens - 1] = root.to(device)
-        self._append(shifted, hidden, lens)
+        self._append(shifted, hidden, lens, prompt_lens_host)
 
-    def advance(self, tokens, num_new, hidden):
+    def advance(self, tokens, num_new, hidden, num_new_host=None):
         if hidden is None:
             raise ValueError("EagleDrafter.advance: needs the target's hidden states")
-        self._append(tokens, hidden, num_new.to(self._lengths.device))
+        self._append(tokens.clamp_min(0), hidden, num_new, num_new_host)
 
-    def forward_nodes(self, tokens, parent_slot, write_pos, rope_pos, mask, level):
+    def forward_nodes(self, tokens, parent_slot, write_start, rope_pos, mask, level):
         if level == 1:
-            feats = self._root_feature.unsqueeze(1).expand(-1, tokens.shape[1], -1)
+            feats = self.root_feature.unsqueeze(1).expand(-1, tokens.shape[1], -1)
         else:
-            prev = self._frontier_feature
+            prev = self.frontier
             feats = prev.gather(1, parent_slot.unsqueeze(-1).expand(-1, -1, prev.shape[-1]))
-        out = self.features(tokens, feats, write_pos, rope_pos, mask)
-        self._frontier_feature = out
-        return self._lm_head(out)
+        out = self.features(tokens, feats, rope_pos, cache_attend(self.kv, self.layers, mask, start=write_start))
+        self.frontier = out
+        return self._logits(out)
+
+    _row_state = ("root_logits", "root_feature", "frontier")
 
     def release(self) -> None:
         super().release()
-        self._kv = []
-        self._root_feature = self._frontier_feature = None
+        self.kv = []
+        self.root_feature = self.frontier = None
+
+    def _share_tables(self, other) -> None:
+        self.rope = other.rope
 
 
 def _load_weights(path: str) -> Dict[str, Tensor]:

@@ -99,37 +99,6 @@ def _load_benchmarks(benchmarks, limit: Optional[int]) -> Dict[str, list]:
     return out
 
 
-class _NodeCounter:
-    """Counts the real nodes of every tree a decoder's strategy builds (a wrapper around the strategy
-    instance's ``combine``; the decoder does not report tree sizes itself). ``per_step`` holds one [B]
-    tensor per step of the current ``generate`` call."""
-
-    def __init__(self, strategy):
-        self.per_step: List[torch.Tensor] = []
-        inner = strategy.combine
-
-        def combine(cands, root):
-            tree = inner(cands, root)
-            self.per_step.append((tree.tokens >= 0).sum(1))
-            return tree
-
-        strategy.combine = combine
-
-    def take(self, stats) -> Tuple[int, int]:
-        """(nodes, steps) over the requests' own steps: request b takes part in steps
-        1 .. target_forwards[b] (a done request never comes back), so later entries are dropped."""
-        if not self.per_step:
-            return 0, 0
-        counts = torch.stack(self.per_step, 1).tolist()  # [B, steps]
-        self.per_step = []
-        nodes = steps = 0
-        for b, s in enumerate(stats):
-            n = s.target_forwards
-            nodes += sum(counts[b][:n])
-            steps += n
-        return nodes, steps
-
-
 def _plan(drafters: Mapping[str, Mapping[str, object]], families: Sequence[str], rows: Sequence[str],
           notes: List[str]) -> List[Tuple[str, str, str, list]]:
     """(family, row, strategy, [drafters]) of every row that can run; notes for the others."""
@@ -230,7 +199,6 @@ def evaluate(target, tokenizer, drafters: Mapping[str, Mapping[str, object]],
         for family, row, strategy, row_drafters in plan:
             decoder = SpeculativeDecoder(target, row_drafters, strategy=strategy, depth=depth, top_k=top_k,
                                          budget=budget, tokenizer=None)
-            counter = _NodeCounter(decoder.strategy)
             names = list(ROW_SPECS[row][1])
             for temperature in temperatures:
                 for bench in bench_names:
@@ -242,8 +210,8 @@ def evaluate(target, tokenizer, drafters: Mapping[str, Mapping[str, object]],
                         out = decoder.generate(batch, max_new_tokens=max_new_tokens, temperature=temperature,
                                                eos_token_id=eos, seed=batch_seed(seed, bench, i // batch_size))
                         wall += time.perf_counter() - t0
-                        n, s = counter.take(out.stats)
-                        nodes, steps = nodes + n, steps + s
+                        nodes += sum(sum(st.tree_nodes) for st in out.stats)
+                        steps += sum(len(st.tree_nodes) for st in out.stats)
                         stats.extend(out.stats)
                         outputs.extend(out.tokens)
                         if bar is not None:
@@ -310,7 +278,8 @@ def _cell(family, row, strategy, names, temperature, bench, stats, summary, node
         new_tokens=summary.get("new_tokens", 0), target_forwards=summary.get("target_forwards", 0),
         nodes_per_step=nodes / steps if steps else float("nan"),
         nodes_max=int(decoder.strategy.num_nodes), budget=int(decoder.budget),
-        wall_s=round(wall, 4), greedy_mismatches=None,
+        wall_s=round(wall, 4), tokens_per_s=round(summary.get("new_tokens", 0) / wall, 2) if wall > 0 else float("nan"),
+        greedy_mismatches=None,
     )
     if row in ROUTING_ROWS:
         share = summary.get("route_share") or [0.0] * len(names)

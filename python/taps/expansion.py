@@ -7,19 +7,39 @@ committed prefix and its own ancestors), every frontier node proposes its top_k 
 top_k of those K * K children by cumulative log-prob become the next frontier. All children ever
 proposed are candidates; ``taps_ops.build_tree`` then keeps the best ``budget - 1`` of them.
 
-Shapes: B requests, K = top_k, M = K + (depth - 1) * K * K candidates.
+The expansion runs on a *drafting unit*: one drafter, or G drafters of one shape batched together (a
+drafter group, :mod:`taps.drafters`), whose rows are then group-major (row g * B + b is request b of
+drafter g). A unit provides ``root_logits [R, V']``, ``lengths [R]`` (committed entries per row, the root
+last), ``scratch_start`` (a host int >= every length: where the expansion writes its scratch entries, the
+same column for every row), ``token_map`` (None, or [V'] target ids of a reduced draft vocabulary) and
+``forward_nodes(tokens, parent_slot, write_start, rope_pos, mask, level) -> logits [R, K, V']``.
+
+Shapes: R rows, K = top_k, M = K + (depth - 1) * K * K candidates.
 """
 
 from __future__ import annotations
 
 import contextlib
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
 
-from .drafters import DraftCandidates
+__all__ = ["DraftCandidates", "expand", "num_candidates", "scratch_positions"]
 
-__all__ = ["expand", "num_candidates", "scratch_positions"]
+
+class DraftCandidates(NamedTuple):
+    """EAGLE-2 candidates of one drafter ([B, M] unless noted), the input of ``taps_ops.build_tree``.
+
+    scores: float32 cumulative draft log-prob; tokens: int64 target token ids; parents: int64 (-1 = child
+    of the root, else an earlier candidate); entropy: [B] mean entropy (nats) of the distributions the
+    expansion read (zeros when not asked for).
+    """
+
+    scores: Tensor
+    tokens: Tensor
+    parents: Tensor
+    entropy: Tensor
 
 
 def num_candidates(depth: int, top_k: int) -> int:
@@ -33,8 +53,8 @@ def scratch_positions(depth: int, top_k: int) -> int:
 
 
 def _top_logp(logits: Tensor, k: int, with_entropy: bool):
-    """Top-k log-probs and ids over the last dim of `logits` (float32), and the entropy (nats) of the
-    softmax when asked (else None), without materialising the full log_softmax."""
+    """Top-k log-probs and indices over the last dim of `logits` (in float32), and the entropy (nats) of
+    the softmax when asked (else None), without materialising the full log_softmax."""
     logits = logits.float()
     lse = logits.logsumexp(-1, keepdim=True)
     values, ids = logits.topk(k, dim=-1)
@@ -51,66 +71,68 @@ def _section(profiler, name):
 
 
 @torch.no_grad()
-def expand(drafter, depth: int, top_k: int, profiler=None, with_entropy: bool = True) -> DraftCandidates:
-    """Grow EAGLE-2 candidates after each request's root.
+def expand(unit, depth: int, top_k: int, profiler=None, with_entropy: bool = True) -> DraftCandidates:
+    """Grow EAGLE-2 candidates after each row's root.
 
     Args:
-        drafter: a :class:`taps.drafters.Drafter` after ``start`` / ``advance`` (it holds
-            ``root_logits [B, V]`` and ``lengths [B]``).
+        unit: a drafting unit (see the module docstring): a :class:`taps.drafters.Drafter` after
+            ``start`` / ``advance``, or a drafter group.
         depth: levels of the tree below the root (>= 1).
-        top_k: children per expanded node and frontier width (clamped to V).
+        top_k: children per expanded node and frontier width (clamped to the draft vocabulary).
         profiler: optional :class:`taps.stats.Profiler`; the drafter forwards go to "draft_forward".
         with_entropy: compute the mean entropy (entropy routing); zeros otherwise.
 
     Returns:
-        DraftCandidates(scores [B, M] float32 cumulative log-probs, tokens [B, M], parents [B, M]
-        (-1 = child of the root, else the index of an earlier candidate), entropy [B]).
+        DraftCandidates(scores [R, M] float32 cumulative log-probs, tokens [R, M] target ids, parents
+        [R, M] (-1 = child of the root, else the index of an earlier candidate), entropy [R]).
     """
-    root_logits = drafter.root_logits
-    batch, vocab = root_logits.shape
+    root_logits = unit.root_logits
+    rows, vocab = root_logits.shape
     device = root_logits.device
+    token_map = unit.token_map
     k = min(int(top_k), vocab)
-    front_score, front_tok, entropy_sum = _top_logp(root_logits, k, with_entropy)  # [B, K]
+    front_score, front_tok, entropy_sum = _top_logp(root_logits, k, with_entropy)  # [R, K]
+    if token_map is not None:
+        front_tok = token_map[front_tok]
     entropy_count = 1
     scores, tokens = [front_score], [front_tok]
-    parents = [torch.full((batch, k), -1, dtype=torch.int64, device=device)]
-    front_cand = torch.arange(k, device=device).expand(batch, k)      # candidate index of each frontier node
-    parent_slot = torch.full((batch, k), -1, dtype=torch.int64, device=device)
+    parents = [torch.full((rows, k), -1, dtype=torch.int64, device=device)]
+    front_cand = torch.arange(k, device=device).expand(rows, k)       # candidate index of each frontier node
+    parent_slot = torch.full((rows, k), -1, dtype=torch.int64, device=device)
     offset = k
     if depth > 1:
-        lengths = drafter.lengths
-        committed_max = int(lengths.max())
-        eye = torch.eye(k, dtype=torch.bool, device=device).expand(batch, k, k)
-        ancestors = eye                                                # [B, K, level * K] over scratch slots
-        slot_range = torch.arange(k, device=device)
+        lengths = unit.lengths
+        start = int(unit.scratch_start)
+        # Keys: the committed prefix (columns < lengths[r]; columns lengths[r] .. start-1 hide other rows'
+        # longer prefixes), then the scratch entries of levels 1 .. level (K columns each, from `start`).
+        prefix = (torch.arange(start, device=device) < lengths.unsqueeze(1)).unsqueeze(1).expand(rows, k, start)
+        eye = torch.eye(k, dtype=torch.bool, device=device).expand(rows, k, k)
+        ancestors = eye                                                 # [R, K, level * K]
+        rope_root = lengths.unsqueeze(1).expand(rows, k)                # level l nodes: lengths + l - 1
     for level in range(1, depth):
         if level > 1:
             ancestors = torch.cat([ancestors.gather(1, parent_slot.unsqueeze(-1).expand(-1, -1, ancestors.shape[-1])),
                                    eye], dim=-1)
-        used = level * k
-        span = committed_max + used
-        write_pos = lengths.unsqueeze(1) + (level - 1) * k + slot_range           # [B, K]
-        rope_pos = (lengths + (level - 1)).unsqueeze(1).expand(batch, k)           # root at lengths - 1
-        mask = (torch.arange(span, device=device) < lengths.unsqueeze(1)).unsqueeze(1).repeat(1, k, 1)
-        scratch_idx = (lengths.unsqueeze(1) + torch.arange(used, device=device)).unsqueeze(1).expand(batch, k, used)
-        mask.scatter_(2, scratch_idx, ancestors)
+        mask = torch.cat([prefix, ancestors], dim=-1).unsqueeze(1)     # [R, 1, K, start + level * K]
         with _section(profiler, "draft_forward"):
-            logits = drafter.forward_nodes(front_tok, parent_slot, write_pos, rope_pos, mask.unsqueeze(1), level)
-        child_logp, child_tok, entropy = _top_logp(logits, k, with_entropy)       # [B, K, K]
+            logits = unit.forward_nodes(front_tok, parent_slot, start + (level - 1) * k, rope_root + (level - 1),
+                                        mask, level)
+        child_logp, child_tok, entropy = _top_logp(logits, k, with_entropy)       # [R, K, K]
+        if token_map is not None:
+            child_tok = token_map[child_tok]
         if with_entropy:
             entropy_sum = entropy_sum + entropy.sum(1)
         entropy_count += k
-        cum = (front_score.unsqueeze(-1) + child_logp).reshape(batch, k * k)
-        child_tok = child_tok.reshape(batch, k * k)
+        cum = (front_score.unsqueeze(-1) + child_logp).reshape(rows, k * k)
+        child_tok = child_tok.reshape(rows, k * k)
         scores.append(cum)
         tokens.append(child_tok)
-        parents.append(front_cand.unsqueeze(-1).expand(batch, k, k).reshape(batch, k * k))
+        parents.append(front_cand.repeat_interleave(k, dim=1))
         if level + 1 < depth:  # the next frontier (the last level's children are leaves)
             front_score, idx = cum.topk(k, dim=-1)
             parent_slot = idx // k
             front_tok = child_tok.gather(1, idx)
             front_cand = offset + idx
         offset += k * k
-    return DraftCandidates(torch.cat(scores, 1).contiguous(), torch.cat(tokens, 1).contiguous(),
-                           torch.cat(parents, 1).contiguous(),
-                           entropy_sum / entropy_count if with_entropy else torch.zeros(batch, device=device))
+    return DraftCandidates(torch.cat(scores, 1), torch.cat(tokens, 1), torch.cat(parents, 1),
+                           entropy_sum / entropy_count if with_entropy else torch.zeros(rows, device=device))

@@ -412,7 +412,8 @@ def prefill(model, cache: TreeKVCache, input_ids: Tensor, num_new: Optional[Tens
 
 
 def tree_verify_forward(model, cache: TreeKVCache, tree_tokens: Tensor, tree_mask: Tensor, depth: Tensor,
-                        prefix_lens: Optional[Tensor] = None, *, return_hidden: bool = False) -> ForwardOutput:
+                        prefix_lens: Optional[Tensor] = None, *, return_hidden: bool = False,
+                        compute_logits: bool = True) -> ForwardOutput:
     """One target forward over a batch of draft trees (the verification pass).
 
     Args:
@@ -422,6 +423,8 @@ def tree_verify_forward(model, cache: TreeKVCache, tree_tokens: Tensor, tree_mas
         tree_mask: [B, N, ceil(N / 64)] int64 ancestor bitmask.
         depth: [B, N] int64 (root 0; padding -1).
         prefix_lens: [B] int64 committed positions before the tree; default ``cache.lengths``.
+        compute_logits: False: skip the lm_head (``logits`` is None; for callers that apply it to some
+            rows only).
 
     Node i of request b is written at cache position prefix_lens[b] + i, with rotary position
     prefix_lens[b] + depth[b, i]. cache.lengths is not changed (see :func:`compact_cache`).
@@ -448,8 +451,8 @@ def tree_verify_forward(model, cache: TreeKVCache, tree_tokens: Tensor, tree_mas
     with cache._writing(write_positions, None), tree_attention_context(tree_mask.to(device), kv_lens, max_kv_len,
                                                                         validate=False):
         hidden = _run_decoder(model, cache, tree_tokens.clamp_min(0).to(device), positions, placeholder)
-    logits = _lm_head(model)(hidden)
-    return ForwardOutput(logits, hidden if return_hidden else None)
+    logits = _lm_head(model)(hidden) if compute_logits else None
+    return ForwardOutput(logits, hidden if return_hidden or not compute_logits else None)
 
 
 def compact_cache(cache: TreeKVCache, path: Tensor, prefix_lens: Optional[Tensor] = None) -> Tensor:

@@ -25,6 +25,7 @@ class RequestStats:
     drafter_accepted[t]: accepted draft tokens that drafter t had proposed (a token proposed by several
         drafters counts for each: the merge_trees ``source`` bitmask).
     route_decisions: the drafter whose tree was verified at each step (routing strategies), else empty.
+    tree_nodes: real nodes (root included) of the tree verified at each step.
     """
 
     prompt_tokens: int = 0
@@ -33,6 +34,7 @@ class RequestStats:
     depth_reached: List[int] = field(default_factory=list)
     drafter_accepted: List[int] = field(default_factory=list)
     route_decisions: List[int] = field(default_factory=list)
+    tree_nodes: List[int] = field(default_factory=list)
     finish_reason: str = ""
 
     @property
@@ -58,10 +60,13 @@ class RequestStats:
         total = sum(self.accepted)
         return [a / total if total else 0.0 for a in self.drafter_accepted]
 
-    def record(self, accepted: int, max_depth: int) -> None:
+    def record(self, accepted: int, max_depth: int, nodes: Optional[int] = None) -> None:
+        """One verification step: `accepted` draft tokens, of a tree of `nodes` real nodes."""
         if not self.depth_reached:
             self.depth_reached = [0] * (max_depth + 1)
         self.accepted.append(accepted)
+        if nodes is not None:
+            self.tree_nodes.append(nodes)
         for d in range(min(accepted, max_depth) + 1):
             self.depth_reached[d] += 1
 
@@ -70,6 +75,7 @@ class RequestStats:
                     target_forwards=self.target_forwards,
                     acceptance_rate_per_depth=self.acceptance_rate_per_depth,
                     drafter_share=self.drafter_share, route_decisions=list(self.route_decisions),
+                    tree_nodes=list(self.tree_nodes),
                     finish_reason=self.finish_reason)
 
 

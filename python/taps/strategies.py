@@ -4,7 +4,9 @@ Every strategy turns the EAGLE-2 candidates of the drafters that draft this step
 (``taps_ops`` tree format, [B, N]) plus a per-node ``source`` bitmask (bit t: drafter t proposed it).
 Routing and budgeting use only the drafts and past acceptance, never the current target logits.
 
-Names (:data:`STRATEGIES`):
+Strategies are classes registered under their names (:func:`register_strategy`, :data:`STRATEGIES`);
+:func:`make_strategy` builds one by name. They receive the candidates of all drafting drafters stacked
+(:class:`Candidates`, [T, B, M]: one tree build for all of them) and return a :class:`Combined` tree:
 
 - ``single``: one drafter's tree of ``budget`` nodes.
 - ``average``: the weight-space mean of drafters of one shape (built by the decoder with
@@ -26,20 +28,35 @@ Names (:data:`STRATEGIES`):
 
 from __future__ import annotations
 
-from typing import Dict, List, NamedTuple, Optional
+from typing import Callable, Dict, List, Mapping, NamedTuple, Optional, Sequence, Tuple, Type, Union
 
 import torch
 from torch import Tensor
 
 import taps_ops
 
-from .drafters import DraftCandidates
+from .expansion import DraftCandidates
 
-__all__ = ["STRATEGIES", "Combined", "Strategy", "make_strategy", "tree_confidence", "allocate_budget",
-           "reserve_nodes"]
+__all__ = ["STRATEGIES", "Candidates", "Combined", "Strategy", "make_strategy", "register_strategy",
+           "tree_confidence", "allocate_budget", "reserve_nodes"]
 
-STRATEGIES = ("single", "average", "route-confidence", "route-entropy", "route-confidence-prompt",
-              "route-entropy-prompt", "merged", "merged-budget", "adaptive", "autoregressive")
+
+class Candidates(NamedTuple):
+    """The candidates of the T drafters that drafted this step, stacked: scores, tokens, parents
+    [T, B, M], entropy [T, B]; ``drafters[t]`` is the index of slab t's drafter."""
+
+    scores: Tensor
+    tokens: Tensor
+    parents: Tensor
+    entropy: Tensor
+    drafters: Tuple[int, ...]
+
+    @staticmethod
+    def stack(cands: Mapping[int, DraftCandidates]) -> "Candidates":
+        """From per-drafter candidates {drafter index: DraftCandidates [B, M]} (in index order)."""
+        order = tuple(sorted(cands))
+        return Candidates(*(torch.stack([getattr(cands[t], f) for t in order]) for f in DraftCandidates._fields),
+                          order)
 
 
 class Combined(NamedTuple):
@@ -55,21 +72,26 @@ class Combined(NamedTuple):
 
 
 def tree_confidence(tree) -> Tensor:
-    """[B] mean exp(cumulative log-prob) over each tree's draft nodes (root and padding excluded)."""
+    """[..., B] mean exp(cumulative log-prob) over each tree's draft nodes (root and padding excluded)."""
     real = tree.tokens >= 0
-    real[:, 0] = False
-    conf = torch.where(real, tree.scores.exp(), torch.zeros_like(tree.scores)).sum(1)
-    return conf / real.sum(1).clamp_min(1)
+    real[..., 0] = False
+    conf = torch.where(real, tree.scores.exp(), torch.zeros_like(tree.scores)).sum(-1)
+    return conf / real.sum(-1).clamp_min(1)
 
 
-def _build(cand: DraftCandidates, num_nodes: int, root: Tensor):
-    return taps_ops.build_tree(cand.scores, cand.tokens, cand.parents, num_nodes, root_tokens=root)
+def _build(cands: Candidates, num_nodes: int, root: Tensor):
+    """One build_tree over every drafter's candidates: Tree fields [T, B, num_nodes]."""
+    t, b, m = cands.scores.shape
+    tree = taps_ops.build_tree(cands.scores.reshape(t * b, m), cands.tokens.reshape(t * b, m),
+                               cands.parents.reshape(t * b, m), num_nodes,
+                               root_tokens=root.repeat(t) if t > 1 else root)
+    return type(tree)(*(f.view(t, b, *f.shape[1:]) for f in tree))
 
 
-def _single_source(tree, t: int) -> Tensor:
-    real = tree.tokens >= 0
-    real[:, 0] = False
-    return real.long() << t
+def _draft_nodes(tokens: Tensor) -> Tensor:
+    real = tokens >= 0
+    real[..., 0] = False
+    return real
 
 
 def allocate_budget(weights: Tensor, nodes: int) -> Tensor:
@@ -109,31 +131,50 @@ def reserve_nodes(scores: Tensor, tokens: Tensor, alloc: Tensor) -> Tensor:
     return scores + keep.to(scores.dtype) * RESERVE
 
 
+# ---------------------------------------------------------------------------------------------------
+# The strategies
+# ---------------------------------------------------------------------------------------------------
+
+_REGISTRY: Dict[str, Type["Strategy"]] = {}
+
+
+def register_strategy(*names: str) -> Callable[[Type["Strategy"]], Type["Strategy"]]:
+    """Class decorator: make a :class:`Strategy` subclass available to :func:`make_strategy` (and to
+    ``SpeculativeDecoder(strategy=...)``) under each of `names`."""
+    def wrap(cls):
+        for name in names:
+            _REGISTRY[name] = cls
+        return cls
+    return wrap
+
+
 class Strategy:
     """Base class: `combine` the drafters' candidates each step, `observe` what was accepted.
 
     Args:
-        name: one of :data:`STRATEGIES`.
+        name: the registered name it was made under.
         num_drafters: T.
         budget: N, the node budget of one drafter's tree (root included).
+        route_steps, prior: options of the routing and adaptive strategies.
     """
 
-    def __init__(self, name: str, num_drafters: int, budget: int, route_steps: int = 3,
-                 prior: float = 1.0):
+    #: whether combine reads the candidates' entropy (the expansion computes it only then)
+    needs_entropy = False
+    min_drafters, max_drafters = 1, 63
+
+    def __init__(self, name: str, num_drafters: int, budget: int, route_steps: int = 3, prior: float = 1.0):
         self.name = name
         self.num_drafters = num_drafters
         self.budget = budget
         self.route_steps = route_steps
         self.prior = prior
         self._alive: List[int] = list(range(num_drafters))
+        self.accepted: Optional[Tensor] = None
 
     def reset(self, batch: int, device: torch.device) -> None:
         """Start a new batch of requests."""
         self._alive = list(range(self.num_drafters))
         self.accepted = torch.zeros((batch, self.num_drafters), dtype=torch.float64, device=device)
-        self.signal_sum = torch.zeros((batch, self.num_drafters), dtype=torch.float64, device=device)
-        self.steps = 0
-        self.fixed: Optional[Tensor] = None
 
     def alive(self) -> List[int]:
         """Drafters that draft (and must be kept up to date) from now on; the list only shrinks."""
@@ -142,96 +183,168 @@ class Strategy:
     @property
     def num_nodes(self) -> int:
         """N of the verified tree."""
-        if self.name == "autoregressive":
-            return 1
-        if self.name == "merged":
-            return self.num_drafters * (self.budget - 1) + 1
         return self.budget
 
-    # ---------------------------------------------------------------------------------------------
-    def combine(self, cands: Dict[int, DraftCandidates], root: Tensor) -> Combined:
-        """Candidates of the alive drafters ({t: DraftCandidates [B, M]}) and root [B] -> Combined."""
-        name, n = self.name, self.budget
-        if name == "autoregressive":
-            batch = root.shape[0]
-            ones = torch.ones((batch, 1), dtype=torch.int64, device=root.device)
-            return Combined(root.view(batch, 1), -ones, ones * 0, ones.view(batch, 1, 1), ones * 0, None)
-        if name in ("single", "average"):
-            (t, cand), = cands.items()
-            tree = _build(cand, n, root)
-            return Combined(tree.tokens, tree.parents, tree.depth, tree.tree_mask, _single_source(tree, t), None)
-        if name.startswith("route"):
-            return self._route(cands, root)
-        trees = [_build(cands[t], n, root) for t in sorted(cands)]
-        stack = lambda f: torch.stack([getattr(tr, f) for tr in trees], 1)  # noqa: E731
-        tokens, scores = stack("tokens"), stack("scores")
-        if name == "adaptive":
-            alloc = allocate_budget(self.accepted[:, sorted(cands)] + self.prior, n - 1)  # [B, T]
-            scores = reserve_nodes(scores, tokens, alloc)
-        merged = taps_ops.merge_trees(tokens, stack("parents"), scores,
-                                      num_nodes=None if name == "merged" else n)
-        # merge_trees numbers its trees 0..len-1; map bits back to drafter indices
-        source = merged.source
-        order = sorted(cands)
-        if order != list(range(len(order))):
-            remapped = torch.zeros_like(source)
-            for i, t in enumerate(order):
-                remapped |= ((source >> i) & 1) << t
-            source = remapped
-        source = torch.where(merged.tokens >= 0, source, torch.zeros_like(source))
-        source[:, 0] = 0
-        return Combined(merged.tokens, merged.parents, merged.depth, merged.tree_mask, source, None)
+    def combine(self, cands: Union[Candidates, Mapping[int, DraftCandidates]], root: Tensor) -> Combined:
+        """Candidates of the alive drafters (stacked, or {t: DraftCandidates [B, M]}) and root [B] ->
+        Combined."""
+        if not isinstance(cands, Candidates):
+            cands = Candidates.stack(cands)
+        return self._combine(cands, root)
 
-    def _route(self, cands: Dict[int, DraftCandidates], root: Tensor) -> Combined:
-        order = sorted(cands)
-        trees = {t: _build(cands[t], self.budget, root) for t in order}
-        batch = root.shape[0]
-        if self.fixed is not None:
-            choice = self.fixed
-        else:
-            if "confidence" in self.name:
-                sig = torch.stack([tree_confidence(trees[t]) for t in order], 1)
-            else:
-                sig = -torch.stack([cands[t].entropy for t in order], 1)
-            local = sig.argmax(1)  # ties: the lower drafter index
-            choice = torch.tensor(order, device=root.device)[local]
-            if self.name.endswith("-prompt"):
-                self.signal_sum[:, order] += sig.double()  # every drafter is alive until the decision
-                self.steps += 1
-                if self.steps >= self.route_steps:
-                    self.fixed = self.signal_sum.argmax(1)
-                    self._alive = sorted(set(self.fixed.tolist()))
-        stack = lambda f: torch.stack([getattr(trees[t], f) for t in order], 1)  # noqa: E731
-        lookup = torch.zeros(self.num_drafters, dtype=torch.int64, device=root.device)
-        lookup[torch.tensor(order, device=root.device)] = torch.arange(len(order), device=root.device)
-        idx = lookup[choice]  # position of the chosen drafter among those that drafted
-        rows = torch.arange(batch, device=root.device)
-        tokens, parents, depth = stack("tokens")[rows, idx], stack("parents")[rows, idx], stack("depth")[rows, idx]
-        tree_mask = stack("tree_mask")[rows, idx]
-        real = tokens >= 0
-        real[:, 0] = False
-        return Combined(tokens, parents, depth, tree_mask, real.long() << choice.unsqueeze(1), choice)
+    def _combine(self, cands: Candidates, root: Tensor) -> Combined:
+        raise NotImplementedError
 
     def observe(self, accepted_by_drafter: Tensor) -> None:
         """Accepted draft tokens each drafter had proposed in the last step, [B, T]."""
         self.accepted += accepted_by_drafter.to(self.accepted.dtype)
 
 
+@register_strategy("single", "average")
+class Single(Strategy):
+    """One drafter's tree (``average``: the decoder passes the weight-space mean as that drafter)."""
+
+    def __init__(self, name, num_drafters, budget, **options):
+        if name == "single" and num_drafters != 1:
+            raise ValueError(f"strategy 'single' takes exactly one drafter, got {num_drafters}")
+        super().__init__(name, num_drafters, budget, **options)
+
+    def _combine(self, cands, root):
+        tree = _build(cands, self.budget, root)
+        t = cands.drafters[0]
+        tokens = tree.tokens[0]
+        return Combined(tokens, tree.parents[0], tree.depth[0], tree.tree_mask[0],
+                        _draft_nodes(tokens).long() << t, None)
+
+
+@register_strategy("route-confidence", "route-entropy", "route-confidence-prompt", "route-entropy-prompt")
+class Route(Strategy):
+    """Per request, the tree of the drafter with the best signal (confidence, or low entropy); the
+    ``-prompt`` variants decide once per request after ``route_steps`` steps."""
+
+    def __init__(self, name, num_drafters, budget, **options):
+        super().__init__(name, num_drafters, budget, **options)
+        self.by_entropy = "entropy" in name
+        self.needs_entropy = self.by_entropy
+        self.per_prompt = name.endswith("-prompt")
+
+    def reset(self, batch, device):
+        super().reset(batch, device)
+        self.signal_sum = torch.zeros((batch, self.num_drafters), dtype=torch.float64, device=device)
+        self.steps = 0
+        self.fixed: Optional[Tensor] = None
+
+    def _combine(self, cands, root):
+        order = list(cands.drafters)
+        trees = _build(cands, self.budget, root)                       # [T, B, N]
+        device = root.device
+        if self.fixed is not None:
+            choice = self.fixed
+        else:
+            sig = (-cands.entropy if self.by_entropy else tree_confidence(trees)).t()  # [B, T]
+            choice = torch.tensor(order, device=device)[sig.argmax(1)]  # ties: the lower drafter index
+            if self.per_prompt:
+                self.signal_sum[:, order] += sig.double()  # every drafter is alive until the decision
+                self.steps += 1
+                if self.steps >= self.route_steps:
+                    self.fixed = self.signal_sum.argmax(1)
+                    self._alive = sorted(set(self.fixed.tolist()))
+        lookup = torch.zeros(self.num_drafters, dtype=torch.int64, device=device)
+        lookup[torch.tensor(order, device=device)] = torch.arange(len(order), device=device)
+        idx = lookup[choice]  # position of the chosen drafter among those that drafted
+        rows = torch.arange(root.shape[0], device=device)
+        tokens = trees.tokens[idx, rows]
+        return Combined(tokens, trees.parents[idx, rows], trees.depth[idx, rows], trees.tree_mask[idx, rows],
+                        _draft_nodes(tokens).long() << choice.unsqueeze(1), choice)
+
+
+@register_strategy("merged")
+class Merged(Strategy):
+    """The trie union of every drafter's tree (``taps_ops.merge_trees``)."""
+
+    #: cut the union to `budget` nodes (False: room for the whole union)
+    cut = False
+
+    @property
+    def num_nodes(self) -> int:
+        return self.budget if self.cut else self.num_drafters * (self.budget - 1) + 1
+
+    def _scores(self, cands: Candidates, tokens: Tensor, scores: Tensor) -> Tensor:
+        return scores
+
+    def _combine(self, cands, root):
+        trees = _build(cands, self.budget, root)
+        per_request = lambda f: f.transpose(0, 1).contiguous()  # noqa: E731  [T, B, N] -> [B, T, N]
+        tokens = per_request(trees.tokens)
+        scores = self._scores(cands, tokens, per_request(trees.scores))
+        merged = taps_ops.merge_trees(tokens, per_request(trees.parents), scores,
+                                      num_nodes=self.budget if self.cut else None)
+        # merge_trees numbers its trees 0..T'-1; map bits back to drafter indices
+        source = merged.source
+        order = list(cands.drafters)
+        if order != list(range(len(order))):
+            remapped = torch.zeros_like(source)
+            for i, t in enumerate(order):
+                remapped |= ((source >> i) & 1) << t
+            source = remapped
+        source = source.masked_fill(~_draft_nodes(merged.tokens), 0)
+        return Combined(merged.tokens, merged.parents, merged.depth, merged.tree_mask, source, None)
+
+
+@register_strategy("merged-budget")
+class MergedBudget(Merged):
+    """The union cut to one drafter's budget by score."""
+
+    cut = True
+
+
+@register_strategy("adaptive")
+class Adaptive(Merged):
+    """The budget split by running acceptance, each drafter's share reserved (see the module docstring)."""
+
+    cut = True
+
+    def _scores(self, cands, tokens, scores):
+        alloc = allocate_budget(self.accepted[:, list(cands.drafters)] + self.prior, self.budget - 1)  # [B, T]
+        return reserve_nodes(scores, tokens, alloc)
+
+
+@register_strategy("autoregressive")
+class Autoregressive(Strategy):
+    """No drafter: the tree is the root alone."""
+
+    min_drafters, max_drafters = 0, 0
+
+    @property
+    def num_nodes(self) -> int:
+        return 1
+
+    def _combine(self, cands, root):
+        batch = root.shape[0]
+        ones = torch.ones((batch, 1), dtype=torch.int64, device=root.device)
+        return Combined(root.view(batch, 1), -ones, ones * 0, ones.view(batch, 1, 1), ones * 0, None)
+
+    def combine(self, cands, root):
+        return self._combine(None, root)
+
+
+#: every registered strategy name
+STRATEGIES: Tuple[str, ...] = tuple(_REGISTRY)
+
+
 def make_strategy(name: str, num_drafters: int, budget: int, **options) -> Strategy:
-    """The strategy called `name` (see :data:`STRATEGIES`); raises ValueError for unknown names or a
-    drafter count the strategy cannot use."""
-    if name not in STRATEGIES:
-        raise ValueError(f"unknown strategy {name!r}; choose one of {', '.join(STRATEGIES)}")
-    if name == "autoregressive":
-        if num_drafters:
-            raise ValueError("strategy 'autoregressive' uses no drafter; pass drafters=[]")
-    elif num_drafters == 0:
+    """The strategy registered as `name` (see :data:`STRATEGIES`); raises ValueError for unknown names or
+    a drafter count the strategy cannot use."""
+    cls = _REGISTRY.get(name)
+    if cls is None:
+        raise ValueError(f"unknown strategy {name!r}; choose one of {', '.join(_REGISTRY)}")
+    if num_drafters > cls.max_drafters:
+        if cls.max_drafters == 0:
+            raise ValueError(f"strategy {name!r} uses no drafter; pass drafters=[]")
+        raise ValueError(f"at most {cls.max_drafters} drafters (the source bitmask is int64)")
+    if num_drafters < cls.min_drafters:
         raise ValueError(f"strategy {name!r} needs at least one drafter (got an empty list); use "
                          "strategy='autoregressive' for plain decoding")
-    if name == "single" and num_drafters != 1:
-        raise ValueError(f"strategy 'single' takes exactly one drafter, got {num_drafters}")
-    if num_drafters > 63:
-        raise ValueError("at most 63 drafters (the source bitmask is int64)")
     if budget < 1:
         raise ValueError(f"budget must be >= 1 node, got {budget}")
-    return Strategy(name, num_drafters, budget, **options)
+    return cls(name, num_drafters, budget, **options)

@@ -1,0 +1,352 @@
+"""Lean forward passes over the weights of Llama-family decoders: the decoding engine's hot path.
+
+A Hugging Face module call costs far more host time than a small model's arithmetic: one forward of the
+shipped 4-layer target takes about 4 ms through ``model(...)`` whatever the token count, while its layers'
+own operations take a fraction of that. Speculative decoding runs a target forward, a drafter cache update
+and ``depth - 1`` drafter expansions per step, so that overhead decides its speed. This module runs the
+same arithmetic with a minimum of operations:
+
+- :class:`LayerWeights` / :func:`decoder_layer`: one Llama decoder layer (RMSNorm, q/k/v projections with
+  optional biases and Qwen3's per-head q/k norms, rotary embedding, attention through a callback, o
+  projection, SiLU MLP), written once and shared by the target, the small-LM drafters and the EAGLE heads.
+- :class:`Linear` and :class:`Norm` hold either one weight set (the module's own parameters, no copy) or
+  ``G`` weight sets of the same shape stacked into one tensor, so that ``G`` drafters run as one batched
+  forward (``torch.bmm``): activations are then ``[G, R, features]`` with the drafters' rows group-major.
+- :class:`RopeTable`: cos/sin rows computed once by the model's own rotary module for positions
+  ``0 .. P-1`` and indexed per call, so positions cost one gather instead of a trigonometric evaluation.
+- :class:`LeanCausalLM`: a whole causal LM (embedding, layers, final norm, lm_head) over a Hugging Face
+  model's parameters, for the target and for :class:`taps.drafters.ModelDrafter`.
+
+The Hugging Face model stays the source of truth: the weights are the module's own parameters (a change
+to them is seen at once; stacked copies are rebuilt when a source parameter changes, see
+:func:`stack_key`), the rotary values come from its rotary module, and the arithmetic follows its forward
+step for step (RMSNorm in float32 then cast, as Hugging Face does), so the lean path's logits equal the
+module's up to the attention kernel's rounding (tested in tests/test_lean.py). :func:`lean_support`
+says why a model cannot take the lean path; the engine then uses :mod:`taps.hf` instead.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, List, Optional, Sequence, Tuple
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+__all__ = ["Linear", "Norm", "LayerWeights", "RopeTable", "decoder_layer", "LeanCausalLM", "lean_support",
+           "stack_key", "SUPPORTED_ARCHITECTURES"]
+
+#: Hugging Face causal-LM classes whose forward the lean path reproduces.
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+_RMS_NORMS = ("LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm")
+
+
+def stack_key(params: Sequence[Tensor]) -> Tuple:
+    """Identity of a set of parameters' current values: (data pointer, version counter) of each. Changes
+    when a parameter is moved, cast or updated in place (an optimizer step), so stacked copies built from
+    them can be rebuilt exactly when needed."""
+    return tuple((p.data_ptr(), p._version) for p in params)
+
+
+class Linear:
+    """``y = x W^T + b`` for one weight set, or for G stacked sets (then x is [G, R, in] and each group
+    uses its own weights).
+
+    Args:
+        weights: one [out, in] weight (used as it is) or a list of G of them (stacked into [G, in, out]).
+        biases: matching bias(es) or None.
+    """
+
+    __slots__ = ("weight", "bias", "stacked")
+
+    def __init__(self, weights, biases=None):
+        if isinstance(weights, (list, tuple)):
+            if len(weights) == 1:
+                weights, biases = weights[0], (biases[0] if biases is not None else None)
+            else:
+                self.stacked = True
+                self.weight = torch.stack([w.detach().t() for w in weights]).contiguous()  # [G, in, out]
+                self.bias = None
+                if biases is not None and biases[0] is not None:
+                    self.bias = torch.stack([b.detach() for b in biases]).unsqueeze(1).contiguous()  # [G, 1, out]
+                return
+        self.stacked = False
+        self.weight = weights
+        self.bias = biases
+
+    def __call__(self, x: Tensor) -> Tensor:
+        if not self.stacked:
+            return F.linear(x, self.weight, self.bias)
+        if self.bias is not None:
+            return torch.baddbmm(self.bias, x, self.weight)
+        return torch.bmm(x, self.weight)
+
+
+class Norm:
+    """RMSNorm as Hugging Face's Llama computes it (in float32, then cast, then scaled by the weight), for
+    one weight [H] or G stacked ones ([G, 1, H], x [G, R, H])."""
+
+    __slots__ = ("weight", "eps", "width")
+
+    def __init__(self, weights, eps: float):
+        if isinstance(weights, (list, tuple)):
+            weights = weights[0] if len(weights) == 1 else torch.stack([w.detach() for w in weights]).unsqueeze(1)
+        self.weight = weights
+        self.eps = float(eps)
+        self.width = (int(weights.shape[-1]),)
+
+    def __call__(self, x: Tensor) -> Tensor:
+        if x.dtype == torch.float32:
+            if self.weight.dim() == 1:
+                return F.rms_norm(x, self.width, self.weight, self.eps)
+            return F.rms_norm(x, self.width, None, self.eps) * self.weight
+        return F.rms_norm(x.float(), self.width, None, self.eps).to(x.dtype) * self.weight
+
+
+class LayerWeights:
+    """One Llama-style decoder layer's weights (single or G stacked sets).
+
+    Built from Hugging Face decoder layer modules of one shape (``LlamaDecoderLayer`` and its Mistral,
+    Qwen2 and Qwen3 twins, or the EAGLE head's layers); ``input_layernorm`` may be absent (EAGLE-1/2's
+    first layer), as may ``q_norm`` / ``k_norm`` (present in Qwen3).
+    """
+
+    def __init__(self, layers: Sequence[nn.Module]):
+        first = layers[0]
+        attn, mlp = first.self_attn, first.mlp
+
+        def lin(get):
+            mods = [get(layer) for layer in layers]
+            return Linear([m.weight for m in mods], [m.bias for m in mods])
+
+        def norm(get):
+            mods = [get(layer) for layer in layers]
+            if mods[0] is None:
+                return None
+            return Norm([m.weight for m in mods], _norm_eps(mods[0]))
+
+        self.in_norm = norm(lambda layer: getattr(layer, "input_layernorm", None))
+        self.post_norm = norm(lambda layer: layer.post_attention_layernorm)
+        self.q = lin(lambda layer: layer.self_attn.q_proj)
+        self.k = lin(lambda layer: layer.self_attn.k_proj)
+        self.v = lin(lambda layer: layer.self_attn.v_proj)
+        self.o = lin(lambda layer: layer.self_attn.o_proj)
+        self.q_norm = norm(lambda layer: getattr(layer.self_attn, "q_norm", None))
+        self.k_norm = norm(lambda layer: getattr(layer.self_attn, "k_norm", None))
+        self.gate = lin(lambda layer: layer.mlp.gate_proj)
+        self.up = lin(lambda layer: layer.mlp.up_proj)
+        self.down = lin(lambda layer: layer.mlp.down_proj)
+        self.head_dim = int(getattr(attn, "head_dim"))
+        self.heads = int(self.q.weight.shape[-1 if self.q.stacked else 0]) // self.head_dim
+        self.kv_heads = int(self.k.weight.shape[-1 if self.k.stacked else 0]) // self.head_dim
+        self.scale = float(getattr(attn, "scaling", self.head_dim ** -0.5))
+        if not _is_silu(getattr(mlp, "act_fn", None)):
+            raise ValueError(f"lean path: the MLP activation must be SiLU, got {type(getattr(mlp, 'act_fn', None)).__name__}")
+
+
+def _is_silu(module) -> bool:
+    return isinstance(module, nn.SiLU) or type(module).__name__ == "SiLUActivation"
+
+
+def _norm_eps(module: nn.Module) -> float:
+    eps = getattr(module, "variance_epsilon", None)
+    if eps is None:
+        eps = getattr(module, "eps", None)
+    if eps is None:
+        raise ValueError(f"lean path: {type(module).__name__} has no epsilon attribute")
+    return float(eps)
+
+
+#: attend(layer_index, q [GB, T, Hq, D], k [GB, T, Hkv, D], v [GB, T, Hkv, D]) -> out [GB, Hq, T, D]
+Attend = Callable[[int, Tensor, Tensor, Tensor], Tensor]
+
+
+def decoder_layer(w: LayerWeights, index: int, x: Tensor, cos: Tensor, sin: Tensor, attend: Attend,
+                  rows: int, tokens: int) -> Tensor:
+    """One decoder layer. x: [G, rows * tokens, H] (G weight groups; G = 1 for a single weight set),
+    cos / sin: [G * rows, tokens, 1, D] (sin with rotate_half's sign folded in, see :class:`RopeTable`)."""
+    groups = x.shape[0]
+    h = w.in_norm(x) if w.in_norm is not None else x
+    gb = groups * rows
+    q = w.q(h).view(gb, tokens, w.heads, w.head_dim)
+    k = w.k(h).view(gb, tokens, w.kv_heads, w.head_dim)
+    v = w.v(h).view(gb, tokens, w.kv_heads, w.head_dim)
+    if w.q_norm is not None:
+        q, k = _head_norm(w.q_norm, q, groups), _head_norm(w.k_norm, k, groups)
+    q = q * cos + q.roll(w.head_dim // 2, -1) * sin
+    k = k * cos + k.roll(w.head_dim // 2, -1) * sin
+    out = attend(index, q, k, v)                                   # [GB, Hq, T, D]
+    x = x + w.o(out.transpose(1, 2).reshape(groups, rows * tokens, w.heads * w.head_dim))
+    h = w.post_norm(x)
+    return x + w.down(F.silu(w.gate(h)) * w.up(h))
+
+
+def _head_norm(norm: Norm, t: Tensor, groups: int) -> Tensor:
+    if norm.weight.dim() == 1:
+        return norm(t)
+    shape = t.shape
+    return norm(t.reshape(groups, -1, shape[-1])).view(shape)
+
+
+class RopeTable:
+    """cos / sin rows [P, D] of a rotary-embedding module for positions 0 .. P-1, grown on demand.
+
+    ``sin`` carries rotate_half's sign (-1 on the first half of the features), so that
+    ``x * cos + x.roll(D // 2, -1) * sin`` equals Hugging Face's ``x * cos + rotate_half(x) * sin``
+    element for element.
+
+    Args:
+        rotary: the model's rotary module (called as ``rotary(x, position_ids) -> (cos, sin)``).
+        dtype: the activations' dtype (Hugging Face casts cos / sin to it).
+    """
+
+    def __init__(self, rotary: nn.Module, dtype: torch.dtype):
+        self.rotary, self.dtype = rotary, dtype
+        self.cos: Optional[Tensor] = None
+        self.sin: Optional[Tensor] = None
+
+    def ensure(self, length: int, device: torch.device) -> None:
+        """Make rows 0 .. length-1 available."""
+        if self.cos is not None and self.cos.shape[0] >= length and self.cos.device == device:
+            return
+        size = max(int(length), 2 * (self.cos.shape[0] if self.cos is not None else 0), 256)
+        probe = torch.zeros(1, dtype=self.dtype, device=device)
+        pos = torch.arange(size, device=device).unsqueeze(0)
+        with torch.no_grad():
+            cos, sin = self.rotary(probe, pos)
+        cos, sin = cos[0].to(self.dtype), sin[0].to(self.dtype)
+        half = cos.shape[-1] // 2
+        sign = torch.ones(cos.shape[-1], dtype=self.dtype, device=device)
+        sign[:half] = -1
+        self.cos, self.sin = cos.contiguous(), (sin * sign).contiguous()
+
+    def __call__(self, positions: Tensor) -> Tuple[Tensor, Tensor]:
+        """positions [R, T] -> cos, sin [R, T, 1, D] (rows must have been made available)."""
+        return self.cos[positions].unsqueeze(2), self.sin[positions].unsqueeze(2)
+
+
+def lean_support(model: nn.Module) -> Optional[str]:
+    """None when :class:`LeanCausalLM` reproduces `model`'s forward, else the reason it does not."""
+    name = type(model).__name__
+    if name not in SUPPORTED_ARCHITECTURES:
+        return f"architecture {name} (the lean path covers {', '.join(SUPPORTED_ARCHITECTURES)})"
+    config = model.config
+    inner = getattr(model, "model", None)
+    if inner is None or not hasattr(inner, "layers") or not hasattr(inner, "rotary_emb"):
+        return "no model.layers / model.rotary_emb"
+    rope_type = str(getattr(inner.rotary_emb, "rope_type", "default"))
+    if "dynamic" in rope_type or "longrope" in rope_type:
+        return f"rope type {rope_type!r} (its frequencies depend on the sequence length)"
+    if getattr(config, "hidden_act", "silu") != "silu":
+        return f"activation {config.hidden_act!r}"
+    if int(getattr(config, "pretraining_tp", 1) or 1) != 1:
+        return "pretraining_tp > 1"
+    norms = [inner.norm] + [m for layer in inner.layers for m in (layer.input_layernorm, layer.post_attention_layernorm)]
+    for m in norms:
+        if type(m).__name__ not in _RMS_NORMS:
+            return f"norm {type(m).__name__}"
+    for layer in inner.layers:
+        if getattr(layer.self_attn, "sliding_window", None) is not None:
+            return "sliding-window attention layers"
+        if not _is_silu(getattr(layer.mlp, "act_fn", None)):
+            return "MLP activation is not SiLU"
+    return None
+
+
+class LeanCausalLM:
+    """A Llama-family causal LM (or G of one shape, stacked) run by :func:`decoder_layer`.
+
+    Args:
+        models: one Hugging Face causal LM, or a list of G with identical shapes (small-LM drafters run
+            as one batched forward; their weights are then stacked copies).
+
+    The caller owns the KV storage and the attention (``attend``); this class only computes. Activations
+    are [G, R, H]; request rows are group-major (row g * B + b is request b of model g).
+    """
+
+    def __init__(self, models):
+        models = list(models) if isinstance(models, (list, tuple)) else [models]
+        for m in models:
+            why = lean_support(m)
+            if why is not None:
+                raise ValueError(f"lean path: unsupported model: {why}")
+        self.models = models
+        self.groups = len(models)
+        inners = [m.model for m in models]
+        self.layers = [LayerWeights([inner.layers[i] for inner in inners]) for i in range(len(inners[0].layers))]
+        self.norm = Norm([inner.norm.weight for inner in inners], _norm_eps(inners[0].norm))
+        heads = [m.get_output_embeddings() for m in models]
+        self.head = Linear([h.weight for h in heads], [h.bias for h in heads])
+        embeds = [m.get_input_embeddings().weight for m in models]
+        self.embed_weight = embeds[0] if len(embeds) == 1 else torch.cat([e.detach() for e in embeds])
+        self.vocab = int(embeds[0].shape[0])
+        self.dtype = embeds[0].dtype
+        self.rope = RopeTable(inners[0].rotary_emb, self.dtype)
+        self.key = stack_key(self.sources())
+
+    def sources(self) -> List[Tensor]:
+        """The source parameters (to detect changes when the weights are stacked copies)."""
+        return [p for m in self.models for p in m.parameters()] if self.groups > 1 else []
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layers)
+
+    def embed(self, ids: Tensor) -> Tensor:
+        """ids [G * R, T] (group-major rows) -> [G, R * T, H]."""
+        if self.groups > 1:
+            rows = ids.shape[0] // self.groups
+            offset = (torch.arange(self.groups, device=ids.device) * self.vocab).repeat_interleave(rows)
+            ids = ids + offset.unsqueeze(1)
+        return F.embedding(ids, self.embed_weight).view(self.groups, -1, self.embed_weight.shape[-1])
+
+    def hidden(self, ids: Tensor, positions: Tensor, attend: Attend) -> Tensor:
+        """Final normalised hidden states [G, R * T, H] of ids [G * R, T] at rotary positions [G * R, T]."""
+        rows, tokens = ids.shape[0] // self.groups, ids.shape[1]
+        x = self.embed(ids)
+        cos, sin = self.rope(positions)
+        for i, w in enumerate(self.layers):
+            x = decoder_layer(w, i, x, cos, sin, attend, rows, tokens)
+        return self.norm(x)
+
+    def logits(self, hidden: Tensor) -> Tensor:
+        """lm_head of hidden [G, R, H] -> [G, R, V]."""
+        return self.head(hidden)
+
+
+def cache_attend(kv: Sequence[Sequence[Tensor]], layers: Sequence[LayerWeights], mask: Tensor, *,
+                 positions: Optional[Tensor] = None, start: Optional[int] = None) -> Attend:
+    """An ``attend`` callback over preallocated per-layer caches ``kv[i] = (keys, values)`` [R, Hkv, S, D].
+
+    Each layer's new K/V ([R, T, Hkv, D]) are written at per-row positions ``positions [R, T]`` (committed
+    tokens of ragged rows) or, with ``start``, at columns ``start .. start + T - 1`` of every row (scratch
+    entries at one column for all rows: a plain copy); then attention runs over the first ``S' =
+    mask.shape[-1]`` columns with the bool mask ``[R, 1, T, S']`` (True = visible).
+    """
+    span = int(mask.shape[-1])
+    rows = None
+    if positions is not None:
+        rows = torch.arange(positions.shape[0], device=positions.device).unsqueeze(1)
+
+    def attend(i: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        keys, values = kv[i]
+        if rows is not None:
+            keys[rows, :, positions] = k
+            values[rows, :, positions] = v
+        else:
+            keys[:, :, start:start + k.shape[1]] = k.transpose(1, 2)
+            values[:, :, start:start + k.shape[1]] = v.transpose(1, 2)
+        w = layers[i]
+        return F.scaled_dot_product_attention(q.transpose(1, 2), keys[:, :, :span], values[:, :, :span],
+                                              attn_mask=mask, scale=w.scale, enable_gqa=w.heads != w.kv_heads)
+    return attend
+
+
+def causal_append(lengths: Tensor, longest: int, num_tokens: int) -> Tuple[Tensor, Tensor]:
+    """Positions [R, T] and the causal mask [R, 1, T, S] (S = longest + T) for appending T tokens to rows
+    holding ``lengths [R]`` committed entries (``longest`` = max(lengths), known on the host): token t of
+    row r goes to position lengths[r] + t and sees every key up to it."""
+    positions = lengths.unsqueeze(1) + torch.arange(num_tokens, device=lengths.device)
+    span = longest + num_tokens
+    mask = (torch.arange(span, device=lengths.device) <= positions.unsqueeze(-1)).unsqueeze(1)
+    return positions, mask
