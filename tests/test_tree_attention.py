@@ -146,6 +146,11 @@ def test_wider_mask_and_padding_rows(device):
 def test_opcheck(device):
     args = make_inputs(2, 4, 2, 7, 64, 40, torch.float32, device)
     torch.library.opcheck(torch.ops.taps_ops.tree_attention.default, (*args, 0.125))
+    # q as a model computes it: [B, N, Hq, D] memory seen as [B, Hq, N, D]; the output is contiguous and
+    # the shape function must say so (an empty_like(q) fake broke torch.compile on exactly this input)
+    q = args[0].transpose(1, 2).contiguous().transpose(1, 2)
+    torch.library.opcheck(torch.ops.taps_ops.tree_attention.default, (q, *args[1:], 0.125))
+    assert torch.ops.taps_ops.tree_attention.default(q, *args[1:], 0.125, True).is_contiguous()
 
 
 @pytest.mark.parametrize(

@@ -34,7 +34,7 @@ def _merge_trees_fake(tokens, parents, scores, num_nodes, weights):
 
 @torch.library.register_fake("taps_ops::tree_attention")
 def _tree_attention_fake(q, k, v, tree_mask, kv_lens, scale, validate=True):
-    return torch.empty_like(q)
+    return q.new_empty(q.shape)  # contiguous, as the kernels allocate it (whatever q's strides)
 
 
 @torch.library.register_fake("taps_ops::compact_kv")
