@@ -87,14 +87,6 @@ class TapsRunner:
         return outs, stats
 
 
-def _time(runner, prompts, new_tokens, temperature, seed):
-    _sync()
-    t0 = time.perf_counter()
-    outs, stats = runner(prompts, new_tokens, temperature, seed)
-    _sync()
-    return time.perf_counter() - t0, outs, stats
-
-
 def shipped_tables(args, device, dtype) -> None:
     from taps import SpeculativeDecoder, models
     from taps.train.data import load_eval_prompts
@@ -102,7 +94,7 @@ def shipped_tables(args, device, dtype) -> None:
     target, tok = models.load_target(dtype=dtype)
     target.to(device)
     hf_target = copy.deepcopy(target)  # HF generate's own copy: taps never touches it
-    drafters = {d: models.load_drafter(args.family, d, target) for d in ("math", "chat")}
+    drafters = {d: models.load_drafter(args.family, d, target, draft_vocab=args.draft_vocab) for d in ("math", "chat")}
     prompts = []
     for bench in ("gsm8k", "mt_bench"):
         for ex in load_eval_prompts(bench)[:args.prompts]:
@@ -121,43 +113,51 @@ def shipped_tables(args, device, dtype) -> None:
     first = next(iter(decoders.values()), None)
     print(f"device {device}, {torch.get_num_threads()} thread(s), {str(dtype).replace('torch.', '')}; "
           f"shipped target + {args.family} drafters; {len(prompts)} prompts (GSM8K, MT-Bench), "
-          f"{args.new_tokens} new tokens, batch 1; taps settings: "
+          f"{args.new_tokens} new tokens, batch 1; draft vocabulary {args.draft_vocab or 'full'}; taps settings: "
           + (f"depth {first.depth}, top_k {first.top_k}, budget {first.budget}" if first else "-"))
 
+    clock = time.process_time if args.clock == "process" else time.perf_counter
     for temperature in args.temperatures:
-        best: Dict[str, float] = {}
-        result: Dict[str, tuple] = {}
         for name, runner in runners.items():  # warm-up
             runner(prompts[:1], 8, temperature, 0)
+        names = [n for n in runners if not (temperature > 0 and "lookup" in n and args.no_lookup_sampling)]
+        # rows interleaved prompt by prompt; each (row, prompt) keeps its fastest repeat
+        best = {(n, i): float("inf") for n in names for i in range(len(prompts))}
+        result: Dict[tuple, tuple] = {}
         for _ in range(args.repeats):
-            for name, runner in runners.items():
-                if temperature > 0 and "lookup" in name and args.no_lookup_sampling:
-                    continue
-                sec, outs, stats = _time(runner, prompts, args.new_tokens, temperature, args.seed)
-                if sec < best.get(name, float("inf")):
-                    best[name] = sec
-                    result[name] = (outs, stats)
-        ref_outs = result["HF generate"][0]
-        base = sum(len(o) for o in ref_outs) / best["HF generate"]
+            for i, p in enumerate(prompts):
+                for name in names:
+                    _sync()
+                    t0 = clock()
+                    outs, stats = runners[name]([p], args.new_tokens, temperature, args.seed + i)
+                    _sync()
+                    sec = clock() - t0
+                    if sec < best[name, i]:
+                        best[name, i] = sec
+                        result[name, i] = (outs[0], stats[0] if stats else None)
+        seconds = {n: sum(best[n, i] for i in range(len(prompts))) for n in names}
+        outputs = {n: [result[n, i][0] for i in range(len(prompts))] for n in names}
+        ref_outs = outputs["HF generate"]
+        base = sum(len(o) for o in ref_outs) / seconds["HF generate"]
         rows = []
-        for name in runners:
-            if name not in best:
-                continue
-            outs, stats = result[name]
-            tps = sum(len(o) for o in outs) / best[name]
+        for name in names:
+            outs = outputs[name]
+            stats = [result[name, i][1] for i in range(len(prompts))]
+            tps = sum(len(o) for o in outs) / seconds[name]
             tau = nodes = "-"
-            if stats:
+            if stats[0] is not None:
                 taus = [s.stats[0].tau for s in stats if s.stats[0].target_forwards]
                 tau = f"{sum(taus) / max(len(taus), 1):.2f}"
                 steps = sum(s.steps for s in stats)
                 nodes_total = sum(sum(s.stats[0].tree_nodes) for s in stats)
-                nodes = f"{nodes_total / steps:.1f}" if nodes_total is not None and steps else "-"
+                nodes = f"{nodes_total / steps:.1f}" if steps else "-"
             same = "-"
             if temperature == 0:
                 same = "yes" if outs == ref_outs else f"NO ({sum(a != b for a, b in zip(outs, ref_outs))} differ)"
             rows.append([name, f"{tps:.0f}", f"{tps / base:.2f}x", tau, nodes, same])
         print_table(["row", "tokens/s", "vs HF generate", "tau", "nodes/step", "= HF greedy"], rows,
-                    title=f"Shipped models, T={temperature:g} ({args.repeats} rounds, fastest per row)")
+                    title=f"Shipped models, T={temperature:g} ({args.repeats} rounds, rows interleaved per prompt, "
+                          f"fastest per row and prompt; {args.clock} time)")
 
     if args.profile:
         rows = []
@@ -246,9 +246,13 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=96)
     ap.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 1.0])
     ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--clock", default="wall", choices=("wall", "process"),
+                    help="process: CPU time of this process (steadier on a shared machine; excludes waits)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--lookup", type=int, default=10, help="HF prompt_lookup_num_tokens (0: no such row)")
     ap.add_argument("--no-lookup-sampling", action="store_true", help="skip HF prompt lookup at T > 0")
+    ap.add_argument("--draft-vocab", type=int, default=1024,
+                    help="drafters propose only the N most frequent target tokens (0: the whole vocabulary)")
     ap.add_argument("--depth", type=int, default=None)
     ap.add_argument("--top-k", type=int, default=None)
     ap.add_argument("--budget", type=int, default=None)

@@ -127,8 +127,10 @@ class SpeculativeDecoder:
         self.budget = min(int(budget), max_budget)
         self.strategy: Strategy = make_strategy(strategy, len(drafters), self.budget, route_steps=route_steps,
                                                 prior=adaptive_prior)
-        self.needs_hidden = any(d.needs_hidden for d in drafters)
+        self.needs_hidden = any(d.target_features == "final" for d in drafters)
         self.forward = TargetForward(self.target, lean=lean)
+        #: compute the target's lm_head only for the rows verification visits (None: on the CPU)
+        self.lazy_head: Optional[bool] = None
         self._groups: Optional[Tuple[tuple, List[DraftGroup]]] = None
 
     @property
@@ -274,13 +276,15 @@ class SpeculativeDecoder:
         try:
             # Prefill: the target reads the prompts; its next token (sampled like any other) is the first root.
             with prof.section("prefill"):
-                pre = self.forward.prefill(cache, ids, lens, 0, return_hidden=self.needs_hidden)
+                capture = self._capture_layers(groups)
+                pre = self.forward.prefill(cache, ids, lens, 0, return_hidden=self.needs_hidden,
+                                           capture_layers=capture)
                 one = torch.zeros((batch, 1), dtype=torch.int64, device=device)
                 root = taps_ops.verify_tree(pre.logits.unsqueeze(1), one, one - 1, **sample).tokens[:, 0]
                 for b, t in enumerate(root.tolist()):
                     emit(b, [t])
                 for g in groups:
-                    g.start(ids, lens, root, pre.hidden_states, drafter_cap, host_lengths)
+                    g.start(ids, lens, root, _features(pre, g.target_features), drafter_cap, host_lengths)
             steps = self._loop(groups, cache, root, host_lengths, done, stats, emit, sample, prof)
         finally:
             for g in groups:
@@ -292,6 +296,11 @@ class SpeculativeDecoder:
             text = [self.tokenizer.decode(t) for t in out_tokens]
         return GenerateOutput(out_tokens, text, stats, summarize(stats), prof.per_step() if profile else None, steps)
 
+    @staticmethod
+    def _capture_layers(groups: Sequence[DraftGroup]) -> Tuple[int, ...]:
+        """The target layers whose inputs some drafter reads (EAGLE-3 heads)."""
+        return tuple(sorted({i for g in groups if isinstance(g.target_features, tuple) for i in g.target_features}))
+
     def _loop(self, groups: List[DraftGroup], cache: hf.TreeKVCache, root: Tensor, host_lengths: List[int],
               done: List[bool], stats: List[RequestStats], emit, sample: dict, prof: Profiler) -> int:
         """Verification steps until every request is done; returns the number of steps."""
@@ -302,6 +311,7 @@ class SpeculativeDecoder:
         depth_bins = self.depth
         bit_range = torch.arange(max(num_drafters, 1), device=device)
         alive = strategy.alive()
+        capture = self._capture_layers(groups)
         steps = 0
         while not all(done):
             steps += 1
@@ -321,11 +331,11 @@ class SpeculativeDecoder:
                                              for i, f in enumerate(("scores", "tokens", "parents", "entropy"))), order)
                     tree = strategy.combine(cands, root)
                 with prof.section("target_forward"):
-                    hidden = self.forward.tree(cache, tree.tokens, tree.tree_mask, tree.depth, max(host_lengths))
-                with prof.section("target_head"):
-                    logits = self.forward.logits(hidden)
+                    fwd = self.forward.tree(cache, tree.tokens, tree.tree_mask, tree.depth, max(host_lengths),
+                                            capture_layers=capture)
                 with prof.section("verify"):
-                    ver = taps_ops.verify_tree(logits, tree.tokens, tree.parents, **sample)
+                    ver = self.forward.verify(fwd.hidden_states, tree.tokens, tree.parents, lazy=self.lazy_head,
+                                              **sample)
                 accepted, path = ver.num_accepted, ver.path
                 any_done = any(done)
                 if any_done:
@@ -356,12 +366,14 @@ class SpeculativeDecoder:
                 with prof.section("draft_update"):
                     if groups:
                         new_tokens = ver.tokens[:, :width]
-                        hidden_path = None
-                        if self.needs_hidden:
-                            idx = path[:, :width].clamp_min(0)
-                            hidden_path = hidden.gather(1, idx.unsqueeze(-1).expand(-1, -1, hidden.shape[-1]))
+                        idx = path[:, :width].clamp_min(0)
+                        on_path = {}  # target features at the root and the accepted nodes, per kind
                         for g in groups:
-                            g.advance(new_tokens, num_new, hidden_path, num_new_host)
+                            spec = g.target_features
+                            if spec is not None and spec not in on_path:
+                                feats = _features(fwd, spec)
+                                on_path[spec] = feats.gather(1, idx.unsqueeze(-1).expand(-1, -1, feats.shape[-1]))
+                            g.advance(new_tokens, num_new, on_path.get(spec), num_new_host)
                 root = ver.tokens.gather(1, accepted.unsqueeze(1)).squeeze(1)
                 for b in range(batch):
                     host_lengths[b] += num_new_host[b]
@@ -376,3 +388,12 @@ class SpeculativeDecoder:
                         stats[b].route_decisions.append(row[-1])
                     emit(b, row[:a + 1])
         return steps
+
+
+def _features(out: hf.ForwardOutput, spec) -> Optional[Tensor]:
+    """What a drafter group reads of a target forward (see :attr:`taps.drafters.Drafter.target_features`)."""
+    if spec is None:
+        return None
+    if spec == "final":
+        return out.hidden_states
+    return torch.cat([out.layers[i] for i in spec], dim=-1)

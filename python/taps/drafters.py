@@ -107,6 +107,14 @@ class Drafter(nn.Module):
         return self.draft_vocab
 
     @property
+    def target_features(self):
+        """What the drafter reads of the target's hidden states (the ``hidden`` argument of
+        :meth:`start` / :meth:`advance`): None (nothing), ``"final"`` (the final normalised hidden states
+        [B, T, H], the lm_head input; EAGLE-1/2 and HASS heads) or a tuple of decoder layer indices (the
+        inputs of those layers concatenated, [B, T, len * H]; EAGLE-3 heads)."""
+        return "final" if self.needs_hidden else None
+
+    @property
     def scratch_start(self) -> int:
         """Cache column where the expansion writes its scratch entries (>= every request's length)."""
         return int(self.lengths.max())
@@ -236,6 +244,7 @@ class DraftGroup:
     def __init__(self, drafters: Sequence[Drafter]):
         self.drafters = list(drafters)
         self.groups = len(self.drafters)
+        self.target_features = self.drafters[0].target_features
         self.members: List[int] = list(range(self.groups))
         self.lengths_b: Optional[Tensor] = None
         self.host_lengths: List[int] = []
@@ -498,12 +507,12 @@ class _LeanLMGroup(DraftGroup):
 
     def __init__(self, drafters: Sequence[ModelDrafter]):
         super().__init__(drafters)
-        self.lean = LeanCausalLM([d.model for d in drafters])
+        self.lean = LeanCausalLM([d.model for d in drafters]).pack()
         vocab = drafters[0].draft_vocab
         if vocab is not None:
             if self.groups > 1:
                 raise ValueError("ModelDrafter: a reduced draft vocabulary is supported for one drafter at a time")
-            self.lean.head = _head_rows(self.lean.head.weight, self.lean.head.bias, vocab)
+            self.lean.head = _head_rows(self.lean.head.weight, self.lean.head.bias, vocab).pack()
             self.token_map = vocab.to(self.lean.head.weight.device)
         self.kv: List[List[Tensor]] = []
 
@@ -821,11 +830,11 @@ class _EagleGroup(DraftGroup):
         super().__init__(drafters)
         first = drafters[0]
         first._require_bound()
-        self.fc = Linear([d.fc.weight for d in drafters], [d.fc.bias for d in drafters])
-        self.layers = [LayerWeights([d.layers[i] for d in drafters]) for i in range(len(first.layers))]
+        self.fc = Linear([d.fc.weight for d in drafters], [d.fc.bias for d in drafters]).pack()
+        self.layers = [LayerWeights([d.layers[i] for d in drafters]).pack() for i in range(len(first.layers))]
         self.embed_weight = first.embedding_weight()
         head = first._bound[1]
-        self.head = _head_rows(head.weight, head.bias, first.draft_vocab)
+        self.head = _head_rows(head.weight, head.bias, first.draft_vocab).pack()
         if first.draft_vocab is not None:
             self.token_map = first.draft_vocab.to(head.weight.device)
         self.dtype = first.fc.weight.dtype

@@ -13,7 +13,7 @@ sync to size its masks.
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Sequence
 
 import torch
 from torch import Tensor, nn
@@ -21,7 +21,7 @@ from torch import Tensor, nn
 import taps_ops
 
 from . import hf
-from .lean import LeanCausalLM, cache_attend, causal_append, lean_support
+from .lean import LeanCausalLM, Linear, cache_attend, causal_append, lean_support, stack_key
 
 __all__ = ["TargetForward"]
 
@@ -40,43 +40,68 @@ class TargetForward:
         why = lean_support(model)
         if lean and why is not None:
             raise ValueError(f"TargetForward: the lean path does not cover this model: {why}")
-        self.lean: Optional[LeanCausalLM] = LeanCausalLM(model) if (lean is not False and why is None) else None
-        self.head = model.get_output_embeddings()
+        self.use_lean = lean is not False and why is None
+        self.lean: Optional[LeanCausalLM] = None
+        self._key = None
+        self.head = Linear(model.get_output_embeddings().weight, model.get_output_embeddings().bias)
 
     def new_cache(self, batch: int, max_len: int) -> hf.TreeKVCache:
-        """A cache of `max_len` positions per request."""
+        """A cache of `max_len` positions per request (and, on the lean path, the weights' packed copies
+        and rotary rows brought up to date: rebuilt when a parameter changed since the last call)."""
         cache = hf.TreeKVCache.for_model(self.model, batch, max_len)
+        key = stack_key(list(self.model.parameters()))
+        if key != self._key:
+            out = self.model.get_output_embeddings()
+            self.head = Linear(out.weight, out.bias).pack()
+            if self.use_lean:
+                self.lean = LeanCausalLM(self.model).pack()
+            self._key = key
         if self.lean is not None:
             self.lean.rope.ensure(max_len, cache.lengths.device)
         return cache
 
     def prefill(self, cache: hf.TreeKVCache, input_ids: Tensor, num_new: Tensor, longest: int,
-                return_hidden: bool = False) -> hf.ForwardOutput:
+                return_hidden: bool = False, capture_layers: Sequence[int] = ()) -> hf.ForwardOutput:
         """Append right-padded input_ids [B, T] (num_new [B] real tokens per row; ``longest`` =
         max(cache.lengths) on the host). Returns the logits after each row's last real token [B, V] and,
-        when asked, the final hidden states [B, T, H]; cache.lengths advances by num_new."""
+        when asked, the final hidden states [B, T, H] and the inputs of ``capture_layers`` ([B, T, H]
+        each); cache.lengths advances by num_new."""
         if self.lean is None:
-            return hf.prefill(self.model, cache, input_ids, num_new, return_hidden=return_hidden)
+            return hf.prefill(self.model, cache, input_ids, num_new, return_hidden=return_hidden,
+                              capture_layers=capture_layers)
         batch, num = input_ids.shape
         if longest + num > cache.max_len:
             raise ValueError(f"TargetForward.prefill: {longest + num} positions needed, the cache holds {cache.max_len}")
+        hf.check_capture_layers(self.model, capture_layers)
         positions, mask = causal_append(cache.lengths, longest, num)
         kv = [(layer.keys, layer.values) for layer in cache.layers]
-        hidden = self.lean.hidden(input_ids.clamp_min(0), positions,
-                                  cache_attend(kv, self.lean.layers, mask, positions=positions)).view(batch, num, -1)
+        hidden, layers = self._run(input_ids, positions, cache_attend(kv, self.lean.layers, mask, positions=positions),
+                                   capture_layers)
         cache.lengths.add_(num_new)
         last = hidden[torch.arange(batch, device=hidden.device), (num_new - 1).clamp_min(0)]
-        return hf.ForwardOutput(self.head(last), hidden if return_hidden else None)
+        return hf.ForwardOutput(self.head(last), hidden if return_hidden else None, layers)
 
-    def tree(self, cache: hf.TreeKVCache, tokens: Tensor, tree_mask: Tensor, depth: Tensor, longest: int) -> Tensor:
+    def _run(self, ids: Tensor, positions: Tensor, attend, capture_layers: Sequence[int]):
+        batch, num = ids.shape
+        out = self.lean.hidden(ids.clamp_min(0), positions, attend, capture_layers)
+        hidden, layers = out if capture_layers else (out, None)
+        if layers is not None:
+            layers = {i: t.view(batch, num, -1) for i, t in layers.items()}
+        return hidden.view(batch, num, -1), layers
+
+    def tree(self, cache: hf.TreeKVCache, tokens: Tensor, tree_mask: Tensor, depth: Tensor, longest: int,
+             capture_layers: Sequence[int] = ()) -> hf.ForwardOutput:
         """The verification forward over trees [B, N] (node i of request b written at cache position
         lengths[b] + i, rotary position lengths[b] + depth[b, i]; ``longest`` = max(cache.lengths) on the
-        host). Returns the final hidden states [B, N, H]; cache.lengths is unchanged."""
+        host). Returns ForwardOutput(None, final hidden states [B, N, H], inputs of ``capture_layers``);
+        cache.lengths is unchanged (apply :meth:`logits` to the rows that need them)."""
         batch, num = tokens.shape
         if longest + num > cache.max_len:
             raise ValueError(f"TargetForward.tree: {longest + num} positions needed, the cache holds {cache.max_len}")
         if self.lean is None:
-            return hf.tree_verify_forward(self.model, cache, tokens, tree_mask, depth, compute_logits=False).hidden_states
+            return hf.tree_verify_forward(self.model, cache, tokens, tree_mask, depth, compute_logits=False,
+                                          capture_layers=capture_layers)
+        hf.check_capture_layers(self.model, capture_layers)
         prefix = cache.lengths
         positions = prefix.unsqueeze(1) + depth.clamp_min(0)
         write = prefix.unsqueeze(1) + torch.arange(num, device=prefix.device)
@@ -91,8 +116,57 @@ class TargetForward:
             return taps_ops.tree_attention(q.transpose(1, 2), layer.keys, layer.values, tree_mask, kv_lens,
                                            layers[i].scale, validate=False)
 
-        return self.lean.hidden(tokens.clamp_min(0), positions, attend).view(batch, num, -1)
+        hidden, layers = self._run(tokens, positions, attend, capture_layers)
+        return hf.ForwardOutput(None, hidden, layers)
 
     def logits(self, hidden: Tensor) -> Tensor:
         """The lm_head over hidden [..., H]."""
         return self.head(hidden)
+
+    def verify(self, hidden: Tensor, tokens: Tensor, parents: Tensor, *, lazy: Optional[bool] = None,
+               generator: Optional[torch.Generator] = None, **sample) -> taps_ops.VerifyOutput:
+        """``taps_ops.verify_tree`` of trees [B, N] from the final hidden states [B, N, H] of a tree forward.
+
+        The walk reads the logits of the nodes it visits only (the accepted path); ``lazy`` (default: on
+        the CPU) computes the lm_head for those rows instead of all N: first for each tree's *first-child
+        chain* (the root, its best child, that child's best child, ...: siblings are ordered best first),
+        then, when the walk reached a node whose row was not computed, for that node's chain, and the walk
+        is run again with the same coins until every node on its path was computed. The result is
+        exactly that of the full-logits walk (the same rows, the same coins). On a GPU the full head is
+        one cheap matrix product and needs no host decisions, so it is the default there.
+        """
+        batch, num, _ = hidden.shape
+        if lazy is None:
+            lazy = hidden.device.type == "cpu"
+        uniforms = torch.rand((batch, num), generator=generator, device=hidden.device, dtype=torch.float32)
+        if not lazy or num == 1:
+            return taps_ops.verify_tree(self.logits(hidden), tokens, parents, uniforms=uniforms, **sample)
+        # first child of every node (siblings are in score order, children after their parent)
+        idx = torch.arange(num, device=hidden.device)
+        first = torch.full((batch, num + 1), num, dtype=torch.int64, device=hidden.device)
+        real = (parents >= 0) & (tokens >= 0)
+        first.scatter_reduce_(1, torch.where(real, parents, num), idx.expand(batch, num), "amin")
+        first = torch.where(first[:, :num] < num, first[:, :num], -1)           # [B, N], -1: a leaf
+        logits = hidden.new_zeros((batch, num, self.head.weight.shape[0]))
+        done = torch.zeros((batch, num), dtype=torch.bool, device=hidden.device)
+        start = torch.zeros((batch, 1), dtype=torch.int64, device=hidden.device)  # the roots
+        while True:
+            chain = [start]
+            for _ in range(num - 1):
+                nxt = first.gather(1, chain[-1].clamp_min(0)).masked_fill(chain[-1] < 0, -1)
+                if bool((nxt < 0).all()):
+                    break
+                chain.append(nxt)
+            rows = torch.cat(chain, 1)
+            rows = torch.where(rows < 0, rows[:, :1], rows)                    # pad with a computed row
+            logits.scatter_(1, rows.unsqueeze(-1).expand(-1, -1, logits.shape[-1]),
+                            self.logits(hidden.gather(1, rows.unsqueeze(-1).expand(-1, -1, hidden.shape[-1]))))
+            done.scatter_(1, rows, True)
+            ver = taps_ops.verify_tree(logits, tokens, parents, uniforms=uniforms, **sample)
+            path = ver.path
+            missing = ~done.gather(1, path.clamp_min(0)) & (path >= 0)          # [B, N]
+            if not bool(missing.any()):
+                return ver
+            # per request, the first path node whose row is missing (or the root again when none)
+            pos = torch.where(missing, idx, num).amin(1, keepdim=True)
+            start = torch.where(pos < num, path.gather(1, pos.clamp_max(num - 1)), 0)

@@ -45,7 +45,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import inspect
-from typing import Iterator, List, NamedTuple, Optional
+from typing import Dict, Iterator, List, NamedTuple, Optional, Sequence
 
 import torch
 from torch import Tensor
@@ -311,10 +311,13 @@ class TreeKVCache(Cache):
 
 class ForwardOutput(NamedTuple):
     """logits: see the helper; hidden_states: [B, T, H] final (normalised) hidden states, the input of
-    lm_head, as EAGLE-style feature drafters consume them; None unless asked for."""
+    lm_head, as EAGLE-style feature drafters consume them; None unless asked for; layers: {i: [B, T, H]
+    the input of decoder layer i} for the layers asked for (``capture_layers``; EAGLE-3 heads read
+    three of them), else None."""
 
-    logits: Tensor
+    logits: Optional[Tensor]
     hidden_states: Optional[Tensor]
+    layers: Optional[Dict[int, Tensor]] = None
 
 
 _CACHE_KWARG: dict = {}
@@ -336,11 +339,27 @@ def _decoder(model: torch.nn.Module) -> torch.nn.Module:
     return decoder
 
 
-def _run_decoder(model, cache: TreeKVCache, input_ids: Tensor, position_ids: Tensor, mask: Tensor) -> Tensor:
+def check_capture_layers(model, layers: Sequence[int]) -> None:
+    """ValueError unless every index is a decoder layer of `model` (0 <= i < num_hidden_layers)."""
+    text = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    n = int(text.num_hidden_layers)
+    bad = [i for i in layers if not 0 <= int(i) < n]
+    if bad:
+        raise ValueError(f"capture_layers: layer indices {bad} outside [0, {n}) for this {n}-layer model")
+
+
+def _run_decoder(model, cache: TreeKVCache, input_ids: Tensor, position_ids: Tensor, mask: Tensor,
+                 capture_layers: Sequence[int] = ()):
+    """(final hidden [B, T, H], {i: input of layer i} for capture_layers, or None)."""
     decoder = _decoder(model)
+    kwargs = {"output_hidden_states": True} if capture_layers else {}
     out = decoder(input_ids=input_ids, position_ids=position_ids, attention_mask=mask, use_cache=True,
-                  **{_cache_kwarg(decoder): cache})
-    return out[0]
+                  **{_cache_kwarg(decoder): cache}, **kwargs)
+    if not capture_layers:
+        return out[0], None
+    check_capture_layers(model, capture_layers)
+    # hidden_states[i] is the input of layer i (0: the embeddings); the last entry is normalised
+    return out[0], {int(i): out.hidden_states[int(i)] for i in capture_layers}
 
 
 def _lm_head(model) -> torch.nn.Module:
@@ -355,7 +374,7 @@ def _check_model(model) -> None:
 
 
 def masked_forward(model, cache: TreeKVCache, input_ids: Tensor, write_positions: Tensor, position_ids: Tensor,
-                   mask: Tensor) -> Tensor:
+                   mask: Tensor, capture_layers: Sequence[int] = ()):
     """One decoder forward with an explicit attention mask (the building block of prefill and of drafters'
     tree expansion).
 
@@ -365,16 +384,17 @@ def masked_forward(model, cache: TreeKVCache, input_ids: Tensor, write_positions
         the first S cache positions (S <= cache.max_len).
 
     Returns:
-        hidden [B, T, H]: the final normalised hidden states (apply the model's lm_head for logits).
-        cache.lengths is not changed.
+        hidden [B, T, H]: the final normalised hidden states (apply the model's lm_head for logits); with
+        ``capture_layers``, (hidden, {i: input of layer i}). cache.lengths is not changed.
     """
     kv_span = int(mask.shape[-1])
     with cache._writing(write_positions, kv_span), _forward_context(_ForwardContext(None, None, kv_span)):
-        return _run_decoder(model, cache, input_ids, position_ids, mask)
+        hidden, layers = _run_decoder(model, cache, input_ids, position_ids, mask, capture_layers)
+    return (hidden, layers) if capture_layers else hidden
 
 
 def prefill(model, cache: TreeKVCache, input_ids: Tensor, num_new: Optional[Tensor] = None, *,
-            all_logits: bool = False, return_hidden: bool = False) -> ForwardOutput:
+            all_logits: bool = False, return_hidden: bool = False, capture_layers: Sequence[int] = ()) -> ForwardOutput:
     """Append tokens to every request of the cache with causal attention (a prompt, or a decode step).
 
     Args:
@@ -384,6 +404,7 @@ def prefill(model, cache: TreeKVCache, input_ids: Tensor, num_new: Optional[Tens
         num_new: [B] int64 real tokens per row (1 <= num_new[b] <= T); default T for every row.
         all_logits: return logits for all T tokens ([B, T, V]) instead of the last real one ([B, V]).
         return_hidden: also return the final hidden states [B, T, H].
+        capture_layers: also return the inputs of these decoder layers ([B, T, H] each).
 
     Returns:
         ForwardOutput; cache.lengths is advanced by num_new.
@@ -401,19 +422,20 @@ def prefill(model, cache: TreeKVCache, input_ids: Tensor, num_new: Optional[Tens
         raise ValueError(f"taps.hf.prefill: {kv_span} positions needed, the cache holds {cache.max_len}")
     # Causal in each request's own positions: key j is visible to new token t iff j <= lengths[b] + t.
     mask = (torch.arange(kv_span, device=device) <= positions.unsqueeze(-1)).unsqueeze(1)  # [B, 1, T, S]
-    hidden = masked_forward(model, cache, input_ids.clamp_min(0).to(device), positions, positions, mask)
+    with cache._writing(positions, kv_span), _forward_context(_ForwardContext(None, None, kv_span)):
+        hidden, layers = _run_decoder(model, cache, input_ids.clamp_min(0).to(device), positions, mask, capture_layers)
     lengths.add_(num_new)
     if all_logits:
         logits = _lm_head(model)(hidden)
     else:
         last = (num_new - 1).clamp_min(0)
         logits = _lm_head(model)(hidden[torch.arange(batch, device=device), last])
-    return ForwardOutput(logits, hidden if return_hidden else None)
+    return ForwardOutput(logits, hidden if return_hidden else None, layers)
 
 
 def tree_verify_forward(model, cache: TreeKVCache, tree_tokens: Tensor, tree_mask: Tensor, depth: Tensor,
                         prefix_lens: Optional[Tensor] = None, *, return_hidden: bool = False,
-                        compute_logits: bool = True) -> ForwardOutput:
+                        compute_logits: bool = True, capture_layers: Sequence[int] = ()) -> ForwardOutput:
     """One target forward over a batch of draft trees (the verification pass).
 
     Args:
@@ -425,6 +447,7 @@ def tree_verify_forward(model, cache: TreeKVCache, tree_tokens: Tensor, tree_mas
         prefix_lens: [B] int64 committed positions before the tree; default ``cache.lengths``.
         compute_logits: False: skip the lm_head (``logits`` is None; for callers that apply it to some
             rows only).
+        capture_layers: also return the inputs of these decoder layers ([B, N, H] each).
 
     Node i of request b is written at cache position prefix_lens[b] + i, with rotary position
     prefix_lens[b] + depth[b, i]. cache.lengths is not changed (see :func:`compact_cache`).
@@ -450,9 +473,10 @@ def tree_verify_forward(model, cache: TreeKVCache, tree_tokens: Tensor, tree_mas
         batch, 1, num_nodes, cache.max_len)
     with cache._writing(write_positions, None), tree_attention_context(tree_mask.to(device), kv_lens, max_kv_len,
                                                                         validate=False):
-        hidden = _run_decoder(model, cache, tree_tokens.clamp_min(0).to(device), positions, placeholder)
+        hidden, layers = _run_decoder(model, cache, tree_tokens.clamp_min(0).to(device), positions, placeholder,
+                                      capture_layers)
     logits = _lm_head(model)(hidden) if compute_logits else None
-    return ForwardOutput(logits, hidden if return_hidden or not compute_logits else None)
+    return ForwardOutput(logits, hidden if return_hidden or not compute_logits else None, layers)
 
 
 def compact_cache(cache: TreeKVCache, path: Tensor, prefix_lens: Optional[Tensor] = None) -> Tensor:

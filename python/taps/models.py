@@ -30,7 +30,7 @@ import torch
 from .train.tokenizer import sha256_file
 
 __all__ = ["MODELS_DIR", "FAMILIES", "DATA_NAMES", "models_dir", "verify_manifest", "load_target",
-           "available_drafters", "drafter_dir", "load_drafter"]
+           "available_drafters", "drafter_dir", "load_drafter", "draft_vocab"]
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 #: The models folder as of import time (``$TAPS_MODELS_DIR`` or the repository's ``models/``);
@@ -139,8 +139,16 @@ def available_drafters(path: Optional[PathLike] = None) -> Dict[str, List[str]]:
     return {f: sorted(d) for f, d in sorted(found.items())}
 
 
+def draft_vocab(size: int, path: Optional[PathLike] = None) -> torch.Tensor:
+    """The `size` most frequent target ids in the drafters' training data (``token_counts.json`` of the
+    target folder, default ``models_dir() / "target"``), for ``Drafter.set_draft_vocab``."""
+    from .vocab import draft_vocab as _draft_vocab
+
+    return _draft_vocab(Path(path) if path is not None else models_dir() / "target", size)
+
+
 def load_drafter(family: str, data: str, target: torch.nn.Module, path: Optional[PathLike] = None,
-                 verify: bool = True):
+                 verify: bool = True, draft_vocab: Optional[int] = None):
     """Load drafter ``<family>-<data>`` as an :class:`taps.drafters.EagleDrafter` bound to `target` (in
     the target's dtype and on its device).
 
@@ -149,6 +157,8 @@ def load_drafter(family: str, data: str, target: torch.nn.Module, path: Optional
         target: the target model (from :func:`load_target`).
         path: the drafters folder (default ``models_dir() / "drafters"``).
         verify: check the files against the drafter's manifest.json first.
+        draft_vocab: propose only the this many most frequent target tokens (:func:`draft_vocab`);
+            None or 0: the whole vocabulary.
     Raises:
         FileNotFoundError listing the drafters that are available when this one is not.
     """
@@ -162,4 +172,7 @@ def load_drafter(family: str, data: str, target: torch.nn.Module, path: Optional
     if verify:
         verify_manifest(folder)
     dtype = next(target.parameters()).dtype
-    return EagleDrafter.from_pretrained(str(folder), target=target, dtype=dtype)
+    drafter = EagleDrafter.from_pretrained(str(folder), target=target, dtype=dtype)
+    if draft_vocab:
+        drafter.set_draft_vocab(globals()["draft_vocab"](draft_vocab))
+    return drafter

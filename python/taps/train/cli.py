@@ -5,6 +5,7 @@
                          [--preset 5m] [--tokens 10000000] [--device auto] ...
     taps train drafter   --family eagle2|hass --data math|chat|mixed [--tokens 1000000] [--name NAME] ...
     taps train average   models/drafters/A models/drafters/B --out models/drafters/A-B-avg
+    taps train vocab     [--target models/target] [--tokens 1000000]
 
 ``add_train_subcommands(subparsers)`` registers them under a ``train`` command of an argparse
 sub-parser set; ``python -m taps.train ...`` runs the same commands without the main CLI.
@@ -52,6 +53,13 @@ def _drafter(args) -> int:
     return 0
 
 
+def _vocab(args) -> int:
+    from .vocab import write_token_counts
+
+    write_token_counts(args.target, args.tokens, seed=args.seed, shared=args.shared_data)
+    return 0
+
+
 def _average(args) -> int:
     from .drafter import average_checkpoints
 
@@ -94,6 +102,15 @@ def add_train_subcommands(subparsers) -> argparse.ArgumentParser:
     av.add_argument("--out", type=Path, required=True)
     av.add_argument("--target", type=Path, default=REPO_ROOT / "models" / "target")
     av.set_defaults(func=_average)
+
+    vo = sub.add_parser("vocab", help="count the drafters' training tokens (token_counts.json in the target folder, "
+                                      "for reduced draft vocabularies)")
+    vo.add_argument("--target", type=Path, default=REPO_ROOT / "models" / "target")
+    vo.add_argument("--tokens", type=int, default=1_000_000, help="training tokens counted per domain (math, chat)")
+    vo.add_argument("--seed", type=int, default=0, help="the drafters' data seed")
+    vo.add_argument("--shared-data", type=Path, default=None,
+                    help="folder of the shared training data (default ../shared/data or $TAPS_SHARED_DATA)")
+    vo.set_defaults(func=_vocab)
     return train
 
 

@@ -1,0 +1,203 @@
+"""The lean forward path (taps.lean, taps.forward) against the Hugging Face modules it replaces.
+
+1. Prefill logits of the lean path equal the Hugging Face model's own forward, for Llama, Qwen2, Qwen3
+   (per-head q/k norms, head_dim != hidden / heads), Mistral and a Llama-3 rope-scaled config, in fp32
+   and bf16 (bf16: the same ops in the same order, so equal up to the attention kernel's rounding).
+2. The tree-verification forward: every node's hidden state equals the Hugging Face model run on the
+   prefix plus that node's path (what the node must see), and equals the Hugging Face path of the
+   engine (``lean=False``); captured layer inputs agree between the two paths.
+3. Stacked weight groups (G drafters as one batched forward) equal G separate forwards.
+4. Models the lean path does not cover are named and fall back; bad capture indices are refused.
+"""
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+import taps_ops  # noqa: E402
+from taps import hf  # noqa: E402
+from taps.forward import TargetForward  # noqa: E402
+from taps.lean import LeanCausalLM, cache_attend, causal_append, lean_support  # noqa: E402
+
+ARCHS = ["llama", "qwen2", "qwen3", "mistral", "llama3-rope"]
+
+
+def _model(arch="llama", vocab=97, layers=3, seed=0, dtype=torch.float32):
+    torch.manual_seed(seed)
+    prefix = {"llama": "Llama", "qwen2": "Qwen2", "qwen3": "Qwen3", "mistral": "Mistral",
+              "llama3-rope": "Llama"}[arch]
+    kw = dict(vocab_size=vocab, hidden_size=32, intermediate_size=48, num_hidden_layers=layers,
+              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, initializer_range=0.2,
+              tie_word_embeddings=False)
+    if arch == "qwen3":
+        kw.update(head_dim=16, rope_parameters={"rope_type": "default", "rope_theta": 5e5})
+    if arch == "llama3-rope":
+        kw.update(rope_parameters={"rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0, "low_freq_factor": 1.0,
+                                   "high_freq_factor": 4.0, "original_max_position_embeddings": 64})
+    if arch == "qwen2":
+        kw.update(use_sliding_window=False)
+    model = getattr(transformers, prefix + "ForCausalLM")(getattr(transformers, prefix + "Config")(**kw)).eval()
+    with torch.no_grad():  # non-trivial norm weights and biases, so that a dropped one shows
+        for name, p in model.named_parameters():
+            if "norm" in name or name.endswith("bias"):
+                p.add_(torch.randn_like(p) * 0.3)
+    return model.to(dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("arch", ARCHS)
+@torch.no_grad()
+def test_prefill_logits_equal_hugging_face(arch, dtype):
+    model = _model(arch, dtype=dtype)
+    assert lean_support(model) is None
+    ids = torch.randint(0, 97, (2, 11), generator=torch.Generator().manual_seed(1))
+    ref = model(input_ids=ids).logits.float()
+    fwd = TargetForward(hf.use_taps_attention(model), lean=True)
+    cache = fwd.new_cache(2, 32)
+    out = fwd.prefill(cache, ids, torch.tensor([11, 11]), 0, return_hidden=True)
+    got = fwd.logits(out.hidden_states).float()
+    assert cache.lengths.tolist() == [11, 11]
+    if dtype == torch.float32:
+        torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(out.logits, ref[:, -1], atol=1e-5, rtol=1e-5)
+        return
+    # bf16: against the fp32 model, the lean path's error may be at most twice Hugging Face's own
+    exact = _model(arch, dtype=torch.float32)(input_ids=ids).logits
+    err_hf, err_lean = (ref - exact).abs().max(), (got - exact).abs().max()
+    assert err_lean <= 2 * err_hf, (err_lean, err_hf)
+    assert torch.equal(out.logits.float(), got[:, -1])
+
+
+def _random_tree(n, vocab, gen):
+    parents = [-1] + [int(torch.randint(0, i, (1,), generator=gen)) for i in range(1, n)]
+    tokens = torch.randint(0, vocab, (n,), generator=gen)
+    depth = [0] * n
+    for i in range(1, n):
+        depth[i] = depth[parents[i]] + 1
+    mask = torch.zeros(n, (n + 63) // 64, dtype=torch.int64)
+    for i in range(n):
+        j = i
+        while j >= 0:
+            mask[i, j // 64] |= 1 << (j % 64)
+            j = parents[j]
+    return tokens, torch.tensor(parents), torch.tensor(depth), mask
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@torch.no_grad()
+def test_tree_forward_equals_per_path_reference_and_hf_path(arch):
+    model = hf.use_taps_attention(_model(arch))
+    gen = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(0, 97, (n,), generator=gen) for n in (9, 5)]
+    n = 13
+    trees = [_random_tree(n, 97, gen) for _ in prompts]
+    tokens = torch.stack([t[0] for t in trees])
+    depth = torch.stack([t[2] for t in trees])
+    mask = torch.stack([t[3] for t in trees])
+    ids = torch.zeros(2, 9, dtype=torch.int64)
+    for b, p in enumerate(prompts):
+        ids[b, :len(p)] = p
+        tokens[b, 0] = p[-1]  # the root is the last committed token: prefill all but it
+    lens = torch.tensor([len(p) - 1 for p in prompts])
+    outs = {}
+    for lean in (True, False):
+        fwd = TargetForward(model, lean=lean)
+        cache = fwd.new_cache(2, 40)
+        fwd.prefill(cache, ids, lens, 0)
+        outs[lean] = fwd.tree(cache, tokens, mask, depth, int(lens.max()), capture_layers=(0, 2))
+    torch.testing.assert_close(outs[True].hidden_states, outs[False].hidden_states, atol=1e-5, rtol=1e-5)
+    for i in (0, 2):
+        torch.testing.assert_close(outs[True].layers[i], outs[False].layers[i], atol=1e-5, rtol=1e-5)
+    logits = model.get_output_embeddings()(outs[True].hidden_states)
+    for b, p in enumerate(prompts):
+        parents = trees[b][1].tolist()
+        for node in range(n):
+            path, j = [], node
+            while j > 0:
+                path.append(int(tokens[b, j]))
+                j = parents[j]
+            seq = torch.cat([p, torch.tensor(path[::-1], dtype=torch.int64)]).unsqueeze(0)
+            torch.testing.assert_close(logits[b, node], model(input_ids=seq).logits[0, -1], atol=1e-4, rtol=1e-4)
+
+
+@torch.no_grad()
+def test_stacked_group_equals_separate_forwards():
+    models = [_model("llama", seed=s) for s in (3, 4)]
+    batch, num = 2, 5
+    ids = torch.randint(0, 97, (batch, num), generator=torch.Generator().manual_seed(5))
+    lens = torch.zeros(batch, dtype=torch.int64)
+    positions, mask = causal_append(lens, 0, num)
+
+    def run(lean, groups):
+        layer = lean.layers[0]
+        kv = [[torch.zeros(groups * batch, layer.kv_heads, 8, layer.head_dim) for _ in range(2)] for _ in lean.layers]
+        lean.rope.ensure(8, ids.device)
+        pos, m = positions.repeat(groups, 1), mask.repeat(groups, 1, 1, 1)
+        hidden = lean.hidden(ids.repeat(groups, 1), pos, cache_attend(kv, lean.layers, m, positions=pos))
+        return lean.logits(hidden)
+
+    stacked = run(LeanCausalLM(models), 2)  # [2, B * T, V]
+    for g, m in enumerate(models):
+        torch.testing.assert_close(stacked[g], run(LeanCausalLM(m), 1)[0], atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(stacked[g].view(batch, num, -1), m(input_ids=ids).logits, atol=1e-5, rtol=1e-5)
+
+
+def test_unsupported_models_fall_back_and_bad_capture_is_refused():
+    cfg = transformers.GPT2Config(vocab_size=50, n_embd=16, n_layer=1, n_head=2, n_positions=64)
+    gpt2 = transformers.GPT2LMHeadModel(cfg).eval()
+    assert "GPT2LMHeadModel" in lean_support(gpt2)
+    with pytest.raises(ValueError, match="lean path does not cover"):
+        TargetForward(gpt2, lean=True)
+    sliding = _model("mistral")
+    sliding.config.sliding_window = 4
+    for layer in sliding.model.layers:
+        layer.self_attn.sliding_window = 4
+    assert "sliding" in lean_support(sliding)
+    model = hf.use_taps_attention(_model("llama"))
+    fwd = TargetForward(model)
+    cache = fwd.new_cache(1, 16)
+    with pytest.raises(ValueError, match="outside"):
+        fwd.prefill(cache, torch.tensor([[1, 2, 3]]), torch.tensor([3]), 0, capture_layers=(3,))
+
+
+@pytest.mark.parametrize("sample", [dict(temperature=0.0), dict(temperature=1.0), dict(temperature=0.7, top_k=3),
+                                    dict(temperature=1.0, top_p=0.6)])
+@torch.no_grad()
+def test_lazy_head_verification_equals_the_full_logits(sample):
+    """Lazy verification (lm_head only for the rows the walk visits) gives the full-logits result, also
+    when the accepted path leaves the first-child chain; the children are planted on the target's most
+    likely tokens at random sibling positions so that walks go deep and off the chain."""
+    model = hf.use_taps_attention(_model("llama", vocab=50))
+    fwd = TargetForward(model)
+    fwd.new_cache(1, 8)
+    gen = torch.Generator().manual_seed(6)
+    batch, num = 5, 24
+    hidden = torch.randn(batch, num, 32, generator=gen) * 4  # peaked distributions: long accepted paths
+    logits = fwd.logits(hidden)
+    parents = torch.full((batch, num), -1)
+    tokens = torch.full((batch, num), -1)
+    off_chain = 0
+    for b in range(batch):
+        tokens[b, 0] = 7
+        n_real = num - b  # ragged: padding at the end of some trees
+        for i in range(1, n_real):
+            parents[b, i] = int(torch.randint(max(0, i - 4), i, (1,), generator=gen))
+        for p in range(n_real):
+            kids = [i for i in range(1, n_real) if parents[b, i] == p]
+            ranked = logits[b, p].argsort(descending=True).tolist()
+            for rank, i in zip(torch.randperm(len(kids), generator=gen).tolist(), kids):
+                tokens[b, i] = ranked[rank]  # distinct tokens among siblings, the argmax somewhere
+    longest = 0
+    for seed in range(20):
+        g1, g2 = torch.Generator().manual_seed(seed), torch.Generator().manual_seed(seed)
+        full = fwd.verify(hidden, tokens, parents, lazy=False, generator=g1, **sample)
+        lazy = fwd.verify(hidden, tokens, parents, lazy=True, generator=g2, **sample)
+        for a, b in zip(full, lazy):
+            assert torch.equal(a, b), (seed, full, lazy)
+        longest = max(longest, int(full.num_accepted.max()))
+        for b in range(batch):  # count accepted nodes that are not their parent's first child
+            for j in range(1, int(full.num_accepted[b]) + 1):
+                node = int(full.path[b, j])
+                off_chain += node != min(i for i in range(num) if parents[b, i] == parents[b, node])
+    assert off_chain > 5 and longest >= 3
