@@ -4,13 +4,16 @@
    manifest's sha256);
 2. streams one math answer (a GSM8K test problem) and one chat answer (an MT-Bench question), decoded
    with the merged tree of the math and chat specialists; tokens the target accepted from the drafts
-   are marked, and each answer is checked against the target's own greedy output;
+   are marked; each answer is then decoded again by the target alone with Hugging Face ``generate``
+   (its own copy of the weights, same dtype and threads), and the demo prints both speeds and their
+   ratio and checks that the answers are token for token the same;
 3. runs a small evaluation (a few prompts per benchmark, temperature 0) and prints the acceptance-length
    table (`taps eval` runs the full one).
 """
 
 from __future__ import annotations
 
+import copy
 import sys
 import time
 from typing import List
@@ -27,9 +30,15 @@ def add_demo_arguments(p) -> None:
     p.add_argument("--limit", type=int, default=None, help="prompts per benchmark in the evaluation (default 3, "
                                                            "quick 1)")
     p.add_argument("--max-new-tokens", type=int, default=None, help="default 96 (quick 40)")
-    p.add_argument("--depth", type=int, default=5)
-    p.add_argument("--top-k", type=int, default=8)
-    p.add_argument("--budget", type=int, default=32, help="nodes of one drafter's tree, root included")
+    p.add_argument("--strategy", default="merged", help="strategy of the streamed answers")
+    p.add_argument("--depth", type=int, default=None, help="default: SpeculativeDecoder's for the device")
+    p.add_argument("--top-k", type=int, default=None, help="default: SpeculativeDecoder's for the device")
+    p.add_argument("--budget", type=int, default=None,
+                   help="nodes of one drafter's tree, root included (default: SpeculativeDecoder's)")
+    p.add_argument("--draft-vocab", type=int, default=1024,
+                   help="drafters propose only the N most frequent target tokens (0: the whole vocabulary)")
+    p.add_argument("--dtype", default="fp32", choices=("fp32", "bf16"),
+                   help="weights and activations, for taps and Hugging Face alike")
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: default)")
     p.add_argument("--no-color", action="store_true", help="mark accepted tokens with brackets, not colour")
 
@@ -56,6 +65,15 @@ class _Marker:
         sys.stdout.flush()
 
 
+@torch.no_grad()
+def _hf_generate(model, prompt: List[int], new_tokens: int, eos_id: int) -> List[int]:
+    """The target's own greedy decoding: Hugging Face ``generate``."""
+    ids = torch.tensor([prompt], device=next(model.parameters()).device)
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens, do_sample=False,
+                         eos_token_id=eos_id, pad_token_id=eos_id)
+    return out[0, ids.shape[1]:].tolist()
+
+
 def demo(args) -> int:
     from . import models
     from .decoder import SpeculativeDecoder
@@ -68,46 +86,59 @@ def demo(args) -> int:
     new_tokens = args.max_new_tokens or (40 if args.quick else 96)
     color = sys.stdout.isatty() and not args.no_color
     t0 = time.time()
-    target, tok = models.load_target()
+    dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
+    target, tok = models.load_target(dtype=dtype)
+    reference = copy.deepcopy(target)  # Hugging Face generate on its own copy, untouched by taps
     have = models.available_drafters().get(args.family, [])
     if not {"math", "chat"} <= set(have):
         raise SystemExit(f"taps demo: the {args.family} math and chat drafters are missing from "
                          f"{models.models_dir() / 'drafters'} (found {have}); see docs/TRAINING.md")
-    drafters = {name: models.load_drafter(args.family, name, target) for name in have}
+    drafters = {name: models.load_drafter(args.family, name, target, draft_vocab=args.draft_vocab or None)
+                for name in have}
     n_t = sum(p.numel() for p in target.parameters())
     n_d = sum(p.numel() for p in drafters["math"].parameters())
     print(f"TAPS demo: target {n_t / 1e6:.1f}M parameters (models/target), {args.family} drafters "
           f"{', '.join(sorted(drafters))} ({n_d / 1e6:.2f}M parameters each, plus the target's embeddings "
           f"and lm_head); every file matches its manifest sha256. Loaded in {time.time() - t0:.1f}s.\n")
 
-    settings = dict(depth=args.depth, top_k=args.top_k, budget=args.budget)
-    merged = SpeculativeDecoder(target, [drafters["math"], drafters["chat"]], strategy="merged", **settings)
-    plain = SpeculativeDecoder(target, [], strategy="autoregressive")
+    settings = {k: v for k, v in dict(depth=args.depth, top_k=args.top_k, budget=args.budget).items() if v is not None}
+    pair = [drafters["math"], drafters["chat"]]
+    merged = SpeculativeDecoder(target, pair if args.strategy != "single" else pair[:1], strategy=args.strategy,
+                                **settings)
     mark = "green" if color else "[brackets]"
-    print(f"1. Streaming, greedy, merged tree of the math and chat specialists (budget {args.budget} nodes each); "
-          f"tokens accepted from the drafts in {mark}, the rest are the target's own.")
+    vocab = f"{args.draft_vocab} most frequent tokens" if args.draft_vocab else "the whole vocabulary"
+    print(f"1. Streaming, greedy, {args.strategy} strategy with the math and chat specialists (depth {merged.depth}, "
+          f"top_k {merged.top_k}, {merged.budget} nodes per drafter; draft vocabulary: {vocab}; {args.dtype}, "
+          f"{torch.get_num_threads()} thread(s)); tokens accepted from the drafts in {mark}, the rest are the "
+          "target's own.")
+    merged.generate([tok.encode_text("warm-up")], max_new_tokens=4)  # one-time setup outside the timings
+    _hf_generate(reference, [1, 2, 3], 2, tok.eos_id)
     for title, bench in (("math (GSM8K test)", "gsm8k"), ("chat (MT-Bench)", "mt_bench")):
         ex = load_eval_prompts(bench)[0]
         prompt = tok.encode_chat(ex.messages, add_generation_prompt=True)
         print(f"\n--- {title}: {ex.messages[-1]['content'][:300]}")
         print("--- answer: ", end="")
-        t1 = time.time()
+        t1 = time.perf_counter()
         out = merged.generate([prompt], max_new_tokens=new_tokens, eos_token_id=tok.eos_id,
                               stream=_Marker(tok, color))
-        dt = time.time() - t1
-        ref = plain.generate([prompt], max_new_tokens=new_tokens, eos_token_id=tok.eos_id)
+        dt = time.perf_counter() - t1
+        t1 = time.perf_counter()
+        ref = _hf_generate(reference, prompt, new_tokens, tok.eos_id)
+        dt_hf = time.perf_counter() - t1
         s = out.stats[0]
-        share = s.drafter_share
-        print(f"\n--- {s.new_tokens} tokens in {s.target_forwards + 1} target forwards (tau {s.tau:.2f}, "
-              f"{dt:.1f}s); accepted draft tokens proposed by the math drafter {share[0]:.0%}, the chat drafter "
-              f"{share[1]:.0%} (both when they agree); identical to the target's own greedy output: "
-              f"{out.tokens == ref.tokens}")
+        share = s.drafter_share + [0.0]
+        speed, speed_hf = s.new_tokens / dt, len(ref) / dt_hf
+        print(f"\n--- {s.new_tokens} tokens in {s.target_forwards + 1} target forwards (tau {s.tau:.2f}); accepted "
+              f"draft tokens proposed by the math drafter {share[0]:.0%}, the chat drafter {share[1]:.0%} (both when "
+              f"they agree)\n--- speed: taps {speed:.0f} tokens/s, Hugging Face generate {speed_hf:.0f} tokens/s: "
+              f"{speed / speed_hf:.2f}x; identical to the target's own greedy output: {out.tokens[0] == ref}")
 
     rows = [r for r in DEMO_ROWS if r in have or r not in ("math", "chat", "mixed", "mixed2", "avg")]
     print(f"\n2. Acceptance length tau (tokens per target forward) on {limit} prompt(s) per benchmark, temperature 0, "
           f"{new_tokens} new tokens (`taps eval` runs the full table):\n")
     res = evaluate(target, tok, {args.family: drafters}, strategies=rows, temperatures=[0.0], limit=limit,
-                   max_new_tokens=new_tokens, seed=0, batch_size=4, progress=not args.quick, **settings)
+                   max_new_tokens=new_tokens, seed=0, batch_size=4, progress=not args.quick,
+                   depth=merged.depth, top_k=merged.top_k, budget=merged.budget)
     print(format_tables(res))
     if res.get("greedy_mismatches"):
         print("taps demo: speculative greedy output differed from another row's: a bug", file=sys.stderr)

@@ -165,7 +165,8 @@ def evaluate(target, tokenizer, drafters: Mapping[str, Mapping[str, object]],
     Returns:
         ``{"config", "cells", "tables", "routing", "notes", "greedy_mismatches", "nodes_note"}``: cells is
         a list of dicts (see the module docstring); ``tables[family][temperature][row]`` maps each
-        benchmark and ``"avg"`` to tau and ``"nodes"`` to the mean nodes per step;
+        benchmark and ``"avg"`` to tau, ``"nodes"`` to the mean nodes per step and ``"tokens_per_s"`` to
+        the decoding speed over its benchmarks;
         ``routing[family][temperature][row][benchmark]`` maps ``"math"`` / ``"chat"`` to the share of
         routed steps.
     """
@@ -309,6 +310,7 @@ def _tables(cells: Sequence[dict]) -> Tuple[dict, dict]:
         entry = tables.setdefault(c["family"], {}).setdefault(t, {}).setdefault(c["row"], {})
         entry[c["benchmark"]] = c["tau"]
         entry.setdefault("_nodes", []).append(c["nodes_per_step"])
+        entry.setdefault("_speed", []).append((c.get("new_tokens", 0), c.get("wall_s", 0.0)))
         if "route_share" in c:
             routing.setdefault(c["family"], {}).setdefault(t, {}).setdefault(c["row"], {})[c["benchmark"]] = \
                 dict(c["route_share"])
@@ -316,8 +318,11 @@ def _tables(cells: Sequence[dict]) -> Tuple[dict, dict]:
         for rows in fam.values():
             for entry in rows.values():
                 nodes = entry.pop("_nodes")
+                speed = entry.pop("_speed")
                 entry["avg"] = _mean([v for v in entry.values()])
                 entry["nodes"] = _mean(nodes)
+                wall = sum(w for _, w in speed)
+                entry["tokens_per_s"] = sum(n for n, _ in speed) / wall if wall > 0 else float("nan")
     return tables, routing
 
 
@@ -330,7 +335,8 @@ def _fmt(x: float, digits: int = 2) -> str:
 def format_tables(results: dict) -> str:
     """The results as text: per family and temperature, tau per row (rows) and benchmark (columns, plus
     their mean ``avg``; the best value of each tau column marked ``*``) and the mean tree nodes verified
-    per step; then, for the routing rows, the share of steps routed to each specialist."""
+    per step and the decoding speed (new tokens per second of wall time over all its benchmarks); then, for
+    the routing rows, the share of steps routed to each specialist."""
     lines: List[str] = []
     order = list(results.get("config", {}).get("rows") or ROWS)
     for family, temps in results.get("tables", {}).items():
@@ -342,7 +348,7 @@ def format_tables(results: dict) -> str:
                     for c in cols}
             lines.append(f"{family}, temperature {temp}: tau (tokens per target forward; * = best per column)")
             width = max([len("row")] + [len(r) for r in names])
-            head = f"  {'row':<{width}}" + "".join(f"{c:>10}" for c in cols) + f"{'nodes':>8}"
+            head = f"  {'row':<{width}}" + "".join(f"{c:>10}" for c in cols) + f"{'nodes':>8}{'tok/s':>8}"
             lines.append(head)
             lines.append("  " + "-" * (len(head) - 2))
             for r in names:
@@ -351,7 +357,8 @@ def format_tables(results: dict) -> str:
                     v = rows[r].get(c, float("nan"))
                     mark = "*" if v == v and v == best[c] else " "
                     cells.append(f"{_fmt(v) + mark:>10}")
-                lines.append(f"  {r:<{width}}" + "".join(cells) + f"{_fmt(rows[r].get('nodes'), 1):>8}")
+                lines.append(f"  {r:<{width}}" + "".join(cells) + f"{_fmt(rows[r].get('nodes'), 1):>8}"
+                             f"{_fmt(rows[r].get('tokens_per_s'), 0):>8}")
             lines.append("")
             routing = results.get("routing", {}).get(family, {}).get(temp, {})
             if routing:

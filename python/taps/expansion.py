@@ -53,17 +53,15 @@ def scratch_positions(depth: int, top_k: int) -> int:
 
 
 def _top_logp(logits: Tensor, k: int, with_entropy: bool):
-    """Top-k log-probs and indices over the last dim of `logits` (in float32), and the entropy (nats) of
-    the softmax when asked (else None), without materialising the full log_softmax."""
-    logits = logits.float()
-    lse = logits.logsumexp(-1, keepdim=True)
-    values, ids = logits.topk(k, dim=-1)
+    """Top-k log-probs (float32) and indices over the last dim of `logits`, and the entropy (nats) of the
+    softmax when asked (else None)."""
+    logp = torch.log_softmax(logits, -1, dtype=torch.float32)
+    values, ids = logp.topk(k, dim=-1)
     entropy = None
     if with_entropy:
-        p = torch.softmax(logits, -1)
-        finite = torch.where(torch.isfinite(logits), logits, torch.zeros_like(logits))
-        entropy = lse.squeeze(-1) - (p * finite).sum(-1)
-    return values - lse, ids, entropy
+        finite = torch.where(torch.isfinite(logp), logp, torch.zeros_like(logp))
+        entropy = -(logp.exp() * finite).sum(-1)
+    return values, ids, entropy
 
 
 def _section(profiler, name):

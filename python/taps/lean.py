@@ -75,6 +75,22 @@ class Linear:
         self.weight = weights
         self.bias = biases
 
+    @staticmethod
+    def concat(parts: Sequence["Linear"]) -> "Linear":
+        """One Linear computing ``cat([p(x) for p in parts], -1)`` (weights concatenated along the output
+        features: a copy; bias zeros where a part has none)."""
+        stacked = parts[0].stacked
+        out_dim = -1 if stacked else 0
+        weight = torch.cat([p.weight.detach() for p in parts], dim=out_dim).contiguous()
+        fused = Linear(weight)
+        fused.stacked = stacked
+        if any(p.bias is not None for p in parts):
+            biases = [p.bias.detach() if p.bias is not None else
+                      p.weight.new_zeros((*p.weight.shape[:-2], 1, p.weight.shape[-1]) if stacked else p.weight.shape[0])
+                      for p in parts]
+            fused.bias = torch.cat(biases, dim=-1).contiguous()
+        return fused
+
     def pack(self) -> "Linear":
         """On the CPU, keep a copy of the weight in oneDNN's blocked layout (:func:`pack_weight`), so that
         calls skip re-laying it out (inference only: the packed path is used with autograd off)."""
@@ -167,6 +183,8 @@ class LayerWeights:
         self.gate = lin(lambda layer: layer.mlp.gate_proj)
         self.up = lin(lambda layer: layer.mlp.up_proj)
         self.down = lin(lambda layer: layer.mlp.down_proj)
+        self.qkv: Optional[Linear] = None       # fused projections (inference on the CPU, see pack)
+        self.gate_up: Optional[Linear] = None
         self.head_dim = int(getattr(attn, "head_dim"))
         self.heads = int(self.q.weight.shape[-1 if self.q.stacked else 0]) // self.head_dim
         self.kv_heads = int(self.k.weight.shape[-1 if self.k.stacked else 0]) // self.head_dim
@@ -175,7 +193,11 @@ class LayerWeights:
             raise ValueError(f"lean path: the MLP activation must be SiLU, got {type(getattr(mlp, 'act_fn', None)).__name__}")
 
     def pack(self) -> "LayerWeights":
-        """Pre-pack every projection for the CPU (:meth:`Linear.pack`)."""
+        """For inference on the CPU: fuse q/k/v and gate/up into one projection each (copies; the same
+        results bit for bit) and pre-pack every projection (:meth:`Linear.pack`)."""
+        if self.q.weight.device.type == "cpu":
+            self.qkv = Linear.concat([self.q, self.k, self.v]).pack()
+            self.gate_up = Linear.concat([self.gate, self.up]).pack()
         for lin in (self.q, self.k, self.v, self.o, self.gate, self.up, self.down):
             lin.pack()
         return self
@@ -205,16 +227,26 @@ def decoder_layer(w: LayerWeights, index: int, x: Tensor, cos: Tensor, sin: Tens
     groups = x.shape[0]
     h = w.in_norm(x) if w.in_norm is not None else x
     gb = groups * rows
-    q = w.q(h).view(gb, tokens, w.heads, w.head_dim)
-    k = w.k(h).view(gb, tokens, w.kv_heads, w.head_dim)
-    v = w.v(h).view(gb, tokens, w.kv_heads, w.head_dim)
-    if w.q_norm is not None:
-        q, k = _head_norm(w.q_norm, q, groups), _head_norm(w.k_norm, k, groups)
-    q = q * cos + q.roll(w.head_dim // 2, -1) * sin
-    k = k * cos + k.roll(w.head_dim // 2, -1) * sin
+    half = w.head_dim // 2
+    if w.qkv is not None and w.q_norm is None and torch.is_grad_enabled() is False:
+        qkv = w.qkv(h).view(gb, tokens, w.heads + 2 * w.kv_heads, w.head_dim)
+        qk, v = qkv.split([w.heads + w.kv_heads, w.kv_heads], dim=2)
+        qk = qk * cos + qk.roll(half, -1) * sin                   # q and k rotated together
+        q, k = qk.split([w.heads, w.kv_heads], dim=2)
+    else:
+        q = w.q(h).view(gb, tokens, w.heads, w.head_dim)
+        k = w.k(h).view(gb, tokens, w.kv_heads, w.head_dim)
+        v = w.v(h).view(gb, tokens, w.kv_heads, w.head_dim)
+        if w.q_norm is not None:
+            q, k = _head_norm(w.q_norm, q, groups), _head_norm(w.k_norm, k, groups)
+        q = q * cos + q.roll(half, -1) * sin
+        k = k * cos + k.roll(half, -1) * sin
     out = attend(index, q, k, v)                                   # [GB, Hq, T, D]
     x = x + w.o(out.transpose(1, 2).reshape(groups, rows * tokens, w.heads * w.head_dim))
     h = w.post_norm(x)
+    if w.gate_up is not None and not torch.is_grad_enabled():
+        gate, up = w.gate_up(h).chunk(2, dim=-1)
+        return x + w.down(F.silu(gate) * up)
     return x + w.down(F.silu(w.gate(h)) * w.up(h))
 
 
