@@ -113,7 +113,8 @@ def test_evaluate_structure(results):
         table = results["tables"]["eagle2"][t]
         assert list(table) == ROWS
         for row in ROWS:
-            assert set(table[row]) == {"gsm8k", "svamp", "avg", "nodes"}
+            assert set(table[row]) == {"gsm8k", "svamp", "avg", "nodes", "tokens_per_s"}
+            assert table[row]["tokens_per_s"] > 0
             assert table[row]["avg"] == pytest.approx((table[row]["gsm8k"] + table[row]["svamp"]) / 2)
         shares = results["routing"]["eagle2"][t]["route-confidence"]
         assert set(shares) == {"gsm8k", "svamp"}
