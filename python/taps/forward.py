@@ -23,7 +23,11 @@ import taps_ops
 from . import hf
 from .lean import LeanCausalLM, Linear, cache_attend, causal_append, lean_support, stack_key
 
-__all__ = ["TargetForward"]
+__all__ = ["TargetForward", "LAZY_HEAD_MIN"]
+
+#: lm_head size (vocabulary x hidden) from which verification computes only the visited rows on the CPU
+#: by default (below it, the few extra operations of the lazy walk cost more than the rows they save)
+LAZY_HEAD_MIN = 1 << 20
 
 
 class TargetForward:
@@ -128,7 +132,7 @@ class TargetForward:
         """``taps_ops.verify_tree`` of trees [B, N] from the final hidden states [B, N, H] of a tree forward.
 
         The walk reads the logits of the nodes it visits only (the accepted path); ``lazy`` (default: on
-        the CPU) computes the lm_head for those rows instead of all N: first for each tree's *first-child
+        the CPU for heads of at least :data:`LAZY_HEAD_MIN` weights and trees of 8 nodes or more) computes the lm_head for those rows instead of all N: first for each tree's *first-child
         chain* (the root, its best child, that child's best child, ...: siblings are ordered best first),
         then, when the walk reached a node whose row was not computed, for that node's chain, and the walk
         is run again with the same coins until every node on its path was computed. The result is
@@ -136,8 +140,8 @@ class TargetForward:
         one cheap matrix product and needs no host decisions, so it is the default there.
         """
         batch, num, _ = hidden.shape
-        if lazy is None:
-            lazy = hidden.device.type == "cpu"
+        if lazy is None:  # on the CPU, where the head is a large share of the step
+            lazy = hidden.device.type == "cpu" and self.head.weight.numel() >= LAZY_HEAD_MIN and num >= 8
         uniforms = torch.rand((batch, num), generator=generator, device=hidden.device, dtype=torch.float32)
         if not lazy or num == 1:
             return taps_ops.verify_tree(self.logits(hidden), tokens, parents, uniforms=uniforms, **sample)

@@ -1,0 +1,178 @@
+"""End-to-end speed with a large target and controlled acceptance (random weights; meant for a GPU).
+
+    PYTHONPATH=python python bench/bench_e2e_synthetic.py --shape llama3-8b --device cuda
+    PYTHONPATH=python python bench/bench_e2e_synthetic.py --shape tiny --device cpu      # logic check
+
+Target: a Llama with the shape of Llama-3-8B (``--shape tiny``: a small one), random weights, bf16 (fp32
+on the CPU). Drafter: an EAGLE head of the target's shape (one decoder layer reading the target's
+features, the target's lm_head: the cost of an EAGLE-2 drafter), whose proposals are steered to the
+target's own greedy continuation, computed once with Hugging Face ``generate`` on the same model: at every
+draft node on that continuation, the continuation's next token gets the highest logit, except with
+probability ``p`` (``--corrupt``), when the head's own random logits decide. So ``p`` sets the acceptance
+length tau (p = 0: every draft is accepted, tau = depth + 1).
+
+Rows: Hugging Face ``generate`` (greedy), taps ``autoregressive``, and taps ``single`` for each p: tokens/s,
+ratio to Hugging Face, tau, and whether the output equals Hugging Face's greedy output (in bf16 the tree
+forward and the one-token forward may round differently, so a near-tie can flip; the speed stands).
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import os
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import print_table  # noqa: E402
+
+import transformers  # noqa: E402
+
+from taps import EagleDrafter, SpeculativeDecoder  # noqa: E402
+from taps.drafters import _EagleGroup  # noqa: E402
+
+SHAPES = {
+    "llama3-8b": dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                      num_attention_heads=32, num_key_value_heads=8, rope_parameters={"rope_type": "default",
+                                                                                      "rope_theta": 500000.0}),
+    "tiny": dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+                 num_key_value_heads=2),
+}
+
+BONUS = 1e4
+
+
+class _OracleGroup(_EagleGroup):
+    """An EAGLE head's group whose logits favour the oracle continuation (see the module docstring)."""
+
+    def start(self, input_ids, prompt_lens, root, hidden, max_len, prompt_lens_host=None):
+        oracle = self.drafters[0].oracle
+        self.prompt = prompt_lens.to(self.fc.weight.device).repeat(self.groups)
+        self.continuation = oracle["tokens"].to(self.fc.weight.device).repeat(self.groups, 1)
+        self.corrupt, self.gen = oracle["corrupt"], oracle["generator"]
+        super().start(input_ids, prompt_lens, root, hidden, max_len, prompt_lens_host)
+
+    def _steer(self, logits, offset, on_path):
+        """Raise the oracle token at continuation index `offset` [R] for rows/nodes on the path."""
+        width = self.continuation.shape[1]
+        idx = offset.clamp(0, width - 1)
+        target = self.continuation.gather(1, idx.view(idx.shape[0], -1)).view(idx.shape)
+        keep = on_path & (offset < width)
+        keep &= torch.rand(keep.shape, generator=self.gen, device=keep.device) >= self.corrupt
+        bonus = torch.zeros_like(logits).scatter_(-1, target.unsqueeze(-1), BONUS)
+        return logits + bonus * keep.unsqueeze(-1)
+
+    def _append(self, tokens, hidden, num_new, num_new_host):
+        super()._append(tokens, hidden, num_new, num_new_host)
+        # entry prompt - 1 holds the first generated token (continuation[0]) and the last entry the root,
+        # so the token after the root is continuation[lengths - prompt + 1]
+        self.base = self.lengths - self.prompt + 1
+        self.root_logits = self._steer(self.root_logits, self.base, torch.ones_like(self.base, dtype=torch.bool))
+
+    def forward_nodes(self, tokens, parent_slot, write_start, rope_pos, mask, level):
+        logits = super().forward_nodes(tokens, parent_slot, write_start, rope_pos, mask, level)
+        offset = self.base.unsqueeze(1) + level  # continuation index of each node's child
+        expected = self.continuation.gather(1, (offset - 1).clamp(0, self.continuation.shape[1] - 1))
+        match = tokens == expected
+        if level > 1:
+            match &= self.on_path.gather(1, parent_slot)
+        self.on_path = match
+        return self._steer(logits, offset, match)
+
+
+class OracleDrafter(EagleDrafter):
+    """An EAGLE head steered to a known continuation (benchmark only)."""
+
+    oracle: dict = {}
+
+    def group_key(self):
+        return None
+
+    @classmethod
+    def make_group(cls, drafters):
+        return _OracleGroup(drafters)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--shape", default="llama3-8b", choices=sorted(SHAPES))
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--dtype", default=None, choices=("fp32", "bf16"), help="default bf16 on CUDA, fp32 on the CPU")
+    ap.add_argument("--prompt-len", type=int, default=128)
+    ap.add_argument("--new-tokens", type=int, default=128)
+    ap.add_argument("--corrupt", type=float, nargs="+", default=[0.0, 0.1, 0.25, 0.5, 1.0])
+    ap.add_argument("--depth", type=int, default=5)
+    ap.add_argument("--top-k", type=int, default=8)
+    ap.add_argument("--budget", type=int, default=32)
+    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--threads", type=int, default=0)
+    args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    device = torch.device(args.device)
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}.get(args.dtype) or (
+        torch.bfloat16 if device.type == "cuda" else torch.float32)
+    cfg = transformers.LlamaConfig(**SHAPES[args.shape], max_position_embeddings=8192, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    t0 = time.perf_counter()
+    with torch.device(device):
+        target = transformers.LlamaForCausalLM(cfg).to(dtype).eval()
+    print(f"target {args.shape} ({sum(p.numel() for p in target.parameters()) / 1e9:.2f}B parameters, "
+          f"{str(dtype).replace('torch.', '')}, {device}) built in {time.perf_counter() - t0:.0f}s; prompt "
+          f"{args.prompt_len}, {args.new_tokens} new tokens, batch 1; depth {args.depth}, top_k {args.top_k}, "
+          f"budget {args.budget}")
+    prompt = torch.randint(0, cfg.vocab_size, (1, args.prompt_len), generator=torch.Generator().manual_seed(1))
+    ids = prompt.to(device)
+
+    def sync():
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+
+    def timed(fn):
+        best, out = float("inf"), None
+        for _ in range(args.repeats):
+            sync()
+            t = time.perf_counter()
+            out = fn()
+            sync()
+            best = min(best, time.perf_counter() - t)
+        return best, out
+
+    hf_kw = dict(max_new_tokens=args.new_tokens, min_new_tokens=args.new_tokens, do_sample=False,
+                 attention_mask=torch.ones_like(ids), pad_token_id=0)
+    with torch.no_grad():
+        target.generate(ids, **{**hf_kw, "max_new_tokens": 4, "min_new_tokens": 4})  # warm-up
+        hf_s, hf_out = timed(lambda: target.generate(ids, **hf_kw))
+    continuation = hf_out[:, ids.shape[1]:]
+    reference = continuation[0].tolist()
+    rows = [["HF generate", "-", f"{args.new_tokens / hf_s:.1f}", "1.00x", "-", "yes"]]
+
+    def run(dec):
+        dec.generate(prompt[0].tolist(), max_new_tokens=4)  # warm-up (allocations, packing)
+        sec, out = timed(lambda: dec.generate(prompt[0].tolist(), max_new_tokens=args.new_tokens))
+        tps = len(out.tokens[0]) / sec
+        same = "yes" if out.tokens[0] == reference[:len(out.tokens[0])] else "no (bf16 rounding?)"
+        return tps, out.summary["tau"], same
+
+    tps, tau, same = run(SpeculativeDecoder(target, [], strategy="autoregressive"))
+    rows.append(["taps autoregressive", "-", f"{tps:.1f}", f"{tps * hf_s / args.new_tokens:.2f}x", f"{tau:.2f}", same])
+    head_cfg = copy.deepcopy(cfg)
+    head_cfg.num_hidden_layers = 1
+    for p in args.corrupt:
+        drafter = OracleDrafter(head_cfg)
+        drafter.oracle = {"tokens": continuation, "corrupt": p,
+                          "generator": torch.Generator(device=device).manual_seed(2)}
+        dec = SpeculativeDecoder(target, [drafter], strategy="single", depth=args.depth, top_k=args.top_k,
+                                 budget=args.budget)
+        tps, tau, same = run(dec)
+        rows.append([f"taps single, oracle drafter", f"{p:g}", f"{tps:.1f}", f"{tps * hf_s / args.new_tokens:.2f}x",
+                     f"{tau:.2f}", same])
+    print_table(["row", "corrupt p", "tokens/s", "vs HF generate", "tau", "= HF greedy"], rows,
+                title="End to end, synthetic target, controlled acceptance")
+
+
+if __name__ == "__main__":
+    main()

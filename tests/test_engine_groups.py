@@ -1,0 +1,157 @@
+"""Drafter groups, reduced draft vocabularies and the engine's two target paths (tiny random models, CPU).
+
+1. Drafters of one shape run as one batched group; its candidates equal each drafter run on its own.
+2. A routing decision that drops drafters from a batched group (route-*-prompt) keeps decoding exact.
+3. A reduced draft vocabulary: every proposed token is in it, and greedy output is still the target's.
+4. The lean target path and the Hugging Face path give the same greedy tokens for every strategy kind.
+"""
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+import taps_ops  # noqa: E402,F401
+from taps import EagleDrafter, ModelDrafter, SpeculativeDecoder  # noqa: E402
+from taps import hf  # noqa: E402
+from taps.drafters import make_groups  # noqa: E402
+
+VOCAB = 80
+
+
+def _llama(hidden=32, layers=2, seed=0, head_scale=4.0):
+    cfg = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=hidden, intermediate_size=2 * hidden,
+                                   num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
+                                   max_position_embeddings=512, initializer_range=0.1, tie_word_embeddings=False)
+    torch.manual_seed(seed)
+    model = transformers.LlamaForCausalLM(cfg).eval()
+    with torch.no_grad():
+        model.lm_head.weight.mul_(head_scale)
+    return model
+
+
+def _eagle(target, seed):
+    cfg = transformers.LlamaConfig(**{**target.config.to_dict(), "num_hidden_layers": 1})
+    torch.manual_seed(seed)
+    d = EagleDrafter(cfg)
+    with torch.no_grad():
+        for p in d.parameters():
+            if p.dim() > 1:
+                p.normal_(0, 0.2)
+    return d
+
+
+@torch.no_grad()
+def _greedy(model, prompt, steps):
+    seq = list(prompt)
+    for _ in range(steps):
+        seq.append(int(model(input_ids=torch.tensor([seq])).logits[0, -1].argmax()))
+    return seq[len(prompt):]
+
+
+PROMPTS = [[5, 17, 42, 8, 61, 3], [3, 3, 19, 12, 7, 64, 9, 2, 33, 41, 11]]
+NEW = 12
+
+
+@torch.no_grad()
+def test_group_candidates_equal_each_drafter_alone():
+    target = hf.use_taps_attention(_llama(seed=1))
+    a, b = _eagle(target, 3), _eagle(target, 4)
+    for d in (a, b):
+        d.bind(target)
+    group, = make_groups([a, b])
+    assert group.groups == 2 and group.members == [0, 1]
+    batch, longest = len(PROMPTS), max(len(p) for p in PROMPTS)
+    ids = torch.zeros((batch, longest), dtype=torch.int64)
+    for i, p in enumerate(PROMPTS):
+        ids[i, :len(p)] = torch.tensor(p)
+    lens = torch.tensor([len(p) for p in PROMPTS])
+    cache = hf.TreeKVCache.for_model(target, batch, 64)
+    pre = hf.prefill(target, cache, ids, lens, return_hidden=True)
+    root = pre.logits.argmax(-1)
+    group.start(ids, lens, root, pre.hidden_states, 64)
+    together = group.draft(3, 3)
+    for g, d in enumerate((a, b)):
+        d.start(ids, lens, root, pre.hidden_states, 64)
+        alone = d.draft(3, 3)
+        rows = slice(g * batch, (g + 1) * batch)
+        torch.testing.assert_close(together.scores[rows], alone.scores, atol=1e-5, rtol=1e-5)
+        assert torch.equal(together.tokens[rows], alone.tokens)
+        assert torch.equal(together.parents[rows], alone.parents)
+    # a step later (one accepted token + the bonus), still the same
+    new = torch.stack([root, root.flip(0)], 1)
+    hidden = pre.hidden_states[:, :2]
+    group.advance(new, torch.tensor([2, 1]), hidden, [2, 1])
+    together = group.draft(3, 3)
+    for g, d in enumerate((a, b)):
+        d.advance(new, torch.tensor([2, 1]), hidden)
+        alone = d.draft(3, 3)
+        rows = slice(g * batch, (g + 1) * batch)
+        torch.testing.assert_close(together.scores[rows], alone.scores, atol=1e-5, rtol=1e-5)
+        assert torch.equal(together.tokens[rows], alone.tokens)
+    # routing that keeps drafter b only: the group of one carries b's caches and state over
+    kept = group.subset([1])
+    assert kept.groups == 1 and kept.members == [1]
+    for group_now, step in ((kept, 0), (kept, 1)):
+        if step:
+            group_now.advance(new[:, :1], torch.tensor([1, 1]), hidden[:, :1], [1, 1])
+            b.advance(new[:, :1], torch.tensor([1, 1]), hidden[:, :1])
+        mine, ref = group_now.draft(3, 3), b.draft(3, 3)
+        torch.testing.assert_close(mine.scores, ref.scores, atol=1e-5, rtol=1e-5)
+        assert torch.equal(mine.tokens, ref.tokens)
+
+
+@pytest.mark.parametrize("strategy", ["route-confidence-prompt", "route-entropy-prompt"])
+def test_routing_that_drops_drafters_from_a_group(strategy):
+    target = _llama(seed=1)
+    drafters = [_eagle(target, 5), ModelDrafter(target), _eagle(target, 6)]  # eagles 0 and 2 share a group
+    dec = SpeculativeDecoder(target, drafters, strategy=strategy, depth=3, top_k=3, budget=8, route_steps=2)
+    out = dec.generate(PROMPTS * 2, max_new_tokens=NEW)
+    for b, p in enumerate(PROMPTS * 2):
+        assert out.tokens[b] == _greedy(target, p, NEW)
+    alive = dec.strategy.alive()
+    assert len(alive) < 3  # some drafter was dropped for the rest of the generation
+    fixed = dec.strategy.fixed.tolist()
+    assert sorted(set(fixed)) == alive
+    for s, choice in zip(out.stats, fixed):
+        assert s.route_decisions[2:] == [choice] * (len(s.route_decisions) - 2)
+
+
+def test_reduced_draft_vocabulary():
+    target = _llama(seed=1)
+    vocab = torch.tensor(sorted(set(range(0, VOCAB, 2)) | {3, 17, 61}))
+    d = ModelDrafter(target).set_draft_vocab(vocab)
+    e = _eagle(target, 7).set_draft_vocab(vocab)
+    allowed = set(vocab.tolist())
+    for drafters, strategy in (([d], "single"), ([d, e], "merged")):
+        dec = SpeculativeDecoder(target, drafters, strategy=strategy, depth=3, top_k=3, budget=8)
+        seen = []
+        real = dec.strategy.combine
+
+        def combine(cands, root, real=real):
+            seen.append(cands.tokens.flatten().tolist())
+            return real(cands, root)
+        dec.strategy.combine = combine
+        out = dec.generate(PROMPTS, max_new_tokens=NEW)
+        for b, p in enumerate(PROMPTS):
+            assert out.tokens[b] == _greedy(target, p, NEW)
+        proposed = {t for step in seen for t in step}
+        assert proposed <= allowed, proposed - allowed
+        assert out.summary["tau"] > 1.2  # the copy of the target still proposes its tokens where allowed
+    with pytest.raises(ValueError, match="distinct"):
+        ModelDrafter(target).set_draft_vocab(torch.tensor([1, 1]))
+    with pytest.raises(ValueError, match="in \\[0, 80\\)"):
+        ModelDrafter(target).set_draft_vocab(torch.tensor([1, VOCAB]))
+
+
+@pytest.mark.parametrize("strategy", ["single", "merged-budget", "adaptive"])
+def test_lean_and_hugging_face_paths_agree(strategy):
+    target = _llama(seed=1)
+    drafters = [_eagle(target, 8)] if strategy == "single" else [_eagle(target, 8), ModelDrafter(target)]
+    outs = []
+    for lean in (True, False):
+        dec = SpeculativeDecoder(target, drafters, strategy=strategy, depth=3, top_k=3, budget=8, lean=lean)
+        assert (dec.forward.use_lean is True) == lean
+        outs.append(dec.generate(PROMPTS, max_new_tokens=NEW))
+    assert outs[0].tokens == outs[1].tokens == [_greedy(target, p, NEW) for p in PROMPTS]
+    assert [s.accepted for s in outs[0].stats] == [s.accepted for s in outs[1].stats]
