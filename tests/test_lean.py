@@ -177,6 +177,7 @@ def test_lazy_head_verification_equals_the_full_logits(sample):
     logits = fwd.logits(hidden)
     parents = torch.full((batch, num), -1)
     tokens = torch.full((batch, num), -1)
+    tree_mask = torch.zeros((batch, num, (num + 63) // 64), dtype=torch.int64)
     off_chain = 0
     for b in range(batch):
         tokens[b, 0] = 7
@@ -188,11 +189,16 @@ def test_lazy_head_verification_equals_the_full_logits(sample):
             ranked = logits[b, p].argsort(descending=True).tolist()
             for rank, i in zip(torch.randperm(len(kids), generator=gen).tolist(), kids):
                 tokens[b, i] = ranked[rank]  # distinct tokens among siblings, the argmax somewhere
+        for i in range(n_real):
+            j = i
+            while j >= 0:
+                tree_mask[b, i, j // 64] |= 1 << (j % 64)
+                j = int(parents[b, j])
     longest = 0
     for seed in range(20):
         g1, g2 = torch.Generator().manual_seed(seed), torch.Generator().manual_seed(seed)
-        full = fwd.verify(hidden, tokens, parents, lazy=False, generator=g1, **sample)
-        lazy = fwd.verify(hidden, tokens, parents, lazy=True, generator=g2, **sample)
+        full = fwd.verify(hidden, tokens, parents, tree_mask, lazy=False, generator=g1, **sample)
+        lazy = fwd.verify(hidden, tokens, parents, tree_mask, lazy=True, generator=g2, **sample)
         for a, b in zip(full, lazy):
             assert torch.equal(a, b), (seed, full, lazy)
         longest = max(longest, int(full.num_accepted.max()))

@@ -334,8 +334,8 @@ class SpeculativeDecoder:
                     fwd = self.forward.tree(cache, tree.tokens, tree.tree_mask, tree.depth, max(host_lengths),
                                             capture_layers=capture)
                 with prof.section("verify"):
-                    ver = self.forward.verify(fwd.hidden_states, tree.tokens, tree.parents, lazy=self.lazy_head,
-                                              **sample)
+                    ver = self.forward.verify(fwd.hidden_states, tree.tokens, tree.parents, tree.tree_mask,
+                                              lazy=self.lazy_head, **sample)
                 accepted, path = ver.num_accepted, ver.path
                 any_done = any(done)
                 if any_done:

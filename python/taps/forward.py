@@ -127,50 +127,66 @@ class TargetForward:
         """The lm_head over hidden [..., H]."""
         return self.head(hidden)
 
-    def verify(self, hidden: Tensor, tokens: Tensor, parents: Tensor, *, lazy: Optional[bool] = None,
-               generator: Optional[torch.Generator] = None, **sample) -> taps_ops.VerifyOutput:
+    def verify(self, hidden: Tensor, tokens: Tensor, parents: Tensor, tree_mask: Optional[Tensor] = None, *,
+               lazy: Optional[bool] = None, generator: Optional[torch.Generator] = None,
+               **sample) -> taps_ops.VerifyOutput:
         """``taps_ops.verify_tree`` of trees [B, N] from the final hidden states [B, N, H] of a tree forward.
 
-        The walk reads the logits of the nodes it visits only (the accepted path); ``lazy`` (default: on
-        the CPU for heads of at least :data:`LAZY_HEAD_MIN` weights and trees of 8 nodes or more) computes the lm_head for those rows instead of all N: first for each tree's *first-child
-        chain* (the root, its best child, that child's best child, ...: siblings are ordered best first),
-        then, when the walk reached a node whose row was not computed, for that node's chain, and the walk
-        is run again with the same coins until every node on its path was computed. The result is
-        exactly that of the full-logits walk (the same rows, the same coins). On a GPU the full head is
-        one cheap matrix product and needs no host decisions, so it is the default there.
+        The walk reads the logits of the nodes it visits only (the accepted path). ``lazy`` (needs the
+        trees' ``tree_mask``; default: on the CPU, for heads of at least :data:`LAZY_HEAD_MIN` weights and
+        trees of 8 nodes or more) computes the lm_head for those rows instead of all N: first for each
+        tree's *first-child chain* (the root, its best child, that child's best child, ...: siblings are
+        ordered best first), then, when the walk reached a node whose row was not computed, for that
+        node's chain, and the walk is run again with the same coins until every node on its path was
+        computed. The result is exactly that of the full-logits walk (the same rows, the same coins). On a
+        GPU the full head is one cheap matrix product and needs no host decisions: the default there.
         """
         batch, num, _ = hidden.shape
         if lazy is None:  # on the CPU, where the head is a large share of the step
             lazy = hidden.device.type == "cpu" and self.head.weight.numel() >= LAZY_HEAD_MIN and num >= 8
         uniforms = torch.rand((batch, num), generator=generator, device=hidden.device, dtype=torch.float32)
-        if not lazy or num == 1:
+        if not lazy or num == 1 or tree_mask is None:
             return taps_ops.verify_tree(self.logits(hidden), tokens, parents, uniforms=uniforms, **sample)
-        # first child of every node (siblings are in score order, children after their parent)
-        idx = torch.arange(num, device=hidden.device)
-        first = torch.full((batch, num + 1), num, dtype=torch.int64, device=hidden.device)
-        real = (parents >= 0) & (tokens >= 0)
-        first.scatter_reduce_(1, torch.where(real, parents, num), idx.expand(batch, num), "amin")
-        first = torch.where(first[:, :num] < num, first[:, :num], -1)           # [B, N], -1: a leaf
+        chains = _FirstChildChains(tokens, parents, tree_mask)
         logits = hidden.new_zeros((batch, num, self.head.weight.shape[0]))
         done = torch.zeros((batch, num), dtype=torch.bool, device=hidden.device)
-        start = torch.zeros((batch, 1), dtype=torch.int64, device=hidden.device)  # the roots
+        start = torch.zeros(batch, dtype=torch.int64, device=hidden.device)  # the roots
         while True:
-            chain = [start]
-            for _ in range(num - 1):
-                nxt = first.gather(1, chain[-1].clamp_min(0)).masked_fill(chain[-1] < 0, -1)
-                if bool((nxt < 0).all()):
-                    break
-                chain.append(nxt)
-            rows = torch.cat(chain, 1)
-            rows = torch.where(rows < 0, rows[:, :1], rows)                    # pad with a computed row
-            logits.scatter_(1, rows.unsqueeze(-1).expand(-1, -1, logits.shape[-1]),
-                            self.logits(hidden.gather(1, rows.unsqueeze(-1).expand(-1, -1, hidden.shape[-1]))))
-            done.scatter_(1, rows, True)
+            rows = chains.below(start) & ~done
+            logits[rows] = self.logits(hidden[rows])
+            done |= rows
             ver = taps_ops.verify_tree(logits, tokens, parents, uniforms=uniforms, **sample)
-            path = ver.path
-            missing = ~done.gather(1, path.clamp_min(0)) & (path >= 0)          # [B, N]
+            missing = ~done.gather(1, ver.path.clamp_min(0)) & (ver.path >= 0)   # [B, N]
             if not bool(missing.any()):
                 return ver
-            # per request, the first path node whose row is missing (or the root again when none)
-            pos = torch.where(missing, idx, num).amin(1, keepdim=True)
-            start = torch.where(pos < num, path.gather(1, pos.clamp_max(num - 1)), 0)
+            # per request, the first path node whose row is missing (its chain is computed next)
+            first = missing.long().argmax(1)
+            start = torch.where(missing.any(1), ver.path.gather(1, first.unsqueeze(1)).squeeze(1), 0)
+
+
+class _FirstChildChains:
+    """Which nodes of trees [B, N] lie on the first-child chain below a given node, from the ancestor
+    bitmask: node i is on the chain below s when s is an ancestor-or-self of i and every node of the path
+    from s (excluded) to i is its parent's first child (lowest index)."""
+
+    def __init__(self, tokens: Tensor, parents: Tensor, tree_mask: Tensor):
+        batch, num = tokens.shape
+        words = tree_mask.shape[-1]
+        idx = torch.arange(num, device=tokens.device)
+        real = (parents >= 0) & (tokens >= 0)
+        first = torch.full((batch, num + 1), num, dtype=torch.int64, device=tokens.device)
+        first.scatter_reduce_(1, torch.where(real, parents, num), idx.expand(batch, num), "amin")
+        is_first = (first[:, :num].gather(1, parents.clamp_min(0)) == idx) & real
+        not_first = torch.nn.functional.pad(~is_first, (0, words * 64 - num)).view(batch, words, 64)
+        bit = torch.arange(64, device=tokens.device)
+        self.not_first = (not_first.long() << bit).sum(-1)          # [B, W]: distinct bits, so sum == or
+        self.mask, self.real, self.words = tree_mask, tokens >= 0, words
+
+    def below(self, start: Tensor) -> Tensor:
+        """[B, N] bool: the nodes on the first-child chain below start [B] (start itself included)."""
+        batch, num, words = self.mask.shape
+        anc = self.mask.gather(1, start.view(batch, 1, 1).expand(batch, 1, words))       # [B, 1, W]
+        word = self.mask.gather(2, (start // 64).view(batch, 1, 1).expand(batch, num, 1)).squeeze(-1)
+        under = ((word >> (start % 64).view(batch, 1)) & 1).bool()                       # start is an ancestor
+        clean = ((self.mask & ~anc & self.not_first.unsqueeze(1)) == 0).all(-1)
+        return under & clean & self.real
