@@ -210,3 +210,19 @@ def test_weights_sha256_single_and_sharded(tmp_path):
     assert weights_sha256(sharded) != before
     with pytest.raises(FileNotFoundError, match="weights"):
         weights_sha256(tmp_path)
+
+
+def test_bf16_target_features(tiny_setup, tmp_path):
+    """--target-dtype bfloat16: the features come from the target in bf16 (close to the fp32 ones, not
+    equal), the cache records the dtype (an fp32 cache is not reused), and the run trains and exports."""
+    cfg, _ = tiny_setup
+    TD.train_drafter(cfg(tokens=1024, run_dir=tmp_path / "r32", out=tmp_path / "o32"))
+    f32 = (tmp_path / "features" / "math" / "train.bf16").read_bytes()
+    c = cfg(tokens=1024, target_dtype="bfloat16", run_dir=tmp_path / "r16", out=tmp_path / "o16")
+    assert TD.train_drafter(c)["finished"]
+    index = json.loads((tmp_path / "features" / "math" / "index.json").read_text())
+    assert index["key"]["target_dtype"] == "bfloat16"
+    f16 = (tmp_path / "features" / "math" / "train.bf16").read_bytes()
+    a, b = (torch.frombuffer(bytearray(x), dtype=torch.bfloat16).float() for x in (f32, f16))
+    assert not torch.equal(a, b) and (a - b).abs().max() < 0.1 and (a - b).abs().mean() < 0.01
+    assert json.loads((c.out / "manifest.json").read_text())["train_config"]["target_dtype"] == "bfloat16"

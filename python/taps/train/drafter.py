@@ -60,6 +60,7 @@ FAMILIES = ("eagle2", "hass")
 DATA_MIXES = ("math", "chat", "mixed")
 DOMAINS = ("math", "chat")
 EVAL_STEPS = 3  # alignment steps of the held-out accuracy (acc@1 .. acc@3)
+TARGET_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 @dataclass
@@ -87,6 +88,7 @@ class DrafterTrainConfig:
     topk: int = 10  # hass only
     align_steps: int = 3  # hass only (eagle2 trains one step)
     noise: float = 0.1
+    target_dtype: str = "float32"  # the target's weights while it computes features (bfloat16 halves them)
     seed: int = 0
     device: str = "auto"
     threads: int = 0
@@ -108,6 +110,8 @@ class DrafterTrainConfig:
         for k in ("tokens", "seq_len", "batch_size", "topk", "align_steps"):
             if getattr(self, k) < 1:
                 raise ValueError(f"{k} must be >= 1, got {getattr(self, k)}")
+        if self.target_dtype not in TARGET_DTYPES:
+            raise ValueError(f"target_dtype must be one of {tuple(TARGET_DTYPES)}, got {self.target_dtype!r}")
         if self.micro_batch < 0:
             raise ValueError(f"micro_batch must be >= 0, got {self.micro_batch}")
         self.name = self.name or f"{self.family}-{self.data}"
@@ -125,7 +129,7 @@ class DrafterTrainConfig:
     def run_key(self) -> dict:
         keys = ("family", "data", "tokens", "heldout_tokens", "seq_len", "batch_size", "lr", "min_lr",
                 "warmup_steps", "weight_decay", "grad_clip", "reg_weight", "cls_weight", "topk_weight", "topk",
-                "align_steps", "noise", "seed")
+                "align_steps", "noise", "seed", "target_dtype")
         return {k: getattr(self, k) for k in keys}
 
 
@@ -136,6 +140,8 @@ def add_drafter_arguments(p) -> None:
     p.add_argument("--tokens", type=int, default=d.tokens, help="training tokens (one pass)")
     p.add_argument("--name", default=None, help="checkpoint name (default <family>-<data>)")
     p.add_argument("--target", type=Path, default=d.target, help="target model folder (taps train target)")
+    p.add_argument("--target-dtype", choices=tuple(TARGET_DTYPES), default=d.target_dtype,
+                   help="the target's weights while it computes the features (bfloat16: half the memory)")
     p.add_argument("--out", type=Path, default=None, help="export folder (default models/drafters/<name>)")
     p.add_argument("--run-dir", type=Path, default=None, help="checkpoint and log (default runs/drafters/<name>)")
     p.add_argument("--feature-dir", type=Path, default=d.feature_dir, help="cache of target features per domain")
@@ -277,7 +283,7 @@ def load_domain_features(domain: str, cfg: DrafterTrainConfig, tokens: int, targ
 
     ctx = ctx or D.DistContext(device=torch.device(device))
     key = {"domain": domain, "seq_len": cfg.seq_len, "seed": cfg.seed, "heldout_tokens": cfg.heldout_tokens,
-           "target_sha256": weights_sha256(cfg.target),
+           "target_sha256": weights_sha256(cfg.target), "target_dtype": cfg.target_dtype,
            "tokenizer_sha256": sha256_file(Path(cfg.target) / "tokenizer.json")}
     folder = Path(cfg.feature_dir) / domain
     need = -(-tokens // cfg.seq_len)
@@ -519,9 +525,13 @@ def _train_drafter(cfg: DrafterTrainConfig, ctx: D.DistContext) -> dict:
     from taps.models import load_target
 
     device = ctx.device
-    target, tok = load_target(cfg.target, verify=False)  # fp32
+    target, tok = load_target(cfg.target, dtype=TARGET_DTYPES[cfg.target_dtype], verify=False)
     target.to(device).requires_grad_(False)
     train, feats, dom, held, data_info = training_blocks(cfg, target, tok, device, ctx)
+    # training needs only the target's embeddings and lm_head (fp32); the rest leaves the device
+    head_w = target.get_output_embeddings().weight.detach().float()
+    embed_w = target.get_input_embeddings().weight.detach().float()
+    target.to("cpu")
     total_steps = len(train) // cfg.batch_size
     if total_steps < 1:
         raise ValueError(f"{len(train)} training blocks are fewer than one batch of {cfg.batch_size}")
@@ -530,8 +540,6 @@ def _train_drafter(cfg: DrafterTrainConfig, ctx: D.DistContext) -> dict:
     torch.manual_seed(cfg.seed)
     drafter = new_drafter(target).to(device)
     drafter.train()
-    head_w = target.get_output_embeddings().weight.detach()
-    embed_w = target.get_input_embeddings().weight.detach()
     model = D.DataParallelModel(drafter, lambda d, *a: drafter_losses(d, head_w, embed_w, *a), ctx, fsdp=cfg.fsdp)
     opt = make_optimizer(drafter, cfg)
     n_params = sum(p.numel() for p in drafter.parameters())
