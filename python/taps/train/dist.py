@@ -180,9 +180,9 @@ def distributed(device: str = "auto", timeout_s: float = DEFAULT_TIMEOUT_S) -> I
         _quiet_progress_bars()
     try:
         yield ctx
-    except Exception as e:
+    except BaseException as e:
         created = False  # a group whose peers may be gone is not torn down (that could block)
-        if not ctx.distributed:
+        if not ctx.distributed or not isinstance(e, Exception):
             raise
         if isinstance(e, getattr(dist, "DistError", ())) or "gloo" in str(e).lower() or "timed out" in str(e):
             raise CollectiveError(f"rank {ctx.rank} of {ctx.world_size}: a collective failed, another rank died or "
