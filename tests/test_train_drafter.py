@@ -3,7 +3,6 @@ HASS context alignment sees exactly the context of a deeper draft step, and a ti
 exports in the EAGLE layout and averages."""
 
 import json
-import shutil
 
 import pytest
 import torch
@@ -13,20 +12,7 @@ pytest.importorskip("safetensors")
 
 from taps.drafters import EagleDrafter  # noqa: E402
 from taps.train import drafter as TD  # noqa: E402
-from taps.train.data import REPO_ROOT  # noqa: E402
-
-
-def tiny_target(vocab=8192, arch="llama"):
-    import transformers
-
-    torch.manual_seed(0)
-    prefix = {"llama": "Llama", "qwen2": "Qwen2", "qwen3": "Qwen3", "mistral": "Mistral"}[arch]
-    kw = dict(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-              num_key_value_heads=2, max_position_embeddings=512, tie_word_embeddings=True)
-    if arch == "qwen3":
-        kw.update(head_dim=16, rope_parameters={"rope_type": "default", "rope_theta": 5e5})  # not hidden / heads
-    cfg = getattr(transformers, prefix + "Config")(**kw)
-    return getattr(transformers, prefix + "ForCausalLM")(cfg).eval()
+from tiny_training import fake_blocks, tiny_target, tiny_target_dir  # noqa: E402
 
 
 @pytest.mark.parametrize("arch", ["qwen2", "qwen3", "mistral"])
@@ -96,19 +82,7 @@ def test_unrolled_steps_equal_the_inference_context(layers, arch):
 def tiny_setup(tmp_path, monkeypatch, request):
     """A tiny target folder (the shipped tokenizer's files) and random token blocks instead of the
     real data (so the test does not read ShareGPT). Llama unless parametrized (indirect) with an arch."""
-    target = tiny_target(arch=getattr(request, "param", "llama"))
-    tdir = tmp_path / "target"
-    target.save_pretrained(str(tdir))
-    for f in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(REPO_ROOT / "models" / "tokenizer" / f, tdir / f)
-
-    def fake_blocks(domain, tok, *, tokens, heldout_tokens, seq_len, seed, shared=None, sharegpt=None):
-        g = torch.Generator().manual_seed(seed + (0 if domain == "math" else 1))
-        lo, hi = (6, 400) if domain == "math" else (400, 8192)  # two "domains" of disjoint tokens
-        n = -(-tokens // seq_len)
-        blocks = torch.randint(lo, hi, (n + max(1, heldout_tokens // seq_len), seq_len), generator=g,
-                               dtype=torch.int32)
-        return blocks[:n], blocks[n:], {"fake": True}
+    tdir = tiny_target_dir(tmp_path / "target", arch=getattr(request, "param", "llama"))
 
     monkeypatch.setattr(TD, "domain_blocks", fake_blocks)
 
@@ -236,3 +210,19 @@ def test_weights_sha256_single_and_sharded(tmp_path):
     assert weights_sha256(sharded) != before
     with pytest.raises(FileNotFoundError, match="weights"):
         weights_sha256(tmp_path)
+
+
+def test_bf16_target_features(tiny_setup, tmp_path):
+    """--target-dtype bfloat16: the features come from the target in bf16 (close to the fp32 ones, not
+    equal), the cache records the dtype (an fp32 cache is not reused), and the run trains and exports."""
+    cfg, _ = tiny_setup
+    TD.train_drafter(cfg(tokens=1024, run_dir=tmp_path / "r32", out=tmp_path / "o32"))
+    f32 = (tmp_path / "features" / "math" / "train.bf16").read_bytes()
+    c = cfg(tokens=1024, target_dtype="bfloat16", run_dir=tmp_path / "r16", out=tmp_path / "o16")
+    assert TD.train_drafter(c)["finished"]
+    index = json.loads((tmp_path / "features" / "math" / "index.json").read_text())
+    assert index["key"]["target_dtype"] == "bfloat16"
+    f16 = (tmp_path / "features" / "math" / "train.bf16").read_bytes()
+    a, b = (torch.frombuffer(bytearray(x), dtype=torch.bfloat16).float() for x in (f32, f16))
+    assert not torch.equal(a, b) and (a - b).abs().max() < 0.1 and (a - b).abs().mean() < 0.01
+    assert json.loads((c.out / "manifest.json").read_text())["train_config"]["target_dtype"] == "bfloat16"

