@@ -4,7 +4,7 @@
     PYTHONPATH=python python bench/bench_e2e.py --threads 1 --overhead-only # negligible-compute models
 
 Table 1 (shipped models: the target and the hass drafters of models/, 3 GSM8K + 3 MT-Bench prompts with the
-chat template, batch 1): tokens/s of Hugging Face ``generate`` on its own copy of the target (untouched by
+chat template, batch 1; "lookup" rows add taps' own prompt-lookup drafter, taps.PromptLookupDrafter): tokens/s of Hugging Face ``generate`` on its own copy of the target (untouched by
 taps: its own attention, its own cache), of HF's prompt-lookup decoding (``prompt_lookup_num_tokens``),
 and of every taps strategy with ``SpeculativeDecoder``'s defaults (or ``--depth/--top-k/--budget``), each
 as a ratio to HF ``generate``; tau; verified nodes per step; at T=0 whether the output equals HF's greedy
@@ -33,13 +33,15 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import print_table  # noqa: E402
 
 ROWS = ("autoregressive", "math", "chat", "average", "route-confidence", "route-entropy", "merged",
-        "merged-budget", "adaptive")
+        "merged-budget", "adaptive", "lookup", "merged-budget+lookup", "merged+lookup")
 #: row -> (strategy, drafter data names)
 ROW_SPECS = {"autoregressive": ("autoregressive", ()), "math": ("single", ("math",)),
              "chat": ("single", ("chat",)), "average": ("average", ("math", "chat")),
              "route-confidence": ("route-confidence", ("math", "chat")),
              "route-entropy": ("route-entropy", ("math", "chat")), "merged": ("merged", ("math", "chat")),
-             "merged-budget": ("merged-budget", ("math", "chat")), "adaptive": ("adaptive", ("math", "chat"))}
+             "merged-budget": ("merged-budget", ("math", "chat")), "adaptive": ("adaptive", ("math", "chat")),
+             "lookup": ("single", ("lookup",)), "merged-budget+lookup": ("merged-budget", ("math", "chat", "lookup")),
+             "merged+lookup": ("merged", ("math", "chat", "lookup"))}
 PHASES = ("draft_forward", "draft", "tree", "target_forward", "target_head", "verify", "compact", "draft_update", "step")
 
 
@@ -88,7 +90,7 @@ class TapsRunner:
 
 
 def shipped_tables(args, device, dtype) -> None:
-    from taps import SpeculativeDecoder, models
+    from taps import PromptLookupDrafter, SpeculativeDecoder, models
     from taps.train.data import load_eval_prompts
 
     target, tok = models.load_target(dtype=dtype)
@@ -107,7 +109,8 @@ def shipped_tables(args, device, dtype) -> None:
     decoders = {}
     for row in args.rows:
         strategy, names = ROW_SPECS[row]
-        dec = SpeculativeDecoder(target, [drafters[n] for n in names], strategy=strategy, **settings)
+        dec = SpeculativeDecoder(target, [PromptLookupDrafter() if n == "lookup" else drafters[n] for n in names],
+                                 strategy=strategy, **settings)
         decoders[row] = dec
         runners[f"taps {row}"] = TapsRunner(dec, tok.eos_id)
     first = next(iter(decoders.values()), None)

@@ -155,3 +155,48 @@ def test_lean_and_hugging_face_paths_agree(strategy):
         outs.append(dec.generate(PROMPTS, max_new_tokens=NEW))
     assert outs[0].tokens == outs[1].tokens == [_greedy(target, p, NEW) for p in PROMPTS]
     assert [s.accepted for s in outs[0].stats] == [s.accepted for s in outs[1].stats]
+
+
+# ---------------------------------------------------------------------------------------------------
+# Prompt lookup
+# ---------------------------------------------------------------------------------------------------
+
+def test_prompt_lookup_candidates_literal():
+    from taps import PromptLookupDrafter
+    target = _llama(seed=1)
+    d = PromptLookupDrafter(max_ngram=2, min_ngram=1, confidence=0.5)
+    d.bind(target)
+    #        0  1  2  3  4  5  6  7   root 9
+    prompt = [7, 8, 9, 4, 7, 8, 5, 6, 7]
+    d.start(torch.tensor([prompt]), torch.tensor([len(prompt)]), torch.tensor([8]), None, 64)
+    cand = d.draft(3, 2)
+    assert cand.scores.shape == (1, 2 + 2 * 4)
+    # context ends with (7, 8): most recent earlier match at positions 4-5 -> 5 6 7; then at 0-1 -> 9 4 7
+    tokens, parents, scores = cand.tokens[0].tolist(), cand.parents[0].tolist(), cand.scores[0].tolist()
+    assert tokens[:6] == [5, 6, 7, 9, 4, 7] and parents[:6] == [-1, 0, 1, -1, 3, 4]
+    assert all(t == -1 for t in tokens[6:]) and all(s == float("-inf") for s in scores[6:])
+    assert scores[0] > scores[3] and scores[1] == pytest.approx(2 * torch.tensor(0.5).log().item(), abs=1e-6)
+    d.advance(torch.tensor([[5, 6]]), torch.tensor([2]), None)  # context now ... 7 8 5 6: (5, 6) seen at 6-7
+    cand = d.draft(3, 1)
+    assert cand.tokens[0, :3].tolist() == [7, 8, 5]
+
+
+def test_prompt_lookup_in_every_combining_strategy():
+    from taps import PromptLookupDrafter
+    target = _llama(seed=1)
+    prompts = [p * 3 for p in PROMPTS]  # repetitive prompts, so lookup has something to match
+    for strategy, drafters in (("single", [PromptLookupDrafter()]),
+                               ("merged", [_eagle(target, 9), PromptLookupDrafter()]),
+                               ("merged-budget", [_eagle(target, 9), ModelDrafter(target), PromptLookupDrafter()]),
+                               ("adaptive", [_eagle(target, 9), PromptLookupDrafter()]),
+                               ("route-confidence", [_eagle(target, 9), PromptLookupDrafter()])):
+        dec = SpeculativeDecoder(target, drafters, strategy=strategy, depth=3, top_k=3, budget=8)
+        out = dec.generate(prompts, max_new_tokens=NEW)
+        for b, p in enumerate(prompts):
+            assert out.tokens[b] == _greedy(target, p, NEW), strategy
+    # the target's own greedy output repeats itself here, so prompt lookup alone gets accepted
+    out = SpeculativeDecoder(target, [PromptLookupDrafter()], strategy="single", depth=3, top_k=3,
+                             budget=8).generate(prompts, max_new_tokens=40)
+    assert out.summary["tau"] > 1.3
+    with pytest.raises(ValueError, match="min_ngram"):
+        PromptLookupDrafter(max_ngram=1, min_ngram=2)

@@ -363,6 +363,7 @@ class SpeculativeDecoder:
                 acc_list = [row[n] for row in host]
                 width = max(a for a, d in zip(acc_list, done) if not d) + 1
                 num_new_host = [0 if d else a + 1 for a, d in zip(acc_list, done)]
+                tokens_host = [row[:a + 1] for row, a in zip(host, acc_list)]
                 with prof.section("draft_update"):
                     if groups:
                         new_tokens = ver.tokens[:, :width]
@@ -373,7 +374,7 @@ class SpeculativeDecoder:
                             if spec is not None and spec not in on_path:
                                 feats = _features(fwd, spec)
                                 on_path[spec] = feats.gather(1, idx.unsqueeze(-1).expand(-1, -1, feats.shape[-1]))
-                            g.advance(new_tokens, num_new, on_path.get(spec), num_new_host)
+                            g.advance(new_tokens, num_new, on_path.get(spec), num_new_host, tokens_host)
                 root = ver.tokens.gather(1, accepted.unsqueeze(1)).squeeze(1)
                 for b in range(batch):
                     host_lengths[b] += num_new_host[b]

@@ -286,9 +286,11 @@ class DraftGroup:
         raise NotImplementedError
 
     def advance(self, tokens: Tensor, num_new: Tensor, hidden: Optional[Tensor],
-                num_new_host: Optional[Sequence[int]] = None) -> None:
+                num_new_host: Optional[Sequence[int]] = None,
+                tokens_host: Optional[Sequence[Sequence[int]]] = None) -> None:
         """As :meth:`Drafter.advance`, for every drafter of the group; num_new[b] may be 0 (a finished
-        request whose cache stays as it is)."""
+        request whose cache stays as it is). ``num_new_host`` / ``tokens_host``: the same counts and
+        tokens as host lists, when the caller has them (saves device syncs)."""
         raise NotImplementedError
 
     def forward_nodes(self, tokens: Tensor, parent_slot: Tensor, write_start: int, rope_pos: Tensor, mask: Tensor,
@@ -364,7 +366,7 @@ class _InterfaceGroup(DraftGroup):
         self.drafters[0].start(input_ids, prompt_lens, root, hidden, max_len)
         self.host_lengths = self.drafters[0].lengths.tolist()
 
-    def advance(self, tokens, num_new, hidden, num_new_host=None):
+    def advance(self, tokens, num_new, hidden, num_new_host=None, tokens_host=None):
         d = self.drafters[0]
         finished = num_new == 0
         d.advance(tokens, num_new.clamp_min(1), hidden)
@@ -545,7 +547,7 @@ class _LeanLMGroup(DraftGroup):
         host = prompt_lens_host if prompt_lens_host is not None else prompt_lens.tolist()
         self._append(ids, lens + 1, [int(n) + 1 for n in host])
 
-    def advance(self, tokens, num_new, hidden, num_new_host=None):
+    def advance(self, tokens, num_new, hidden, num_new_host=None, tokens_host=None):
         self._append(tokens.clamp_min(0), num_new, num_new_host)
 
     def forward_nodes(self, tokens, parent_slot, write_start, rope_pos, mask, level):
@@ -582,7 +584,7 @@ class _HFLMGroup(DraftGroup):
         self.lengths_b = self.cache.lengths
         self.host_lengths = self.lengths_b.tolist()
 
-    def advance(self, tokens, num_new, hidden, num_new_host=None):
+    def advance(self, tokens, num_new, hidden, num_new_host=None, tokens_host=None):
         self.root_logits = hf.prefill(self.model, self.cache, tokens.clamp_min(0), num_new).logits
         self.host_lengths = self.lengths_b.tolist()
 
@@ -884,7 +886,7 @@ class _EagleGroup(DraftGroup):
         shifted[torch.arange(batch, device=device), lens - 1] = root.to(device)
         self._append(shifted, hidden, lens, prompt_lens_host)
 
-    def advance(self, tokens, num_new, hidden, num_new_host=None):
+    def advance(self, tokens, num_new, hidden, num_new_host=None, tokens_host=None):
         if hidden is None:
             raise ValueError("EagleDrafter.advance: needs the target's hidden states")
         self._append(tokens.clamp_min(0), hidden, num_new, num_new_host)

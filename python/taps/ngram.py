@@ -1,0 +1,180 @@
+"""Prompt-lookup drafting: proposals copied from earlier in the context, no model.
+
+:class:`PromptLookupDrafter` proposes, after each root, what followed the most recent earlier
+occurrences of the context's last ``n`` tokens (``n`` from ``max_ngram`` down to ``min_ngram``): the
+drafter-free speculative decoding known as prompt lookup, which pays off wherever answers repeat their
+prompt or themselves (quoting, code edits, extraction, arithmetic chains). It costs no forward pass, so it
+combines cheaply with trained drafters: in ``merged`` / ``merged-budget`` / ``adaptive`` its tree joins
+theirs, and a request takes whichever proposals the target accepts.
+
+The proposals of one request form a small trie: the continuations of up to ``top_k`` most recent
+matches (longest n-gram first), each up to ``depth`` tokens, merged on common prefixes. Scores are
+pseudo log-probs: ``log(match_confidence)`` per token, minus a penalty for later (older) matches, so that
+``build_tree`` and ``merge_trees`` keep the most recent match's tokens first. Verification is unchanged,
+so decoding stays lossless whatever is proposed.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import torch
+from torch import Tensor, nn
+
+from .drafters import DraftGroup, Drafter, target_vocab_size
+from .expansion import DraftCandidates, num_candidates
+
+__all__ = ["PromptLookupDrafter"]
+
+
+class PromptLookupDrafter(Drafter):
+    """Drafts by matching the context's last n tokens earlier in the context (prompt lookup).
+
+    Args:
+        max_ngram, min_ngram: the n-gram lengths tried, longest first (1 <= min_ngram <= max_ngram).
+        confidence: the pseudo probability of each proposed token (sets the scores other drafters'
+            proposals are ranked against in merged trees and confidence routing).
+    """
+
+    def __init__(self, max_ngram: int = 3, min_ngram: int = 1, confidence: float = 0.6):
+        super().__init__()
+        if not 1 <= int(min_ngram) <= int(max_ngram):
+            raise ValueError(f"PromptLookupDrafter: need 1 <= min_ngram <= max_ngram, got {min_ngram}, {max_ngram}")
+        if not 0.0 < confidence < 1.0:
+            raise ValueError(f"PromptLookupDrafter: confidence must be in (0, 1), got {confidence}")
+        self.max_ngram, self.min_ngram, self.confidence = int(max_ngram), int(min_ngram), float(confidence)
+        self._vocab = 0
+        self._device = torch.device("cpu")
+        self._group: Optional[_LookupGroup] = None
+
+    @property
+    def vocab_size(self) -> int:
+        return self._vocab
+
+    def bind(self, target: nn.Module) -> None:
+        self._vocab = target_vocab_size(target)
+        self._device = next(target.parameters()).device
+
+    def clone(self) -> "PromptLookupDrafter":
+        twin = PromptLookupDrafter(self.max_ngram, self.min_ngram, self.confidence)
+        twin._vocab, twin._device = self._vocab, self._device
+        return twin
+
+    @classmethod
+    def make_group(cls, drafters: Sequence["PromptLookupDrafter"]) -> DraftGroup:
+        if len(drafters) != 1:
+            raise ValueError("PromptLookupDrafter: drafters run one at a time")
+        return _LookupGroup(drafters[0])
+
+    # the single-drafter interface, through a group of one
+    def start(self, input_ids, prompt_lens, root, hidden, max_len):
+        self._group = _LookupGroup(self)
+        self._group.start(input_ids, prompt_lens, root, hidden, max_len)
+
+    def advance(self, tokens, num_new, hidden):
+        self._group.advance(tokens, num_new, hidden)
+
+    def draft(self, depth: int, top_k: int, profiler=None, with_entropy: bool = True) -> DraftCandidates:
+        if self._group is None:
+            raise RuntimeError("PromptLookupDrafter: call start() first")
+        return self._group.draft(depth, top_k, profiler, with_entropy)
+
+    @property
+    def lengths(self) -> Tensor:
+        if self._group is None:
+            raise RuntimeError("PromptLookupDrafter: call start() first")
+        return self._group.lengths_b
+
+    def release(self) -> None:
+        super().release()
+        self._group = None
+
+
+class _LookupGroup(DraftGroup):
+    """The prompt-lookup drafter's state: each request's tokens and an index of their n-grams (host)."""
+
+    def __init__(self, drafter: PromptLookupDrafter):
+        super().__init__([drafter])
+        self.d = drafter
+        self.history: List[List[int]] = []
+        self.index: List[Dict[Tuple[int, ...], List[int]]] = []  # n-gram -> end positions, oldest first
+
+    def _add(self, b: int, new: Sequence[int]) -> None:
+        hist, index = self.history[b], self.index[b]
+        for t in new:
+            hist.append(int(t))
+            end = len(hist)
+            for n in range(self.d.min_ngram, self.d.max_ngram + 1):
+                if end >= n:
+                    index.setdefault(tuple(hist[end - n:]), []).append(end)
+
+    def start(self, input_ids, prompt_lens, root, hidden, max_len, prompt_lens_host=None):
+        ids, lens, roots = input_ids.tolist(), prompt_lens.tolist(), root.tolist()
+        self.history = [[] for _ in ids]
+        self.index = [{} for _ in ids]
+        for b, (row, n, r) in enumerate(zip(ids, lens, roots)):
+            self._add(b, row[:n] + [r])
+        self.host_lengths = [len(h) for h in self.history]
+        self.lengths_b = torch.tensor(self.host_lengths, dtype=torch.int64, device=input_ids.device)
+
+    def advance(self, tokens, num_new, hidden, num_new_host=None, tokens_host=None):
+        rows = tokens_host if tokens_host is not None else tokens.tolist()
+        counts = num_new_host if num_new_host is not None else num_new.tolist()
+        for b, (row, n) in enumerate(zip(rows, counts)):
+            self._add(b, row[:int(n)])
+        self.host_lengths = [len(h) for h in self.history]
+        self.lengths_b += num_new.to(self.lengths_b.device)
+
+    def continuations(self, b: int, depth: int, top_k: int) -> List[List[int]]:
+        """Up to top_k continuations of up to `depth` tokens after request b's context, most recent
+        match of the longest n-gram first."""
+        hist, index = self.history[b], self.index[b]
+        out: List[List[int]] = []
+        end = len(hist)
+        for n in range(self.d.max_ngram, self.d.min_ngram - 1, -1):
+            if end < n:
+                continue
+            for pos in reversed(index.get(tuple(hist[end - n:]), ())):
+                if pos >= end:  # the context's own last n-gram
+                    continue
+                cont = hist[pos:pos + depth]
+                if cont and cont not in out:
+                    out.append(cont)
+                if len(out) >= top_k:
+                    return out
+        return out
+
+    def draft(self, depth: int, top_k: int, profiler=None, with_entropy: bool = True) -> DraftCandidates:
+        batch = len(self.history)
+        k = min(int(top_k), max(self.d.vocab_size, 1))
+        m = num_candidates(depth, k)
+        scores = torch.full((batch, m), float("-inf"))
+        tokens = torch.full((batch, m), -1, dtype=torch.int64)
+        parents = torch.full((batch, m), -1, dtype=torch.int64)
+        step = math.log(self.d.confidence)
+        for b in range(batch):
+            trie: Dict[Tuple[int, int], int] = {}  # (parent candidate, token) -> candidate
+            used = 0
+            for rank, cont in enumerate(self.continuations(b, depth, k)):
+                parent = -1
+                for i, t in enumerate(cont):
+                    node = trie.get((parent, t))
+                    if node is None:
+                        if used >= m:
+                            break
+                        node = trie[(parent, t)] = used
+                        tokens[b, used], parents[b, used] = t, parent
+                        scores[b, used] = step * (i + 1) - 0.01 * rank
+                        used += 1
+                    parent = node
+        device = self.lengths_b.device
+        return DraftCandidates(scores.to(device), tokens.to(device), parents.to(device),
+                               torch.zeros(batch, device=device))
+
+    def forward_nodes(self, *args, **kwargs):
+        raise NotImplementedError("PromptLookupDrafter runs no model")
+
+    def release(self) -> None:
+        super().release()
+        self.history, self.index = [], []
