@@ -44,7 +44,7 @@ void check_build_tree_inputs(const at::Tensor& scores, const at::Tensor& tokens,
   check_same_device(scores, tokens, "build_tree: scores", "build_tree: tokens");
   check_same_device(scores, parents, "build_tree: scores", "build_tree: parents");
   TORCH_CHECK_VALUE(num_nodes >= 1, "taps_ops: build_tree: num_nodes must be >= 1 (the root), got ", num_nodes);
-  TORCH_CHECK_VALUE(scores.size(1) < (int64_t(1) << 31) / tree::kErrorStride,
+  TORCH_CHECK_VALUE(scores.size(1) < (int64_t(1) << 31) / kErrorStride,
                     "taps_ops: build_tree: too many candidates per request: ", scores.size(1));
   if (root_tokens.has_value()) {
     check_tensor(*root_tokens, "build_tree: root_tokens", 1, {at::kLong});
@@ -53,10 +53,9 @@ void check_build_tree_inputs(const at::Tensor& scores, const at::Tensor& tokens,
   }
 }
 
-[[noreturn]] void raise_build_tree_error(int64_t request, int64_t encoded) {
-  const int32_t code = int32_t(encoded % tree::kErrorStride);
-  TORCH_CHECK_VALUE(false, "taps_ops: build_tree: request ", request, ", candidate ", encoded / tree::kErrorStride,
-                    ": ", tree::error_text(code));
+[[noreturn]] void raise_build_tree_error(int64_t request, int32_t encoded) {
+  TORCH_CHECK_VALUE(false, "taps_ops: build_tree: request ", request, ", candidate ", error_index(encoded), ": ",
+                    tree::error_text(error_code(encoded)));
   __builtin_unreachable();
 }
 
@@ -75,7 +74,7 @@ TreeTensors build_tree_cpu(const at::Tensor& scores_in, const at::Tensor& tokens
   const int64_t* tokens_p = tokens.data_ptr<int64_t>();
   const int64_t* parents_p = parents.data_ptr<int64_t>();
   const int64_t* root_p = root_tokens.defined() ? root_tokens.data_ptr<int64_t>() : nullptr;
-  std::vector<int64_t> errors(size_t(B), tree::kNoError);
+  std::vector<int32_t> errors(size_t(B), kNoError);
   const int64_t grain = std::max<int64_t>(1, 32768 / (M + num_nodes * batch.words + 1));
   at::parallel_for(0, B, grain, [&](int64_t begin, int64_t end) {
     tree::BuildTreeHostWorkspace ws;
@@ -83,8 +82,7 @@ TreeTensors build_tree_cpu(const at::Tensor& scores_in, const at::Tensor& tokens
       errors[size_t(b)] = tree::build_tree_request_host(scores_p + b * M, tokens_p + b * M, parents_p + b * M, M,
                                                         root_p ? root_p[b] : -1, batch.request(b), ws);
   });
-  for (int64_t b = 0; b < B; ++b)
-    if (errors[size_t(b)] != tree::kNoError) raise_build_tree_error(b, errors[size_t(b)]);
+  raise_first_error(errors.data(), B, raise_build_tree_error);
   return out;
 }
 

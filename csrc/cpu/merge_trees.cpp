@@ -32,7 +32,7 @@ void check_merge_trees_inputs(const at::Tensor& tokens, const at::Tensor& parent
   TORCH_CHECK_VALUE(T >= 1 && T <= tree::kMaxTrees, "taps_ops: merge_trees: the number of trees T must be in [1, ",
                     tree::kMaxTrees, "] (source is an int64 bitmask), got ", T);
   TORCH_CHECK_VALUE(N >= 1, "taps_ops: merge_trees: trees need at least the root node (N >= 1), got N = ", N);
-  TORCH_CHECK_VALUE(T * N < (int64_t(1) << 31) / tree::kErrorStride,
+  TORCH_CHECK_VALUE(T * N < (int64_t(1) << 31) / kErrorStride,
                     "taps_ops: merge_trees: too many nodes per request: T * N = ", T * N);
   TORCH_CHECK_VALUE(num_nodes >= 1, "taps_ops: merge_trees: num_nodes must be >= 1 (the root), got ", num_nodes);
   if (weights.has_value()) {
@@ -44,11 +44,10 @@ void check_merge_trees_inputs(const at::Tensor& tokens, const at::Tensor& parent
   }
 }
 
-[[noreturn]] void raise_merge_trees_error(int64_t request, int64_t encoded, int64_t N) {
-  const int32_t code = int32_t(encoded % tree::kErrorStride);
-  const int64_t o = encoded / tree::kErrorStride;
+[[noreturn]] void raise_merge_trees_error(int64_t request, int32_t encoded, int64_t N) {
+  const int64_t o = error_index(encoded);
   TORCH_CHECK_VALUE(false, "taps_ops: merge_trees: request ", request, ", tree ", o / N, ", node ", o % N, ": ",
-                    tree::error_text(code));
+                    tree::error_text(error_code(encoded)));
   __builtin_unreachable();
 }
 
@@ -67,7 +66,7 @@ TreeTensors merge_trees_cpu(const at::Tensor& tokens_in, const at::Tensor& paren
   const int64_t* parents_p = parents.data_ptr<int64_t>();
   const float* scores_p = scores.data_ptr<float>();
   const float* weights_p = weights.defined() ? weights.data_ptr<float>() : nullptr;
-  std::vector<int64_t> errors(size_t(B), tree::kNoError);
+  std::vector<int32_t> errors(size_t(B), kNoError);
   const int64_t grain = std::max<int64_t>(1, 32768 / (T * N + num_nodes * batch.words + 1));
   at::parallel_for(0, B, grain, [&](int64_t begin, int64_t end) {
     tree::MergeTreesHostWorkspace ws;
@@ -76,8 +75,7 @@ TreeTensors merge_trees_cpu(const at::Tensor& tokens_in, const at::Tensor& paren
                                                          scores_p + b * T * N, weights_p ? weights_p + b * T : nullptr,
                                                          T, N, batch.request(b), ws);
   });
-  for (int64_t b = 0; b < B; ++b)
-    if (errors[size_t(b)] != tree::kNoError) raise_merge_trees_error(b, errors[size_t(b)], N);
+  raise_first_error(errors.data(), B, [N](int64_t b, int32_t encoded) { raise_merge_trees_error(b, encoded, N); });
   return out;
 }
 

@@ -21,7 +21,7 @@ TreeTensors allocate_tree_outputs(const at::Tensor& like, int64_t batch, int64_t
 tree::TreeBatch tree_batch(const TreeTensors& out, int64_t num_nodes);
 void check_build_tree_inputs(const at::Tensor& scores, const at::Tensor& tokens, const at::Tensor& parents,
                              int64_t num_nodes, const std::optional<at::Tensor>& root_tokens);
-[[noreturn]] void raise_build_tree_error(int64_t request, int64_t encoded);
+[[noreturn]] void raise_build_tree_error(int64_t request, int32_t encoded);
 
 namespace {
 
@@ -45,7 +45,7 @@ TreeTensors build_tree_cuda(const at::Tensor& scores_in, const at::Tensor& token
   at::Tensor root_tokens;
   if (root_tokens_in.has_value()) root_tokens = root_tokens_in->contiguous();
   TreeTensors out = allocate_tree_outputs(scores, B, num_nodes);
-  at::Tensor errors = at::full({B}, tree::kNoError, scores.options().dtype(at::kInt));
+  at::Tensor errors = at::full({B}, kNoError, scores.options().dtype(at::kInt));
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
   C10_CUDA_CHECK(tree::launch_build_tree(scores.data_ptr<float>(), tokens.data_ptr<int64_t>(),
                                          parents.data_ptr<int64_t>(),
@@ -55,10 +55,7 @@ TreeTensors build_tree_cuda(const at::Tensor& scores_in, const at::Tensor& token
   // Data checks need the codes on the host: one sync. Skipped while the stream is captured into a
   // CUDA graph (the kernel stays in bounds on bad input; the results are then unspecified).
   if (B > 0 && c10::cuda::currentStreamCaptureStatusMayInitCtx() == c10::cuda::CaptureStatus::None) {
-    const at::Tensor host = errors.to(at::kCPU);
-    const int32_t* codes = host.data_ptr<int32_t>();
-    for (int64_t b = 0; b < B; ++b)
-      if (codes[b] != tree::kNoError) raise_build_tree_error(b, codes[b]);
+    raise_first_error(errors, raise_build_tree_error);
   }
   return out;
 }

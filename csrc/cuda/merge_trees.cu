@@ -21,7 +21,7 @@ TreeTensors allocate_tree_outputs(const at::Tensor& like, int64_t batch, int64_t
 tree::TreeBatch tree_batch(const TreeTensors& out, int64_t num_nodes);
 void check_merge_trees_inputs(const at::Tensor& tokens, const at::Tensor& parents, const at::Tensor& scores,
                               int64_t num_nodes, const std::optional<at::Tensor>& weights);
-[[noreturn]] void raise_merge_trees_error(int64_t request, int64_t encoded, int64_t N);
+[[noreturn]] void raise_merge_trees_error(int64_t request, int32_t encoded, int64_t N);
 
 namespace {
 
@@ -45,7 +45,7 @@ TreeTensors merge_trees_cuda(const at::Tensor& tokens_in, const at::Tensor& pare
   at::Tensor weights;
   if (weights_in.has_value()) weights = weights_in->contiguous();
   TreeTensors out = allocate_tree_outputs(scores, B, num_nodes);
-  at::Tensor errors = at::full({B}, tree::kNoError, scores.options().dtype(at::kInt));
+  at::Tensor errors = at::full({B}, kNoError, scores.options().dtype(at::kInt));
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
   C10_CUDA_CHECK(tree::launch_merge_trees(tokens.data_ptr<int64_t>(), parents.data_ptr<int64_t>(),
                                           scores.data_ptr<float>(), weights.defined() ? weights.data_ptr<float>() : nullptr,
@@ -54,10 +54,7 @@ TreeTensors merge_trees_cuda(const at::Tensor& tokens_in, const at::Tensor& pare
   // Data checks need the codes on the host: one sync. Skipped while the stream is captured into a
   // CUDA graph (the kernel stays in bounds on bad input; the results are then unspecified).
   if (B > 0 && c10::cuda::currentStreamCaptureStatusMayInitCtx() == c10::cuda::CaptureStatus::None) {
-    const at::Tensor host = errors.to(at::kCPU);
-    const int32_t* codes = host.data_ptr<int32_t>();
-    for (int64_t b = 0; b < B; ++b)
-      if (codes[b] != tree::kNoError) raise_merge_trees_error(b, codes[b], N);
+    raise_first_error(errors, [N](int64_t b, int32_t encoded) { raise_merge_trees_error(b, encoded, N); });
   }
   return out;
 }

@@ -21,6 +21,7 @@
 #include "taps/build_tree.h"
 #include "taps/merge_trees.h"
 
+using namespace taps;
 using namespace taps::tree;
 
 #include "check.h"
@@ -164,7 +165,7 @@ void build_error_case(int threads) {
     launch_build_tree(sc.data(), tok.data(), par.data(), nullptr, B, M, emu.batch(), errors.data(), nullptr);
   }
   for (int b = 0; b < B; ++b) {
-    const int64_t want = build_tree_request_host(sc.data() + b * M, tok.data() + b * M, par.data() + b * M, M, -1,
+    const int32_t want = build_tree_request_host(sc.data() + b * M, tok.data() + b * M, par.data() + b * M, M, -1,
                                                  cpu.batch().request(b), ws);
     std::string d = want != errors[size_t(b)] ? "error " + std::to_string(errors[size_t(b)]) + " vs CPU " +
                                                     std::to_string(want)
@@ -263,7 +264,7 @@ void merge_error_case(int threads) {
     launch_merge_trees(tok.data(), par.data(), sc.data(), w.data(), B, T, N, emu.batch(), errors.data(), nullptr);
   }
   for (int b = 0; b < B; ++b) {
-    const int64_t want = merge_trees_request_host(tok.data() + size_t(b) * O, par.data() + size_t(b) * O,
+    const int32_t want = merge_trees_request_host(tok.data() + size_t(b) * O, par.data() + size_t(b) * O,
                                                   sc.data() + size_t(b) * O, w.data() + b * T, T, N,
                                                   cpu.batch().request(b), ws);
     std::string d = want != errors[size_t(b)] ? "error " + std::to_string(errors[size_t(b)]) + " vs CPU " +

@@ -22,16 +22,16 @@ struct BuildTreeHostWorkspace {
 };
 
 // One request on the CPU. scores, tokens, parents: the request's [M] rows; out: its output rows.
-// Returns kNoError, or `m * kErrorStride + code` for the first bad candidate m (outputs then unset).
+// Returns kNoError, or the encoded error of the first bad candidate m (outputs then unset).
 // O(M) for depth / eff / validation, then select_and_emit_host.
-inline int64_t build_tree_request_host(const float* scores, const int64_t* tokens, const int64_t* parents, int64_t M,
+inline int32_t build_tree_request_host(const float* scores, const int64_t* tokens, const int64_t* parents, int64_t M,
                                        int64_t root_token, const TreeRows& out, BuildTreeHostWorkspace& ws) {
   ws.parent.resize(size_t(M));
   ws.depth.resize(size_t(M));
   ws.eff.resize(size_t(M));
   for (int64_t m = 0; m < M; ++m) {
     const int32_t code = check_candidate(m, tokens, parents, scores);
-    if (code != kOk) return m * kErrorStride + code;
+    if (code != kOk) return encode_error(m, code);
     if (tokens[m] < 0) {  // padding candidate: never kept
       ws.parent[m] = -1;
       ws.depth[m] = -1;
@@ -82,7 +82,7 @@ struct CandidateIndexExtra {
 };
 
 // scores, tokens, parents: [B, M]; root_tokens: [B] or nullptr; out: [B, num_nodes] (+ mask words);
-// errors: [B] int32, kNoError on entry, set to the smallest `m * kErrorStride + code` of a bad candidate.
+// errors: [B] int32, kNoError on entry, set to the encoded error of the first bad candidate.
 // grid = B, block = kBuildTreeThreads, dynamic shared memory = build_tree_smem_bytes(M, num_nodes).
 __global__ void __launch_bounds__(kBuildTreeThreads)
     build_tree_kernel(const float* __restrict__ scores, const int64_t* __restrict__ tokens,
@@ -123,7 +123,7 @@ __global__ void __launch_bounds__(kBuildTreeThreads)
   // stays in bounds: a bad parent becomes the root, a NaN score -inf.
   for (int32_t m = tid; m < M; m += nthreads) {
     const int32_t code = check_candidate(m, tokens, parents, scores);
-    if (code != kOk) atomicMin(errors + b, m * kErrorStride + code);
+    if (code != kOk) atomicMin(errors + b, encode_error(m, code));
     const bool real = tokens[m] >= 0;
     const int64_t p = parents[m];
     const bool parent_ok = real && p >= 0 && p < m && tokens[p] >= 0;

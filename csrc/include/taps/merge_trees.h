@@ -46,11 +46,11 @@ struct MergeTreesHostWorkspace {
 };
 
 // One request on the CPU. tokens, parents, scores: the request's [T, N] rows (contiguous); weights:
-// its [T] log-weights or nullptr. Returns kNoError or `(t * N + i) * kErrorStride + code` for the
-// first bad node in (t, i) order (outputs then unset).
+// its [T] log-weights or nullptr. Returns kNoError or the encoded error of the first bad node in (t, i)
+// order, index t * N + i (outputs then unset).
 // Occurrences are visited in position-key order, so merged nodes are created in that order and their
 // index is a valid tie-breaker; parents always come before children.
-inline int64_t merge_trees_request_host(const int64_t* tokens, const int64_t* parents, const float* scores,
+inline int32_t merge_trees_request_host(const int64_t* tokens, const int64_t* parents, const float* scores,
                                         const float* weights, int64_t T, int64_t N, const TreeRows& out,
                                         MergeTreesHostWorkspace& ws) {
   const int64_t root_token = tokens[0];
@@ -58,7 +58,7 @@ inline int64_t merge_trees_request_host(const int64_t* tokens, const int64_t* pa
     for (int64_t i = 0; i < N; ++i) {
       const int32_t code =
           check_tree_node(i, tokens + t * N, parents + t * N, scores + t * N, root_token, weights ? weights[t] : 0.0f);
-      if (code != kOk) return (t * N + i) * kErrorStride + code;
+      if (code != kOk) return encode_error(t * N + i, code);
     }
   int64_t capacity = 2;
   while (capacity < 2 * T * N) capacity <<= 1;
@@ -156,7 +156,7 @@ struct SourceExtra {
 };
 
 // tokens, parents, scores: [B, T, N]; weights: [B, T] or nullptr; out: [B, num_nodes] (+ mask words);
-// errors: [B] int32, kNoError on entry, set to the smallest `(t * N + i) * kErrorStride + code`.
+// errors: [B] int32, kNoError on entry, set to the encoded error of the first bad node (index t * N + i).
 // grid = B, block = kMergeTreesThreads, dynamic shared memory = merge_trees_smem_bytes(T * N, num_nodes).
 __global__ void __launch_bounds__(kMergeTreesThreads)
     merge_trees_kernel(const int64_t* __restrict__ tokens, const int64_t* __restrict__ parents,
@@ -210,7 +210,7 @@ __global__ void __launch_bounds__(kMergeTreesThreads)
     const int32_t t = o / N, i = o - t * N;
     const float w = weights ? weights[t] : 0.0f;
     const int32_t code = check_tree_node(i, tokens + t * N, parents + t * N, scores + t * N, root_token, w);
-    if (code != kOk) atomicMin(errors + b, o * kErrorStride + code);
+    if (code != kOk) atomicMin(errors + b, encode_error(o, code));
     const int64_t tok = tokens[o], p = parents[o];
     const bool real = i >= 1 && tok >= 0 && p >= 0 && p < i;
     float s = scores[o] + w;
@@ -223,7 +223,7 @@ __global__ void __launch_bounds__(kMergeTreesThreads)
   }
   for (int32_t h = tid; h < slots; h += nthreads) {
     slot_owner[h] = -1;
-    slot_node[h] = kNoError;
+    slot_node[h] = 0x7fffffff;  // atomicMin identity
     slot_score[h] = 0;
     slot_source[h] = 0;
   }

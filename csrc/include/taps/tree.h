@@ -28,12 +28,11 @@ namespace taps {
 namespace tree {
 
 // ---------------------------------------------------------------------------------------------------
-// Error codes. A request's error is encoded as `index * kErrorStride + code` where index is the first
-// offending candidate (build_tree) or `t * N + i` (merge_trees); the smallest encoded value is the
-// one reported, so CPU (first in index order) and CUDA (atomicMin) report the same node.
+// Error codes; a request's error is encoded (taps/common.h) with the first offending candidate m
+// (build_tree) or occurrence t * N + i (merge_trees) as its index, so that the CPU (first in index
+// order) and CUDA (atomicMin) report the same one.
 // ---------------------------------------------------------------------------------------------------
 enum Error : int32_t {
-  kOk = 0,
   kErrParentRange = 1,     // build_tree: parent of a real candidate not -1 and not in [0, m)
   kErrParentPadding = 2,   // build_tree: parent of a real candidate is a padding candidate
   kErrNaNScore = 3,        // NaN score of a real candidate / node
@@ -44,8 +43,6 @@ enum Error : int32_t {
   kErrBadPadding = 8,      // merge_trees: padding node without token -1 and parent -1
   kErrNaNWeight = 9,       // merge_trees: NaN weight
 };
-constexpr int32_t kErrorStride = 16;
-constexpr int32_t kNoError = 0x7fffffff;  // "no error" for the atomicMin encoding
 
 inline const char* error_text(int32_t code) {
   switch (code) {

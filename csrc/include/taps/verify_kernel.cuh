@@ -445,7 +445,7 @@ __global__ void __launch_bounds__(kThreads) verify_tree_kernel(
   const int64_t b = int64_t(blockIdx.x) / cluster_size;
   // Every block of a cluster reads the same flag before any block can write errors (the walk starts
   // with a cluster-wide reduction), so a cluster returns as a whole.
-  if (validate && errors[b] != 0) return;
+  if (validate && errors[b] != kNoError) return;
   if constexpr (kCluster) {
     const unsigned rank = cluster_rank();
     // slices of whole 16-element groups, so that every slice start keeps the row's alignment
