@@ -1,6 +1,6 @@
-// The CUDA build_tree and merge_trees kernels (taps/build_tree.h, taps/merge_trees.h, the block-level
-// select_and_emit of taps/tree.h) run under the host CUDA emulation (tests/cpp/emu/cuda_runtime.h),
-// against the CPU path of the same core (build_tree_request_host / merge_trees_request_host, which
+// The CUDA build_tree and merge_trees kernels (taps/build_tree_kernel.cuh, taps/merge_trees_kernel.cuh,
+// the block-level select_and_emit of taps/tree_kernel.cuh) run under the host CUDA emulation
+// (tests/cpp/emu/cuda_runtime.h), against the CPU path of the same core (build_tree_request_host / merge_trees_request_host, which
 // end in select_and_emit_host): every output column bit for bit, and the error codes of invalid inputs.
 // Random cases with score ties (also -0.0 vs +0.0), padding candidates, scores that rise along a path,
 // output trees of more than 64 nodes (several mask words), more candidates than threads, duplicate
@@ -18,8 +18,8 @@
 #include <string>
 #include <vector>
 
-#include "taps/build_tree.h"
-#include "taps/merge_trees.h"
+#include "taps/build_tree_kernel.cuh"
+#include "taps/merge_trees_kernel.cuh"
 
 using namespace taps;
 using namespace taps::tree;

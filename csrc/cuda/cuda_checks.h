@@ -1,0 +1,20 @@
+// Checks shared by the CUDA bindings (torch-side): the current device's limits.
+#pragma once
+#include <ATen/cuda/CUDAContext.h>
+
+#include <cstddef>
+#include <cstdint>
+#include <string>
+
+namespace taps {
+
+// Raises unless `bytes` of shared memory per block fit the current device's opt-in limit. `what` names
+// the sizes that need them and `advice` what to do instead, e.g. check_shared_memory(bytes, "build_tree",
+// "M = 9000 candidates and num_nodes = 64", "use fewer candidates or nodes, or run build_tree on the CPU").
+inline void check_shared_memory(size_t bytes, const char* op, const std::string& what, const char* advice) {
+  const size_t limit = at::cuda::getCurrentDeviceProperties()->sharedMemPerBlockOptin;
+  TORCH_CHECK(bytes <= limit, "taps_ops: ", op, ": ", what, " need ", bytes,
+              " bytes of shared memory per request, more than this device's ", limit, "; ", advice);
+}
+
+}  // namespace taps
