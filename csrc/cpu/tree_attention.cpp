@@ -51,9 +51,9 @@
 #include <type_traits>
 #include <vector>
 
-#include "attention_checks.h"
+#include "tree_attention_checks.h"
 #include "checks.h"
-#include "taps/attention.h"
+#include "taps/tree_attention.h"
 
 // at::native::cpublas::brgemm / could_pack (oneDNN ukernels, AMX for bf16): declared by the torch
 // releases that define these macros; older headers build without the bf16 brgemm path.
@@ -257,7 +257,7 @@ constexpr bool kUseBrgemm = !std::is_same_v<T, float>;
 // One work item (b, hkv, keys [key_begin, key_end)); leaves the unnormalised state in sc.
 template <class T>
 void attend_fast(const Problem<T>& p, int64_t b, int64_t hkv, int64_t key_begin, int64_t key_end,
-                 const taps::TreeSpan& span, FastScratch& sc) {
+                 const taps::attention::TreeSpan& span, FastScratch& sc) {
   const int64_t rows = p.group * p.num_nodes, D = p.head_dim, N = p.num_nodes;
   constexpr int64_t Tk = kFastTile<T>, Tw = Tk / 64;  // Tw mask words per tile
   const int64_t rb_max = std::min(rows, kFastRows<T>);
@@ -332,7 +332,7 @@ void attend_fast(const Problem<T>& p, int64_t b, int64_t hkv, int64_t key_begin,
         uint64_t* bits = &sc.vis[i * Tw];
         for (int64_t w = 0; w < Tw; ++w) bits[w] = 0;
         for (int64_t j = 0; j < tl; ++j)
-          if (taps::key_visible(span, mask_row, t0 + j)) bits[j / 64] |= uint64_t{1} << (j % 64);
+          if (taps::attention::key_visible(span, mask_row, t0 + j)) bits[j / 64] |= uint64_t{1} << (j % 64);
       }
     }
     for (int64_t r0 = 0; r0 < rows; r0 += rb_max) {
@@ -404,7 +404,7 @@ void attend_items_fast(const Problem<T>& p, int64_t begin, int64_t end) {
   for (int64_t item = begin; item < end; ++item) {
     const int64_t split = item % p.splits, bh = item / p.splits;
     const int64_t b = bh / p.heads_kv, hkv = bh % p.heads_kv;
-    const taps::TreeSpan span = taps::tree_span(p.kv_lens[b], p.num_nodes, p.cache_len);
+    const taps::attention::TreeSpan span = taps::attention::tree_span(p.kv_lens[b], p.num_nodes, p.cache_len);
     const int64_t split_keys = taps::ceil_div(taps::ceil_div(span.len, p.splits), kFastTile<T>) * kFastTile<T>;
     const int64_t key_begin = std::min(span.len, split * split_keys);
     const int64_t key_end = std::min(span.len, key_begin + split_keys);
@@ -667,7 +667,7 @@ struct Scratch {
 // unnormalised state in sc.acc / sc.row_max / sc.row_sum (rows x dp).
 template <class T>
 void attend(const Problem<T>& p, int64_t b, int64_t hkv, int64_t key_begin, int64_t key_end,
-            const taps::TreeSpan& span, Scratch& sc) {
+            const taps::attention::TreeSpan& span, Scratch& sc) {
   const int64_t rows = p.group * p.num_nodes, d_len = p.head_dim;
   const int64_t dp = taps::ceil_div(d_len, kVL) * kVL;
   sc.q.assign(rows * dp, 0.0f);
@@ -712,7 +712,7 @@ void attend(const Problem<T>& p, int64_t b, int64_t hkv, int64_t key_begin, int6
       if (tail) {
         const int64_t* mask_row = p.tree_mask + (b * p.num_nodes + r % p.num_nodes) * p.mask_words;
         for (int64_t j = std::max<int64_t>(0, span.tree_start - t0); j < tile_len; ++j)
-          if (!taps::key_visible(span, mask_row, t0 + j)) s[j] = neg_inf;
+          if (!taps::attention::key_visible(span, mask_row, t0 + j)) s[j] = neg_inf;
       }
       Vec m(neg_inf);
       for (int c = 0; c < kTileVecs; ++c) m = maximum(m, Vec::loadu(s + c * kVL));
@@ -726,7 +726,7 @@ void attend(const Problem<T>& p, int64_t b, int64_t hkv, int64_t key_begin, int6
         sc.alpha[r] = 1.0f;
         continue;
       }
-      sc.alpha[r] = taps::softmax_rescale(sc.row_max[r], new_max);
+      sc.alpha[r] = taps::attention::softmax_rescale(sc.row_max[r], new_max);
       sc.row_max[r] = new_max;
       const Vec nm(new_max);
       Vec sum(0.0f);
@@ -757,7 +757,7 @@ void attend_items(const Problem<T>& p, int64_t begin, int64_t end) {
   for (int64_t item = begin; item < end; ++item) {
     const int64_t split = item % p.splits, bh = item / p.splits;
     const int64_t b = bh / p.heads_kv, hkv = bh % p.heads_kv;
-    const taps::TreeSpan span = taps::tree_span(p.kv_lens[b], p.num_nodes, p.cache_len);
+    const taps::attention::TreeSpan span = taps::attention::tree_span(p.kv_lens[b], p.num_nodes, p.cache_len);
     const int64_t split_keys = taps::ceil_div(taps::ceil_div(span.len, p.splits), kTile) * kTile;
     const int64_t key_begin = std::min(span.len, split * split_keys);
     const int64_t key_end = std::min(span.len, key_begin + split_keys);
@@ -787,7 +787,7 @@ void combine_rows(const Problem<T>& p, int64_t begin, int64_t end) {
   const int64_t stride = p.batch * p.heads_kv * rows;  // between splits
   std::vector<float> weight(p.splits), acc(d_len);
   for (int64_t row = begin; row < end; ++row) {
-    taps::lse_combine_weights(p.part_max + row, p.part_sum + row, p.splits, stride, weight.data());
+    taps::attention::lse_combine_weights(p.part_max + row, p.part_sum + row, p.splits, stride, weight.data());
     std::fill(acc.begin(), acc.end(), 0.0f);
     for (int64_t s = 0; s < p.splits; ++s) {
       const float* src = p.part + (s * stride + row) * d_len;

@@ -17,4 +17,9 @@ inline void check_shared_memory(size_t bytes, const char* op, const std::string&
               " bytes of shared memory per request, more than this device's ", limit, "; ", advice);
 }
 
+// Raises unless `value` (named by `what`) fits the grid's y or z dimension.
+inline void check_grid_dim(int64_t value, const char* op, const std::string& what) {
+  TORCH_CHECK(value <= 65535, "taps_ops: ", op, ": ", what, " exceeds the CUDA grid limit 65535");
+}
+
 }  // namespace taps
