@@ -39,7 +39,8 @@ void compact_kv_cuda(at::TensorList caches, const at::Tensor& path_in, const at:
   const int64_t batch = path_in.size(0), cols = path_in.size(1);
   check_grid_dim(batch, "compact_kv", c10::str("B = ", batch));
   const int64_t cache_len = check_compact_kv_caches(caches, path_in, batch);
-  for (size_t t = 0; t < caches.size(); ++t) check_grid_dim(caches[t].size(1), "compact_kv", c10::str("caches[", t, "] H"));
+  for (size_t t = 0; t < caches.size(); ++t)
+    check_grid_dim(caches[t].size(1), "compact_kv", c10::str("caches[", t, "] H"));
   c10::cuda::CUDAGuard guard(path_in.device());
   const at::Tensor path = path_in.contiguous(), prefix_lens = prefix_lens_in.contiguous();
   if (batch == 0 || cols == 0) return;

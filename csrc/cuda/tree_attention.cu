@@ -72,7 +72,8 @@ at::Tensor tree_attention_cuda(const at::Tensor& q_in, const at::Tensor& k_in, c
   const attention::AttentionPlan plan = attention::plan_tree_attention(
       batch, heads_kv, (heads_q / heads_kv) * num_nodes, cache_len, head_dim, mma_ok, props->multiProcessorCount,
       static_cast<int64_t>(props->sharedMemPerBlockOptin));
-  check_grid_dim(heads_kv * plan.row_blocks, "tree_attention", c10::str("Hkv x row blocks = ", heads_kv * plan.row_blocks));
+  check_grid_dim(heads_kv * plan.row_blocks, "tree_attention",
+                 c10::str("Hkv x row blocks = ", heads_kv * plan.row_blocks));
   const attention::Params p = call.params(scale, plan.splits);
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
   switch (call.q.scalar_type()) {

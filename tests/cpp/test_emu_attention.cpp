@@ -114,7 +114,8 @@ void attention_case(const AttnCase& c) {
       }
   // Kernel.
   const bool half_type = !std::is_same_v<T, float>;
-  attention::AttentionPlan plan = attention::plan_tree_attention(B, Hkv, int64_t(G) * N, S, D, half_type && c.mma, 1, kH100Smem);
+  attention::AttentionPlan plan =
+      attention::plan_tree_attention(B, Hkv, int64_t(G) * N, S, D, half_type && c.mma, 1, kH100Smem);
   if (c.split_keys > 0) {
     plan.split_keys = c.split_keys;
     plan.splits = (S + c.split_keys - 1) / c.split_keys;

@@ -1,11 +1,12 @@
 // The CUDA build_tree and merge_trees kernels (taps/build_tree_kernel.cuh, taps/merge_trees_kernel.cuh,
 // the block-level select_and_emit of taps/tree_kernel.cuh) run under the host CUDA emulation
-// (tests/cpp/emu/cuda_runtime.h), against the CPU path of the same core (build_tree_request_host / merge_trees_request_host, which
-// end in select_and_emit_host): every output column bit for bit, and the error codes of invalid inputs.
-// Random cases with score ties (also -0.0 vs +0.0), padding candidates, scores that rise along a path,
-// output trees of more than 64 nodes (several mask words), more candidates than threads, duplicate
-// sibling tokens, up to 63 merged trees. The kernels use blockDim, so they run here with 32 to 128
-// threads per block (the real launch uses 512; one case runs with 512).
+// (tests/cpp/emu/cuda_runtime.h), against the CPU path of the same core (build_tree_request_host /
+// merge_trees_request_host, which end in select_and_emit_host): every output column bit for bit, and
+// the error codes of invalid inputs. Random cases with score ties (also -0.0 vs +0.0), padding
+// candidates, scores that rise along a path, output trees of more than 64 nodes (several mask words),
+// more candidates than threads, duplicate sibling tokens, up to 63 merged trees. The kernels use
+// blockDim, so they run here with 32 to 128 threads per block (the real launch uses 512; one case runs
+// with 512).
 // What this shows: the block logic (pointer jumping, level-by-level trie union with shared atomics,
 // bitonic sorts, warp scans, breadth-first placement) computes the CPU result for these cases. Not
 // shown: anything about real hardware (memory model, timing, shared-memory limits of the device).
