@@ -1,5 +1,6 @@
 // build_tree, CPU kernel: input checks (build_tree_checks.h) and at::parallel_for over requests
-// calling the core (taps/build_tree.h).
+// calling the core (taps/build_tree.h), which checks every candidate (also with validate=False: no
+// sync to save, and the core's loop relies on the checks).
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
@@ -15,7 +16,7 @@ namespace taps {
 namespace {
 
 TreeTensors build_tree_cpu(const at::Tensor& scores, const at::Tensor& tokens, const at::Tensor& parents,
-                           int64_t num_nodes, const std::optional<at::Tensor>& root_tokens) {
+                           int64_t num_nodes, const std::optional<at::Tensor>& root_tokens, bool /*validate*/) {
   check_build_tree_inputs(scores, tokens, parents, num_nodes, root_tokens);
   const BuildTreeCall c = BuildTreeCall::prepare(scores, tokens, parents, num_nodes, root_tokens);
   const int64_t B = c.batch, M = c.candidates;

@@ -1,5 +1,6 @@
 // compact_kv, CPU kernel: input checks (compact_kv_checks.h), the path checks (compact::path_length,
-// taps/compact_kv.h, with a precise message for the first bad request), then row moves in increasing
+// taps/compact_kv.h, with a precise message for the first bad request; also with validate=False: no
+// sync to save), then row moves in increasing
 // path order (safe although sources and destinations overlap: see taps/compact_kv.h), parallel over
 // (tensor, b, h).
 //
@@ -28,7 +29,8 @@ struct CacheView {
   int64_t heads, stride_b, stride_h, stride_s, row_bytes;  // strides in bytes
 };
 
-void compact_kv_cpu(at::TensorList caches, const at::Tensor& path_in, const at::Tensor& prefix_lens_in) {
+void compact_kv_cpu(at::TensorList caches, const at::Tensor& path_in, const at::Tensor& prefix_lens_in,
+                    bool /*validate*/) {
   check_compact_kv_path(path_in, prefix_lens_in);
   const int64_t batch = path_in.size(0), path_cols = path_in.size(1);
   TORCH_CHECK(path_in.device().is_cpu(), "taps_ops: compact_kv: path must be on the CPU for the CPU kernel, got ",

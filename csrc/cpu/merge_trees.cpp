@@ -1,5 +1,6 @@
 // merge_trees, CPU kernel: input checks (merge_trees_checks.h) and at::parallel_for over requests
-// calling the core (taps/merge_trees.h).
+// calling the core (taps/merge_trees.h), which checks every node (also with validate=False: no sync to
+// save, and the core's loop relies on the checks).
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
@@ -15,7 +16,7 @@ namespace taps {
 namespace {
 
 TreeTensors merge_trees_cpu(const at::Tensor& tokens, const at::Tensor& parents, const at::Tensor& scores,
-                            int64_t num_nodes, const std::optional<at::Tensor>& weights) {
+                            int64_t num_nodes, const std::optional<at::Tensor>& weights, bool /*validate*/) {
   check_merge_trees_inputs(tokens, parents, scores, num_nodes, weights);
   const MergeTreesCall c = MergeTreesCall::prepare(tokens, parents, scores, num_nodes, weights);
   const int64_t B = c.batch, T = c.trees, N = c.nodes;

@@ -1,12 +1,12 @@
-// compact_kv, CUDA binding: input checks (compact_kv_checks.h), the path checks, and one launch per cache
-// tensor (taps/compact_kv_kernel.cuh) on the current stream.
+// compact_kv, CUDA binding: input checks (compact_kv_checks.h), with validate the path checks, and one
+// launch per cache tensor (taps/compact_kv_kernel.cuh) on the current stream.
 //
 // caches: list of [B, H, S, D] tensors (any floating dtype, one per tensor), updated in place;
 // path [B, P] i64 (-1 padded, path[:, 0] == 0, strictly increasing); prefix_lens [B] i64.
-// The path checks read device data: one small reduction and one device-to-host sync per call. The
-// kernel re-validates each request's path and leaves a request with an invalid path untouched, so it
-// never reads or writes out of bounds. One launch per cache tensor, each moving whole rows in the
-// widest word (1..16 bytes) that the tensor's alignment allows.
+// The path checks read device data: one small reduction and one device-to-host sync per call
+// (validate=False skips them). The kernel re-validates each request's path and leaves a request with
+// an invalid path untouched, so it never reads or writes out of bounds. One launch per cache tensor,
+// each moving whole rows in the widest word (1..16 bytes) that the tensor's alignment allows.
 #include <ATen/ATen.h>
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAException.h>
@@ -34,7 +34,8 @@ void launch_unit(const at::Tensor& c, int64_t unit_elems, int64_t cache_len, con
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
-void compact_kv_cuda(at::TensorList caches, const at::Tensor& path_in, const at::Tensor& prefix_lens_in) {
+void compact_kv_cuda(at::TensorList caches, const at::Tensor& path_in, const at::Tensor& prefix_lens_in,
+                     bool validate) {
   check_compact_kv_path(path_in, prefix_lens_in);
   const int64_t batch = path_in.size(0), cols = path_in.size(1);
   check_grid_dim(batch, "compact_kv", c10::str("B = ", batch));
@@ -44,7 +45,8 @@ void compact_kv_cuda(at::TensorList caches, const at::Tensor& path_in, const at:
   c10::cuda::CUDAGuard guard(path_in.device());
   const at::Tensor path = path_in.contiguous(), prefix_lens = prefix_lens_in.contiguous();
   if (batch == 0 || cols == 0) return;
-  {  // the one device sync of this op: all checks in one reduction
+  if (validate) {  // the one device sync of this op: all checks in one reduction
+    check_validate_allowed("compact_kv");
     const at::Tensor valid = path >= 0;
     const at::Tensor live = valid.cumprod(1).to(at::kBool);  // entries before the first -1
     const at::Tensor prev = at::cat({at::full({batch, 1}, -1, path.options()), path.narrow(1, 0, cols - 1)}, 1);

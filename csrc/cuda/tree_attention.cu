@@ -7,8 +7,8 @@
 // least 16 query rows per KV head (G * N >= 16) run the tensor-core kernel, the rest the SIMT kernel.
 //
 // The kv_lens range check (N <= kv_lens[b] <= S) reads device data: it costs one small reduction and
-// one device-to-host sync per call (a single .item()). The kernel clamps kv_lens to [0, S] anyway, so
-// even an unchecked bad length never reads out of bounds.
+// one device-to-host sync per call (a single .item(); validate=False skips it). The kernel clamps
+// kv_lens to [0, S] anyway, so even an unchecked bad length never reads out of bounds.
 #include <ATen/ATen.h>
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAException.h>
@@ -52,6 +52,7 @@ at::Tensor tree_attention_cuda(const at::Tensor& q_in, const at::Tensor& k_in, c
   c10::cuda::CUDAGuard guard(q_in.device());
   TreeAttentionCall call = TreeAttentionCall::prepare(q_in, k_in, v_in, tree_mask_in, kv_lens_in);
   if (validate && batch > 0) {  // the one device sync of this op (see the file comment)
+    check_validate_allowed("tree_attention");
     const at::Tensor& kv_lens = call.kv_lens;
     const bool bad = at::logical_or(kv_lens < num_nodes, kv_lens > cache_len).any().item<bool>();
     TORCH_CHECK(!bad, "taps_ops: tree_attention: every kv_lens[b] must be in [N, S] = [", num_nodes, ", ",

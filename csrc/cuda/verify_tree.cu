@@ -11,6 +11,7 @@
 #include <optional>
 
 #include "checks.h"
+#include "cuda/cuda_checks.h"
 #include "taps/verify_kernel.cuh"
 #include "verify_checks.h"
 
@@ -59,6 +60,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> verify_tree_cuda(
               verify_cuda::kMaxNodes, " nodes, got N = ", logits_in.size(1));
   TORCH_CHECK(logits_in.size(0) < (int64_t(1) << 31), "taps_ops: verify_tree: batch too large for one launch");
   const c10::cuda::CUDAGuard guard(logits_in.device());
+  if (validate) check_validate_allowed("verify_tree");
   const VerifyCall call = VerifyCall::prepare(logits_in, tokens_in, parents_in, temperature_in, top_k_in, top_p_in,
                                               draft_probs_in, uniforms_in, validate);
   if (logits_in.size(0) == 0) return call.outputs();
