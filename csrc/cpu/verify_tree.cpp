@@ -187,7 +187,6 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> verify_tree_cpu(
 }
 
 }  // namespace
-
-TORCH_LIBRARY_IMPL(taps_ops, CPU, m) { m.impl("verify_tree", &verify_tree_cpu); }
-
 }  // namespace taps
+
+TORCH_LIBRARY_IMPL(taps_ops, CPU, m) { m.impl("verify_tree", &taps::verify_tree_cpu); }

@@ -64,10 +64,10 @@ static int run_case(const Case& c, int cluster_size, std::mt19937& rng) {
   // emulated CUDA kernel
   std::vector<int64_t> k_tok(size_t(B * N), -1), k_path(size_t(B * N), -1), k_acc(size_t(B), 0);
   std::vector<int32_t> k_err(size_t(B), kNoError);
-  verify_cuda::VerifyArgs<float, float> a{logits.data(), c.draft ? q.data() : nullptr, tokens.data(), parents.data(),
+  verify::VerifyArgs<float, float> a{logits.data(), c.draft ? q.data() : nullptr, tokens.data(), parents.data(),
                                           uniforms.data(), temp.data(), top_k.data(), top_p.data(), B, N, V, true,
                                           cluster_size, k_tok.data(), k_acc.data(), k_path.data(), k_err.data()};
-  verify_cuda::launch_verify_tree(a, nullptr);
+  verify::launch_verify_tree(a, nullptr);
   // sequential core walk
   int mismatches = 0;
   for (int64_t b = 0; b < B; ++b) {
