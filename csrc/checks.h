@@ -4,6 +4,8 @@
 
 #include <string>
 
+#include "taps/common.h"
+
 namespace taps {
 
 inline void check_tensor(const at::Tensor& t, const char* name, int64_t dim,
@@ -27,6 +29,21 @@ inline void check_same_device(const at::Tensor& ref, const at::Tensor& t, const 
 inline void check_size(const at::Tensor& t, int64_t d, int64_t expected, const char* name, const char* what) {
   TORCH_CHECK(t.size(d) == expected, "taps_ops: ", name, " dimension ", d, " must be ", what, " = ", expected,
               ", got shape ", t.sizes());
+}
+
+// errors: one encoded error per request (taps/common.h). Calls raise(b, encoded) for the first request
+// with an error; `raise` does not return.
+template <class Raise>
+void raise_first_error(const int32_t* errors, int64_t count, Raise&& raise) {
+  for (int64_t b = 0; b < count; ++b)
+    if (errors[b] != kNoError) raise(b, errors[b]);
+}
+
+// errors: [B] int32 on any device. Copies them to the host (on CUDA, one device sync) and raises as above.
+template <class Raise>
+void raise_first_error(const at::Tensor& errors, Raise&& raise) {
+  const at::Tensor host = errors.to(at::kCPU);
+  raise_first_error(host.data_ptr<int32_t>(), host.numel(), raise);
 }
 
 }  // namespace taps

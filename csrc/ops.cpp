@@ -1,6 +1,12 @@
 // The taps_ops operator schemas: the one place they are declared. Each backend registers its
 // kernels in its own file (csrc/cpu/*.cpp: CPU, csrc/cuda/*.cu: CUDA); Python wrappers with
 // defaults and docstrings live in python/taps_ops/__init__.py.
+//
+// validate (every op): run the checks that read the inputs' data (tree structure, NaN, lengths,
+// paths). On CUDA they cost one device sync, so validate=False skips them there (hot loops, CUDA graph
+// capture, where validate=True raises); the kernels then still never read or write out of bounds, but
+// bad input gives unspecified results. The CPU kernels of build_tree, merge_trees, tree_attention and
+// compact_kv check always (no sync to save, and their loops rely on the checks).
 #include <Python.h>
 #include <torch/library.h>
 
@@ -15,7 +21,8 @@ PyObject* PyInit__C(void) {
 TORCH_LIBRARY(taps_ops, m) {
   // logits [B, N, V] f32/bf16/f16; tokens, parents [B, N] i64; temperature [B] f32;
   // top_k [B] i64 (0 = off); top_p [B] f32; draft_probs [B, N, V] f32/bf16/f16 or None;
-  // uniforms [B, N] f32 in [0, 1).
+  // uniforms [B, N] f32 in [0, 1) (validate: tree structure, parameter ranges, uniforms, NaN / inf
+  // logits at visited nodes; the CPU kernel skips them too, its walk stays in bounds without them).
   // -> out_tokens [B, N] i64 (-1 padded), num_accepted [B] i64, path [B, N] i64 (-1 padded)
   m.def(
       "verify_tree(Tensor logits, Tensor tokens, Tensor parents, Tensor temperature, Tensor top_k, "
@@ -26,20 +33,21 @@ TORCH_LIBRARY(taps_ops, m) {
   // -> tokens, parents, depth [B, num_nodes] i64, tree_mask [B, num_nodes, W] i64,
   //    scores [B, num_nodes] f32, candidate_index [B, num_nodes] i64
   m.def(
-      "build_tree(Tensor scores, Tensor tokens, Tensor parents, int num_nodes, Tensor? root_tokens) "
-      "-> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)");
+      "build_tree(Tensor scores, Tensor tokens, Tensor parents, int num_nodes, Tensor? root_tokens, "
+      "bool validate=True) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)");
   // tokens, parents [B, T, N] i64; scores [B, T, N] f32; weights [B, T] f32 (log-weights) or None.
   // -> tokens, parents, depth [B, num_nodes] i64, tree_mask [B, num_nodes, W] i64,
   //    scores [B, num_nodes] f32, source [B, num_nodes] i64 (bit t = drafter t proposed the node)
   m.def(
-      "merge_trees(Tensor tokens, Tensor parents, Tensor scores, int num_nodes, Tensor? weights) "
-      "-> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)");
+      "merge_trees(Tensor tokens, Tensor parents, Tensor scores, int num_nodes, Tensor? weights, "
+      "bool validate=True) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)");
   // q [B, Hq, N, D]; k, v [B, Hkv, S, D]; tree_mask [B, N, W] i64; kv_lens [B] i64 -> out [B, Hq, N, D]
-  // validate=False skips the kv_lens range check (a device sync on CUDA); the kernels clamp anyway.
+  // (validate: the kv_lens range check; the kernels clamp kv_lens anyway).
   m.def(
       "tree_attention(Tensor q, Tensor k, Tensor v, Tensor tree_mask, Tensor kv_lens, float scale, "
       "bool validate=True) -> Tensor");
   // caches: per layer K and V tensors [B, H, S, D], updated in place; path [B, P] i64 (-1 padded,
-  // path[:, 0] == 0); prefix_lens [B] i64: cache position of tree node i is prefix_lens[b] + i.
-  m.def("compact_kv(Tensor(a!)[] caches, Tensor path, Tensor prefix_lens) -> ()");
+  // path[:, 0] == 0); prefix_lens [B] i64: cache position of tree node i is prefix_lens[b] + i
+  // (validate: the path checks; the kernels leave a request with an invalid path untouched anyway).
+  m.def("compact_kv(Tensor(a!)[] caches, Tensor path, Tensor prefix_lens, bool validate=True) -> ()");
 }

@@ -73,7 +73,7 @@ struct VerifyCall {
     c.out_tokens = at::full({batch, n}, -1, i64);
     c.path = at::full({batch, n}, -1, i64);
     c.num_accepted = at::zeros({batch}, i64);
-    c.errors = at::zeros({batch}, logits.options().dtype(at::kInt));
+    c.errors = at::full({batch}, kNoError, logits.options().dtype(at::kInt));
     c.validate = validate;
     return c;
   }
@@ -96,15 +96,12 @@ struct VerifyCall {
   }
 };
 
-// errors: [B] int32 encoded per request (0 = fine). Raises for the first request with an error.
+// errors: [B] int32, one encoded error per request. Raises for the first request with an error.
 inline void raise_verify_error(const at::Tensor& errors) {
-  const at::Tensor host = errors.to(at::kCPU);
-  const int32_t* e = host.data_ptr<int32_t>();
-  for (int64_t b = 0; b < host.numel(); ++b) {
-    if (e[b] == 0) continue;
-    const int32_t code = e[b] % verify::kErrorStride, node = e[b] / verify::kErrorStride;
-    TORCH_CHECK_VALUE(false, "taps_ops: verify_tree: request ", b, ", node ", node, ": ", verify::error_text(code));
-  }
+  raise_first_error(errors, [](int64_t b, int32_t encoded) {
+    TORCH_CHECK_VALUE(false, "taps_ops: verify_tree: request ", b, ", node ", error_index(encoded), ": ",
+                      verify::error_text(error_code(encoded)));
+  });
 }
 
 }  // namespace taps

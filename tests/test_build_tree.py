@@ -273,3 +273,33 @@ def test_opcheck(device):
     for num_nodes, root in [(10, None), (70, torch.tensor([1, 2, 3])), (1, None)]:
         args = (to(scores), to(tokens), to(parents), num_nodes, None if root is None else to(root))
         torch.library.opcheck(torch.ops.taps_ops.build_tree.default, args)
+
+
+# ---------------------------------------------------------------------------------------------------
+# validate=False
+# ---------------------------------------------------------------------------------------------------
+
+def test_validate_false_same_result_and_opcheck(device):
+    gen = torch.Generator().manual_seed(11)
+    scores, tokens, parents = random_candidates(4, 50, gen, monotone=False, ties=True)
+    args = (scores.to(device), tokens.to(device), parents.to(device), 20, torch.tensor([1, 2, 3, 4], device=device))
+    assert _lists(taps_ops.build_tree(*args, validate=False)) == _lists(taps_ops.build_tree(*args))
+    torch.library.opcheck(torch.ops.taps_ops.build_tree.default, (*args, False))
+
+
+@pytest.mark.parametrize("case", [c for c in _bad_cases() if c[0] in ("parent_forward", "parent_is_padding",
+                                                                      "nan_score")], ids=lambda c: c[0])
+def test_validate_false_still_checks_on_cpu(case):
+    # The CPU checks cost no device sync and the core's loop relies on them: they run with validate=False too.
+    _, args, message = case
+    with pytest.raises(BAD_INPUT, match=f"(?i){message}"):
+        taps_ops.build_tree(*args, validate=False)
+
+
+@pytest.mark.skipif(not cuda_available(), reason="no GPU or no CUDA kernels")
+def test_validate_false_cuda_bad_input_no_raise():
+    # CUDA without validate: no error readback; bad candidates give in-bounds, unspecified trees.
+    case = {c[0]: c for c in _bad_cases()}["parent_forward"]
+    scores, tokens, parents, num_nodes = (a.cuda() if isinstance(a, torch.Tensor) else a for a in case[1])
+    tree = taps_ops.build_tree(scores, tokens, parents, num_nodes, validate=False)
+    assert tuple(tree.tokens.shape) == (1, num_nodes)

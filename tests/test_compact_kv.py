@@ -95,3 +95,33 @@ def test_bad_shapes(device):
         taps_ops.compact_kv([torch.randn(1, 1, 10, 4, device=device)], path.int(), prefix)
     with pytest.raises(RuntimeError, match="contiguous last"):
         taps_ops.compact_kv([torch.randn(1, 1, 4, 10, device=device).transpose(2, 3)], path, prefix)
+
+
+def test_validate_false_same_result_and_opcheck(device):
+    batch, cache_len = 3, 60
+    caches = [torch.randn(batch, 2, cache_len, 8, device=device) for _ in range(2)]
+    path = random_paths(batch, 6, 20).to(device)
+    prefix_lens = torch.tensor([0, 17, 40], device=device)
+    unchecked = [c.clone() for c in caches]
+    taps_ops.compact_kv(caches, path, prefix_lens)
+    taps_ops.compact_kv(unchecked, path, prefix_lens, validate=False)
+    assert all(torch.equal(a, b) for a, b in zip(caches, unchecked))
+    torch.library.opcheck(torch.ops.taps_ops.compact_kv.default, (unchecked, path, prefix_lens, False))
+
+
+def test_validate_false_still_checks_on_cpu():
+    # The CPU checks cost no device sync: they run with validate=False too.
+    cache = torch.randn(1, 1, 10, 4)
+    with pytest.raises(RuntimeError, match="strictly increasing"):
+        taps_ops.compact_kv([cache], torch.tensor([[0, 3, 2]]), torch.tensor([0]), validate=False)
+
+
+@pytest.mark.skipif(not (torch.cuda.is_available() and taps_ops.has_cuda_kernels()), reason="no GPU or no CUDA kernels")
+def test_validate_false_cuda_leaves_invalid_requests():
+    # CUDA without validate: a request with an invalid path is left untouched, the valid one is moved.
+    cache = torch.randn(2, 1, 10, 4, device="cuda")
+    before = cache.clone()
+    taps_ops.compact_kv([cache], torch.tensor([[0, 3, 2], [0, 2, 3]], device="cuda"),
+                        torch.tensor([0, 1], device="cuda"), validate=False)
+    assert torch.equal(cache[0], before[0])
+    assert torch.equal(cache[1, 0, 2], before[1, 0, 3]) and torch.equal(cache[1, 0, 3], before[1, 0, 4])

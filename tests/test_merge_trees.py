@@ -264,3 +264,33 @@ def test_opcheck(device):
     for num_nodes, weights in [(34, None), (5, torch.randn(3, 3, generator=gen)), (70, None)]:
         args = (to(tokens), to(parents), to(scores), num_nodes, None if weights is None else to(weights))
         torch.library.opcheck(torch.ops.taps_ops.merge_trees.default, args)
+
+
+# ---------------------------------------------------------------------------------------------------
+# validate=False
+# ---------------------------------------------------------------------------------------------------
+
+def test_validate_false_same_result_and_opcheck(device):
+    gen = torch.Generator().manual_seed(12)
+    tokens, parents, scores = random_tree_sets(3, 3, 12, 4, gen)
+    args = (tokens.to(device), parents.to(device), scores.to(device), 20, torch.randn(3, 3, generator=gen).to(device))
+    assert _lists(taps_ops.merge_trees(*args, validate=False)) == _lists(taps_ops.merge_trees(*args))
+    torch.library.opcheck(torch.ops.taps_ops.merge_trees.default, (*args, False))
+
+
+@pytest.mark.parametrize("case", [c for c in _bad_cases() if c[0] in ("parent_forward", "parent_is_padding",
+                                                                      "nan_score")], ids=lambda c: c[0])
+def test_validate_false_still_checks_on_cpu(case):
+    # The CPU checks cost no device sync and the core's loop relies on them: they run with validate=False too.
+    _, args, kwargs, message = case
+    with pytest.raises(BAD_INPUT, match=f"(?i){message}"):
+        taps_ops.merge_trees(*args, **kwargs, validate=False)
+
+
+@pytest.mark.skipif(not cuda_available(), reason="no GPU or no CUDA kernels")
+def test_validate_false_cuda_bad_input_no_raise():
+    # CUDA without validate: no error readback; bad trees give in-bounds, unspecified trees.
+    case = {c[0]: c for c in _bad_cases()}["parent_forward"]
+    tokens, parents, scores = (a.cuda() for a in case[1])
+    tree = taps_ops.merge_trees(tokens, parents, scores, validate=False)
+    assert tuple(tree.tokens.shape) == (1, 2 * 3 + 1)

@@ -1,13 +1,12 @@
-// CPU kernel of taps_ops::compact_kv.
+// compact_kv, CPU kernel: input checks (compact_kv_checks.h), the path checks (compact::path_length,
+// taps/compact_kv.h, with a precise message for the first bad request; also with validate=False: no
+// sync to save), then row moves in increasing
+// path order (safe although sources and destinations overlap: see taps/compact_kv.h), parallel over
+// (tensor, b, h).
 //
 // caches: list of [B, H, S, D] tensors (K and V of every layer; any floating dtype, one per tensor),
 // updated in place; path [B, P] i64 (-1 padded, path[:, 0] == 0, strictly increasing);
-// prefix_lens [B] i64. Entry j of path[b] moves from position prefix_lens[b] + path[b, j] to
-// prefix_lens[b] + j.
-//
-// Sources and destinations overlap, but walking a request's path in increasing j is safe: the
-// destination prefix + j is below every later source prefix + path[k] (k > j, path[k] >= k > j), and
-// an entry that does not move (path[j] == j) is skipped. Work is parallel over (tensor, b, h).
+// prefix_lens [B] i64.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -18,10 +17,11 @@
 #include <string>
 #include <vector>
 
-#include "attention_checks.h"
 #include "checks.h"
-#include "taps/attention.h"
+#include "compact_kv_checks.h"
+#include "taps/compact_kv.h"
 
+namespace taps {
 namespace {
 
 struct CacheView {
@@ -29,13 +29,14 @@ struct CacheView {
   int64_t heads, stride_b, stride_h, stride_s, row_bytes;  // strides in bytes
 };
 
-void compact_kv_cpu(at::TensorList caches, const at::Tensor& path_in, const at::Tensor& prefix_lens_in) {
-  taps::check_compact_kv_path(path_in, prefix_lens_in);
+void compact_kv_cpu(at::TensorList caches, const at::Tensor& path_in, const at::Tensor& prefix_lens_in,
+                    bool /*validate*/) {
+  check_compact_kv_path(path_in, prefix_lens_in);
   const int64_t batch = path_in.size(0), path_cols = path_in.size(1);
   TORCH_CHECK(path_in.device().is_cpu(), "taps_ops: compact_kv: path must be on the CPU for the CPU kernel, got ",
               path_in.device());
 
-  const int64_t cache_len = taps::check_compact_kv_caches(caches, path_in, batch);
+  const int64_t cache_len = check_compact_kv_caches(caches, path_in, batch);
   std::vector<CacheView> views;
   for (const at::Tensor& c : caches) {
     const int64_t e = c.element_size();
@@ -49,7 +50,7 @@ void compact_kv_cpu(at::TensorList caches, const at::Tensor& path_in, const at::
   for (int64_t b = 0; b < batch; ++b) {
     const int64_t* pb = pp + b * path_cols;
     // Validate even without caches (the bound against S then needs a cache; skip it).
-    moves[b] = taps::compact_path_length(pb, path_cols, pl[b], cache_len < 0 ? INT64_MAX : cache_len);
+    moves[b] = compact::path_length(pb, path_cols, pl[b], cache_len < 0 ? INT64_MAX : cache_len);
     if (moves[b] < 0) {
       TORCH_CHECK(path_cols == 0 || pb[0] == 0, "taps_ops: compact_kv: path[", b, ", 0] must be 0 (the root), got ",
                   pb[0]);
@@ -95,5 +96,6 @@ void compact_kv_cpu(at::TensorList caches, const at::Tensor& path_in, const at::
 }
 
 }  // namespace
+}  // namespace taps
 
-TORCH_LIBRARY_IMPL(taps_ops, CPU, m) { m.impl("compact_kv", &compact_kv_cpu); }
+TORCH_LIBRARY_IMPL(taps_ops, CPU, m) { m.impl("compact_kv", &taps::compact_kv_cpu); }

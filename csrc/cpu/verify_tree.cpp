@@ -151,7 +151,7 @@ void verify_cpu_impl(const VerifyCall& c) {
       const float* ub = uni + b * n;
       if (validate) {
         o_err[b] = verify::check_request(tb, pb, ub, n, vocab, temp[b], topk[b], topp[b]);
-        if (o_err[b] != 0) continue;
+        if (o_err[b] != kNoError) continue;
       }
       // Children lists: nodes with a parent in [0, i) (anything else has no parent), sibling order.
       for (int64_t i = 0; i < n; ++i) first_child[i] = next_sibling[i] = -1;
@@ -187,7 +187,6 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> verify_tree_cpu(
 }
 
 }  // namespace
-
-TORCH_LIBRARY_IMPL(taps_ops, CPU, m) { m.impl("verify_tree", &verify_tree_cpu); }
-
 }  // namespace taps
+
+TORCH_LIBRARY_IMPL(taps_ops, CPU, m) { m.impl("verify_tree", &taps::verify_tree_cpu); }

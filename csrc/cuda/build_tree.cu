@@ -1,66 +1,44 @@
-// build_tree, CUDA kernel binding: the same checks as the CPU kernel, one launch per batch (a block
-// per request, taps/build_tree.h), then one small device-to-host copy of the per-request error codes
-// (a sync) to raise on bad input. NOTE: compiled but never run on a GPU so far.
+// build_tree, CUDA binding: the checks of the CPU binding (build_tree_checks.h) and the device's size
+// limits, one launch per batch (a block per request, taps/build_tree_kernel.cuh), then with validate
+// one small device-to-host copy of the per-request error codes (a sync) to raise on bad input.
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAException.h>
-#include <c10/cuda/CUDAGraphsC10Utils.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/library.h>
 
 #include <optional>
-#include <tuple>
 
+#include "build_tree_checks.h"
 #include "checks.h"
-#include "taps/build_tree.h"
+#include "cuda/cuda_checks.h"
+#include "taps/build_tree_kernel.cuh"
 
 namespace taps {
-
-using TreeTensors = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>;
-// Defined in csrc/cpu/build_tree.cpp (shared by both backends).
-TreeTensors allocate_tree_outputs(const at::Tensor& like, int64_t batch, int64_t num_nodes);
-tree::TreeBatch tree_batch(const TreeTensors& out, int64_t num_nodes);
-void check_build_tree_inputs(const at::Tensor& scores, const at::Tensor& tokens, const at::Tensor& parents,
-                             int64_t num_nodes, const std::optional<at::Tensor>& root_tokens);
-[[noreturn]] void raise_build_tree_error(int64_t request, int64_t encoded);
-
 namespace {
 
-TreeTensors build_tree_cuda(const at::Tensor& scores_in, const at::Tensor& tokens_in, const at::Tensor& parents_in,
-                            int64_t num_nodes, const std::optional<at::Tensor>& root_tokens_in) {
-  check_build_tree_inputs(scores_in, tokens_in, parents_in, num_nodes, root_tokens_in);
-  const c10::cuda::CUDAGuard guard(scores_in.device());
-  const int64_t B = scores_in.size(0), M = scores_in.size(1);
+TreeTensors build_tree_cuda(const at::Tensor& scores, const at::Tensor& tokens, const at::Tensor& parents,
+                            int64_t num_nodes, const std::optional<at::Tensor>& root_tokens, bool validate) {
+  check_build_tree_inputs(scores, tokens, parents, num_nodes, root_tokens);
+  const c10::cuda::CUDAGuard guard(scores.device());
+  const int64_t B = scores.size(0), M = scores.size(1);
   TORCH_CHECK(M <= tree::kBuildTreeMaxCandidates, "taps_ops: build_tree: the CUDA kernel supports at most ",
               tree::kBuildTreeMaxCandidates, " candidates per request, got M = ", M);
   TORCH_CHECK(num_nodes <= tree::kMaxOutputNodes, "taps_ops: build_tree: the CUDA kernel supports at most ",
               tree::kMaxOutputNodes, " nodes, got num_nodes = ", num_nodes);
-  const size_t smem = tree::build_tree_smem_bytes(M, num_nodes);
-  int device = 0, smem_limit = 0;
-  C10_CUDA_CHECK(cudaGetDevice(&device));
-  C10_CUDA_CHECK(cudaDeviceGetAttribute(&smem_limit, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
-  TORCH_CHECK(smem <= size_t(smem_limit), "taps_ops: build_tree: M = ", M, " candidates and num_nodes = ", num_nodes,
-              " need ", smem, " bytes of shared memory per request, more than this device's ", smem_limit,
-              "; use fewer candidates or nodes, or run build_tree on the CPU");
-  const at::Tensor scores = scores_in.contiguous(), tokens = tokens_in.contiguous(), parents = parents_in.contiguous();
-  at::Tensor root_tokens;
-  if (root_tokens_in.has_value()) root_tokens = root_tokens_in->contiguous();
-  TreeTensors out = allocate_tree_outputs(scores, B, num_nodes);
-  at::Tensor errors = at::full({B}, tree::kNoError, scores.options().dtype(at::kInt));
-  const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
-  C10_CUDA_CHECK(tree::launch_build_tree(scores.data_ptr<float>(), tokens.data_ptr<int64_t>(),
-                                         parents.data_ptr<int64_t>(),
-                                         root_tokens.defined() ? root_tokens.data_ptr<int64_t>() : nullptr, B, M,
-                                         tree_batch(out, num_nodes), errors.data_ptr<int32_t>(), stream));
+  check_shared_memory(tree::build_tree_smem_bytes(M, num_nodes), "build_tree",
+                      c10::str("M = ", M, " candidates and num_nodes = ", num_nodes),
+                      "use fewer candidates or nodes, or run build_tree on the CPU");
+  if (validate) check_validate_allowed("build_tree");
+  const BuildTreeCall c = BuildTreeCall::prepare(scores, tokens, parents, num_nodes, root_tokens);
+  const at::Tensor errors = at::full({B}, kNoError, c.scores.options().dtype(at::kInt));
+  C10_CUDA_CHECK(tree::launch_build_tree(c.scores.data_ptr<float>(), c.tokens.data_ptr<int64_t>(),
+                                         c.parents.data_ptr<int64_t>(), c.root_tokens_ptr(), B, M, c.outputs(),
+                                         errors.data_ptr<int32_t>(), at::cuda::getCurrentCUDAStream()));
   C10_CUDA_KERNEL_LAUNCH_CHECK();
-  // Data checks need the codes on the host: one sync. Skipped while the stream is captured into a
-  // CUDA graph (the kernel stays in bounds on bad input; the results are then unspecified).
-  if (B > 0 && c10::cuda::currentStreamCaptureStatusMayInitCtx() == c10::cuda::CaptureStatus::None) {
-    const at::Tensor host = errors.to(at::kCPU);
-    const int32_t* codes = host.data_ptr<int32_t>();
-    for (int64_t b = 0; b < B; ++b)
-      if (codes[b] != tree::kNoError) raise_build_tree_error(b, codes[b]);
-  }
-  return out;
+  // Without validate the kernel stays in bounds on bad input (a bad parent becomes the root, a NaN
+  // score -inf); the results are then unspecified.
+  if (validate && B > 0) raise_first_error(errors, raise_build_tree_error);
+  return c.out;
 }
 
 }  // namespace

@@ -1,12 +1,12 @@
-// CUDA binding of taps_ops::compact_kv (kernel in taps/attention.h).
+// compact_kv, CUDA binding: input checks (compact_kv_checks.h), with validate the path checks, and one
+// launch per cache tensor (taps/compact_kv_kernel.cuh) on the current stream.
 //
 // caches: list of [B, H, S, D] tensors (any floating dtype, one per tensor), updated in place;
 // path [B, P] i64 (-1 padded, path[:, 0] == 0, strictly increasing); prefix_lens [B] i64.
-// The path checks read device data: one small reduction and one device-to-host sync per call. The
-// kernel re-validates each request's path and leaves a request with an invalid path untouched, so it
-// never reads or writes out of bounds. One launch per cache tensor, each moving whole rows in the
-// widest word (1..16 bytes) that the tensor's alignment allows.
-// NOTE: compiled (sm_80, sm_90a) but never run on a GPU by its author; the tests cover it on a GPU.
+// The path checks read device data: one small reduction and one device-to-host sync per call
+// (validate=False skips them). The kernel re-validates each request's path and leaves a request with
+// an invalid path untouched, so it never reads or writes out of bounds. One launch per cache tensor,
+// each moving whole rows in the widest word (1..16 bytes) that the tensor's alignment allows.
 #include <ATen/ATen.h>
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAException.h>
@@ -16,33 +16,37 @@
 #include <cstdint>
 #include <string>
 
-#include "attention_checks.h"
 #include "checks.h"
-#include "taps/attention.h"
+#include "compact_kv_checks.h"
+#include "cuda/cuda_checks.h"
+#include "taps/compact_kv_kernel.cuh"
 
+namespace taps {
 namespace {
 
 template <class U>
 void launch_unit(const at::Tensor& c, int64_t unit_elems, int64_t cache_len, const int64_t* path, int64_t cols,
                  const int64_t* prefix, cudaStream_t stream) {
-  C10_CUDA_CHECK(taps::launch_compact_kv<U>(static_cast<U*>(c.data_ptr()), c.size(0), c.size(1), cache_len,
+  C10_CUDA_CHECK(compact::launch_compact_kv<U>(static_cast<U*>(c.data_ptr()), c.size(0), c.size(1), cache_len,
                                             c.size(3) / unit_elems, c.stride(0) / unit_elems,
                                             c.stride(1) / unit_elems, c.stride(2) / unit_elems, path, cols, prefix,
                                             stream));
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
-void compact_kv_cuda(at::TensorList caches, const at::Tensor& path_in, const at::Tensor& prefix_lens_in) {
-  taps::check_compact_kv_path(path_in, prefix_lens_in);
+void compact_kv_cuda(at::TensorList caches, const at::Tensor& path_in, const at::Tensor& prefix_lens_in,
+                     bool validate) {
+  check_compact_kv_path(path_in, prefix_lens_in);
   const int64_t batch = path_in.size(0), cols = path_in.size(1);
-  TORCH_CHECK(batch <= 65535, "taps_ops: compact_kv: B = ", batch, " exceeds the CUDA grid limit 65535");
-  const int64_t cache_len = taps::check_compact_kv_caches(caches, path_in, batch);
+  check_grid_dim(batch, "compact_kv", c10::str("B = ", batch));
+  const int64_t cache_len = check_compact_kv_caches(caches, path_in, batch);
   for (size_t t = 0; t < caches.size(); ++t)
-    TORCH_CHECK(caches[t].size(1) <= 65535, "taps_ops: compact_kv: caches[", t, "] H exceeds the CUDA grid limit 65535");
+    check_grid_dim(caches[t].size(1), "compact_kv", c10::str("caches[", t, "] H"));
   c10::cuda::CUDAGuard guard(path_in.device());
   const at::Tensor path = path_in.contiguous(), prefix_lens = prefix_lens_in.contiguous();
   if (batch == 0 || cols == 0) return;
-  {  // the one device sync of this op: all checks in one reduction
+  if (validate) {  // the one device sync of this op: all checks in one reduction
+    check_validate_allowed("compact_kv");
     const at::Tensor valid = path >= 0;
     const at::Tensor live = valid.cumprod(1).to(at::kBool);  // entries before the first -1
     const at::Tensor prev = at::cat({at::full({batch, 1}, -1, path.options()), path.narrow(1, 0, cols - 1)}, 1);
@@ -85,5 +89,6 @@ void compact_kv_cuda(at::TensorList caches, const at::Tensor& path_in, const at:
 }
 
 }  // namespace
+}  // namespace taps
 
-TORCH_LIBRARY_IMPL(taps_ops, CUDA, m) { m.impl("compact_kv", &compact_kv_cuda); }
+TORCH_LIBRARY_IMPL(taps_ops, CUDA, m) { m.impl("compact_kv", &taps::compact_kv_cuda); }

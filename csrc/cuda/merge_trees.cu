@@ -1,65 +1,45 @@
-// merge_trees, CUDA kernel binding: the same checks as the CPU kernel, one launch per batch (a block
-// per request, taps/merge_trees.h), then one small device-to-host copy of the per-request error codes
-// (a sync) to raise on bad input. NOTE: compiled but never run on a GPU so far.
+// merge_trees, CUDA binding: the checks of the CPU binding (merge_trees_checks.h) and the device's size
+// limits, one launch per batch (a block per request, taps/merge_trees_kernel.cuh), then with validate
+// one small device-to-host copy of the per-request error codes (a sync) to raise on bad input.
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAException.h>
-#include <c10/cuda/CUDAGraphsC10Utils.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/library.h>
 
 #include <optional>
-#include <tuple>
 
 #include "checks.h"
-#include "taps/merge_trees.h"
+#include "cuda/cuda_checks.h"
+#include "merge_trees_checks.h"
+#include "taps/merge_trees_kernel.cuh"
 
 namespace taps {
-
-using TreeTensors = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>;
-// Defined in csrc/cpu/build_tree.cpp and csrc/cpu/merge_trees.cpp (shared by both backends).
-TreeTensors allocate_tree_outputs(const at::Tensor& like, int64_t batch, int64_t num_nodes);
-tree::TreeBatch tree_batch(const TreeTensors& out, int64_t num_nodes);
-void check_merge_trees_inputs(const at::Tensor& tokens, const at::Tensor& parents, const at::Tensor& scores,
-                              int64_t num_nodes, const std::optional<at::Tensor>& weights);
-[[noreturn]] void raise_merge_trees_error(int64_t request, int64_t encoded, int64_t N);
-
 namespace {
 
-TreeTensors merge_trees_cuda(const at::Tensor& tokens_in, const at::Tensor& parents_in, const at::Tensor& scores_in,
-                             int64_t num_nodes, const std::optional<at::Tensor>& weights_in) {
-  check_merge_trees_inputs(tokens_in, parents_in, scores_in, num_nodes, weights_in);
-  const c10::cuda::CUDAGuard guard(tokens_in.device());
-  const int64_t B = tokens_in.size(0), T = tokens_in.size(1), N = tokens_in.size(2);
+TreeTensors merge_trees_cuda(const at::Tensor& tokens, const at::Tensor& parents, const at::Tensor& scores,
+                             int64_t num_nodes, const std::optional<at::Tensor>& weights, bool validate) {
+  check_merge_trees_inputs(tokens, parents, scores, num_nodes, weights);
+  const c10::cuda::CUDAGuard guard(tokens.device());
+  const int64_t B = tokens.size(0), T = tokens.size(1), N = tokens.size(2);
   TORCH_CHECK(T * N <= tree::kMergeTreesMaxOccurrences, "taps_ops: merge_trees: the CUDA kernel supports at most ",
               tree::kMergeTreesMaxOccurrences, " nodes per request (T * N), got T * N = ", T * N);
   TORCH_CHECK(num_nodes <= tree::kMaxOutputNodes, "taps_ops: merge_trees: the CUDA kernel supports at most ",
               tree::kMaxOutputNodes, " nodes, got num_nodes = ", num_nodes);
-  const size_t smem = tree::merge_trees_smem_bytes(T * N, num_nodes);
-  int device = 0, smem_limit = 0;
-  C10_CUDA_CHECK(cudaGetDevice(&device));
-  C10_CUDA_CHECK(cudaDeviceGetAttribute(&smem_limit, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
-  TORCH_CHECK(smem <= size_t(smem_limit), "taps_ops: merge_trees: T * N = ", T * N, " input nodes and num_nodes = ",
-              num_nodes, " need ", smem, " bytes of shared memory per request, more than this device's ", smem_limit,
-              "; use fewer or smaller trees, or run merge_trees on the CPU");
-  const at::Tensor tokens = tokens_in.contiguous(), parents = parents_in.contiguous(), scores = scores_in.contiguous();
-  at::Tensor weights;
-  if (weights_in.has_value()) weights = weights_in->contiguous();
-  TreeTensors out = allocate_tree_outputs(scores, B, num_nodes);
-  at::Tensor errors = at::full({B}, tree::kNoError, scores.options().dtype(at::kInt));
-  const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
-  C10_CUDA_CHECK(tree::launch_merge_trees(tokens.data_ptr<int64_t>(), parents.data_ptr<int64_t>(),
-                                          scores.data_ptr<float>(), weights.defined() ? weights.data_ptr<float>() : nullptr,
-                                          B, T, N, tree_batch(out, num_nodes), errors.data_ptr<int32_t>(), stream));
+  check_shared_memory(tree::merge_trees_smem_bytes(T * N, num_nodes), "merge_trees",
+                      c10::str("T * N = ", T * N, " input nodes and num_nodes = ", num_nodes),
+                      "use fewer or smaller trees, or run merge_trees on the CPU");
+  if (validate) check_validate_allowed("merge_trees");
+  const MergeTreesCall c = MergeTreesCall::prepare(tokens, parents, scores, num_nodes, weights);
+  const at::Tensor errors = at::full({B}, kNoError, c.scores.options().dtype(at::kInt));
+  C10_CUDA_CHECK(tree::launch_merge_trees(c.tokens.data_ptr<int64_t>(), c.parents.data_ptr<int64_t>(),
+                                          c.scores.data_ptr<float>(), c.weights_ptr(), B, T, N, c.outputs(),
+                                          errors.data_ptr<int32_t>(), at::cuda::getCurrentCUDAStream()));
   C10_CUDA_KERNEL_LAUNCH_CHECK();
-  // Data checks need the codes on the host: one sync. Skipped while the stream is captured into a
-  // CUDA graph (the kernel stays in bounds on bad input; the results are then unspecified).
-  if (B > 0 && c10::cuda::currentStreamCaptureStatusMayInitCtx() == c10::cuda::CaptureStatus::None) {
-    const at::Tensor host = errors.to(at::kCPU);
-    const int32_t* codes = host.data_ptr<int32_t>();
-    for (int64_t b = 0; b < B; ++b)
-      if (codes[b] != tree::kNoError) raise_merge_trees_error(b, codes[b], N);
-  }
-  return out;
+  // Without validate the kernel stays in bounds on bad input (bad nodes are unreachable, NaN scores
+  // -inf); the results are then unspecified.
+  if (validate && B > 0)
+    raise_first_error(errors, [N](int64_t b, int32_t e) { raise_merge_trees_error(b, e, N); });
+  return c.out;
 }
 
 }  // namespace

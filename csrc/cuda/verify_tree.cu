@@ -1,6 +1,5 @@
-// verify_tree, CUDA binding: input checks, dtype dispatch, the launch (taps/verify_kernel.cuh) on the
-// current stream, and with validate one device sync to raise errors. UNVERIFIED: this code compiles
-// for sm_80 / sm_90a in CI but has not yet run on a GPU; bench/gpu_check.sh is the prepared first run.
+// verify_tree, CUDA binding: input checks (verify_checks.h), dtype dispatch, the launch
+// (taps/verify_kernel.cuh) on the current stream, and with validate one device sync to raise errors.
 #include <ATen/ATen.h>
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAException.h>
@@ -11,6 +10,7 @@
 #include <optional>
 
 #include "checks.h"
+#include "cuda/cuda_checks.h"
 #include "taps/verify_kernel.cuh"
 #include "verify_checks.h"
 
@@ -38,7 +38,7 @@ template <typename logit_t, typename prob_t>
 void launch(const VerifyCall& c) {
   // The kernel templates take torch's element types (c10::BFloat16 / c10::Half convert to float on the
   // device; torch builds with the CUDA types' own conversions switched off).
-  verify_cuda::VerifyArgs<logit_t, prob_t> a{
+  verify::VerifyArgs<logit_t, prob_t> a{
       c.logits.data_ptr<logit_t>(), c.draft_probs.defined() ? c.draft_probs.data_ptr<prob_t>() : nullptr,
       c.tokens.data_ptr<int64_t>(), c.parents.data_ptr<int64_t>(), c.uniforms.data_ptr<float>(),
       c.temperature.data_ptr<float>(), c.top_k.data_ptr<int64_t>(), c.top_p.data_ptr<float>(),
@@ -46,7 +46,7 @@ void launch(const VerifyCall& c) {
       cluster_size_for(c.logits.size(0), c.logits.size(2)),
       c.out_tokens.data_ptr<int64_t>(), c.num_accepted.data_ptr<int64_t>(), c.path.data_ptr<int64_t>(),
       c.errors.data_ptr<int32_t>()};
-  C10_CUDA_CHECK(verify_cuda::launch_verify_tree(a, at::cuda::getCurrentCUDAStream()));
+  C10_CUDA_CHECK(verify::launch_verify_tree(a, at::cuda::getCurrentCUDAStream()));
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> verify_tree_cuda(
@@ -55,10 +55,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> verify_tree_cuda(
     const std::optional<at::Tensor>& draft_probs_in, const at::Tensor& uniforms_in, bool validate) {
   check_verify_inputs(logits_in, tokens_in, parents_in, temperature_in, top_k_in, top_p_in, draft_probs_in,
                       uniforms_in);
-  TORCH_CHECK(logits_in.size(1) <= verify_cuda::kMaxNodes, "taps_ops: verify_tree: the CUDA kernel supports trees of up to ",
-              verify_cuda::kMaxNodes, " nodes, got N = ", logits_in.size(1));
+  TORCH_CHECK(logits_in.size(1) <= verify::kMaxNodes, "taps_ops: verify_tree: the CUDA kernel supports trees of up to ",
+              verify::kMaxNodes, " nodes, got N = ", logits_in.size(1));
   TORCH_CHECK(logits_in.size(0) < (int64_t(1) << 31), "taps_ops: verify_tree: batch too large for one launch");
   const c10::cuda::CUDAGuard guard(logits_in.device());
+  if (validate) check_validate_allowed("verify_tree");
   const VerifyCall call = VerifyCall::prepare(logits_in, tokens_in, parents_in, temperature_in, top_k_in, top_p_in,
                                               draft_probs_in, uniforms_in, validate);
   if (logits_in.size(0) == 0) return call.outputs();
@@ -68,7 +69,6 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> verify_tree_cuda(
 }
 
 }  // namespace
-
-TORCH_LIBRARY_IMPL(taps_ops, CUDA, m) { m.impl("verify_tree", &verify_tree_cuda); }
-
 }  // namespace taps
+
+TORCH_LIBRARY_IMPL(taps_ops, CUDA, m) { m.impl("verify_tree", &taps::verify_tree_cuda); }

@@ -10,6 +10,11 @@ Public API (shapes in brackets; B requests, N tree nodes, V vocabulary):
 
 The tree format and the op contracts are those of the project's DESIGN.md; :mod:`taps_ops.reference`
 holds a plain-PyTorch implementation of every op that the tests and benchmarks compare against.
+
+Every op takes ``validate=True``: the checks that read the inputs' data (tree structure, NaN, lengths,
+paths) raise a clear error. On CUDA they cost one device sync, so ``validate=False`` skips them for hot
+loops and CUDA-graph capture (where ``validate=True`` raises); the kernels then still never read or
+write out of bounds, but bad input gives unspecified results.
 """
 
 from __future__ import annotations
@@ -173,6 +178,8 @@ def build_tree(
     parents: Tensor,
     num_nodes: int,
     root_tokens: Optional[Tensor] = None,
+    *,
+    validate: bool = True,
 ) -> Tree:
     """Select an ancestor-closed draft tree of `num_nodes` nodes from EAGLE-2 style candidates.
 
@@ -183,11 +190,15 @@ def build_tree(
         num_nodes: nodes in the output tree, root included (>= 1). The best `num_nodes - 1`
             candidates are kept, closed under ancestors (ties: shallower, then earlier candidate).
         root_tokens: optional [B] int64 token of the root (node 0); -1 when None.
+        validate: check every candidate (parent range, NaN scores) and raise on a bad one (one device
+            sync on CUDA; always checked on the CPU, where it is free). With False the CUDA kernel still
+            stays in bounds, but bad candidates give unspecified (in-bounds) results.
 
     Returns:
         Tree with [B, num_nodes] fields, siblings ordered by score (best first), -1 padded.
     """
-    return Tree(*torch.ops.taps_ops.build_tree.default(scores, tokens, parents, int(num_nodes), root_tokens))
+    return Tree(*torch.ops.taps_ops.build_tree.default(scores, tokens, parents, int(num_nodes), root_tokens,
+                                                       validate))
 
 
 def merge_trees(
@@ -196,6 +207,8 @@ def merge_trees(
     scores: Tensor,
     num_nodes: Optional[int] = None,
     weights: Optional[Tensor] = None,
+    *,
+    validate: bool = True,
 ) -> MergedTree:
     """Trie union of T drafters' trees per request, cut to `num_nodes` by score.
 
@@ -205,6 +218,10 @@ def merge_trees(
         scores: [B, T, N] float32 cumulative draft log-prob of each node.
         num_nodes: output nodes, root included; default T * (N - 1) + 1, room for the whole union.
         weights: optional [T] or [B, T] per-drafter log-weight added to that drafter's scores.
+        validate: check every tree (shared root, topological parents, padding, NaN scores and weights)
+            and raise on a bad node (one device sync on CUDA; always checked on the CPU, where it is
+            free). With False the CUDA kernel still stays in bounds, but bad trees give unspecified
+            (in-bounds) results.
 
     Returns:
         MergedTree with [B, num_nodes] fields; a merged node's score is the max over its sources,
@@ -224,7 +241,8 @@ def merge_trees(
             raise ValueError(f"taps_ops.merge_trees: weights must be [T] or [B, T] = [{batch}, {num_trees}], "
                              f"got shape {tuple(weights.shape)}")
         weights = weights.to(device=tokens.device, dtype=torch.float32).contiguous()
-    return MergedTree(*torch.ops.taps_ops.merge_trees.default(tokens, parents, scores, int(num_nodes), weights))
+    return MergedTree(*torch.ops.taps_ops.merge_trees.default(tokens, parents, scores, int(num_nodes), weights,
+                                                              validate))
 
 
 def tree_attention(
@@ -260,7 +278,7 @@ def tree_attention(
     return torch.ops.taps_ops.tree_attention.default(q, k, v, tree_mask, kv_lens, float(scale), validate)
 
 
-def compact_kv(caches: Sequence[Tensor], path: Tensor, prefix_lens: Tensor) -> None:
+def compact_kv(caches: Sequence[Tensor], path: Tensor, prefix_lens: Tensor, *, validate: bool = True) -> None:
     """Move the KV entries of each request's accepted path next to its prefix, in place.
 
     Args:
@@ -269,10 +287,13 @@ def compact_kv(caches: Sequence[Tensor], path: Tensor, prefix_lens: Tensor) -> N
         path: [B, P] int64 accepted node indices (root first, path[:, 0] == 0, strictly increasing),
             -1 padded, e.g. VerifyOutput.path.
         prefix_lens: [B] int64 committed positions before the tree.
+        validate: check the paths (root first, strictly increasing, inside the cache) and prefix_lens
+            (one device sync on CUDA; always checked on the CPU, where it is free). With False the CUDA
+            kernel leaves a request with an invalid path untouched instead of raising.
 
     After the call, entry j of the path is at position prefix_lens[b] + j of every cache.
     """
-    torch.ops.taps_ops.compact_kv.default(list(caches), path, prefix_lens)
+    torch.ops.taps_ops.compact_kv.default(list(caches), path, prefix_lens, validate)
 
 
 from . import _fake  # noqa: E402,F401  (shape functions for torch.compile / FakeTensor)

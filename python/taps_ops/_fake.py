@@ -23,12 +23,12 @@ def _tree_fake(like, batch, num_nodes):
 
 
 @torch.library.register_fake("taps_ops::build_tree")
-def _build_tree_fake(scores, tokens, parents, num_nodes, root_tokens):
+def _build_tree_fake(scores, tokens, parents, num_nodes, root_tokens, validate=True):
     return _tree_fake(scores, scores.shape[0], num_nodes)
 
 
 @torch.library.register_fake("taps_ops::merge_trees")
-def _merge_trees_fake(tokens, parents, scores, num_nodes, weights):
+def _merge_trees_fake(tokens, parents, scores, num_nodes, weights, validate=True):
     return _tree_fake(scores, scores.shape[0], num_nodes)
 
 
@@ -38,5 +38,5 @@ def _tree_attention_fake(q, k, v, tree_mask, kv_lens, scale, validate=True):
 
 
 @torch.library.register_fake("taps_ops::compact_kv")
-def _compact_kv_fake(caches, path, prefix_lens):
+def _compact_kv_fake(caches, path, prefix_lens, validate=True):
     return None

@@ -1,11 +1,10 @@
-// The CUDA tree_attention kernels (SIMT kernel, tensor-core kernel, split combine) and the compact_kv
-// kernel of taps/attention.h, run under the host CUDA emulation (tests/cpp/emu/cuda_runtime.h, whose
+// The CUDA tree_attention kernels (SIMT kernel, tensor-core kernel, split combine) of
+// taps/tree_attention_kernel.cuh, run under the host CUDA emulation (tests/cpp/emu/cuda_runtime.h, whose
 // m16n8k16 mma and ldmatrix follow the PTX fragment layouts, and whose cp.async copies land only at
-// the wait), against plain loops written here: tree_attention in
-// double precision from the same (rounded) inputs, within 2e-5 (fp32), 2e-3 (fp16) or 1e-2 (bf16)
-// of the largest |value| (the tensor-core kernel rounds P to the input type, as flash attention does;
-// a fragment-layout slip gives errors of order 1), compact_kv exactly (gathering from a copy of the
-// original cache, so the kernel's in-place order is checked too). Head dims 64, 80 (the partial lane
+// the wait), against plain loops written here in double precision from the same (rounded) inputs,
+// within 2e-5 (fp32), 2e-3 (fp16) or 1e-2 (bf16) of the largest |value| (the tensor-core kernel rounds
+// P to the input type, as flash attention does; a fragment-layout slip gives errors of order 1). Head
+// dims 64, 80 (the partial lane
 // of the SIMT kernel, five k-steps of the mma) and 128; odd node counts and cache lengths,
 // grouped-query heads (also groups spanning several row blocks and warps holding several m-tiles),
 // ragged kv_lens, query strides of a [B, N, H, D] layout, padded K/V head strides, one split and
@@ -24,12 +23,13 @@
 #include <type_traits>
 #include <vector>
 
-#include "taps/attention.h"
+#include "taps/tree_attention_kernel.cuh"
 
 #include "check.h"
 
 namespace {
 
+namespace attention = taps::attention;
 using taps_test::check;
 using taps_test::rng;
 using taps_test::rnd;
@@ -114,12 +114,13 @@ void attention_case(const AttnCase& c) {
       }
   // Kernel.
   const bool half_type = !std::is_same_v<T, float>;
-  taps::AttentionPlan plan = taps::plan_tree_attention(B, Hkv, int64_t(G) * N, S, D, half_type && c.mma, 1, kH100Smem);
+  attention::AttentionPlan plan =
+      attention::plan_tree_attention(B, Hkv, int64_t(G) * N, S, D, half_type && c.mma, 1, kH100Smem);
   if (c.split_keys > 0) {
     plan.split_keys = c.split_keys;
     plan.splits = (S + c.split_keys - 1) / c.split_keys;
   }
-  taps::TreeAttentionParams p{};
+  attention::Params p{};
   std::vector<T> out(ref.size(), from_f<T>(12345.0f));
   const int64_t splits = plan.splits;
   const int64_t rows_all = int64_t(B) * Hq * N;
@@ -138,9 +139,9 @@ void attention_case(const AttnCase& c) {
   p.k_stride_b = p.v_stride_b = ks_b;
   p.k_stride_h = p.v_stride_h = ks_h;
   p.k_stride_s = p.v_stride_s = ks_s;
-  p.batch = B, p.heads_q = Hq, p.heads_kv = Hkv, p.num_nodes = N, p.cache_len = S, p.mask_words = W;
+  p.batch = B, p.heads_q = Hq, p.heads_kv = Hkv, p.num_nodes = N, p.head_dim = D, p.cache_len = S, p.mask_words = W;
   p.scale = scale;
-  taps::launch_tree_attention<T, D>(p, plan, nullptr);
+  attention::launch_tree_attention<T, D>(p, plan, nullptr);
   double big = 1e-30, err = 0;
   size_t worst = 0;
   for (size_t e = 0; e < ref.size(); ++e) {
@@ -174,13 +175,13 @@ void visibility_cases() {
     const int64_t len = trial % 10 == 0 ? rnd(0, int(N)) : rnd(int(N), int(S));
     std::vector<int64_t> row(static_cast<size_t>(W));
     for (auto& x : row) x = int64_t((uint64_t(rng()) << 32) ^ uint64_t(rng()));
-    const taps::TreeSpan span = taps::tree_span(len, N, S);
+    const attention::TreeSpan span = attention::tree_span(len, N, S);
     for (int64_t tile0 = -70; tile0 < span.len + 70; tile0 += rnd(1, 40)) {
       if (tile0 < 0) continue;
-      const uint64_t vis = taps::tile_visibility(span, row.data(), W, tile0);
+      const uint64_t vis = attention::tile_visibility(span, row.data(), W, tile0);
       for (int j = 0; j < 64 && tile0 + j < span.len; ++j) {
         ++total;
-        bad += ((vis >> j) & 1u) != uint64_t(taps::key_visible(span, row.data(), tile0 + j));
+        bad += ((vis >> j) & 1u) != uint64_t(attention::key_visible(span, row.data(), tile0 + j));
       }
     }
   }
@@ -192,10 +193,10 @@ void visibility_cases() {
 void plan_cases() {
   auto plan_tree_attention = [](int64_t batch, int64_t heads_kv, int64_t rows, int64_t s, int64_t d, bool mma,
                                 int64_t sms) {
-    return taps::plan_tree_attention(batch, heads_kv, rows, s, d, mma, sms, kH100Smem);
+    return attention::plan_tree_attention(batch, heads_kv, rows, s, d, mma, sms, kH100Smem);
   };
   // bf16, G * N = 4 * 64 = 256 rows, D = 128: 8 warps x 2 m-tiles hold the whole group in one block.
-  taps::AttentionPlan p = plan_tree_attention(4, 8, 256, 2048, 128, true, 132);
+  attention::AttentionPlan p = plan_tree_attention(4, 8, 256, 2048, 128, true, 132);
   check(p.mma && p.warps == 8 && p.block_rows == 256 && p.row_blocks == 1, "plan: whole group per block (D=128)");
   // 4 * 8 = 32 blocks on 132 SMs: ceil(264 / 32) = 9 splits for two waves, capped at 2048 / 256 = 8,
   // of 256 keys (a multiple of the 64-key tile).
@@ -212,75 +213,23 @@ void plan_cases() {
   p = plan_tree_attention(1, 8, 128, 4096, 128, true, 132);
   check(p.mma && p.warps == 8 && p.block_rows == 128 && p.row_blocks == 1, "plan: rows sized to the group");
   p = plan_tree_attention(3, 2, 8, 257, 64, true, 132);
-  check(!p.mma && p.block_rows == taps::kAttnRows && p.row_blocks == 1, "plan: under 16 rows -> SIMT");
+  check(!p.mma && p.block_rows == attention::kAttnRows && p.row_blocks == 1, "plan: under 16 rows -> SIMT");
   p = plan_tree_attention(3, 2, 256, 257, 64, false, 132);
-  check(!p.mma && p.row_blocks == 16 && p.split_keys % taps::kTileKeys == 0, "plan: fp32 -> SIMT");
+  check(!p.mma && p.row_blocks == 16 && p.split_keys % attention::kTileKeys == 0, "plan: fp32 -> SIMT");
   // Short caches never split; long ones at most kMaxSplits.
   check(plan_tree_attention(1, 1, 16, 255, 64, true, 132).splits == 1, "plan: short cache, one split");
-  check(plan_tree_attention(1, 1, 16, 1 << 20, 64, true, 132).splits <= taps::kMaxSplits, "plan: split cap");
+  check(plan_tree_attention(1, 1, 16, 1 << 20, 64, true, 132).splits <= attention::kMaxSplits, "plan: split cap");
   // sm_80 (A100) opts in to 163 KB: D = 256 takes 3 warps (157 KB) instead of 8 (203 KB); D = 128 keeps 8
   // (136 KB).
   constexpr int64_t kA100Smem = 163 * 1024;
-  p = taps::plan_tree_attention(1, 8, 256, 8192, 256, true, 108, kA100Smem);
+  p = attention::plan_tree_attention(1, 8, 256, 8192, 256, true, 108, kA100Smem);
   check(p.mma && p.warps == 3 && p.block_rows == 48 && p.row_blocks == 6, "plan: D=256 on sm_80 smem");
-  check(taps::mma_smem_bytes(256, 48) <= kA100Smem && taps::mma_smem_bytes(256, 64) > kA100Smem, "smem sizes");
-  p = taps::plan_tree_attention(1, 8, 256, 8192, 128, true, 108, kA100Smem);
+  check(attention::mma_smem_bytes(256, 48) <= kA100Smem && attention::mma_smem_bytes(256, 64) > kA100Smem, "smem sizes");
+  p = attention::plan_tree_attention(1, 8, 256, 8192, 128, true, 108, kA100Smem);
   check(p.mma && p.warps == 8 && p.block_rows == 256, "plan: D=128 on sm_80 smem");
   // A device with too little shared memory for even one warp's rows: the SIMT kernel.
-  p = taps::plan_tree_attention(1, 8, 256, 8192, 128, true, 108, 48 * 1024);
-  check(!p.mma && p.block_rows == taps::kAttnRows && p.split_keys % taps::kTileKeys == 0, "plan: no smem -> SIMT");
-}
-
-// compact_kv on a cache of units U viewed as [B, H, S, row_units] with padded heads.
-template <class U>
-void compact_case(int B, int H, int S, int row_units, int cols, const char* name) {
-  static_assert(sizeof(U) % 4 == 0, "units of 4-byte words here");
-  constexpr int kWords = sizeof(U) / 4;
-  const int64_t stride_s = row_units, stride_h = int64_t(S) * row_units + 5, stride_b = H * stride_h + 2;
-  std::vector<U> cache(size_t(B * stride_b));
-  {
-    std::vector<uint32_t> words(cache.size() * kWords);
-    for (auto& x : words) x = uint32_t(rng());
-    std::memcpy(cache.data(), words.data(), words.size() * 4);
-  }
-  const std::vector<U> original = cache;
-  std::vector<int64_t> path(size_t(B * cols), -1), prefix(static_cast<size_t>(B));
-  for (int b = 0; b < B; ++b) {
-    int64_t* pb = path.data() + b * cols;
-    prefix[size_t(b)] = rnd(0, S / 2);
-    const int span = S - int(prefix[size_t(b)]);  // path entries < span stay in the cache
-    const int len = rnd(1, std::min(cols, span));
-    pb[0] = 0;
-    for (int j = 1; j < len; ++j) {  // strictly increasing; sometimes keeps a node in place
-      const int lo = int(pb[j - 1]) + 1, hi = span - (len - j);
-      pb[j] = rnd(0, 2) == 0 && j >= lo ? j : rnd(lo, std::max(lo, hi));
-    }
-    switch (b % 7) {  // invalid paths: must be left untouched
-      case 3: if (len >= 3) pb[2] = pb[1]; break;        // not increasing
-      case 4: pb[0] = 1; break;                          // does not start at the root
-      case 5: pb[len - 1] = span; break;                 // past the cache
-      case 6: prefix[size_t(b)] = -1; break;             // negative prefix
-      default: break;
-    }
-    if (b == 1) std::fill(pb, pb + cols, -1);  // all padding: invalid too
-  }
-  taps::launch_compact_kv<U>(cache.data(), B, H, S, row_units, stride_b, stride_h, stride_s, path.data(), cols,
-                             prefix.data(), nullptr);
-  // Reference: new row prefix + j = old row prefix + path[j] for a valid path, everything else kept.
-  std::vector<U> want = original;
-  for (int b = 0; b < B; ++b) {
-    const int64_t n = taps::compact_path_length(path.data() + b * cols, cols, prefix[size_t(b)], S);
-    for (int h = 0; h < H; ++h)
-      for (int64_t j = 1; j < n; ++j)
-        for (int u = 0; u < row_units; ++u)
-          want[size_t(b * stride_b + h * stride_h + (prefix[size_t(b)] + j) * stride_s + u)] =
-              original[size_t(b * stride_b + h * stride_h + (prefix[size_t(b)] + path[size_t(b * cols + j)]) * stride_s +
-                              u)];
-  }
-  const bool same = std::memcmp(cache.data(), want.data(), cache.size() * sizeof(U)) == 0;
-  check(same, std::string("compact_kv ") + name + " B=" + std::to_string(B) + " H=" + std::to_string(H) +
-                  " S=" + std::to_string(S) + " row_units=" + std::to_string(row_units) +
-                  " cols=" + std::to_string(cols));
+  p = attention::plan_tree_attention(1, 8, 256, 8192, 128, true, 108, 48 * 1024);
+  check(!p.mma && p.block_rows == attention::kAttnRows && p.split_keys % attention::kTileKeys == 0, "plan: no smem -> SIMT");
 }
 
 }  // namespace
@@ -309,10 +258,6 @@ int main() {
   attention_case<__nv_bfloat16, 256>({1, 2, 1, 20, 150, 64, true});     // D = 256, 3 splits, an empty row
   attention_case<__half, 128>({1, 4, 2, 9, 700, 0, false});              // 11 tiles in one split
   attention_case<__nv_bfloat16, 80>({2, 4, 2, 9, 70, 0, false, false});  // bf16 on the SIMT kernel
-  // compact_kv
-  compact_case<uint32_t>(7, 2, 40, 37, 9, "u32");      // 32-thread blocks, two blocks per row
-  compact_case<uint32_t>(7, 1, 30, 130, 12, "u32");    // 128-thread blocks
-  compact_case<uint4>(7, 3, 25, 3, 6, "uint4");
-  std::printf("emulated CUDA tree_attention / compact_kv vs plain loops\n");
+  std::printf("emulated CUDA tree_attention vs plain loops\n");
   return taps_test::finish();
 }

@@ -1,11 +1,12 @@
-// The CUDA build_tree and merge_trees kernels (taps/build_tree.h, taps/merge_trees.h, the block-level
-// select_and_emit of taps/tree.h) run under the host CUDA emulation (tests/cpp/emu/cuda_runtime.h),
-// against the CPU path of the same core (build_tree_request_host / merge_trees_request_host, which
-// end in select_and_emit_host): every output column bit for bit, and the error codes of invalid inputs.
-// Random cases with score ties (also -0.0 vs +0.0), padding candidates, scores that rise along a path,
-// output trees of more than 64 nodes (several mask words), more candidates than threads, duplicate
-// sibling tokens, up to 63 merged trees. The kernels use blockDim, so they run here with 32 to 128
-// threads per block (the real launch uses 512; one case runs with 512).
+// The CUDA build_tree and merge_trees kernels (taps/build_tree_kernel.cuh, taps/merge_trees_kernel.cuh,
+// the block-level select_and_emit of taps/tree_kernel.cuh) run under the host CUDA emulation
+// (tests/cpp/emu/cuda_runtime.h), against the CPU path of the same core (build_tree_request_host /
+// merge_trees_request_host, which end in select_and_emit_host): every output column bit for bit, and
+// the error codes of invalid inputs. Random cases with score ties (also -0.0 vs +0.0), padding
+// candidates, scores that rise along a path, output trees of more than 64 nodes (several mask words),
+// more candidates than threads, duplicate sibling tokens, up to 63 merged trees. The kernels use
+// blockDim, so they run here with 32 to 128 threads per block (the real launch uses 512; one case runs
+// with 512).
 // What this shows: the block logic (pointer jumping, level-by-level trie union with shared atomics,
 // bitonic sorts, warp scans, breadth-first placement) computes the CPU result for these cases. Not
 // shown: anything about real hardware (memory model, timing, shared-memory limits of the device).
@@ -18,9 +19,10 @@
 #include <string>
 #include <vector>
 
-#include "taps/build_tree.h"
-#include "taps/merge_trees.h"
+#include "taps/build_tree_kernel.cuh"
+#include "taps/merge_trees_kernel.cuh"
 
+using namespace taps;
 using namespace taps::tree;
 
 #include "check.h"
@@ -164,7 +166,7 @@ void build_error_case(int threads) {
     launch_build_tree(sc.data(), tok.data(), par.data(), nullptr, B, M, emu.batch(), errors.data(), nullptr);
   }
   for (int b = 0; b < B; ++b) {
-    const int64_t want = build_tree_request_host(sc.data() + b * M, tok.data() + b * M, par.data() + b * M, M, -1,
+    const int32_t want = build_tree_request_host(sc.data() + b * M, tok.data() + b * M, par.data() + b * M, M, -1,
                                                  cpu.batch().request(b), ws);
     std::string d = want != errors[size_t(b)] ? "error " + std::to_string(errors[size_t(b)]) + " vs CPU " +
                                                     std::to_string(want)
@@ -263,7 +265,7 @@ void merge_error_case(int threads) {
     launch_merge_trees(tok.data(), par.data(), sc.data(), w.data(), B, T, N, emu.batch(), errors.data(), nullptr);
   }
   for (int b = 0; b < B; ++b) {
-    const int64_t want = merge_trees_request_host(tok.data() + size_t(b) * O, par.data() + size_t(b) * O,
+    const int32_t want = merge_trees_request_host(tok.data() + size_t(b) * O, par.data() + size_t(b) * O,
                                                   sc.data() + size_t(b) * O, w.data() + b * T, T, N,
                                                   cpu.batch().request(b), ws);
     std::string d = want != errors[size_t(b)] ? "error " + std::to_string(errors[size_t(b)]) + " vs CPU " +

@@ -63,11 +63,11 @@ static int run_case(const Case& c, int cluster_size, std::mt19937& rng) {
   }
   // emulated CUDA kernel
   std::vector<int64_t> k_tok(size_t(B * N), -1), k_path(size_t(B * N), -1), k_acc(size_t(B), 0);
-  std::vector<int32_t> k_err(size_t(B), 0);
-  verify_cuda::VerifyArgs<float, float> a{logits.data(), c.draft ? q.data() : nullptr, tokens.data(), parents.data(),
+  std::vector<int32_t> k_err(size_t(B), kNoError);
+  verify::VerifyArgs<float, float> a{logits.data(), c.draft ? q.data() : nullptr, tokens.data(), parents.data(),
                                           uniforms.data(), temp.data(), top_k.data(), top_p.data(), B, N, V, true,
                                           cluster_size, k_tok.data(), k_acc.data(), k_path.data(), k_err.data()};
-  verify_cuda::launch_verify_tree(a, nullptr);
+  verify::launch_verify_tree(a, nullptr);
   // sequential core walk
   int mismatches = 0;
   for (int64_t b = 0; b < B; ++b) {
@@ -77,7 +77,7 @@ static int run_case(const Case& c, int cluster_size, std::mt19937& rng) {
     verify::Scratch s{ints.data(), ints.data() + N, flags.data(), floats.data(), floats.data() + N};
     std::vector<int64_t> r_tok(size_t(N), -1), r_path(size_t(N), -1);
     int64_t r_acc = 0;
-    int32_t r_err = 0;
+    int32_t r_err = kNoError;
     verify::Request<float, float> rq{logits.data() + b * N * V, c.draft ? q.data() + b * N * V : nullptr,
                                      tokens.data() + b * N, parents.data() + b * N, uniforms.data() + b * N,
                                      N, V, c.temperature, c.top_p, c.top_k};

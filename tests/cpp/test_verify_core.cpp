@@ -34,7 +34,7 @@ static Result walk(const std::vector<float>& logits, int64_t vocab, const std::v
   std::vector<uint8_t> flags(n);
   std::vector<float> floats(n + 256);
   verify::Scratch s{ints.data(), ints.data() + n, flags.data(), floats.data(), floats.data() + n};
-  Result r{std::vector<int64_t>(n, -1), std::vector<int64_t>(n, -1), 0, 0};
+  Result r{std::vector<int64_t>(n, -1), std::vector<int64_t>(n, -1), 0, kNoError};
   verify::Request<float, float> rq{logits.data(), q ? q->data() : nullptr, tokens.data(), parents.data(),
                                    uniforms.data(), n, vocab, temperature, top_p, top_k};
   verify::WalkState st{};
@@ -55,7 +55,7 @@ int main() {
   {
     const std::vector<float> lg = {0, 5, 1, 2, /*1*/ 9, 0, 0, 0, /*2*/ 7, 1, 1, 1, /*3*/ 0, 0, 4, 4};
     const Result r = walk(lg, 4, {9, 3, 1, 0}, {-1, 0, 0, 2}, {0.5f, 0.5f, 0.5f, 0.5f}, 0.0f);
-    EXPECT(r.error == 0);
+    EXPECT(r.error == kNoError);
     EXPECT(r.accepted == 2);
     EXPECT(r.path[0] == 0 && r.path[1] == 2 && r.path[2] == 3 && r.path[3] == -1);
     EXPECT(r.tokens[0] == 1 && r.tokens[1] == 0 && r.tokens[2] == 2 && r.tokens[3] == -1);  // tie 2/3 -> 2
@@ -72,7 +72,7 @@ int main() {
     const int64_t accepted[] = {1, 1, 0, 0};
     for (int c = 0; c < 4; ++c) {
       const Result r = walk(lg, 4, {5, 2, 0}, {-1, 0, 0}, {coins[c], 0.99f, 0.99f}, 1.0f);
-      EXPECT(r.error == 0);
+      EXPECT(r.error == kNoError);
       EXPECT(r.tokens[0] == first[c]);
       EXPECT(r.accepted == accepted[c]);
     }
@@ -109,10 +109,10 @@ int main() {
   // Request checks.
   {
     const std::vector<float> u = {0.1f, 0.2f, 0.3f};
-    EXPECT(verify::check_request(std::vector<int64_t>{1, 2, 3}.data(), std::vector<int64_t>{-1, 0, 1}.data(), u.data(), 3, 4, 1, 0, 1) == 0);
-    EXPECT(verify::check_request(std::vector<int64_t>{1, 2, 3}.data(), std::vector<int64_t>{-1, 0, 2}.data(), u.data(), 3, 4, 1, 0, 1) % verify::kErrorStride == verify::kErrParentRange);
-    EXPECT(verify::check_request(std::vector<int64_t>{1, 4, 3}.data(), std::vector<int64_t>{-1, 0, 1}.data(), u.data(), 3, 4, 1, 0, 1) % verify::kErrorStride == verify::kErrTokenRange);
-    EXPECT(verify::check_request(std::vector<int64_t>{1, -1, 3}.data(), std::vector<int64_t>{-1, -1, 0}.data(), u.data(), 3, 4, 1, 0, 1) % verify::kErrorStride == verify::kErrPadding);
+    EXPECT(verify::check_request(std::vector<int64_t>{1, 2, 3}.data(), std::vector<int64_t>{-1, 0, 1}.data(), u.data(), 3, 4, 1, 0, 1) == kNoError);
+    EXPECT(error_code(verify::check_request(std::vector<int64_t>{1, 2, 3}.data(), std::vector<int64_t>{-1, 0, 2}.data(), u.data(), 3, 4, 1, 0, 1)) == verify::kErrParentRange);
+    EXPECT(error_code(verify::check_request(std::vector<int64_t>{1, 4, 3}.data(), std::vector<int64_t>{-1, 0, 1}.data(), u.data(), 3, 4, 1, 0, 1)) == verify::kErrTokenRange);
+    EXPECT(error_code(verify::check_request(std::vector<int64_t>{1, -1, 3}.data(), std::vector<int64_t>{-1, -1, 0}.data(), u.data(), 3, 4, 1, 0, 1)) == verify::kErrPadding);
     EXPECT(verify::check_request(std::vector<int64_t>{1, 2, 3}.data(), std::vector<int64_t>{-1, 0, 1}.data(), u.data(), 3, 4, -1, 0, 1) == verify::kErrTemperature);
     EXPECT(verify::check_request(std::vector<int64_t>{1, 2, 3}.data(), std::vector<int64_t>{-1, 0, 1}.data(), u.data(), 3, 4, 1, 0, 0) == verify::kErrTopP);
   }

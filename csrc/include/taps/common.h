@@ -70,4 +70,16 @@ TAPS_HD float ordered_to_float(uint32_t k) {
 
 TAPS_HD int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
+// Errors of the data checks, one encoding for every op. Each op numbers its error codes from 1 (its
+// `Error` enum; kOk = 0 says "this element is fine"); a request's error is the encoding
+// `index * kErrorStride + code` of its first bad element (a node, a candidate, ...), or kNoError when
+// there is none. A smaller encoding is an earlier element, so the CPU loops stop at the first error and
+// CUDA kernels that check elements in parallel keep the same one with atomicMin.
+constexpr int32_t kOk = 0;
+constexpr int32_t kErrorStride = 16;
+constexpr int32_t kNoError = 0x7fffffff;
+TAPS_HD int32_t encode_error(int64_t index, int32_t code) { return int32_t(index) * kErrorStride + code; }
+TAPS_HD int32_t error_code(int32_t encoded) { return encoded % kErrorStride; }
+TAPS_HD int64_t error_index(int32_t encoded) { return encoded / kErrorStride; }
+
 }  // namespace taps

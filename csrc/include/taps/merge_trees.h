@@ -4,15 +4,12 @@
 //
 // A merged node is identified by its token path; its position key is the smallest (t, i), i.e. the
 // smallest occurrence id o = t * N + i, among its occurrences. Its score is the max over occurrences
-// of score + weight[t], its source the OR of 1 << t, its depth the trie depth.
+// of score + weight[t], its source the OR of 1 << t, its depth the trie depth. The CUDA kernel is in
+// taps/merge_trees_kernel.cuh.
 #pragma once
 #include <cstdint>
 
 #include "taps/tree.h"
-
-#if defined(__CUDACC__)
-#include <cuda_runtime.h>
-#endif
 
 namespace taps {
 namespace tree {
@@ -46,11 +43,11 @@ struct MergeTreesHostWorkspace {
 };
 
 // One request on the CPU. tokens, parents, scores: the request's [T, N] rows (contiguous); weights:
-// its [T] log-weights or nullptr. Returns kNoError or `(t * N + i) * kErrorStride + code` for the
-// first bad node in (t, i) order (outputs then unset).
+// its [T] log-weights or nullptr. Returns kNoError or the encoded error of the first bad node in (t, i)
+// order, index t * N + i (outputs then unset).
 // Occurrences are visited in position-key order, so merged nodes are created in that order and their
 // index is a valid tie-breaker; parents always come before children.
-inline int64_t merge_trees_request_host(const int64_t* tokens, const int64_t* parents, const float* scores,
+inline int32_t merge_trees_request_host(const int64_t* tokens, const int64_t* parents, const float* scores,
                                         const float* weights, int64_t T, int64_t N, const TreeRows& out,
                                         MergeTreesHostWorkspace& ws) {
   const int64_t root_token = tokens[0];
@@ -58,7 +55,7 @@ inline int64_t merge_trees_request_host(const int64_t* tokens, const int64_t* pa
     for (int64_t i = 0; i < N; ++i) {
       const int32_t code =
           check_tree_node(i, tokens + t * N, parents + t * N, scores + t * N, root_token, weights ? weights[t] : 0.0f);
-      if (code != kOk) return (t * N + i) * kErrorStride + code;
+      if (code != kOk) return encode_error(t * N + i, code);
     }
   int64_t capacity = 2;
   while (capacity < 2 * T * N) capacity <<= 1;
@@ -116,193 +113,3 @@ inline int64_t merge_trees_request_host(const int64_t* tokens, const int64_t* pa
 
 }  // namespace tree
 }  // namespace taps
-
-// ---------------------------------------------------------------------------------------------------
-// CUDA: one thread block per request over its O = T * N occurrences, in dynamic shared memory.
-// NOTE: compiled (sm_80, sm_90a) but never run on a GPU so far.
-//
-// The union runs level by level (trie depth d = 1, 2, ...): each occurrence at depth d inserts the
-// edge (its parent's merged node, its token) into a shared hash table (atomicCAS on the slot's owner);
-// per slot, atomicMin gives the merged node's position key (its id: the smallest occurrence),
-// atomicMax its score (as float_to_ordered keys), atomicOr its source. All three are order independent,
-// so the result does not depend on thread timing; slot placement may, but nothing reads it but the
-// occurrences of that edge.
-//
-// Size limits: T <= 63, T * N <= 65535 (16-bit position keys), num_nodes <= 65535, and
-// merge_trees_smem_bytes(T * N, num_nodes) (about 90 bytes per occurrence, padded to powers of two, plus
-// about 36 bytes per output node) within the device's opt-in shared memory per block (227 KiB on
-// H100/H200: T * N up to about 1500 with the default num_nodes, which holds the whole union; 163 KiB on
-// A100: about 1000). The binding raises beyond these limits (no global-memory fallback).
-// ---------------------------------------------------------------------------------------------------
-#if defined(__CUDACC__)
-namespace taps {
-namespace tree {
-
-constexpr int kMergeTreesThreads = 512;
-constexpr int64_t kMergeTreesMaxOccurrences = 65535;
-
-inline size_t merge_trees_smem_bytes(int64_t O, int64_t num_nodes) {
-  const int64_t key_count = next_pow2(int32_t(O > 1 ? O : 1));
-  const int64_t sib_count = next_pow2(int32_t(num_nodes - 1 > 1 ? num_nodes - 1 : 1));
-  const int64_t slots = next_pow2(int32_t(2 * O > 2 ? 2 * O : 2));
-  return size_t(8 * (key_count + sib_count + O + slots) + 4 * (8 * O + 3 * slots) +
-                4 * (kBlockSelectInts * num_nodes + 5));
-}
-
-struct SourceExtra {
-  const uint64_t* slot_source;
-  const int32_t* slot_of_node;
-  __device__ int64_t operator()(int32_t c) const { return int64_t(slot_source[slot_of_node[c]]); }
-};
-
-// tokens, parents, scores: [B, T, N]; weights: [B, T] or nullptr; out: [B, num_nodes] (+ mask words);
-// errors: [B] int32, kNoError on entry, set to the smallest `(t * N + i) * kErrorStride + code`.
-// grid = B, block = kMergeTreesThreads, dynamic shared memory = merge_trees_smem_bytes(T * N, num_nodes).
-__global__ void __launch_bounds__(kMergeTreesThreads)
-    merge_trees_kernel(const int64_t* __restrict__ tokens, const int64_t* __restrict__ parents,
-                       const float* __restrict__ scores, const float* __restrict__ weights, int32_t T, int32_t N,
-                       TreeBatch out_batch, int32_t* __restrict__ errors) {
-  TAPS_DYNAMIC_SHARED(unsigned char, smem);
-  const int64_t b = blockIdx.x;
-  const int32_t tid = int32_t(threadIdx.x), nthreads = int32_t(blockDim.x);
-  const int32_t O = T * N;
-  const int32_t num_nodes = int32_t(out_batch.num_nodes);
-  const int32_t key_count = next_pow2(O > 1 ? O : 1);
-  const int32_t sib_count = next_pow2(num_nodes - 1 > 1 ? num_nodes - 1 : 1);
-  const int32_t slots = next_pow2(2 * O > 2 ? 2 * O : 2);
-  tokens += b * O;
-  parents += b * O;
-  scores += b * O;
-  if (weights) weights += b * T;
-
-  uint64_t* select_keys = reinterpret_cast<uint64_t*>(smem);
-  uint64_t* sibling_keys = select_keys + key_count;
-  int64_t* token = reinterpret_cast<int64_t*>(sibling_keys + sib_count);  // [O]
-  uint64_t* slot_source = reinterpret_cast<uint64_t*>(token + O);         // [slots]
-  int32_t* parent = reinterpret_cast<int32_t*>(slot_source + slots);      // [O] input parent (sanitized)
-  int32_t* node_parent = parent + O;  // [O] parent's merged node (its smallest occurrence), -1 = root
-  int32_t* node = parent + 2 * O;     // [O] merged node (smallest occurrence) of each occurrence
-  int32_t* slot = parent + 3 * O;     // [O] hash slot of each occurrence
-  int32_t* depth = parent + 4 * O;    // [O] trie depth, -1 until reached (root 0)
-  float* score = reinterpret_cast<float*>(parent + 5 * O);       // [O] score + weight
-  float* eff = reinterpret_cast<float*>(parent + 6 * O);         // [O] effective score of a merged node
-  float* node_score = reinterpret_cast<float*>(parent + 7 * O);  // [O] max score of a merged node
-  int32_t* slot_owner = parent + 8 * O;                          // [slots] occurrence that claimed it
-  int32_t* slot_node = slot_owner + slots;                       // [slots] atomicMin of occurrences
-  uint32_t* slot_score = reinterpret_cast<uint32_t*>(slot_node + slots);  // [slots] atomicMax, ordered
-  int32_t* select_ints = reinterpret_cast<int32_t*>(slot_score + slots);
-  BlockSelectScratch scratch;
-  scratch.sibling_keys = sibling_keys;
-  scratch.slot_of = slot_owner;  // free once the union is done
-  scratch.group_begin = select_ints;
-  scratch.group_end = select_ints + num_nodes;
-  scratch.pos_of_slot = select_ints + 2 * num_nodes;
-  scratch.out_parent = select_ints + 3 * num_nodes;
-  scratch.out_cand = select_ints + 4 * num_nodes;
-  scratch.child_count = select_ints + 5 * num_nodes;
-  scratch.child_before = select_ints + 6 * num_nodes;
-  scratch.level = select_ints + kBlockSelectInts * num_nodes;
-
-  // Load and check. Bad nodes are reported through `errors` and made unreachable (never given a
-  // depth), NaN scores become -inf, so everything stays in bounds.
-  const int64_t root_token = tokens[0];
-  for (int32_t o = tid; o < O; o += nthreads) {
-    const int32_t t = o / N, i = o - t * N;
-    const float w = weights ? weights[t] : 0.0f;
-    const int32_t code = check_tree_node(i, tokens + t * N, parents + t * N, scores + t * N, root_token, w);
-    if (code != kOk) atomicMin(errors + b, o * kErrorStride + code);
-    const int64_t tok = tokens[o], p = parents[o];
-    const bool real = i >= 1 && tok >= 0 && p >= 0 && p < i;
-    float s = scores[o] + w;
-    if (s != s) s = negative_infinity();
-    token[o] = tok;
-    parent[o] = real ? int32_t(p) : -1;
-    depth[o] = i == 0 ? 0 : -1;
-    score[o] = s;
-    node[o] = -1;
-  }
-  for (int32_t h = tid; h < slots; h += nthreads) {
-    slot_owner[h] = -1;
-    slot_node[h] = kNoError;
-    slot_score[h] = 0;
-    slot_source[h] = 0;
-  }
-  __syncthreads();
-  for (int32_t d = 1;; ++d) {
-    // Reach depth d: occurrences whose parent is at depth d - 1. (A parent's depth may be written in
-    // this same phase, but only from -1 to d, neither of which equals d - 1.)
-    int reached = 0;
-    for (int32_t o = tid; o < O; o += nthreads) {
-      const int32_t p = parent[o];
-      if (p < 0 || depth[o] >= 0) continue;
-      const int32_t po = o - (o % N) + p;
-      if (depth[po] != d - 1) continue;
-      depth[o] = d;
-      node_parent[o] = p == 0 ? -1 : node[po];
-      reached = 1;
-    }
-    if (!__syncthreads_or(reached)) break;
-    // Insert the edges (node_parent, token) of depth d.
-    for (int32_t o = tid; o < O; o += nthreads) {
-      if (depth[o] != d) continue;
-      const int32_t np = node_parent[o];
-      const int64_t tok = token[o];
-      uint32_t h = trie_edge_hash(np, tok) & uint32_t(slots - 1);
-      for (;; h = (h + 1) & uint32_t(slots - 1)) {
-        int32_t owner = static_cast<volatile int32_t*>(slot_owner)[h];
-        if (owner < 0) {
-          owner = atomicCAS(slot_owner + h, -1, o);
-          if (owner < 0) break;  // claimed
-        }
-        if (node_parent[owner] == np && token[owner] == tok) break;
-      }
-      slot[o] = int32_t(h);
-      atomicMin(slot_node + h, o);
-      atomicMax(slot_score + h, float_to_ordered(score[o]));
-      atomicOr(reinterpret_cast<unsigned long long*>(slot_source + h), (unsigned long long)(1) << (o / N));
-    }
-    __syncthreads();
-    for (int32_t o = tid; o < O; o += nthreads) {
-      if (depth[o] != d) continue;
-      const int32_t h = slot[o];
-      const int32_t n = slot_node[h];
-      node[o] = n;
-      if (n == o) {
-        const float s = ordered_to_float(slot_score[h]);
-        const int32_t np = node_parent[o];
-        node_score[o] = s;
-        eff[o] = np < 0 ? s : fminf(s, eff[np]);
-      }
-    }
-    __syncthreads();
-  }
-  // Merged nodes are the occurrences that are their own node.
-  for (int32_t j = tid; j < key_count; j += nthreads)
-    select_keys[j] = (j < O && depth[j] >= 1 && node[j] == j) ? pack_select_key(eff[j], depth[j], j) : kMaxKey;
-  __syncthreads();
-  const uint64_t all_trees = (uint64_t(1) << T) - 1;
-  select_and_emit_block(select_keys, key_count, node_parent, token, node_score, depth,
-                        SourceExtra{slot_source, slot}, out_batch.request(b), root_token,
-                        /*root_extra=*/int64_t(all_trees), /*padding_extra=*/0, scratch);
-}
-
-// Launches merge_trees_kernel for B requests on `stream` (sizes within the limits above, checked by the
-// binding). Returns the launch error, if any.
-inline cudaError_t launch_merge_trees(const int64_t* tokens, const int64_t* parents, const float* scores,
-                                      const float* weights, int64_t B, int64_t T, int64_t N, const TreeBatch& out,
-                                      int32_t* errors, cudaStream_t stream) {
-  if (B == 0) return cudaSuccess;
-  const size_t smem = merge_trees_smem_bytes(T * N, out.num_nodes);
-  if (smem > 48 * 1024) {
-    const cudaError_t e =
-        cudaFuncSetAttribute(merge_trees_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem));
-    if (e != cudaSuccess) return e;
-  }
-  TAPS_LAUNCH(merge_trees_kernel, unsigned(B), kMergeTreesThreads, smem, stream, tokens, parents, scores, weights,
-              int32_t(T), int32_t(N), out, errors);
-  return cudaGetLastError();
-}
-
-}  // namespace tree
-}  // namespace taps
-#endif  // __CUDACC__

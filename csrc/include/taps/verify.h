@@ -34,10 +34,9 @@ namespace taps {
 namespace verify {
 
 // ---------------------------------------------------------------------------------------------------
-// Errors: encoded per request as `node * kErrorStride + code` (node = the offending node, or 0).
+// Error codes; a request's error is encoded with the offending node as its index (taps/common.h).
 // ---------------------------------------------------------------------------------------------------
 enum Error : int32_t {
-  kOk = 0,
   kErrRootParent = 1,
   kErrParentRange = 2,
   kErrTokenRange = 3,
@@ -51,7 +50,6 @@ enum Error : int32_t {
   kErrNoFiniteLogit = 11,
   kErrDraftProbs = 12,
 };
-constexpr int32_t kErrorStride = 16;
 
 inline const char* error_text(int32_t code) {
   switch (code) {
@@ -71,9 +69,7 @@ inline const char* error_text(int32_t code) {
   }
 }
 
-TAPS_HD int32_t encode_error(int64_t node, int32_t code) { return int32_t(node) * kErrorStride + code; }
-
-// Checks of one request's tree and parameters (validate=True). Returns 0 or the encoded first error.
+// Checks of one request's tree and parameters (validate=True). Returns kNoError or the encoded first error.
 // tokens, parents: [N] of request b; uniforms [N].
 TAPS_HD int32_t check_request(const int64_t* tokens, const int64_t* parents, const float* uniforms, int64_t n,
                               int64_t vocab, float temperature, int64_t top_k, float top_p) {
@@ -95,7 +91,7 @@ TAPS_HD int32_t check_request(const int64_t* tokens, const int64_t* parents, con
     if (tok < 0 || tok >= vocab) return encode_error(i, tok == -1 ? kErrPadding : kErrTokenRange);
     if (par < 0 || par >= i) return encode_error(i, kErrParentRange);
   }
-  return kOk;
+  return kNoError;
 }
 
 // ---------------------------------------------------------------------------------------------------
@@ -302,7 +298,7 @@ TAPS_HD void verify_walk(Ops& ops, const Request<scalar_t, prob_t>& rq, const Sc
     st.cur = 0;
     st.num_accepted = 0;
     st.emit = -1;
-    st.error = 0;
+    st.error = kNoError;
     st.coin = rq.uniforms[0];
     out.path[0] = 0;
   }
@@ -394,7 +390,7 @@ TAPS_HD void verify_walk(Ops& ops, const Request<scalar_t, prob_t>& rq, const Sc
           }
         }
         ops.sync();
-        if (st.pick >= 0 || st.error != 0) break;
+        if (st.pick >= 0 || st.error != kNoError) break;
         // rejected: r <- max(r - q, 0) / sum(max(r - q, 0))
         auto excess = [&](int64_t v) {
           const float r = residual_at(target_weight(target, float(row[v])) / target.z, float(qrow[v]),
@@ -409,7 +405,7 @@ TAPS_HD void verify_walk(Ops& ops, const Request<scalar_t, prob_t>& rq, const Sc
         }
         ops.sync();
       }
-      if (st.error != 0) break;
+      if (st.error != kNoError) break;
       if (st.pick < 0) {
         const int32_t level = st.residual_level;
         auto r = [&](int64_t v) {

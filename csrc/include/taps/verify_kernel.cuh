@@ -3,8 +3,6 @@
 // csrc/cuda/verify_tree.cu; compiled on the host by tests/cpp/test_emu_verify.cpp under a CUDA
 // emulation header to test the block logic without a GPU.
 //
-// UNVERIFIED ON A GPU: this code compiles for sm_80 / sm_90a in CI but has not yet run on a GPU.
-//
 // Work per request: the visited rows only (accepted path + 1). Floor: bytes = visited rows x V x
 // sizeof(logit) at HBM bandwidth. Passes over a visited row: greedy 1 (max + argmax); sampling 2 (max,
 // sum of exp) + 4 radix passes each for top-k and top-p + 1 scan when the draw rejects every child;
@@ -23,11 +21,7 @@
 #include "taps/verify.h"
 
 namespace taps {
-namespace verify_cuda {
-
-using verify::FindResult;
-using verify::RowScan;
-using verify::Target;
+namespace verify {
 
 #ifndef TAPS_VERIFY_THREADS
 #define TAPS_VERIFY_THREADS 512  // a multiple of 32; the host emulation test uses fewer
@@ -445,7 +439,7 @@ __global__ void __launch_bounds__(kThreads) verify_tree_kernel(
   const int64_t b = int64_t(blockIdx.x) / cluster_size;
   // Every block of a cluster reads the same flag before any block can write errors (the walk starts
   // with a cluster-wide reduction), so a cluster returns as a whole.
-  if (validate && errors[b] != 0) return;
+  if (validate && errors[b] != kNoError) return;
   if constexpr (kCluster) {
     const unsigned rank = cluster_rank();
     // slices of whole 16-element groups, so that every slice start keeps the row's alignment
@@ -507,5 +501,5 @@ cudaError_t launch_verify_tree(const VerifyArgs<scalar_t, prob_t>& a, cudaStream
       a.validate, a.out_tokens, a.num_accepted, a.path, a.errors, a.cluster_size);
 }
 
-}  // namespace verify_cuda
+}  // namespace verify
 }  // namespace taps

@@ -1,239 +1,20 @@
-// Header-only core of tree_attention and compact_kv: the tree-mask test, the online-softmax state
-// algebra shared by the CPU and CUDA kernels, and (under __CUDACC__) the CUDA kernel templates.
-// No torch headers: raw pointers, sizes and strides only.
-//
-// Conventions (see DESIGN.md, tree_attention):
-//   q [B, Hq, N, D]; k, v [B, Hkv, S, D]; query head h reads KV head h / G (G = Hq / Hkv).
-//   Request b has L = kv_lens[b] keys; positions L - N .. L - 1 are tree nodes 0 .. N - 1, masked by
-//   tree_mask[b, i] (bit j of word j / 64: query node i sees node j); positions < L - N (the prefix)
-//   are visible to every query; positions >= L are ignored.
-//   A query row that sees no key at all (only possible with a malformed mask) outputs zeros.
-//
-// Online softmax: a partial result over some keys is (max m, sum l = sum exp(s - m), acc = sum
-// exp(s - m) * v), with m = -inf and l = 0, acc = 0 for "no key seen". The final output is acc / l.
+// tree_attention, CUDA kernels (no torch headers): the SIMT kernel (any dtype), the tensor-core kernel
+// (bf16 / fp16 on sm_80+), the combine kernel of the key splits, and the launcher that runs the plan of
+// plan_tree_attention (taps/tree_attention.h). Launched by csrc/cuda/tree_attention.cu; compiled on the
+// host by tests/cpp/test_emu_attention.cpp under the CUDA emulation, which compares both kernels with a
+// reference.
 #pragma once
+#include <cuda_runtime.h>
+
 #include <cmath>
 #include <cstdint>
-#include <cstring>
 #include <type_traits>
 
-#include "taps/common.h"
-
-#if defined(__CUDACC__)
-#include <cuda_bf16.h>
-#include <cuda_fp16.h>
-#include <cuda_runtime.h>
-#endif
+#include "taps/ptx.cuh"
+#include "taps/tree_attention.h"
 
 namespace taps {
-
-// True when query node `i` (whose mask row is `mask_row`, W int64 words) sees tree node `node`.
-TAPS_HD bool tree_mask_visible(const int64_t* mask_row, int64_t node) {
-  return ((static_cast<uint64_t>(mask_row[node >> 6]) >> (node & 63)) & 1u) != 0;
-}
-
-// Tree position bookkeeping of one request: L = kv_lens[b] clamped to [0, S], so that a bad length
-// can never make a kernel read past the cache (the bindings reject it before; this is the backstop).
-struct TreeSpan {
-  int64_t len;         // keys of the request: positions [0, len)
-  int64_t tree_start;  // first tree position, len - N (may be negative only for an invalid len < N)
-};
-TAPS_HD TreeSpan tree_span(int64_t kv_len, int64_t num_nodes, int64_t cache_len) {
-  const int64_t len = kv_len < 0 ? 0 : (kv_len > cache_len ? cache_len : kv_len);
-  return TreeSpan{len, len - num_nodes};
-}
-
-// Is key position `pos` (< span.len) visible to query node i? Prefix positions always are.
-TAPS_HD bool key_visible(const TreeSpan& span, const int64_t* mask_row, int64_t pos) {
-  const int64_t node = pos - span.tree_start;
-  return node < 0 || tree_mask_visible(mask_row, node);
-}
-
-// Bit j (0..63): is key tile0 + j visible to the query whose mask row is `mask_row` (W words)? Prefix
-// keys are; a tree node is when its mask bit is set. Bits for keys at or past span.len are meaningless
-// (callers test the tile length too). At most two mask words are read.
-TAPS_HD uint64_t tile_visibility(const TreeSpan& span, const int64_t* mask_row, int64_t mask_words, int64_t tile0) {
-  const int64_t n0 = tile0 - span.tree_start;  // tree node of key tile0 (negative: a prefix key)
-  if (n0 <= -64) return ~uint64_t(0);
-  if (n0 < 0) {  // -n0 prefix keys, then nodes 0, 1, ... (all in word 0: fewer than 64 of them)
-    const int np = static_cast<int>(-n0);
-    return ((uint64_t(1) << np) - 1) | (static_cast<uint64_t>(mask_row[0]) << np);
-  }
-  const int64_t w = n0 >> 6;
-  const int sh = static_cast<int>(n0 & 63);
-  uint64_t bits = w < mask_words ? static_cast<uint64_t>(mask_row[w]) >> sh : 0;
-  if (sh != 0 && w + 1 < mask_words) bits |= static_cast<uint64_t>(mask_row[w + 1]) << (64 - sh);
-  return bits;
-}
-
-// exp(old_max - new_max): the factor that rescales a partial state to a new running max;
-// 0 when the old state is empty (old_max = -inf), also when both are -inf (no NaN).
-TAPS_HD float softmax_rescale(float old_max, float new_max) {
-  return old_max == -INFINITY ? 0.0f : expf(old_max - new_max);
-}
-
-// Merge the partial state (max2, sum2, acc2[0..d)) into (max1, sum1, acc1[0..d)).
-TAPS_HD void softmax_merge(float& max1, float& sum1, float* acc1, float max2, float sum2, const float* acc2,
-                           int64_t d) {
-  const float m = max1 > max2 ? max1 : max2;
-  const float a1 = softmax_rescale(max1, m), a2 = softmax_rescale(max2, m);
-  for (int64_t i = 0; i < d; ++i) acc1[i] = acc1[i] * a1 + acc2[i] * a2;
-  sum1 = sum1 * a1 + sum2 * a2;
-  max1 = m;
-}
-
-// Log-sum-exp combine of `splits` partial states of one row: fills weight[s] so that the final
-// output is sum_s weight[s] * acc_s (weight[s] = exp(max_s - M) / sum_t exp(max_t - M) sum_t).
-// Partial s sits at max[s * stride], sum[s * stride]. All-empty rows get weight 0 (output 0).
-TAPS_HD void lse_combine_weights(const float* max, const float* sum, int64_t splits, int64_t stride,
-                                 float* weight) {
-  float m = -INFINITY;
-  for (int64_t s = 0; s < splits; ++s) m = max[s * stride] > m ? max[s * stride] : m;
-  float total = 0.0f;
-  for (int64_t s = 0; s < splits; ++s) {
-    weight[s] = softmax_rescale(max[s * stride], m);
-    total += weight[s] * sum[s * stride];
-  }
-  const float inv = total > 0.0f ? 1.0f / total : 0.0f;
-  for (int64_t s = 0; s < splits; ++s) weight[s] *= inv;
-}
-
-// ---- launch plan of the CUDA tree_attention (host logic, here so that the CPU tests cover it) ----
-// Two kernels: the tensor-core kernel (bf16 / fp16, when a KV head's query group has at least 16 rows
-// and the rows are 16-byte aligned, on sm_80+) and the SIMT kernel (everything else).
-constexpr int kAttnWarps = 4;      // SIMT kernel: warps per block
-constexpr int kRowsPerWarp = 4;    // SIMT kernel: query rows per warp
-constexpr int kAttnRows = kAttnWarps * kRowsPerWarp;
-constexpr int kTileKeys = 32;      // SIMT kernel: keys per K/V tile
-constexpr int kMmaKeys = 64;       // tensor-core kernel: keys per K/V tile
-constexpr int kMmaMaxWarps = 8;    // tensor-core kernel: at most 8 warps (16-row m-tiles) per block
-constexpr int kMaxSplits = 64;     // key splits merged by the combine kernel
-
-// m-tiles (16 query rows each) one warp of the tensor-core kernel holds: its fp32 output accumulator
-// is tiles * D / 2 registers per lane, kept at or under 128 (as flash attention 2 does at D = 128; with
-// 4 m-tiles at D = 64 ptxas spilled).
-TAPS_HD constexpr int mma_warp_tiles(int64_t head_dim) { return head_dim <= 128 ? 2 : 1; }
-
-// Shared memory of the tensor-core kernel: the query rows and two stages of one K and one V tile, all
-// rows of D + 8 halves. The padding (a row stride of 4 (mod 8) words) makes the 16-byte row reads of
-// ldmatrix on Q, K and V bank-conflict-free. At most 203 KB (D = 256, 128
-// rows), within the 227 KB a block may opt in to on sm_90 (sm_80: 163 KB, so D = 256 needs fewer rows
-// there: see plan_tree_attention).
-TAPS_HD constexpr int64_t mma_smem_bytes(int64_t head_dim, int64_t block_rows) {
-  return (block_rows + 4 * kMmaKeys) * (head_dim + 8) * 2;
-}
-
-struct AttentionPlan {
-  bool mma;            // tensor-core kernel
-  int warps;           // tensor-core kernel: warps per block (SIMT: kAttnWarps)
-  int64_t smem_limit;  // the device's opt-in shared memory per block (max_smem)
-  int64_t block_rows;  // query rows of a KV head's group held per block
-  int64_t row_blocks;  // blocks sharing one (request, KV head): ceil(G * N / block_rows)
-  int64_t splits;      // key splits (flash-decoding), merged by log-sum-exp when > 1
-  int64_t split_keys;  // keys per split, a multiple of the kernel's tile
-};
-
-// mma_ok: bf16 / fp16 on an sm_80+ device with 16-byte aligned rows; sms: the device's SM count;
-// max_smem: the shared memory a block may opt in to (the tensor-core kernel takes fewer warps, or the
-// SIMT kernel runs, when its rows and two K/V stages do not fit).
-// Splits: enough blocks for about two waves, at least 256 keys per split.
-TAPS_HD AttentionPlan plan_tree_attention(int64_t batch, int64_t heads_kv, int64_t group_rows, int64_t cache_len,
-                                          int64_t head_dim, bool mma_ok, int64_t sms, int64_t max_smem) {
-  AttentionPlan plan{};
-  plan.smem_limit = max_smem;
-  plan.mma = mma_ok && group_rows >= 16;
-  if (plan.mma) {
-    const int64_t m_tiles = ceil_div(group_rows, 16);
-    const int64_t warp_rows = int64_t(mma_warp_tiles(head_dim)) * 16;
-    // Rows per block: the whole group when the warps can hold it, else as many as they hold; never
-    // more shared memory for rows than the group has (round up to whole m-tiles).
-    auto rows_for = [&](int64_t warps) {
-      const int64_t cap = warps * warp_rows, need = m_tiles * 16;
-      return cap < need ? cap : need;
-    };
-    plan.warps = static_cast<int>(m_tiles < kMmaMaxWarps ? m_tiles : kMmaMaxWarps);
-    while (plan.warps > 1 && mma_smem_bytes(head_dim, rows_for(plan.warps)) > max_smem) --plan.warps;
-    plan.block_rows = rows_for(plan.warps);
-    plan.mma = mma_smem_bytes(head_dim, plan.block_rows) <= max_smem;
-  }
-  if (!plan.mma) {
-    plan.warps = kAttnWarps;
-    plan.block_rows = kAttnRows;
-  }
-  const int64_t tile_keys = plan.mma ? kMmaKeys : kTileKeys;
-  plan.row_blocks = ceil_div(group_rows, plan.block_rows);
-  const int64_t base = batch * heads_kv * plan.row_blocks;
-  int64_t splits = base > 0 ? ceil_div(2 * sms, base) : 1;
-  const int64_t by_len = cache_len / 256;
-  splits = splits < by_len ? splits : by_len;
-  splits = splits < kMaxSplits ? splits : kMaxSplits;
-  splits = splits > 1 ? splits : 1;
-  plan.split_keys = ceil_div(ceil_div(cache_len, splits), tile_keys) * tile_keys;
-  if (plan.split_keys < tile_keys) plan.split_keys = tile_keys;
-  plan.splits = ceil_div(cache_len, plan.split_keys);
-  if (plan.splits < 1) plan.splits = 1;
-  return plan;
-}
-
-// compact_kv validity of one request's path (P entries, -1 padded): returns the number of path
-// entries to move (up to the first -1), or -1 when the path is invalid (path[0] != 0, not strictly
-// increasing, or prefix_len + path[j] >= cache_len, or prefix_len < 0).
-TAPS_HD int64_t compact_path_length(const int64_t* path, int64_t path_cols, int64_t prefix_len,
-                                    int64_t cache_len) {
-  if (prefix_len < 0) return -1;
-  int64_t n = 0;
-  for (; n < path_cols && path[n] >= 0; ++n) {
-    if (n == 0 ? path[0] != 0 : path[n] <= path[n - 1]) return -1;
-    if (prefix_len + path[n] >= cache_len) return -1;
-  }
-  if (n == 0 && path_cols > 0) return -1;  // path[0] must be 0 (the root), not -1
-  return n;
-}
-
-#if defined(__CUDACC__)
-
-// ---- element conversions (torch builds define __CUDA_NO_*_CONVERSIONS__, so be explicit) ----
-TAPS_DEVICE float to_float(float x) { return x; }
-TAPS_DEVICE float to_float(__half x) { return __half2float(x); }
-TAPS_DEVICE float to_float(__nv_bfloat16 x) { return __bfloat162float(x); }
-template <class T> TAPS_DEVICE T from_float(float x);
-template <> TAPS_DEVICE float from_float<float>(float x) { return x; }
-template <> TAPS_DEVICE __half from_float<__half>(float x) { return __float2half_rn(x); }
-template <> TAPS_DEVICE __nv_bfloat16 from_float<__nv_bfloat16>(float x) { return __float2bfloat16_rn(x); }
-
-// ------------------------------------------------------------------------------------------------
-// tree_attention (flash-decoding style, SIMT FMA version).
-// NOTE: written without access to a GPU; it compiles for sm_80 / sm_90a but has not been run.
-//
-// Grid (splits, Hkv * row_blocks, B); block kAttnWarps warps. A block owns kAttnRows = kAttnWarps *
-// kRowsPerWarp consecutive rows of one KV head's query group (row r = g * N + i: query head
-// hkv * G + g, tree node i; the whole group when G * N <= kAttnRows, otherwise row_blocks blocks share
-// the KV head and re-read its K/V tiles, mostly from L2) and one contiguous split of the key range.
-// K/V tiles of kTileKeys keys are staged in shared memory as fp32 (rows padded by one float: no
-// bank conflicts). Scores: lane j owns key j of the tile; PV: lane owns features lane + 32 * t.
-// Prefix tiles take no mask test; only tiles that reach the tree tail do.
-// With splits == 1 the block writes out directly; otherwise it writes its partial state
-// (max, sum, unnormalised acc) and tree_attention_combine_kernel merges the splits (log-sum-exp).
-// ------------------------------------------------------------------------------------------------
-struct TreeAttentionParams {
-  const void* q;  // [B, Hq, N, D] strides q_stride_{b,h,n}, feature stride 1
-  const void* k;  // [B, Hkv, S, D] strides k_stride_{b,h,s}
-  const void* v;  // [B, Hkv, S, D] strides v_stride_{b,h,s}
-  const int64_t* tree_mask;  // [B, N, W] contiguous
-  const int64_t* kv_lens;    // [B]
-  void* out;                 // [B, Hq, N, D] contiguous
-  float* part_acc;           // [splits, B, Hq, N, D] (splits > 1 only)
-  float* part_max;           // [splits, B, Hq, N]
-  float* part_sum;           // [splits, B, Hq, N]
-  int64_t q_stride_b, q_stride_h, q_stride_n;
-  int64_t k_stride_b, k_stride_h, k_stride_s;
-  int64_t v_stride_b, v_stride_h, v_stride_s;
-  int64_t batch, heads_q, heads_kv, num_nodes, cache_len, mask_words;
-  // Set by launch_tree_attention from the plan:
-  int64_t splits, split_keys;  // split s covers key positions [s * split_keys, (s + 1) * split_keys)
-  int64_t block_rows;          // tensor-core kernel: query rows per block
-  float scale;
-};
+namespace attention {
 
 // What a block of either attention kernel works on. Grid (splits, Hkv * row_blocks, B): the block's
 // request, key split, KV head, first query row of the head's group (row r = g * N + i: query head
@@ -247,7 +28,7 @@ struct AttnBlock {
   const T *q, *k, *v;
 };
 template <class T>
-TAPS_DEVICE AttnBlock<T> attn_block(const TreeAttentionParams& p, int64_t block_rows) {
+TAPS_DEVICE AttnBlock<T> attn_block(const Params& p, int64_t block_rows) {
   AttnBlock<T> a;
   a.split = static_cast<int>(blockIdx.x);
   a.b = static_cast<int>(blockIdx.z);
@@ -257,9 +38,9 @@ TAPS_DEVICE AttnBlock<T> attn_block(const TreeAttentionParams& p, int64_t block_
   a.hkv = blockIdx.y / row_blocks;
   a.row0 = (blockIdx.y % row_blocks) * block_rows;
   a.span = tree_span(p.kv_lens[a.b], p.num_nodes, p.cache_len);
-  a.key_begin = a.split * p.split_keys;
-  const int64_t end = a.key_begin + p.split_keys;
-  a.key_end = end < a.span.len ? end : a.span.len;
+  const KeyRange keys = split_range(a.span.len, a.split, p.split_keys);
+  a.key_begin = keys.begin;
+  a.key_end = keys.end;
   a.q = static_cast<const T*>(p.q);
   a.k = static_cast<const T*>(p.k) + a.b * p.k_stride_b + a.hkv * p.k_stride_h;
   a.v = static_cast<const T*>(p.v) + a.b * p.v_stride_b + a.hkv * p.v_stride_h;
@@ -270,10 +51,23 @@ template <int D> constexpr int attn_smem_floats() {
   return 2 * kTileKeys * (D + 1) + kAttnRows * D + kAttnRows * kTileKeys;
 }
 
+// ------------------------------------------------------------------------------------------------
+// tree_attention (flash-decoding style, SIMT FMA version).
+//
+// Grid (splits, Hkv * row_blocks, B); block kAttnWarps warps. A block owns kAttnRows = kAttnWarps *
+// kRowsPerWarp consecutive rows of one KV head's query group (row r = g * N + i: query head
+// hkv * G + g, tree node i; the whole group when G * N <= kAttnRows, otherwise row_blocks blocks share
+// the KV head and re-read its K/V tiles, mostly from L2) and one contiguous split of the key range.
+// K/V tiles of kTileKeys keys are staged in shared memory as fp32 (rows padded by one float: no
+// bank conflicts). Scores: lane j owns key j of the tile; PV: lane owns features lane + 32 * t.
+// Prefix tiles take no mask test; only tiles that reach the tree tail do.
+// With splits == 1 the block writes out directly; otherwise it writes its partial state
+// (max, sum, unnormalised acc) and tree_attention_combine_kernel merges the splits (log-sum-exp).
+// ------------------------------------------------------------------------------------------------
 // grid (splits, Hkv * row_blocks, B), block kAttnWarps * 32 threads, dynamic smem attn_smem_floats<D>().
 template <class T, int D>
 __global__ void __launch_bounds__(kAttnWarps * 32)
-tree_attention_kernel(TreeAttentionParams p) {
+tree_attention_kernel(Params p) {
   static_assert(D % 32 == 0 || D == 80, "head dim");
   constexpr int kPerLane = (D + 31) / 32;  // features per lane in PV (D = 80: 3, last partial)
   TAPS_DYNAMIC_SHARED(float, smem);
@@ -389,8 +183,7 @@ tree_attention_kernel(TreeAttentionParams p) {
     for (int off = 16; off > 0; off >>= 1) l += __shfl_xor_sync(0xffffffffu, l, off);
     const int64_t row = row0 + warp * kRowsPerWarp + r;
     if (row >= rows_total) continue;
-    const int64_t h = hkv * group + row / p.num_nodes, i = row % p.num_nodes;
-    const int64_t out_row = ((b * p.heads_q + h) * p.num_nodes + i);
+    const int64_t out_row = output_row(p, b, hkv, row);
     if (p.splits == 1) {
       const float inv = l > 0.0f ? 1.0f / l : 0.0f;
       T* o = static_cast<T*>(p.out) + out_row * D;
@@ -400,16 +193,16 @@ tree_attention_kernel(TreeAttentionParams p) {
         if (D % 32 == 0 || d < D) o[d] = from_float<T>(acc[r][t] * inv);
       }
     } else {
-      const int64_t rows_all = p.batch * p.heads_q * p.num_nodes;
-      float* pa = p.part_acc + (split * rows_all + out_row) * D;
+      const int64_t part_row = partial_row(p, split, out_row);
+      float* pa = p.part_acc + part_row * D;
 #pragma unroll
       for (int t = 0; t < kPerLane; ++t) {
         const int d = lane + 32 * t;
         if (D % 32 == 0 || d < D) pa[d] = acc[r][t];
       }
       if (lane == 0) {
-        p.part_max[split * rows_all + out_row] = row_max[r];
-        p.part_sum[split * rows_all + out_row] = l;
+        p.part_max[part_row] = row_max[r];
+        p.part_sum[part_row] = l;
       }
     }
   }
@@ -417,9 +210,6 @@ tree_attention_kernel(TreeAttentionParams p) {
 
 // ------------------------------------------------------------------------------------------------
 // tree_attention, tensor-core version (bf16 / fp16 inputs, fp32 accumulation).
-// NOTE: written without access to a GPU; it compiles for sm_80 / sm_90a and passes the host-emulation
-// test (tests/cpp/test_emu_attention.cpp, whose mma and ldmatrix follow the PTX fragment layouts and
-// whose cp.async lands only at the wait), but it has not been run on a device.
 //
 // Grid (splits, Hkv * row_blocks, B); block plan.warps warps (at most kMmaMaxWarps). A block holds
 // block_rows (at most warps * MT * 16) rows of one KV head's query group: the whole group when it fits
@@ -437,101 +227,9 @@ tree_attention_kernel(TreeAttentionParams p) {
 //   ldmatrix.x4.trans.
 // Output / partial state as the SIMT kernel (same combine kernel).
 // ------------------------------------------------------------------------------------------------
-template <class T> TAPS_DEVICE uint16_t bits16(T x) {
-  uint16_t u;
-  memcpy(&u, &x, 2);
-  return u;
-}
-template <class T> TAPS_DEVICE T from_bits16(uint16_t u) {
-  T x;
-  memcpy(&x, &u, 2);
-  return x;
-}
-// Two floats rounded to T, packed low half first (the fragment element order).
-template <class T> TAPS_DEVICE uint32_t pack2(float lo, float hi) {
-  return uint32_t(bits16(from_float<T>(lo))) | (uint32_t(bits16(from_float<T>(hi))) << 16);
-}
-
-// d += a b for one m16n8k16 tile (fragment layout: see the emulation's mma_m16n8k16).
-template <class T>
-TAPS_DEVICE void mma_m16n8k16(float (&d)[4], const uint32_t (&a)[4], const uint32_t (&b)[2]) {
-#if defined(TAPS_CUDA_EMULATION)
-  taps_emu::mma_m16n8k16(d, a, b, [](uint16_t u) { return to_float(from_bits16<T>(u)); });
-#elif defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-  if constexpr (std::is_same_v<T, __nv_bfloat16>) {
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
-        "{%0, %1, %2, %3};\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
-  } else {
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
-        "{%0, %1, %2, %3};\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
-  }
-#elif defined(__CUDA_ARCH__)
-  __trap();  // the plan never picks this kernel below sm_80
-#endif
-}
-
-// ldmatrix.x4[.trans]: four 8x8 b16 matrices from shared memory; lane l gives the address of row l % 8
-// of matrix l / 8 (16-byte aligned) and gets in r[m] the pair at row l / 4, columns 2 (l % 4) and
-// 2 (l % 4) + 1 of matrix m, or with Trans the pair at rows 2 (l % 4), 2 (l % 4) + 1 of column l / 4.
-// Plain: mma's A fragments from row-major Q and B fragments from K rows; Trans: B fragments from a
-// row-major V tile.
-template <bool Trans>
-TAPS_DEVICE void ldmatrix_x4(uint32_t (&r)[4], const void* row) {
-#if defined(TAPS_CUDA_EMULATION)
-  taps_emu::ldmatrix_x4(r, row, Trans);
-#elif defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-  const unsigned addr = static_cast<unsigned>(__cvta_generic_to_shared(row));
-  if constexpr (Trans) {
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
-                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-                 : "r"(addr));
-  } else {
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
-                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-                 : "r"(addr));
-  }
-#elif defined(__CUDA_ARCH__)
-  __trap();
-#endif
-}
-
-// 16-byte asynchronous global -> shared copy (cp.async.cg, bypassing L1), and its group fences.
-TAPS_DEVICE void cp_async_16(void* smem, const void* gmem) {
-#if defined(TAPS_CUDA_EMULATION)
-  taps_emu::cp_async16(smem, gmem);
-#elif defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-  const unsigned addr = static_cast<unsigned>(__cvta_generic_to_shared(smem));
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(addr), "l"(gmem) : "memory");
-#elif defined(__CUDA_ARCH__)
-  __trap();
-#endif
-}
-TAPS_DEVICE void cp_async_commit() {
-#if defined(TAPS_CUDA_EMULATION)
-  taps_emu::cp_async_commit();
-#elif defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-  asm volatile("cp.async.commit_group;\n" ::: "memory");
-#endif
-}
-// Wait until at most `Pending` of this thread's committed groups are still in flight.
-template <int Pending>
-TAPS_DEVICE void cp_async_wait() {
-#if defined(TAPS_CUDA_EMULATION)
-  taps_emu::cp_async_wait(Pending);
-#elif defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-  asm volatile("cp.async.wait_group %0;\n" ::"n"(Pending) : "memory");
-#endif
-}
-
 template <class T, int D>
 __global__ void __launch_bounds__(kMmaMaxWarps * 32)
-tree_attention_mma_kernel(TreeAttentionParams p) {
+tree_attention_mma_kernel(Params p) {
   static_assert(D % 16 == 0, "head dim: a multiple of 16");
   constexpr int MT = mma_warp_tiles(D);
   constexpr int kRow = D + 8;               // Q / K / V shared rows, in halves
@@ -714,7 +412,6 @@ tree_attention_mma_kernel(TreeAttentionParams p) {
   }
 
   // Epilogue: reduce the row sums over the quad, then write the output or the partial state.
-  const int64_t rows_all = p.batch * p.heads_q * p.num_nodes;
 #pragma unroll
   for (int mt = 0; mt < MT; ++mt) {
     const int64_t tile_row = (int64_t(mt) * warps + warp) * 16;
@@ -726,31 +423,31 @@ tree_attention_mma_kernel(TreeAttentionParams p) {
       l += __shfl_xor_sync(0xffffffffu, l, 2);
       const int64_t row = row0 + tile_row + g + 8 * h;
       if (row >= rows_total) continue;
-      const int64_t head = hkv * group + row / p.num_nodes, i = row % p.num_nodes;
-      const int64_t out_row = (b * p.heads_q + head) * p.num_nodes + i;
+      const int64_t out_row = output_row(p, b, hkv, row);
       if (p.splits == 1) {
         const float inv = l > 0.0f ? 1.0f / l : 0.0f;
         uint32_t* o = reinterpret_cast<uint32_t*>(static_cast<T*>(p.out) + out_row * D);
 #pragma unroll
         for (int nt = 0; nt < NT; ++nt) o[nt * 4 + t] = pack2<T>(acc[mt][nt][2 * h] * inv, acc[mt][nt][2 * h + 1] * inv);
       } else {
-        float* pa = p.part_acc + (split * rows_all + out_row) * D;
+        const int64_t part_row = partial_row(p, split, out_row);
+        float* pa = p.part_acc + part_row * D;
 #pragma unroll
         for (int nt = 0; nt < NT; ++nt) {
           pa[nt * 8 + 2 * t] = acc[mt][nt][2 * h];
           pa[nt * 8 + 2 * t + 1] = acc[mt][nt][2 * h + 1];
         }
         if (t == 0) {
-          p.part_max[split * rows_all + out_row] = row_max[mt][h];
-          p.part_sum[split * rows_all + out_row] = l;
+          p.part_max[part_row] = row_max[mt][h];
+          p.part_sum[part_row] = l;
         }
       }
     }
   }
 }
 
-// Combine the split partial states: grid (ceil(rows_all / 4)), block (32, 4): one warp per output
-// row [B * Hq * N], lanes over features. Splits are at most kMaxSplits.
+// Combine the split partial states (laid out as partial_row says): grid (ceil(rows_all / 4)), block
+// (32, 4): one warp per output row [B * Hq * N], lanes over features. Splits are at most kMaxSplits.
 template <class T>
 __global__ void tree_attention_combine_kernel(const float* __restrict__ part_acc, const float* __restrict__ part_max,
                                               const float* __restrict__ part_sum, T* __restrict__ out,
@@ -771,9 +468,9 @@ __global__ void tree_attention_combine_kernel(const float* __restrict__ part_acc
 // for these sizes. The plan's splits, split_keys and block_rows replace those fields of `params`
 // (part_* buffers sized for plan.splits when it is > 1).
 template <class T, int D>
-cudaError_t launch_tree_attention(const TreeAttentionParams& params, const AttentionPlan& plan,
+cudaError_t launch_tree_attention(const Params& params, const AttentionPlan& plan,
                                   cudaStream_t stream) {
-  TreeAttentionParams p = params;
+  Params p = params;
   p.splits = plan.splits;
   p.split_keys = plan.split_keys;
   p.block_rows = plan.block_rows;
@@ -812,47 +509,5 @@ cudaError_t launch_tree_attention(const TreeAttentionParams& params, const Atten
   return cudaGetLastError();
 }
 
-// ------------------------------------------------------------------------------------------------
-// compact_kv: one cache tensor [B, H, S, D] viewed as rows of `row_units` units of type U (U = a
-// 1..16 byte word chosen by alignment). Grid (ceil(row_units / blockDim.x), H, B): each thread owns
-// some unit columns of one (b, h) and walks the path in increasing order, so every source row is
-// read before any write of that column could overwrite it (dst j = prefix + j < prefix + path[k]
-// for all k > j since the path is strictly increasing from 0; equal positions are skipped).
-// Invalid paths (see compact_path_length) are left untouched: never an out-of-bounds access.
-// Not run on a GPU yet (compiled only).
-// ------------------------------------------------------------------------------------------------
-template <class U>
-__global__ void compact_kv_kernel(U* __restrict__ cache, int64_t stride_b, int64_t stride_h, int64_t stride_s,
-                                  int64_t row_units, int64_t cache_len, const int64_t* __restrict__ path,
-                                  int64_t path_cols, const int64_t* __restrict__ prefix_lens) {
-  const int64_t b = blockIdx.z, h = blockIdx.y;
-  const int64_t col = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
-  const int64_t* pb = path + b * path_cols;
-  const int64_t prefix = prefix_lens[b];
-  const int64_t n = compact_path_length(pb, path_cols, prefix, cache_len);
-  if (col >= row_units || n <= 0) return;
-  U* base = cache + b * stride_b + h * stride_h + col;
-  for (int64_t j = 1; j < n; ++j) {
-    if (pb[j] == j) continue;
-    base[(prefix + j) * stride_s] = base[(prefix + pb[j]) * stride_s];
-  }
-}
-
-// Strides in units of U. Launches nothing when there is nothing to move.
-template <class U>
-cudaError_t launch_compact_kv(U* cache, int64_t batch, int64_t heads, int64_t cache_len, int64_t row_units,
-                              int64_t stride_b, int64_t stride_h, int64_t stride_s, const int64_t* path,
-                              int64_t path_cols, const int64_t* prefix_lens, cudaStream_t stream) {
-  if (batch == 0 || heads == 0 || row_units == 0 || path_cols <= 1) return cudaSuccess;
-  const int threads = row_units >= 128 ? 128 : 32;
-  dim3 grid(static_cast<unsigned>((row_units + threads - 1) / threads), static_cast<unsigned>(heads),
-            static_cast<unsigned>(batch));
-  auto* kernel = &compact_kv_kernel<U>;
-  TAPS_LAUNCH(kernel, grid, threads, 0, stream, cache, stride_b, stride_h, stride_s, row_units, cache_len,
-      path, path_cols, prefix_lens);
-  return cudaGetLastError();
-}
-
-#endif  // __CUDACC__
-
+}  // namespace attention
 }  // namespace taps
