@@ -346,7 +346,7 @@ class SpeculativeDecoder:
                 if any_done:
                     num_new = num_new.masked_fill(done_t, 0)
                 with prof.section("compact"):
-                    taps_ops.compact_kv(cache.kv_tensors(), path, cache.lengths)
+                    taps_ops.compact_kv(cache.kv_tensors(), path, cache.lengths, validate=device.type == "cpu")
                     cache.lengths.add_(num_new)
                 # what the host needs of this step, in one copy: tokens, counts, statistics
                 parts = [ver.tokens, accepted.unsqueeze(1), (tree.tokens >= 0).sum(1, keepdim=True)]

@@ -80,11 +80,12 @@ def tree_confidence(tree) -> Tensor:
 
 
 def _build(cands: Candidates, num_nodes: int, root: Tensor):
-    """One build_tree over every drafter's candidates: Tree fields [T, B, num_nodes]."""
+    """One build_tree over every drafter's candidates: Tree fields [T, B, num_nodes]. The engine's own
+    candidates need no data checks (and on CUDA they would cost a device sync)."""
     t, b, m = cands.scores.shape
     tree = taps_ops.build_tree(cands.scores.reshape(t * b, m), cands.tokens.reshape(t * b, m),
                                cands.parents.reshape(t * b, m), num_nodes,
-                               root_tokens=root.repeat(t) if t > 1 else root)
+                               root_tokens=root.repeat(t) if t > 1 else root, validate=root.device.type == "cpu")
     return type(tree)(*(f.view(t, b, *f.shape[1:]) for f in tree))
 
 
@@ -278,7 +279,7 @@ class Merged(Strategy):
         tokens = per_request(trees.tokens)
         scores = self._scores(cands, tokens, per_request(trees.scores))
         merged = taps_ops.merge_trees(tokens, per_request(trees.parents), scores,
-                                      num_nodes=self.budget if self.cut else None)
+                                      num_nodes=self.budget if self.cut else None, validate=root.device.type == "cpu")
         # merge_trees numbers its trees 0..T'-1; map bits back to drafter indices
         source = merged.source
         order = list(cands.drafters)
