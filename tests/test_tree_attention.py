@@ -1,7 +1,8 @@
 """taps_ops.tree_attention against the float64 dense-mask reference (taps_ops.reference).
 
-Accuracy rule (flash-attention's): the kernel's max error against the float64 reference is at most
-twice the error of plain PyTorch attention computed in the same dtype, plus a small floor.
+Accuracy rule: in fp32 (flash-attention's) the kernel's max error against the float64 reference is at
+most twice the error of plain PyTorch attention in fp32, plus a small floor; in bf16 / fp16 every
+element's error is at most 4x the error a correct kernel can make there (see check_accuracy).
 """
 
 import math
@@ -10,7 +11,9 @@ import pytest
 import torch
 
 import taps_ops
-from taps_ops.reference import tree_attention_ref
+from taps_ops.reference import tree_attention_dense_mask, tree_attention_ref
+
+from conftest import assert_compiles_like_eager
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 
@@ -45,14 +48,45 @@ def make_inputs(batch, heads_q, heads_kv, num_nodes, head_dim, cache_len, dtype,
     return [t.to(device) for t in (q, k, v, mask, kv_lens)]
 
 
+def _half_error_scale(q, k, v, mask, kv_lens, scale, ref):
+    """Per-element error a correct bf16 / fp16 kernel may make, [B, Hq, N, D] float64: rounding the
+    output (half an ulp of the exact value) plus rounding the probabilities P to the dtype before P.V
+    (as the tensor-core kernel and flash attention do): sum_j delta_j p_j v_j with |delta_j| <= u (the
+    dtype's unit roundoff) and random signs, whose size is u * sqrt(sum_j p_j^2 v_j^2), plus the same
+    for the normaliser, u * |out| * sqrt(sum_j p_j^2)."""
+    mantissa = {torch.bfloat16: 7, torch.float16: 10}[q.dtype]
+    unit = 2.0 ** -(mantissa + 1)
+    dense = tree_attention_dense_mask(mask.cpu(), kv_lens.cpu(), k.shape[2])[:, None]
+    group = q.shape[1] // k.shape[1]
+    if scale is None:
+        scale = 1.0 / math.sqrt(q.shape[-1])
+    kf, vf = (t.cpu().double().repeat_interleave(group, dim=1) for t in (k, v))
+    scores = (q.cpu().double() @ kf.transpose(-1, -2)) * scale
+    p2 = torch.softmax(scores.masked_fill(~dense, float("-inf")), -1).nan_to_num(0.0) ** 2
+    magnitude = ref.abs().clamp_min(torch.finfo(q.dtype).tiny)
+    ulp = 2.0 ** (torch.floor(torch.log2(magnitude)) - mantissa)
+    return 0.5 * ulp + unit * ((p2 @ vf ** 2).sqrt() + ref.abs() * p2.sum(-1, keepdim=True).sqrt())
+
+
 def check_accuracy(q, k, v, mask, kv_lens, scale=None):
+    """fp32: the kernel's max error against the float64 reference is at most twice plain PyTorch's in
+    fp32 (flash-attention's rule). bf16 / fp16, where plain PyTorch's error is much larger than a good
+    kernel's: every element's error is at most 4x the error scale of a correct kernel
+    (_half_error_scale; the CPU kernel makes about 0.3 of it, the output rounding alone)."""
     out = taps_ops.tree_attention(q, k, v, mask, kv_lens, scale)
     assert out.dtype == q.dtype and out.shape == q.shape and out.device == q.device
     ref = tree_attention_ref(q.cpu(), k.cpu(), v.cpu(), mask.cpu(), kv_lens.cpu(), scale)
-    plain = tree_attention_ref(q.cpu(), k.cpu(), v.cpu(), mask.cpu(), kv_lens.cpu(), scale, dtype=q.dtype)
-    err = (out.cpu().double() - ref).abs().max().item()
-    plain_err = (plain.double() - ref).abs().max().item()
-    assert err <= 2 * plain_err + 1e-5, (err, plain_err)
+    err = (out.cpu().double() - ref).abs()
+    if q.dtype == torch.float32:
+        plain = tree_attention_ref(q.cpu(), k.cpu(), v.cpu(), mask.cpu(), kv_lens.cpu(), scale, dtype=q.dtype)
+        plain_err = (plain.double() - ref).abs().max().item()
+        assert err.max().item() <= 2 * plain_err + 1e-5, (err.max().item(), plain_err)
+        return
+    ratio = err / _half_error_scale(q, k, v, mask, kv_lens, scale, ref)
+    worst = int(ratio.argmax())
+    assert ratio.max().item() <= 4.0, (f"error {err.flatten()[worst].item():.3g} at element {worst} is "
+                                       f"{ratio.max().item():.2f}x the error scale of a correct kernel "
+                                       f"(value {ref.flatten()[worst].item():.4g})")
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -199,3 +233,13 @@ def test_validate_false_still_checks_on_cpu():
     q, k, v, mask, kv_lens = make_inputs(2, 4, 2, 7, 64, 40, torch.float32, "cpu")
     with pytest.raises(RuntimeError, match="kv_lens"):
         taps_ops.tree_attention(q, k, v, mask, kv_lens * 0 + 2, validate=False)
+
+
+def test_torch_compile_fullgraph(device):
+    args = make_inputs(2, 4, 2, 7, 64, 40, torch.float32, device)
+
+    def step(q, k, v, mask, kv_lens):
+        return (taps_ops.tree_attention(q, k, v, mask, kv_lens),
+                taps_ops.tree_attention(q.half(), k.half(), v.half(), mask, kv_lens, 0.2, validate=False))
+
+    assert_compiles_like_eager(step, *args)
