@@ -10,7 +10,6 @@ to agree with their target:
 - the target itself (whole chains accepted).
 """
 
-import contextlib
 import copy
 
 import numpy as np
@@ -19,18 +18,9 @@ import transformers
 
 from taps.train.drafter import DrafterTrainConfig, drafter_losses, new_drafter, target_features
 
+from conftest import one_torch_thread
+
 _CACHE = {}
-
-
-@contextlib.contextmanager
-def one_thread():
-    """Run with one torch thread: these models are so small that a second thread only adds waiting."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
 
 
 def llama(vocab, hidden, layers, seed, head_scale=1.0):
@@ -96,7 +86,7 @@ def _models(name, target_args, new_tokens, steps, other_args, seed):
     eagle2 (eagle fine-tuned `steps[1]` steps on others), early_exit, other (an unrelated random LM
     that agrees with nothing), seqs (eagle's training sequences); built once per name."""
     if name not in _CACHE:
-        with one_thread():
+        with one_torch_thread():
             target = llama(*target_args)
             seqs = greedy_sequences(target, 64, 4, new_tokens, seed=seed)
             eagle = train_eagle(target, seqs, steps[0], seed=seed + 1)
@@ -150,3 +140,66 @@ def exact_joint(model, prompt, steps, probs, eos=()):
                     done[s + (x,)] = joint[s] * float(p[x])
             joint = done
     return joint
+
+
+_HF_GREEDY = {}
+
+
+@torch.no_grad()
+def hf_greedy(model, prompt, max_new_tokens, eos=None):
+    """The model's own greedy decoding (``model.generate(do_sample=False)``, the Hugging Face loop and
+    cache, no taps kernel): the new tokens, ending with the first EOS when one is produced. Cached."""
+    eos = sorted({eos} if isinstance(eos, int) else set(eos or ()))
+    key = (id(model), tuple(prompt), max_new_tokens, tuple(eos))
+    if key not in _HF_GREEDY:
+        config = transformers.GenerationConfig(do_sample=False, max_new_tokens=max_new_tokens, num_beams=1,
+                                               eos_token_id=eos or None, pad_token_id=eos[0] if eos else 0)
+        ids = torch.tensor([list(prompt)], device=model.device)
+        seq = model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=config)
+        _HF_GREEDY[key] = seq[0, len(prompt):].tolist()
+    return _HF_GREEDY[key]
+
+
+class GreedyCalls:
+    """Records every greedy ``SpeculativeDecoder.generate`` call made inside ``with GreedyCalls() as c``
+    (the decoder's target, each request's prompt ids, max_new_tokens, EOS and output tokens), so that a
+    command's outputs can be checked against :func:`hf_greedy` afterwards (:meth:`check`)."""
+
+    def __init__(self):
+        self.calls = []
+
+    def __enter__(self):
+        import inspect
+
+        from taps import SpeculativeDecoder
+
+        original = SpeculativeDecoder.generate
+        signature = inspect.signature(original)
+        calls = self.calls
+
+        def generate(dec, *args, **kwargs):
+            out = original(dec, *args, **kwargs)
+            bound = signature.bind(dec, *args, **kwargs)
+            bound.apply_defaults()
+            a = bound.arguments
+            if isinstance(a["temperature"], (int, float)) and a["temperature"] == 0:
+                calls.append((dec.target, dec._prepare(a["inputs"]), a["max_new_tokens"], a["eos_token_id"],
+                              out.tokens, dec.strategy.name))
+            return out
+
+        self._restore = (SpeculativeDecoder, original)
+        SpeculativeDecoder.generate = generate
+        return self
+
+    def __exit__(self, *exc):
+        cls, original = self._restore
+        cls.generate = original
+
+    def check(self, min_calls=1):
+        """Every recorded output equals the target's own Hugging Face greedy decoding; returns the
+        strategies seen."""
+        assert len(self.calls) >= min_calls, f"{len(self.calls)} greedy generate calls recorded"
+        for target, prompts, max_new, eos, tokens, strategy in self.calls:
+            for prompt, got in zip(prompts, tokens):
+                assert got == hf_greedy(target, prompt, max_new, eos), f"{strategy}: differs from the target's greedy"
+        return {c[-1] for c in self.calls}

@@ -20,15 +20,11 @@ from taps import ModelDrafter, SpeculativeDecoder, STRATEGIES
 
 import engine_models as em
 
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 PROMPTS = [[5, 17, 42, 8, 61, 3], [3, 3, 90, 12, 7, 64, 90, 2, 33, 41, 11], [70, 1]]
 NEW = 14
 _REF = {}
-
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    with em.one_thread():
-        yield
 
 
 def _models():

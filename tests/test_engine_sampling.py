@@ -17,17 +17,13 @@ import torch
 from taps import ModelDrafter, SpeculativeDecoder
 
 import engine_models as em
+
+pytestmark = pytest.mark.usefixtures("one_thread")
 from sampling_checks import assert_counts, spec_probs
 
 SAMPLES = 2000
 PROMPT = [3, 9, 1, 30]
 STEPS = 3
-
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    with em.one_thread():
-        yield
 
 
 def _drafters(names):

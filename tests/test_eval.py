@@ -20,15 +20,14 @@ from pathlib import Path
 
 import pytest
 import torch
+import transformers
 
-transformers = pytest.importorskip("transformers")
-
-import taps_ops  # noqa: E402,F401
-from taps import EagleDrafter, average_drafters  # noqa: E402
-from taps import cli  # noqa: E402
-from taps import eval as taps_eval  # noqa: E402
-from taps import models as taps_models  # noqa: E402
-from taps.train.chat import ChatTokenizer  # noqa: E402
+import taps_ops  # noqa: F401
+from taps import EagleDrafter, average_drafters
+from taps import cli
+from taps import eval as taps_eval
+from taps import models as taps_models
+from taps.train.chat import ChatTokenizer
 
 REPO = Path(__file__).resolve().parents[1]
 TOKENIZER = REPO / "models" / "tokenizer"

@@ -8,12 +8,9 @@ import shutil
 import pytest
 import torch
 
-pytest.importorskip("transformers")
-pytest.importorskip("safetensors")
-
-from taps.drafters import EagleDrafter  # noqa: E402
-from taps.train import drafter as TD  # noqa: E402
-from taps.train.data import REPO_ROOT  # noqa: E402
+from taps.drafters import EagleDrafter
+from taps.train import drafter as TD
+from taps.train.data import REPO_ROOT
 
 
 def tiny_target(vocab=8192, arch="llama"):
