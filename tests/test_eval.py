@@ -29,6 +29,8 @@ from taps import eval as taps_eval
 from taps import models as taps_models
 from taps.train.chat import ChatTokenizer
 
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 REPO = Path(__file__).resolve().parents[1]
 TOKENIZER = REPO / "models" / "tokenizer"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")

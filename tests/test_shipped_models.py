@@ -12,6 +12,8 @@ from taps.strategies import STRATEGIES
 
 import engine_models as em
 
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 FAMILIES = ("eagle2", "hass")
 DATA = ("math", "chat", "mixed", "mixed2", "avg")
 

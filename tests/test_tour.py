@@ -2,9 +2,13 @@
 
 import re
 
+import pytest
+
 from taps import cli
 
 import engine_models as em
+
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def test_tour_quick(capsys):

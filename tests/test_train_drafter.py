@@ -12,6 +12,8 @@ from taps.drafters import EagleDrafter
 from taps.train import drafter as TD
 from taps.train.data import REPO_ROOT
 
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 
 def tiny_target(vocab=8192, arch="llama"):
     import transformers
