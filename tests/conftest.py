@@ -58,6 +58,12 @@ def _seed():
     yield
 
 
+def verify_on(device, logits, tokens, parents, **kw):
+    """taps_ops.verify_tree with every tensor argument moved to `device`."""
+    kw = {k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in kw.items()}
+    return taps_ops.verify_tree(logits.to(device), tokens.to(device), parents.to(device), **kw)
+
+
 def tree_lists(tree):
     """The fields of a build_tree / merge_trees output as nested Python lists."""
     return [t.cpu().tolist() for t in tree]

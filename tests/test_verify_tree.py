@@ -18,16 +18,11 @@ from hypothesis import strategies as st
 import taps_ops
 from taps_ops.reference import target_probs_ref, verify_tree_ref
 
-from conftest import assert_compiles_like_eager, cuda_available
+from conftest import assert_compiles_like_eager, cuda_available, verify_on as _verify
 from sampling_checks import MARGIN, assert_distribution, assert_matches_reference, spec_probs
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 BAD_INPUT = (RuntimeError, ValueError, TypeError, IndexError)
-
-
-def _verify(device, logits, tokens, parents, **kw):
-    kw = {k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in kw.items()}
-    return taps_ops.verify_tree(logits.to(device), tokens.to(device), parents.to(device), **kw)
 
 
 def _as_lists(out):

@@ -18,8 +18,8 @@ import zlib
 import pytest
 import torch
 
+from conftest import verify_on as _verify
 from sampling_checks import assert_distribution, assert_matches_reference, spec_probs
-from test_verify_tree import _verify
 
 BLOCK = 2048
 VOCABS = [5000, 6144, 32000, 32768, 128256]
