@@ -89,7 +89,7 @@ def check_accuracy(q, k, v, mask, kv_lens, scale=None):
                                        f"(value {ref.flatten()[worst].item():.4g})")
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("num_nodes,cache_len", [(1, 50), (7, 257), (65, 257), (130, 1000), (7, 1000)])
 def test_matches_reference(device, dtype, num_nodes, cache_len):
     check_accuracy(*make_inputs(3, 8, 2, num_nodes, 64, cache_len, dtype, device))
@@ -102,7 +102,7 @@ def test_head_dims(device, head_dim):
     check_accuracy(*make_inputs(2, 4, 4, 7, head_dim, 100, torch.float32, device))
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("head_dim", [64, 80, 96, 128, 256])
 def test_head_dims_half(device, dtype, head_dim):
     # G * N = 4 * 9 = 36 query rows per KV head: on CUDA the tensor-core kernel (3 m-tiles, the last
@@ -110,14 +110,14 @@ def test_head_dims_half(device, dtype, head_dim):
     check_accuracy(*make_inputs(2, 8, 2, 9, head_dim, 300, dtype, device))
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 def test_large_group_half(device, dtype):
     # G * N = 4 * 70 = 280 rows at D = 128: on CUDA two row blocks of the tensor-core kernel (256 + 24
     # rows), two mask words, and key splits merged by log-sum-exp.
     check_accuracy(*make_inputs(1, 4, 1, 70, 128, 2000, dtype, device))
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 def test_unaligned_half_rows(device, dtype):
     # Rows that are not 16-byte aligned (q starts 4 elements into its storage, k / v rows 68 elements
     # apart): on CUDA the tensor-core kernel cannot load them 16 bytes at a time, so the SIMT kernel
