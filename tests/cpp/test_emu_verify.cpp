@@ -107,7 +107,8 @@ static int run_case(const Case& c, int cluster_size, std::mt19937& rng) {
       ++spec_compared;
       if (!spec_same) {
         same = false;
-        std::printf("differs from the spec walk (margin %.2g): ", e.margin);
+        std::printf("differs from the spec walk (margin %.2g; spec: accepted %lld, first token %lld): ", e.margin,
+                    (long long)e.accepted, (long long)e.tokens[0]);
       }
     }
     if (!same) {
