@@ -177,8 +177,11 @@ def test_wider_mask_and_padding_rows(device):
     torch.testing.assert_close(out.cpu().double(), ref, atol=1e-5, rtol=1e-5)
 
 
-def test_opcheck(device):
-    args = make_inputs(2, 4, 2, 7, 64, 40, torch.float32, device)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_opcheck(device, dtype):
+    # every dtype: the shape function must give the kernel's output dtype too (compiled graphs are
+    # traced with it)
+    args = make_inputs(2, 4, 2, 7, 64, 40, dtype, device)
     torch.library.opcheck(torch.ops.taps_ops.tree_attention.default, (*args, 0.125))
 
 
