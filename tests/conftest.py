@@ -1,8 +1,11 @@
 """Shared pytest fixtures of the taps_ops suites.
 
-`device` runs a test on "cpu" and on "cuda"; the CUDA case is skipped when there is no GPU or the
-extension was built without its CUDA kernels. Every test starts from a fixed torch seed.
+`device` runs a test on "cpu" and on "cuda"; the CUDA case is skipped when there is no GPU, and fails
+when there is one but the extension was built without its CUDA kernels (a silent skip there would hide
+every CUDA kernel from the suite). Every test starts from a fixed torch seed.
 """
+
+import contextlib
 
 import pytest
 import torch
@@ -11,26 +14,54 @@ import taps_ops
 
 
 def cuda_available() -> bool:
-    """True when a GPU and the extension's CUDA kernels are both present."""
-    return torch.cuda.is_available() and taps_ops.has_cuda_kernels()
+    """True when a GPU is present (CUDA tests then need the extension's CUDA kernels)."""
+    return torch.cuda.is_available()
 
 
 DEVICES = [
     "cpu",
-    pytest.param("cuda", marks=pytest.mark.skipif(not cuda_available(), reason="no GPU or no CUDA kernels")),
+    pytest.param("cuda", marks=pytest.mark.skipif(not cuda_available(), reason="no GPU")),
 ]
 
 
 @pytest.fixture(params=DEVICES)
 def device(request) -> str:
-    """The device a test runs on: "cpu", then "cuda" when available."""
+    """The device a test runs on: "cpu", then "cuda" when a GPU is present."""
+    if request.param == "cuda":
+        assert taps_ops.has_cuda_kernels(), "a GPU is present but taps_ops was built without its CUDA kernels"
     return request.param
+
+
+@contextlib.contextmanager
+def one_torch_thread():
+    """Run with one torch thread: for tiny models a second thread only adds waiting (on 2 shared cores
+    the engine suites take several times the CPU time with two)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+@pytest.fixture
+def one_thread():
+    """The test runs with one torch thread (modules of tiny models: ``pytestmark =
+    pytest.mark.usefixtures("one_thread")``)."""
+    with one_torch_thread():
+        yield
 
 
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)
     yield
+
+
+def verify_on(device, logits, tokens, parents, **kw):
+    """taps_ops.verify_tree with every tensor argument moved to `device`."""
+    kw = {k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in kw.items()}
+    return taps_ops.verify_tree(logits.to(device), tokens.to(device), parents.to(device), **kw)
 
 
 def tree_lists(tree):
@@ -87,3 +118,54 @@ def check_tree_invariants(tree, last_field_padding: int = -1) -> None:
                 word = (bits[i] >> (64 * w)) & ((1 << 64) - 1)
                 word = word - (1 << 64) if word >= (1 << 63) else word
                 assert mask[b, i, w] == word, f"tree_mask row {i} word {w} of request {b}"
+
+
+def assert_compiles_like_eager(fn, *args):
+    """``torch.compile(fn, fullgraph=True)`` gives what eager ``fn`` gives (tensors or lists of tensors
+    in, a tuple of tensors out). The aot_eager backend traces the ops through their fake (shape)
+    implementations and functionalisation, as every compiler backend does. Each run gets fresh clones
+    of the inputs, so in-place ops are compared through the tensors fn returns."""
+    def fresh():
+        return [[t.clone() for t in a] if isinstance(a, list) else a.clone() if isinstance(a, torch.Tensor) else a
+                for a in args]
+
+    torch._dynamo.reset()
+    compiled = torch.compile(fn, fullgraph=True, backend="aot_eager")
+    got, want = compiled(*fresh()), fn(*fresh())
+    assert len(got) == len(want)
+    for i, (g, w) in enumerate(zip(got, want)):
+        assert g.shape == w.shape and g.dtype == w.dtype and g.device == w.device, f"output {i}"
+        assert torch.equal(g, w), f"output {i} differs from eager"
+
+
+def fuzz_against_reference(device, cases, reference, op, fields, max_examples=150):
+    """Hypothesis fuzzing of a tree op: for every drawn case (a tuple of op arguments), the op raises on
+    `device` exactly when `reference` raises ValueError, and otherwise returns the reference's outputs
+    (compared field by field). Both outcomes must occur at least 20 times."""
+    from hypothesis import HealthCheck, given, settings
+
+    outcomes = {"raised": 0, "returned": 0}
+
+    @settings(max_examples=max_examples, deadline=None, suppress_health_check=list(HealthCheck),
+              derandomize=True, database=None)
+    @given(case=cases)
+    def run(case):
+        try:
+            want = reference(*case)
+        except ValueError:
+            want = None
+        try:
+            got = op(device, *case)
+            if device == "cuda":
+                torch.cuda.synchronize()
+        except (RuntimeError, ValueError, TypeError, IndexError):
+            assert want is None, "the op refused an input the reference accepts"
+            outcomes["raised"] += 1
+            return
+        assert want is not None, "the op accepted an input the reference refuses"
+        outcomes["returned"] += 1
+        for name, g, w in zip(fields, got, want):
+            assert torch.equal(g.cpu(), w), name
+
+    run()
+    assert outcomes["raised"] >= 20 and outcomes["returned"] >= 20, outcomes

@@ -4,11 +4,13 @@ import math
 
 import pytest
 import torch
+from hypothesis import strategies as st
 
 import taps_ops
 from taps_ops.reference import build_tree_ref
 
-from conftest import assert_literal_tree as _assert_tree, check_tree_invariants, cuda_available, tree_lists as _lists
+from conftest import (assert_compiles_like_eager, assert_literal_tree as _assert_tree, check_tree_invariants,
+                      cuda_available, fuzz_against_reference, tree_lists as _lists)
 
 BAD_INPUT = (RuntimeError, ValueError, TypeError, IndexError)
 NEG_INF = float("-inf")
@@ -184,7 +186,7 @@ def test_random_vs_reference(device, monotone, ties, batch, m, num_nodes):
         assert (tokens[b, idx] == tree.tokens.cpu()[b, 1:1 + idx.numel()]).all()
 
 
-@pytest.mark.skipif(not cuda_available(), reason="no GPU or no CUDA kernels")
+@pytest.mark.skipif(not cuda_available(), reason="no GPU")
 def test_cpu_cuda_agree():
     gen = torch.Generator().manual_seed(5)
     scores, tokens, parents = random_candidates(16, 300, gen, monotone=False, ties=True)
@@ -250,13 +252,44 @@ def _bad_cases():
 
 
 @pytest.mark.parametrize("case", _bad_cases(), ids=lambda c: c[0])
-def test_bad_input_raises(case):
+def test_bad_input_raises(device, case):
     _, args, message = case
     with pytest.raises(BAD_INPUT, match=f"(?i){message}"):
-        taps_ops.build_tree(*args)
+        _build(device, *args)
+        if device == "cuda":
+            torch.cuda.synchronize()
 
 
-@pytest.mark.skipif(not cuda_available(), reason="no GPU or no CUDA kernels")
+@st.composite
+def _fuzz_case(draw):
+    """Candidates with malformed parents, NaN / inf scores, padding anywhere, num_nodes < 1; half of
+    the time well-formed random candidates."""
+    batch = draw(st.integers(0, 3))
+    m = draw(st.integers(0, 7))
+
+    def rows(values):
+        return draw(st.lists(st.lists(values, min_size=m, max_size=m), min_size=batch, max_size=batch))
+
+    tokens = torch.tensor(rows(st.integers(-2, 4)), dtype=torch.int64).reshape(batch, m)
+    parents = torch.tensor(rows(st.integers(-3, m + 1)), dtype=torch.int64).reshape(batch, m)
+    special = st.sampled_from([0.0, -0.5, -1.0, -1.0, -2.5, 0.7, NEG_INF, float("inf"), float("nan")])
+    scores = torch.tensor(rows(special), dtype=torch.float32).reshape(batch, m)
+    if batch and m and draw(st.booleans()):
+        gen = torch.Generator().manual_seed(draw(st.integers(0, 1000)))
+        scores, tokens, parents = random_candidates(batch, m, gen, monotone=draw(st.booleans()), ties=True)
+    root = None
+    if draw(st.booleans()):
+        root = torch.tensor(draw(st.lists(st.integers(-1, 4), min_size=batch, max_size=batch)), dtype=torch.int64)
+    return scores, tokens, parents, draw(st.integers(-1, 9)), root
+
+
+def test_fuzz_agrees_with_reference(device):
+    """Malformed input raises on both backends exactly when the reference refuses it; accepted input
+    gives the reference's tree."""
+    fuzz_against_reference(device, _fuzz_case(), build_tree_ref, _build, taps_ops.Tree._fields)
+
+
+@pytest.mark.skipif(not cuda_available(), reason="no GPU")
 def test_device_mismatch_raises():
     scores, tokens, parents = torch.zeros(1, 3), torch.zeros(1, 3, dtype=torch.int64), torch.full((1, 3), -1)
     for args in [(scores.cuda(), tokens, parents), (scores, tokens.cuda(), parents.cuda())]:
@@ -303,3 +336,16 @@ def test_validate_false_cuda_bad_input_no_raise():
     scores, tokens, parents, num_nodes = (a.cuda() if isinstance(a, torch.Tensor) else a for a in case[1])
     tree = taps_ops.build_tree(scores, tokens, parents, num_nodes, validate=False)
     assert tuple(tree.tokens.shape) == (1, num_nodes)
+
+
+def test_torch_compile_fullgraph(device):
+    gen = torch.Generator().manual_seed(4)
+    scores, tokens, parents = random_candidates(3, 40, gen, monotone=False, ties=True)
+    root = torch.tensor([1, 2, 3])
+    args = [t.to(device) for t in (scores, tokens, parents, root)]
+
+    def step(scores, tokens, parents, root):
+        return tuple(taps_ops.build_tree(scores, tokens, parents, 20, root_tokens=root)) + \
+            tuple(taps_ops.build_tree(scores, tokens, parents, 70))
+
+    assert_compiles_like_eager(step, *args)

@@ -6,6 +6,8 @@ import torch
 import taps_ops
 from taps_ops.reference import compact_kv_ref
 
+from conftest import assert_compiles_like_eager
+
 
 def random_paths(batch: int, cols: int, max_node: int) -> torch.Tensor:
     """[B, cols] strictly increasing paths from 0, random lengths, -1 padded (row 0 is a lone root)."""
@@ -125,3 +127,19 @@ def test_validate_false_cuda_leaves_invalid_requests():
                         torch.tensor([0, 1], device="cuda"), validate=False)
     assert torch.equal(cache[0], before[0])
     assert torch.equal(cache[1, 0, 2], before[1, 0, 3]) and torch.equal(cache[1, 0, 3], before[1, 0, 4])
+
+
+def test_torch_compile_fullgraph(device):
+    caches = [torch.randn(3, 2, 40, 8, device=device) for _ in range(4)]
+    path = random_paths(3, 6, 12).to(device)
+    prefix_lens = torch.tensor([0, 5, 20], device=device)
+
+    def step(caches, path, prefix_lens):
+        taps_ops.compact_kv(caches, path, prefix_lens)
+        return tuple(caches)
+
+    assert_compiles_like_eager(step, caches, path, prefix_lens)
+    moved = step([c.clone() for c in caches], path, prefix_lens)
+    for got, want in zip(moved, compact_kv_ref(caches, path, prefix_lens)):  # and it did move entries
+        assert torch.equal(got, want)
+    assert not all(torch.equal(a, b) for a, b in zip(moved, caches))

@@ -13,12 +13,13 @@ import os
 
 import pytest
 import torch
+import transformers
 
-transformers = pytest.importorskip("transformers")
+import taps_ops  # noqa: F401
+from taps import EagleDrafter, ModelDrafter, SpeculativeDecoder, average_drafters
+from taps import hf
 
-import taps_ops  # noqa: E402,F401
-from taps import EagleDrafter, ModelDrafter, SpeculativeDecoder, average_drafters  # noqa: E402
-from taps import hf  # noqa: E402
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 VOCAB = 64
 

@@ -10,13 +10,14 @@
 
 import pytest
 import torch
+import transformers
 
-transformers = pytest.importorskip("transformers")
+import taps_ops
+from taps import ModelDrafter, SpeculativeDecoder
+from taps.drafters import DraftCandidates
+from taps.strategies import allocate_budget, make_strategy, reserve_nodes, tree_confidence
 
-import taps_ops  # noqa: E402
-from taps import ModelDrafter, SpeculativeDecoder  # noqa: E402
-from taps.drafters import DraftCandidates  # noqa: E402
-from taps.strategies import allocate_budget, make_strategy, reserve_nodes, tree_confidence  # noqa: E402
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _cands(batch, m, seed, sharp=1.0, depth=3, top_k=2, vocab=50):

@@ -20,14 +20,16 @@ from pathlib import Path
 
 import pytest
 import torch
+import transformers
 
-transformers = pytest.importorskip("transformers")
+import taps_ops  # noqa: F401
+from taps import EagleDrafter, average_drafters
+from taps import cli
+from taps import eval as taps_eval
+from taps import models as taps_models
+from taps.train.chat import ChatTokenizer
 
-import taps_ops  # noqa: E402,F401
-from taps import EagleDrafter, average_drafters  # noqa: E402
-from taps import eval as taps_eval  # noqa: E402
-from taps import models as taps_models  # noqa: E402
-from taps.train.chat import ChatTokenizer  # noqa: E402
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 REPO = Path(__file__).resolve().parents[1]
 TOKENIZER = REPO / "models" / "tokenizer"
@@ -208,23 +210,22 @@ def test_loaders(models_dir):
         taps_models.load_target(models_dir / "nowhere")
 
 
-def test_run_eval_writes_json_and_png(models_dir, tmp_path, capsys):
-    p = argparse.ArgumentParser()
-    taps_eval.add_eval_arguments(p)
-    args = p.parse_args(["--models", str(models_dir), "--benchmarks", "svamp", "--families", "eagle2,hass",
-                         "--strategies", "math,chat,mixed,avg,merged", "--temperatures", "0", "--limit", "2",
-                         "--max-new-tokens", "6", "--depth", "3", "--top-k", "4", "--budget", "10",
-                         "--batch-size", "2", "--out", str(tmp_path / "eval" / "results.json"),
-                         "--plot", str(tmp_path / "eval" / "depth.png"), "--no-progress", "--device", "cpu"])
-    results = taps_eval.run_eval(args)
+def test_taps_eval_command_writes_json_and_png(models_dir, tmp_path, capsys):
+    """`taps eval ...` through the command line: exit status 0 (no greedy mismatch), the tables, the
+    JSON and the PNG."""
+    status = cli.main(["eval", "--models", str(models_dir), "--benchmarks", "svamp", "--families", "eagle2,hass",
+                       "--strategies", "math,chat,mixed,avg,merged", "--temperatures", "0", "--limit", "2",
+                       "--max-new-tokens", "6", "--depth", "3", "--top-k", "4", "--budget", "10",
+                       "--batch-size", "2", "--out", str(tmp_path / "eval" / "results.json"),
+                       "--plot", str(tmp_path / "eval" / "depth.png"), "--no-progress", "--device", "cpu"])
+    assert status == 0
     out = capsys.readouterr().out
     assert "eagle2, temperature 0" in out and "skipped" in out
     saved = json.loads((tmp_path / "eval" / "results.json").read_text())
     assert saved["config"]["limit"] == 2 and "command" in saved["config"]
     assert [c["row"] for c in saved["cells"]] == ["math", "chat", "avg", "merged"]
-    assert saved["greedy_mismatches"] == 0 == results["greedy_mismatches"]
+    assert saved["greedy_mismatches"] == 0
     assert any("hass" in n for n in saved["notes"]) and any("mixed" in n for n in saved["notes"])
-    pytest.importorskip("matplotlib")
     assert (tmp_path / "eval" / "depth.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 

@@ -6,12 +6,13 @@ import json
 import pytest
 import torch
 
-pytest.importorskip("transformers")
-pytest.importorskip("safetensors")
+from taps import models
+from taps.decoder import SpeculativeDecoder
+from taps.strategies import STRATEGIES
 
-from taps import models  # noqa: E402
-from taps.decoder import SpeculativeDecoder  # noqa: E402
-from taps.strategies import STRATEGIES  # noqa: E402
+import engine_models as em
+
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 FAMILIES = ("eagle2", "hass")
 DATA = ("math", "chat", "mixed", "mixed2", "avg")
@@ -63,24 +64,27 @@ def test_greedy_equals_target_for_every_strategy(target_and_tok):
     target, tok = target_and_tok
     prompts = [tok.encode_chat(load_eval_prompts(b)[i].messages, add_generation_prompt=True)
                for b, i in (("gsm8k", 3), ("mt_bench", 5))]
-    ref = SpeculativeDecoder(target, [], strategy="autoregressive").generate(prompts, max_new_tokens=20,
-                                                                             eos_token_id=tok.eos_id)
-    for i, strategy in enumerate(s for s in STRATEGIES if s != "autoregressive"):
+    ref = [em.hf_greedy(target, p, 20, tok.eos_id) for p in prompts]  # Hugging Face's own generate
+    for i, strategy in enumerate(STRATEGIES):
         fam = FAMILIES[i % 2]
-        names = ("mixed",) if strategy == "single" else ("math", "chat")
+        names = () if strategy == "autoregressive" else ("mixed",) if strategy == "single" else ("math", "chat")
         ds = [models.load_drafter(fam, n, target, verify=False) for n in names]
         out = SpeculativeDecoder(target, ds, strategy=strategy, depth=4, top_k=6, budget=20).generate(
             prompts, max_new_tokens=20, eos_token_id=tok.eos_id)
-        assert out.tokens == ref.tokens, f"{strategy} ({fam}) differs from the target's greedy output"
-        assert out.summary["tau"] > 1.0, f"{strategy} ({fam}) accepted nothing"
+        assert out.tokens == ref, f"{strategy} ({fam}) differs from the target's greedy output"
+        if strategy != "autoregressive":
+            assert out.summary["tau"] > 1.3, f"{strategy} ({fam}): tau {out.summary['tau']:.2f}"
 
 
 def test_demo_quick(capsys):
     from taps import cli
 
-    assert cli.main(["demo", "--quick", "--no-color"]) == 0
+    with em.GreedyCalls() as calls:
+        assert cli.main(["demo", "--quick", "--no-color"]) == 0
     out = capsys.readouterr().out
     assert out.count("identical to the target's own greedy output: True") == 2
     for row in ("math", "chat", "avg", "route-confidence", "merged", "adaptive"):
         assert f"\n{row} " in out or f" {row} " in out
     assert "demo finished" in out
+    # every answer the demo decoded, its table included, is the target's own (Hugging Face) greedy output
+    assert {"merged", "route-confidence", "adaptive", "single"} <= calls.check(min_calls=10)

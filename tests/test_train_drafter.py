@@ -7,12 +7,12 @@ import json
 import pytest
 import torch
 
-pytest.importorskip("transformers")
-pytest.importorskip("safetensors")
+from taps.drafters import EagleDrafter
+from taps.train import drafter as TD
 
-from taps.drafters import EagleDrafter  # noqa: E402
-from taps.train import drafter as TD  # noqa: E402
 from tiny_training import fake_blocks, tiny_target, tiny_target_dir  # noqa: E402
+
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.mark.parametrize("arch", ["qwen2", "qwen3", "mistral"])

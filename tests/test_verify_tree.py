@@ -14,21 +14,15 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from scipy.stats import chisquare
 
 import taps_ops
 from taps_ops.reference import target_probs_ref, verify_tree_ref
 
-from conftest import cuda_available
+from conftest import assert_compiles_like_eager, cuda_available, verify_on as _verify
+from sampling_checks import MARGIN, assert_distribution, assert_matches_reference, spec_probs
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 BAD_INPUT = (RuntimeError, ValueError, TypeError, IndexError)
-MARGIN = 1e-5  # coins closer than this to a CDF boundary may legitimately differ (float32 vs float64)
-
-
-def _verify(device, logits, tokens, parents, **kw):
-    kw = {k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in kw.items()}
-    return taps_ops.verify_tree(logits.to(device), tokens.to(device), parents.to(device), **kw)
 
 
 def _as_lists(out):
@@ -153,20 +147,84 @@ def test_sampling_literal_duplicate_siblings(device):
         assert _as_lists(out) == [[[tok, 0, -1, -1]], [1], [[0, node, -1, -1]]]
 
 
-def test_sampling_literal_top_k_top_p(device):
-    # logits 4, 3, 3, 1, 0: top_k=2 keeps 4 and both 3s (tie with the 2nd); top_p then keeps the set
-    # of most likely tokens reaching the mass (with ties).
-    logits = torch.tensor([[[4.0, 3.0, 3.0, 1.0, 0.0]]])
+# Tie rules of top-k and top-p (SEMANTICS.md: every token tied with the k-th largest value, or with the
+# last token of the top-p set, is kept; -0.0 and +0.0 tie). A root-only tree draws by inverse CDF in id
+# order; the token of each coin is worked out by hand from the kept weights (T = 1):
+#   logits 4, 3, 3, 1, 0: w = 54.598, 20.086, 20.086, 2.718, 1 (p = 0.554, 0.204, 0.204, 0.028, 0.010)
+#     kept {0, 1, 2}: cumulative 0.5761, 0.7881, 1;  kept {0, 1, 2, 3}: 0.5601, 0.7661, 0.9721, 1
+#   logits 1, -0.0, +0.0, -1: w = 2.718, 1, 1, 0.135 (p = 0.560, 0.206, 0.206, 0.028)
+#     kept {0, 1, 2}: cumulative 0.5761, 0.7881, 1
+# A top-k or top-p that dropped the tied token 2 would draw token 1 (or 0) for coin 0.9.
+_TIES = [4.0, 3.0, 3.0, 1.0, 0.0]
+_SIGNED_ZEROS = [1.0, -0.0, 0.0, -1.0]
+TIE_CASES = [
+    # (id, logits, top_k, top_p, [(coin, emitted token)])
+    ("top_k_tie_with_kth", _TIES, 2, 1.0, [(0.5, 0), (0.7, 1), (0.9, 2), (0.999, 2)]),
+    ("top_k_one", _TIES, 1, 1.0, [(0.5, 0), (0.999, 0)]),
+    ("top_k_tie_signed_zeros", _SIGNED_ZEROS, 2, 1.0, [(0.5, 0), (0.7, 1), (0.9, 2), (0.999, 2)]),
+    ("top_p_tie_with_last", _TIES, 0, 0.6, [(0.5, 0), (0.7, 1), (0.9, 2), (0.999, 2)]),
+    ("top_p_one_past_tie", _TIES, 0, 0.97, [(0.5, 0), (0.9, 2), (0.98, 3), (0.999, 3)]),
+    ("top_p_first_alone", _TIES, 0, 0.5, [(0.0, 0), (0.999, 0)]),
+    ("top_p_tie_signed_zeros", _SIGNED_ZEROS, 0, 0.7, [(0.5, 0), (0.7, 1), (0.9, 2), (0.999, 2)]),
+    ("top_k_top_p_tie", _TIES, 2, 0.6, [(0.7, 1), (0.9, 2)]),
+]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("case", TIE_CASES, ids=lambda c: c[0])
+def test_sampling_literal_ties(device, case, dtype):
+    _, row, top_k, top_p, draws = case
+    logits = torch.tensor([[row]]).to(dtype)
     tokens, parents = torch.tensor([[0]]), torch.tensor([[-1]])
-    p_k = target_probs_ref(logits[0, 0], 1.0, 2, 1.0)
-    assert p_k[3] == 0 and p_k[4] == 0 and p_k[1] == p_k[2] > 0
-    p_p = target_probs_ref(logits[0, 0], 1.0, 0, 0.5)
-    assert p_p.tolist() == [1.0, 0.0, 0.0, 0.0, 0.0]  # token 0 alone has mass > 0.5
-    for coin in [0.0, 0.4, 0.7, 0.99]:
-        out = _verify(device, logits, tokens, parents, temperature=1.0, top_k=2, uniforms=torch.tensor([[coin]]))
-        assert out.tokens.item() in (0, 1, 2)
-        out = _verify(device, logits, tokens, parents, temperature=1.0, top_p=0.5, uniforms=torch.tensor([[coin]]))
-        assert out.tokens.item() == 0
+    coins = torch.tensor([[c] for c, _ in draws])
+    batch = len(draws)
+    args = (logits.expand(batch, 1, -1), tokens.expand(batch, 1), parents.expand(batch, 1))
+    kw = dict(temperature=1.0, top_k=top_k, top_p=top_p, uniforms=coins)
+    expected = [t for _, t in draws]
+    assert _verify(device, *args, **kw).tokens[:, 0].tolist() == expected
+    assert verify_tree_ref(*args, **kw)[0][:, 0].tolist() == expected
+    cumulative = np.cumsum(spec_probs(logits[0, 0], 1.0, top_k, top_p))
+    assert [int(np.argmax(cumulative > c)) for c, _ in draws] == expected
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_spec_probs_match_reference(dtype):
+    """The tests' distributions (sampling_checks.spec_probs, written from SEMANTICS.md) and the
+    reference's (target_probs_ref) agree on random rows with ties (rounded logits, signed zeros),
+    -inf entries and every kind of parameter."""
+    gen = torch.Generator().manual_seed(31)
+    checked = 0
+    for v in (1, 2, 7, 50, 301):
+        for r in range(4):
+            row = torch.randn(v, generator=gen) * 3
+            if r % 2:
+                row = row.round()  # many exact ties
+            if v > 2:
+                row[torch.randint(0, v, (2,), generator=gen)] = torch.tensor([-0.0, 0.0])
+                if r == 3:
+                    row[0] = float("-inf")
+            row = row.to(dtype)
+            for temperature in (0.0, 0.3, 1.0, 2.5):
+                for top_k in (0, 1, 3, v - 1, v, v + 5):
+                    for top_p in (0.05, 0.5, 0.9, 1.0):
+                        want = target_probs_ref(row, temperature, top_k, top_p).numpy()
+                        got = spec_probs(row, temperature, top_k, top_p)
+                        assert np.allclose(got, want, rtol=1e-9, atol=1e-12), (v, r, temperature, top_k, top_p)
+                        checked += 1
+    assert checked > 1000
+
+
+@pytest.mark.parametrize("top_k,top_p", [(2, 1.0), (0, 0.6)])
+def test_sampling_literal_tied_child(device, top_k, top_p):
+    # logits 4, 3, 3, 1, 0 at both nodes; the root's child carries token 2 (tied with token 1), so the
+    # order is 2, 0, 1 over the kept tokens: cumulative 0.2119, 0.7881, 1. Coin 0.1 accepts the child
+    # (whose own coin 0.0 draws token 0), 0.5 emits 0, 0.9 emits 1.
+    logits = torch.tensor(_TIES).expand(3, 2, 5)
+    tokens, parents = torch.tensor([[0, 2]]).expand(3, 2), torch.tensor([[-1, 0]]).expand(3, 2)
+    kw = dict(temperature=1.0, top_k=top_k, top_p=top_p, uniforms=torch.tensor([[0.1, 0.0], [0.5, 0.0], [0.9, 0.0]]))
+    expected = [[[2, 0], [0, -1], [1, -1]], [1, 0, 0], [[0, 1], [0, -1], [0, -1]]]
+    assert _as_lists(_verify(device, logits, tokens, parents, **kw)) == expected
+    assert [t.tolist() for t in verify_tree_ref(logits, tokens, parents, **kw)] == expected
 
 
 @pytest.mark.parametrize("u1,expected", [
@@ -240,21 +298,6 @@ def random_logits(tokens, parents, v, dtype, gen, boost=4.0):
     return logits.to(dtype)
 
 
-def assert_matches_reference(out, ref_args, ref_kwargs, allow_near_boundary=True):
-    """Exact equality with the reference, except requests whose coin is within MARGIN of a boundary."""
-    ref_tokens, ref_acc, ref_path, margin = verify_tree_ref(*ref_args, **ref_kwargs, return_margin=True)
-    tokens, acc, path = (t.cpu() for t in out)
-    mismatched = ((tokens != ref_tokens).any(1) | (acc != ref_acc) | (path != ref_path).any(1)).nonzero().flatten()
-    for b in mismatched.tolist():
-        if allow_near_boundary and margin[b] < MARGIN:
-            continue
-        raise AssertionError(
-            f"request {b} differs from the reference (margin {margin[b]:.3g}): tokens {tokens[b].tolist()} vs "
-            f"{ref_tokens[b].tolist()}, num_accepted {acc[b].item()} vs {ref_acc[b].item()}, path {path[b].tolist()} "
-            f"vs {ref_path[b].tolist()}")
-    return ref_acc
-
-
 SIZES = [(1, 1, 1), (1, 5, 3), (7, 5, 3), (111, 37, 17), (1000, 37, 3), (1000, 5, 17), (7, 37, 17), (111, 1, 3), (1000, 1, 17)]
 MODES = ["greedy", "temperature", "top_k_top_p", "per_request", "draft_probs"]
 
@@ -302,7 +345,7 @@ def test_validate_false_same_result(device, mode):
     assert _as_lists(checked) == _as_lists(unchecked)
 
 
-@pytest.mark.skipif(not cuda_available(), reason="no GPU or no CUDA kernels")
+@pytest.mark.skipif(not cuda_available(), reason="no GPU")
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_cpu_cuda_agree(mode, dtype):
@@ -385,35 +428,6 @@ def test_greedy_is_argmax_walk(device, dtype):
 # output distribution (chi-square)
 # ---------------------------------------------------------------------------------------------------
 
-def assert_distribution(samples, p, min_p_value=1e-3):
-    """Chi-square test that integer `samples` are draws from `p` ([V] float64); tokens of probability
-    0 must never appear. Bins with small expected counts are pooled."""
-    samples = torch.as_tensor(samples).flatten().cpu()
-    p = torch.as_tensor(p, dtype=torch.float64)
-    n = samples.numel()
-    assert n >= 200, f"too few samples ({n}) for a chi-square test"
-    counts = torch.bincount(samples, minlength=p.numel()).to(torch.float64)
-    assert counts.numel() == p.numel(), "sample out of the vocabulary"
-    impossible = counts[p == 0].sum().item()
-    assert impossible == 0, f"{impossible:.0f} samples of probability-0 tokens"
-    expected = p * n
-    big = expected >= 5
-    obs, exp = counts[big].tolist(), expected[big].tolist()
-    small_obs, small_exp = counts[~big].sum().item(), expected[~big].sum().item()
-    if small_exp >= 5 or not obs:
-        obs.append(small_obs)
-        exp.append(small_exp)
-    elif small_exp > 0 or small_obs > 0:
-        k = int(np.argmax(exp))
-        obs[k] += small_obs
-        exp[k] += small_exp
-    if len(obs) < 2:
-        return
-    exp = np.array(exp) * (sum(obs) / sum(exp))  # exact normalisation against float rounding
-    p_value = chisquare(np.array(obs), exp).pvalue
-    assert p_value > min_p_value, f"chi-square p-value {p_value:.3g}: observed {obs} vs expected {exp.round(1).tolist()}"
-
-
 def test_chi_square_helper_can_fail():
     gen = torch.Generator().manual_seed(0)
     p = torch.tensor([0.4, 0.3, 0.2, 0.1], dtype=torch.float64)
@@ -448,7 +462,7 @@ def _chi_square_tree(dtype, gen, v=12):
 def _check_tree_distribution(out, logits, temperature, top_k, top_p, min_conditional=300):
     row = logits[0].cpu()
     first = out.tokens[:, 0].cpu()
-    assert_distribution(first, target_probs_ref(row[0], temperature, top_k, top_p))
+    assert_distribution(first, spec_probs(row[0], temperature, top_k, top_p))
     path1 = out.path[:, 1].cpu()
     tested = 0
     for child in range(1, len(_TREE_TOKENS)):
@@ -456,7 +470,7 @@ def _check_tree_distribution(out, logits, temperature, top_k, top_p, min_conditi
         if _TREE_PARENTS[child] != 0 or accepted.sum() < min_conditional:
             continue
         assert (first[accepted] == _TREE_TOKENS[child]).all()
-        assert_distribution(out.tokens[:, 1].cpu()[accepted], target_probs_ref(row[child], temperature, top_k, top_p))
+        assert_distribution(out.tokens[:, 1].cpu()[accepted], spec_probs(row[child], temperature, top_k, top_p))
         tested += 1
     # the duplicate (node 3, token 3) is never entered: node 1 is the first child with token 3.
     assert not (path1 == 3).any()
@@ -535,7 +549,7 @@ def test_chi_square_sampled_children(device, temperature, top_k, top_p, dtype):
     out = _verify(device, logits, tokens, parents, temperature=temperature, top_k=top_k, top_p=top_p,
                   draft_probs=draft_probs, uniforms=uniforms)
     first = out.tokens[:, 0].cpu()
-    assert_distribution(first, target_probs_ref(root_logits, temperature, top_k, top_p))
+    assert_distribution(first, spec_probs(root_logits, temperature, top_k, top_p))
     accepted = out.num_accepted.cpu() >= 1
     path1 = out.path[:, 1].cpu()
     assert ((path1 >= 1) & (path1 <= 3))[accepted].all() and (path1[~accepted] == -1).all()
@@ -545,7 +559,7 @@ def test_chi_square_sampled_children(device, temperature, top_k, top_p, dtype):
         given = accepted & (first == s)
         if given.sum() < 300:
             continue
-        assert_distribution(out.tokens[:, 1].cpu()[given], target_probs_ref(child_logits[s], temperature, top_k, top_p))
+        assert_distribution(out.tokens[:, 1].cpu()[given], spec_probs(child_logits[s], temperature, top_k, top_p))
         tested += 1
     assert tested >= 2
 
@@ -562,7 +576,7 @@ def test_reference_chi_square():
     logits, tokens, parents, draft_probs, root_logits, _ = _sampled_children_case(gen, 6, copies, torch.float32, 1.0, 0, 1.0)
     uniforms = torch.rand(copies, tokens.shape[1], generator=gen)
     out = verify_tree_ref(logits, tokens, parents, temperature=1.0, draft_probs=draft_probs, uniforms=uniforms)
-    assert_distribution(out[0][:, 0], target_probs_ref(root_logits, 1.0))
+    assert_distribution(out[0][:, 0], spec_probs(root_logits, 1.0))
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -660,7 +674,7 @@ def test_nan_logits_unvisited_is_fine(device, mode):
     assert _as_lists(out) == [[[7, -1, -1]], [0], [[0, -1, -1]]]
 
 
-@pytest.mark.skipif(not cuda_available(), reason="no GPU or no CUDA kernels")
+@pytest.mark.skipif(not cuda_available(), reason="no GPU")
 def test_device_mismatch_raises():
     logits, tokens, parents = _valid_case()
     for args in [(logits.cuda(), tokens, parents.cuda()), (logits.cuda(), tokens.cuda(), parents),
@@ -725,7 +739,7 @@ def _fuzz_case(draw):
     return logits, tokens, parents, kw
 
 
-def test_fuzz_never_crashes():
+def test_fuzz_never_crashes(device):
     outcomes = {"raised": 0, "returned": 0}
 
     @settings(max_examples=150, deadline=2000, suppress_health_check=list(HealthCheck), derandomize=True,
@@ -737,7 +751,9 @@ def test_fuzz_never_crashes():
         dtype = kw.pop("dtype")
         batch, n, v = logits.shape
         try:
-            out = taps_ops.verify_tree(logits.to(dtype), tokens, parents, **kw)
+            out = _verify(device, logits.to(dtype), tokens, parents, **kw)
+            if device == "cuda":
+                torch.cuda.synchronize()
         except BAD_INPUT:
             outcomes["raised"] += 1
             return
@@ -785,12 +801,13 @@ def test_torch_compile_fullgraph(device):
     logits = random_logits(tokens, parents, 30, torch.float32, gen).to(device)
     tokens, parents = tokens.to(device), parents.to(device)
     u = torch.rand(4, 9, generator=gen).to(device)
+    temperature = torch.tensor([0.0, 0.8, 1.0, 1.5], device=device)
+    dp = torch.softmax(torch.randn(4, 9, 30, generator=gen), -1).to(device)
 
-    def step(logits, tokens, parents, u):
-        out = taps_ops.verify_tree(logits, tokens, parents, temperature=0.8, top_k=10, uniforms=u)
-        return out.tokens, out.num_accepted, out.path
+    def step(logits, tokens, parents, u, temperature, dp):
+        a = taps_ops.verify_tree(logits, tokens, parents, temperature=0.8, top_k=10, uniforms=u)
+        b = taps_ops.verify_tree(logits, tokens, parents, temperature=temperature, top_p=0.9, draft_probs=dp,
+                                 uniforms=u, validate=False)
+        return a.tokens, a.num_accepted, a.path, b.tokens, b.num_accepted, b.path
 
-    torch._dynamo.reset()
-    compiled = torch.compile(step, fullgraph=True, backend="aot_eager")
-    for got, want in zip(compiled(logits, tokens, parents, u), step(logits, tokens, parents, u)):
-        assert torch.equal(got, want)
+    assert_compiles_like_eager(step, logits, tokens, parents, u, temperature, dp)

@@ -1,6 +1,9 @@
 // The CUDA verify_tree kernel (taps/verify_kernel.cuh) run under the host CUDA emulation
-// (tests/cpp/emu/cuda_runtime.h) with small blocks, against the sequential core walk (seq_ops.h), on
-// random trees of odd sizes in every mode. This tests the block-parallel logic (child compaction,
+// (tests/cpp/emu/cuda_runtime.h) with small blocks, on random trees of odd sizes in every mode, against
+// two references: the core walk driven sequentially (seq_ops.h; the same decisions, so results must be
+// identical) and the spec written out independently in double precision (spec_walk.h; the kernel calls
+// the core walk itself, so only this one catches a misreading of docs/SEMANTICS.md shared by both;
+// results may differ only where a decision is within float rounding of its boundary). This tests the block-parallel logic (child compaction,
 // reductions, radix histograms, chunked inverse-CDF scan, the leader/barrier protocol, and the
 // thread-block-cluster variant that splits each row across blocks) without a GPU;
 // it says nothing about performance or real-hardware memory effects.
@@ -13,6 +16,7 @@
 #include <vector>
 
 #include "seq_ops.h"
+#include "spec_walk.h"
 #include "taps/verify_kernel.cuh"
 
 using namespace taps;
@@ -23,6 +27,8 @@ struct Case {
   int64_t top_k;
   bool draft;
 };
+
+static int near_boundary = 0, spec_compared = 0;  // requests the spec walk could not judge / judged
 
 static int run_case(const Case& c, int cluster_size, std::mt19937& rng) {
   const int64_t B = c.batch, N = c.n, V = c.vocab;
@@ -88,6 +94,23 @@ static int run_case(const Case& c, int cluster_size, std::mt19937& rng) {
     bool same = r_acc == k_acc[size_t(b)] && r_err == k_err[size_t(b)];
     for (int64_t i = 0; i < N; ++i)
       same = same && r_tok[size_t(i)] == k_tok[size_t(b * N + i)] && r_path[size_t(i)] == k_path[size_t(b * N + i)];
+    // the independent spec walk
+    const spec::Result e = spec::walk(logits.data() + b * N * V, c.draft ? q.data() + b * N * V : nullptr,
+                                      tokens.data() + b * N, parents.data() + b * N, uniforms.data() + b * N, N, V,
+                                      c.temperature, c.top_k, c.top_p);
+    bool spec_same = e.accepted == k_acc[size_t(b)];
+    for (int64_t i = 0; i < N; ++i)
+      spec_same = spec_same && e.tokens[size_t(i)] == k_tok[size_t(b * N + i)] && e.path[size_t(i)] == k_path[size_t(b * N + i)];
+    if (e.margin < 1e-4) {
+      ++near_boundary;
+    } else {
+      ++spec_compared;
+      if (!spec_same) {
+        same = false;
+        std::printf("differs from the spec walk (margin %.2g; spec: accepted %lld, first token %lld): ", e.margin,
+                    (long long)e.accepted, (long long)e.tokens[0]);
+      }
+    }
     if (!same) {
       ++mismatches;
       std::printf("mismatch (cluster %d): V=%lld N=%lld T=%g top_k=%lld top_p=%g draft=%d request %lld: accepted %lld vs %lld, "
@@ -124,7 +147,12 @@ int main() {
       }
     }
   }
-  std::printf("emulated CUDA verify_tree: %d cases x 3 requests, %d mismatching requests\n", cases, mismatches);
+  std::printf("emulated CUDA verify_tree: %d cases x 3 requests, %d mismatching requests; %d compared with the "
+              "spec walk, %d within float rounding of a boundary\n", cases, mismatches, spec_compared, near_boundary);
+  if (near_boundary * 10 > spec_compared) {  // the spec comparison must cover nearly every request
+    std::printf("too many requests near a boundary for the spec comparison to mean anything\n");
+    ++mismatches;
+  }
   std::printf("%d passed, %d failed\n", cases * 3 - mismatches, mismatches);
   return mismatches == 0 ? 0 : 1;
 }

@@ -50,19 +50,46 @@ def _tokenizer(args) -> int:
     return 0
 
 
+# argparse destinations that are not training options
+_NOT_OPTIONS = ("command", "train_command", "func")
+
+
+def _options_without_field(names, config_cls) -> list:
+    """The options among `names` (argparse destinations) that name no field of `config_cls`."""
+    return sorted(set(names) - set(config_cls.field_names()) - set(_NOT_OPTIONS))
+
+
+def config_from_args(config_cls, args):
+    """``config_cls(**options)`` from a parsed subcommand; an option that names no field of the config
+    raises ValueError (it would otherwise be dropped without a word)."""
+    options = {k: v for k, v in vars(args).items() if k not in _NOT_OPTIONS}
+    unknown = _options_without_field(options, config_cls)
+    if unknown:
+        raise ValueError(f"taps train: option(s) {', '.join('--' + k.replace('_', '-') for k in unknown)} "
+                         f"name no field of {config_cls.__name__}")
+    return config_cls(**options)
+
+
+def check_options(parser: argparse.ArgumentParser, config_cls) -> None:
+    """Raise ValueError when an option of `parser` names no field of `config_cls` (checked when the
+    command line is built, so that a mismatch fails every ``taps`` command, not only the training run)."""
+    unknown = _options_without_field([a.dest for a in parser._actions if a.dest != "help"], config_cls)
+    if unknown:
+        raise ValueError(f"taps train: {parser.prog}: option(s) {', '.join(unknown)} name no field of "
+                         f"{config_cls.__name__}")
+
+
 def _target(args) -> int:
     from .target import TargetTrainConfig, train_target
 
-    cfg = TargetTrainConfig(**{k: getattr(args, k) for k in TargetTrainConfig.field_names() if hasattr(args, k)})
-    train_target(cfg)
+    train_target(config_from_args(TargetTrainConfig, args))
     return 0
 
 
 def _drafter(args) -> int:
     from .drafter import DrafterTrainConfig, train_drafter
 
-    cfg = DrafterTrainConfig(**{k: getattr(args, k) for k in DrafterTrainConfig.field_names() if hasattr(args, k)})
-    train_drafter(cfg)
+    train_drafter(config_from_args(DrafterTrainConfig, args))
     return 0
 
 
@@ -99,17 +126,19 @@ def add_train_subcommands(subparsers) -> argparse.ArgumentParser:
                    help="folder of the shared training data (default ../shared/data or $TAPS_SHARED_DATA)")
     t.set_defaults(func=_tokenizer)
 
-    from .target import add_target_arguments
+    from .target import TargetTrainConfig, add_target_arguments
 
     g = sub.add_parser("target", help="train the target causal LM (resumable; rerun the same command to continue)")
     add_target_arguments(g)
+    check_options(g, TargetTrainConfig)
     g.set_defaults(func=_target)
 
-    from .drafter import add_drafter_arguments
+    from .drafter import DrafterTrainConfig, add_drafter_arguments
 
     dr = sub.add_parser("drafter", help="train an EAGLE-style drafter on the target's features (eagle2 or hass "
                                         "objective; resumable)")
     add_drafter_arguments(dr)
+    check_options(dr, DrafterTrainConfig)
     dr.set_defaults(func=_drafter)
 
     av = sub.add_parser("average", help="weight-space mean of drafter checkpoints")

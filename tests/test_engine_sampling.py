@@ -1,0 +1,147 @@
+"""Speculative sampling is lossless end to end (taps.SpeculativeDecoder, tiny random Llama, fp32 CPU).
+
+The first three tokens of many copies of one prompt are compared (chi-square) with their exact joint
+distribution under the target, computed with plain Hugging Face forwards and the sampling rules
+written from the spec (sampling_checks.spec_probs): for every strategy, with EAGLE heads and small-LM
+drafters that agree with the target (so that accepted drafts, not only bonus tokens, are tested), at
+several temperatures with top-k and top-p, on the lean and the Hugging Face target paths; per-request
+temperature / top-k / top-p tensors in a ragged batch; a reduced draft vocabulary; EOS given as a
+collection, with streaming; reproducibility under a seed and a generator.
+"""
+
+from collections import Counter
+
+import pytest
+import torch
+
+from taps import ModelDrafter, SpeculativeDecoder
+
+import engine_models as em
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+from sampling_checks import assert_counts, spec_probs
+
+SAMPLES = 2000
+PROMPT = [3, 9, 1, 30]
+STEPS = 3
+
+
+def _drafters(names):
+    m = em.sampling_models()
+    made = {"copy": lambda: ModelDrafter(m["target"]), "other": lambda: ModelDrafter(m["other"]),
+            "eagle": lambda: m["eagle"], "eagle2": lambda: m["eagle2"]}
+    return [made[n]() for n in names]
+
+
+def assert_samples_follow(sequences, prompt, temperature, top_k, top_p, eos=(), what=""):
+    """Chi-square of sampled token sequences against the target's exact joint distribution."""
+    target = em.sampling_models()["target"]
+    joint = em.exact_joint(target, prompt, STEPS, lambda row: spec_probs(row, temperature, top_k, top_p), eos)
+    counts = Counter(tuple(s) for s in sequences)
+    impossible = [s for s in counts if s not in joint]
+    assert not impossible, f"{what}sequences the target cannot produce: {impossible[:5]}"
+    cells = list(joint)
+    expected = [joint[c] * len(sequences) for c in cells]
+    assert sum(e >= 5 for e in expected) >= 6, f"{what}too few cells for a meaningful test"
+    assert_counts([counts.get(c, 0) for c in cells], [joint[c] for c in cells], what=what)
+
+
+CASES = [
+    # (strategy, drafters, temperature, top_k, top_p, lean)
+    ("merged", ("copy", "eagle"), 1.0, 0, 0.9, None),
+    ("merged", ("copy", "eagle"), 1.0, 0, 1.0, False),
+    ("single", ("eagle",), 0.7, 0, 1.0, None),
+    ("average", ("eagle", "eagle2"), 1.0, 8, 1.0, None),
+    ("route-confidence", ("copy", "other"), 1.3, 0, 0.9, None),
+    ("route-entropy-prompt", ("eagle", "other"), 0.8, 5, 0.95, False),
+    ("merged-budget", ("eagle", "copy"), 0.6, 0, 1.0, None),
+    ("adaptive", ("eagle", "copy", "other"), 1.0, 4, 0.8, None),
+]
+
+
+@pytest.mark.parametrize("strategy,drafters,temperature,top_k,top_p,lean", CASES,
+                         ids=[f"{c[0]}-{'+'.join(c[1])}-T{c[2]}-k{c[3]}-p{c[4]}-lean{c[5]}" for c in CASES])
+def test_strategies_sample_the_target(strategy, drafters, temperature, top_k, top_p, lean):
+    m = em.sampling_models()
+    dec = SpeculativeDecoder(m["target"], _drafters(drafters), strategy=strategy, depth=3, top_k=2, budget=6,
+                             route_steps=1, lean=lean)
+    out = dec.generate([PROMPT] * SAMPLES, max_new_tokens=STEPS, temperature=temperature, top_k=top_k, top_p=top_p,
+                       seed=1234)
+    assert out.summary["tau"] > 1.3, f"tau {out.summary['tau']:.2f}: acceptance is hardly exercised"
+    assert_samples_follow(out.tokens, PROMPT, temperature, top_k, top_p)
+
+
+def test_per_request_parameters_in_a_ragged_batch():
+    """One batch of interleaved requests of three prompts of different lengths, each prompt with its
+    own temperature / top-k / top-p ([B] tensors), plus greedy requests."""
+    m = em.sampling_models()
+    groups = [([3, 9, 1, 30], 0.7, 5, 1.0), ([7, 2, 2, 19, 4, 11, 8], 1.3, 0, 0.8), ([25, 6], 1.0, 3, 0.9),
+              ([12, 5, 5], 0.0, 0, 1.0)]
+    copies = 1500
+    order = [g for _ in range(copies) for g in range(3)] + [3] * 4
+    column = lambda i, dtype: torch.tensor([groups[g][i] for g in order], dtype=dtype)  # noqa: E731
+    dec = SpeculativeDecoder(m["target"], _drafters(("copy", "eagle")), strategy="merged", depth=3, top_k=2, budget=6)
+    out = dec.generate([groups[g][0] for g in order], max_new_tokens=STEPS, temperature=column(1, torch.float32),
+                       top_k=column(2, torch.int64), top_p=column(3, torch.float32), seed=99)
+    assert out.summary["tau"] > 1.3
+    for g, (prompt, temperature, top_k, top_p) in enumerate(groups[:3]):
+        rows = [out.tokens[i] for i, h in enumerate(order) if h == g]
+        assert_samples_follow(rows, prompt, temperature, top_k, top_p, what=f"prompt {g}: ")
+    greedy = em.greedy_reference(m["target"], groups[3][0], STEPS)
+    assert all(out.tokens[i] == greedy for i, h in enumerate(order) if h == 3)
+
+
+def test_reduced_draft_vocab_samples_the_target():
+    m = em.sampling_models()
+    vocab = em.frequent_tokens(m["seqs"], 12)
+    eagle, copy = m["eagle"].clone(), ModelDrafter(m["target"])
+    eagle.set_draft_vocab(vocab)
+    copy.set_draft_vocab(vocab.flip(0))
+    dec = SpeculativeDecoder(m["target"], [eagle, copy], strategy="merged", depth=3, top_k=2, budget=6)
+    out = dec.generate([PROMPT] * SAMPLES, max_new_tokens=STEPS, temperature=0.9, seed=5)
+    assert out.summary["tau"] > 1.3
+    assert_samples_follow(out.tokens, PROMPT, 0.9, 0, 1.0)
+
+
+@pytest.mark.parametrize("lean", [None, False])
+def test_eos_collection_and_stream(lean):
+    """EOS given as a collection of the two most frequent tokens of the first three: sequences stop at
+    the first of them (kept), with finish_reason "eos"; the streamed tokens are the outputs."""
+    m = em.sampling_models()
+    joint = em.exact_joint(m["target"], PROMPT, STEPS, lambda row: spec_probs(row, 1.0))
+    mass = Counter()
+    for seq, p in joint.items():
+        for t in seq:
+            mass[t] += p
+    eos = tuple(t for t, _ in mass.most_common(2))
+    streamed = {}
+    dec = SpeculativeDecoder(m["target"], _drafters(("eagle", "copy")), strategy="merged-budget", depth=3, top_k=2,
+                             budget=6, lean=lean)
+    out = dec.generate([PROMPT] * SAMPLES, max_new_tokens=STEPS, temperature=1.0, eos_token_id=list(eos), seed=7,
+                       stream=lambda b, toks: streamed.setdefault(b, []).extend(toks))
+    assert streamed == dict(enumerate(out.tokens))
+    for toks, s in zip(out.tokens, out.stats):
+        assert all(t not in eos for t in toks[:-1])
+        assert s.finish_reason == ("eos" if toks[-1] in eos else "length")
+        assert len(toks) == STEPS or toks[-1] in eos
+    assert sum(s.finish_reason == "eos" for s in out.stats) > SAMPLES // 4
+    assert_samples_follow(out.tokens, PROMPT, 1.0, 0, 1.0, eos=set(eos))
+
+
+def test_seed_and_generator_reproducible():
+    m = em.sampling_models()
+    prompts = [PROMPT, [7, 2, 2, 19]] * 100
+
+    def run(lean=None, **kw):
+        dec = SpeculativeDecoder(m["target"], _drafters(("copy", "eagle")), strategy="merged", depth=3, top_k=2,
+                                 budget=6, lean=lean)
+        return dec.generate(prompts, max_new_tokens=5, temperature=1.0, top_p=0.95, **kw).tokens
+
+    first = run(seed=5)
+    assert run(seed=5) == first
+    assert run(seed=6) != first
+    gen = torch.Generator().manual_seed(5)
+    assert run(generator=gen) == first  # seed=5 is a generator seeded with 5
+    assert run(generator=gen) != first  # the generator moved on
+    # the Hugging Face target path draws the same tokens from the same coins
+    assert run(lean=False, seed=5) == first
