@@ -91,7 +91,7 @@ class TapsRunner:
 
 def shipped_tables(args, device, dtype) -> None:
     from taps import PromptLookupDrafter, SpeculativeDecoder, models
-    from taps.train.data import load_eval_prompts
+    from taps.data import load_eval_prompts
 
     target, tok = models.load_target(dtype=dtype)
     target.to(device)

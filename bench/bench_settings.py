@@ -42,7 +42,7 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     from taps import PromptLookupDrafter, SpeculativeDecoder, models
-    from taps.train.data import load_eval_prompts
+    from taps.data import load_eval_prompts
 
     dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
     target, tok = models.load_target(dtype=dtype)

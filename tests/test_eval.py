@@ -27,7 +27,7 @@ from taps import EagleDrafter, average_drafters
 from taps import cli
 from taps import eval as taps_eval
 from taps import models as taps_models
-from taps.train.chat import ChatTokenizer
+from taps.chat import ChatTokenizer
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

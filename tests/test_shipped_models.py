@@ -59,7 +59,7 @@ def test_specialists_specialise():
 
 
 def test_greedy_equals_target_for_every_strategy(target_and_tok):
-    from taps.train.data import load_eval_prompts
+    from taps.data import load_eval_prompts
 
     target, tok = target_and_tok
     prompts = [tok.encode_chat(load_eval_prompts(b)[i].messages, add_generation_prompt=True)

@@ -206,7 +206,8 @@ def test_target_training_two_processes(tmp_path):
     from test_train_target import CHAT, MATH, conv
 
     from taps.train.target import TargetTrainConfig, token_data_from_examples, train_target
-    from taps.train.tokenizer import sha256_file, train_tokenizer
+    from taps.files import sha256_file
+    from taps.train.tokenizer import train_tokenizer
 
     tdir = tmp_path / "tok"
     tok = train_tokenizer((CHAT + MATH) * 20, tdir, vocab_size=300)

@@ -189,7 +189,7 @@ def test_bad_config():
 def test_weights_sha256_single_and_sharded(tmp_path):
     """The target's weights digest: the file's own sha256 for one model.safetensors (as the shipped
     manifests record it), a digest over every shard otherwise (real targets are sharded)."""
-    from taps.train.tokenizer import sha256_file, weights_sha256
+    from taps.files import sha256_file, weights_sha256
 
     target = tiny_target(vocab=97)
     one, sharded = tmp_path / "one", tmp_path / "sharded"

@@ -6,7 +6,7 @@ import json
 import pytest
 import torch
 
-from taps.train.data import Example
+from taps.data import Example
 from taps.train.target import TargetTrainConfig, token_data_from_examples, train_target
 
 CHAT = ["Hello! How can I help you today?", "Tell me a short story about a cat.",

@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from taps.train.chat import (BOS, END, SPECIAL_TOKENS, ChatFormatError, ChatTokenizer, parse, render,
+from taps.chat import (BOS, END, SPECIAL_TOKENS, ChatFormatError, ChatTokenizer, parse, render,
                              validate_messages)
 from taps.train.data import REPO_ROOT
 

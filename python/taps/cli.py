@@ -5,12 +5,16 @@
     taps eval ...           the paper's tables over MT-Bench, GSM8K, MATH-500 and SVAMP (taps.eval)
     taps tour [--quick]     a tour of the kernels: two drafters' trees merged, verified losslessly,
                             the output distribution checked, and the speed against plain PyTorch
-    taps train tokenizer|target|drafter|average ...   reproduce the shipped models (docs/TRAINING.md)
+    taps train tokenizer|target|drafter|average|vocab ...   reproduce the shipped models (docs/TRAINING.md)
+
+A user error (a missing or corrupted model file, an unknown name, a bad value) prints one line and exits
+with status 2; ``TAPS_TRACEBACK=1`` shows the traceback instead.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 
@@ -191,6 +195,20 @@ def main(argv=None) -> int:
     t.add_argument("--quick", action="store_true", help="smaller sizes")
     add_train_subcommands(sub)
     args = ap.parse_args(argv)
+    try:
+        return _run(args)
+    except (ValueError, OSError) as e:  # user errors: bad files, values, names; one line, no traceback
+        if os.environ.get("TAPS_TRACEBACK"):
+            raise
+        name = args.command + (f" {args.train_command}" if args.command == "train" else "")
+        print(f"taps {name}: error: {e} (TAPS_TRACEBACK=1 shows where)", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("taps: interrupted", file=sys.stderr)
+        return 130
+
+
+def _run(args) -> int:
     if args.command == "demo":
         from taps.demo import demo
 

@@ -18,7 +18,6 @@ device sync: that copy.
 
 from __future__ import annotations
 
-import math
 import warnings
 from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional, Sequence, Tuple, Union
@@ -40,10 +39,12 @@ __all__ = ["SpeculativeDecoder", "GenerateOutput", "check_same_tokenizer", "DEFA
 
 Prompt = Union[str, Sequence[int], Tensor]
 
-#: Tree settings used when SpeculativeDecoder is not given them, per device type (chosen by measured
-#: tokens/s of the shipped models, bench/bench_e2e.py; see bench/RESULTS.md).
+#: Tree settings used when SpeculativeDecoder is not given them, per device type. CPU: chosen by measured
+#: tokens/s of the shipped models (bench/bench_settings.py, bench/RESULTS.md): every node costs target
+#: compute and every level a drafter forward there, so shallow trees win (depth 3 beat 4 and 5 for every
+#: strategy with trained drafters). CUDA: EAGLE-2's usual tree (not measured here).
 DEFAULT_SETTINGS: Dict[str, Dict[str, int]] = {
-    "cpu": dict(depth=5, top_k=8),
+    "cpu": dict(depth=3, top_k=4, budget=16),
     "cuda": dict(depth=5, top_k=8),
 }
 

@@ -20,10 +20,6 @@ from typing import List
 
 import torch
 
-DEMO_ROWS = ("math", "chat", "mixed", "mixed2", "avg", "route-confidence", "route-entropy", "merged",
-             "merged-budget", "adaptive")
-
-
 def add_demo_arguments(p) -> None:
     p.add_argument("--quick", action="store_true", help="fewer prompts and tokens (CI)")
     p.add_argument("--family", default="hass", choices=("eagle2", "hass"), help="drafter family")
@@ -77,8 +73,8 @@ def _hf_generate(model, prompt: List[int], new_tokens: int, eos_id: int) -> List
 def demo(args) -> int:
     from . import models
     from .decoder import SpeculativeDecoder
-    from .eval import evaluate, format_tables
-    from .train.data import load_eval_prompts
+    from .eval import ROWS, SINGLE_ROWS, evaluate, format_tables
+    from .data import load_eval_prompts
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -133,7 +129,7 @@ def demo(args) -> int:
               f"they agree)\n--- speed: taps {speed:.0f} tokens/s, Hugging Face generate {speed_hf:.0f} tokens/s: "
               f"{speed / speed_hf:.2f}x; identical to the target's own greedy output: {out.tokens[0] == ref}")
 
-    rows = [r for r in DEMO_ROWS if r in have or r not in ("math", "chat", "mixed", "mixed2", "avg")]
+    rows = [r for r in ROWS if r in have or r not in SINGLE_ROWS]  # single rows need their drafter
     print(f"\n2. Acceptance length tau (tokens per target forward) on {limit} prompt(s) per benchmark, temperature 0, "
           f"{new_tokens} new tokens (`taps eval` runs the full table):\n")
     res = evaluate(target, tok, {args.family: drafters}, strategies=rows, temperatures=[0.0], limit=limit,

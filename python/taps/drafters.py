@@ -48,7 +48,7 @@ from torch import Tensor, nn
 from . import hf
 from .expansion import DraftCandidates, expand
 from .lean import (LayerWeights, LeanCausalLM, Linear, RopeTable, cache_attend, causal_append, decoder_layer,
-                   lean_support, stack_key)
+                   lean_support)
 
 __all__ = ["DraftCandidates", "Drafter", "DraftGroup", "ModelDrafter", "EagleDrafter", "average_drafters",
            "make_groups", "target_vocab_size", "target_hidden_size"]
@@ -760,8 +760,9 @@ class EagleDrafter(_SoloMixin, Drafter):
     def hidden_size(self) -> int:
         return int(self.config.hidden_size)
 
-    def bind(self, target: nn.Module) -> None:
-        """Use `target`'s input embeddings and lm_head; move to the target's device and dtype."""
+    def bind(self, target: nn.Module, move: bool = True) -> None:
+        """Use `target`'s input embeddings and lm_head; move to the target's device and dtype (unless
+        ``move`` is False: training keeps its own)."""
         h = target_hidden_size(target)
         if h != self.hidden_size:
             raise ValueError(f"EagleDrafter: built for hidden size {self.hidden_size}, the target's is {h}")
@@ -771,13 +772,24 @@ class EagleDrafter(_SoloMixin, Drafter):
                              f"the target's vocabulary {v}")
         if int(self.config.vocab_size) != v:
             raise ValueError(f"EagleDrafter: config vocab_size {self.config.vocab_size}, the target's is {v}")
-        param = next(target.parameters())
-        self.to(device=param.device, dtype=param.dtype)
+        if move:
+            param = next(target.parameters())
+            self.to(device=param.device, dtype=param.dtype)
         self._bound = (target.get_input_embeddings(), target.get_output_embeddings())
+
+    @property
+    def rotary(self) -> nn.Module:
+        """The head's rotary-embedding module (kept out of the submodules, so its frequencies stay fp32)."""
+        return self._rotary[0]
 
     def _require_bound(self) -> None:
         if not self._bound:
             raise RuntimeError("EagleDrafter: bind(target) first (it uses the target's embeddings and lm_head)")
+
+    def lm_head(self) -> nn.Module:
+        """The lm_head the head's features are read out with: the target's (after :meth:`bind`)."""
+        self._require_bound()
+        return self._bound[1]
 
     def embedding_weight(self) -> Tensor:
         """The token embedding the head reads: its own, else the target's (after :meth:`bind`)."""
@@ -835,12 +847,12 @@ class _EagleGroup(DraftGroup):
         self.fc = Linear([d.fc.weight for d in drafters], [d.fc.bias for d in drafters]).pack()
         self.layers = [LayerWeights([d.layers[i] for d in drafters]).pack() for i in range(len(first.layers))]
         self.embed_weight = first.embedding_weight()
-        head = first._bound[1]
+        head = first.lm_head()
         self.head = _head_rows(head.weight, head.bias, first.draft_vocab).pack()
         if first.draft_vocab is not None:
             self.token_map = first.draft_vocab.to(head.weight.device)
         self.dtype = first.fc.weight.dtype
-        self.rope = RopeTable(first._rotary[0], self.dtype)
+        self.rope = RopeTable(first.rotary, self.dtype)
         self.kv: List[List[Tensor]] = []
         self.root_feature: Optional[Tensor] = None
         self.frontier: Optional[Tensor] = None

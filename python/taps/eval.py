@@ -43,6 +43,9 @@ from typing import Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 import torch
 
+from .data import EVAL_SETS
+from .models import DATA_NAMES, FAMILIES
+
 __all__ = ["ROWS", "SINGLE_ROWS", "ROW_SPECS", "evaluate", "format_tables", "plot_acceptance", "merge_results",
            "add_eval_arguments", "run_eval", "main"]
 
@@ -60,11 +63,11 @@ ROW_SPECS: Dict[str, Tuple[str, Tuple[str, ...]]] = {
     "adaptive": ("adaptive", ("math", "chat")),
 }
 ROWS = tuple(ROW_SPECS)
-SINGLE_ROWS = ("math", "chat", "mixed", "mixed2", "avg")
+SINGLE_ROWS = DATA_NAMES  # one drafter each, strategy single
 ROUTING_ROWS = ("route-confidence", "route-entropy")
 SHARE_ROWS = ("merged", "merged-budget", "adaptive")
-DEFAULT_BENCHMARKS = ("mt_bench", "gsm8k", "math500", "svamp")
-DEFAULT_FAMILIES = ("eagle2", "hass")
+DEFAULT_BENCHMARKS = EVAL_SETS
+DEFAULT_FAMILIES = FAMILIES
 
 NODES_NOTE = ("nodes_per_step: mean number of real tree nodes (root included) the target verified per "
               "decoding step, measured on the trees the strategy built; nodes_max: the configured tree size")
@@ -89,7 +92,7 @@ def _load_benchmarks(benchmarks, limit: Optional[int]) -> Dict[str, list]:
     if isinstance(benchmarks, Mapping):
         items = list(benchmarks.items())
     else:
-        from .train.data import load_eval_prompts
+        from .data import load_eval_prompts
 
         items = [(name, load_eval_prompts(name)) for name in benchmarks]
     out = {}
@@ -149,9 +152,9 @@ def evaluate(target, tokenizer, drafters: Mapping[str, Mapping[str, object]],
     Args:
         target: the target causal LM (eval mode; its device is used).
         tokenizer: with ``encode_chat(messages, add_generation_prompt=True)`` and ``eos_id``
-            (:class:`taps.train.chat.ChatTokenizer`).
+            (:class:`taps.chat.ChatTokenizer`).
         drafters: family -> data name -> drafter (e.g. ``{"eagle2": {"math": ..., "chat": ...}}``).
-        benchmarks: names of evaluation sets (:data:`taps.train.data.EVAL_SETS`), or a mapping
+        benchmarks: names of evaluation sets (:data:`taps.data.EVAL_SETS`), or a mapping
             name -> examples (objects with ``.messages``, or message lists).
         strategies: row names (:data:`ROWS`); rows whose drafters are absent are skipped with a note.
         temperatures: target sampling temperatures (0 = greedy).
@@ -554,8 +557,6 @@ def run_eval(args: argparse.Namespace) -> dict:
     """`taps eval`: load the models, :func:`evaluate`, print :func:`format_tables`, write the JSON
     (``args.out``) and the plot (``args.plot``). Returns the results dict."""
     from . import models as M
-    from .train.data import EVAL_SETS
-
     if getattr(args, "merge", None):
         results = merge_results([json.loads(Path(f).read_text()) for f in args.merge])
         _write_outputs(results, args)
@@ -569,6 +570,8 @@ def run_eval(args: argparse.Namespace) -> dict:
     if bad or not rows:
         raise SystemExit(f"taps eval: unknown row(s) {bad}; choose from {', '.join(ROWS)}")
     families = _csv(args.families)
+    if not families:
+        raise SystemExit("taps eval: --families needs at least one family")
     try:
         temperatures = [float(t) for t in _csv(args.temperatures)]
     except ValueError:
@@ -581,9 +584,13 @@ def run_eval(args: argparse.Namespace) -> dict:
     root = Path(args.models) if args.models else M.models_dir()
     device = _device(args.device)
     verify = not args.no_verify
+    have = M.available_drafters(root / "drafters")
+    unknown = [f for f in families if f not in M.FAMILIES and f not in have]
+    if unknown or not any(f in have for f in families):
+        raise SystemExit(f"taps eval: no drafters of family {', '.join(unknown or families)} in {root / 'drafters'} "
+                         f"(known families: {', '.join(M.FAMILIES)}; present: {', '.join(have) or 'none'})")
     target, tok = M.load_target(root / "target", verify=verify)
     target.to(device)
-    have = M.available_drafters(root / "drafters")
     needed = sorted({n for r in rows for n in ROW_SPECS[r][1]})
     drafters: Dict[str, Dict[str, object]] = {}
     for family in families:

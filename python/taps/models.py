@@ -11,7 +11,7 @@ overrides it)::
 (``math``, ``chat``, ``mixed``, ``mixed2`` and ``avg``, the weight average of the specialists).
 
 Every manifest.json holds ``"files": {relative path: sha256 hex}`` for the files of its folder (the
-layout :func:`taps.train.tokenizer.file_hashes` writes); :func:`verify_manifest` checks them, and the
+layout :func:`taps.files.file_hashes` writes); :func:`verify_manifest` checks them, and the
 loaders do so by default.
 
     target, tok = load_target()                      # fp32, eval mode, + ChatTokenizer
@@ -27,7 +27,7 @@ from typing import Dict, List, Optional, Union
 
 import torch
 
-from .train.tokenizer import sha256_file
+from .files import sha256_file
 
 __all__ = ["MODELS_DIR", "FAMILIES", "DATA_NAMES", "models_dir", "verify_manifest", "load_target",
            "available_drafters", "drafter_dir", "load_drafter", "draft_vocab"]
@@ -101,11 +101,11 @@ def load_target(path: Optional[PathLike] = None, dtype: torch.dtype = torch.floa
         dtype: the weights' dtype in memory (the shipped weights are bf16; fp32 by default).
         verify: check the files against manifest.json first (:func:`verify_manifest`).
     Returns:
-        (model in eval mode, :class:`taps.train.chat.ChatTokenizer`).
+        (model in eval mode, :class:`taps.chat.ChatTokenizer`).
     """
     from transformers import AutoModelForCausalLM
 
-    from .train.chat import ChatTokenizer
+    from .chat import ChatTokenizer
 
     folder = Path(path) if path is not None else models_dir() / "target"
     if not (folder / "config.json").is_file():

@@ -28,7 +28,7 @@ Strategies are classes registered under their names (:func:`register_strategy`, 
 
 from __future__ import annotations
 
-from typing import Callable, Dict, List, Mapping, NamedTuple, Optional, Sequence, Tuple, Type, Union
+from typing import Callable, Dict, List, Mapping, NamedTuple, Optional, Tuple, Type, Union
 
 import torch
 from torch import Tensor

@@ -1,8 +1,8 @@
 """Training of the project's own small models: data loaders, the chat template, the byte-level BPE
 tokenizer and the target language model.
 
-- :mod:`taps.train.data`      loaders of the chat / math training text and of the evaluation prompts
-- :mod:`taps.train.chat`      the single chat template (render, parse, tokenizer wrapper)
+- :mod:`taps.train.data`      loaders of the chat / math training text (evaluation prompts: :mod:`taps.data`;
+                              the chat template: :mod:`taps.chat`)
 - :mod:`taps.train.tokenizer` train and save the byte-level BPE tokenizer (Hugging Face format)
 - :mod:`taps.train.target`    train the target causal LM (resumable, CPU or GPU) and export it
 - :mod:`taps.train.drafter`   train EAGLE-style drafters on the target's features (EAGLE-2, HASS)

@@ -52,11 +52,11 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from ..models import FAMILIES  # the shipped families are the training objectives
 from . import dist as D
 from .data import REPO_ROOT
 from .target import _recent_train_loss, checkpoint_if_due, finish_run, lr_at, make_optimizer, pack, resume
 
-FAMILIES = ("eagle2", "hass")
 DATA_MIXES = ("math", "chat", "mixed")
 DOMAINS = ("math", "chat")
 EVAL_STEPS = 3  # alignment steps of the held-out accuracy (acc@1 .. acc@3)
@@ -279,7 +279,7 @@ def load_domain_features(domain: str, cfg: DrafterTrainConfig, tokens: int, targ
     """Blocks and target features of `domain` for `tokens` training tokens, from the cache in
     cfg.feature_dir/<domain> when it holds at least that many (a prefix is used), else built and
     cached: rank 0 tokenizes, every rank computes the features of its share of the blocks."""
-    from .tokenizer import sha256_file, weights_sha256
+    from ..files import sha256_file, weights_sha256
 
     ctx = ctx or D.DistContext(device=torch.device(device))
     key = {"domain": domain, "seq_len": cfg.seq_len, "seed": cfg.seed, "heldout_tokens": cfg.heldout_tokens,
@@ -358,7 +358,7 @@ def new_drafter(target, num_layers: int = 1):
 
     drafter = EagleDrafter(drafter_config(target.config, num_layers))
     drafter.to(torch.float32)
-    drafter._bound = (target.get_input_embeddings(), target.get_output_embeddings())
+    drafter.bind(target, move=False)  # training keeps the head in fp32 on its own device
     return drafter
 
 
@@ -372,33 +372,33 @@ def alignment_mask(n: int, step: int, device) -> Tensor:
     return ok.reshape(n, step * n)
 
 
-def _layer(layer, x: Tensor, cos: Tensor, sin: Tensor, history: List[Tuple[Tensor, Tensor]], mask: Tensor) -> Tensor:
-    """One drafter decoder layer over a whole block; this step's K/V join ``history`` (earlier steps)."""
-    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
-
-    a = layer.self_attn
-    h = layer.input_layernorm(x) if hasattr(layer, "input_layernorm") else x
-    b, n, _ = h.shape
-    q = a.q_proj(h).view(b, n, a.num_heads, a.head_dim).transpose(1, 2)
-    k = a.k_proj(h).view(b, n, a.num_kv_heads, a.head_dim).transpose(1, 2)
-    v = a.v_proj(h).view(b, n, a.num_kv_heads, a.head_dim).transpose(1, 2)
-    q, k = apply_rotary_pos_emb(q, k, cos, sin)
-    history.append((k, v))
-    keys = torch.cat([kk for kk, _ in history], 2)
-    values = torch.cat([vv for _, vv in history], 2)
-    out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=a.num_heads != a.num_kv_heads)
-    x = x + a.o_proj(out.transpose(1, 2).reshape(b, n, -1))
-    return x + layer.mlp(layer.post_attention_layernorm(x))
+def _history_attend(histories: List[List[Tuple[Tensor, Tensor]]], weights, mask: Tensor):
+    """The ``attend`` of :func:`taps.lean.decoder_layer` for training over a whole block: each layer's K/V of
+    this alignment step join its history (the earlier steps'), and the block attends to all of them under
+    the alignment mask."""
+    def attend(i: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        histories[i].append((k.transpose(1, 2), v.transpose(1, 2)))
+        keys = torch.cat([kk for kk, _ in histories[i]], 2)
+        values = torch.cat([vv for _, vv in histories[i]], 2)
+        w = weights[i]
+        return F.scaled_dot_product_attention(q.transpose(1, 2), keys, values, attn_mask=mask, scale=w.scale,
+                                              enable_gqa=w.heads != w.kv_heads)
+    return attend
 
 
 def unrolled_predictions(drafter, emb: Tensor, feat: Tensor, steps: int, noise=0.0):
     """Predicted features of alignment steps 1..steps ([B, n, H] each) for inputs emb = embeddings of
     tokens t+1 and feat = target features f_t ([B, n, H]); step j > 1 reads step j - 1's predictions.
     ``noise``: the amplitude of uniform noise on the step-1 input features, or that noise itself
-    ([B, n, H], drawn per sequence by the caller in data-parallel runs)."""
+    ([B, n, H], drawn per sequence by the caller in data-parallel runs). The layers run the inference
+    code (:func:`taps.lean.decoder_layer`), with autograd."""
+    from taps.lean import LayerWeights, RopeTable, decoder_layer
+
     b, n, _ = feat.shape
-    pos = torch.arange(n, device=feat.device).unsqueeze(0).expand(b, -1)
-    cos, sin = drafter._rotary[0](feat, pos)
+    weights = [LayerWeights([layer]) for layer in drafter.layers]
+    rope = RopeTable(drafter.rotary, feat.dtype)
+    rope.ensure(n, feat.device)
+    cos, sin = rope(torch.arange(n, device=feat.device).unsqueeze(0).expand(b, -1))
     histories: List[List[Tuple[Tensor, Tensor]]] = [[] for _ in drafter.layers]
     preds = []
     if isinstance(noise, Tensor):
@@ -408,11 +408,11 @@ def unrolled_predictions(drafter, emb: Tensor, feat: Tensor, steps: int, noise=0
     for j in range(1, steps + 1):
         if j > 1:
             g = torch.cat([feat[:, :1], preds[-1][:, :-1]], 1)
-        x = drafter.fc(torch.cat([emb, g], -1))
-        mask = alignment_mask(n, j, feat.device)
-        for layer, hist in zip(drafter.layers, histories):
-            x = _layer(layer, x, cos, sin, hist, mask)
-        preds.append(x)
+        x = drafter.fc(torch.cat([emb, g], -1)).reshape(1, b * n, -1)
+        attend = _history_attend(histories, weights, alignment_mask(n, j, feat.device))
+        for i, w in enumerate(weights):
+            x = decoder_layer(w, i, x, cos, sin, attend, b, n)
+        preds.append(x.view(b, n, -1))
     return preds
 
 
@@ -631,7 +631,7 @@ def _relative(v):
 
 
 def write_manifest(out: Path, manifest: dict) -> None:
-    from .tokenizer import file_hashes
+    from ..files import file_hashes
 
     manifest["files"] = file_hashes(out)
     (out / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
@@ -649,7 +649,7 @@ def export_drafter(drafter, cfg: DrafterTrainConfig, data_info: dict, summary: d
     """Save the drafter (EAGLE layout, bf16 safetensors) and manifest.json into cfg.out."""
     import transformers
 
-    from .tokenizer import weights_sha256
+    from ..files import weights_sha256
 
     out = Path(cfg.out)
     _clear(out)
@@ -678,7 +678,7 @@ def average_checkpoints(inputs: List[Path], out: Path, target_path: Path) -> dic
     trained one with a manifest naming its inputs and their sha256."""
     from taps.drafters import EagleDrafter, average_drafters
 
-    from .tokenizer import sha256_file, weights_sha256
+    from ..files import sha256_file, weights_sha256
 
     if len(inputs) < 2:
         raise ValueError("average: give at least two drafter folders")

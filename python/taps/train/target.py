@@ -200,7 +200,7 @@ def token_data_from_examples(examples: Dict[str, list], tok, *, tokens: int, mat
 def build_token_data(cfg: TargetTrainConfig, tok) -> TokenData:
     """The training / held-out blocks from the real data, cached in ``run_dir/data.pt``."""
     from . import data as D
-    from .tokenizer import sha256_file
+    from ..files import sha256_file
 
     key = {**cfg.data_key(), "tokenizer_sha256": sha256_file(Path(cfg.tokenizer) / "tokenizer.json")}
     cache = Path(cfg.run_dir) / "data.pt"
@@ -382,7 +382,7 @@ def _decoder_layers(model) -> Optional[list]:
 
 
 def _train_target(cfg: TargetTrainConfig, ctx: D.DistContext, data: Optional[TokenData], tok) -> dict:
-    from .chat import ChatTokenizer
+    from ..chat import ChatTokenizer
 
     run_dir, out = Path(cfg.run_dir), Path(cfg.out)
     if ctx.is_main:
@@ -502,7 +502,7 @@ def export(model, tok, cfg: TargetTrainConfig, data: TokenData, summary: dict, d
 
     import transformers
 
-    from .tokenizer import file_hashes
+    from ..files import file_hashes
 
     out = Path(cfg.out)
     if out.exists():

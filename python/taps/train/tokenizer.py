@@ -1,7 +1,7 @@
 """Byte-level BPE tokenizer trained with the ``tokenizers`` package, saved in Hugging Face format.
 
 The saved folder loads with ``transformers.AutoTokenizer.from_pretrained(folder)`` (a
-``PreTrainedTokenizerFast``) and carries the chat template (:mod:`taps.train.chat`) and its special
+``PreTrainedTokenizerFast``) and carries the chat template (:mod:`taps.chat`) and its special
 tokens: ``<|bos|>`` (bos, id 0), ``<|end|>`` (eos, id 1), ``<|pad|>`` (id 2), ``<|system|>``, ``<|user|>``,
 ``<|assistant|>``. Digits are split one per token (helps arithmetic); everything else is byte-level BPE,
 so any text round-trips exactly.
@@ -9,52 +9,14 @@ so any text round-trips exactly.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import random
 import time
 from pathlib import Path
 from typing import Dict, Iterable, List, Optional, Sequence
 
-from .chat import BOS, CHAT_TEMPLATE, END, PAD, SPECIAL_TOKENS, ChatTokenizer
-
-
-def sha256_file(path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
-
-_WEIGHTS_DIGESTS: Dict[tuple, str] = {}
-
-
-def weights_sha256(folder) -> str:
-    """One sha256 for a Hugging Face model folder's weights: the file's own digest when it is a single
-    ``model.safetensors``; for sharded (``*.safetensors``) or ``*.bin`` weights, the digest of the
-    lines "name digest" of every file, sorted by name. Remembered per (folder, file names, sizes,
-    mtimes), so that a run that needs it several times reads a large target once."""
-    folder = Path(folder)
-    files = sorted(folder.glob("*.safetensors")) or sorted(folder.glob("*.bin"))
-    if not files:
-        raise FileNotFoundError(f"{folder}: no *.safetensors or *.bin weights")
-    stats = [(f.name, f.stat()) for f in files]
-    key = (str(folder.resolve()),) + tuple((name, st.st_size, st.st_mtime_ns) for name, st in stats)
-    if key not in _WEIGHTS_DIGESTS:
-        if len(files) == 1 and files[0].name == "model.safetensors":
-            digest = sha256_file(files[0])
-        else:
-            digest = hashlib.sha256("".join(f"{f.name} {sha256_file(f)}\n" for f in files).encode()).hexdigest()
-        _WEIGHTS_DIGESTS[key] = digest
-    return _WEIGHTS_DIGESTS[key]
-
-
-def file_hashes(folder) -> Dict[str, str]:
-    """sha256 of every file in ``folder`` except manifest.json (relative path -> hex digest)."""
-    folder = Path(folder)
-    return {p.relative_to(folder).as_posix(): sha256_file(p) for p in sorted(folder.rglob("*"))
-            if p.is_file() and p.name != "manifest.json"}
+from ..chat import BOS, CHAT_TEMPLATE, END, PAD, SPECIAL_TOKENS, ChatTokenizer
+from ..files import file_hashes
 
 
 def build_bpe(texts: Iterable[str], vocab_size: int = 8192, min_frequency: int = 2):

@@ -12,8 +12,6 @@ import json
 from pathlib import Path
 from typing import Optional
 
-import torch
-
 __all__ = ["count_training_tokens", "write_token_counts"]
 
 
@@ -41,7 +39,7 @@ def write_token_counts(target_dir: Path, tokens_per_domain: int, seed: int = 0, 
     from taps.models import load_target
     from taps.vocab import coverage, save_token_counts, top_tokens
 
-    from .tokenizer import sha256_file
+    from ..files import sha256_file
 
     target, tok = load_target(target_dir)
     vocab = int(target.get_output_embeddings().weight.shape[0])
