@@ -23,11 +23,14 @@ import taps_ops
 from . import hf
 from .lean import LeanCausalLM, Linear, cache_attend, causal_append, lean_support, stack_key
 
-__all__ = ["TargetForward", "LAZY_HEAD_MIN"]
+__all__ = ["TargetForward", "LAZY_HEAD_MIN", "LAZY_MIN_NODES"]
 
-#: lm_head size (vocabulary x hidden) from which verification computes only the visited rows on the CPU
-#: by default (below it, the few extra operations of the lazy walk cost more than the rows they save)
+#: lm_head size (vocabulary x hidden) and tree size from which verification computes only the visited rows
+#: on the CPU by default: the lazy walk's fixed cost (a few operations, a zeroed logits buffer) equals about
+#: 24 rows of the shipped target's head (bench: 593 us lazy vs 502 us full at 16 nodes, 586 vs 661 at 24,
+#: 632 vs 994 at 41; development CPU, bf16)
 LAZY_HEAD_MIN = 1 << 20
+LAZY_MIN_NODES = 24
 
 
 class TargetForward:
@@ -134,7 +137,7 @@ class TargetForward:
 
         The walk reads the logits of the nodes it visits only (the accepted path). ``lazy`` (needs the
         trees' ``tree_mask``; default: on the CPU, for heads of at least :data:`LAZY_HEAD_MIN` weights and
-        trees of 8 nodes or more) computes the lm_head for those rows instead of all N: first for each
+        trees of :data:`LAZY_MIN_NODES` nodes or more) computes the lm_head for those rows instead of all N: first for each
         tree's *first-child chain* (the root, its best child, that child's best child, ...: siblings are
         ordered best first), then, when the walk reached a node whose row was not computed, for that
         node's chain, and the walk is run again with the same coins until every node on its path was
@@ -143,7 +146,7 @@ class TargetForward:
         """
         batch, num, _ = hidden.shape
         if lazy is None:  # on the CPU, where the head is a large share of the step
-            lazy = hidden.device.type == "cpu" and self.head.weight.numel() >= LAZY_HEAD_MIN and num >= 8
+            lazy = hidden.device.type == "cpu" and self.head.weight.numel() >= LAZY_HEAD_MIN and num >= LAZY_MIN_NODES
         uniforms = torch.rand((batch, num), generator=generator, device=hidden.device, dtype=torch.float32)
         if not lazy or num == 1 or tree_mask is None:
             return taps_ops.verify_tree(self.logits(hidden), tokens, parents, uniforms=uniforms, **sample)
