@@ -8,7 +8,9 @@ same arithmetic with a minimum of operations:
 
 - :class:`LayerWeights` / :func:`decoder_layer`: one Llama decoder layer (RMSNorm, q/k/v projections with
   optional biases and Qwen3's per-head q/k norms, rotary embedding, attention through a callback, o
-  projection, SiLU MLP), written once and shared by the target, the small-LM drafters and the EAGLE heads.
+  projection, SiLU MLP), written once and shared by the target, the small-LM drafters and the EAGLE heads;
+  :func:`eagle3_layer`: the EAGLE-3 head's layer (attention over [normed embedding, normed hidden]), the
+  same body, run by the EAGLE-3 drafter's inference and its training alike (:mod:`taps.eagle3`).
 - :class:`Linear` and :class:`Norm` hold either one weight set (the module's own parameters, no copy) or
   ``G`` weight sets of the same shape stacked into one tensor, so that ``G`` drafters run as one batched
   forward (``torch.bmm``): activations are then ``[G, R, features]`` with the drafters' rows group-major.
@@ -33,7 +35,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-__all__ = ["Linear", "Norm", "LayerWeights", "RopeTable", "decoder_layer", "LeanCausalLM", "lean_support",
+__all__ = ["Linear", "Norm", "LayerWeights", "RopeTable", "decoder_layer", "eagle3_layer", "LeanCausalLM", "lean_support",
            "stack_key", "pack_weight", "cache_attend", "causal_append", "SUPPORTED_ARCHITECTURES"]
 
 #: Hugging Face causal-LM classes whose forward the lean path reproduces.
@@ -202,8 +204,23 @@ def decoder_layer(w: LayerWeights, index: int, x: Tensor, cos: Tensor, sin: Tens
                   rows: int, tokens: int) -> Tensor:
     """One decoder layer. x: [G, rows * tokens, H] (G weight groups; G = 1 for a single weight set),
     cos / sin: [G * rows, tokens, 1, D] (sin with rotate_half's sign folded in, see :class:`RopeTable`)."""
-    groups = x.shape[0]
     h = w.in_norm(x) if w.in_norm is not None else x
+    return _attention_mlp(w, index, x, h, cos, sin, attend, rows, tokens)
+
+
+def eagle3_layer(w: LayerWeights, hidden_norm: Norm, index: int, emb: Tensor, x: Tensor, cos: Tensor, sin: Tensor,
+                 attend: Attend, rows: int, tokens: int) -> Tensor:
+    """The EAGLE-3 head's decoder layer (``midlayer``): the attention reads
+    ``cat(input_layernorm(emb), hidden_norm(x))`` (q/k/v projections from 2H) while the residual stream is
+    x; then the MLP as in :func:`decoder_layer`. emb, x: [G, rows * tokens, H]; cos / sin as there."""
+    h = torch.cat([w.in_norm(emb), hidden_norm(x)], dim=-1)
+    return _attention_mlp(w, index, x, h, cos, sin, attend, rows, tokens)
+
+
+def _attention_mlp(w: LayerWeights, index: int, x: Tensor, h: Tensor, cos: Tensor, sin: Tensor, attend: Attend,
+                   rows: int, tokens: int) -> Tensor:
+    """x + attention(h), then the MLP block with its own residual (the body of a decoder layer)."""
+    groups = x.shape[0]
     gb = groups * rows
     q = w.q(h).view(gb, tokens, w.heads, w.head_dim)
     k = w.k(h).view(gb, tokens, w.kv_heads, w.head_dim)
