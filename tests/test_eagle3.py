@@ -306,6 +306,17 @@ def test_greedy_equals_target_for_every_strategy(strategy):
         assert out.summary["tau"] > 1.3
 
 
+def test_hugging_face_target_path():
+    """The target's layer inputs reach the head through the Hugging Face forward too (lean=False)."""
+    target = _target()
+    heads = [_eagle3(target, 10, draft=40), _eagle2(target, 11)]
+    out = SpeculativeDecoder(target, heads, strategy="merged", depth=3, top_k=3, lean=False).generate(
+        PROMPTS, max_new_tokens=NEW)
+    assert out.tokens == [_greedy(target, p, NEW) for p in PROMPTS]
+    lean = SpeculativeDecoder(target, heads, strategy="merged", depth=3, top_k=3).generate(PROMPTS, max_new_tokens=NEW)
+    assert [s.accepted for s in out.stats] == [s.accepted for s in lean.stats]
+
+
 def test_restricted_draft_vocabulary_stays_lossless():
     target = _target()
     d = _eagle3(target, 9, draft=40)

@@ -1,6 +1,6 @@
 """`taps eval`: acceptance length of every drafter and strategy on the evaluation prompts.
 
-For each drafter family (``eagle2``, ``hass``), temperature, row and benchmark (MT-Bench, GSM8K,
+For each drafter family (``eagle2``, ``hass``, ``eagle3``), temperature, row and benchmark (MT-Bench, GSM8K,
 MATH-500, SVAMP), the prompts are rendered with the chat template and decoded speculatively in batches.
 The rows (the paper's tables, :data:`ROWS`):
 
@@ -64,7 +64,7 @@ SINGLE_ROWS = ("math", "chat", "mixed", "mixed2", "avg")
 ROUTING_ROWS = ("route-confidence", "route-entropy")
 SHARE_ROWS = ("merged", "merged-budget", "adaptive")
 DEFAULT_BENCHMARKS = ("mt_bench", "gsm8k", "math500", "svamp")
-DEFAULT_FAMILIES = ("eagle2", "hass")
+DEFAULT_FAMILIES = ("eagle2", "hass", "eagle3")
 
 NODES_NOTE = ("nodes_per_step: mean number of real tree nodes (root included) the target verified per "
               "decoding step, measured on the trees the strategy built; nodes_max: the configured tree size")
