@@ -321,7 +321,8 @@ def test_restricted_draft_vocabulary_stays_lossless():
     target = _target()
     d = _eagle3(target, 9, draft=40)
     allowed = d.token_map[:25].flip(0)
-    d.set_draft_vocab(torch.cat([allowed, torch.tensor([t for t in range(VOCAB) if t not in d.token_map.tolist()][:5])]))
+    outside = [t for t in range(VOCAB) if t not in d.token_map.tolist()][:5]
+    d.set_draft_vocab(torch.cat([allowed, torch.tensor(outside)]))
     assert sorted(d.token_map.tolist()) == sorted(allowed.tolist())  # the head's vocabulary, restricted
     out = SpeculativeDecoder(target, [d], strategy="single", depth=3, top_k=3).generate(PROMPTS, max_new_tokens=NEW)
     assert out.tokens == [_greedy(target, p, NEW) for p in PROMPTS]

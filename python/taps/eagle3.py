@@ -414,8 +414,9 @@ class Eagle3Drafter(_SoloMixin, Drafter):
             raise ValueError(f"Eagle3Drafter: fc reads {self.num_features} target layers, but the layers for this "
                              f"{depth}-layer target are {list(layers)}; name them in config.json "
                              f"({_LAYER_KEYS[0]})")
-        if min(layers) < 0 or max(layers) >= depth:
-            raise ValueError(f"Eagle3Drafter: feature layers {list(layers)} outside the target's {depth} layers")
+        if min(layers) < 0 or max(layers) > depth:
+            raise ValueError(f"Eagle3Drafter: feature layers {list(layers)} outside [0, {depth}] for this "
+                             f"{depth}-layer target")
         param = next(target.parameters())
         self.to(device=param.device, dtype=param.dtype)
         self._layers = tuple(int(i) for i in layers)

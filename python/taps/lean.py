@@ -35,8 +35,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-__all__ = ["Linear", "Norm", "LayerWeights", "RopeTable", "decoder_layer", "eagle3_layer", "LeanCausalLM", "lean_support",
-           "stack_key", "pack_weight", "cache_attend", "causal_append", "SUPPORTED_ARCHITECTURES"]
+__all__ = ["Linear", "Norm", "LayerWeights", "RopeTable", "decoder_layer", "eagle3_layer", "LeanCausalLM",
+           "lean_support", "stack_key", "pack_weight", "cache_attend", "causal_append", "SUPPORTED_ARCHITECTURES"]
 
 #: Hugging Face causal-LM classes whose forward the lean path reproduces.
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
@@ -363,7 +363,8 @@ class LeanCausalLM:
 
     def hidden(self, ids: Tensor, positions: Tensor, attend: Attend, capture: Sequence[int] = ()):
         """Final normalised hidden states [G, R * T, H] of ids [G * R, T] at rotary positions [G * R, T];
-        with ``capture`` (layer indices), (hidden, {i: the input of layer i, [G, R * T, H]})."""
+        with ``capture`` (layer indices), (hidden, {i: the input of layer i, [G, R * T, H]}); index
+        ``num_layers`` is the final normalised hidden state (``output_hidden_states``' last entry)."""
         rows, tokens = ids.shape[0] // self.groups, ids.shape[1]
         x = self.embed(ids)
         cos, sin = self.rope(positions)
@@ -372,7 +373,10 @@ class LeanCausalLM:
             if i in capture:
                 layers[i] = x
             x = decoder_layer(w, i, x, cos, sin, attend, rows, tokens)
-        return (self.norm(x), layers) if capture else self.norm(x)
+        out = self.norm(x)
+        if len(self.layers) in capture:
+            layers[len(self.layers)] = out
+        return (out, layers) if capture else out
 
     def logits(self, hidden: Tensor) -> Tensor:
         """lm_head of hidden [G, R, H] -> [G, R, V]."""

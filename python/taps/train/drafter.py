@@ -82,6 +82,7 @@ class DrafterTrainConfig:
     noise: float = 0.1
     draft_vocab: int = 2048  # eagle3 only: the head's draft vocabulary (0 = the whole vocabulary)
     ttt_steps: int = 7  # eagle3 only: unrolled steps of the training-time test
+    feature_layers: str = ""  # eagle3 only: target layers read, e.g. "1,2,3" (default taps.eagle3.feature_layers)
     seed: int = 0
     device: str = "auto"
     threads: int = 0
@@ -116,7 +117,9 @@ class DrafterTrainConfig:
     def run_key(self) -> dict:
         keys = ("family", "data", "tokens", "heldout_tokens", "seq_len", "batch_size", "lr", "min_lr",
                 "warmup_steps", "weight_decay", "grad_clip", "reg_weight", "cls_weight", "topk_weight", "topk",
-                "align_steps", "noise", "seed") + (("draft_vocab", "ttt_steps") if self.family == "eagle3" else ())
+                "align_steps", "noise", "seed")
+        if self.family == "eagle3":
+            keys += ("draft_vocab", "ttt_steps", "feature_layers")
         return {k: getattr(self, k) for k in keys}
 
 
@@ -139,6 +142,9 @@ def add_drafter_arguments(p) -> None:
     for k in ("warmup_steps", "topk", "align_steps", "draft_vocab", "ttt_steps", "seed", "threads", "eval_every",
               "ckpt_every"):
         p.add_argument("--" + k.replace("_", "-"), type=int, default=getattr(d, k))
+    p.add_argument("--feature-layers", default=d.feature_layers,
+                   help="eagle3: comma list of target layers whose inputs the head reads (N = the final hidden "
+                        "state; default: taps.eagle3.feature_layers of the target's depth)")
     p.add_argument("--ckpt-minutes", type=float, default=d.ckpt_minutes)
     p.add_argument("--max-steps", type=int, default=None, help="stop (checkpointed) after this step")
     p.add_argument("--device", default=d.device, help="auto | cpu | cuda | cuda:N")

@@ -167,7 +167,8 @@ def eagle3_losses(drafter, head_w: Tensor, tokens: Tensor, fused: Tensor, final:
 
 # ------------------------------------------------------------------------------------------------ data
 
-def draft_vocabulary(cfg: DrafterTrainConfig, vocab: int, train_blocks: Sequence[Tensor]) -> Tuple[Optional[Tensor], dict]:
+def draft_vocabulary(cfg: DrafterTrainConfig, vocab: int,
+                     train_blocks: Sequence[Tensor]) -> Tuple[Optional[Tensor], dict]:
     """(draft token ids or None for the whole vocabulary, info): the cfg.draft_vocab most frequent target
     tokens by the target folder's token_counts.json, else counted over `train_blocks`."""
     from taps.vocab import count_tokens, coverage, load_token_counts, top_tokens
@@ -306,7 +307,8 @@ def train_eagle3(cfg: DrafterTrainConfig) -> dict:
     device = resolve_device(cfg.device)
     target, tok = load_target(cfg.target, verify=False)  # fp32
     target.to(device).requires_grad_(False)
-    layers = feature_layers(target.config.num_hidden_layers)
+    layers = (tuple(int(i) for i in cfg.feature_layers.split(",")) if cfg.feature_layers
+              else feature_layers(target.config.num_hidden_layers))
     blocks, held, data_info, train_blocks = eagle3_data(cfg, target, tok, device, layers)
     total_steps = len(blocks) // cfg.batch_size
     if total_steps < 1:
