@@ -125,8 +125,8 @@ def main() -> None:
             rows.append([batch, name, fmt_time(level), f"{level / reference:.2f}", fmt_time(draft)])
     print(f"{torch.get_num_threads()} thread(s), fp32, process time; K = top_k = {args.top_k} frontier nodes per "
           f"request, prefix {args.prefix} tokens, draft depth {args.depth}")
-    print_table(["batch", "drafter", "one level (forward_nodes)", "vs EAGLE-2 full", f"draft({args.depth}, {args.top_k})"],
-                rows, title="drafter forward cost per expansion level")
+    print_table(["batch", "drafter", "one level (forward_nodes)", "vs EAGLE-2 full",
+                 f"draft({args.depth}, {args.top_k})"], rows, title="drafter forward cost per expansion level")
 
 
 if __name__ == "__main__":
