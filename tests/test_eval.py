@@ -278,3 +278,36 @@ def test_merge_later_cells_replace_earlier(results):
     for temps in merged["tables"].values():
         for rows in temps.values():
             assert rows["merged"]["avg"] == 9.0 and rows["math"]["avg"] != 9.0
+
+
+def test_run_eval_eagle3_family(models_dir, tmp_path, capsys):
+    """`taps eval --families eagle3` loads EAGLE-3 heads from the drafters folder (as from_pretrained
+    recognises them) and evaluates them, losslessly, beside another family."""
+    from taps.eagle3 import Eagle3Drafter, vocab_mapping
+
+    root = tmp_path / "models"
+    shutil.copytree(models_dir / "target", root / "target")
+    shutil.copytree(models_dir / "drafters" / "eagle2-math", root / "drafters" / "eagle2-math")
+    target = _models()["target"]
+    vocab = target.config.vocab_size
+    for name, seed in (("math", 1), ("chat", 2)):
+        cfg = transformers.LlamaConfig(**{**target.config.to_dict(), "num_hidden_layers": 1, "draft_vocab_size": 512,
+                                          "eagle_aux_hidden_state_layer_ids": [0, 1]})
+        torch.manual_seed(seed)
+        head = Eagle3Drafter(cfg)
+        head.set_vocab_mapping(vocab_mapping(torch.arange(512) * 16, vocab)[0])
+        head.bind(target)
+        head.save_pretrained(str(root / "drafters" / f"eagle3-{name}"))
+        _manifest(root / "drafters" / f"eagle3-{name}")
+    p = argparse.ArgumentParser()
+    taps_eval.add_eval_arguments(p)
+    args = p.parse_args(["--models", str(root), "--benchmarks", "svamp", "--families", "eagle2,eagle3",
+                         "--strategies", "math,merged", "--temperatures", "0", "--limit", "2",
+                         "--max-new-tokens", "6", "--depth", "3", "--top-k", "4", "--budget", "10",
+                         "--batch-size", "2", "--out", str(tmp_path / "results.json"), "--plot", "",
+                         "--no-progress", "--device", "cpu"])
+    results = taps_eval.run_eval(args)
+    assert "eagle3, temperature 0" in capsys.readouterr().out
+    cells = {(c["family"], c["row"]) for c in results["cells"]}
+    assert {("eagle3", "math"), ("eagle3", "merged"), ("eagle2", "math")} <= cells
+    assert results["greedy_mismatches"] == 0

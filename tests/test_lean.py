@@ -105,10 +105,11 @@ def test_tree_forward_equals_per_path_reference_and_hf_path(arch):
         fwd = TargetForward(model, lean=lean)
         cache = fwd.new_cache(2, 40)
         fwd.prefill(cache, ids, lens, 0)
-        outs[lean] = fwd.tree(cache, tokens, mask, depth, int(lens.max()), capture_layers=(0, 2))
+        outs[lean] = fwd.tree(cache, tokens, mask, depth, int(lens.max()), capture_layers=(0, 2, 3))
     torch.testing.assert_close(outs[True].hidden_states, outs[False].hidden_states, atol=1e-5, rtol=1e-5)
-    for i in (0, 2):
+    for i in (0, 2, 3):
         torch.testing.assert_close(outs[True].layers[i], outs[False].layers[i], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(outs[True].layers[3], outs[True].hidden_states)  # index N: the final hidden state
     logits = model.get_output_embeddings()(outs[True].hidden_states)
     for b, p in enumerate(prompts):
         parents = trees[b][1].tolist()
@@ -158,7 +159,7 @@ def test_unsupported_models_fall_back_and_bad_capture_is_refused():
     fwd = TargetForward(model)
     cache = fwd.new_cache(1, 16)
     with pytest.raises(ValueError, match="outside"):
-        fwd.prefill(cache, torch.tensor([[1, 2, 3]]), torch.tensor([3]), 0, capture_layers=(3,))
+        fwd.prefill(cache, torch.tensor([[1, 2, 3]]), torch.tensor([3]), 0, capture_layers=(4,))
 
 
 @pytest.mark.parametrize("sample", [dict(temperature=0.0), dict(temperature=1.0), dict(temperature=0.7, top_k=3),

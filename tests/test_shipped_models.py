@@ -14,7 +14,7 @@ import engine_models as em
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
-FAMILIES = ("eagle2", "hass")
+FAMILIES = ("eagle2", "hass", "eagle3")
 DATA = ("math", "chat", "mixed", "mixed2", "avg")
 
 
@@ -31,7 +31,7 @@ def test_manifests_and_sha256():
         assert (folder / "manifest.json").is_file(), f"{folder} has no manifest"
         models.verify_manifest(folder)  # raises on a missing file or a sha256 mismatch
     total = sum(p.stat().st_size for f in folders for p in f.iterdir() if p.is_file())
-    assert total < 40e6, f"shipped models are {total / 1e6:.1f} MB (limit ~40 MB)"
+    assert total < 50e6, f"shipped models are {total / 1e6:.1f} MB (limit ~50 MB)"
 
 
 def test_drafter_manifests_record_the_training():
@@ -66,7 +66,7 @@ def test_greedy_equals_target_for_every_strategy(target_and_tok):
                for b, i in (("gsm8k", 3), ("mt_bench", 5))]
     ref = [em.hf_greedy(target, p, 20, tok.eos_id) for p in prompts]  # Hugging Face's own generate
     for i, strategy in enumerate(STRATEGIES):
-        fam = FAMILIES[i % 2]
+        fam = FAMILIES[i % len(FAMILIES)]
         names = () if strategy == "autoregressive" else ("mixed",) if strategy == "single" else ("math", "chat")
         ds = [models.load_drafter(fam, n, target, verify=False) for n in names]
         out = SpeculativeDecoder(target, ds, strategy=strategy, depth=4, top_k=6, budget=20).generate(

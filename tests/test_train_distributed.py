@@ -107,11 +107,17 @@ def assert_same_weights(root: Path, a: str, b: str) -> None:
     sa = torch.load(root / "runs" / a / "checkpoint.pt", weights_only=True)["model"]
     sb = torch.load(root / "runs" / b / "checkpoint.pt", weights_only=True)["model"]
     assert sa.keys() == sb.keys()
-    worst = max(float((sa[k] - sb[k]).abs().max()) for k in sa)
+    for k in sa:
+        if not sa[k].is_floating_point():  # an integer / bool map (EAGLE-3's d2t, t2d)
+            assert torch.equal(sa[k], sb[k]), k
+    worst = max(float((sa[k] - sb[k]).abs().max()) for k in sa if sa[k].is_floating_point())
     assert worst <= 1e-3, worst
     ea, eb = exported(root / "out" / a), exported(root / "out" / b)
     assert ea.keys() == eb.keys() == sa.keys()
     for k in ea:
+        if not sa[k].is_floating_point():
+            assert torch.equal(ea[k].to(sa[k].dtype), sa[k]) and torch.equal(eb[k].to(sb[k].dtype), sb[k]), k
+            continue
         step = torch.maximum(ea[k].abs(), eb[k].abs()) * 2.0 ** -8
         assert ((ea[k] - eb[k]).abs() <= torch.clamp(step, min=1e-3)).all(), k
 
@@ -198,6 +204,38 @@ def test_resume_across_process_counts(setup):
                            {"steps": [5, STEPS], "world_size": 1, "backend": None, "parallel": "none"}]
     assert seg["1to2"] == [{"steps": [0, 5], "world_size": 1, "backend": None, "parallel": "none"},
                            {"steps": [5, STEPS], "world_size": 2, "backend": "gloo", "parallel": "fsdp"}]
+
+
+def test_eagle3_two_processes_reach_the_weights_of_one(setup):
+    """``--family eagle3`` under torchrun: the layer-feature cache built from both ranks' shares equals
+    the 1-process cache, and the 2-process run ends with the 1-process run's weights and losses."""
+    root, paths = setup
+    e3 = dict(DRAFTER, family="eagle3", draft_vocab=64, ttt_steps=3)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(TD, "domain_blocks", fake_blocks)
+        TD.train_drafter(TD.DrafterTrainConfig(**e3, **paths("e3-one", features="features-e3-one")))
+    torchrun(WORKER, *cli_args("drafter", **{**e3, **paths("e3-two", features="features-e3-two"),
+                                            "dist_timeout": 60}))
+    assert_same_weights(root, "e3-one", "e3-two")
+    la, lb = train_log(root, "e3-one"), train_log(root, "e3-two")
+    assert [r["step"] for r in la] == [r["step"] for r in lb] and len(la) > STEPS
+    for ra, rb in zip(la, lb):
+        if "heldout" in ra:
+            for d in ra["heldout"]:
+                assert ra["heldout"][d] == pytest.approx(rb["heldout"][d], abs=1e-4)
+        else:
+            assert ra["blocks"] == rb["blocks"]
+            for k in ("loss", "grad_norm", "ce@1", "acc@3"):
+                assert ra[k] == pytest.approx(rb[k], abs=1e-4), (ra["step"], k)
+    for d in ("math", "chat"):
+        one, two = (torch.load(root / f / f"{d}-layers-0-1.pt", weights_only=True)
+                    for f in ("features-e3-one", "features-e3-two"))
+        assert one["layers"] == two["layers"] == [0, 1]
+        for k in ("train", "heldout", "train_layers", "heldout_layers"):
+            assert torch.equal(one[k], two[k]), (d, k)
+        assert not list((root / "features-e3-two").glob("*.tmp"))  # the ranks' shares are removed
+    m = json.loads((root / "out" / "e3-two" / "manifest.json").read_text())
+    assert m["training"]["world_size"] == 2 and m["family"] == "eagle3"
 
 
 def test_target_training_two_processes(tmp_path):

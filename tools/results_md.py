@@ -3,11 +3,13 @@
     python tools/results_md.py runs/eval/results.json > /tmp/tables.md
     python tools/results_md.py --paired runs/eval/results.json    # paired row differences +- SE
     python tools/results_md.py --drafters                          # held-out accuracy of the drafters
+    python tools/results_md.py --compare eagle3 eagle2 runs/eval/results.json   # one family against another
 
 The paper's acceptance lengths (Llama-3-8B-Instruct target) are those of the authors' repository README
 (github.com/Moe-Zbeeb/TAPS, "Main results (acceptance length)"), which presents them as the paper's
 tables; rows: MathInstruct, ShareGPT, Mixed 35k+35k, Mixed 70k+70k, Averaged, Confidence Routed, Merged
-Trees. Our rows route-entropy, merged-budget and adaptive have no published counterpart.
+Trees. Our rows route-entropy, merged-budget and adaptive have no published counterpart. The paper has no
+EAGLE-3 rows.
 """
 
 from __future__ import annotations
@@ -51,12 +53,12 @@ def main(path: str) -> None:
     print(f"Settings: {cfg.get('limit')} prompts per benchmark, {cfg.get('max_new_tokens')} new tokens, depth "
           f"{cfg.get('depth')}, top-k {cfg.get('top_k')}, budget {cfg.get('budget')} nodes per drafter tree, "
           f"seed {cfg.get('seed')}, {cfg.get('dtype')} on {cfg.get('device')}.\n")
-    for fam in ("hass", "eagle2"):
+    for fam in ("hass", "eagle2", "eagle3"):
         for t in ("0", "1"):
             tab = tables.get(fam, {}).get(t)
             if not tab:
                 continue
-            name = {"hass": "HASS", "eagle2": "EAGLE-2"}[fam]
+            name = NAMES[fam]
             print(f"### {name}, temperature {t}\n")
             print("| row | " + " | ".join(HEAD) + " | avg | nodes/step | paper row | paper: " + " / ".join(HEAD)
                   + " / avg |")
@@ -73,7 +75,7 @@ def main(path: str) -> None:
                     s = f2(x)
                     cells.append(f"**{s}**" if x is not None and abs(x - best[b]) < 1e-9 else s)
                 paper = PAPER.get(row)
-                if paper:
+                if paper and fam in paper[1]:
                     pname, pv = paper[0], " / ".join(f2(x) for x in paper[1][fam][t])
                 else:
                     pname, pv = "(none)", "-"
@@ -95,7 +97,7 @@ def drafters(root: str = "models/drafters") -> None:
 
     print("| drafter | tokens | steps | train time | math acc@1 | math acc@3 | chat acc@1 | chat acc@3 |")
     print("|" + " --- |" * 8)
-    for fam in ("eagle2", "hass"):
+    for fam in ("eagle2", "hass", "eagle3"):
         for d in ("math", "chat", "mixed", "mixed2"):
             p = pathlib.Path(root) / f"{fam}-{d}" / "manifest.json"
             if not p.is_file():
@@ -105,6 +107,41 @@ def drafters(root: str = "models/drafters") -> None:
             print(f"| {fam}-{d} | {m['tokens_seen']:,} | {m['steps']} | {m['elapsed_s'] / 60:.1f} min | "
                   f"{h['math']['acc@1']:.3f} | {h['math']['acc@3']:.3f} | {h['chat']['acc@1']:.3f} | "
                   f"{h['chat']['acc@3']:.3f} |")
+
+
+NAMES = {"hass": "HASS", "eagle2": "EAGLE-2", "eagle3": "EAGLE-3"}
+
+
+def compare(fam_a: str, fam_b: str, path: str) -> None:
+    """Family A against family B row by row: mean tau over the benchmarks, their ratio, and the paired
+    per-prompt difference (same prompts and coins) pooled over the benchmarks, +- its standard error."""
+    import statistics
+
+    res = json.load(open(path))
+    cells = {(c["family"], c["temperature"], c["row"], c["benchmark"]): c for c in res["cells"]}
+    temps = sorted({t for f, t, _, _ in cells if f in (fam_a, fam_b)})
+    order = ["math", "chat", "mixed", "mixed2", "avg", "route-confidence", "route-entropy", "merged",
+             "merged-budget", "adaptive"]
+    print(f"| T | row | {NAMES.get(fam_a, fam_a)} avg tau | {NAMES.get(fam_b, fam_b)} avg tau | ratio | "
+          "paired difference per prompt | standard error | prompts |")
+    print("|" + " --- |" * 8)
+    for t in temps:
+        for row in order:
+            ta, tb, diffs = [], [], []
+            for bench in BENCHES:
+                ca, cb = cells.get((fam_a, t, row, bench)), cells.get((fam_b, t, row, bench))
+                if not ca or not cb:
+                    continue
+                ta.append(ca["tau"])
+                tb.append(cb["tau"])
+                diffs += [x - y for x, y in zip(ca.get("tau_per_prompt") or [], cb.get("tau_per_prompt") or [])
+                          if x is not None and y is not None]
+            if not ta:
+                continue
+            a, b = statistics.mean(ta), statistics.mean(tb)
+            se = f"{statistics.stdev(diffs) / len(diffs) ** 0.5:.3f}" if len(diffs) > 1 else "-"
+            mean = f"{statistics.mean(diffs):+.3f}" if diffs else "-"
+            print(f"| {t:g} | {row} | {a:.2f} | {b:.2f} | {a / b:.3f} | {mean} | {se} | {len(diffs)} |")
 
 
 PAIRS = (("merged-budget", "route-confidence"), ("adaptive", "merged-budget"), ("merged", "route-confidence"),
@@ -138,6 +175,9 @@ def paired(path: str) -> None:
 if __name__ == "__main__":
     if sys.argv[1:2] == ["--paired"]:
         paired(sys.argv[2])
+        sys.exit(0)
+    if sys.argv[1:2] == ["--compare"]:
+        compare(*sys.argv[2:5])
         sys.exit(0)
     if sys.argv[1:2] == ["--drafters"]:
         drafters(*sys.argv[2:3])

@@ -3,8 +3,8 @@
 Public names (imported lazily, so ``import taps`` stays light for the CLI):
 
 - drafters: :class:`Drafter`, :class:`ModelDrafter` (an independent small causal LM),
-  :class:`EagleDrafter` (EAGLE-1/2 / HASS feature head), :class:`PromptLookupDrafter` (n-gram matches
-  in the context, no model), :func:`average_drafters`
+  :class:`EagleDrafter` (EAGLE-1/2 / HASS feature head), :class:`Eagle3Drafter` (EAGLE-3 head),
+  :class:`PromptLookupDrafter` (n-gram matches in the context, no model), :func:`average_drafters`
 - :func:`expand`: the EAGLE-2 tree expansion every drafter uses
 - strategies: :data:`STRATEGIES`, :func:`make_strategy`, :func:`register_strategy`
 - :class:`SpeculativeDecoder` and its :class:`GenerateOutput`; :class:`RequestStats`, :class:`Profiler`
@@ -17,7 +17,7 @@ __version__ = "0.1.0"
 
 _EXPORTS = {
     "DraftCandidates": "drafters", "Drafter": "drafters", "EagleDrafter": "drafters",
-    "ModelDrafter": "drafters", "average_drafters": "drafters",
+    "ModelDrafter": "drafters", "average_drafters": "drafters", "Eagle3Drafter": "eagle3",
     "expand": "expansion", "PromptLookupDrafter": "ngram",
     "STRATEGIES": "strategies", "make_strategy": "strategies", "register_strategy": "strategies",
     "Profiler": "stats", "RequestStats": "stats", "summarize": "stats",

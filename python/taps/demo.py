@@ -22,7 +22,7 @@ import torch
 
 def add_demo_arguments(p) -> None:
     p.add_argument("--quick", action="store_true", help="fewer prompts and tokens (CI)")
-    p.add_argument("--family", default="hass", choices=("eagle2", "hass"), help="drafter family")
+    p.add_argument("--family", default="hass", choices=("eagle2", "hass", "eagle3"), help="drafter family")
     p.add_argument("--limit", type=int, default=None, help="prompts per benchmark in the evaluation (default 3, "
                                                            "quick 1)")
     p.add_argument("--max-new-tokens", type=int, default=None, help="default 96 (quick 40)")

@@ -683,18 +683,23 @@ class EagleDrafter(_SoloMixin, Drafter):
     # -- checkpoints -----------------------------------------------------------------------------
     @classmethod
     def from_pretrained(cls, path: str, target: Optional[nn.Module] = None,
-                        dtype: Optional[torch.dtype] = None) -> "EagleDrafter":
+                        dtype: Optional[torch.dtype] = None) -> "Drafter":
         """Load an EAGLE / HASS checkpoint directory (config.json + model.safetensors or
-        pytorch_model.bin with ``fc.*``, ``layers.0.*`` [, ``embed_tokens.weight``]) as it is.
+        pytorch_model.bin with ``fc.*``, ``layers.0.*`` [, ``embed_tokens.weight``]) as it is; an
+        EAGLE-3 checkpoint (``midlayer.*``, ``d2t``, ...) loads as a :class:`taps.eagle3.Eagle3Drafter`.
 
         The layout (fc bias, layer-0 input norm, own embedding) is read from the weight names; unknown
         weight names raise ValueError. Binds to `target` when given. Weights keep their stored dtype
         unless `dtype` is given.
         """
         with open(os.path.join(path, "config.json")) as f:
-            config = _config_from_dict(json.load(f))
+            raw = json.load(f)
         state = _load_weights(path)
         state = {k[len("model."):] if k.startswith("model.") else k: v for k, v in state.items()}
+        from .eagle3 import Eagle3Drafter, is_eagle3_state
+        if is_eagle3_state(state):
+            return Eagle3Drafter.from_state(raw, state, target=target, dtype=dtype, where=path)
+        config = _config_from_dict(raw)
         state.pop("lm_head.weight", None)  # some exports repeat the target's head; ours is the target's
         if "fc.weight" not in state:
             raise ValueError(f"EagleDrafter.from_pretrained: {path} has no fc.weight; not an EAGLE checkpoint "
@@ -963,6 +968,9 @@ def average_drafters(drafters: Sequence[Drafter], weights: Optional[Sequence[flo
             if v.shape != states[0][k].shape:
                 raise ValueError(f"average_drafters: drafter {i} parameter {k} has shape {tuple(v.shape)}, "
                                  f"drafter 0 {tuple(states[0][k].shape)}")
+            if not v.is_floating_point() and not torch.equal(v, states[0][k]):
+                raise ValueError(f"average_drafters: drafter {i} has another {k} than drafter 0 (integer "
+                                 "state such as a draft vocabulary map must be equal)")
     if weights is None:
         weights = [1.0] * len(drafters)
     if len(weights) != len(drafters):

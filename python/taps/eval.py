@@ -1,6 +1,6 @@
 """`taps eval`: acceptance length of every drafter and strategy on the evaluation prompts.
 
-For each drafter family (``eagle2``, ``hass``), temperature, row and benchmark (MT-Bench, GSM8K,
+For each drafter family (``eagle2``, ``hass``, ``eagle3``), temperature, row and benchmark (MT-Bench, GSM8K,
 MATH-500, SVAMP), the prompts are rendered with the chat template and decoded speculatively in batches.
 The rows (the paper's tables, :data:`ROWS`):
 

@@ -8,7 +8,9 @@ same arithmetic with a minimum of operations:
 
 - :class:`LayerWeights` / :func:`decoder_layer`: one Llama decoder layer (RMSNorm, q/k/v projections with
   optional biases and Qwen3's per-head q/k norms, rotary embedding, attention through a callback, o
-  projection, SiLU MLP), written once and shared by the target, the small-LM drafters and the EAGLE heads.
+  projection, SiLU MLP), written once and shared by the target, the small-LM drafters and the EAGLE heads;
+  :func:`eagle3_layer`: the EAGLE-3 head's layer (attention over [normed embedding, normed hidden]), the
+  same body, run by the EAGLE-3 drafter's inference and its training alike (:mod:`taps.eagle3`).
 - :class:`Linear` and :class:`Norm` hold either one weight set (the module's own parameters, no copy) or
   ``G`` weight sets of the same shape stacked into one tensor, so that ``G`` drafters run as one batched
   forward (``torch.bmm``): activations are then ``[G, R, features]`` with the drafters' rows group-major.
@@ -33,8 +35,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-__all__ = ["Linear", "Norm", "LayerWeights", "RopeTable", "decoder_layer", "LeanCausalLM", "lean_support",
-           "stack_key", "pack_weight", "cache_attend", "causal_append", "SUPPORTED_ARCHITECTURES"]
+__all__ = ["Linear", "Norm", "LayerWeights", "RopeTable", "decoder_layer", "eagle3_layer", "LeanCausalLM",
+           "lean_support", "stack_key", "pack_weight", "cache_attend", "causal_append", "SUPPORTED_ARCHITECTURES"]
 
 #: Hugging Face causal-LM classes whose forward the lean path reproduces.
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
@@ -224,8 +226,23 @@ def decoder_layer(w: LayerWeights, index: int, x: Tensor, cos: Tensor, sin: Tens
                   rows: int, tokens: int) -> Tensor:
     """One decoder layer. x: [G, rows * tokens, H] (G weight groups; G = 1 for a single weight set),
     cos / sin: [G * rows, tokens, 1, D] (sin with rotate_half's sign folded in, see :class:`RopeTable`)."""
-    groups = x.shape[0]
     h = w.in_norm(x) if w.in_norm is not None else x
+    return _attention_mlp(w, index, x, h, cos, sin, attend, rows, tokens)
+
+
+def eagle3_layer(w: LayerWeights, hidden_norm: Norm, index: int, emb: Tensor, x: Tensor, cos: Tensor, sin: Tensor,
+                 attend: Attend, rows: int, tokens: int) -> Tensor:
+    """The EAGLE-3 head's decoder layer (``midlayer``): the attention reads
+    ``cat(input_layernorm(emb), hidden_norm(x))`` (q/k/v projections from 2H) while the residual stream is
+    x; then the MLP as in :func:`decoder_layer`. emb, x: [G, rows * tokens, H]; cos / sin as there."""
+    h = torch.cat([w.in_norm(emb), hidden_norm(x)], dim=-1)
+    return _attention_mlp(w, index, x, h, cos, sin, attend, rows, tokens)
+
+
+def _attention_mlp(w: LayerWeights, index: int, x: Tensor, h: Tensor, cos: Tensor, sin: Tensor, attend: Attend,
+                   rows: int, tokens: int) -> Tensor:
+    """x + attention(h), then the MLP block with its own residual (the body of a decoder layer)."""
+    groups = x.shape[0]
     gb = groups * rows
     half = w.head_dim // 2
     if w.qkv is not None and w.q_norm is None and torch.is_grad_enabled() is False:
@@ -378,7 +395,8 @@ class LeanCausalLM:
 
     def hidden(self, ids: Tensor, positions: Tensor, attend: Attend, capture: Sequence[int] = ()):
         """Final normalised hidden states [G, R * T, H] of ids [G * R, T] at rotary positions [G * R, T];
-        with ``capture`` (layer indices), (hidden, {i: the input of layer i, [G, R * T, H]})."""
+        with ``capture`` (layer indices), (hidden, {i: the input of layer i, [G, R * T, H]}); index
+        ``num_layers`` is the final normalised hidden state (``output_hidden_states``' last entry)."""
         rows, tokens = ids.shape[0] // self.groups, ids.shape[1]
         x = self.embed(ids)
         cos, sin = self.rope(positions)
@@ -387,7 +405,10 @@ class LeanCausalLM:
             if i in capture:
                 layers[i] = x
             x = decoder_layer(w, i, x, cos, sin, attend, rows, tokens)
-        return (self.norm(x), layers) if capture else self.norm(x)
+        out = self.norm(x)
+        if len(self.layers) in capture:
+            layers[len(self.layers)] = out
+        return (out, layers) if capture else out
 
     def logits(self, hidden: Tensor) -> Tensor:
         """lm_head of hidden [G, R, H] -> [G, R, V]."""

@@ -1,13 +1,13 @@
-"""Loading the shipped models: the target and the EAGLE / HASS drafters trained for it.
+"""Loading the shipped models: the target and the EAGLE-2 / HASS / EAGLE-3 drafters trained for it.
 
 Layout of the models folder (:data:`MODELS_DIR`, the repository's ``models/``; ``$TAPS_MODELS_DIR``
 overrides it)::
 
     models/target/                     Hugging Face LlamaForCausalLM folder + tokenizer files + manifest.json
-    models/drafters/<family>-<data>/   config.json + model.safetensors (EagleDrafter.save_pretrained)
-                                       + manifest.json
+    models/drafters/<family>-<data>/   config.json + model.safetensors (EagleDrafter / Eagle3Drafter
+                                       .save_pretrained) + manifest.json
 
-``family`` is one of :data:`FAMILIES` (``eagle2``, ``hass``), ``data`` one of :data:`DATA_NAMES`
+``family`` is one of :data:`FAMILIES` (``eagle2``, ``hass``, ``eagle3``), ``data`` one of :data:`DATA_NAMES`
 (``math``, ``chat``, ``mixed``, ``mixed2`` and ``avg``, the weight average of the specialists).
 
 Every manifest.json holds ``"files": {relative path: sha256 hex}`` for the files of its folder (the
@@ -36,7 +36,7 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 #: The models folder as of import time (``$TAPS_MODELS_DIR`` or the repository's ``models/``);
 #: the loaders read the environment again on each call (:func:`models_dir`).
 MODELS_DIR = Path(os.environ.get("TAPS_MODELS_DIR") or REPO_ROOT / "models")
-FAMILIES = ("eagle2", "hass")
+FAMILIES = ("eagle2", "hass", "eagle3")
 DATA_NAMES = ("math", "chat", "mixed", "mixed2", "avg")
 MANIFEST = "manifest.json"
 
@@ -149,16 +149,18 @@ def draft_vocab(size: int, path: Optional[PathLike] = None) -> torch.Tensor:
 
 def load_drafter(family: str, data: str, target: torch.nn.Module, path: Optional[PathLike] = None,
                  verify: bool = True, draft_vocab: Optional[int] = None):
-    """Load drafter ``<family>-<data>`` as an :class:`taps.drafters.EagleDrafter` bound to `target` (in
-    the target's dtype and on its device).
+    """Load drafter ``<family>-<data>`` as an :class:`taps.drafters.EagleDrafter` (an
+    :class:`taps.eagle3.Eagle3Drafter` for EAGLE-3 checkpoints) bound to `target` (in the target's dtype
+    and on its device).
 
     Args:
         family, data: e.g. ``"eagle2"``, ``"math"``.
         target: the target model (from :func:`load_target`).
         path: the drafters folder (default ``models_dir() / "drafters"``).
         verify: check the files against the drafter's manifest.json first.
-        draft_vocab: propose only the this many most frequent target tokens (:func:`draft_vocab`);
-            None or 0: the whole vocabulary.
+        draft_vocab: propose only the this many most frequent target tokens (:func:`draft_vocab`;
+            for an EAGLE-3 head, those of them in its own draft vocabulary); None or 0: the whole
+            vocabulary.
     Raises:
         FileNotFoundError listing the drafters that are available when this one is not.
     """

@@ -89,6 +89,9 @@ class DrafterTrainConfig:
     align_steps: int = 3  # hass only (eagle2 trains one step)
     noise: float = 0.1
     target_dtype: str = "float32"  # the target's weights while it computes features (bfloat16 halves them)
+    draft_vocab: int = 2048  # eagle3 only: the head's draft vocabulary (0 = the whole vocabulary)
+    ttt_steps: int = 7  # eagle3 only: unrolled steps of the training-time test
+    feature_layers: str = ""  # eagle3 only: target layers read, e.g. "1,2,3" (default taps.eagle3.feature_layers)
     seed: int = 0
     device: str = "auto"
     threads: int = 0
@@ -107,7 +110,7 @@ class DrafterTrainConfig:
             raise ValueError(f"family must be one of {FAMILIES}, got {self.family!r}")
         if self.data not in DATA_MIXES:
             raise ValueError(f"data must be one of {DATA_MIXES}, got {self.data!r}")
-        for k in ("tokens", "seq_len", "batch_size", "topk", "align_steps"):
+        for k in ("tokens", "seq_len", "batch_size", "topk", "align_steps", "ttt_steps"):
             if getattr(self, k) < 1:
                 raise ValueError(f"{k} must be >= 1, got {getattr(self, k)}")
         if self.target_dtype not in TARGET_DTYPES:
@@ -120,7 +123,7 @@ class DrafterTrainConfig:
 
     @property
     def steps_per_batch(self) -> int:
-        return self.align_steps if self.family == "hass" else 1
+        return {"hass": self.align_steps, "eagle3": self.ttt_steps}.get(self.family, 1)
 
     @classmethod
     def field_names(cls) -> List[str]:
@@ -130,12 +133,15 @@ class DrafterTrainConfig:
         keys = ("family", "data", "tokens", "heldout_tokens", "seq_len", "batch_size", "lr", "min_lr",
                 "warmup_steps", "weight_decay", "grad_clip", "reg_weight", "cls_weight", "topk_weight", "topk",
                 "align_steps", "noise", "seed", "target_dtype")
+        if self.family == "eagle3":
+            keys += ("draft_vocab", "ttt_steps", "feature_layers")
         return {k: getattr(self, k) for k in keys}
 
 
 def add_drafter_arguments(p) -> None:
     d = DrafterTrainConfig()
-    p.add_argument("--family", choices=FAMILIES, default=d.family, help="training objective: eagle2 or hass")
+    p.add_argument("--family", choices=FAMILIES, default=d.family,
+                   help="training objective: eagle2, hass or eagle3 (an EAGLE-3 head, taps.train.eagle3)")
     p.add_argument("--data", choices=DATA_MIXES, default=d.data, help="math, chat or mixed (half each)")
     p.add_argument("--tokens", type=int, default=d.tokens, help="training tokens (one pass)")
     p.add_argument("--name", default=None, help="checkpoint name (default <family>-<data>)")
@@ -153,8 +159,12 @@ def add_drafter_arguments(p) -> None:
                    "on a rank; the rest by gradient accumulation (0: the rank's whole share at once)")
     for k in ("lr", "min_lr", "weight_decay", "grad_clip", "reg_weight", "cls_weight", "topk_weight", "noise"):
         p.add_argument("--" + k.replace("_", "-"), type=float, default=getattr(d, k))
-    for k in ("warmup_steps", "topk", "align_steps", "seed", "threads", "eval_every", "ckpt_every"):
+    for k in ("warmup_steps", "topk", "align_steps", "draft_vocab", "ttt_steps", "seed", "threads", "eval_every",
+              "ckpt_every"):
         p.add_argument("--" + k.replace("_", "-"), type=int, default=getattr(d, k))
+    p.add_argument("--feature-layers", default=d.feature_layers,
+                   help="eagle3: comma list of target layers whose inputs the head reads (N = the final hidden "
+                        "state; default: taps.eagle3.feature_layers of the target's depth)")
     p.add_argument("--ckpt-minutes", type=float, default=d.ckpt_minutes)
     p.add_argument("--max-steps", type=int, default=None, help="stop (checkpointed) after this step")
     p.add_argument("--device", default=d.device, help="auto | cpu | cuda | cuda:N")
@@ -513,6 +523,10 @@ def training_blocks(cfg: DrafterTrainConfig, target, tok, device, ctx: Optional[
 def train_drafter(cfg: DrafterTrainConfig) -> dict:
     """Train (or resume) one drafter; export it when finished. Returns a summary dict. Under torchrun
     every rank calls this (data parallel, :mod:`taps.train.dist`); only rank 0 writes files."""
+    if cfg.family == "eagle3":
+        from .eagle3 import train_eagle3
+
+        return train_eagle3(cfg)
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     with D.distributed(cfg.device, cfg.dist_timeout) as ctx:
@@ -645,8 +659,9 @@ def _clear(out: Path) -> None:
     out.mkdir(parents=True, exist_ok=True)
 
 
-def export_drafter(drafter, cfg: DrafterTrainConfig, data_info: dict, summary: dict, device) -> None:
-    """Save the drafter (EAGLE layout, bf16 safetensors) and manifest.json into cfg.out."""
+def export_drafter(drafter, cfg: DrafterTrainConfig, data_info: dict, summary: dict, device,
+                   extra: Optional[dict] = None) -> None:
+    """Save the drafter (its published layout, bf16 safetensors) and manifest.json (with `extra`) into cfg.out."""
     import transformers
 
     from ..files import weights_sha256
@@ -656,11 +671,15 @@ def export_drafter(drafter, cfg: DrafterTrainConfig, data_info: dict, summary: d
     twin = drafter.clone().to("cpu", dtype=torch.bfloat16)
     twin.save_pretrained(str(out))
     manifest = {
-        "kind": "drafter", "architecture": "EagleDrafter (EAGLE layout: fc + 1 Llama decoder layer; the target's "
-                                          "embeddings and lm_head)",
+        "kind": "drafter", "architecture": (
+            "Eagle3Drafter (EAGLE-3 layout: fc over 3 target layers + midlayer + norm + own lm_head over a draft "
+            "vocabulary, d2t / t2d; the target's embeddings)" if cfg.family == "eagle3" else
+            "EagleDrafter (EAGLE layout: fc + 1 Llama decoder layer; the target's embeddings and lm_head)"),
         "family": cfg.family, "data": cfg.data, "name": cfg.name,
         "objective": ({"eagle2": "feature regression (SmoothL1) + token cross-entropy vs the target's distribution",
-                       "hass": "EAGLE-2 terms + top-k distillation + harmonized context alignment"}[cfg.family]),
+                       "hass": "EAGLE-2 terms + top-k distillation + harmonized context alignment",
+                       "eagle3": "training-time test: cross-entropy vs the target's distribution on the draft "
+                                 "vocabulary at every unrolled step"}[cfg.family]),
         "dtype": "bfloat16 (trained in fp32)",
         "data_info": data_info, **summary, "seed": cfg.seed,
         "train_config": {k: (_relative(v) if isinstance(v, Path) else v) for k, v in dataclasses.asdict(cfg).items()
@@ -669,6 +688,7 @@ def export_drafter(drafter, cfg: DrafterTrainConfig, data_info: dict, summary: d
                    + (f" --name {cfg.name}" if cfg.name != f"{cfg.family}-{cfg.data}" else ""),
         "target_sha256": weights_sha256(cfg.target),
         "device": str(device), "versions": {"torch": torch.__version__, "transformers": transformers.__version__},
+        **(extra or {}),
     }
     write_manifest(out, manifest)
 

@@ -1,0 +1,476 @@
+"""Training of EAGLE-3 heads (:class:`taps.eagle3.Eagle3Drafter`) on the target's multi-layer features.
+
+``taps train drafter --family eagle3`` runs :func:`train_eagle3` with the same data, blocks, block order,
+optimiser, schedule, checkpointing and export as the EAGLE-2 / HASS families (:mod:`taps.train.drafter`);
+what differs:
+
+- features: the inputs of the target layers :func:`taps.eagle3.feature_layers` picks (1, 2, 3 for the
+  shipped 4-layer target), concatenated, cached per domain beside the final-hidden-state cache
+  (``<feature_dir>/<domain>-layers-<i>-<j>-<k>.pt``, bf16, k * H * 2 bytes per token). The final
+  hidden states still give the target's next-token distribution.
+- draft vocabulary: the ``draft_vocab`` most frequent target tokens of the drafters' training data, from
+  the target folder's ``token_counts.json`` (``taps train vocab``: both domains, so every head of a target
+  shares one vocabulary and can be averaged or batched) or, without that file, counted over this run's
+  training blocks. d2t / t2d as the reference builds them (:func:`taps.eagle3.vocab_mapping`). The head's
+  ``lm_head`` starts as the target's lm_head rows of those tokens and its ``norm`` as the target's final
+  norm.
+- objective (the reference's "training-time test"): the head is unrolled over ``ttt_steps`` steps. Step
+  0 reads (token t + 1, fused target features at t) at position t, as a committed entry does at
+  inference; step i reads (token t + 1 + i, the head's own step i - 1 output at column t) at position
+  t + i and attends to the step-0 keys at positions <= t and to the step-1 .. i keys of its own column:
+  exactly the context of a depth-i node in a draft tree whose root is entry t (tested against the
+  inference forward). Step i's loss is the cross-entropy between the head's draft-vocabulary
+  distribution and the target's next-token distribution at position t + 1 + i restricted to the draft
+  vocabulary, over positions whose target top-1 token is in the draft vocabulary; steps are weighted
+  0.8^i (normalised to sum 1). No feature regression and no input noise.
+
+Metrics: ``acc@j`` (j = 1 .. ttt_steps during training; 1 .. 5 held out) is the share of positions where
+the head's top-1 token (mapped to target ids) equals the target's top-1 token after j - 1 steps of
+feeding back its own features, comparable to the EAGLE-2 / HASS ``acc@j``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from . import dist as D
+from .drafter import TARGET_DTYPES, DOMAINS, DrafterTrainConfig, drafter_config, export_drafter, load_domain_features
+from .target import _recent_train_loss, checkpoint_if_due, finish_run, lr_at, make_optimizer, resume
+
+__all__ = ["train_eagle3", "new_eagle3_drafter", "unrolled_logits", "eagle3_losses", "UnrolledAttention",
+           "draft_vocabulary", "HELDOUT_STEPS", "STEP_WEIGHT"]
+
+HELDOUT_STEPS = 5  # held-out acc@1 .. acc@5 (the depth of the evaluation trees)
+STEP_WEIGHT = 0.8  # loss weight of unrolled step i: STEP_WEIGHT ** i (the reference's)
+
+
+# ------------------------------------------------------------------------------------------ the model
+
+def new_eagle3_drafter(target, draft_ids: Optional[Tensor], layers: Sequence[int]):
+    """An Eagle3Drafter shaped like the target's decoder layers, reading target layers `layers`, over the
+    draft vocabulary `draft_ids` (target ids; None = the whole vocabulary), bound to `target`; its
+    lm_head starts as the target's rows of those tokens, its norm as the target's final norm."""
+    from taps.eagle3 import Eagle3Drafter, vocab_mapping
+
+    vocab = int(target.get_output_embeddings().weight.shape[0])
+    cfg = drafter_config(target.config, 1)
+    cfg.draft_vocab_size = vocab if draft_ids is None else int(draft_ids.numel())
+    cfg.eagle_aux_hidden_state_layer_ids = [int(i) for i in layers]
+    drafter = Eagle3Drafter(cfg).to(torch.float32)
+    if draft_ids is not None:
+        drafter.set_vocab_mapping(vocab_mapping(draft_ids, vocab)[0])
+    with torch.no_grad():
+        drafter.lm_head.weight.copy_(target.get_output_embeddings().weight[drafter.draft_token_ids()])
+        final_norm = getattr(target.get_decoder() if hasattr(target, "get_decoder") else target.model, "norm", None)
+        if final_norm is not None and final_norm.weight.shape == drafter.norm.weight.shape:
+            drafter.norm.weight.copy_(final_norm.weight)
+    drafter.bind(target)
+    return drafter.to(torch.float32)
+
+
+class UnrolledAttention:
+    """The attention of the unrolled steps (an ``attend`` callback of :mod:`taps.lean`): step 0's
+    queries see step 0's keys causally; step i's query at column t sees step 0's keys at columns <= t
+    and the keys of steps 1 .. i at column t (its draft ancestors and itself). One instance serves one
+    unrolled pass: each call is the next step, and its keys are kept for the later ones."""
+
+    def __init__(self, scale: float):
+        self.scale = scale
+        self.causal: Optional[Tensor] = None  # additive causal mask [T, T]
+        self.keys: List[Tensor] = []
+        self.values: List[Tensor] = []
+
+    def __call__(self, index: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)          # [B, H, T, D]
+        rep = q.shape[1] // k.shape[1]
+        if rep > 1:
+            k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
+        self.keys.append(k)
+        self.values.append(v)
+        n = q.shape[2]
+        if self.causal is None or self.causal.shape[0] != n:
+            self.causal = torch.full((n, n), float("-inf"), dtype=q.dtype, device=q.device).triu(1)
+        first = torch.baddbmm(self.causal, q.flatten(0, 1), self.keys[0].flatten(0, 1).transpose(-1, -2),
+                              alpha=self.scale).view(*q.shape[:3], n)               # [B, H, T, T]
+        if len(self.keys) == 1:
+            return torch.softmax(first, -1) @ self.values[0]
+        # softmax over [first, own scores] without concatenating: one log-normaliser for both parts
+        own = torch.stack([(q * key).sum(-1) for key in self.keys[1:]], -1) * self.scale  # [B, H, T, i]
+        lse = torch.logaddexp(first.logsumexp(-1), own.logsumexp(-1)).unsqueeze(-1)
+        out = torch.exp(first - lse) @ self.values[0]
+        return out + (torch.exp(own - lse).unsqueeze(-1) * torch.stack(self.values[1:], -2)).sum(-2)
+
+
+def unrolled_logits(drafter, weights, tokens: Tensor, fused: Tensor, steps: int, rope=None) -> List[Tensor]:
+    """Draft-vocabulary logits [B, n, Vd] of unrolled steps 0 .. steps - 1 (see the module docstring).
+
+    tokens: [B, n] the block's tokens x_0 .. x_{n-1}; fused: [B, n, k * H] the fused target features at
+    positions 0 .. n-1; weights: :class:`taps.eagle3.Eagle3Weights` of the drafter (autograd flows to its
+    parameters). Step i's column t reads token x_{t+1+i} (0 past the block's end; its outputs there are
+    not used)."""
+    from taps.lean import RopeTable
+
+    b, n = tokens.shape
+    rope = rope or RopeTable(drafter.rotary, fused.dtype)
+    rope.ensure(n + steps, fused.device)
+    attend = UnrolledAttention(weights.layer.scale)
+    embed = drafter.embedding_weight()
+    pos = torch.arange(n, device=fused.device).unsqueeze(0).expand(b, n)
+    h, out = fused.reshape(1, b * n, -1), []
+    for i in range(steps):
+        ids = torch.zeros_like(tokens)
+        ids[:, :n - 1 - i] = tokens[:, 1 + i:]
+        emb = F.embedding(ids, embed).to(fused.dtype).view(1, b * n, -1)
+        cos, sin = rope(pos + i)
+        h = weights.hidden(emb, h, i == 0, cos, sin, attend, b, n)
+        out.append(weights.logits(h).view(b, n, -1))
+    return out
+
+
+@torch.no_grad()
+def masked_counts(drafter, head_w: Tensor, final: Tensor, steps: int) -> List[float]:
+    """The number of positions each unrolled step's loss averages over in blocks with final features
+    `final` [B, n, H]: those whose target top-1 token (``final @ head_w.T``) is in the draft vocabulary."""
+    n = final.shape[1]
+    in_vocab = drafter.t2d[(final @ head_w.t()).argmax(-1)]
+    return [float(in_vocab[:, 1 + i:].sum()) for i in range(min(steps, n - 1))]
+
+
+def eagle3_losses(drafter, head_w: Tensor, tokens: Tensor, fused: Tensor, final: Tensor, steps: int,
+                  rope=None, counts: Optional[Sequence[float]] = None) -> Tuple[Tensor, Dict[str, float]]:
+    """(weighted loss, metrics) of one batch: tokens [B, n] long, fused [B, n, k * H] and final [B, n, H]
+    (the target's final normalised hidden states) fp32; head_w: the target's lm_head weight [V, H].
+
+    Step i's loss is the sum of its positions' cross-entropies divided by ``counts[i]`` (default: the
+    number of those positions in this batch, :func:`masked_counts`). A micro-batch of b rows of a global
+    batch of B rows passes the global batch's counts times b / B, so that its rows' share of the mean
+    loss, and of the gradient, is what it is in the whole batch, however the batch is split."""
+    from taps.eagle3 import Eagle3Weights
+
+    n = tokens.shape[1]
+    ids = drafter.draft_token_ids()
+    with torch.no_grad():
+        target_logits = final @ head_w.t()                                   # [B, n, V]
+        top1 = target_logits.argmax(-1)
+        in_vocab = drafter.t2d[top1]
+        target_p = torch.softmax(target_logits[..., ids], -1)               # [B, n, Vd]
+    logits = unrolled_logits(drafter, Eagle3Weights([drafter]), tokens, fused, steps, rope)
+    total, weight_sum, metrics = 0.0, 0.0, {}
+    for i, lg in enumerate(logits):
+        cols = n - 1 - i
+        if cols < 1:
+            break
+        logq = torch.log_softmax(lg[:, :cols].float(), -1)
+        mask = in_vocab[:, 1 + i:].float()
+        ce = -(target_p[:, 1 + i:] * logq).sum(-1)
+        denom = mask.sum().clamp_min(1.0) if counts is None else max(float(counts[i]), 1e-9)
+        loss = (ce * mask).sum() / denom
+        w = STEP_WEIGHT ** i
+        total = total + w * loss
+        weight_sum += w
+        metrics[f"ce@{i + 1}"] = float(loss.detach())
+        metrics[f"acc@{i + 1}"] = float((ids[logq.detach().argmax(-1)] == top1[:, 1 + i:]).float().mean())
+    return total / weight_sum, metrics
+
+
+# ------------------------------------------------------------------------------------------------ data
+
+def draft_vocabulary(cfg: DrafterTrainConfig, vocab: int,
+                     train_blocks: Sequence[Tensor]) -> Tuple[Optional[Tensor], dict]:
+    """(draft token ids or None for the whole vocabulary, info): the cfg.draft_vocab most frequent target
+    tokens by the target folder's token_counts.json, else counted over `train_blocks`."""
+    from taps.vocab import count_tokens, coverage, load_token_counts, top_tokens
+
+    size = int(cfg.draft_vocab)
+    if size <= 0 or size >= vocab:
+        return None, {"size": vocab, "source": "the whole vocabulary"}
+    try:
+        counts, src = load_token_counts(cfg.target)
+        if counts.numel() != vocab:
+            raise ValueError("vocabulary size differs")
+        source = {"file": "token_counts.json of the target", "counted": src.get("command")}
+    except ValueError:
+        counts = count_tokens(train_blocks, vocab)
+        source = {"file": None, "counted": "this run's training blocks"}
+    ids = top_tokens(counts, size)
+    return ids, {"size": size, "source": source, "coverage_of_counted_tokens": round(coverage(counts, ids), 4)}
+
+
+@torch.no_grad()
+def target_layer_features(target, blocks: Tensor, layers: Sequence[int], device, micro: int = 8, desc: str = "",
+                          quiet: bool = False) -> Tensor:
+    """The inputs of target layers `layers` concatenated, [n, L, len(layers) * H] bf16 on the CPU, of
+    token blocks [n, L]."""
+    from tqdm import tqdm
+
+    base = target.get_decoder() if hasattr(target, "get_decoder") else target.model
+    out = []
+    for i in tqdm(range(0, len(blocks), micro), desc=desc, disable=quiet, unit="batch", file=sys.stderr,
+                  mininterval=1.0 if sys.stderr.isatty() else 30.0):
+        x = blocks[i:i + micro].to(device=device, dtype=torch.long)
+        hs = base(input_ids=x, output_hidden_states=True).hidden_states
+        out.append(torch.cat([hs[j] for j in layers], -1).to("cpu", torch.bfloat16))
+    width = len(layers) * target.config.hidden_size
+    return torch.cat(out) if out else torch.zeros((0, blocks.shape[1], width), dtype=torch.bfloat16)
+
+
+def load_layer_features(domain: str, cfg: DrafterTrainConfig, feats, layers: Sequence[int], target, device,
+                        ctx: Optional[D.DistContext] = None):
+    """(train [n, L, kH], heldout [m, L, kH]) layer features of the blocks of :class:`DomainFeatures`
+    `feats`, from ``<feature_dir>/<domain>-layers-<...>.pt`` when it holds them, else computed and cached.
+    Under torchrun every rank computes its share of the blocks; rank 0 joins the shares into the cache."""
+    ctx = ctx or D.DistContext(device=torch.device(device))
+    cache = Path(cfg.feature_dir) / f"{domain}-layers-{'-'.join(str(i) for i in layers)}.pt"
+    n = len(feats.train)
+
+    def cached():
+        if not cache.exists():
+            return None
+        st = torch.load(cache, weights_only=True, mmap=True)
+        if (st["layers"] == list(layers) and len(st["train"]) >= n and torch.equal(st["train"][:n], feats.train)
+                and torch.equal(st["heldout"], feats.heldout)):
+            return st["train_layers"][:n], st["heldout_layers"]
+        return None
+
+    hit = cached()
+    if ctx.agree(hit is not None):
+        ctx.barrier()
+        return hit if hit is not None else cached()
+    t0 = time.time()
+    parts = {}
+    for name, blocks in (("train", feats.train), ("heldout", feats.heldout)):
+        lo, hi = ctx.shard(0, len(blocks))
+        parts[name] = target_layer_features(target, blocks[lo:hi], layers, device, quiet=cfg.quiet or not ctx.is_main
+                                            or name != "train", desc=f"{domain} layer features")
+    shard = cache.with_name(f"{cache.stem}.rank{ctx.rank}.tmp")
+    cache.parent.mkdir(parents=True, exist_ok=True)
+    if ctx.distributed:
+        torch.save(parts, shard)
+    ctx.barrier()
+    if ctx.is_main:
+        if ctx.distributed:
+            shards = [cache.with_name(f"{cache.stem}.rank{r}.tmp") for r in range(ctx.world_size)]
+            loaded = [torch.load(f, weights_only=True) for f in shards]
+            parts = {k: torch.cat([p[k] for p in loaded]) for k in parts}
+        st = {"layers": list(layers), "train": feats.train, "heldout": feats.heldout, "train_layers": parts["train"],
+              "heldout_layers": parts["heldout"]}
+        tmp = cache.with_suffix(".tmp")
+        torch.save(st, tmp)
+        os.replace(tmp, cache)
+        if ctx.distributed:
+            for f in shards:
+                f.unlink()
+        print(f"[train drafter] {domain}: target layers {list(layers)} of {n} blocks in {time.time() - t0:.0f}s "
+              f"({ctx.world_size} process(es)) -> {cache}", flush=True)
+    ctx.barrier()
+    return cached()
+
+
+class _Blocks:
+    """The run's training blocks in the EAGLE-2 / HASS runs' order, read lazily per batch from the
+    per-domain (memory-mapped) caches: tokens, fused layer features, final features, domain id."""
+
+    def __init__(self, parts: Dict[str, tuple], used: Sequence[str], seed: int):
+        self.parts = parts
+        self.index = [(d, i) for d in used for i in range(len(parts[d][0]))]
+        perm = torch.randperm(len(self.index), generator=torch.Generator().manual_seed(seed))
+        self.index = [self.index[int(j)] for j in perm]
+
+    def __len__(self) -> int:
+        return len(self.index)
+
+    def batch(self, sl: slice, device):
+        picked = self.index[sl]
+        rows = {k: [] for k in range(3)}
+        for d, i in picked:
+            for k in range(3):
+                rows[k].append(self.parts[d][k][i])
+        tokens = torch.stack(rows[0]).to(device=device, dtype=torch.long)
+        fused, final = (torch.stack(rows[k]).to(device=device, dtype=torch.float32) for k in (1, 2))
+        return tokens, fused, final, self.domains(sl)
+
+    def finals(self, sl: slice, device) -> Tensor:
+        """The final features [b, n, H] fp32 of the rows in `sl`."""
+        return torch.stack([self.parts[d][2][i] for d, i in self.index[sl]]).to(device=device, dtype=torch.float32)
+
+    def domains(self, sl: slice) -> List[int]:
+        """Domain ids (indices into DOMAINS) of the rows in `sl`."""
+        return [DOMAINS.index(d) for d, _ in self.index[sl]]
+
+
+def eagle3_data(cfg: DrafterTrainConfig, target, tok, device, layers: Sequence[int],
+                ctx: Optional[D.DistContext] = None):
+    """(training blocks, {domain: (heldout tokens, fused, final)}, data info, the training token blocks)."""
+    if cfg.data == "mixed":
+        want = {"math": cfg.tokens // 2, "chat": cfg.tokens - cfg.tokens // 2}
+    else:
+        want = {cfg.data: cfg.tokens}
+    base = {d: load_domain_features(d, cfg, want.get(d, 1), target, tok, device, ctx) for d in DOMAINS}
+    layer_feats = {d: load_layer_features(d, cfg, base[d], layers, target, device, ctx) for d in DOMAINS}
+    used = [d for d in DOMAINS if d in want]
+    parts = {d: (base[d].train, layer_feats[d][0], base[d].train_feat) for d in used}
+    held = {d: (base[d].heldout, layer_feats[d][1], base[d].heldout_feat) for d in DOMAINS}
+    info = {d: {"train_tokens": int(base[d].train.numel()) if d in want else 0,
+                "heldout_tokens": int(base[d].heldout.numel()),
+                **{k: v for k, v in base[d].info.items() if k not in ("key", "train_tokens", "heldout_tokens")}}
+            for d in DOMAINS}
+    return _Blocks(parts, used, cfg.seed), held, info, [base[d].train for d in used]
+
+
+def heldout_metrics(model: D.DataParallelModel, held: tuple, device, micro: int = 8) -> dict:
+    """Held-out ce@j / acc@j, j = 1 .. HELDOUT_STEPS (token-weighted means) of the head in ``model`` (its
+    loss :func:`eagle3_losses`); the blocks are shared out over the ranks. ``held``: (tokens, fused,
+    final, the held-out set's :func:`masked_counts`)."""
+    tokens, fused, final, counts = held
+    model.module.eval()
+
+    def run(a, b):
+        x = tokens[a:b].to(device=device, dtype=torch.long)
+        f, g = (t[a:b].to(device=device, dtype=torch.float32) for t in (fused, final))
+        return model(x, f, g, HELDOUT_STEPS, [c * (b - a) / len(tokens) for c in counts])[1]
+
+    res = model.mean_over(len(tokens), micro, run)
+    model.module.train()
+    return {k: round(v, 5) for k, v in res.items()}
+
+
+def _held_counts(drafter, head_w: Tensor, final: Tensor, device, micro: int = 8) -> List[float]:
+    """:func:`masked_counts` of a held-out set, HELDOUT_STEPS steps, in micro-batches."""
+    total = [0.0] * HELDOUT_STEPS
+    for i in range(0, len(final), micro):
+        part = masked_counts(drafter, head_w, final[i:i + micro].to(device=device, dtype=torch.float32),
+                             HELDOUT_STEPS)
+        total = [t + c for t, c in zip(total, part)] + total[len(part):]
+    return total
+
+
+# ------------------------------------------------------------------------------------------------ main
+
+def train_eagle3(cfg: DrafterTrainConfig) -> dict:
+    """Train (or resume) one EAGLE-3 head; export it when finished. Returns a summary dict. Under torchrun
+    every rank calls this (data parallel, :mod:`taps.train.dist`); only rank 0 writes files."""
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    with D.distributed(cfg.device, cfg.dist_timeout) as ctx:
+        return _train_eagle3(cfg, ctx)
+
+
+def _train_eagle3(cfg: DrafterTrainConfig, ctx: D.DistContext) -> dict:
+    from tqdm import tqdm
+
+    from taps.eagle3 import feature_layers
+    from taps.lean import RopeTable
+    from taps.models import load_target
+
+    device = ctx.device
+    target, tok = load_target(cfg.target, dtype=TARGET_DTYPES[cfg.target_dtype], verify=False)
+    target.to(device).requires_grad_(False)
+    layers = (tuple(int(i) for i in cfg.feature_layers.split(",")) if cfg.feature_layers
+              else feature_layers(target.config.num_hidden_layers))
+    blocks, held, data_info, train_blocks = eagle3_data(cfg, target, tok, device, layers, ctx)
+    total_steps = len(blocks) // cfg.batch_size
+    if total_steps < 1:
+        raise ValueError(f"{len(blocks)} training blocks are fewer than one batch of {cfg.batch_size}")
+    if cfg.batch_size < ctx.world_size:
+        raise ValueError(f"--batch-size {cfg.batch_size} is smaller than the {ctx.world_size} ranks")
+    vocab = int(target.get_output_embeddings().weight.shape[0])
+    draft_ids, vocab_info = draft_vocabulary(cfg, vocab, train_blocks)
+    torch.manual_seed(cfg.seed)
+    drafter = new_eagle3_drafter(target, draft_ids, layers).to(device)
+    drafter.train()
+    head_w = target.get_output_embeddings().weight.detach().float()
+    rope = RopeTable(drafter.rotary, torch.float32)
+    model = D.DataParallelModel(
+        drafter, lambda d, x, fused, final, steps, counts: eagle3_losses(d, head_w, x, fused, final, steps, rope,
+                                                                         counts), ctx, fsdp=cfg.fsdp)
+    held = {d: (*held[d], _held_counts(drafter, head_w, held[d][2], device)) for d in DOMAINS}
+    opt = make_optimizer(drafter, cfg)
+    n_params = sum(p.numel() for p in drafter.parameters())
+    run_dir = Path(cfg.run_dir)
+    if ctx.is_main:
+        run_dir.mkdir(parents=True, exist_ok=True)
+    ckpt, log = run_dir / "checkpoint.pt", run_dir / "log.jsonl"
+    step, tokens_seen, elapsed0 = resume(ckpt, log, model, opt, cfg, device, f"[train drafter {cfg.name}]",
+                                         total_steps)
+    stop_at = min(total_steps, cfg.max_steps) if cfg.max_steps else total_steps
+    if step == 0 and not cfg.quiet and ctx.is_main:
+        print(f"[train drafter {cfg.name}] EAGLE-3 head, {n_params:,} parameters on {device} x {ctx.world_size} "
+              f"rank(s) ({model.parallel}); target layers {list(layers)}; draft vocabulary {vocab_info['size']}; "
+              f"{total_steps} steps of {cfg.batch_size} x {cfg.seq_len} tokens, {cfg.ttt_steps} unrolled steps",
+              flush=True)
+    bar = tqdm(total=total_steps, initial=step, unit="step", disable=cfg.quiet or not ctx.is_main, dynamic_ncols=True,
+               mininterval=1.0 if sys.stderr.isatty() else 30.0, file=sys.stderr, desc=cfg.name)
+    logf = open(log, "a") if ctx.is_main else None
+    t_start, last_ckpt = time.time(), time.time()
+    seq = cfg.seq_len
+
+    def evaluate(at_step):
+        res = {d: heldout_metrics(model, held[d], device, cfg.micro_batch or 8) for d in DOMAINS}
+        if logf:
+            logf.write(json.dumps({"step": at_step, "tokens": tokens_seen, "heldout": res}) + "\n")
+            logf.flush()
+        return res
+
+    def run(a, b):  # rows [a, b)'s share of the batch's mean loss, and their metrics
+        x, fused, final, _ = blocks.batch(slice(a, b), device)
+        return model(x, fused, final, cfg.ttt_steps, [c * (b - a) / cfg.batch_size for c in counts])
+
+    last_eval = None
+    while step < stop_at:
+        start = step * cfg.batch_size
+        lr = lr_at(cfg, step, total_steps)
+        for g in opt.param_groups:
+            g["lr"] = lr
+        counts = masked_counts(drafter, head_w, blocks.finals(slice(start, start + cfg.batch_size), device),
+                               cfg.ttt_steps)  # the whole batch's, on every rank
+        metrics = model.accumulate_gradients(start, cfg.batch_size, cfg.micro_batch, run)
+        loss = metrics.pop("loss")
+        gnorm = model.clip_grad_norm_(cfg.grad_clip)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        step += 1
+        tokens_seen += cfg.batch_size * seq
+        elapsed = elapsed0 + time.time() - t_start
+        if logf:
+            domains = blocks.domains(slice(start, start + cfg.batch_size))
+            logf.write(json.dumps({"step": step, "tokens": tokens_seen, "loss": round(loss, 6), "lr": lr,
+                                   "grad_norm": round(gnorm, 4), "elapsed_s": round(elapsed, 1),
+                                   **{k: round(v, 5) for k, v in metrics.items()},
+                                   "blocks": {d: domains.count(i) for i, d in enumerate(DOMAINS)}}) + "\n")
+            logf.flush()
+        if cfg.eval_every and (step % cfg.eval_every == 0 or step == total_steps):
+            last_eval = evaluate(step)
+        bar.update(1)
+        bar.set_postfix(loss=f"{loss:.3f}", acc=f"{metrics['acc@1']:.2f}",
+                        tok_s=f"{tokens_seen / max(elapsed, 1e-9):.0f}", refresh=False)
+        last_ckpt = checkpoint_if_due(ckpt, model, opt, step, stop_at, tokens_seen, cfg, elapsed, last_ckpt)
+    summary = finish_run(bar, logf, step, total_steps, tokens_seen, n_params, elapsed0, t_start)
+    summary["training"] = {**model.describe(step), "micro_batch": cfg.micro_batch}
+    if summary["finished"]:
+        if last_eval is None:
+            last_eval = {d: heldout_metrics(model, held[d], device, cfg.micro_batch or 8) for d in DOMAINS}
+        summary["final_heldout"] = last_eval
+        state = model.state_dict()  # a collective under FSDP
+        if ctx.is_main:
+            summary["final_train_loss"] = _recent_train_loss(log, 20)
+            final = new_eagle3_drafter(target, draft_ids, layers)
+            final.load_state_dict(state)
+            extra = {"draft_vocab": vocab_info, "feature_layers": list(layers), "ttt_steps": cfg.ttt_steps,
+                     "step_weight": STEP_WEIGHT}
+            export_drafter(final, cfg, data_info, summary, device, extra=extra)
+            acc = ", ".join(f"{d} acc@1 {last_eval[d]['acc@1']:.3f} acc@3 {last_eval[d]['acc@3']:.3f}"
+                            for d in DOMAINS)
+            print(f"[train drafter {cfg.name}] finished in {summary['elapsed_s']:.0f}s; held-out {acc}; exported to "
+                  f"{cfg.out}", flush=True)
+    elif ctx.is_main:
+        print(f"[train drafter {cfg.name}] stopped at step {step}/{total_steps}; rerun to continue", flush=True)
+    return summary
