@@ -46,7 +46,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Dict, List, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -534,8 +534,6 @@ def train_drafter(cfg: DrafterTrainConfig) -> dict:
 
 
 def _train_drafter(cfg: DrafterTrainConfig, ctx: D.DistContext) -> dict:
-    from tqdm import tqdm
-
     from taps.models import load_target
 
     device = ctx.device
@@ -547,16 +545,57 @@ def _train_drafter(cfg: DrafterTrainConfig, ctx: D.DistContext) -> dict:
     embed_w = target.get_input_embeddings().weight.detach().float()
     target.to("cpu")
     total_steps = len(train) // cfg.batch_size
-    if total_steps < 1:
-        raise ValueError(f"{len(train)} training blocks are fewer than one batch of {cfg.batch_size}")
-    if cfg.batch_size < ctx.world_size:
-        raise ValueError(f"--batch-size {cfg.batch_size} is smaller than the {ctx.world_size} ranks")
+    check_batches(cfg, ctx, len(train))
     torch.manual_seed(cfg.seed)
     drafter = new_drafter(target).to(device)
     drafter.train()
     model = D.DataParallelModel(drafter, lambda d, *a: drafter_losses(d, head_w, embed_w, *a), ctx, fsdp=cfg.fsdp)
-    opt = make_optimizer(drafter, cfg)
-    n_params = sum(p.numel() for p in drafter.parameters())
+    seq, hidden = train.shape[1], target.config.hidden_size
+
+    def run(a, b, start):  # mean loss and metrics of training rows [a, b)
+        x = train[a:b].to(device=device, dtype=torch.long)
+        f = feats[a:b].to(device=device, dtype=torch.float32)
+        noise = cfg.noise
+        if noise:
+            noise = (D.sample_uniform(a, b, (seq - 1, hidden), cfg.seed, device) * 2 - 1) * cfg.noise
+        return model(x, f, cfg, cfg.steps_per_batch, noise)
+
+    def export(state, summary):
+        final = new_drafter(target)
+        final.load_state_dict(state)
+        export_drafter(final, cfg, data_info, summary, device)
+
+    return training_loop(
+        cfg, model, total_steps, seq, run,
+        evaluate=lambda: {d: heldout_metrics(model, held[d][0], held[d][1], cfg, device, cfg.micro_batch or 8)
+                          for d in DOMAINS},
+        domains=lambda sl: torch.bincount(dom[sl].long(), minlength=len(DOMAINS)).tolist(), export=export,
+        header=f"{cfg.steps_per_batch} alignment step(s)")
+
+
+def check_batches(cfg: DrafterTrainConfig, ctx: D.DistContext, blocks: int) -> None:
+    """ValueError unless the run has at least one batch and every rank a share of each."""
+    if blocks // cfg.batch_size < 1:
+        raise ValueError(f"{blocks} training blocks are fewer than one batch of {cfg.batch_size}")
+    if cfg.batch_size < ctx.world_size:
+        raise ValueError(f"--batch-size {cfg.batch_size} is smaller than the {ctx.world_size} ranks")
+
+
+def training_loop(cfg: DrafterTrainConfig, model: D.DataParallelModel, total_steps: int, seq_len: int,
+                  run: Callable[[int, int, int], Tuple[Tensor, Dict[str, float]]], *,
+                  evaluate: Callable[[], Dict[str, dict]], domains: Callable[[slice], List[int]],
+                  export: Callable[[dict, dict], None], header: str) -> dict:
+    """The drafter families' shared training loop: resume from ``cfg.run_dir``, train steps of
+    ``cfg.batch_size`` blocks to ``cfg.max_steps`` or the end (``run(a, b, start)``: the loss and metrics
+    of rows [a, b) of the global batch starting at row ``start``, computed through ``model``), log, evaluate
+    (``evaluate()``: held-out metrics per domain, every ``cfg.eval_every`` steps), checkpoint, and when
+    finished call ``export(full state dict, summary)`` on rank 0. ``domains(rows)``: blocks per domain
+    of those rows, for the log. Returns the summary."""
+    from tqdm import tqdm
+
+    ctx, device = model.ctx, model.ctx.device
+    opt = make_optimizer(model.module, cfg)
+    n_params = sum(p.numel() for p in model.module.parameters())
     run_dir = Path(cfg.run_dir)
     if ctx.is_main:
         run_dir.mkdir(parents=True, exist_ok=True)
@@ -565,54 +604,45 @@ def _train_drafter(cfg: DrafterTrainConfig, ctx: D.DistContext) -> dict:
                                          total_steps)
     stop_at = min(total_steps, cfg.max_steps) if cfg.max_steps else total_steps
     if step == 0 and not cfg.quiet and ctx.is_main:
-        print(f"[train drafter {cfg.name}] {n_params:,} parameters on {device} x {ctx.world_size} rank(s) "
-              f"({model.parallel}); {total_steps} steps of {cfg.batch_size} x {cfg.seq_len} tokens, "
-              f"{cfg.steps_per_batch} alignment step(s)", flush=True)
+        print(f"[train drafter {cfg.name}] {cfg.family}, {n_params:,} parameters on {device} x {ctx.world_size} "
+              f"rank(s) ({model.parallel}); {total_steps} steps of {cfg.batch_size} x {seq_len} tokens, {header}",
+              flush=True)
     bar = tqdm(total=total_steps, initial=step, unit="step", disable=cfg.quiet or not ctx.is_main, dynamic_ncols=True,
                mininterval=1.0 if sys.stderr.isatty() else 30.0, file=sys.stderr, desc=cfg.name)
     logf = open(log, "a") if ctx.is_main else None
     t_start, last_ckpt = time.time(), time.time()
-    seq, hidden = train.shape[1], target.config.hidden_size
 
-    def evaluate(at_step):
-        res = {d: heldout_metrics(model, held[d][0], held[d][1], cfg, device, cfg.micro_batch or 8) for d in DOMAINS}
+    def held_out(at_step):
+        res = evaluate()
         if logf:
             logf.write(json.dumps({"step": at_step, "tokens": tokens_seen, "heldout": res}) + "\n")
             logf.flush()
         return res
 
-    def run(a, b):  # mean loss and metrics of training rows [a, b)
-        x = train[a:b].to(device=device, dtype=torch.long)
-        f = feats[a:b].to(device=device, dtype=torch.float32)
-        noise = cfg.noise
-        if noise:
-            noise = (D.sample_uniform(a, b, (seq - 1, hidden), cfg.seed, device) * 2 - 1) * cfg.noise
-        return model(x, f, cfg, cfg.steps_per_batch, noise)
-
-    last_eval, metrics = None, {}
+    last_eval = None
     while step < stop_at:
         start = step * cfg.batch_size
         lr = lr_at(cfg, step, total_steps)
         for g in opt.param_groups:
             g["lr"] = lr
-        metrics = model.accumulate_gradients(start, cfg.batch_size, cfg.micro_batch, run)
+        metrics = model.accumulate_gradients(start, cfg.batch_size, cfg.micro_batch,
+                                             lambda a, b: run(a, b, start))
         loss = metrics.pop("loss")
         gnorm = model.clip_grad_norm_(cfg.grad_clip)
         opt.step()
         opt.zero_grad(set_to_none=True)
         step += 1
-        tokens_seen += cfg.batch_size * seq
+        tokens_seen += cfg.batch_size * seq_len
         elapsed = elapsed0 + time.time() - t_start
         if logf:
-            sl = slice(start, start + cfg.batch_size)
+            blocks = domains(slice(start, start + cfg.batch_size))
             logf.write(json.dumps({"step": step, "tokens": tokens_seen, "loss": round(loss, 6), "lr": lr,
                                    "grad_norm": round(gnorm, 4), "elapsed_s": round(elapsed, 1),
                                    **{k: round(v, 5) for k, v in metrics.items()},
-                                   "blocks": dict(zip(DOMAINS, torch.bincount(dom[sl].long(), minlength=2).tolist()))})
-                       + "\n")
+                                   "blocks": dict(zip(DOMAINS, blocks))}) + "\n")
             logf.flush()
         if cfg.eval_every and (step % cfg.eval_every == 0 or step == total_steps):
-            last_eval = evaluate(step)
+            last_eval = held_out(step)
         bar.update(1)
         bar.set_postfix(loss=f"{loss:.3f}", acc=f"{metrics['acc@1']:.2f}",
                         tok_s=f"{tokens_seen / max(elapsed, 1e-9):.0f}", refresh=False)
@@ -620,18 +650,13 @@ def _train_drafter(cfg: DrafterTrainConfig, ctx: D.DistContext) -> dict:
     summary = finish_run(bar, logf, step, total_steps, tokens_seen, n_params, elapsed0, t_start)
     summary["training"] = {**model.describe(step), "micro_batch": cfg.micro_batch}
     if summary["finished"]:
-        if last_eval is None:
-            last_eval = {d: heldout_metrics(model, held[d][0], held[d][1], cfg, device, cfg.micro_batch or 8)
-                         for d in DOMAINS}
-        summary["final_heldout"] = last_eval
+        summary["final_heldout"] = last_eval if last_eval is not None else evaluate()
         state = model.state_dict()  # a collective under FSDP
         if ctx.is_main:
             summary["final_train_loss"] = _recent_train_loss(log, 20)
-            final = new_drafter(target)
-            final.load_state_dict(state)
-            export_drafter(final, cfg, data_info, summary, device)
-            acc = ", ".join(f"{d} acc@1 {last_eval[d]['acc@1']:.3f} acc@3 {last_eval[d]['acc@3']:.3f}"
-                            for d in DOMAINS)
+            export(state, summary)
+            acc = ", ".join(f"{d} acc@1 {summary['final_heldout'][d]['acc@1']:.3f} acc@3 "
+                            f"{summary['final_heldout'][d]['acc@3']:.3f}" for d in DOMAINS)
             print(f"[train drafter {cfg.name}] finished in {summary['elapsed_s']:.0f}s; held-out {acc}; exported to "
                   f"{cfg.out}", flush=True)
     elif ctx.is_main:

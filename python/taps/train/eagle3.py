@@ -31,7 +31,6 @@ feeding back its own features, comparable to the EAGLE-2 / HASS ``acc@j``.
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 import time
@@ -43,8 +42,8 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from . import dist as D
-from .drafter import TARGET_DTYPES, DOMAINS, DrafterTrainConfig, drafter_config, export_drafter, load_domain_features
-from .target import _recent_train_loss, checkpoint_if_due, finish_run, lr_at, make_optimizer, resume
+from .drafter import (DOMAINS, TARGET_DTYPES, DrafterTrainConfig, check_batches, drafter_config, export_drafter,
+                      load_domain_features, training_loop)
 
 __all__ = ["train_eagle3", "new_eagle3_drafter", "unrolled_logits", "eagle3_losses", "UnrolledAttention",
            "draft_vocabulary", "HELDOUT_STEPS", "STEP_WEIGHT"]
@@ -365,8 +364,6 @@ def train_eagle3(cfg: DrafterTrainConfig) -> dict:
 
 
 def _train_eagle3(cfg: DrafterTrainConfig, ctx: D.DistContext) -> dict:
-    from tqdm import tqdm
-
     from taps.eagle3 import feature_layers
     from taps.lean import RopeTable
     from taps.models import load_target
@@ -378,10 +375,7 @@ def _train_eagle3(cfg: DrafterTrainConfig, ctx: D.DistContext) -> dict:
               else feature_layers(target.config.num_hidden_layers))
     blocks, held, data_info, train_blocks = eagle3_data(cfg, target, tok, device, layers, ctx)
     total_steps = len(blocks) // cfg.batch_size
-    if total_steps < 1:
-        raise ValueError(f"{len(blocks)} training blocks are fewer than one batch of {cfg.batch_size}")
-    if cfg.batch_size < ctx.world_size:
-        raise ValueError(f"--batch-size {cfg.batch_size} is smaller than the {ctx.world_size} ranks")
+    check_batches(cfg, ctx, len(blocks))
     vocab = int(target.get_output_embeddings().weight.shape[0])
     draft_ids, vocab_info = draft_vocabulary(cfg, vocab, train_blocks)
     torch.manual_seed(cfg.seed)
@@ -393,84 +387,29 @@ def _train_eagle3(cfg: DrafterTrainConfig, ctx: D.DistContext) -> dict:
         drafter, lambda d, x, fused, final, steps, counts: eagle3_losses(d, head_w, x, fused, final, steps, rope,
                                                                          counts), ctx, fsdp=cfg.fsdp)
     held = {d: (*held[d], _held_counts(drafter, head_w, held[d][2], device)) for d in DOMAINS}
-    opt = make_optimizer(drafter, cfg)
-    n_params = sum(p.numel() for p in drafter.parameters())
-    run_dir = Path(cfg.run_dir)
-    if ctx.is_main:
-        run_dir.mkdir(parents=True, exist_ok=True)
-    ckpt, log = run_dir / "checkpoint.pt", run_dir / "log.jsonl"
-    step, tokens_seen, elapsed0 = resume(ckpt, log, model, opt, cfg, device, f"[train drafter {cfg.name}]",
-                                         total_steps)
-    stop_at = min(total_steps, cfg.max_steps) if cfg.max_steps else total_steps
-    if step == 0 and not cfg.quiet and ctx.is_main:
-        print(f"[train drafter {cfg.name}] EAGLE-3 head, {n_params:,} parameters on {device} x {ctx.world_size} "
-              f"rank(s) ({model.parallel}); target layers {list(layers)}; draft vocabulary {vocab_info['size']}; "
-              f"{total_steps} steps of {cfg.batch_size} x {cfg.seq_len} tokens, {cfg.ttt_steps} unrolled steps",
-              flush=True)
-    bar = tqdm(total=total_steps, initial=step, unit="step", disable=cfg.quiet or not ctx.is_main, dynamic_ncols=True,
-               mininterval=1.0 if sys.stderr.isatty() else 30.0, file=sys.stderr, desc=cfg.name)
-    logf = open(log, "a") if ctx.is_main else None
-    t_start, last_ckpt = time.time(), time.time()
-    seq = cfg.seq_len
+    counts: Dict[int, List[float]] = {}  # the current global batch's masked_counts, by its first row
 
-    def evaluate(at_step):
-        res = {d: heldout_metrics(model, held[d], device, cfg.micro_batch or 8) for d in DOMAINS}
-        if logf:
-            logf.write(json.dumps({"step": at_step, "tokens": tokens_seen, "heldout": res}) + "\n")
-            logf.flush()
-        return res
-
-    def run(a, b):  # rows [a, b)'s share of the batch's mean loss, and their metrics
+    def run(a, b, start):  # rows [a, b)'s share of the batch's mean loss, and their metrics
+        if start not in counts:
+            counts.clear()
+            counts[start] = masked_counts(drafter, head_w, blocks.finals(slice(start, start + cfg.batch_size), device),
+                                          cfg.ttt_steps)  # the whole batch's, on every rank
         x, fused, final, _ = blocks.batch(slice(a, b), device)
-        return model(x, fused, final, cfg.ttt_steps, [c * (b - a) / cfg.batch_size for c in counts])
+        return model(x, fused, final, cfg.ttt_steps, [c * (b - a) / cfg.batch_size for c in counts[start]])
 
-    last_eval = None
-    while step < stop_at:
-        start = step * cfg.batch_size
-        lr = lr_at(cfg, step, total_steps)
-        for g in opt.param_groups:
-            g["lr"] = lr
-        counts = masked_counts(drafter, head_w, blocks.finals(slice(start, start + cfg.batch_size), device),
-                               cfg.ttt_steps)  # the whole batch's, on every rank
-        metrics = model.accumulate_gradients(start, cfg.batch_size, cfg.micro_batch, run)
-        loss = metrics.pop("loss")
-        gnorm = model.clip_grad_norm_(cfg.grad_clip)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        step += 1
-        tokens_seen += cfg.batch_size * seq
-        elapsed = elapsed0 + time.time() - t_start
-        if logf:
-            domains = blocks.domains(slice(start, start + cfg.batch_size))
-            logf.write(json.dumps({"step": step, "tokens": tokens_seen, "loss": round(loss, 6), "lr": lr,
-                                   "grad_norm": round(gnorm, 4), "elapsed_s": round(elapsed, 1),
-                                   **{k: round(v, 5) for k, v in metrics.items()},
-                                   "blocks": {d: domains.count(i) for i, d in enumerate(DOMAINS)}}) + "\n")
-            logf.flush()
-        if cfg.eval_every and (step % cfg.eval_every == 0 or step == total_steps):
-            last_eval = evaluate(step)
-        bar.update(1)
-        bar.set_postfix(loss=f"{loss:.3f}", acc=f"{metrics['acc@1']:.2f}",
-                        tok_s=f"{tokens_seen / max(elapsed, 1e-9):.0f}", refresh=False)
-        last_ckpt = checkpoint_if_due(ckpt, model, opt, step, stop_at, tokens_seen, cfg, elapsed, last_ckpt)
-    summary = finish_run(bar, logf, step, total_steps, tokens_seen, n_params, elapsed0, t_start)
-    summary["training"] = {**model.describe(step), "micro_batch": cfg.micro_batch}
-    if summary["finished"]:
-        if last_eval is None:
-            last_eval = {d: heldout_metrics(model, held[d], device, cfg.micro_batch or 8) for d in DOMAINS}
-        summary["final_heldout"] = last_eval
-        state = model.state_dict()  # a collective under FSDP
-        if ctx.is_main:
-            summary["final_train_loss"] = _recent_train_loss(log, 20)
-            final = new_eagle3_drafter(target, draft_ids, layers)
-            final.load_state_dict(state)
-            extra = {"draft_vocab": vocab_info, "feature_layers": list(layers), "ttt_steps": cfg.ttt_steps,
-                     "step_weight": STEP_WEIGHT}
-            export_drafter(final, cfg, data_info, summary, device, extra=extra)
-            acc = ", ".join(f"{d} acc@1 {last_eval[d]['acc@1']:.3f} acc@3 {last_eval[d]['acc@3']:.3f}"
-                            for d in DOMAINS)
-            print(f"[train drafter {cfg.name}] finished in {summary['elapsed_s']:.0f}s; held-out {acc}; exported to "
-                  f"{cfg.out}", flush=True)
-    elif ctx.is_main:
-        print(f"[train drafter {cfg.name}] stopped at step {step}/{total_steps}; rerun to continue", flush=True)
-    return summary
+    def export(state, summary):
+        final = new_eagle3_drafter(target, draft_ids, layers)
+        final.load_state_dict(state)
+        extra = {"draft_vocab": vocab_info, "feature_layers": list(layers), "ttt_steps": cfg.ttt_steps,
+                 "step_weight": STEP_WEIGHT}
+        export_drafter(final, cfg, data_info, summary, device, extra=extra)
+
+    def domains(sl):
+        ids = blocks.domains(sl)
+        return [ids.count(i) for i in range(len(DOMAINS))]
+
+    return training_loop(
+        cfg, model, total_steps, cfg.seq_len, run,
+        evaluate=lambda: {d: heldout_metrics(model, held[d], device, cfg.micro_batch or 8) for d in DOMAINS},
+        domains=domains, export=export,
+        header=f"target layers {list(layers)}, draft vocabulary {vocab_info['size']}, {cfg.ttt_steps} unrolled steps")
