@@ -76,6 +76,23 @@ def test_greedy_equals_target_for_every_strategy(target_and_tok):
             assert out.summary["tau"] > 1.3, f"{strategy} ({fam}): tau {out.summary['tau']:.2f}"
 
 
+def test_eagle3_single_and_average_accept_and_stay_lossless(target_and_tok):
+    """The strategies the loop above gives to other families, with the shipped EAGLE-3 heads (trained,
+    so drafts are accepted; the random heads of test_eagle3 rarely are)."""
+    from taps.data import load_eval_prompts
+
+    target, tok = target_and_tok
+    prompts = [tok.encode_chat(load_eval_prompts(b)[i].messages, add_generation_prompt=True)
+               for b, i in (("gsm8k", 3), ("mt_bench", 5))]
+    ref = [em.hf_greedy(target, p, 20, tok.eos_id) for p in prompts]
+    for strategy, names in (("single", ("mixed",)), ("average", ("math", "chat"))):
+        ds = [models.load_drafter("eagle3", n, target, verify=False) for n in names]
+        out = SpeculativeDecoder(target, ds, strategy=strategy, depth=4, top_k=6, budget=20).generate(
+            prompts, max_new_tokens=20, eos_token_id=tok.eos_id)
+        assert out.tokens == ref, strategy
+        assert out.summary["tau"] > 1.3, f"{strategy}: tau {out.summary['tau']:.2f}"
+
+
 def test_demo_quick(capsys):
     from taps import cli
 
