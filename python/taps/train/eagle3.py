@@ -246,10 +246,12 @@ def load_layer_features(domain: str, cfg: DrafterTrainConfig, feats, layers: Seq
         return hit if hit is not None else cached()
     t0 = time.time()
     parts = {}
+    micro = 8  # every rank computes whole micro-batches, so the features do not depend on the number of ranks
     for name, blocks in (("train", feats.train), ("heldout", feats.heldout)):
-        lo, hi = ctx.shard(0, len(blocks))
-        parts[name] = target_layer_features(target, blocks[lo:hi], layers, device, quiet=cfg.quiet or not ctx.is_main
-                                            or name != "train", desc=f"{domain} layer features")
+        lo, hi = ctx.shard(0, -(-len(blocks) // micro))
+        parts[name] = target_layer_features(target, blocks[lo * micro:hi * micro], layers, device, micro=micro,
+                                            quiet=cfg.quiet or not ctx.is_main or name != "train",
+                                            desc=f"{domain} layer features")
     shard = cache.with_name(f"{cache.stem}.rank{ctx.rank}.tmp")
     cache.parent.mkdir(parents=True, exist_ok=True)
     if ctx.distributed:
