@@ -826,14 +826,8 @@ class EagleDrafter(_SoloMixin, Drafter):
     def group_key(self) -> Optional[Hashable]:
         if not self._bound or hasattr(self, "embed_tokens"):
             return None
-        p = self.fc.weight
-        shapes = tuple((k, tuple(v.shape)) for k, v in self.state_dict().items())
-        cfg = self.config
-        rope = getattr(cfg, "rope_parameters", None) or {"rope_theta": getattr(cfg, "rope_theta", None),
-                                                          "rope_scaling": getattr(cfg, "rope_scaling", None)}
-        vocab = None if self.draft_vocab is None else tuple(self.draft_vocab.tolist())
-        return ("eagle", shapes, p.dtype, p.device, id(self._bound[0]), id(self._bound[1]),
-                json.dumps(rope, sort_keys=True, default=str), float(getattr(cfg, "rms_norm_eps", 1e-6)), vocab)
+        return ("eagle", id(self._bound[1])) + head_key(self)
+
 
     @classmethod
     def make_group(cls, drafters: Sequence["EagleDrafter"]) -> DraftGroup:
@@ -927,6 +921,20 @@ class _EagleGroup(DraftGroup):
 
     def _share_tables(self, other) -> None:
         self.rope = other.rope
+
+
+def head_key(head: nn.Module) -> tuple:
+    """What an EAGLE-style head (``fc``, ``config``, ``draft_vocab``, bound to a target) must share with
+    another to run in one batched group: parameter names and shapes, dtype, device, the target embedding
+    it reads, rotary settings, norm epsilon and draft vocabulary."""
+    p = head.fc.weight
+    shapes = tuple((k, tuple(v.shape)) for k, v in head.state_dict().items())
+    cfg = head.config
+    rope = getattr(cfg, "rope_parameters", None) or {"rope_theta": getattr(cfg, "rope_theta", None),
+                                                      "rope_scaling": getattr(cfg, "rope_scaling", None)}
+    vocab = None if head.draft_vocab is None else tuple(head.draft_vocab.tolist())
+    return (shapes, p.dtype, p.device, id(head.embedding_weight()), json.dumps(rope, sort_keys=True, default=str),
+            float(getattr(cfg, "rms_norm_eps", 1e-6)), vocab)
 
 
 def _load_weights(path: str) -> Dict[str, Tensor]:

@@ -46,7 +46,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .drafters import (DraftGroup, Drafter, _config_from_dict, _EagleGroup, _load_weights, _SoloMixin,
+from .drafters import (DraftGroup, Drafter, _config_from_dict, _EagleGroup, _load_weights, _SoloMixin, head_key,
                        target_hidden_size, target_vocab_size)
 from .lean import Attend, LayerWeights, Linear, Norm, RopeTable, eagle3_layer
 
@@ -445,14 +445,7 @@ class Eagle3Drafter(_SoloMixin, Drafter):
     def group_key(self) -> Optional[Hashable]:
         if not self._bound or hasattr(self, "embed_tokens"):
             return None
-        p = self.fc.weight
-        shapes = tuple((k, tuple(v.shape)) for k, v in self.state_dict().items())
-        cfg = self.config
-        rope = getattr(cfg, "rope_parameters", None) or {"rope_theta": getattr(cfg, "rope_theta", None),
-                                                          "rope_scaling": getattr(cfg, "rope_scaling", None)}
-        vocab = None if self.draft_vocab is None else tuple(self.draft_vocab.tolist())
-        return ("eagle3", shapes, p.dtype, p.device, id(self._bound[0]), self._layers, tuple(self.d2t.tolist()),
-                json.dumps(rope, sort_keys=True, default=str), float(getattr(cfg, "rms_norm_eps", 1e-6)), vocab)
+        return ("eagle3", self._layers, tuple(self.d2t.tolist())) + head_key(self)
 
     @classmethod
     def make_group(cls, drafters: Sequence["Eagle3Drafter"]) -> DraftGroup:
