@@ -4,10 +4,10 @@
     PYTHONPATH=python python bench/bench_e2e.py --threads 1 --overhead-only # negligible-compute models
 
 Table 1 (shipped models: the target and the hass drafters of models/, 3 GSM8K + 3 MT-Bench prompts with the
-chat template, batch 1; "lookup" rows add taps' own prompt-lookup drafter, taps.PromptLookupDrafter): tokens/s of Hugging Face ``generate`` on its own copy of the target (untouched by
-taps: its own attention, its own cache), of HF's prompt-lookup decoding (``prompt_lookup_num_tokens``),
-and of every taps strategy with ``SpeculativeDecoder``'s defaults (or ``--depth/--top-k/--budget``), each
-as a ratio to HF ``generate``; tau; verified nodes per step; at T=0 whether the output equals HF's greedy
+chat template, batch 1; "lookup" rows add taps' own prompt-lookup drafter, taps.PromptLookupDrafter):
+tokens/s of Hugging Face ``generate`` on its own copy of the target (untouched by taps: its own attention,
+its own cache), of HF's prompt-lookup decoding (``prompt_lookup_num_tokens``), and of every taps strategy
+with ``SpeculativeDecoder``'s defaults (or ``--depth/--top-k/--budget``), each as a ratio to HF ``generate``; tau; verified nodes per step; at T=0 whether the output equals HF's greedy
 output token for token. Rows are timed in rounds (every row once per round, ``--repeats`` rounds) and each
 row keeps its fastest round, so slow drifts of a shared machine hit all rows alike.
 
@@ -25,7 +25,7 @@ import copy
 import os
 import sys
 import time
-from typing import Dict, List
+from typing import Dict
 
 import torch
 
@@ -80,7 +80,7 @@ class TapsRunner:
         self.decoder, self.eos_id = decoder, eos_id
 
     def __call__(self, prompts, new_tokens: int, temperature: float, seed: int, profile: bool = False):
-        outs, stats, profiles = [], [], []
+        outs, stats = [], []
         for i, p in enumerate(prompts):
             o = self.decoder.generate([p], max_new_tokens=new_tokens, temperature=temperature,
                                       eos_token_id=self.eos_id, seed=seed + i, profile=profile)

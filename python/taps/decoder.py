@@ -328,8 +328,10 @@ class SpeculativeDecoder:
                     cands = None
                     if drafted:
                         order = tuple(t for g in groups for t in g.members)
-                        cands = Candidates(*(torch.cat([getattr(c, f) for c in drafted]).view(len(order), batch, *drafted[0][i].shape[1:])
-                                             for i, f in enumerate(("scores", "tokens", "parents", "entropy"))), order)
+                        fields = ("scores", "tokens", "parents", "entropy")
+                        cands = Candidates(*(torch.cat([getattr(c, f) for c in drafted])
+                                             .view(len(order), batch, *drafted[0][i].shape[1:])
+                                             for i, f in enumerate(fields)), order)
                     tree = strategy.combine(cands, root)
                 with prof.section("target_forward"):
                     fwd = self.forward.tree(cache, tree.tokens, tree.tree_mask, tree.depth, max(host_lengths),

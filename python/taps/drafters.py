@@ -416,7 +416,8 @@ class _SoloMixin:
         group = self._group()
         if isinstance(write_pos, Tensor):
             start = int(write_pos[:, 0].min())
-            if not torch.equal(write_pos, start + torch.arange(tokens.shape[1], device=write_pos.device).expand_as(write_pos)):
+            expected = start + torch.arange(tokens.shape[1], device=write_pos.device).expand_as(write_pos)
+            if not torch.equal(write_pos, expected):
                 raise ValueError(f"{type(self).__name__}.forward_nodes: write positions must be the same "
                                  "consecutive columns for every request")
             write_pos = start

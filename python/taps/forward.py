@@ -137,10 +137,10 @@ class TargetForward:
 
         The walk reads the logits of the nodes it visits only (the accepted path). ``lazy`` (needs the
         trees' ``tree_mask``; default: on the CPU, for heads of at least :data:`LAZY_HEAD_MIN` weights and
-        trees of :data:`LAZY_MIN_NODES` nodes or more) computes the lm_head for those rows instead of all N: first for each
-        tree's *first-child chain* (the root, its best child, that child's best child, ...: siblings are
-        ordered best first), then, when the walk reached a node whose row was not computed, for that
-        node's chain, and the walk is run again with the same coins until every node on its path was
+        trees of :data:`LAZY_MIN_NODES` nodes or more) computes the lm_head for those rows instead of all
+        N: first for each tree's *first-child chain* (the root, its best child, that child's best child,
+        ...: siblings are ordered best first), then, when the walk reached a node whose row was not
+        computed, for that node's chain, and the walk is run again with the same coins until every node on its path was
         computed. The result is exactly that of the full-logits walk (the same rows, the same coins). On a
         GPU the full head is one cheap matrix product and needs no host decisions: the default there.
         """
