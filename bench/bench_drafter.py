@@ -42,7 +42,7 @@ def _drafters(target, vocab_size: int):
     import transformers
 
     from taps import models
-    from taps.eagle3 import Eagle3Drafter, vocab_mapping
+    from taps.eagle3 import Eagle3Drafter
     from taps.train.drafter import new_drafter
 
     out = {}

@@ -168,7 +168,7 @@ def main() -> None:
         dec = SpeculativeDecoder(target, [drafter], strategy="single", depth=args.depth, top_k=args.top_k,
                                  budget=args.budget)
         tps, tau, same = run(dec)
-        rows.append([f"taps single, oracle drafter", f"{p:g}", f"{tps:.1f}", f"{tps * hf_s / args.new_tokens:.2f}x",
+        rows.append(["taps single, oracle drafter", f"{p:g}", f"{tps:.1f}", f"{tps * hf_s / args.new_tokens:.2f}x",
                      f"{tau:.2f}", same])
     print_table(["row", "corrupt p", "tokens/s", "vs HF generate", "tau", "= HF greedy"], rows,
                 title="End to end, synthetic target, controlled acceptance")
