@@ -117,6 +117,35 @@ def test_draft_vocabulary_from_counts_or_data(tmp_path):
                                blocks)[0] is None
 
 
+def test_layer_feature_cache_is_reused_only_for_the_same_target_and_blocks(tmp_path, monkeypatch):
+    target = _target(layers=4)
+    blocks = torch.randint(0, 97, (5, 16), dtype=torch.int32, generator=torch.Generator().manual_seed(0))
+    cfg = TD.DrafterTrainConfig(target=tmp_path, family="eagle3", feature_dir=tmp_path / "features", quiet=True)
+    calls = []
+    real = TE.target_layer_features
+
+    def counted(*a, **k):
+        calls.append(1)
+        return real(*a, **k)
+
+    monkeypatch.setattr(TE, "target_layer_features", counted)
+
+    def feats(key, train=blocks[:3]):
+        return TD.DomainFeatures(train, None, blocks[3:], None, {"key": key})
+
+    train, held = TE.load_layer_features("math", cfg, feats({"target_sha256": "a"}), (1, 2, 3), target, "cpu")
+    assert train.shape == (3, 16, 3 * 32) and held.shape == (2, 16, 3 * 32) and len(calls) == 2
+    with torch.no_grad():
+        hs = target.model(input_ids=blocks[:3].long(), output_hidden_states=True).hidden_states
+    torch.testing.assert_close(train.float(), torch.cat([hs[i] for i in (1, 2, 3)], -1).bfloat16().float())
+    TE.load_layer_features("math", cfg, feats({"target_sha256": "a"}, blocks[:2]), (1, 2, 3), target, "cpu")
+    assert len(calls) == 2  # a prefix of the cached blocks: reused
+    TE.load_layer_features("math", cfg, feats({"target_sha256": "b"}), (1, 2, 3), target, "cpu")
+    assert len(calls) == 4  # another target: computed again
+    TE.load_layer_features("math", cfg, feats({"target_sha256": "b"}, blocks[1:4]), (1, 2, 3), target, "cpu")
+    assert len(calls) == 6  # other blocks: computed again
+
+
 def test_tiny_run_trains_resumes_exports_and_decodes(tiny_setup, tmp_path):
     cfg, tdir = tiny_setup
     common = dict(family="eagle3", data="mixed", tokens=8192, lr=1e-2, draft_vocab=512, ttt_steps=3)

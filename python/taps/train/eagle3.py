@@ -31,6 +31,7 @@ feeding back its own features, comparable to the EAGLE-2 / HASS ``acc@j``.
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 import time
@@ -230,13 +231,14 @@ def load_layer_features(domain: str, cfg: DrafterTrainConfig, feats, layers: Seq
     ctx = ctx or D.DistContext(device=torch.device(device))
     cache = Path(cfg.feature_dir) / f"{domain}-layers-{'-'.join(str(i) for i in layers)}.pt"
     n = len(feats.train)
+    key = json.dumps(feats.info.get("key"), sort_keys=True)  # the target's and tokenizer's digests, seq len, seed
 
     def cached():
         if not cache.exists():
             return None
         st = torch.load(cache, weights_only=True, mmap=True)
-        if (st["layers"] == list(layers) and len(st["train"]) >= n and torch.equal(st["train"][:n], feats.train)
-                and torch.equal(st["heldout"], feats.heldout)):
+        if (st.get("key") == key and st["layers"] == list(layers) and len(st["train"]) >= n
+                and torch.equal(st["train"][:n], feats.train) and torch.equal(st["heldout"], feats.heldout)):
             return st["train_layers"][:n], st["heldout_layers"]
         return None
 
@@ -262,7 +264,7 @@ def load_layer_features(domain: str, cfg: DrafterTrainConfig, feats, layers: Seq
             shards = [cache.with_name(f"{cache.stem}.rank{r}.tmp") for r in range(ctx.world_size)]
             loaded = [torch.load(f, weights_only=True) for f in shards]
             parts = {k: torch.cat([p[k] for p in loaded]) for k in parts}
-        st = {"layers": list(layers), "train": feats.train, "heldout": feats.heldout, "train_layers": parts["train"],
+        st = {"key": key, "layers": list(layers), "train": feats.train, "heldout": feats.heldout, "train_layers": parts["train"],
               "heldout_layers": parts["heldout"]}
         tmp = cache.with_suffix(".tmp")
         torch.save(st, tmp)
