@@ -12,6 +12,8 @@ import json
 from pathlib import Path
 from typing import Optional
 
+from .data import REPO_ROOT
+
 __all__ = ["count_training_tokens", "write_token_counts"]
 
 
@@ -44,7 +46,9 @@ def write_token_counts(target_dir: Path, tokens_per_domain: int, seed: int = 0, 
     target, tok = load_target(target_dir)
     vocab = int(target.get_output_embeddings().weight.shape[0])
     counts, source = count_training_tokens(tok, vocab, tokens_per_domain, seed=seed, shared=shared, sharegpt=sharegpt)
-    source["command"] = f"taps train vocab --target {target_dir} --tokens {tokens_per_domain} --seed {seed}"
+    shown = Path(target_dir).resolve()
+    shown = shown.relative_to(REPO_ROOT) if shown.is_relative_to(REPO_ROOT) else shown
+    source["command"] = f"taps train vocab --target {shown} --tokens {tokens_per_domain} --seed {seed}"
     source["coverage"] = {str(n): round(coverage(counts, top_tokens(counts, n)), 4)
                           for n in (256, 512, 1024, 2048, 4096) if n <= vocab}
     path = save_token_counts(target_dir, counts, source)
