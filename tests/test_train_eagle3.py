@@ -93,6 +93,18 @@ def test_losses_mask_tokens_outside_the_draft_vocabulary():
     assert loss.requires_grad and set(m) == {"ce@1", "ce@2", "ce@3", "acc@1", "acc@2", "acc@3"}
     loss.backward()
     assert all(p.grad is not None for p in d.parameters())
+    # the batch's top-1 tokens and counts given (as training passes them) or computed: the same loss; two
+    # halves given the whole batch's counts times 1/2, weighted 1/2 each (as accumulate_gradients does),
+    # sum to it
+    with torch.no_grad():
+        top1 = TE.target_top1(head, final, micro=1)
+        counts = TE.masked_counts(d, top1, 3)
+        given, m2 = TE.eagle3_losses(d, head, tokens, fused, final, 3, counts=counts, top1=top1)
+        halves = sum(TE.eagle3_losses(d, head, tokens[r], fused[r], final[r], 3, counts=[c / 2 for c in counts],
+                                      top1=top1[r])[0] for r in (slice(0, 1), slice(1, 2)))
+    torch.testing.assert_close(given, loss.detach())
+    torch.testing.assert_close(halves / 2, loss.detach())
+    assert m2 == m
     # a target whose top-1 token is always outside the draft vocabulary gives no loss terms
     odd = torch.zeros_like(head)
     odd[1] = 50.0

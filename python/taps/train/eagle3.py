@@ -137,18 +137,26 @@ def unrolled_logits(drafter, weights, tokens: Tensor, fused: Tensor, steps: int,
 
 
 @torch.no_grad()
-def masked_counts(drafter, head_w: Tensor, final: Tensor, steps: int) -> List[float]:
-    """The number of positions each unrolled step's loss averages over in blocks with final features
-    `final` [B, n, H]: those whose target top-1 token (``final @ head_w.T``) is in the draft vocabulary."""
-    n = final.shape[1]
-    in_vocab = drafter.t2d[(final @ head_w.t()).argmax(-1)]
-    return [float(in_vocab[:, 1 + i:].sum()) for i in range(min(steps, n - 1))]
+def target_top1(head_w: Tensor, final: Tensor, micro: int = 8) -> Tensor:
+    """The target's top-1 next tokens [B, n] of final features [B, n, H] (``final @ head_w.T``), in
+    micro-batches of blocks, on head_w's device."""
+    return torch.cat([(final[i:i + micro].to(head_w.device, torch.float32) @ head_w.t()).argmax(-1)
+                      for i in range(0, len(final), micro)])
+
+
+def masked_counts(drafter, top1: Tensor, steps: int) -> List[float]:
+    """The number of positions each unrolled step's loss averages over in blocks whose target top-1
+    tokens are `top1` [B, n]: those whose top-1 token is in the draft vocabulary."""
+    in_vocab = drafter.t2d[top1]
+    return [float(in_vocab[:, 1 + i:].sum()) for i in range(min(steps, top1.shape[1] - 1))]
 
 
 def eagle3_losses(drafter, head_w: Tensor, tokens: Tensor, fused: Tensor, final: Tensor, steps: int,
-                  rope=None, counts: Optional[Sequence[float]] = None) -> Tuple[Tensor, Dict[str, float]]:
+                  rope=None, counts: Optional[Sequence[float]] = None,
+                  top1: Optional[Tensor] = None) -> Tuple[Tensor, Dict[str, float]]:
     """(weighted loss, metrics) of one batch: tokens [B, n] long, fused [B, n, k * H] and final [B, n, H]
-    (the target's final normalised hidden states) fp32; head_w: the target's lm_head weight [V, H].
+    (the target's final normalised hidden states) fp32; head_w: the target's lm_head weight [V, H];
+    top1: the target's top-1 tokens [B, n] (:func:`target_top1`; computed when not given).
 
     Step i's loss is the sum of its positions' cross-entropies divided by ``counts[i]`` (default: the
     number of those positions in this batch, :func:`masked_counts`). A micro-batch of b rows of a global
@@ -159,10 +167,10 @@ def eagle3_losses(drafter, head_w: Tensor, tokens: Tensor, fused: Tensor, final:
     n = tokens.shape[1]
     ids = drafter.draft_token_ids()
     with torch.no_grad():
-        target_logits = final @ head_w.t()                                   # [B, n, V]
-        top1 = target_logits.argmax(-1)
+        if top1 is None:
+            top1 = target_top1(head_w, final, micro=len(final))
         in_vocab = drafter.t2d[top1]
-        target_p = torch.softmax(target_logits[..., ids], -1)               # [B, n, Vd]
+        target_p = torch.softmax(final @ head_w[ids].t(), -1)              # [B, n, Vd]
     logits = unrolled_logits(drafter, Eagle3Weights([drafter]), tokens, fused, steps, rope)
     total, weight_sum, metrics = 0.0, 0.0, {}
     for i, lg in enumerate(logits):
@@ -332,28 +340,18 @@ def eagle3_data(cfg: DrafterTrainConfig, target, tok, device, layers: Sequence[i
 def heldout_metrics(model: D.DataParallelModel, held: tuple, device, micro: int = 8) -> dict:
     """Held-out ce@j / acc@j, j = 1 .. HELDOUT_STEPS (token-weighted means) of the head in ``model`` (its
     loss :func:`eagle3_losses`); the blocks are shared out over the ranks. ``held``: (tokens, fused,
-    final, the held-out set's :func:`masked_counts`)."""
-    tokens, fused, final, counts = held
+    final, the target's top-1 tokens, the held-out set's :func:`masked_counts`)."""
+    tokens, fused, final, top1, counts = held
     model.module.eval()
 
     def run(a, b):
         x = tokens[a:b].to(device=device, dtype=torch.long)
         f, g = (t[a:b].to(device=device, dtype=torch.float32) for t in (fused, final))
-        return model(x, f, g, HELDOUT_STEPS, [c * (b - a) / len(tokens) for c in counts])[1]
+        return model(x, f, g, HELDOUT_STEPS, [c * (b - a) / len(tokens) for c in counts], top1[a:b])[1]
 
     res = model.mean_over(len(tokens), micro, run)
     model.module.train()
     return {k: round(v, 5) for k, v in res.items()}
-
-
-def _held_counts(drafter, head_w: Tensor, final: Tensor, device, micro: int = 8) -> List[float]:
-    """:func:`masked_counts` of a held-out set, HELDOUT_STEPS steps, in micro-batches."""
-    total = [0.0] * HELDOUT_STEPS
-    for i in range(0, len(final), micro):
-        part = masked_counts(drafter, head_w, final[i:i + micro].to(device=device, dtype=torch.float32),
-                             HELDOUT_STEPS)
-        total = [t + c for t, c in zip(total, part)] + total[len(part):]
-    return total
 
 
 # ------------------------------------------------------------------------------------------------ main
@@ -388,18 +386,22 @@ def _train_eagle3(cfg: DrafterTrainConfig, ctx: D.DistContext) -> dict:
     head_w = target.get_output_embeddings().weight.detach().float()
     rope = RopeTable(drafter.rotary, torch.float32)
     model = D.DataParallelModel(
-        drafter, lambda d, x, fused, final, steps, counts: eagle3_losses(d, head_w, x, fused, final, steps, rope,
-                                                                         counts), ctx, fsdp=cfg.fsdp)
-    held = {d: (*held[d], _held_counts(drafter, head_w, held[d][2], device)) for d in DOMAINS}
-    counts: Dict[int, List[float]] = {}  # the current global batch's masked_counts, by its first row
+        drafter, lambda d, x, fused, final, steps, counts, top1: eagle3_losses(d, head_w, x, fused, final, steps,
+                                                                               rope, counts, top1), ctx, fsdp=cfg.fsdp)
+    for d in DOMAINS:  # the held-out set's target top-1 tokens and counts, once
+        top1 = target_top1(head_w, held[d][2])
+        held[d] = (*held[d], top1, masked_counts(drafter, top1, HELDOUT_STEPS))
+    batch: Dict[int, Tuple[Tensor, List[float]]] = {}  # the current global batch's (top-1, counts), by its first row
 
     def run(a, b, start):  # rows [a, b)'s share of the batch's mean loss, and their metrics
-        if start not in counts:
-            counts.clear()
-            counts[start] = masked_counts(drafter, head_w, blocks.finals(slice(start, start + cfg.batch_size), device),
-                                          cfg.ttt_steps)  # the whole batch's, on every rank
+        if start not in batch:  # the whole batch's, on every rank
+            top1 = target_top1(head_w, blocks.finals(slice(start, start + cfg.batch_size), device))
+            batch.clear()
+            batch[start] = (top1, masked_counts(drafter, top1, cfg.ttt_steps))
+        top1, counts = batch[start]
         x, fused, final, _ = blocks.batch(slice(a, b), device)
-        return model(x, fused, final, cfg.ttt_steps, [c * (b - a) / cfg.batch_size for c in counts[start]])
+        return model(x, fused, final, cfg.ttt_steps, [c * (b - a) / cfg.batch_size for c in counts],
+                     top1[a - start:b - start])
 
     def export(state, summary):
         final = new_eagle3_drafter(target, draft_ids, layers)
