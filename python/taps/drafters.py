@@ -909,9 +909,15 @@ class _EagleGroup(DraftGroup):
         else:
             prev = self.frontier
             feats = prev.gather(1, parent_slot.unsqueeze(-1).expand(-1, -1, prev.shape[-1]))
-        out = self.features(tokens, feats, rope_pos, cache_attend(self.kv, self.layers, mask, start=write_start))
+        out = self._node_features(tokens, feats, rope_pos, cache_attend(self.kv, self.layers, mask,
+                                                                         start=write_start))
         self.frontier = out
         return self._logits(out)
+
+    def _node_features(self, tokens: Tensor, feats: Tensor, rope_pos: Tensor, attend) -> Tensor:
+        """Output features of draft nodes, which read their parent's output feature (EAGLE-1/2: through
+        ``fc``, as committed entries read the target's)."""
+        return self.features(tokens, feats, rope_pos, attend)
 
     _row_state = ("root_logits", "root_feature", "frontier")
 

@@ -503,14 +503,5 @@ class _Eagle3Group(_EagleGroup):
         out = self.weights.logits(feature.reshape(self.groups, -1, shape[-1]))
         return out.view(*shape[:-1], -1)
 
-    def forward_nodes(self, tokens, parent_slot, write_start, rope_pos, mask, level):
-        from .lean import cache_attend
-        if level == 1:
-            feats = self.root_feature.unsqueeze(1).expand(-1, tokens.shape[1], -1)
-        else:
-            prev = self.frontier
-            feats = prev.gather(1, parent_slot.unsqueeze(-1).expand(-1, -1, prev.shape[-1]))
-        out = self.features(tokens, feats, rope_pos, cache_attend(self.kv, self.layers, mask, start=write_start),
-                            fused=False)
-        self.frontier = out
-        return self._logits(out)
+    def _node_features(self, tokens: Tensor, feats: Tensor, rope_pos: Tensor, attend) -> Tensor:
+        return self.features(tokens, feats, rope_pos, attend, fused=False)  # fc is skipped for the head's own
