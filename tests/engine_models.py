@@ -114,6 +114,24 @@ def frequent_tokens(seqs, size, seed=0):
     return top[torch.randperm(size, generator=torch.Generator().manual_seed(seed))]
 
 
+def pad_prompts(prompts):
+    """(ids [B, L] int64, zero-padded on the right, lens [B]) of token-id lists of any lengths."""
+    ids = torch.zeros((len(prompts), max(len(p) for p in prompts)), dtype=torch.int64)
+    for b, p in enumerate(prompts):
+        ids[b, :len(p)] = torch.as_tensor(p)
+    return ids, torch.tensor([len(p) for p in prompts])
+
+
+@torch.no_grad()
+def randomize_(module, scale):
+    """Draw every matrix parameter of `module` from N(0, scale) (random but not tiny, so that a head's
+    outputs depend on its inputs); returns the module."""
+    for p in module.parameters():
+        if p.dim() > 1:
+            p.normal_(0, scale)
+    return module
+
+
 @torch.no_grad()
 def greedy_reference(model, prompt, steps):
     """The model's own greedy continuation: a plain Hugging Face forward over the whole sequence per

@@ -25,6 +25,8 @@ from taps import Eagle3Drafter, EagleDrafter, ModelDrafter, SpeculativeDecoder, 
 from taps import average_drafters  # noqa: E402
 from taps.eagle3 import feature_layers, vocab_mapping  # noqa: E402
 
+import engine_models as em  # noqa: E402
+
 VOCAB = 96
 
 
@@ -55,9 +57,7 @@ def _eagle3(target, seed=0, draft=None, vocab_seed=0, scale=0.2):
     if draft:
         ids = torch.randperm(vocab, generator=torch.Generator().manual_seed(vocab_seed))[:draft]
         d.set_vocab_mapping(vocab_mapping(ids, vocab)[0])
-    with torch.no_grad():  # random but not tiny, so that the head's outputs depend on its inputs
-        for p in d.parameters():
-            p.normal_(0, scale) if p.dim() > 1 else None
+    em.randomize_(d, scale)
     d.bind(target)
     return d
 
@@ -67,14 +67,6 @@ def _eagle2(target, seed):
     d = EagleDrafter(transformers.LlamaConfig(**{**target.config.to_dict(), "num_hidden_layers": 1}))
     d.bind(target)
     return d
-
-
-@torch.no_grad()
-def _greedy(model, prompt, steps):
-    seq = list(prompt)
-    for _ in range(steps):
-        seq.append(int(model(input_ids=torch.tensor([seq])).logits[0, -1].argmax()))
-    return seq[len(prompt):]
 
 
 PROMPTS = [[5, 17, 42, 8, 61, 3], [3, 3, 90, 12, 7, 64, 90, 2, 33, 41, 11], [70, 1]]
@@ -167,7 +159,7 @@ def test_published_layout_loads_decodes_and_round_trips(tmp_path, fmt, with_d2t)
     fp16 = EagleDrafter.from_pretrained(str(tmp_path / "src"))  # the stored dtype is kept
     assert fp16.fc.weight.dtype == torch.float16
 
-    ref = [_greedy(target, p, NEW) for p in PROMPTS]
+    ref = [em.greedy_reference(target, p, NEW) for p in PROMPTS]
     out = SpeculativeDecoder(target, [d], strategy="single", depth=3, top_k=3, budget=8).generate(
         PROMPTS, max_new_tokens=NEW)
     assert out.tokens == ref
@@ -205,7 +197,7 @@ def test_prefixed_renamed_and_configured_layouts(tmp_path):
     d = EagleDrafter.from_pretrained(str(tmp_path / "a"), target=target)
     assert isinstance(d, Eagle3Drafter) and d.feature_layers == (0, 3) and hasattr(d, "embed_tokens")
     out = SpeculativeDecoder(target, [d], strategy="single", depth=3, top_k=2).generate(PROMPTS, max_new_tokens=NEW)
-    assert out.tokens == [_greedy(target, p, NEW) for p in PROMPTS]
+    assert out.tokens == [em.greedy_reference(target, p, NEW) for p in PROMPTS]
 
 
 def test_heads_that_do_not_fit_are_refused(tmp_path):
@@ -251,12 +243,8 @@ def _prefill(target, prompts, layers, max_len=64):
     """(ids, lens, greedy root, fused features, max_len) after the target's prefill."""
     from taps import hf
 
-    batch, longest = len(prompts), max(len(p) for p in prompts)
-    ids = torch.zeros((batch, longest), dtype=torch.int64)
-    for b, p in enumerate(prompts):
-        ids[b, :len(p)] = torch.tensor(p)
-    lens = torch.tensor([len(p) for p in prompts])
-    cache = hf.TreeKVCache.for_model(target, batch, max_len)
+    ids, lens = em.pad_prompts(prompts)
+    cache = hf.TreeKVCache.for_model(target, len(prompts), max_len)
     out = hf.prefill(target, cache, ids, lens, capture_layers=layers)
     return ids, lens, out.logits.argmax(-1), torch.cat([out.layers[i] for i in layers], -1), max_len
 
@@ -297,7 +285,7 @@ def _drafters(strategy, target):
 @pytest.mark.parametrize("strategy", STRATEGIES)
 def test_greedy_equals_target_for_every_strategy(strategy):
     target = _target()
-    ref = [_greedy(target, p, NEW) for p in PROMPTS]
+    ref = [em.greedy_reference(target, p, NEW) for p in PROMPTS]
     dec = SpeculativeDecoder(target, _drafters(strategy, target), strategy=strategy, depth=3, top_k=3, budget=8,
                              route_steps=2)
     out = dec.generate(PROMPTS, max_new_tokens=NEW)
@@ -312,7 +300,7 @@ def test_hugging_face_target_path():
     heads = [_eagle3(target, 10, draft=40), _eagle2(target, 11)]
     out = SpeculativeDecoder(target, heads, strategy="merged", depth=3, top_k=3, lean=False).generate(
         PROMPTS, max_new_tokens=NEW)
-    assert out.tokens == [_greedy(target, p, NEW) for p in PROMPTS]
+    assert out.tokens == [em.greedy_reference(target, p, NEW) for p in PROMPTS]
     lean = SpeculativeDecoder(target, heads, strategy="merged", depth=3, top_k=3).generate(PROMPTS, max_new_tokens=NEW)
     assert [s.accepted for s in out.stats] == [s.accepted for s in lean.stats]
 
@@ -325,7 +313,7 @@ def test_restricted_draft_vocabulary_stays_lossless():
     d.set_draft_vocab(torch.cat([allowed, torch.tensor(outside)]))
     assert sorted(d.token_map.tolist()) == sorted(allowed.tolist())  # the head's vocabulary, restricted
     out = SpeculativeDecoder(target, [d], strategy="single", depth=3, top_k=3).generate(PROMPTS, max_new_tokens=NEW)
-    assert out.tokens == [_greedy(target, p, NEW) for p in PROMPTS]
+    assert out.tokens == [em.greedy_reference(target, p, NEW) for p in PROMPTS]
     with torch.no_grad():
         d.start(*_prefill(target, PROMPTS, d.feature_layers))
         assert set(d.draft(3, 3).tokens.flatten().tolist()) <= set(allowed.tolist())
@@ -339,7 +327,6 @@ def test_restricted_draft_vocabulary_stays_lossless():
 # ---------------------------------------------------------------------------------------------------
 
 def test_sampling_merged_eagle3_and_eagle2_matches_target():
-    import engine_models as em
     from sampling_checks import assert_counts, spec_probs
 
     vocab, samples = 24, 3000

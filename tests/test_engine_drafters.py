@@ -19,6 +19,8 @@ import taps_ops  # noqa: F401
 from taps import EagleDrafter, ModelDrafter, SpeculativeDecoder, average_drafters
 from taps import hf
 
+import engine_models as em
+
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 VOCAB = 64
@@ -38,9 +40,7 @@ def _llama(seed=0, **kw):
 def _eagle(target, seed=0, **kw):
     torch.manual_seed(seed)
     d = EagleDrafter(_config(hidden=target.config.hidden_size, layers=1), **kw)
-    with torch.no_grad():  # random but not tiny, so that the head's outputs depend on its inputs
-        for p in d.parameters():
-            p.normal_(0, 0.2) if p.dim() > 1 else None
+    em.randomize_(d, 0.2)
     d.bind(target)
     return d
 
@@ -51,12 +51,8 @@ PROMPTS = [[5, 17, 42, 8, 61, 3], [3, 3, 9, 12]]
 @torch.no_grad()
 def _start(drafter, target, prompts, max_len=64):
     """Prefill the target, take the greedy root, start the drafter; returns (ids, lens, root, hidden)."""
-    batch, longest = len(prompts), max(len(p) for p in prompts)
-    ids = torch.zeros((batch, longest), dtype=torch.int64)
-    for b, p in enumerate(prompts):
-        ids[b, :len(p)] = torch.tensor(p)
-    lens = torch.tensor([len(p) for p in prompts])
-    cache = hf.TreeKVCache.for_model(target, batch, max_len)
+    ids, lens = em.pad_prompts(prompts)
+    cache = hf.TreeKVCache.for_model(target, len(prompts), max_len)
     out = hf.prefill(target, cache, ids, lens, return_hidden=True)
     root = out.logits.argmax(-1)
     drafter.start(ids, lens, root, out.hidden_states, max_len)

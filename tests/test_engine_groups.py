@@ -16,6 +16,8 @@ from taps import EagleDrafter, ModelDrafter, SpeculativeDecoder  # noqa: E402
 from taps import hf  # noqa: E402
 from taps.drafters import make_groups  # noqa: E402
 
+import engine_models as em  # noqa: E402
+
 VOCAB = 80
 
 
@@ -33,20 +35,7 @@ def _llama(hidden=32, layers=2, seed=0, head_scale=4.0):
 def _eagle(target, seed):
     cfg = transformers.LlamaConfig(**{**target.config.to_dict(), "num_hidden_layers": 1})
     torch.manual_seed(seed)
-    d = EagleDrafter(cfg)
-    with torch.no_grad():
-        for p in d.parameters():
-            if p.dim() > 1:
-                p.normal_(0, 0.2)
-    return d
-
-
-@torch.no_grad()
-def _greedy(model, prompt, steps):
-    seq = list(prompt)
-    for _ in range(steps):
-        seq.append(int(model(input_ids=torch.tensor([seq])).logits[0, -1].argmax()))
-    return seq[len(prompt):]
+    return em.randomize_(EagleDrafter(cfg), 0.2)
 
 
 PROMPTS = [[5, 17, 42, 8, 61, 3], [3, 3, 19, 12, 7, 64, 9, 2, 33, 41, 11]]
@@ -108,7 +97,7 @@ def test_routing_that_drops_drafters_from_a_group(strategy):
     dec = SpeculativeDecoder(target, drafters, strategy=strategy, depth=3, top_k=3, budget=8, route_steps=2)
     out = dec.generate(PROMPTS * 2, max_new_tokens=NEW)
     for b, p in enumerate(PROMPTS * 2):
-        assert out.tokens[b] == _greedy(target, p, NEW)
+        assert out.tokens[b] == em.greedy_reference(target, p, NEW)
     alive = dec.strategy.alive()
     assert len(alive) < 3  # some drafter was dropped for the rest of the generation
     fixed = dec.strategy.fixed.tolist()
@@ -134,7 +123,7 @@ def test_reduced_draft_vocabulary():
         dec.strategy.combine = combine
         out = dec.generate(PROMPTS, max_new_tokens=NEW)
         for b, p in enumerate(PROMPTS):
-            assert out.tokens[b] == _greedy(target, p, NEW)
+            assert out.tokens[b] == em.greedy_reference(target, p, NEW)
         proposed = {t for step in seen for t in step}
         assert proposed <= allowed, proposed - allowed
         assert out.summary["tau"] > 1.2  # the copy of the target still proposes its tokens where allowed
@@ -153,7 +142,7 @@ def test_lean_and_hugging_face_paths_agree(strategy):
         dec = SpeculativeDecoder(target, drafters, strategy=strategy, depth=3, top_k=3, budget=8, lean=lean)
         assert (dec.forward.use_lean is True) == lean
         outs.append(dec.generate(PROMPTS, max_new_tokens=NEW))
-    assert outs[0].tokens == outs[1].tokens == [_greedy(target, p, NEW) for p in PROMPTS]
+    assert outs[0].tokens == outs[1].tokens == [em.greedy_reference(target, p, NEW) for p in PROMPTS]
     assert [s.accepted for s in outs[0].stats] == [s.accepted for s in outs[1].stats]
 
 
@@ -193,7 +182,7 @@ def test_prompt_lookup_in_every_combining_strategy():
         dec = SpeculativeDecoder(target, drafters, strategy=strategy, depth=3, top_k=3, budget=8)
         out = dec.generate(prompts, max_new_tokens=NEW)
         for b, p in enumerate(prompts):
-            assert out.tokens[b] == _greedy(target, p, NEW), strategy
+            assert out.tokens[b] == em.greedy_reference(target, p, NEW), strategy
     # the target's own greedy output repeats itself here, so prompt lookup alone gets accepted
     out = SpeculativeDecoder(target, [PromptLookupDrafter()], strategy="single", depth=3, top_k=3,
                              budget=8).generate(prompts, max_new_tokens=40)

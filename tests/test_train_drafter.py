@@ -145,19 +145,24 @@ def test_qwen3_target_trains_exports_and_drafts(tiny_setup):
     assert out.summary["tau"] >= 1.0
 
 
-def test_resume_equals_uninterrupted(tiny_setup, tmp_path):
-    cfg, _ = tiny_setup
-    full = cfg(family="hass", data="mixed", run_dir=tmp_path / "runs" / "full", out=tmp_path / "out" / "full")
-    TD.train_drafter(full)
-    part = cfg(family="hass", data="mixed", run_dir=tmp_path / "runs" / "part", out=tmp_path / "out" / "part",
-               max_steps=5)
+def assert_resume_equals_uninterrupted(cfg, tmp_path, stop: int, **kw) -> None:
+    """A run stopped after `stop` steps and resumed exports the weights of the finished run
+    ``tmp_path/out/full`` (same settings `kw`), bit for bit."""
+    part = cfg(**kw, run_dir=tmp_path / "runs" / "part", out=tmp_path / "out" / "part", max_steps=stop)
     assert not TD.train_drafter(part)["finished"]
     part.max_steps = None
     TD.train_drafter(part)
-    a = EagleDrafter.from_pretrained(str(full.out)).state_dict()
+    a = EagleDrafter.from_pretrained(str(tmp_path / "out" / "full")).state_dict()
     b = EagleDrafter.from_pretrained(str(part.out)).state_dict()
     for k in a:
         torch.testing.assert_close(a[k], b[k], atol=0, rtol=0, msg=k)
+
+
+def test_resume_equals_uninterrupted(tiny_setup, tmp_path):
+    cfg, _ = tiny_setup
+    TD.train_drafter(cfg(family="hass", data="mixed", run_dir=tmp_path / "runs" / "full",
+                         out=tmp_path / "out" / "full"))
+    assert_resume_equals_uninterrupted(cfg, tmp_path, 5, family="hass", data="mixed")
 
 
 def test_mixed_uses_both_domains_and_average(tiny_setup, tmp_path):

@@ -16,7 +16,7 @@ from taps.eagle3 import Eagle3Drafter, Eagle3Weights, feature_layers  # noqa: E4
 from taps.train import drafter as TD  # noqa: E402
 from taps.train import eagle3 as TE  # noqa: E402
 
-from test_train_drafter import tiny_setup, tiny_target  # noqa: E402,F401  (fixture)
+from test_train_drafter import assert_resume_equals_uninterrupted, tiny_setup, tiny_target  # noqa: E402,F401
 
 
 def _target(layers=4, vocab=97):
@@ -175,14 +175,7 @@ def test_tiny_run_trains_resumes_exports_and_decodes(tiny_setup, tmp_path):
 
     models.verify_manifest(full.out)
 
-    part = cfg(**common, run_dir=tmp_path / "runs" / "part", out=tmp_path / "out" / "part", max_steps=11)
-    assert not TD.train_drafter(part)["finished"]
-    part.max_steps = None
-    TD.train_drafter(part)
-    a = EagleDrafter.from_pretrained(str(full.out)).state_dict()
-    b = EagleDrafter.from_pretrained(str(part.out)).state_dict()
-    for k in a:
-        torch.testing.assert_close(a[k], b[k], atol=0, rtol=0, msg=k)
+    assert_resume_equals_uninterrupted(cfg, tmp_path, 11, **common)
 
     from transformers import AutoModelForCausalLM
 
@@ -198,6 +191,6 @@ def test_tiny_run_trains_resumes_exports_and_decodes(tiny_setup, tmp_path):
     assert out.tokens == ref.tokens
 
     avg = tmp_path / "out" / "avg"
-    TD.average_checkpoints([full.out, part.out], avg, tdir)
+    TD.average_checkpoints([full.out, tmp_path / "out" / "part"], avg, tdir)
     assert isinstance(EagleDrafter.from_pretrained(str(avg), target=target), Eagle3Drafter)
     assert json.loads((avg / "manifest.json").read_text())["family"] == "eagle3"
