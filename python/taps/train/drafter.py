@@ -522,14 +522,15 @@ def training_blocks(cfg: DrafterTrainConfig, target, tok, device, ctx: Optional[
 
 def train_drafter(cfg: DrafterTrainConfig) -> dict:
     """Train (or resume) one drafter; export it when finished. Returns a summary dict. Under torchrun
-    every rank calls this (data parallel, :mod:`taps.train.dist`); only rank 0 writes files."""
-    if cfg.family == "eagle3":
-        from .eagle3 import train_eagle3
-
-        return train_eagle3(cfg)
+    every rank calls this (data parallel, :mod:`taps.train.dist`); only rank 0 writes files. EAGLE-3
+    heads train in :func:`taps.train.eagle3.train_eagle3`."""
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     with D.distributed(cfg.device, cfg.dist_timeout) as ctx:
+        if cfg.family == "eagle3":
+            from .eagle3 import train_eagle3
+
+            return train_eagle3(cfg, ctx)
         return _train_drafter(cfg, ctx)
 
 

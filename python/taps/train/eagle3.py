@@ -1,8 +1,8 @@
 """Training of EAGLE-3 heads (:class:`taps.eagle3.Eagle3Drafter`) on the target's multi-layer features.
 
-``taps train drafter --family eagle3`` runs :func:`train_eagle3` with the same data, blocks, block order,
-optimiser, schedule, checkpointing and export as the EAGLE-2 / HASS families (:mod:`taps.train.drafter`);
-what differs:
+``taps train drafter --family eagle3`` runs :func:`train_eagle3` (through ``train_drafter``) with the same
+data, blocks, block order, optimiser, schedule, training loop, checkpointing and export as the EAGLE-2 /
+HASS families (:mod:`taps.train.drafter`); what differs:
 
 - features: the inputs of the target layers :func:`taps.eagle3.feature_layers` picks (1, 2, 3 for the
   shipped 4-layer target), concatenated, cached per domain beside the final-hidden-state cache
@@ -356,16 +356,9 @@ def heldout_metrics(model: D.DataParallelModel, held: tuple, device, micro: int 
 
 # ------------------------------------------------------------------------------------------------ main
 
-def train_eagle3(cfg: DrafterTrainConfig) -> dict:
-    """Train (or resume) one EAGLE-3 head; export it when finished. Returns a summary dict. Under torchrun
-    every rank calls this (data parallel, :mod:`taps.train.dist`); only rank 0 writes files."""
-    if cfg.threads:
-        torch.set_num_threads(cfg.threads)
-    with D.distributed(cfg.device, cfg.dist_timeout) as ctx:
-        return _train_eagle3(cfg, ctx)
-
-
-def _train_eagle3(cfg: DrafterTrainConfig, ctx: D.DistContext) -> dict:
+def train_eagle3(cfg: DrafterTrainConfig, ctx: D.DistContext) -> dict:
+    """Train (or resume) one EAGLE-3 head in the process group `ctx`; export it when finished. Returns a
+    summary dict. :func:`taps.train.drafter.train_drafter` calls it (``--family eagle3``) on every rank."""
     from taps.eagle3 import feature_layers
     from taps.lean import RopeTable
     from taps.models import load_target
