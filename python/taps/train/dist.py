@@ -193,6 +193,10 @@ def distributed(device: str = "auto", timeout_s: float = DEFAULT_TIMEOUT_S) -> I
         raise
     finally:
         if created:
+            # a barrier first: gloo's barrier waits for this rank's in-flight work, and no rank tears the
+            # group down while a peer still uses it (a CI run once saw a rank abort in teardown at exit
+            # while rank 0 was exporting)
+            dist.barrier()
             dist.destroy_process_group()
 
 
