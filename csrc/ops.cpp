@@ -50,4 +50,9 @@ TORCH_LIBRARY(taps_ops, m) {
   // path[:, 0] == 0); prefix_lens [B] i64: cache position of tree node i is prefix_lens[b] + i
   // (validate: the path checks; the kernels leave a request with an invalid path untouched anyway).
   m.def("compact_kv(Tensor(a!)[] caches, Tensor path, Tensor prefix_lens, bool validate=True) -> ()");
+  // x [..., H] f32/bf16/f16; weight [H] or [G, H] of x's dtype (G divides the rows of x; row r uses
+  // weight row r / (rows / G)) -> out, x's shape and dtype: Llama's RMSNorm
+  // round(round(x * rsqrt(mean(x^2) + eps)) * weight), the sum of squares in float32 in the fixed order of
+  // taps/rms_norm.h (no data checks, so no validate flag).
+  m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
 }

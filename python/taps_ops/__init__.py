@@ -7,6 +7,7 @@ Public API (shapes in brackets; B requests, N tree nodes, V vocabulary):
 - :func:`merge_trees` trie union of several drafters' trees under one root, cut to a node budget
 - :func:`tree_attention` attention of tree queries over a prefix plus the masked tree tail
 - :func:`compact_kv` in-place move of the accepted path's KV entries next to the prefix
+- :func:`rms_norm`   Llama's RMSNorm in one pass (one weight or G stacked ones), for the lean forwards
 
 The tree format and the op contracts are those of the project's DESIGN.md; :mod:`taps_ops.reference`
 holds a plain-PyTorch implementation of every op that the tests and benchmarks compare against.
@@ -41,7 +42,7 @@ _load_library()
 
 __all__ = [
     "VerifyOutput", "Tree", "MergedTree", "verify_tree", "build_tree", "merge_trees",
-    "tree_attention", "compact_kv", "has_cuda_kernels",
+    "tree_attention", "compact_kv", "rms_norm", "has_cuda_kernels",
 ]
 
 Scalar = Union[float, int, Tensor]
@@ -294,6 +295,28 @@ def compact_kv(caches: Sequence[Tensor], path: Tensor, prefix_lens: Tensor, *, v
     After the call, entry j of the path is at position prefix_lens[b] + j of every cache.
     """
     torch.ops.taps_ops.compact_kv.default(list(caches), path, prefix_lens, validate)
+
+
+def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    """Llama's RMSNorm of every row of x, in one pass: ``round(round(x * rsqrt(mean(x^2) + eps)) * w)``
+    with the mean in float32 and ``round`` to x's dtype, as Hugging Face's ``LlamaRMSNorm`` computes it
+    (``weight * (x.float() * rsqrt(var + eps)).to(dtype)``), up to the order of the sum of squares (the
+    fixed order of ``csrc/include/taps/rms_norm.h``, the same on the CPU and on CUDA).
+
+    Args:
+        x: [..., H] float32/bfloat16/float16 (any layout; a copy is made when the last dimension is
+            strided).
+        weight: [H], or [G, H] stacked weights of G groups: x's rows (its leading dimensions flattened,
+            R in all) are G consecutive blocks of R / G rows and block g uses weight[g]. x's dtype.
+        eps: >= 0.
+
+    Returns:
+        out: x's shape and dtype, contiguous.
+
+    No autograd: an inference op (the lean forward paths call it with autograd off). CUDA: compiled,
+    never run on a GPU so far.
+    """
+    return torch.ops.taps_ops.rms_norm.default(x, weight, float(eps))
 
 
 from . import _fake  # noqa: E402,F401  (shape functions for torch.compile / FakeTensor)

@@ -40,3 +40,8 @@ def _tree_attention_fake(q, k, v, tree_mask, kv_lens, scale, validate=True):
 @torch.library.register_fake("taps_ops::compact_kv")
 def _compact_kv_fake(caches, path, prefix_lens, validate=True):
     return None
+
+
+@torch.library.register_fake("taps_ops::rms_norm")
+def _rms_norm_fake(x, weight, eps):
+    return torch.empty_like(x, memory_format=torch.contiguous_format)

@@ -481,3 +481,16 @@ def compact_kv_ref(caches: List[Tensor], path: Tensor, prefix_lens: Tensor) -> L
             new[b].index_copy_(1, dst, cache[b].index_select(1, src))
         out.append(new)
     return out
+
+
+def rms_norm_ref(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    """Hugging Face's Llama RMSNorm, ``weight * (x.float() * rsqrt(mean(x.float()^2) + eps)).to(x.dtype)``,
+    for weight [H] or [G, H] (x's rows in G consecutive blocks, as in :func:`taps_ops.rms_norm`)."""
+    width = x.shape[-1]
+    rows = x.reshape(-1, width)
+    w = weight.reshape(-1, width)
+    groups = w.shape[0]
+    xf = rows.float()
+    normed = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+    out = normed.view(groups, -1, width) * w.unsqueeze(1)
+    return out.reshape(x.shape)

@@ -1,0 +1,72 @@
+"""Microbenchmark of taps_ops.rms_norm against the composite form the lean forwards used before it.
+
+    PYTHONPATH=python python bench/bench_rms_norm.py [--repeats 2000]
+
+Rows: decoding-sized inputs (rows x H: a drafter level of 8 nodes, a 32-node tree, a 64-token prefill
+chunk), float32 and bfloat16. Columns: Hugging Face's form in torch (``F.rms_norm`` for float32;
+``F.rms_norm(x.float()).to(dtype) * w`` for bfloat16, what taps.lean.Norm ran), taps_ops.rms_norm, the
+ratio, and the floor: the bytes the op must move (read x and the weight, write y) at the machine's
+memory bandwidth (``--gbps``, default 20 GB/s for one core of the development CPU). The small calls
+are bound by the dispatch (a few us), far above that floor; the large ones re-read data that sits in the
+cache, so they can beat a DRAM floor. Mean over
+``repeats`` calls after a warm-up; on CUDA (when present) synchronised around the loop.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+import torch.nn.functional as F
+
+import taps_ops
+
+
+def per_call(fn, repeats: int, cuda: bool) -> float:
+    for _ in range(20):
+        fn()
+    if cuda:
+        torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(repeats):
+        fn()
+    if cuda:
+        torch.cuda.synchronize()
+    return (time.perf_counter() - t0) / repeats
+
+
+def composite(x, w, eps):
+    if x.dtype == torch.float32:
+        return F.rms_norm(x, (x.shape[-1],), w, eps)
+    return F.rms_norm(x.float(), (x.shape[-1],), None, eps).to(x.dtype) * w
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--repeats", type=int, default=2000)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--gbps", type=float, default=20.0, help="memory bandwidth for the floor column")
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    torch.set_grad_enabled(False)
+    devices = ["cpu"] + (["cuda"] if torch.cuda.is_available() and taps_ops.has_cuda_kernels() else [])
+    print(f"torch {torch.__version__}, threads {torch.get_num_threads()}, mean of {args.repeats} calls")
+    print(f"{'device':6} {'rows':>5} {'H':>5} {'dtype':>8} {'torch us':>9} {'taps us':>8} {'x torch':>8} "
+          f"{'floor us':>9}")
+    for device in devices:
+        cuda = device == "cuda"
+        gbps = args.gbps if not cuda else 4000.0
+        for rows, width in ((8, 64), (32, 64), (8, 1024), (32, 4096), (64, 4096)):
+            for dt in (torch.float32, torch.bfloat16):
+                x = torch.randn(rows, width, device=device).to(dt)
+                w = torch.randn(width, device=device).to(dt)
+                t_torch = per_call(lambda: composite(x, w, 1e-6), args.repeats, cuda)
+                t_taps = per_call(lambda: taps_ops.rms_norm(x, w, 1e-6), args.repeats, cuda)
+                floor = (2 * rows * width + width) * x.element_size() / (gbps * 1e9)
+                print(f"{device:6} {rows:5} {width:5} {str(dt)[6:]:>8} {t_torch * 1e6:9.2f} {t_taps * 1e6:8.2f} "
+                      f"{t_torch / t_taps:8.2f} {floor * 1e6:9.3f}")
+
+
+if __name__ == "__main__":
+    main()
