@@ -334,8 +334,9 @@ class SpeculativeDecoder:
                                              for i, f in enumerate(fields)), order)
                     tree = strategy.combine(cands, root)
                 with prof.section("target_forward"):
-                    fwd = self.forward.tree(cache, tree.tokens, tree.tree_mask, tree.depth, max(host_lengths),
-                                            capture_layers=capture)
+                    longest = max(host_lengths)
+                    fwd = self.forward.tree(cache, tree.tokens, tree.tree_mask, tree.depth, longest,
+                                            capture_layers=capture, uniform=min(host_lengths) == longest)
                 with prof.section("verify"):
                     ver = self.forward.verify(fwd.hidden_states, tree.tokens, tree.parents, tree.tree_mask,
                                               lazy=self.lazy_head, **sample)

@@ -276,6 +276,17 @@ class DraftGroup:
         self.lengths_b += num_new
         self.host_lengths = [a + int(n) for a, n in zip(self.host_lengths, num_new_host)]
 
+    def _append_attend(self, layers, num_tokens: int):
+        """(positions [G * B, T], an ``attend`` over this group's caches) for appending T tokens to every
+        row: each row's K/V go to its own positions, or, when every request holds the same number of
+        entries (always at batch 1), to one column range of all rows (a plain copy, no scatter)."""
+        longest = max(self.host_lengths)
+        positions, mask = causal_append(self.lengths_b, longest, num_tokens)
+        positions, mask = self._rows(positions), self._rows(mask)
+        if min(self.host_lengths) == longest:
+            return positions, cache_attend(self.kv, layers, mask, start=longest)
+        return positions, cache_attend(self.kv, layers, mask, positions=positions)
+
     def _last(self, out: Tensor, num_new: Tensor) -> Tensor:
         """Row r's entry num_new[r % B] - 1 of out [G * B, T, ...] (the last real token of each row)."""
         last = self._rows((num_new - 1).clamp_min(0))
@@ -524,9 +535,8 @@ class _LeanLMGroup(DraftGroup):
         return self.lean.logits(hidden).view(ids.shape[0], ids.shape[1], -1)
 
     def _append(self, ids: Tensor, num_new: Tensor, num_new_host) -> None:
-        positions, mask = causal_append(self.lengths_b, max(self.host_lengths), ids.shape[1])
-        positions, mask = self._rows(positions), self._rows(mask)
-        logits = self._run(self._rows(ids), positions, cache_attend(self.kv, self.lean.layers, mask, positions=positions))
+        positions, attend = self._append_attend(self.lean.layers, ids.shape[1])
+        logits = self._run(self._rows(ids), positions, attend)
         self.root_logits = self._last(logits, num_new)
         self._commit(num_new, num_new_host)
 
@@ -871,10 +881,8 @@ class _EagleGroup(DraftGroup):
         return self.head(feature.to(self.head.weight.dtype))
 
     def _append(self, tokens: Tensor, hidden: Tensor, num_new: Tensor, num_new_host) -> None:
-        positions, mask = causal_append(self.lengths_b, max(self.host_lengths), tokens.shape[1])
-        positions, mask = self._rows(positions), self._rows(mask)
-        out = self.features(self._rows(tokens), self._rows(hidden), positions,
-                            cache_attend(self.kv, self.layers, mask, positions=positions))
+        positions, attend = self._append_attend(self.layers, tokens.shape[1])
+        out = self.features(self._rows(tokens), self._rows(hidden), positions, attend)
         self.root_feature = self._last(out, num_new)
         self.root_logits = self._logits(self.root_feature)
         self._commit(num_new, num_new_host)

@@ -82,8 +82,10 @@ class TargetForward:
         hf.check_capture_layers(self.model, capture_layers)
         positions, mask = causal_append(cache.lengths, longest, num)
         kv = [(layer.keys, layer.values) for layer in cache.layers]
-        hidden, layers = self._run(input_ids, positions, cache_attend(kv, self.lean.layers, mask, positions=positions),
-                                   capture_layers)
+        # from empty caches (longest 0: every row holds 0 entries) the K/V go to columns 0 .. T-1 of every
+        # row, a plain copy; otherwise to each row's own positions
+        attend = cache_attend(kv, self.lean.layers, mask, **({"start": 0} if longest == 0 else {"positions": positions}))
+        hidden, layers = self._run(input_ids, positions, attend, capture_layers)
         cache.lengths.add_(num_new)
         last = hidden[torch.arange(batch, device=hidden.device), (num_new - 1).clamp_min(0)]
         return hf.ForwardOutput(self.head(last), hidden if return_hidden else None, layers)
@@ -97,11 +99,13 @@ class TargetForward:
         return hidden.view(batch, num, -1), layers
 
     def tree(self, cache: hf.TreeKVCache, tokens: Tensor, tree_mask: Tensor, depth: Tensor, longest: int,
-             capture_layers: Sequence[int] = ()) -> hf.ForwardOutput:
+             capture_layers: Sequence[int] = (), uniform: bool = False) -> hf.ForwardOutput:
         """The verification forward over trees [B, N] (node i of request b written at cache position
         lengths[b] + i, rotary position lengths[b] + depth[b, i]; ``longest`` = max(cache.lengths) on the
-        host). Returns ForwardOutput(None, final hidden states [B, N, H], inputs of ``capture_layers``);
-        cache.lengths is unchanged (apply :meth:`logits` to the rows that need them)."""
+        host; ``uniform``: every row holds ``longest`` entries, so the nodes' K/V are one plain copy into
+        columns longest .. longest + N - 1). Returns ForwardOutput(None, final hidden states [B, N, H],
+        inputs of ``capture_layers``); cache.lengths is unchanged (apply :meth:`logits` to the rows that
+        need them)."""
         batch, num = tokens.shape
         if longest + num > cache.max_len:
             raise ValueError(f"TargetForward.tree: {longest + num} positions needed, the cache holds {cache.max_len}")
@@ -111,15 +115,20 @@ class TargetForward:
         hf.check_capture_layers(self.model, capture_layers)
         prefix = cache.lengths
         positions = prefix.unsqueeze(1) + depth.clamp_min(0)
-        write = prefix.unsqueeze(1) + torch.arange(num, device=prefix.device)
         kv_lens = prefix + num
-        rows = torch.arange(batch, device=prefix.device).unsqueeze(1)
+        if not uniform:
+            write = prefix.unsqueeze(1) + torch.arange(num, device=prefix.device)
+            rows = torch.arange(batch, device=prefix.device).unsqueeze(1)
         layers = self.lean.layers
 
         def attend(i: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
             layer = cache.layers[i]
-            layer.keys[rows, :, write] = k
-            layer.values[rows, :, write] = v
+            if uniform:
+                layer.keys[:, :, longest:longest + num] = k.transpose(1, 2)
+                layer.values[:, :, longest:longest + num] = v.transpose(1, 2)
+            else:
+                layer.keys[rows, :, write] = k
+                layer.values[rows, :, write] = v
             return taps_ops.tree_attention(q.transpose(1, 2), layer.keys, layer.values, tree_mask, kv_lens,
                                            layers[i].scale, validate=False)
 
