@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import gc
 import os
 import sys
 from dataclasses import dataclass
@@ -193,9 +194,12 @@ def distributed(device: str = "auto", timeout_s: float = DEFAULT_TIMEOUT_S) -> I
         raise
     finally:
         if created:
-            # a barrier first: gloo's barrier waits for this rank's in-flight work, and no rank tears the
-            # group down while a peer still uses it (a CI run once saw a rank abort in teardown at exit
-            # while rank 0 was exporting)
+            # A CI run once saw a rank abort at interpreter exit (after its work, while rank 0 exported).
+            # So: free what the job left in reference cycles (FSDP / DDP modules hold the group through
+            # their hooks) while the interpreter is whole, not during its finalisation; then a barrier
+            # (gloo's waits for this rank's in-flight work, and no rank tears the group down while a peer
+            # still uses it); then the teardown.
+            gc.collect()
             dist.barrier()
             dist.destroy_process_group()
 
