@@ -105,3 +105,17 @@ def test_demo_quick(capsys):
     assert "demo finished" in out
     # every answer the demo decoded, its table included, is the target's own (Hugging Face) greedy output
     assert {"merged", "route-confidence", "adaptive", "single"} <= calls.check(min_calls=10)
+
+
+def test_demo_quick_with_prompt_lookup(capsys):
+    """``--lookup`` adds taps' prompt-lookup drafter to the streamed answers (with single: it alone), which
+    stay the target's own greedy output, and the share line names it."""
+    from taps import cli
+
+    for strategy in ("single", "merged-budget"):
+        assert cli.main(["demo", "--quick", "--no-color", "--lookup", "--strategy", strategy, "--limit", "0",
+                         "--dtype", "bf16"]) == 0
+        out = capsys.readouterr().out
+        assert out.count("identical to the target's own greedy output: True") == 2, strategy
+        assert out.count("proposed by") == 2 and out.count("prompt lookup ") >= 2
+        assert ("the math drafter" in out) == ("the chat drafter" in out) == (strategy != "single")

@@ -27,6 +27,10 @@ def add_demo_arguments(p) -> None:
                                                            "quick 1)")
     p.add_argument("--max-new-tokens", type=int, default=None, help="default 96 (quick 40)")
     p.add_argument("--strategy", default="merged", help="strategy of the streamed answers")
+    p.add_argument("--lookup", action="store_true",
+                   help="add taps' prompt-lookup drafter (taps.PromptLookupDrafter, no weights) to the streamed "
+                        "answers' drafters (with --strategy single: it alone, the fastest CPU row of "
+                        "bench/RESULTS.md; e.g. --strategy merged-budget --lookup --dtype bf16)")
     p.add_argument("--depth", type=int, default=None, help="default: SpeculativeDecoder's for the device")
     p.add_argument("--top-k", type=int, default=None, help="default: SpeculativeDecoder's for the device")
     p.add_argument("--budget", type=int, default=None,
@@ -99,11 +103,17 @@ def demo(args) -> int:
 
     settings = {k: v for k, v in dict(depth=args.depth, top_k=args.top_k, budget=args.budget).items() if v is not None}
     pair = [drafters["math"], drafters["chat"]]
-    merged = SpeculativeDecoder(target, pair if args.strategy != "single" else pair[:1], strategy=args.strategy,
-                                **settings)
+    # single: the math drafter alone, or with --lookup the prompt-lookup drafter alone (bench_e2e's lookup row)
+    streamed = pair if args.strategy != "single" else ([] if args.lookup else pair[:1])
+    names = ["the math drafter", "the chat drafter"][:len(streamed)] + (["prompt lookup"] if args.lookup else [])
+    if args.lookup:
+        from .ngram import PromptLookupDrafter
+
+        streamed = streamed + [PromptLookupDrafter()]
+    merged = SpeculativeDecoder(target, streamed, strategy=args.strategy, **settings)
     mark = "green" if color else "[brackets]"
     vocab = f"{args.draft_vocab} most frequent tokens" if args.draft_vocab else "the whole vocabulary"
-    print(f"1. Streaming, greedy, {args.strategy} strategy with the math and chat specialists (depth {merged.depth}, "
+    print(f"1. Streaming, greedy, {args.strategy} strategy with {' and '.join(names)} (depth {merged.depth}, "
           f"top_k {merged.top_k}, {merged.budget} nodes per drafter; draft vocabulary: {vocab}; {args.dtype}, "
           f"{torch.get_num_threads()} thread(s)); tokens accepted from the drafts in {mark}, the rest are the "
           "target's own.")
@@ -122,11 +132,10 @@ def demo(args) -> int:
         ref = _hf_generate(reference, prompt, new_tokens, tok.eos_id)
         dt_hf = time.perf_counter() - t1
         s = out.stats[0]
-        share = s.drafter_share + [0.0]
         speed, speed_hf = s.new_tokens / dt, len(ref) / dt_hf
+        shares = ", ".join(f"{name} {share:.0%}" for name, share in zip(names, s.drafter_share))
         print(f"\n--- {s.new_tokens} tokens in {s.target_forwards + 1} target forwards (tau {s.tau:.2f}); accepted "
-              f"draft tokens proposed by the math drafter {share[0]:.0%}, the chat drafter {share[1]:.0%} (both when "
-              f"they agree)\n--- speed: taps {speed:.0f} tokens/s, Hugging Face generate {speed_hf:.0f} tokens/s: "
+              f"draft tokens proposed by {shares} (several when they agree)\n--- speed: taps {speed:.0f} tokens/s, Hugging Face generate {speed_hf:.0f} tokens/s: "
               f"{speed / speed_hf:.2f}x; identical to the target's own greedy output: {out.tokens[0] == ref}")
 
     rows = [r for r in ROWS if r in have or r not in SINGLE_ROWS]  # single rows need their drafter
