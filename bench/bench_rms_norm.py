@@ -42,8 +42,10 @@ def composite(x, w, eps):
     return F.rms_norm(x.float(), (x.shape[-1],), None, eps).to(x.dtype) * w
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def start(description: str):
+    """The arguments of the elementwise-op benchmarks (this one and bench_rope.py), torch set up for them
+    (threads, no autograd), and the devices to run on; prints the header line."""
+    ap = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--repeats", type=int, default=2000)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--gbps", type=float, default=20.0, help="memory bandwidth for the floor column")
@@ -52,6 +54,11 @@ def main() -> None:
     torch.set_grad_enabled(False)
     devices = ["cpu"] + (["cuda"] if torch.cuda.is_available() and taps_ops.has_cuda_kernels() else [])
     print(f"torch {torch.__version__}, threads {torch.get_num_threads()}, mean of {args.repeats} calls")
+    return args, devices
+
+
+def main() -> None:
+    args, devices = start(__doc__)
     print(f"{'device':6} {'rows':>5} {'H':>5} {'dtype':>8} {'torch us':>9} {'taps us':>8} {'x torch':>8} "
           f"{'floor us':>9}")
     for device in devices:

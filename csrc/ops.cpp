@@ -55,4 +55,8 @@ TORCH_LIBRARY(taps_ops, m) {
   // round(round(x * rsqrt(mean(x^2) + eps)) * weight), the sum of squares in float32 in the fixed order of
   // taps/rms_norm.h (no data checks, so no validate flag).
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
+  // x [R, T, H, D] (D even; any strides, last dimension contiguous), rotated in place; cos, sin [R, T, D] or
+  // [R, T, 1, D] of x's dtype (sin with rotate_half's sign folded in): x = x * cos + x.roll(D / 2, -1) * sin
+  // with each product and the sum rounded to x's dtype (taps/rope.h). No data checks, so no validate flag.
+  m.def("rope_(Tensor(a!) x, Tensor cos, Tensor sin) -> ()");
 }

@@ -68,3 +68,14 @@ def test_bench_drafter_runs():
                     "--depth", "2")
     rows = table_rows(out, "drafter forward cost per expansion level")
     assert len(rows) == 4 and any("EAGLE-3" in r for r in rows), rows
+
+
+@pytest.mark.parametrize("script,rows", [("bench_rms_norm.py", 10), ("bench_rope.py", 8)])
+def test_elementwise_op_benches_run(script, rows):
+    """The rms_norm and rope_ microbenchmarks print one line per case with a positive ratio."""
+    out = run_bench(script, "--repeats", "5")
+    lines = [ln for ln in out.splitlines() if ln.startswith("cpu ")]
+    assert len(lines) == rows, out
+    for ln in lines:
+        ratio = float(ln.split()[-2])
+        assert ratio > 0, ln

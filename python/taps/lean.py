@@ -259,9 +259,13 @@ def _attention_mlp(w: LayerWeights, index: int, x: Tensor, h: Tensor, cos: Tenso
     half = w.head_dim // 2
     if w.qkv is not None and w.q_norm is None and torch.is_grad_enabled() is False:
         qkv = w.qkv(h).view(gb, tokens, w.heads + 2 * w.kv_heads, w.head_dim)
-        qk, v = qkv.split([w.heads + w.kv_heads, w.kv_heads], dim=2)
-        qk = qk * cos + qk.roll(half, -1) * sin                   # q and k rotated together
-        q, k = qk.split([w.heads, w.kv_heads], dim=2)
+        if cos.dtype == qkv.dtype:  # q and k rotated together, in place, in one pass
+            taps_ops.rope_(qkv[:, :, :w.heads + w.kv_heads], cos, sin)
+            q, k, v = qkv.split([w.heads, w.kv_heads, w.kv_heads], dim=2)
+        else:
+            qk, v = qkv.split([w.heads + w.kv_heads, w.kv_heads], dim=2)
+            qk = qk * cos + qk.roll(half, -1) * sin
+            q, k = qk.split([w.heads, w.kv_heads], dim=2)
     else:
         q = w.q(h).view(gb, tokens, w.heads, w.head_dim)
         k = w.k(h).view(gb, tokens, w.kv_heads, w.head_dim)

@@ -8,6 +8,7 @@ Public API (shapes in brackets; B requests, N tree nodes, V vocabulary):
 - :func:`tree_attention` attention of tree queries over a prefix plus the masked tree tail
 - :func:`compact_kv` in-place move of the accepted path's KV entries next to the prefix
 - :func:`rms_norm`   Llama's RMSNorm in one pass (one weight or G stacked ones), for the lean forwards
+- :func:`rope_`      rotary position embedding in place, in one pass, for the lean forwards
 
 The tree format and the op contracts are those of the project's DESIGN.md; :mod:`taps_ops.reference`
 holds a plain-PyTorch implementation of every op that the tests and benchmarks compare against.
@@ -42,7 +43,7 @@ _load_library()
 
 __all__ = [
     "VerifyOutput", "Tree", "MergedTree", "verify_tree", "build_tree", "merge_trees",
-    "tree_attention", "compact_kv", "rms_norm", "has_cuda_kernels",
+    "tree_attention", "compact_kv", "rms_norm", "rope_", "has_cuda_kernels",
 ]
 
 Scalar = Union[float, int, Tensor]
@@ -317,6 +318,26 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     never run on a GPU so far.
     """
     return torch.ops.taps_ops.rms_norm.default(x, weight, float(eps))
+
+
+def rope_(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """Rotary position embedding of x in place: ``x = x * cos + x.roll(D // 2, -1) * sin`` per head, each
+    product and the sum rounded to x's dtype as torch evaluates that expression (with ``sin`` carrying
+    rotate_half's sign on its first half, this is Hugging Face's ``x * cos + rotate_half(x) * sin``; see
+    ``taps.lean.RopeTable``).
+
+    Args:
+        x: [R, T, H, D] float32/bfloat16/float16, D even, any strides with a contiguous last dimension
+            (e.g. the q and k heads of a fused qkv projection's output, rotated together); updated in place.
+        cos, sin: [R, T, D] or [R, T, 1, D], x's dtype, contiguous last dimension (expanded views are
+            fine): the table rows of each token's position, shared by its H heads.
+
+    Returns:
+        x. No autograd: an inference op (the lean forwards call it with autograd off). CUDA: compiled,
+        never run on a GPU so far.
+    """
+    torch.ops.taps_ops.rope_.default(x, cos, sin)
+    return x
 
 
 from . import _fake  # noqa: E402,F401  (shape functions for torch.compile / FakeTensor)

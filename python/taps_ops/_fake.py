@@ -45,3 +45,8 @@ def _compact_kv_fake(caches, path, prefix_lens, validate=True):
 @torch.library.register_fake("taps_ops::rms_norm")
 def _rms_norm_fake(x, weight, eps):
     return torch.empty_like(x, memory_format=torch.contiguous_format)
+
+
+@torch.library.register_fake("taps_ops::rope_")
+def _rope_fake(x, cos, sin):
+    return None

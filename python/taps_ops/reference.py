@@ -494,3 +494,11 @@ def rms_norm_ref(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     normed = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
     out = normed.view(groups, -1, width) * w.unsqueeze(1)
     return out.reshape(x.shape)
+
+
+def rope_ref(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """``x * cos + x.roll(D // 2, -1) * sin`` for x [R, T, H, D] and cos / sin [R, T, D] or [R, T, 1, D]
+    (a new tensor; :func:`taps_ops.rope_` writes the same values into x)."""
+    if cos.dim() == 3:
+        cos, sin = cos.unsqueeze(2), sin.unsqueeze(2)
+    return x * cos + x.roll(x.shape[-1] // 2, -1) * sin

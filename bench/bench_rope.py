@@ -1,0 +1,48 @@
+"""Microbenchmark of taps_ops.rope_ against the torch expression the lean forwards used before it.
+
+    PYTHONPATH=python python bench/bench_rope.py [--repeats 2000]
+
+Rows: the q and k heads of a fused qkv projection's output at decoding sizes (rows x tokens, heads,
+head dim; fp32 and bf16). Columns: torch's ``qk * cos + qk.roll(D // 2, -1) * sin`` (with the split of
+q and k out of qkv, as taps.lean ran it), taps_ops.rope_ in place on the qkv view, the ratio, and the
+floor: the bytes the op must move (read and write q and k, read the tables) at ``--gbps`` (default 20 GB/s
+for one core of the development CPU). Mean over ``repeats`` calls after a warm-up; on CUDA (when present)
+synchronised around the loop.
+"""
+
+from __future__ import annotations
+
+import torch
+
+import taps_ops
+from bench_rms_norm import per_call, start  # noqa: E402  (bench/ is on the path when run as a script)
+
+
+def main() -> None:
+    args, devices = start(__doc__)
+    print(f"{'device':6} {'R x T':>7} {'Hq+Hkv':>6} {'D':>4} {'dtype':>8} {'torch us':>9} {'taps us':>8} "
+          f"{'x torch':>8} {'floor us':>9}")
+    for device in devices:
+        cuda = device == "cuda"
+        gbps = args.gbps if not cuda else 4000.0
+        for rows, tokens, heads, kv, dim in ((1, 8, 4, 2, 16), (1, 32, 4, 2, 16), (1, 32, 32, 8, 128),
+                                             (4, 64, 32, 8, 128)):
+            for dt in (torch.float32, torch.bfloat16):
+                qkv = torch.randn(rows, tokens, heads + 2 * kv, dim, device=device).to(dt)
+                cos = torch.randn(rows, tokens, 1, dim, device=device).to(dt)
+                sin = torch.randn(rows, tokens, 1, dim, device=device).to(dt)
+
+                def composite():
+                    qk, _ = qkv.split([heads + kv, kv], dim=2)
+                    return qk * cos + qk.roll(dim // 2, -1) * sin
+
+                t_torch = per_call(composite, args.repeats, cuda)
+                t_taps = per_call(lambda: taps_ops.rope_(qkv[:, :, :heads + kv], cos, sin), args.repeats, cuda)
+                moved = (2 * (heads + kv) + 2) * rows * tokens * dim * qkv.element_size()
+                print(f"{device:6} {f'{rows}x{tokens}':>7} {heads + kv:6} {dim:4} {str(dt)[6:]:>8} "
+                      f"{t_torch * 1e6:9.2f} {t_taps * 1e6:8.2f} {t_torch / t_taps:8.2f} "
+                      f"{moved / (gbps * 1e9) * 1e6:9.3f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,55 @@
+// rope_, CPU kernel: input checks (rope_checks.h), then rope::row (taps/rope.h) on every (r, t, h) head row
+// in place, parallel over (r, t). One pass, no temporaries: in the lean forwards it replaces the five
+// operators of `x * cos + x.roll(D / 2, -1) * sin` and their temporaries.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+
+#include "rope_checks.h"
+#include "taps/rope.h"
+
+namespace taps {
+namespace {
+
+struct RopeView {
+  char* x;
+  const char* cos;
+  const char* sin;
+  int64_t tokens, heads, dim, sr, st, sh, cr, ct, elem;  // strides in bytes
+};
+
+template <int T>
+void rows_loop(const RopeView& v, int64_t lo, int64_t hi) {
+  for (int64_t n = lo; n < hi; ++n) {
+    const int64_t r = n / v.tokens, t = n % v.tokens;
+    const int64_t table = r * v.cr + t * v.ct;
+    for (int64_t h = 0; h < v.heads; ++h)
+      rope::row<T>(v.x + r * v.sr + t * v.st + h * v.sh, v.cos + table, v.sin + table, v.dim);
+  }
+}
+
+void rope_cpu(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
+  const RopeArgs a = prepare_rope(x, cos, sin);
+  TORCH_CHECK(x.device().is_cpu(), "taps_ops: rope_: x must be on the CPU for the CPU kernel, got ", x.device());
+  if (a.rows * a.tokens * a.heads * a.dim == 0) return;
+  const int64_t e = x.element_size();
+  const RopeView v{static_cast<char*>(x.data_ptr()), static_cast<const char*>(a.cos.data_ptr()),
+                   static_cast<const char*>(a.sin.data_ptr()), a.tokens, a.heads, a.dim, x.stride(0) * e,
+                   x.stride(1) * e, x.stride(2) * e, a.cos.stride(0) * e, a.cos.stride(1) * e, e};
+  const int64_t grain = std::max<int64_t>(1, 16384 / std::max<int64_t>(a.heads * a.dim, 1));
+  at::parallel_for(0, a.rows * a.tokens, grain, [&](int64_t lo, int64_t hi) {
+    switch (a.dtype) {
+      case elementwise::kF32: rows_loop<elementwise::kF32>(v, lo, hi); break;
+      case elementwise::kBF16: rows_loop<elementwise::kBF16>(v, lo, hi); break;
+      case elementwise::kF16: rows_loop<elementwise::kF16>(v, lo, hi); break;
+    }
+  });
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(taps_ops, CPU, m) { m.impl("rope_", &rope_cpu); }
+
+}  // namespace taps
