@@ -329,7 +329,8 @@ class SpeculativeDecoder:
                     if drafted:
                         order = tuple(t for g in groups for t in g.members)
                         fields = ("scores", "tokens", "parents", "entropy")
-                        cands = Candidates(*(torch.cat([getattr(c, f) for c in drafted])
+                        cands = Candidates(*((torch.cat([getattr(c, f) for c in drafted]) if len(drafted) > 1
+                                              else getattr(drafted[0], f))  # one group: no copy
                                              .view(len(order), batch, *drafted[0][i].shape[1:])
                                              for i, f in enumerate(fields)), order)
                     tree = strategy.combine(cands, root)
