@@ -21,7 +21,7 @@ struct RopeView {
 };
 
 template <int T>
-void rows_loop(const RopeView& v, int64_t lo, int64_t hi) {
+inline __attribute__((always_inline)) void rows_loop(const RopeView& v, int64_t lo, int64_t hi) {
   for (int64_t n = lo; n < hi; ++n) {
     const int64_t r = n / v.tokens, t = n % v.tokens;
     const int64_t table = r * v.cr + t * v.ct;
@@ -29,6 +29,18 @@ void rows_loop(const RopeView& v, int64_t lo, int64_t hi) {
       rope::row<T>(v.x + r * v.sr + t * v.st + h * v.sh, v.cos + table, v.sin + table, v.dim);
   }
 }
+
+// One clone per instruction set (AVX2 where the CPU has it, else the baseline), as in rms_norm.cpp: AVX2
+// has no fused multiply-add, so both clones give the bits of taps/rope.h.
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+#define TAPS_ROPE_CLONES __attribute__((target_clones("avx2", "default")))
+#else
+#define TAPS_ROPE_CLONES
+#endif
+
+TAPS_ROPE_CLONES void rows_f32(const RopeView& v, int64_t lo, int64_t hi) { rows_loop<elementwise::kF32>(v, lo, hi); }
+TAPS_ROPE_CLONES void rows_bf16(const RopeView& v, int64_t lo, int64_t hi) { rows_loop<elementwise::kBF16>(v, lo, hi); }
+TAPS_ROPE_CLONES void rows_f16(const RopeView& v, int64_t lo, int64_t hi) { rows_loop<elementwise::kF16>(v, lo, hi); }
 
 void rope_cpu(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
   const RopeArgs a = prepare_rope(x, cos, sin);
@@ -41,9 +53,9 @@ void rope_cpu(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin)
   const int64_t grain = std::max<int64_t>(1, 16384 / std::max<int64_t>(a.heads * a.dim, 1));
   at::parallel_for(0, a.rows * a.tokens, grain, [&](int64_t lo, int64_t hi) {
     switch (a.dtype) {
-      case elementwise::kF32: rows_loop<elementwise::kF32>(v, lo, hi); break;
-      case elementwise::kBF16: rows_loop<elementwise::kBF16>(v, lo, hi); break;
-      case elementwise::kF16: rows_loop<elementwise::kF16>(v, lo, hi); break;
+      case elementwise::kF32: rows_f32(v, lo, hi); break;
+      case elementwise::kBF16: rows_bf16(v, lo, hi); break;
+      case elementwise::kF16: rows_f16(v, lo, hi); break;
     }
   });
 }

@@ -45,6 +45,11 @@ SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCa
 #: activation dtypes whose RMSNorm runs as one taps_ops.rms_norm call (its float16 path is correct but
 #: slow on the CPU, and float16 decoding on the CPU is rare)
 _FUSED_NORM_DTYPES = (torch.float32, torch.bfloat16)
+#: widest q + k row (heads x head dim) whose bfloat16 / float16 rotary embedding runs as one taps_ops.rope_
+#: call: the op's half-precision rounding is scalar-heavy on the CPU, faster than the five-operator torch
+#: form at decoding's sizes (12 x 32: 8.8 vs 15.4 us) but slower on wide rows (40 x 128, 32 tokens: 147 vs
+#: 117 us; bench/bench_rope.py); float32 always takes the op (20 vs 89 us there)
+_FUSED_ROPE_HALF_WIDTH = 1024
 _RMS_NORMS = ("LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm")
 
 
@@ -259,7 +264,9 @@ def _attention_mlp(w: LayerWeights, index: int, x: Tensor, h: Tensor, cos: Tenso
     half = w.head_dim // 2
     if w.qkv is not None and w.q_norm is None and torch.is_grad_enabled() is False:
         qkv = w.qkv(h).view(gb, tokens, w.heads + 2 * w.kv_heads, w.head_dim)
-        if cos.dtype == qkv.dtype:  # q and k rotated together, in place, in one pass
+        if cos.dtype == qkv.dtype and (qkv.dtype == torch.float32 or
+                                      (w.heads + w.kv_heads) * w.head_dim <= _FUSED_ROPE_HALF_WIDTH):
+            # q and k rotated together, in place, in one pass
             taps_ops.rope_(qkv[:, :, :w.heads + w.kv_heads], cos, sin)
             q, k, v = qkv.split([w.heads, w.kv_heads, w.kv_heads], dim=2)
         else:
