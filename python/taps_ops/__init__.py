@@ -13,8 +13,9 @@ Public API (shapes in brackets; B requests, N tree nodes, V vocabulary):
 The tree format and the op contracts are those of the project's DESIGN.md; :mod:`taps_ops.reference`
 holds a plain-PyTorch implementation of every op that the tests and benchmarks compare against.
 
-Every op takes ``validate=True``: the checks that read the inputs' data (tree structure, NaN, lengths,
-paths) raise a clear error. On CUDA they cost one device sync, so ``validate=False`` skips them for hot
+Every op of the tree contract takes ``validate=True`` (rms_norm and rope_ read no data to check, so
+they have no such flag): the checks that read the inputs' data (tree structure, NaN, lengths, paths)
+raise a clear error. On CUDA they cost one device sync, so ``validate=False`` skips them for hot
 loops and CUDA-graph capture (where ``validate=True`` raises); the kernels then still never read or
 write out of bounds, but bad input gives unspecified results.
 """
