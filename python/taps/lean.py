@@ -16,6 +16,9 @@ same arithmetic with a minimum of operations:
   forward (``torch.bmm``): activations are then ``[G, R, features]`` with the drafters' rows group-major.
 - :class:`RopeTable`: cos/sin rows computed once by the model's own rotary module for positions
   ``0 .. P-1`` and indexed per call, so positions cost one gather instead of a trigonometric evaluation.
+- With autograd off, the norms and the rotary embedding run as one-pass ops (``taps_ops.rms_norm``,
+  ``taps_ops.rope_``: Hugging Face's arithmetic, rope_ bit for bit, rms_norm up to the order of its sum)
+  instead of the five to eight torch operators of their composite forms.
 - :class:`LeanCausalLM`: a whole causal LM (embedding, layers, final norm, lm_head) over a Hugging Face
   model's parameters, for the target and for :class:`taps.drafters.ModelDrafter`.
 
