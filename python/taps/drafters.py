@@ -283,9 +283,8 @@ class DraftGroup:
         longest = max(self.host_lengths)
         positions, mask = causal_append(self.lengths_b, longest, num_tokens)
         positions, mask = self._rows(positions), self._rows(mask)
-        if min(self.host_lengths) == longest:
-            return positions, cache_attend(self.kv, layers, mask, start=longest)
-        return positions, cache_attend(self.kv, layers, mask, positions=positions)
+        start = longest if min(self.host_lengths) == longest else None
+        return positions, cache_attend(self.kv, layers, mask, positions=positions, start=start)
 
     def _last(self, out: Tensor, num_new: Tensor) -> Tensor:
         """Row r's entry num_new[r % B] - 1 of out [G * B, T, ...] (the last real token of each row)."""
@@ -838,7 +837,6 @@ class EagleDrafter(_SoloMixin, Drafter):
         if not self._bound or hasattr(self, "embed_tokens"):
             return None
         return ("eagle", id(self._bound[1])) + head_key(self)
-
 
     @classmethod
     def make_group(cls, drafters: Sequence["EagleDrafter"]) -> DraftGroup:

@@ -21,7 +21,7 @@ from torch import Tensor, nn
 import taps_ops
 
 from . import hf
-from .lean import LeanCausalLM, Linear, cache_attend, causal_append, lean_support, stack_key
+from .lean import LeanCausalLM, Linear, cache_attend, causal_append, kv_writer, lean_support, stack_key
 
 __all__ = ["TargetForward", "LAZY_HEAD_MIN", "LAZY_MIN_NODES"]
 
@@ -84,7 +84,7 @@ class TargetForward:
         kv = [(layer.keys, layer.values) for layer in cache.layers]
         # from empty caches (longest 0: every row holds 0 entries) the K/V go to columns 0 .. T-1 of every
         # row, a plain copy; otherwise to each row's own positions
-        attend = cache_attend(kv, self.lean.layers, mask, **({"start": 0} if longest == 0 else {"positions": positions}))
+        attend = cache_attend(kv, self.lean.layers, mask, positions=positions, start=0 if longest == 0 else None)
         hidden, layers = self._run(input_ids, positions, attend, capture_layers)
         cache.lengths.add_(num_new)
         last = hidden[torch.arange(batch, device=hidden.device), (num_new - 1).clamp_min(0)]
@@ -106,7 +106,7 @@ class TargetForward:
         columns longest .. longest + N - 1). Returns ForwardOutput(None, final hidden states [B, N, H],
         inputs of ``capture_layers``); cache.lengths is unchanged (apply :meth:`logits` to the rows that
         need them)."""
-        batch, num = tokens.shape
+        num = tokens.shape[1]
         if longest + num > cache.max_len:
             raise ValueError(f"TargetForward.tree: {longest + num} positions needed, the cache holds {cache.max_len}")
         if self.lean is None:
@@ -116,19 +116,13 @@ class TargetForward:
         prefix = cache.lengths
         positions = prefix.unsqueeze(1) + depth.clamp_min(0)
         kv_lens = prefix + num
-        if not uniform:
-            write = prefix.unsqueeze(1) + torch.arange(num, device=prefix.device)
-            rows = torch.arange(batch, device=prefix.device).unsqueeze(1)
+        write = kv_writer(start=longest) if uniform else \
+            kv_writer(prefix.unsqueeze(1) + torch.arange(num, device=prefix.device))
         layers = self.lean.layers
 
         def attend(i: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
             layer = cache.layers[i]
-            if uniform:
-                layer.keys[:, :, longest:longest + num] = k.transpose(1, 2)
-                layer.values[:, :, longest:longest + num] = v.transpose(1, 2)
-            else:
-                layer.keys[rows, :, write] = k
-                layer.values[rows, :, write] = v
+            write(layer.keys, layer.values, k, v)
             return taps_ops.tree_attention(q.transpose(1, 2), layer.keys, layer.values, tree_mask, kv_lens,
                                            layers[i].scale, validate=False)
 

@@ -41,7 +41,8 @@ from torch import Tensor, nn
 import taps_ops
 
 __all__ = ["Linear", "Norm", "LayerWeights", "RopeTable", "decoder_layer", "eagle3_layer", "LeanCausalLM",
-           "lean_support", "stack_key", "pack_weight", "cache_attend", "causal_append", "SUPPORTED_ARCHITECTURES"]
+           "lean_support", "stack_key", "pack_weight", "kv_writer", "cache_attend", "causal_append",
+           "SUPPORTED_ARCHITECTURES"]
 
 #: Hugging Face causal-LM classes whose forward the lean path reproduces.
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
@@ -441,28 +442,41 @@ class LeanCausalLM:
         return self.head(hidden)
 
 
+def kv_writer(positions: Optional[Tensor] = None, start: Optional[int] = None) -> Callable[..., None]:
+    """``write(keys, values, k, v)``: new K/V ``[R, T, Hkv, D]`` into caches ``[R, Hkv, S, D]``, at per-row
+    positions ``positions [R, T]`` (a scatter, for ragged rows) or, when ``start`` is given (it takes
+    precedence), at columns ``start .. start + T - 1`` of every row (a plain copy, for rows that all hold
+    ``start`` entries)."""
+    if start is None:
+        if positions is None:
+            raise ValueError("kv_writer: give positions or start")
+        rows = torch.arange(positions.shape[0], device=positions.device).unsqueeze(1)
+
+        def write(keys: Tensor, values: Tensor, k: Tensor, v: Tensor) -> None:
+            keys[rows, :, positions] = k
+            values[rows, :, positions] = v
+    else:
+        def write(keys: Tensor, values: Tensor, k: Tensor, v: Tensor) -> None:
+            keys[:, :, start:start + k.shape[1]] = k.transpose(1, 2)
+            values[:, :, start:start + k.shape[1]] = v.transpose(1, 2)
+    return write
+
+
 def cache_attend(kv: Sequence[Sequence[Tensor]], layers: Sequence[LayerWeights], mask: Tensor, *,
                  positions: Optional[Tensor] = None, start: Optional[int] = None) -> Attend:
     """An ``attend`` callback over preallocated per-layer caches ``kv[i] = (keys, values)`` [R, Hkv, S, D].
 
     Each layer's new K/V ([R, T, Hkv, D]) are written at per-row positions ``positions [R, T]`` (committed
-    tokens of ragged rows) or, with ``start``, at columns ``start .. start + T - 1`` of every row (scratch
-    entries at one column for all rows: a plain copy); then attention runs over the first ``S' =
-    mask.shape[-1]`` columns with the bool mask ``[R, 1, T, S']`` (True = visible).
+    tokens of ragged rows) or, with ``start`` (which takes precedence), at columns ``start .. start + T - 1``
+    of every row (a plain copy; see :func:`kv_writer`); then attention runs over the
+    first ``S' = mask.shape[-1]`` columns with the bool mask ``[R, 1, T, S']`` (True = visible).
     """
     span = int(mask.shape[-1])
-    rows = None
-    if positions is not None:
-        rows = torch.arange(positions.shape[0], device=positions.device).unsqueeze(1)
+    write = kv_writer(positions, start)
 
     def attend(i: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         keys, values = kv[i]
-        if rows is not None:
-            keys[rows, :, positions] = k
-            values[rows, :, positions] = v
-        else:
-            keys[:, :, start:start + k.shape[1]] = k.transpose(1, 2)
-            values[:, :, start:start + k.shape[1]] = v.transpose(1, 2)
+        write(keys, values, k, v)
         w = layers[i]
         return F.scaled_dot_product_attention(q.transpose(1, 2), keys[:, :, :span], values[:, :, :span],
                                               attn_mask=mask, scale=w.scale, enable_gqa=w.heads != w.kv_heads)
