@@ -5,6 +5,7 @@
 #include <string>
 
 #include "taps/common.h"
+#include "taps/elementwise.h"
 
 namespace taps {
 
@@ -29,6 +30,14 @@ inline void check_same_device(const at::Tensor& ref, const at::Tensor& t, const 
 inline void check_size(const at::Tensor& t, int64_t d, int64_t expected, const char* name, const char* what) {
   TORCH_CHECK(t.size(d) == expected, "taps_ops: ", name, " dimension ", d, " must be ", what, " = ", expected,
               ", got shape ", t.sizes());
+}
+
+// The elementwise cores' dtype of `x` (float32, bfloat16 or float16), or a clear error naming `op`.
+inline elementwise::Dtype elementwise_dtype(const at::Tensor& x, const char* op) {
+  const at::ScalarType st = x.scalar_type();
+  TORCH_CHECK(st == at::kFloat || st == at::kBFloat16 || st == at::kHalf, "taps_ops: ", op,
+              ": x must have dtype float32, bfloat16 or float16, got ", st);
+  return st == at::kFloat ? elementwise::kF32 : (st == at::kBFloat16 ? elementwise::kBF16 : elementwise::kF16);
 }
 
 // errors: one encoded error per request (taps/common.h). Calls raise(b, encoded) for the first request

@@ -4,7 +4,7 @@
 #include <ATen/ATen.h>
 
 #include "checks.h"
-#include "taps/rms_norm.h"
+#include "taps/elementwise.h"
 
 namespace taps {
 
@@ -13,7 +13,7 @@ struct RmsNormArgs {
   at::Tensor weight;  // [G, H] contiguous
   at::Tensor out;     // x's shape, contiguous
   int64_t rows, width, rows_per_group;
-  norm::Dtype dtype;
+  elementwise::Dtype dtype;
 };
 
 // x [..., H] f32/bf16/f16; weight [H] or [G, H] of x's dtype and device, G dividing the rows of x (the
@@ -21,9 +21,8 @@ struct RmsNormArgs {
 inline RmsNormArgs prepare_rms_norm(const at::Tensor& x_in, const at::Tensor& weight_in, double eps) {
   TORCH_CHECK(x_in.defined() && weight_in.defined(), "taps_ops: rms_norm: x and weight must be defined");
   TORCH_CHECK(x_in.dim() >= 1, "taps_ops: rms_norm: x [..., H] must have at least 1 dimension, got a scalar");
+  const elementwise::Dtype dtype = elementwise_dtype(x_in, "rms_norm");
   const at::ScalarType st = x_in.scalar_type();
-  TORCH_CHECK(st == at::kFloat || st == at::kBFloat16 || st == at::kHalf,
-              "taps_ops: rms_norm: x must have dtype float32, bfloat16 or float16, got ", st);
   TORCH_CHECK(weight_in.scalar_type() == st, "taps_ops: rms_norm: weight has dtype ", weight_in.scalar_type(),
               " but x has ", st, "; they must match");
   check_same_device(x_in, weight_in, "x", "rms_norm: weight");
@@ -45,7 +44,7 @@ inline RmsNormArgs prepare_rms_norm(const at::Tensor& x_in, const at::Tensor& we
   if (width > 1 && a.x.stride(1) != 1) a.x = a.x.contiguous();
   a.weight = weight_in.reshape({groups, width}).contiguous();
   a.out = at::empty(x_in.sizes(), x_in.options().memory_format(at::MemoryFormat::Contiguous));
-  a.dtype = st == at::kFloat ? norm::kF32 : (st == at::kBFloat16 ? norm::kBF16 : norm::kF16);
+  a.dtype = dtype;
   return a;
 }
 

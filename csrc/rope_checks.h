@@ -18,10 +18,9 @@ struct RopeArgs {
 inline RopeArgs prepare_rope(const at::Tensor& x, const at::Tensor& cos_in, const at::Tensor& sin_in) {
   TORCH_CHECK(x.defined() && cos_in.defined() && sin_in.defined(), "taps_ops: rope_: x, cos and sin must be defined");
   TORCH_CHECK(x.dim() == 4, "taps_ops: rope_: x [R, T, H, D] must have 4 dimensions, got shape ", x.sizes());
-  const at::ScalarType st = x.scalar_type();
-  TORCH_CHECK(st == at::kFloat || st == at::kBFloat16 || st == at::kHalf,
-              "taps_ops: rope_: x must have dtype float32, bfloat16 or float16, got ", st);
   RopeArgs a;
+  a.dtype = elementwise_dtype(x, "rope_");
+  const at::ScalarType st = x.scalar_type();
   a.rows = x.size(0);
   a.tokens = x.size(1);
   a.heads = x.size(2);
@@ -55,7 +54,6 @@ inline RopeArgs prepare_rope(const at::Tensor& x, const at::Tensor& cos_in, cons
               sin_in.strides());
   a.cos = out[0];
   a.sin = out[1];
-  a.dtype = st == at::kFloat ? elementwise::kF32 : (st == at::kBFloat16 ? elementwise::kBF16 : elementwise::kF16);
   return a;
 }
 

@@ -6,64 +6,48 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
-#include <algorithm>
-
+#include "cpu/elementwise_cpu.h"
 #include "rms_norm_checks.h"
 #include "taps/rms_norm.h"
 
 namespace taps {
 namespace {
 
+struct NormView {
+  const char* x;
+  const char* w;
+  char* y;
+  int64_t x_stride, width, rows_per_group, elem;  // x_stride in bytes
+  float eps;
+};
+
 template <int T>
-inline __attribute__((always_inline)) void rows_loop(const char* x, const char* w, char* y, int64_t xs, int64_t width,
-                                                     int64_t per, float eps, int64_t lo, int64_t hi) {
-  const int64_t elem = T == norm::kF32 ? 4 : 2;
-  for (int64_t r = lo; r < hi; ++r) norm::row<T>(x + r * xs, w + (r / per) * width * elem, y + r * width * elem, width, eps);
+inline __attribute__((always_inline)) void rows_loop(const NormView& v, int64_t lo, int64_t hi) {
+  for (int64_t r = lo; r < hi; ++r)
+    norm::row<T>(v.x + r * v.x_stride, v.w + (r / v.rows_per_group) * v.width * v.elem, v.y + r * v.width * v.elem,
+                 v.width, v.eps);
 }
 
-// One clone per instruction set (AVX2 where the CPU has it, else the baseline): wider vectors for the
-// same arithmetic. AVX2 has no fused multiply-add (that is the separate FMA set), so the results stay
-// those of taps/rms_norm.h, bit for bit, in either clone.
-#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
-#define TAPS_NORM_CLONES __attribute__((target_clones("avx2", "default")))
-#else
-#define TAPS_NORM_CLONES
-#endif
-
-#define TAPS_NORM_ROWS(name, T)                                                                              \
-  TAPS_NORM_CLONES void name(const char* x, const char* w, char* y, int64_t xs, int64_t width, int64_t per, \
-                             float eps, int64_t lo, int64_t hi) {                                            \
-    rows_loop<T>(x, w, y, xs, width, per, eps, lo, hi);                                                      \
-  }
-TAPS_NORM_ROWS(rows_f32, norm::kF32)
-TAPS_NORM_ROWS(rows_bf16, norm::kBF16)
-TAPS_NORM_ROWS(rows_f16, norm::kF16)
-#undef TAPS_NORM_ROWS
-
-using RowsFn = void (*)(const char*, const char*, char*, int64_t, int64_t, int64_t, float, int64_t, int64_t);
-
-void run_rows(const RmsNormArgs& a, float eps, RowsFn fn) {
-  const int64_t elem = a.x.element_size();
-  const char* x = static_cast<const char*>(a.x.data_ptr());
-  const char* w = static_cast<const char*>(a.weight.data_ptr());
-  char* y = static_cast<char*>(a.out.data_ptr());
-  const int64_t xs = a.x.stride(0) * elem, width = a.width, per = a.rows_per_group;
-  // rows of a few thousand elements: grain so that tiny calls stay on the calling thread
-  const int64_t grain = std::max<int64_t>(1, 16384 / std::max<int64_t>(width, 1));
-  at::parallel_for(0, a.rows, grain, [&](int64_t lo, int64_t hi) { fn(x, w, y, xs, width, per, eps, lo, hi); });
-}
+TAPS_AVX2_CLONES void rows_f32(const NormView& v, int64_t lo, int64_t hi) { rows_loop<elementwise::kF32>(v, lo, hi); }
+TAPS_AVX2_CLONES void rows_bf16(const NormView& v, int64_t lo, int64_t hi) { rows_loop<elementwise::kBF16>(v, lo, hi); }
+TAPS_AVX2_CLONES void rows_f16(const NormView& v, int64_t lo, int64_t hi) { rows_loop<elementwise::kF16>(v, lo, hi); }
 
 at::Tensor rms_norm_cpu(const at::Tensor& x, const at::Tensor& weight, double eps) {
   RmsNormArgs a = prepare_rms_norm(x, weight, eps);
   TORCH_CHECK(a.x.device().is_cpu(), "taps_ops: rms_norm: x must be on the CPU for the CPU kernel, got ",
               a.x.device());
   if (a.rows == 0 || a.width == 0) return a.out;
-  const float e = static_cast<float>(eps);
-  switch (a.dtype) {
-    case norm::kF32: run_rows(a, e, &rows_f32); break;
-    case norm::kBF16: run_rows(a, e, &rows_bf16); break;
-    case norm::kF16: run_rows(a, e, &rows_f16); break;
-  }
+  const int64_t e = a.x.element_size();
+  const NormView v{static_cast<const char*>(a.x.data_ptr()), static_cast<const char*>(a.weight.data_ptr()),
+                   static_cast<char*>(a.out.data_ptr()), a.x.stride(0) * e, a.width, a.rows_per_group, e,
+                   static_cast<float>(eps)};
+  at::parallel_for(0, a.rows, elementwise_grain(a.width), [&](int64_t lo, int64_t hi) {
+    switch (a.dtype) {
+      case elementwise::kF32: rows_f32(v, lo, hi); break;
+      case elementwise::kBF16: rows_bf16(v, lo, hi); break;
+      case elementwise::kF16: rows_f16(v, lo, hi); break;
+    }
+  });
   return a.out;
 }
 

@@ -5,8 +5,7 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
-#include <algorithm>
-
+#include "cpu/elementwise_cpu.h"
 #include "rope_checks.h"
 #include "taps/rope.h"
 
@@ -17,7 +16,7 @@ struct RopeView {
   char* x;
   const char* cos;
   const char* sin;
-  int64_t tokens, heads, dim, sr, st, sh, cr, ct, elem;  // strides in bytes
+  int64_t tokens, heads, dim, sr, st, sh, cr, ct;  // strides in bytes
 };
 
 template <int T>
@@ -30,17 +29,9 @@ inline __attribute__((always_inline)) void rows_loop(const RopeView& v, int64_t 
   }
 }
 
-// One clone per instruction set (AVX2 where the CPU has it, else the baseline), as in rms_norm.cpp: AVX2
-// has no fused multiply-add, so both clones give the bits of taps/rope.h.
-#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
-#define TAPS_ROPE_CLONES __attribute__((target_clones("avx2", "default")))
-#else
-#define TAPS_ROPE_CLONES
-#endif
-
-TAPS_ROPE_CLONES void rows_f32(const RopeView& v, int64_t lo, int64_t hi) { rows_loop<elementwise::kF32>(v, lo, hi); }
-TAPS_ROPE_CLONES void rows_bf16(const RopeView& v, int64_t lo, int64_t hi) { rows_loop<elementwise::kBF16>(v, lo, hi); }
-TAPS_ROPE_CLONES void rows_f16(const RopeView& v, int64_t lo, int64_t hi) { rows_loop<elementwise::kF16>(v, lo, hi); }
+TAPS_AVX2_CLONES void rows_f32(const RopeView& v, int64_t lo, int64_t hi) { rows_loop<elementwise::kF32>(v, lo, hi); }
+TAPS_AVX2_CLONES void rows_bf16(const RopeView& v, int64_t lo, int64_t hi) { rows_loop<elementwise::kBF16>(v, lo, hi); }
+TAPS_AVX2_CLONES void rows_f16(const RopeView& v, int64_t lo, int64_t hi) { rows_loop<elementwise::kF16>(v, lo, hi); }
 
 void rope_cpu(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
   const RopeArgs a = prepare_rope(x, cos, sin);
@@ -49,9 +40,8 @@ void rope_cpu(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin)
   const int64_t e = x.element_size();
   const RopeView v{static_cast<char*>(x.data_ptr()), static_cast<const char*>(a.cos.data_ptr()),
                    static_cast<const char*>(a.sin.data_ptr()), a.tokens, a.heads, a.dim, x.stride(0) * e,
-                   x.stride(1) * e, x.stride(2) * e, a.cos.stride(0) * e, a.cos.stride(1) * e, e};
-  const int64_t grain = std::max<int64_t>(1, 16384 / std::max<int64_t>(a.heads * a.dim, 1));
-  at::parallel_for(0, a.rows * a.tokens, grain, [&](int64_t lo, int64_t hi) {
+                   x.stride(1) * e, x.stride(2) * e, a.cos.stride(0) * e, a.cos.stride(1) * e};
+  at::parallel_for(0, a.rows * a.tokens, elementwise_grain(a.heads * a.dim), [&](int64_t lo, int64_t hi) {
     switch (a.dtype) {
       case elementwise::kF32: rows_f32(v, lo, hi); break;
       case elementwise::kBF16: rows_bf16(v, lo, hi); break;

@@ -13,6 +13,8 @@
 #include <cstdlib>
 #include <cstring>
 
+#include "taps/elementwise.h"
+
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
 #include <immintrin.h>
 #define TAPS_ROW_AVX512 1
@@ -21,41 +23,12 @@
 namespace taps {
 namespace rows {
 
-enum class Dtype { kF32, kBF16, kF16 };
-
-inline float half_to_float(uint16_t h) {
-  const uint32_t sign = uint32_t(h & 0x8000u) << 16, exp = (h >> 10) & 0x1fu, mant = h & 0x3ffu;
-  uint32_t bits;
-  if (exp == 0) {
-    if (mant == 0) {
-      bits = sign;
-    } else {  // subnormal half: normalise
-      int e = -1;
-      uint32_t m = mant;
-      do {
-        ++e;
-        m <<= 1;
-      } while ((m & 0x400u) == 0);
-      bits = sign | uint32_t(127 - 15 - e) << 23 | (m & 0x3ffu) << 13;
-    }
-  } else if (exp == 31) {
-    bits = sign | 0x7f800000u | mant << 13;
-  } else {
-    bits = sign | (exp + 112u) << 23 | mant << 13;
-  }
-  float f;
-  std::memcpy(&f, &bits, 4);
-  return f;
-}
+using Dtype = elementwise::Dtype;  // float32, bfloat16, float16 (the elementwise cores' conversions)
 
 inline float load_scalar(const void* row, int64_t i, Dtype t) {
   if (t == Dtype::kF32) return static_cast<const float*>(row)[i];
   const uint16_t h = static_cast<const uint16_t*>(row)[i];
-  if (t == Dtype::kF16) return half_to_float(h);
-  const uint32_t bits = uint32_t(h) << 16;
-  float f;
-  std::memcpy(&f, &bits, 4);
-  return f;
+  return t == Dtype::kF16 ? elementwise::f16_to_float(h) : elementwise::bf16_to_float(h);
 }
 
 struct MaxResult {

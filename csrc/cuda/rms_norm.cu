@@ -24,15 +24,15 @@ at::Tensor rms_norm_cuda(const at::Tensor& x, const at::Tensor& weight, double e
   const int64_t xs = a.x.stride(0), ys = a.width, per = a.rows_per_group;
   cudaError_t err = cudaSuccess;
   switch (a.dtype) {
-    case norm::kF32:
+    case elementwise::kF32:
       err = norm::launch_rms_norm<norm::kF32>(a.x.data_ptr(), a.weight.data_ptr(), a.out.data_ptr(), a.rows, a.width,
                                               xs, ys, per, e, stream);
       break;
-    case norm::kBF16:
+    case elementwise::kBF16:
       err = norm::launch_rms_norm<norm::kBF16>(a.x.data_ptr(), a.weight.data_ptr(), a.out.data_ptr(), a.rows,
                                                a.width, xs, ys, per, e, stream);
       break;
-    case norm::kF16:
+    case elementwise::kF16:
       err = norm::launch_rms_norm<norm::kF16>(a.x.data_ptr(), a.weight.data_ptr(), a.out.data_ptr(), a.rows,
                                               a.width, xs, ys, per, e, stream);
       break;
