@@ -57,22 +57,28 @@ def start(description: str):
     return args, devices
 
 
+def compare(args, device: str, label: str, torch_fn, taps_fn, moved_bytes: int) -> None:
+    """One table line: ``label``, then the torch form's and the op's time per call, their ratio and the
+    floor (``moved_bytes`` at ``--gbps`` on the CPU, 4 TB/s on CUDA)."""
+    cuda = device == "cuda"
+    gbps = 4000.0 if cuda else args.gbps
+    t_torch = per_call(torch_fn, args.repeats, cuda)
+    t_taps = per_call(taps_fn, args.repeats, cuda)
+    print(f"{device:6} {label} {t_torch * 1e6:9.2f} {t_taps * 1e6:8.2f} {t_torch / t_taps:8.2f} "
+          f"{moved_bytes / (gbps * 1e9) * 1e6:9.3f}")
+
+
 def main() -> None:
     args, devices = start(__doc__)
     print(f"{'device':6} {'rows':>5} {'H':>5} {'dtype':>8} {'torch us':>9} {'taps us':>8} {'x torch':>8} "
           f"{'floor us':>9}")
     for device in devices:
-        cuda = device == "cuda"
-        gbps = args.gbps if not cuda else 4000.0
         for rows, width in ((8, 64), (32, 64), (8, 1024), (32, 4096), (64, 4096)):
             for dt in (torch.float32, torch.bfloat16):
                 x = torch.randn(rows, width, device=device).to(dt)
                 w = torch.randn(width, device=device).to(dt)
-                t_torch = per_call(lambda: composite(x, w, 1e-6), args.repeats, cuda)
-                t_taps = per_call(lambda: taps_ops.rms_norm(x, w, 1e-6), args.repeats, cuda)
-                floor = (2 * rows * width + width) * x.element_size() / (gbps * 1e9)
-                print(f"{device:6} {rows:5} {width:5} {str(dt)[6:]:>8} {t_torch * 1e6:9.2f} {t_taps * 1e6:8.2f} "
-                      f"{t_torch / t_taps:8.2f} {floor * 1e6:9.3f}")
+                compare(args, device, f"{rows:5} {width:5} {str(dt)[6:]:>8}", lambda: composite(x, w, 1e-6),
+                        lambda: taps_ops.rms_norm(x, w, 1e-6), (2 * rows * width + width) * x.element_size())
 
 
 if __name__ == "__main__":

@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 
 import taps_ops
-from bench_rms_norm import per_call, start  # noqa: E402  (bench/ is on the path when run as a script)
+from bench_rms_norm import compare, start  # noqa: E402  (bench/ is on the path when run as a script)
 
 
 def main() -> None:
@@ -23,8 +23,6 @@ def main() -> None:
     print(f"{'device':6} {'R x T':>7} {'Hq+Hkv':>6} {'D':>4} {'dtype':>8} {'torch us':>9} {'taps us':>8} "
           f"{'x torch':>8} {'floor us':>9}")
     for device in devices:
-        cuda = device == "cuda"
-        gbps = args.gbps if not cuda else 4000.0
         for rows, tokens, heads, kv, dim in ((1, 8, 4, 2, 16), (1, 32, 4, 2, 16), (1, 32, 32, 8, 128),
                                              (4, 64, 32, 8, 128)):
             for dt in (torch.float32, torch.bfloat16):
@@ -36,12 +34,9 @@ def main() -> None:
                     qk, _ = qkv.split([heads + kv, kv], dim=2)
                     return qk * cos + qk.roll(dim // 2, -1) * sin
 
-                t_torch = per_call(composite, args.repeats, cuda)
-                t_taps = per_call(lambda: taps_ops.rope_(qkv[:, :, :heads + kv], cos, sin), args.repeats, cuda)
-                moved = (2 * (heads + kv) + 2) * rows * tokens * dim * qkv.element_size()
-                print(f"{device:6} {f'{rows}x{tokens}':>7} {heads + kv:6} {dim:4} {str(dt)[6:]:>8} "
-                      f"{t_torch * 1e6:9.2f} {t_taps * 1e6:8.2f} {t_torch / t_taps:8.2f} "
-                      f"{moved / (gbps * 1e9) * 1e6:9.3f}")
+                compare(args, device, f"{f'{rows}x{tokens}':>7} {heads + kv:6} {dim:4} {str(dt)[6:]:>8}", composite,
+                        lambda: taps_ops.rope_(qkv[:, :, :heads + kv], cos, sin),
+                        (2 * (heads + kv) + 2) * rows * tokens * dim * qkv.element_size())
 
 
 if __name__ == "__main__":

@@ -135,7 +135,8 @@ def demo(args) -> int:
         speed, speed_hf = s.new_tokens / dt, len(ref) / dt_hf
         shares = ", ".join(f"{name} {share:.0%}" for name, share in zip(names, s.drafter_share))
         print(f"\n--- {s.new_tokens} tokens in {s.target_forwards + 1} target forwards (tau {s.tau:.2f}); accepted "
-              f"draft tokens proposed by {shares} (several when they agree)\n--- speed: taps {speed:.0f} tokens/s, Hugging Face generate {speed_hf:.0f} tokens/s: "
+              f"draft tokens proposed by {shares} (several when they agree)\n--- speed: taps {speed:.0f} tokens/s, "
+              f"Hugging Face generate {speed_hf:.0f} tokens/s: "
               f"{speed / speed_hf:.2f}x; identical to the target's own greedy output: {out.tokens[0] == ref}")
 
     rows = [r for r in ROWS if r in have or r not in SINGLE_ROWS]  # single rows need their drafter
