@@ -59,4 +59,13 @@ TORCH_LIBRARY(taps_ops, m) {
   // [R, T, 1, D] of x's dtype (sin with rotate_half's sign folded in): x = x * cos + x.roll(D / 2, -1) * sin
   // with each product and the sum rounded to x's dtype (taps/rope.h). No data checks, so no validate flag.
   m.def("rope_(Tensor(a!) x, Tensor cos, Tensor sin) -> ()");
+  // One level of an EAGLE-2 expansion (taps/expand_level.h): logits [R, F, V] f32/bf16/f16 of the F
+  // frontier nodes; front_scores [R, F] f32 (their cumulative log-probs); front_cands [R, F] i64 (their
+  // candidate indices, -1 for the root); 1 <= k <= min(V, 64) children per node; 0 <= next_k <= F * k;
+  // token_map [V] i64 (draft -> target ids) or None. No data checks, so no validate flag.
+  // -> scores [R, F * k] f32, tokens, parents [R, F * k] i64, entropy [R] f32 (0 without with_entropy),
+  //    next_scores [R, next_k] f32, next_tokens, next_slots (parent frontier slot), next_cands [R, next_k] i64
+  m.def(
+      "expand_level(Tensor logits, Tensor front_scores, Tensor front_cands, int k, int next_k, int cand_offset, "
+      "Tensor? token_map, bool with_entropy) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)");
 }

@@ -5,7 +5,9 @@ level: the root's top_k children are the first frontier; at every further level 
 on the K frontier nodes (one batched forward over scratch cache entries, each node attending to the
 committed prefix and its own ancestors), every frontier node proposes its top_k children, and the best
 top_k of those K * K children by cumulative log-prob become the next frontier. All children ever
-proposed are candidates; ``taps_ops.build_tree`` then keeps the best ``budget - 1`` of them.
+proposed are candidates; ``taps_ops.build_tree`` then keeps the best ``budget - 1`` of them. Each level's
+bookkeeping (top-k by log-softmax, cumulative scores, draft-to-target tokens, parents, the entropy and
+the next frontier) is one ``taps_ops.expand_level`` call.
 
 The expansion runs on a *drafting unit*: one drafter, or G drafters of one shape batched together (a
 drafter group, :mod:`taps.drafters`), whose rows are then group-major (row g * B + b is request b of
@@ -24,6 +26,8 @@ from typing import NamedTuple
 
 import torch
 from torch import Tensor
+
+import taps_ops
 
 __all__ = ["DraftCandidates", "expand", "num_candidates", "scratch_positions"]
 
@@ -52,18 +56,6 @@ def scratch_positions(depth: int, top_k: int) -> int:
     return max(depth - 1, 0) * top_k
 
 
-def _top_logp(logits: Tensor, k: int, with_entropy: bool):
-    """Top-k log-probs (float32) and indices over the last dim of `logits`, and the entropy (nats) of the
-    softmax when asked (else None)."""
-    logp = torch.log_softmax(logits, -1, dtype=torch.float32)
-    values, ids = logp.topk(k, dim=-1)
-    entropy = None
-    if with_entropy:
-        finite = torch.where(torch.isfinite(logp), logp, torch.zeros_like(logp))
-        entropy = -(logp.exp() * finite).sum(-1)
-    return values, ids, entropy
-
-
 def _section(profiler, name):
     return profiler.section(name) if profiler is not None else contextlib.nullcontext()
 
@@ -89,13 +81,13 @@ def expand(unit, depth: int, top_k: int, profiler=None, with_entropy: bool = Tru
     device = root_logits.device
     token_map = unit.token_map
     k = min(int(top_k), vocab)
-    front_score, front_tok, entropy_sum = _top_logp(root_logits, k, with_entropy)  # [R, K]
-    if token_map is not None:
-        front_tok = token_map[front_tok]
-    entropy_count = 1
-    scores, tokens = [front_score], [front_tok]
-    parents = [torch.full((rows, k), -1, dtype=torch.int64, device=device)]
-    front_cand = torch.arange(k, device=device).expand(rows, k)       # candidate index of each frontier node
+    # The root level: its top k children are the first frontier (taps_ops.expand_level: top-k by
+    # log-softmax, cumulative scores, tokens through the draft vocabulary, parents, next frontier).
+    lv = taps_ops.expand_level(root_logits.unsqueeze(1), torch.zeros(rows, 1, device=device),
+                               torch.full((rows, 1), -1, dtype=torch.int64, device=device), k,
+                               k if depth > 1 else 0, 0, token_map, with_entropy=with_entropy)
+    entropy_sum, entropy_count = lv.entropy, 1
+    scores, tokens, parents = [lv.scores], [lv.tokens], [lv.parents]
     parent_slot = torch.full((rows, k), -1, dtype=torch.int64, device=device)
     offset = k
     if depth > 1:
@@ -109,28 +101,20 @@ def expand(unit, depth: int, top_k: int, profiler=None, with_entropy: bool = Tru
         rope_root = lengths.unsqueeze(1).expand(rows, k)                # level l nodes: lengths + l - 1
     for level in range(1, depth):
         if level > 1:
+            parent_slot = lv.next_slots
             ancestors = torch.cat([ancestors.gather(1, parent_slot.unsqueeze(-1).expand(-1, -1, ancestors.shape[-1])),
                                    eye], dim=-1)
         mask = torch.cat([prefix, ancestors], dim=-1).unsqueeze(1)     # [R, 1, K, start + level * K]
         with _section(profiler, "draft_forward"):
-            logits = unit.forward_nodes(front_tok, parent_slot, start + (level - 1) * k, rope_root + (level - 1),
-                                        mask, level)
-        child_logp, child_tok, entropy = _top_logp(logits, k, with_entropy)       # [R, K, K]
-        if token_map is not None:
-            child_tok = token_map[child_tok]
-        if with_entropy:
-            entropy_sum = entropy_sum + entropy.sum(1)
+            logits = unit.forward_nodes(lv.next_tokens, parent_slot, start + (level - 1) * k,
+                                        rope_root + (level - 1), mask, level)
+        lv = taps_ops.expand_level(logits, lv.next_scores, lv.next_cands, k, k if level + 1 < depth else 0,
+                                   offset, token_map, with_entropy=with_entropy)
+        entropy_sum = entropy_sum + lv.entropy
         entropy_count += k
-        cum = (front_score.unsqueeze(-1) + child_logp).reshape(rows, k * k)
-        child_tok = child_tok.reshape(rows, k * k)
-        scores.append(cum)
-        tokens.append(child_tok)
-        parents.append(front_cand.repeat_interleave(k, dim=1))
-        if level + 1 < depth:  # the next frontier (the last level's children are leaves)
-            front_score, idx = cum.topk(k, dim=-1)
-            parent_slot = idx // k
-            front_tok = child_tok.gather(1, idx)
-            front_cand = offset + idx
+        scores.append(lv.scores)
+        tokens.append(lv.tokens)
+        parents.append(lv.parents)
         offset += k * k
     return DraftCandidates(torch.cat(scores, 1), torch.cat(tokens, 1), torch.cat(parents, 1),
-                           entropy_sum / entropy_count if with_entropy else torch.zeros(rows, device=device))
+                           entropy_sum / entropy_count)

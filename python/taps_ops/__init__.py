@@ -9,12 +9,13 @@ Public API (shapes in brackets; B requests, N tree nodes, V vocabulary):
 - :func:`compact_kv` in-place move of the accepted path's KV entries next to the prefix
 - :func:`rms_norm`   Llama's RMSNorm in one pass (one weight or G stacked ones), for the lean forwards
 - :func:`rope_`      rotary position embedding in place, in one pass, for the lean forwards
+- :func:`expand_level` one level of an EAGLE-2 draft expansion (top-k children, scores, next frontier)
 
 The tree format and the op contracts are those of the project's DESIGN.md; :mod:`taps_ops.reference`
 holds a plain-PyTorch implementation of every op that the tests and benchmarks compare against.
 
-Every op of the tree contract takes ``validate=True`` (rms_norm and rope_ read no data to check, so
-they have no such flag): the checks that read the inputs' data (tree structure, NaN, lengths, paths)
+Every op of the tree contract takes ``validate=True`` (rms_norm, rope_ and expand_level read no data
+to check, so they have no such flag): the checks that read the inputs' data (tree structure, NaN, lengths, paths)
 raise a clear error. On CUDA they cost one device sync, so ``validate=False`` skips them for hot
 loops and CUDA-graph capture (where ``validate=True`` raises); the kernels then still never read or
 write out of bounds, but bad input gives unspecified results.
@@ -44,7 +45,7 @@ _load_library()
 
 __all__ = [
     "VerifyOutput", "Tree", "MergedTree", "verify_tree", "build_tree", "merge_trees",
-    "tree_attention", "compact_kv", "rms_norm", "rope_", "has_cuda_kernels",
+    "tree_attention", "compact_kv", "rms_norm", "rope_", "ExpandLevel", "expand_level", "has_cuda_kernels",
 ]
 
 Scalar = Union[float, int, Tensor]
@@ -339,6 +340,60 @@ def rope_(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     """
     torch.ops.taps_ops.rope_.default(x, cos, sin)
     return x
+
+
+class ExpandLevel(NamedTuple):
+    """Result of :func:`expand_level` (R requests, F frontier nodes, k children each, C = F * k).
+
+    scores:      [R, C] float32, each child's cumulative log-prob (its parent's score + its own log-prob).
+    tokens:      [R, C] int64, the children's tokens (mapped through ``token_map`` when given).
+    parents:     [R, C] int64, each child's parent candidate (``front_cands`` of its frontier node).
+    entropy:     [R] float32, the summed entropy (nats) of the F rows' softmax (zeros unless asked).
+    next_scores, next_tokens: [R, next_k] the next frontier: the best next_k children, best first.
+    next_slots:  [R, next_k] int64, the frontier slot (0 .. F-1) of each one's parent (child index // k).
+    next_cands:  [R, next_k] int64, their candidate indices: ``cand_offset`` + child index.
+    """
+
+    scores: Tensor
+    tokens: Tensor
+    parents: Tensor
+    entropy: Tensor
+    next_scores: Tensor
+    next_tokens: Tensor
+    next_slots: Tensor
+    next_cands: Tensor
+
+
+def expand_level(logits: Tensor, front_scores: Tensor, front_cands: Tensor, k: int, next_k: int = 0,
+                 cand_offset: int = 0, token_map: Optional[Tensor] = None, *,
+                 with_entropy: bool = False) -> ExpandLevel:
+    """One level of an EAGLE-2 draft expansion, in one call: every frontier node's top-k children by
+    log-softmax, their cumulative scores, tokens and parents, and the next frontier (the best ``next_k``
+    children over all of a request's nodes).
+
+    Child ``c = f * k + j`` of request r is the j-th best token of ``logits[r, f]``: its score is
+    ``front_scores[r, f] + log_softmax(logits[r, f])[token]``, its parent ``front_cands[r, f]``. The order
+    is the same everywhere: higher value first, equal values by the lower token id / child index, NaN as
+    -inf. The log-softmax follows torch's formula ``(x - max) - log(sum(exp(x - max)))`` in float32, in
+    the fixed summation order of ``csrc/include/taps/expand_level.h`` (CPU and CUDA alike).
+
+    Args:
+        logits: [R, F, V] float32/bfloat16/float16, the drafter's logits of the F frontier nodes (any
+            strides).
+        front_scores: [R, F] float32, the frontier nodes' cumulative log-probs (zeros for the root).
+        front_cands: [R, F] int64, their candidate indices (-1 for the root).
+        k: children per node, 1 <= k <= min(V, 64).
+        next_k: size of the next frontier, 0 <= next_k <= F * k (0 on the last level).
+        cand_offset: the candidate index of this level's first child.
+        token_map: [V] int64 target token ids of a reduced draft vocabulary, or None (ids as they are).
+        with_entropy: also sum the F rows' softmax entropies (entropy routing); zeros otherwise.
+
+    A row with a NaN logit gets NaN scores (tokens stay in range); a row of only -inf gets scores -inf.
+    No data checks, so no ``validate``; no autograd. CUDA: compiled, never run on a GPU so far.
+    """
+    return ExpandLevel(*torch.ops.taps_ops.expand_level.default(logits, front_scores, front_cands, int(k),
+                                                                int(next_k), int(cand_offset), token_map,
+                                                                bool(with_entropy)))
 
 
 from . import _fake  # noqa: E402,F401  (shape functions for torch.compile / FakeTensor)

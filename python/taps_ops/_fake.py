@@ -50,3 +50,13 @@ def _rms_norm_fake(x, weight, eps):
 @torch.library.register_fake("taps_ops::rope_")
 def _rope_fake(x, cos, sin):
     return None
+
+
+@torch.library.register_fake("taps_ops::expand_level")
+def _expand_level_fake(logits, front_scores, front_cands, k, next_k, cand_offset, token_map, with_entropy):
+    rows, children = logits.shape[0], logits.shape[1] * k
+    f32, i64 = dict(dtype=torch.float32), dict(dtype=torch.int64)
+    return (logits.new_empty((rows, children), **f32), logits.new_empty((rows, children), **i64),
+            logits.new_empty((rows, children), **i64), logits.new_empty((rows,), **f32),
+            logits.new_empty((rows, next_k), **f32), logits.new_empty((rows, next_k), **i64),
+            logits.new_empty((rows, next_k), **i64), logits.new_empty((rows, next_k), **i64))

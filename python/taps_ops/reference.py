@@ -502,3 +502,28 @@ def rope_ref(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     if cos.dim() == 3:
         cos, sin = cos.unsqueeze(2), sin.unsqueeze(2)
     return x * cos + x.roll(x.shape[-1] // 2, -1) * sin
+
+
+def expand_level_ref(logits: Tensor, front_scores: Tensor, front_cands: Tensor, k: int, next_k: int = 0,
+                     cand_offset: int = 0, token_map: Optional[Tensor] = None, with_entropy: bool = False):
+    """Plain-PyTorch :func:`taps_ops.expand_level` (an ``ExpandLevel`` tuple): log_softmax in float32, a
+    stable sort for the order (higher value first, ties to the lower index, NaN as -inf)."""
+    from . import ExpandLevel
+
+    rows, front, vocab = logits.shape
+    logp = torch.log_softmax(logits.float(), -1)
+    rank = torch.nan_to_num(logits.float(), nan=-math.inf, posinf=math.inf, neginf=-math.inf)
+    ids = torch.sort(rank, dim=-1, descending=True, stable=True).indices[..., :k]          # [R, F, k]
+    child_logp = logp.gather(-1, ids)
+    scores = (front_scores.unsqueeze(-1) + child_logp).reshape(rows, front * k)
+    tokens = (token_map[ids] if token_map is not None else ids).reshape(rows, front * k)
+    parents = front_cands.unsqueeze(-1).expand(rows, front, k).reshape(rows, front * k)
+    if with_entropy:
+        p = logp.exp()
+        entropy = -(p * torch.where(torch.isfinite(logp), logp, torch.zeros_like(logp))).sum(-1).sum(-1)
+    else:
+        entropy = torch.zeros(rows, dtype=torch.float32, device=logits.device)
+    order = torch.sort(torch.nan_to_num(scores, nan=-math.inf), dim=-1, descending=True, stable=True).indices
+    nxt = order[:, :next_k]
+    return ExpandLevel(scores, tokens, parents, entropy, scores.gather(1, nxt), tokens.gather(1, nxt),
+                       torch.div(nxt, k, rounding_mode="floor"), cand_offset + nxt)
