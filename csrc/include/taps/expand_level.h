@@ -18,8 +18,8 @@
 // Row statistics take two passes: the maximum m (with the top-k scan), then s = sum exp(x - m) and, for
 // the entropy, t = sum exp(x - m) * (x - m); log-prob = (x - m) - log(s) (torch's log_softmax formula),
 // entropy = log(s) - t / s. -inf logits contribute nothing at float precision (clamped_shift); a row of
-// only -inf gives log-probs -inf and entropy 0; a NaN logit makes its row's log-probs and entropy NaN
-// (its tokens are still in range). The scan tells the sums about both (finish_sums).
+// only -inf gives log-probs -inf and entropy 0; a NaN or +inf logit makes its row's log-probs and entropy
+// NaN (its tokens are still in range). The scan tells the sums about both (finish_sums).
 // The sums run in one fixed order, as rms_norm's (taps/rms_norm.h): lane j (0..31) sums elements j,
 // j + 32, ... in increasing index, then the lanes combine as a warp's shuffle-down tree, with exp computed
 // by exp_clamped below and products and sums kept as separate roundings; so the CPU kernel and the CUDA
@@ -121,10 +121,12 @@ TAPS_HD void lane_sums(const void* row, int64_t vocab, int lane, float m, float&
   for (int64_t i = lane; i < vocab; i += kLanes) sum_terms(load_t<T>(row, i), m, s, t);
 }
 
-// The row's combined sums, given what the scan saw: a NaN logit makes them NaN; a row of only -inf
-// (m = -inf, where the lanes' clamped terms mean nothing) has none.
+// The row's combined sums, given what the scan saw: a NaN logit, or a +inf one (m = +inf: inf - inf, as
+// torch's log_softmax gives NaN there; the lanes' terms would depend on the NaN's sign bit, which differs
+// between the host and the device), makes them NaN; a row of only -inf (m = -inf, where the lanes' clamped
+// terms mean nothing) has none.
 TAPS_HD void finish_sums(bool has_nan, float m, float& s, float& t) {
-  if (has_nan) {
+  if (has_nan || m == INFINITY) {
     s = t = NAN;
   } else if (m == -INFINITY) {
     s = t = 0.0f;
