@@ -388,7 +388,8 @@ def expand_level(logits: Tensor, front_scores: Tensor, front_cands: Tensor, k: i
         token_map: [V] int64 target token ids of a reduced draft vocabulary, or None (ids as they are).
         with_entropy: also sum the F rows' softmax entropies (entropy routing); zeros otherwise.
 
-    A row with a NaN logit gets NaN scores (tokens stay in range); a row of only -inf gets scores -inf.
+    A row with a NaN or +inf logit gets NaN scores (tokens stay in range); a row of only -inf gets scores
+    -inf.
     No data checks, so no ``validate``; no autograd. CUDA: compiled, never run on a GPU so far.
     """
     return ExpandLevel(*torch.ops.taps_ops.expand_level.default(logits, front_scores, front_cands, int(k),
