@@ -47,8 +47,8 @@ from torch import Tensor, nn
 
 from . import hf
 from .expansion import DraftCandidates, expand
-from .lean import (LayerWeights, LeanCausalLM, Linear, RopeTable, cache_attend, causal_append, decoder_layer,
-                   lean_support)
+from .lean import (LayerWeights, LeanCausalLM, Linear, Positions, RopeTable, cache_attend, causal_append,
+                   decoder_layer, lean_support)
 
 __all__ = ["DraftCandidates", "Drafter", "DraftGroup", "ModelDrafter", "EagleDrafter", "average_drafters",
            "make_groups", "target_vocab_size", "target_hidden_size"]
@@ -283,8 +283,17 @@ class DraftGroup:
         longest = max(self.host_lengths)
         positions, mask = causal_append(self.lengths_b, longest, num_tokens)
         positions, mask = self._rows(positions), self._rows(mask)
-        start = longest if min(self.host_lengths) == longest else None
-        return positions, cache_attend(self.kv, layers, mask, positions=positions, start=start)
+        if min(self.host_lengths) == longest:  # rotary rows as views, K/V as one column range
+            return range(longest, longest + num_tokens), cache_attend(self.kv, layers, mask, start=longest)
+        return positions, cache_attend(self.kv, layers, mask, positions=positions)
+
+    def _node_positions(self, rope_pos: Tensor, level: int) -> Positions:
+        """Rotary positions of the expansion's level-`level` nodes: one shared position when every row
+        holds the same number of entries (always at batch 1; served as views), else rope_pos [R, K]."""
+        first = self.host_lengths[0]
+        if min(self.host_lengths) == first == max(self.host_lengths):
+            return range(first + level - 1, first + level)
+        return rope_pos
 
     def _last(self, out: Tensor, num_new: Tensor) -> Tensor:
         """Row r's entry num_new[r % B] - 1 of out [G * B, T, ...] (the last real token of each row)."""
@@ -561,7 +570,8 @@ class _LeanLMGroup(DraftGroup):
         self._append(tokens.clamp_min(0), num_new, num_new_host)
 
     def forward_nodes(self, tokens, parent_slot, write_start, rope_pos, mask, level):
-        return self._run(tokens, rope_pos, cache_attend(self.kv, self.lean.layers, mask, start=write_start))
+        return self._run(tokens, self._node_positions(rope_pos, level),
+                         cache_attend(self.kv, self.lean.layers, mask, start=write_start))
 
     def release(self) -> None:
         super().release()
@@ -870,7 +880,7 @@ class _EagleGroup(DraftGroup):
         rows, num = tokens.shape
         emb = F.embedding(tokens, self.embed_weight).to(self.dtype)
         x = self.fc(torch.cat([emb, hidden.to(self.dtype)], dim=-1).view(self.groups, -1, 2 * emb.shape[-1]))
-        cos, sin = self.rope(rope_pos)
+        cos, sin = self.rope(rope_pos, (rows, num))
         for i, w in enumerate(self.layers):
             x = decoder_layer(w, i, x, cos, sin, attend, rows // self.groups, num)
         return x.view(rows, num, -1)
@@ -915,8 +925,8 @@ class _EagleGroup(DraftGroup):
         else:
             prev = self.frontier
             feats = prev.gather(1, parent_slot.unsqueeze(-1).expand(-1, -1, prev.shape[-1]))
-        out = self._node_features(tokens, feats, rope_pos, cache_attend(self.kv, self.layers, mask,
-                                                                         start=write_start))
+        out = self._node_features(tokens, feats, self._node_positions(rope_pos, level),
+                                  cache_attend(self.kv, self.layers, mask, start=write_start))
         self.frontier = out
         return self._logits(out)
 

@@ -495,7 +495,7 @@ class _Eagle3Group(_EagleGroup):
         g = self.groups
         emb = F.embedding(tokens, self.embed_weight).to(self.dtype).view(g, rows // g * num, -1)
         h = hidden.to(self.dtype).reshape(g, rows // g * num, -1)
-        cos, sin = self.rope(rope_pos)
+        cos, sin = self.rope(rope_pos, (rows, num))
         return self.weights.hidden(emb, h, fused, cos, sin, attend, rows // g, num).view(rows, num, -1)
 
     def _logits(self, feature: Tensor) -> Tensor:

@@ -32,7 +32,7 @@ says why a model cannot take the lean path; the engine then uses :mod:`taps.hf` 
 
 from __future__ import annotations
 
-from typing import Callable, List, Optional, Sequence, Tuple
+from typing import Callable, List, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.nn.functional as F
@@ -242,6 +242,10 @@ def _norm_eps(module: nn.Module) -> float:
 #: attend(layer_index, q [GB, T, Hq, D], k [GB, T, Hkv, D], v [GB, T, Hkv, D]) -> out [GB, Hq, T, D]
 Attend = Callable[[int, Tensor, Tensor, Tensor], Tensor]
 
+#: Rotary positions of tokens [R, T]: a tensor [R, T], or a ``range`` that every row shares (T consecutive
+#: positions, or a single one for all T tokens), which :class:`RopeTable` serves as views.
+Positions = Union[Tensor, range]
+
 
 def decoder_layer(w: LayerWeights, index: int, x: Tensor, cos: Tensor, sin: Tensor, attend: Attend,
                   rows: int, tokens: int) -> Tensor:
@@ -333,8 +337,14 @@ class RopeTable:
         sign[:half] = -1
         self.cos, self.sin = cos.contiguous(), (sin * sign).contiguous()
 
-    def __call__(self, positions: Tensor) -> Tuple[Tensor, Tensor]:
-        """positions [R, T] -> cos, sin [R, T, 1, D] (rows must have been made available)."""
+    def __call__(self, positions: Positions, shape: Tuple[int, int]) -> Tuple[Tensor, Tensor]:
+        """cos, sin [R, T, 1, D] for tokens of shape ``(R, T)`` at ``positions``: a tensor [R, T] (gathered
+        rows), or a ``range`` every row shares (T consecutive positions, or one position for all T tokens):
+        views of the table, no copy. Rows must have been made available (:meth:`ensure`)."""
+        if isinstance(positions, range):
+            full = (shape[0], shape[1], 1, self.cos.shape[-1])
+            return (self.cos[positions.start:positions.stop].unsqueeze(1).expand(full),
+                    self.sin[positions.start:positions.stop].unsqueeze(1).expand(full))
         return self.cos[positions].unsqueeze(2), self.sin[positions].unsqueeze(2)
 
 
@@ -420,13 +430,14 @@ class LeanCausalLM:
             ids = ids + offset.unsqueeze(1)
         return F.embedding(ids, self.embed_weight).view(self.groups, -1, self.embed_weight.shape[-1])
 
-    def hidden(self, ids: Tensor, positions: Tensor, attend: Attend, capture: Sequence[int] = ()):
-        """Final normalised hidden states [G, R * T, H] of ids [G * R, T] at rotary positions [G * R, T];
+    def hidden(self, ids: Tensor, positions: Positions, attend: Attend, capture: Sequence[int] = ()):
+        """Final normalised hidden states [G, R * T, H] of ids [G * R, T] at rotary positions [G * R, T] (or a
+        range all rows share, see :data:`Positions`);
         with ``capture`` (layer indices), (hidden, {i: the input of layer i, [G, R * T, H]}); index
         ``num_layers`` is the final normalised hidden state (``output_hidden_states``' last entry)."""
         rows, tokens = ids.shape[0] // self.groups, ids.shape[1]
         x = self.embed(ids)
-        cos, sin = self.rope(positions)
+        cos, sin = self.rope(positions, (ids.shape[0], tokens))
         layers = {}
         for i, w in enumerate(self.layers):
             if i in capture:
