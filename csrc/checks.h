@@ -32,11 +32,12 @@ inline void check_size(const at::Tensor& t, int64_t d, int64_t expected, const c
               ", got shape ", t.sizes());
 }
 
-// The elementwise cores' dtype of `x` (float32, bfloat16 or float16), or a clear error naming `op`.
-inline elementwise::Dtype elementwise_dtype(const at::Tensor& x, const char* op) {
+// The elementwise cores' dtype of `x` (float32, bfloat16 or float16), or a clear error naming `op` and the
+// argument (`name`).
+inline elementwise::Dtype elementwise_dtype(const at::Tensor& x, const char* op, const char* name = "x") {
   const at::ScalarType st = x.scalar_type();
-  TORCH_CHECK(st == at::kFloat || st == at::kBFloat16 || st == at::kHalf, "taps_ops: ", op,
-              ": x must have dtype float32, bfloat16 or float16, got ", st);
+  TORCH_CHECK(st == at::kFloat || st == at::kBFloat16 || st == at::kHalf, "taps_ops: ", op, ": ", name,
+              " must have dtype float32, bfloat16 or float16, got ", st);
   return st == at::kFloat ? elementwise::kF32 : (st == at::kBFloat16 ? elementwise::kBF16 : elementwise::kF16);
 }
 

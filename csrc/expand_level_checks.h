@@ -62,7 +62,7 @@ inline ExpandLevelArgs prepare_expand_level(const at::Tensor& logits, const at::
   TORCH_CHECK(logits.defined(), "taps_ops: expand_level: logits is undefined");
   TORCH_CHECK(logits.dim() == 3, "taps_ops: expand_level: logits must be [R, F, V], got shape ", logits.sizes());
   ExpandLevelArgs a;
-  a.dtype = elementwise_dtype(logits, "expand_level: logits");
+  a.dtype = elementwise_dtype(logits, "expand_level", "logits");
   a.rows = logits.size(0);
   a.front = logits.size(1);
   a.vocab = logits.size(2);

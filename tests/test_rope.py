@@ -85,6 +85,11 @@ def test_equals_hugging_face_rotary():
         taps_ops.rope_(got, cos, sin)
         assert torch.equal(got[:, :, :4].transpose(1, 2), want_q)
         assert torch.equal(got[:, :, 4:].transpose(1, 2), want_k)
+        # positions every row shares, as views of the table: the same rows as the gathered ones
+        for shared, shape in ((range(5, 12), (2, 7)), (range(9, 10), (2, 7))):
+            gathered = torch.tensor(list(shared)).expand(2, 7) if len(shared) > 1 else torch.full((2, 7), 9)
+            for view, rows in zip(table(shared, shape), table(gathered)):
+                assert view.shape == rows.shape and torch.equal(view, rows)
 
 
 def test_empty():

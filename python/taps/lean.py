@@ -337,10 +337,11 @@ class RopeTable:
         sign[:half] = -1
         self.cos, self.sin = cos.contiguous(), (sin * sign).contiguous()
 
-    def __call__(self, positions: Positions, shape: Tuple[int, int]) -> Tuple[Tensor, Tensor]:
-        """cos, sin [R, T, 1, D] for tokens of shape ``(R, T)`` at ``positions``: a tensor [R, T] (gathered
-        rows), or a ``range`` every row shares (T consecutive positions, or one position for all T tokens):
-        views of the table, no copy. Rows must have been made available (:meth:`ensure`)."""
+    def __call__(self, positions: Positions, shape: Optional[Tuple[int, int]] = None) -> Tuple[Tensor, Tensor]:
+        """cos, sin [R, T, 1, D] for tokens at ``positions``: a tensor [R, T] (gathered rows), or a ``range``
+        that every row of ``shape = (R, T)`` shares (T consecutive positions, or one position for all T
+        tokens), served as views of the table, no copy. Rows must have been made available
+        (:meth:`ensure`)."""
         if isinstance(positions, range):
             full = (shape[0], shape[1], 1, self.cos.shape[-1])
             return (self.cos[positions.start:positions.stop].unsqueeze(1).expand(full),
