@@ -47,8 +47,8 @@ from torch import Tensor, nn
 
 from . import hf
 from .expansion import DraftCandidates, expand
-from .lean import (LayerWeights, LeanCausalLM, Linear, Positions, RopeTable, cache_attend, causal_append,
-                   decoder_layer, lean_support)
+from .lean import (LayerWeights, LeanCausalLM, Linear, Positions, RopeTable, as_dtype, cache_attend,
+                   causal_append, decoder_layer, lean_support)
 
 __all__ = ["DraftCandidates", "Drafter", "DraftGroup", "ModelDrafter", "EagleDrafter", "average_drafters",
            "make_groups", "target_vocab_size", "target_hidden_size"]
@@ -878,15 +878,15 @@ class _EagleGroup(DraftGroup):
     def features(self, tokens: Tensor, hidden: Tensor, rope_pos: Tensor, attend) -> Tensor:
         """[G * B, T, H] predicted features of (token, feature) pairs, rows group-major."""
         rows, num = tokens.shape
-        emb = F.embedding(tokens, self.embed_weight).to(self.dtype)
-        x = self.fc(torch.cat([emb, hidden.to(self.dtype)], dim=-1).view(self.groups, -1, 2 * emb.shape[-1]))
+        emb = as_dtype(F.embedding(tokens, self.embed_weight), self.dtype)
+        x = self.fc(torch.cat([emb, as_dtype(hidden, self.dtype)], dim=-1).view(self.groups, -1, 2 * emb.shape[-1]))
         cos, sin = self.rope(rope_pos, (rows, num))
         for i, w in enumerate(self.layers):
             x = decoder_layer(w, i, x, cos, sin, attend, rows // self.groups, num)
         return x.view(rows, num, -1)
 
     def _logits(self, feature: Tensor) -> Tensor:
-        return self.head(feature.to(self.head.weight.dtype))
+        return self.head(as_dtype(feature, self.head.weight.dtype))
 
     def _append(self, tokens: Tensor, hidden: Tensor, num_new: Tensor, num_new_host) -> None:
         positions, attend = self._append_attend(self.layers, tokens.shape[1])

@@ -48,7 +48,7 @@ from torch import Tensor, nn
 
 from .drafters import (DraftGroup, Drafter, _config_from_dict, _EagleGroup, _load_weights, _SoloMixin, head_key,
                        target_hidden_size, target_vocab_size)
-from .lean import Attend, LayerWeights, Linear, Norm, RopeTable, eagle3_layer
+from .lean import Attend, LayerWeights, Linear, Norm, RopeTable, as_dtype, eagle3_layer
 
 __all__ = ["Eagle3Drafter", "Eagle3Weights", "feature_layers", "is_eagle3_state", "vocab_mapping"]
 
@@ -493,8 +493,8 @@ class _Eagle3Group(_EagleGroup):
         features [G * B, T, k * Ht], else the head's own features [G * B, T, H]."""
         rows, num = tokens.shape
         g = self.groups
-        emb = F.embedding(tokens, self.embed_weight).to(self.dtype).view(g, rows // g * num, -1)
-        h = hidden.to(self.dtype).reshape(g, rows // g * num, -1)
+        emb = as_dtype(F.embedding(tokens, self.embed_weight), self.dtype).view(g, rows // g * num, -1)
+        h = as_dtype(hidden, self.dtype).reshape(g, rows // g * num, -1)
         cos, sin = self.rope(rope_pos, (rows, num))
         return self.weights.hidden(emb, h, fused, cos, sin, attend, rows // g, num).view(rows, num, -1)
 

@@ -110,11 +110,12 @@ def expand(unit, depth: int, top_k: int, profiler=None, with_entropy: bool = Tru
                                         rope_root + (level - 1), mask, level)
         lv = taps_ops.expand_level(logits, lv.next_scores, lv.next_cands, k, k if level + 1 < depth else 0,
                                    offset, token_map, with_entropy=with_entropy)
-        entropy_sum = entropy_sum + lv.entropy
+        if with_entropy:
+            entropy_sum = entropy_sum + lv.entropy
         entropy_count += k
         scores.append(lv.scores)
         tokens.append(lv.tokens)
         parents.append(lv.parents)
         offset += k * k
     return DraftCandidates(torch.cat(scores, 1), torch.cat(tokens, 1), torch.cat(parents, 1),
-                           entropy_sum / entropy_count)
+                           entropy_sum / entropy_count if with_entropy else entropy_sum)  # (zeros without)
