@@ -31,5 +31,13 @@ for dtype, heads_q in ((torch.float32, 4), (torch.bfloat16, 4), (torch.bfloat16,
         taps_ops.tree_attention(q, k, v, mask.to(dev), torch.tensor([30, 50]).to(dev))
 caches = [torch.randn(2, 2, 50, 16, generator=g).to(dev) for _ in range(4)]
 taps_ops.compact_kv(caches, torch.tensor([[0, 1, 3, -1], [0, 2, -1, -1]]).to(dev), torch.tensor([10, 20]).to(dev))
+for dtype in (torch.float32, torch.bfloat16, torch.float16):
+    x = torch.randn(5, 37, generator=g).to(dev, dtype)  # a width not a multiple of the warp
+    taps_ops.rms_norm(x, torch.randn(37, generator=g).to(dev, dtype), 1e-6)
+    qk = torch.randn(2, 3, 5, 16, generator=g).to(dev, dtype)[:, :, :4]  # strided heads, as in a fused qkv
+    taps_ops.rope_(qk, torch.randn(2, 3, 16, generator=g).to(dev, dtype), torch.randn(2, 3, 16, generator=g).to(dev, dtype))
+    lg = torch.randn(3, 5, 77, generator=g).to(dtype)  # an expansion level: V = 77, k = 6, a token map
+    taps_ops.expand_level(lg.to(dev), torch.randn(3, 5, generator=g).to(dev), torch.arange(15).view(3, 5).to(dev), 6,
+                          12, 40, torch.randperm(200, generator=g)[:77].to(dev), with_entropy=True)
 torch.cuda.synchronize()
 print("sanitizer cases done")

@@ -70,9 +70,10 @@ def test_bench_drafter_runs():
     assert len(rows) == 4 and any("EAGLE-3" in r for r in rows), rows
 
 
-@pytest.mark.parametrize("script,rows", [("bench_rms_norm.py", 10), ("bench_rope.py", 8)])
+@pytest.mark.parametrize("script,rows", [("bench_rms_norm.py", 10), ("bench_rope.py", 8),
+                                         ("bench_expand_level.py", 10)])
 def test_elementwise_op_benches_run(script, rows):
-    """The rms_norm and rope_ microbenchmarks print one line per case with a positive ratio."""
+    """The rms_norm, rope_ and expand_level microbenchmarks print one line per case with a positive ratio."""
     out = run_bench(script, "--repeats", "5")
     lines = [ln for ln in out.splitlines() if ln.startswith("cpu ")]
     assert len(lines) == rows, out
