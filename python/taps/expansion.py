@@ -95,19 +95,20 @@ def expand(unit, depth: int, top_k: int, profiler=None, with_entropy: bool = Tru
         start = int(unit.scratch_start)
         # Keys: the committed prefix (columns < lengths[r]; columns lengths[r] .. start-1 hide other rows'
         # longer prefixes), then the scratch entries of levels 1 .. level (K columns each, from `start`).
+        # A level's mask [R, K, start + level * K]: the prefix, then each node's ancestors among the scratch
+        # entries (its parent's row of the previous level's mask) and itself.
         prefix = (torch.arange(start, device=device) < lengths.unsqueeze(1)).unsqueeze(1).expand(rows, k, start)
         eye = torch.eye(k, dtype=torch.bool, device=device).expand(rows, k, k)
-        ancestors = eye                                                 # [R, K, level * K]
+        row = torch.arange(rows, device=device).unsqueeze(1)
+        mask = torch.cat([prefix, eye], dim=-1)
         rope_root = lengths.unsqueeze(1).expand(rows, k)                # level l nodes: lengths + l - 1
     for level in range(1, depth):
         if level > 1:
             parent_slot = lv.next_slots
-            ancestors = torch.cat([ancestors.gather(1, parent_slot.unsqueeze(-1).expand(-1, -1, ancestors.shape[-1])),
-                                   eye], dim=-1)
-        mask = torch.cat([prefix, ancestors], dim=-1).unsqueeze(1)     # [R, 1, K, start + level * K]
+            mask = torch.cat([prefix, mask[row, parent_slot, start:], eye], dim=-1)
         with _section(profiler, "draft_forward"):
             logits = unit.forward_nodes(lv.next_tokens, parent_slot, start + (level - 1) * k,
-                                        rope_root + (level - 1), mask, level)
+                                        rope_root + (level - 1), mask.unsqueeze(1), level)
         lv = taps_ops.expand_level(logits, lv.next_scores, lv.next_cands, k, k if level + 1 < depth else 0,
                                    offset, token_map, with_entropy=with_entropy)
         if with_entropy:
