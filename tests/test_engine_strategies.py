@@ -158,3 +158,39 @@ def test_adaptive_split_and_cut():
     assert int(((src & 1) > 0).sum()) > int(((src & 2) > 0).sum())
     # the reserved sets overlap less than the budget: the rest is filled, the tree is full
     assert int((out.tokens[0] >= 0).sum()) == 9
+
+
+def test_padding_columns_are_trimmed_before_the_target_forward():
+    """A merged tree is padded to room for the whole union; on the CPU the decoder cuts the columns past
+    the batch's largest real node count (and the mask words past them) before the target forward, and
+    the output is unchanged: two identical drafters merge into one tree of at most `budget` nodes."""
+    from taps.decoder import _trim
+    from taps.strategies import Combined
+
+    target = _target()
+    budget = 6
+    ref = SpeculativeDecoder(target, [ModelDrafter(target)], strategy="single", depth=3, top_k=2, budget=budget)
+    dec = SpeculativeDecoder(target, [ModelDrafter(target), ModelDrafter(target)], strategy="merged", depth=3,
+                             top_k=2, budget=budget)
+    widths = []
+    tree_fn = dec.forward.tree
+
+    def spy(cache, tokens, *args, **kwargs):
+        widths.append(tokens.shape[1])
+        return tree_fn(cache, tokens, *args, **kwargs)
+
+    dec.forward.tree = spy
+    prompts = [[1, 2, 3], [9, 8, 7, 6, 5]]
+    out = dec.generate(prompts, max_new_tokens=8)
+    assert widths and max(widths) <= budget < dec.strategy.num_nodes
+    assert out.tokens == ref.generate(prompts, max_new_tokens=8).tokens
+    # the cut itself: 70 columns (2 mask words) with at most 40 real nodes -> 40 columns, 1 word
+    tokens = torch.full((2, 70), -1)
+    tokens[0, :40], tokens[1, :25] = 5, 7
+    mask = torch.randint(0, 2 ** 40, (2, 70, 2))
+    tree = Combined(tokens, tokens.clone(), tokens.clone(), mask, tokens.clone(), None)
+    cut = _trim(tree)
+    assert cut.tokens.shape == (2, 40) and cut.tree_mask.shape == (2, 40, 1)
+    assert torch.equal(cut.tree_mask, mask[:, :40, :1]) and torch.equal(cut.tokens, tokens[:, :40])
+    assert _trim(Combined(tokens[:, :40], *(t[:, :40] for t in (tokens, tokens)), mask[:, :40, :1],
+                          tokens[:, :40], None)).tokens.shape == (2, 40)

@@ -33,7 +33,7 @@ from .expansion import scratch_positions
 from .forward import TargetForward
 from .lean import stack_key
 from .stats import Profiler, RequestStats, summarize
-from .strategies import STRATEGIES, Candidates, Strategy, make_strategy
+from .strategies import STRATEGIES, Candidates, Combined, Strategy, make_strategy
 
 __all__ = ["SpeculativeDecoder", "GenerateOutput", "check_same_tokenizer", "DEFAULT_SETTINGS"]
 
@@ -334,6 +334,8 @@ class SpeculativeDecoder:
                                              .view(len(order), batch, *drafted[0][i].shape[1:])
                                              for i, f in enumerate(fields)), order)
                     tree = strategy.combine(cands, root)
+                    if device.type == "cpu":  # (a host read: free on the CPU, a sync elsewhere)
+                        tree = _trim(tree)
                 with prof.section("target_forward"):
                     longest = max(host_lengths)
                     fwd = self.forward.tree(cache, tree.tokens, tree.tree_mask, tree.depth, longest,
@@ -394,6 +396,20 @@ class SpeculativeDecoder:
                         stats[b].route_decisions.append(row[-1])
                     emit(b, row[:a + 1])
         return steps
+
+
+def _trim(tree: Combined) -> Combined:
+    """The tree without its padding columns past the largest real node count of the batch (padding nodes
+    come after every real node; a merged tree is padded to room for the whole union, which the drafters'
+    overlap rarely fills), so that the target forward and the verification read only those."""
+    num = tree.tokens.shape[1]
+    real = int((tree.tokens >= 0).sum(1).max())
+    if real >= num:
+        return tree
+    words = (real + 63) // 64
+    cut = lambda t: t[:, :real]  # noqa: E731
+    return Combined(cut(tree.tokens), cut(tree.parents), cut(tree.depth), tree.tree_mask[:, :real, :words],
+                    cut(tree.source), tree.choice)
 
 
 def _features(out: hf.ForwardOutput, spec) -> Optional[Tensor]:
