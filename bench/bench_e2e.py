@@ -110,8 +110,8 @@ def shipped_tables(args, device, dtype) -> None:
     decoders = {}
     for row in args.rows:
         strategy, names = ROW_SPECS[row]
-        dec = SpeculativeDecoder(target, [PromptLookupDrafter() if n == "lookup" else drafters[n] for n in names],
-                                 strategy=strategy, **settings)
+        dec = SpeculativeDecoder(target, [PromptLookupDrafter(depth=args.lookup_depth) if n == "lookup" else drafters[n]
+                                          for n in names], strategy=strategy, **settings)
         decoders[row] = dec
         runners[f"taps {row}"] = TapsRunner(dec, tok.eos_id)
     first = next(iter(decoders.values()), None)
@@ -262,6 +262,8 @@ def main() -> None:
     ap.add_argument("--draft-vocab", type=int, default=1024,
                     help="drafters propose only the N most frequent target tokens (0: the whole vocabulary)")
     ap.add_argument("--depth", type=int, default=None)
+    ap.add_argument("--lookup-depth", type=int, default=None,
+                    help="tokens per prompt-lookup continuation (default: the drafter's own default)")
     ap.add_argument("--top-k", type=int, default=None)
     ap.add_argument("--budget", type=int, default=None)
     ap.add_argument("--profile", action="store_true", help="also the per-phase table")

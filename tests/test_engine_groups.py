@@ -153,7 +153,7 @@ def test_lean_and_hugging_face_paths_agree(strategy):
 def test_prompt_lookup_candidates_literal():
     from taps import PromptLookupDrafter
     target = _llama(seed=1)
-    d = PromptLookupDrafter(max_ngram=2, min_ngram=1, confidence=0.5)
+    d = PromptLookupDrafter(max_ngram=2, min_ngram=1, confidence=0.5, depth=None)  # the decoder's depth
     d.bind(target)
     #        0  1  2  3  4  5  6  7   root 9
     prompt = [7, 8, 9, 4, 7, 8, 5, 6, 7]
@@ -168,6 +168,15 @@ def test_prompt_lookup_candidates_literal():
     d.advance(torch.tensor([[5, 6]]), torch.tensor([2]), None)  # context now ... 7 8 5 6: (5, 6) seen at 6-7
     cand = d.draft(3, 1)
     assert cand.tokens[0, :3].tolist() == [7, 8, 5]
+    # its own depth: continuations of up to 5 tokens in the decoder's 2 + 2 * 4 candidate slots
+    long = PromptLookupDrafter(max_ngram=2, min_ngram=1, confidence=0.5, depth=5)
+    long.bind(target)
+    long.start(torch.tensor([prompt]), torch.tensor([len(prompt)]), torch.tensor([8]), None, 64)
+    cand = long.draft(3, 2)
+    assert cand.tokens[0].tolist() == [5, 6, 7, 8, 9, 4, 7, 8, 5, -1]  # to the context's end; then 5 tokens
+    assert cand.parents[0].tolist() == [-1, 0, 1, 2, -1, 4, 5, 6, 7, -1]
+    with pytest.raises(ValueError, match="depth"):
+        PromptLookupDrafter(depth=0)
 
 
 def test_prompt_lookup_in_every_combining_strategy():

@@ -8,7 +8,8 @@ combines cheaply with trained drafters: in ``merged`` / ``merged-budget`` / ``ad
 theirs, and a request takes whichever proposals the target accepts.
 
 The proposals of one request form a small trie: the continuations of up to ``top_k`` most recent
-matches (longest n-gram first), each up to ``depth`` tokens, merged on common prefixes. Scores are
+matches (longest n-gram first), each up to ``depth`` tokens (the drafter's own, 8 by default, or the
+decoder's), merged on common prefixes. Scores are
 pseudo log-probs: ``log(match_confidence)`` per token, minus a penalty for later (older) matches, so that
 ``build_tree`` and ``merge_trees`` keep the most recent match's tokens first. Verification is unchanged,
 so decoding stays lossless whatever is proposed.
@@ -35,15 +36,23 @@ class PromptLookupDrafter(Drafter):
         max_ngram, min_ngram: the n-gram lengths tried, longest first (1 <= min_ngram <= max_ngram).
         confidence: the pseudo probability of each proposed token (sets the scores other drafters'
             proposals are ranked against in merged trees and confidence routing).
+        depth: tokens per proposed continuation (None: the decoder's depth). A lookup runs no forward, so
+            a longer chain costs only the target's extra tree nodes (the node budget still caps them, and
+            the decoder's candidate slots, ``num_candidates(depth, top_k)``); 8 measured best on the
+            shipped models (bench/RESULTS.md).
     """
 
-    def __init__(self, max_ngram: int = 3, min_ngram: int = 1, confidence: float = 0.6):
+    def __init__(self, max_ngram: int = 3, min_ngram: int = 1, confidence: float = 0.6,
+                 depth: Optional[int] = 8):
         super().__init__()
         if not 1 <= int(min_ngram) <= int(max_ngram):
             raise ValueError(f"PromptLookupDrafter: need 1 <= min_ngram <= max_ngram, got {min_ngram}, {max_ngram}")
         if not 0.0 < confidence < 1.0:
             raise ValueError(f"PromptLookupDrafter: confidence must be in (0, 1), got {confidence}")
+        if depth is not None and int(depth) < 1:
+            raise ValueError(f"PromptLookupDrafter: depth must be >= 1 (or None), got {depth}")
         self.max_ngram, self.min_ngram, self.confidence = int(max_ngram), int(min_ngram), float(confidence)
+        self.depth = None if depth is None else int(depth)
         self._vocab = 0
         self._device = torch.device("cpu")
         self._group: Optional[_LookupGroup] = None
@@ -57,7 +66,7 @@ class PromptLookupDrafter(Drafter):
         self._device = next(target.parameters()).device
 
     def clone(self) -> "PromptLookupDrafter":
-        twin = PromptLookupDrafter(self.max_ngram, self.min_ngram, self.confidence)
+        twin = PromptLookupDrafter(self.max_ngram, self.min_ngram, self.confidence, self.depth)
         twin._vocab, twin._device = self._vocab, self._device
         return twin
 
@@ -156,7 +165,7 @@ class _LookupGroup(DraftGroup):
         for b in range(batch):
             trie: Dict[Tuple[int, int], int] = {}  # (parent candidate, token) -> candidate
             used = 0
-            for rank, cont in enumerate(self.continuations(b, depth, k)):
+            for rank, cont in enumerate(self.continuations(b, self.d.depth or depth, k)):
                 parent = -1
                 for i, t in enumerate(cont):
                     node = trie.get((parent, t))
