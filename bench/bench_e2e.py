@@ -110,7 +110,8 @@ def shipped_tables(args, device, dtype) -> None:
     decoders = {}
     for row in args.rows:
         strategy, names = ROW_SPECS[row]
-        dec = SpeculativeDecoder(target, [PromptLookupDrafter(depth=args.lookup_depth) if n == "lookup" else drafters[n]
+        lookup_kw = {} if args.lookup_depth is None else dict(depth=args.lookup_depth)
+        dec = SpeculativeDecoder(target, [PromptLookupDrafter(**lookup_kw) if n == "lookup" else drafters[n]
                                           for n in names], strategy=strategy, **settings)
         decoders[row] = dec
         runners[f"taps {row}"] = TapsRunner(dec, tok.eos_id)
