@@ -175,6 +175,8 @@ def test_prompt_lookup_candidates_literal():
     cand = long.draft(3, 2)
     assert cand.tokens[0].tolist() == [5, 6, 7, 8, 9, 4, 7, 8, 5, -1]  # to the context's end; then 5 tokens
     assert cand.parents[0].tolist() == [-1, 0, 1, 2, -1, 4, 5, 6, 7, -1]
+    long._group.sampling = True  # sampled verification: the decoder's depth again
+    assert long.draft(3, 2).tokens[0].tolist() == [5, 6, 7, 9, 4, 7] + [-1] * 4
     with pytest.raises(ValueError, match="depth"):
         PromptLookupDrafter(depth=0)
 
@@ -198,3 +200,26 @@ def test_prompt_lookup_in_every_combining_strategy():
     assert out.summary["tau"] > 1.3
     with pytest.raises(ValueError, match="min_ngram"):
         PromptLookupDrafter(max_ngram=1, min_ngram=2)
+
+
+def test_decoder_tells_groups_whether_it_samples(monkeypatch):
+    """The decoder sets DraftGroup.sampling for a generation (prompt lookup keeps the decoder's depth under
+    sampling): False when greedy, True when any request samples."""
+    from taps import PromptLookupDrafter
+    from taps.ngram import _LookupGroup
+    seen = []
+    draft = _LookupGroup.draft
+
+    def spy(self, *args, **kwargs):
+        seen.append(self.sampling)
+        return draft(self, *args, **kwargs)
+
+    monkeypatch.setattr(_LookupGroup, "draft", spy)
+    target = _llama(seed=1)
+    dec = SpeculativeDecoder(target, [PromptLookupDrafter()], strategy="single", depth=3, top_k=3, budget=8)
+    prompts = [p * 2 for p in PROMPTS]
+    dec.generate(prompts, max_new_tokens=4)
+    assert seen and not any(seen)
+    seen.clear()
+    dec.generate(prompts, max_new_tokens=4, temperature=torch.tensor([0.0, 1.0]), seed=0)
+    assert seen and all(seen)

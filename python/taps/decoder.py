@@ -274,6 +274,9 @@ class SpeculativeDecoder:
                                   summarize(stats), {} if profile else None, 0)
 
         groups = self._draft_groups()
+        sampling = bool(torch.as_tensor(temperature).gt(0).any())
+        for g in groups:
+            g.sampling = sampling
         try:
             # Prefill: the target reads the prompts; its next token (sampled like any other) is the first root.
             with prof.section("prefill"):

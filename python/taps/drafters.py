@@ -237,9 +237,12 @@ class DraftGroup:
     State shared by the group: every drafter commits the same tokens, so the per-request lengths are
     one [B] tensor (``lengths_b``) with a host copy (``host_lengths``; the decoding loop passes the
     accepted counts it already has on the host, so no step needs a device sync for them).
+    ``sampling`` (set by the decoder for a generation) says whether verification samples (a temperature
+    above 0), for drafters whose proposals suit greedy and sampled verification differently.
     """
 
     needs_hidden = False
+    sampling = False
 
     def __init__(self, drafters: Sequence[Drafter]):
         self.drafters = list(drafters)
@@ -338,6 +341,7 @@ class DraftGroup:
             return self
         new = type(self)([self.drafters[i] for i in keep])
         new.members = [self.members[i] for i in keep]
+        new.sampling = self.sampling
         batch = self.batch
         device = self.lengths_b.device
         rows = torch.cat([torch.arange(i * batch, (i + 1) * batch, device=device) for i in keep])

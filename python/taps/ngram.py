@@ -8,8 +8,8 @@ combines cheaply with trained drafters: in ``merged`` / ``merged-budget`` / ``ad
 theirs, and a request takes whichever proposals the target accepts.
 
 The proposals of one request form a small trie: the continuations of up to ``top_k`` most recent
-matches (longest n-gram first), each up to ``depth`` tokens (the drafter's own, 8 by default, or the
-decoder's), merged on common prefixes. Scores are
+matches (longest n-gram first), each up to ``depth`` tokens (the drafter's own, 8 by default, under
+greedy verification; the decoder's when it samples), merged on common prefixes. Scores are
 pseudo log-probs: ``log(match_confidence)`` per token, minus a penalty for later (older) matches, so that
 ``build_tree`` and ``merge_trees`` keep the most recent match's tokens first. Verification is unchanged,
 so decoding stays lossless whatever is proposed.
@@ -36,10 +36,12 @@ class PromptLookupDrafter(Drafter):
         max_ngram, min_ngram: the n-gram lengths tried, longest first (1 <= min_ngram <= max_ngram).
         confidence: the pseudo probability of each proposed token (sets the scores other drafters'
             proposals are ranked against in merged trees and confidence routing).
-        depth: tokens per proposed continuation (None: the decoder's depth). A lookup runs no forward, so
-            a longer chain costs only the target's extra tree nodes (the node budget still caps them, and
-            the decoder's candidate slots, ``num_candidates(depth, top_k)``); 8 measured best on the
-            shipped models (bench/RESULTS.md).
+        depth: tokens per proposed continuation under greedy verification (None: the decoder's depth).
+            A lookup runs no forward, so a longer chain costs only the target's extra tree nodes (the node
+            budget still caps them, and the decoder's candidate slots, ``num_candidates(depth, top_k)``);
+            8 measured best on the shipped models (bench/RESULTS.md). When the decoder samples, chains
+            keep the decoder's depth: a long deterministic chain rarely survives sampling, and in merged
+            trees its nodes take budget from the other drafters.
     """
 
     def __init__(self, max_ngram: int = 3, min_ngram: int = 1, confidence: float = 0.6,
@@ -162,10 +164,11 @@ class _LookupGroup(DraftGroup):
         tokens = torch.full((batch, m), -1, dtype=torch.int64)
         parents = torch.full((batch, m), -1, dtype=torch.int64)
         step = math.log(self.d.confidence)
+        chain = depth if self.sampling or self.d.depth is None else self.d.depth
         for b in range(batch):
             trie: Dict[Tuple[int, int], int] = {}  # (parent candidate, token) -> candidate
             used = 0
-            for rank, cont in enumerate(self.continuations(b, self.d.depth or depth, k)):
+            for rank, cont in enumerate(self.continuations(b, chain, k)):
                 parent = -1
                 for i, t in enumerate(cont):
                     node = trie.get((parent, t))
