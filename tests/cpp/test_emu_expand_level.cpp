@@ -1,9 +1,9 @@
 // The CUDA expand_level kernels of taps/expand_level_kernel.cuh (a warp per logits row, a block per request),
-// run under the host CUDA emulation (tests/cpp/emu/cuda_runtime.h), against a host reference that does what
-// the CPU kernel (csrc/cpu/expand_level.cpp, which needs torch) does: a sequential scan for the maximum and
-// the top k, the sums as 32 lanes side by side then the shuffle-down tree, std::partial_sort for the next
-// frontier. Bit for bit on all eight outputs and the row entropies (float outputs: equal bits, or both
-// NaN), every output prefilled with different garbage on the two sides so that an unwritten element shows.
+// run under the host CUDA emulation (tests/cpp/emu/cuda_runtime.h), against the CPU kernel's own loops
+// (the core's host_row / host_request: a block-filtered scan for the top k, the sums as 32 lanes side by
+// side then the shuffle-down tree, std::partial_sort for the next frontier). Bit for bit on all eight
+// outputs and the row entropies (float outputs: equal bits, or both NaN), every output prefilled with
+// different garbage on the two sides so that an unwritten element shows.
 // Cases, in float32, bfloat16 and float16: vocabularies below, at and above one warp's 32 lanes and not a
 // multiple of 32, k = 1, k = V, k = 64, a padded row stride (the padding holds huge values), token_map
 // present and absent, with_entropy on and off, next_k = 0 and next_k = F * k, many exact ties (logits and
@@ -43,55 +43,16 @@ float uniform(float lo, float hi) { return lo + (hi - lo) * float(rng() % 100000
 
 const char* dtype_name(int T) { return T == kF32 ? "f32" : T == kBF16 ? "bf16" : "f16"; }
 
-// The CPU kernel's computation (csrc/cpu/expand_level.cpp: row_loop, then request_loop), on one thread.
-// The scan is plainly sequential (the CPU kernel's block test only skips elements topk_push would reject).
+// The CPU kernel's computation on one thread: the core's host_row over every row, then host_request over
+// every request (what csrc/cpu/expand_level.cpp runs, in parallel and in its instruction-set clones).
 template <int T>
 void reference(const Params& p) {
   using namespace taps::expand;
-  const int64_t elem = T == kF32 ? 4 : 2;
   float val[kMaxK];
   int64_t idx[kMaxK];
-  const int k = static_cast<int>(p.k);
-  for (int64_t row = 0; row < p.rows * p.front; ++row) {
-    const char* x = static_cast<const char*>(p.logits) + row * p.row_stride * elem;
-    topk_init(val, idx, k);
-    bool has_nan = false;
-    for (int64_t i = 0; i < p.vocab; ++i) {
-      const float x_i = load_t<T>(x, i);
-      has_nan |= x_i != x_i;
-      const float v = rank_value(x_i);
-      if (better(v, i, val[k - 1], idx[k - 1])) topk_push(val, idx, k, v, i);
-    }
-    const float m = val[0];
-    float s[kLanes], t[kLanes];
-    for (int lane = 0; lane < kLanes; ++lane) s[lane] = t[lane] = 0.0f;
-    int64_t i0 = 0;
-    for (; i0 + kLanes <= p.vocab; i0 += kLanes)
-      for (int lane = 0; lane < kLanes; ++lane) sum_terms(load_t<T>(x, i0 + lane), m, s[lane], t[lane]);
-    for (int lane = 0; i0 + lane < p.vocab; ++lane) sum_terms(load_t<T>(x, i0 + lane), m, s[lane], t[lane]);
-    for (int off = kLanes / 2; off > 0; off /= 2)
-      for (int lane = 0; lane < off; ++lane) {
-        s[lane] = add(s[lane], s[lane + off]);
-        t[lane] = add(t[lane], t[lane + off]);
-      }
-    finish_sums(has_nan, m, s[0], t[0]);
-    const float log_s = log_sum(s[0]);
-    const int64_t r = row / p.front, f = row % p.front;
-    for (int j = 0; j < k; ++j) write_child(p, r, f, j, idx[j], log_prob(load_t<T>(x, idx[j]), m, log_s));
-    p.row_entropy[row] = p.with_entropy ? row_entropy(s[0], t[0]) : 0.0f;
-  }
-  const int64_t children = p.front * p.k;
-  std::vector<int64_t> order(static_cast<size_t>(children));
-  for (int64_t r = 0; r < p.rows; ++r) {
-    p.entropy[r] = request_entropy(p, r);
-    if (p.next_k == 0) continue;
-    const float* sc = p.scores + r * children;
-    std::iota(order.begin(), order.end(), int64_t(0));
-    std::partial_sort(order.begin(), order.begin() + p.next_k, order.end(), [sc](int64_t a, int64_t b) {
-      return better(rank_value(sc[a]), a, rank_value(sc[b]), b);
-    });
-    for (int64_t rank = 0; rank < p.next_k; ++rank) write_next(p, r, rank, order[rank]);
-  }
+  for (int64_t row = 0; row < p.rows * p.front; ++row) host_row<T>(p, row, val, idx);
+  std::vector<int64_t> order(static_cast<size_t>(p.front * p.k));
+  for (int64_t r = 0; r < p.rows; ++r) host_request(p, r, order.data());
 }
 
 // One side's output buffers, filled with the byte `garbage`.

@@ -1,5 +1,6 @@
 // expand_level, the host+device core (no torch headers): one level of an EAGLE-2 expansion, shared by
-// the CPU kernel (csrc/cpu/expand_level.cpp) and the CUDA kernels (taps/expand_level_kernel.cuh).
+// the CPU kernel (csrc/cpu/expand_level.cpp, whose loops are host_row / host_request below) and the CUDA
+// kernels (taps/expand_level_kernel.cuh).
 //
 // Conventions (see DESIGN.md, expand_level):
 //   logits [R, F, V]: row (r, f) holds the draft logits of frontier node f of request r.
@@ -26,8 +27,10 @@
 // kernel (a warp per row) give the same bits, except where the device's logf differs from the host's
 // (log(s) and the entropy's log).
 #pragma once
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <numeric>
 
 #include "taps/common.h"
 #include "taps/elementwise.h"
@@ -145,12 +148,6 @@ TAPS_HD float log_prob(float x, float m, float log_s) { return add(shifted(x, m)
 // Entropy (nats) of the softmax from s and t: log(s) - t / s; 0 for a row with no finite logit.
 TAPS_HD float row_entropy(float s, float t) { return s == 0.0f ? 0.0f : add(logf(s), -(t / s)); }
 
-// The row maximum as the top-k scan sees it (NaN as -inf).
-TAPS_HD float max_value(float a, float x) {
-  const float v = rank_value(x);
-  return v > a ? v : a;
-}
-
 // The problem as raw pointers. Outputs contiguous; logits rows `row_stride` elements apart (last dim
 // contiguous), front_scores / front_cands contiguous [R, F].
 struct Params {
@@ -194,6 +191,73 @@ TAPS_HD float request_entropy(const Params& p, int64_t r) {
   if (p.with_entropy)
     for (int64_t f = 0; f < p.front; ++f) e = add(e, p.row_entropy[r * p.front + f]);
   return e;
+}
+
+// ---- the CPU kernel's loops (host only): csrc/cpu/expand_level.cpp runs them inside its instruction-set
+// clones; the emulation test of the CUDA kernels runs them as its reference ---------------------------
+
+// Logits row `row` = r * F + f: the top k, the sums, the k children and the row's entropy. val / idx:
+// scratch of kMaxK. The scan goes 32 elements at a time: a vectorised test whether any element reaches
+// the current k-th value (or is NaN), then the scalar insertion only for such blocks (few once the list
+// has filled); the first of the top k is the row's maximum. The sums run as the 32 lanes side by side
+// (each lane's own order unchanged, so the compiler may vectorise), then the shuffle-down tree.
+// (always inlined: into each instruction-set clone of the CPU kernel's loop, which vectorises it there)
+template <int T>
+inline __attribute__((always_inline)) void host_row(const Params& p, int64_t row, float* val, int64_t* idx) {
+  const int64_t elem = T == kF32 ? 4 : 2;
+  const int k = static_cast<int>(p.k);
+  const char* x = static_cast<const char*>(p.logits) + row * p.row_stride * elem;
+  topk_init(val, idx, k);
+  bool has_nan = false;
+  auto push = [&](int64_t i) {
+    const float x_i = load_t<T>(x, i);
+    has_nan |= x_i != x_i;
+    const float v = rank_value(x_i);
+    if (better(v, i, val[k - 1], idx[k - 1])) topk_push(val, idx, k, v, i);
+  };
+  int64_t b0 = 0;
+  for (; b0 + kLanes <= p.vocab; b0 += kLanes) {
+    const float thr = val[k - 1];
+    int hit = 0;
+    for (int lane = 0; lane < kLanes; ++lane) {
+      const float x_i = load_t<T>(x, b0 + lane);
+      hit |= int(x_i >= thr) | int(x_i != x_i);
+    }
+    if (hit)
+      for (int lane = 0; lane < kLanes; ++lane) push(b0 + lane);
+  }
+  for (; b0 < p.vocab; ++b0) push(b0);
+  const float m = val[0];
+  float s[kLanes], t[kLanes];
+  for (int lane = 0; lane < kLanes; ++lane) s[lane] = t[lane] = 0.0f;
+  int64_t i0 = 0;
+  for (; i0 + kLanes <= p.vocab; i0 += kLanes)
+    for (int lane = 0; lane < kLanes; ++lane) sum_terms(load_t<T>(x, i0 + lane), m, s[lane], t[lane]);
+  for (int lane = 0; i0 + lane < p.vocab; ++lane) sum_terms(load_t<T>(x, i0 + lane), m, s[lane], t[lane]);
+  for (int off = kLanes / 2; off > 0; off /= 2)
+    for (int lane = 0; lane < off; ++lane) {
+      s[lane] = add(s[lane], s[lane + off]);
+      t[lane] = add(t[lane], t[lane + off]);
+    }
+  finish_sums(has_nan, m, s[0], t[0]);
+  const float log_s = log_sum(s[0]);
+  const int64_t r = row / p.front, f = row % p.front;
+  for (int j = 0; j < k; ++j) write_child(p, r, f, j, idx[j], log_prob(load_t<T>(x, idx[j]), m, log_s));
+  p.row_entropy[row] = p.with_entropy ? row_entropy(s[0], t[0]) : 0.0f;
+}
+
+// Request r: its entropy and the next_k best children, best first, by a partial sort in the one order.
+// order: scratch of F * k.
+inline void host_request(const Params& p, int64_t r, int64_t* order) {
+  p.entropy[r] = request_entropy(p, r);
+  if (p.next_k == 0) return;
+  const int64_t children = p.front * p.k;
+  const float* sc = p.scores + r * children;
+  std::iota(order, order + children, int64_t(0));
+  std::partial_sort(order, order + p.next_k, order + children, [sc](int64_t a, int64_t b) {
+    return better(rank_value(sc[a]), a, rank_value(sc[b]), b);
+  });
+  for (int64_t rank = 0; rank < p.next_k; ++rank) write_next(p, r, rank, order[rank]);
 }
 
 }  // namespace expand
