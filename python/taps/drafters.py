@@ -285,18 +285,23 @@ class DraftGroup:
         entries (always at batch 1), to one column range of all rows (a plain copy, no scatter)."""
         longest = max(self.host_lengths)
         positions, mask = causal_append(self.lengths_b, longest, num_tokens)
-        positions, mask = self._rows(positions), self._rows(mask)
-        if min(self.host_lengths) == longest:  # rotary rows as views, K/V as one column range
+        mask = self._rows(mask)
+        if self._shared_length() is not None:  # rotary rows as views, K/V as one column range
             return range(longest, longest + num_tokens), cache_attend(self.kv, layers, mask, start=longest)
+        positions = self._rows(positions)
         return positions, cache_attend(self.kv, layers, mask, positions=positions)
+
+    def _shared_length(self) -> Optional[int]:
+        """The number of committed entries when every request holds the same (always at batch 1), else
+        None."""
+        first = self.host_lengths[0]
+        return first if min(self.host_lengths) == first == max(self.host_lengths) else None
 
     def _node_positions(self, rope_pos: Tensor, level: int) -> Positions:
         """Rotary positions of the expansion's level-`level` nodes: one shared position when every row
-        holds the same number of entries (always at batch 1; served as views), else rope_pos [R, K]."""
-        first = self.host_lengths[0]
-        if min(self.host_lengths) == first == max(self.host_lengths):
-            return range(first + level - 1, first + level)
-        return rope_pos
+        holds the same number of entries (served as views), else rope_pos [R, K]."""
+        shared = self._shared_length()
+        return rope_pos if shared is None else range(shared + level - 1, shared + level)
 
     def _last(self, out: Tensor, num_new: Tensor) -> Tensor:
         """Row r's entry num_new[r % B] - 1 of out [G * B, T, ...] (the last real token of each row)."""
