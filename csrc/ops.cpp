@@ -42,10 +42,11 @@ TORCH_LIBRARY(taps_ops, m) {
       "merge_trees(Tensor tokens, Tensor parents, Tensor scores, int num_nodes, Tensor? weights, "
       "bool validate=True) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)");
   // q [B, Hq, N, D]; k, v [B, Hkv, S, D]; tree_mask [B, N, W] i64; kv_lens [B] i64 -> out [B, Hq, N, D]
-  // (validate: the kv_lens range check; the kernels clamp kv_lens anyway).
+  // (validate: the kv_lens range check; the kernels clamp kv_lens anyway); tree_nodes T >= N (None: N):
+  // the last T keys are tree nodes, masked by the N queries' rows.
   m.def(
       "tree_attention(Tensor q, Tensor k, Tensor v, Tensor tree_mask, Tensor kv_lens, float scale, "
-      "bool validate=True) -> Tensor");
+      "bool validate=True, int? tree_nodes=None) -> Tensor");
   // caches: per layer K and V tensors [B, H, S, D], updated in place; path [B, P] i64 (-1 padded,
   // path[:, 0] == 0); prefix_lens [B] i64: cache position of tree node i is prefix_lens[b] + i
   // (validate: the path checks; the kernels leave a request with an invalid path untouched anyway).

@@ -4,15 +4,27 @@
 #include <ATen/ATen.h>
 
 #include <cmath>
+#include <optional>
 
 #include "checks.h"
 #include "taps/tree_attention.h"
 
 namespace taps {
 
-// q [B, Hq, N, D]; k, v [B, Hkv, S, D]; tree_mask [B, N, W >= ceil(N / 64)]; kv_lens [B]; finite scale.
+// The tree's node count T: tree_nodes when given (N <= T), else N.
+inline int64_t tree_attention_nodes(const at::Tensor& q_in, std::optional<int64_t> tree_nodes) {
+  const int64_t num_nodes = q_in.dim() == 4 ? q_in.size(2) : 0;
+  if (!tree_nodes.has_value()) return num_nodes;
+  TORCH_CHECK(*tree_nodes >= num_nodes, "taps_ops: tree_attention: tree_nodes = ", *tree_nodes,
+              " must be at least N = ", num_nodes, " (the queries are tree nodes)");
+  return *tree_nodes;
+}
+
+// q [B, Hq, N, D]; k, v [B, Hkv, S, D]; tree_mask [B, N, W >= ceil(T / 64)]; kv_lens [B]; finite scale;
+// T = tree_nodes (>= N) or N.
 inline void check_tree_attention_inputs(const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in,
-                                        const at::Tensor& tree_mask_in, const at::Tensor& kv_lens_in, double scale) {
+                                        const at::Tensor& tree_mask_in, const at::Tensor& kv_lens_in, double scale,
+                                        std::optional<int64_t> tree_nodes) {
   const auto floats = {at::kFloat, at::kBFloat16, at::kHalf};
   check_tensor(q_in, "tree_attention: q [B, Hq, N, D]", 4, floats);
   check_tensor(k_in, "tree_attention: k [B, Hkv, S, D]", 4, floats);
@@ -36,9 +48,10 @@ inline void check_tree_attention_inputs(const at::Tensor& q_in, const at::Tensor
               " must be a multiple of Hkv = ", heads_kv);
   check_size(tree_mask_in, 0, batch, "tree_attention: tree_mask", "B");
   check_size(tree_mask_in, 1, num_nodes, "tree_attention: tree_mask", "N");
-  TORCH_CHECK(tree_mask_in.size(2) >= ceil_div(num_nodes, 64), "taps_ops: tree_attention: tree_mask needs ",
-              "at least ceil(N / 64) = ", ceil_div(num_nodes, 64), " words per row, got shape ",
-              tree_mask_in.sizes());
+  const int64_t tree = tree_attention_nodes(q_in, tree_nodes);
+  TORCH_CHECK(tree_mask_in.size(2) >= ceil_div(tree, 64), "taps_ops: tree_attention: tree_mask needs ",
+              "at least ceil(T / 64) = ", ceil_div(tree, 64), " words per row (T = ", tree,
+              " tree nodes), got shape ", tree_mask_in.sizes());
   check_size(kv_lens_in, 0, batch, "tree_attention: kv_lens", "B");
   TORCH_CHECK(std::isfinite(scale), "taps_ops: tree_attention: scale must be finite, got ", scale);
 }
@@ -64,7 +77,7 @@ struct TreeAttentionCall {
 
   // The core's Params for `splits` key splits, allocating the partial results when splits > 1 (their
   // layout: attention::partial_row). split_keys and block_rows are left 0 for the backend to set.
-  attention::Params params(double scale, int64_t splits) {
+  attention::Params params(double scale, int64_t splits, int64_t tree_nodes) {
     const int64_t batch = q.size(0), heads_q = q.size(1), num_nodes = q.size(2), head_dim = q.size(3);
     if (splits > 1) {
       const auto f32 = q.options().dtype(at::kFloat);
@@ -86,7 +99,7 @@ struct TreeAttentionCall {
     p.k_stride_b = k.stride(0), p.k_stride_h = k.stride(1), p.k_stride_s = k.stride(2);
     p.v_stride_b = v.stride(0), p.v_stride_h = v.stride(1), p.v_stride_s = v.stride(2);
     p.batch = batch, p.heads_q = heads_q, p.heads_kv = k.size(1), p.num_nodes = num_nodes, p.head_dim = head_dim;
-    p.cache_len = k.size(2), p.mask_words = tree_mask.size(2);
+    p.cache_len = k.size(2), p.mask_words = tree_mask.size(2), p.tree_nodes = tree_nodes;
     p.splits = splits;
     p.scale = static_cast<float>(scale);
     return p;

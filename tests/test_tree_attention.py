@@ -48,7 +48,7 @@ def make_inputs(batch, heads_q, heads_kv, num_nodes, head_dim, cache_len, dtype,
     return [t.to(device) for t in (q, k, v, mask, kv_lens)]
 
 
-def _half_error_scale(q, k, v, mask, kv_lens, scale, ref):
+def _half_error_scale(q, k, v, mask, kv_lens, scale, ref, tree_nodes=None):
     """Per-element error a correct bf16 / fp16 kernel may make, [B, Hq, N, D] float64: rounding the
     output (half an ulp of the exact value) plus rounding the probabilities P to the dtype before P.V
     (as the tensor-core kernel and flash attention do): sum_j delta_j p_j v_j with |delta_j| <= u (the
@@ -56,7 +56,7 @@ def _half_error_scale(q, k, v, mask, kv_lens, scale, ref):
     for the normaliser, u * |out| * sqrt(sum_j p_j^2)."""
     mantissa = {torch.bfloat16: 7, torch.float16: 10}[q.dtype]
     unit = 2.0 ** -(mantissa + 1)
-    dense = tree_attention_dense_mask(mask.cpu(), kv_lens.cpu(), k.shape[2])[:, None]
+    dense = tree_attention_dense_mask(mask.cpu(), kv_lens.cpu(), k.shape[2], tree_nodes)[:, None]
     group = q.shape[1] // k.shape[1]
     if scale is None:
         scale = 1.0 / math.sqrt(q.shape[-1])
@@ -68,21 +68,22 @@ def _half_error_scale(q, k, v, mask, kv_lens, scale, ref):
     return 0.5 * ulp + unit * ((p2 @ vf ** 2).sqrt() + ref.abs() * p2.sum(-1, keepdim=True).sqrt())
 
 
-def check_accuracy(q, k, v, mask, kv_lens, scale=None):
+def check_accuracy(q, k, v, mask, kv_lens, scale=None, tree_nodes=None):
     """fp32: the kernel's max error against the float64 reference is at most twice plain PyTorch's in
     fp32 (flash-attention's rule). bf16 / fp16, where plain PyTorch's error is much larger than a good
     kernel's: every element's error is at most 4x the error scale of a correct kernel
     (_half_error_scale; the CPU kernel makes about 0.3 of it, the output rounding alone)."""
-    out = taps_ops.tree_attention(q, k, v, mask, kv_lens, scale)
+    out = taps_ops.tree_attention(q, k, v, mask, kv_lens, scale, tree_nodes=tree_nodes)
     assert out.dtype == q.dtype and out.shape == q.shape and out.device == q.device
-    ref = tree_attention_ref(q.cpu(), k.cpu(), v.cpu(), mask.cpu(), kv_lens.cpu(), scale)
+    ref = tree_attention_ref(q.cpu(), k.cpu(), v.cpu(), mask.cpu(), kv_lens.cpu(), scale, tree_nodes=tree_nodes)
     err = (out.cpu().double() - ref).abs()
     if q.dtype == torch.float32:
-        plain = tree_attention_ref(q.cpu(), k.cpu(), v.cpu(), mask.cpu(), kv_lens.cpu(), scale, dtype=q.dtype)
+        plain = tree_attention_ref(q.cpu(), k.cpu(), v.cpu(), mask.cpu(), kv_lens.cpu(), scale, dtype=q.dtype,
+                                   tree_nodes=tree_nodes)
         plain_err = (plain.double() - ref).abs().max().item()
         assert err.max().item() <= 2 * plain_err + 1e-5, (err.max().item(), plain_err)
         return
-    ratio = err / _half_error_scale(q, k, v, mask, kv_lens, scale, ref)
+    ratio = err / _half_error_scale(q, k, v, mask, kv_lens, scale, ref, tree_nodes)
     worst = int(ratio.argmax())
     assert ratio.max().item() <= 4.0, (f"error {err.flatten()[worst].item():.3g} at element {worst} is "
                                        f"{ratio.max().item():.2f}x the error scale of a correct kernel "
@@ -93,6 +94,69 @@ def check_accuracy(q, k, v, mask, kv_lens, scale=None):
 @pytest.mark.parametrize("num_nodes,cache_len", [(1, 50), (7, 257), (65, 257), (130, 1000), (7, 1000)])
 def test_matches_reference(device, dtype, num_nodes, cache_len):
     check_accuracy(*make_inputs(3, 8, 2, num_nodes, 64, cache_len, dtype, device))
+
+
+def make_level_inputs(batch, heads_q, heads_kv, num_queries, tree_nodes, head_dim, cache_len, dtype, device):
+    """Inputs of a drafter's expansion level: a random tree of T = tree_nodes nodes after each request's
+    prefix, queries for its newest N = num_queries nodes (mask rows: their ancestors and themselves)."""
+    q, k, v, _, _ = make_inputs(batch, heads_q, heads_kv, num_queries, head_dim, cache_len, dtype, "cpu")
+    mask = random_tree_mask(batch, tree_nodes)[:, tree_nodes - num_queries:].contiguous()
+    kv_lens = torch.randint(tree_nodes, cache_len + 1, (batch,))
+    kv_lens[0] = cache_len
+    kv_lens[-1] = tree_nodes if batch > 1 else kv_lens[-1]
+    return [t.to(device) for t in (q, k, v, mask, kv_lens)]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("num_queries,tree_nodes,cache_len", [(8, 8, 50), (8, 32, 157), (5, 67, 200), (1, 40, 41),
+                                                              (13, 130, 300)])
+def test_tree_nodes_matches_reference(device, dtype, num_queries, tree_nodes, cache_len):
+    # queries for only the newest N of T tree nodes (a drafter's expansion level), 1-3 mask words, a request
+    # without a prefix (kv_lens = T)
+    args = make_level_inputs(3, 4, 2, num_queries, tree_nodes, 64, cache_len, dtype, device)
+    check_accuracy(*args, tree_nodes=tree_nodes)
+
+
+def test_tree_nodes_semantics():
+    # Independent of the reference's mask builder: keys before L - T are visible, key L - T + j iff bit j.
+    torch.manual_seed(3)
+    q, k, v, mask, kv_lens = make_level_inputs(2, 4, 4, 6, 45, 16, 90, torch.float32, "cpu")
+    out = taps_ops.tree_attention(q, k, v, mask, kv_lens, tree_nodes=45)
+    for b in range(2):
+        length = int(kv_lens[b])
+        dense = torch.zeros(6, 90, dtype=torch.bool)
+        dense[:, :length - 45] = True
+        for i in range(6):
+            for j in range(45):
+                dense[i, length - 45 + j] = bool((int(mask[b, i, j // 64]) >> (j % 64)) & 1)
+        want = torch.nn.functional.scaled_dot_product_attention(q[b:b + 1].double(), k[b:b + 1].double(),
+                                                                v[b:b + 1].double(), attn_mask=dense)
+        torch.testing.assert_close(out[b:b + 1].double(), want, atol=2e-5, rtol=1e-5)
+    # T = N is the default
+    q, k, v, mask, kv_lens = make_inputs(2, 4, 2, 7, 64, 40, torch.float32, "cpu")
+    assert torch.equal(taps_ops.tree_attention(q, k, v, mask, kv_lens, tree_nodes=7),
+                       taps_ops.tree_attention(q, k, v, mask, kv_lens))
+
+
+@pytest.mark.parametrize(
+    "tree_nodes,words,lens,message",
+    [(6, 1, 40, "tree_nodes = 6 must be at least N = 7"),
+     (65, 1, 70, "ceil\\(T / 64\\) = 2"),
+     (30, 1, 20, "kv_lens"),
+     (41, 1, 40, "kv_lens")],
+)
+def test_tree_nodes_bad_inputs(tree_nodes, words, lens, message):
+    q = torch.randn(1, 4, 7, 64)
+    k = torch.randn(1, 2, 40, 64)
+    v = torch.randn_like(k)
+    mask = torch.full((1, 7, words), -1, dtype=torch.int64)
+    with pytest.raises(RuntimeError, match=message):
+        taps_ops.tree_attention(q, k, v, mask, torch.tensor([lens]), tree_nodes=tree_nodes)
+
+
+def test_tree_nodes_opcheck(device):
+    args = make_level_inputs(2, 4, 2, 5, 37, 64, 60, torch.float32, device)
+    torch.library.opcheck(torch.ops.taps_ops.tree_attention.default, (*args, 0.125, True, 37))
 
 
 @pytest.mark.parametrize("head_dim", [64, 80, 96, 128, 256, 40])
@@ -196,7 +260,7 @@ def test_opcheck(device, dtype):
         (lambda a: a.update(kv_lens=a["kv_lens"] * 0 + 2), "kv_lens"),
         (lambda a: a.update(kv_lens=a["kv_lens"] * 0 + 41), "kv_lens"),
         (lambda a: a.update(q=a["q"][:, :3]), "multiple of Hkv"),
-        (lambda a: a.update(tree_mask=a["tree_mask"][:, :, :0]), "ceil\\(N / 64\\)"),
+        (lambda a: a.update(tree_mask=a["tree_mask"][:, :, :0]), "ceil\\(T / 64\\)"),
         (lambda a: a.update(k=a["k"].half()), "one dtype"),
         (lambda a: a.update(q=a["q"][0]), "4 dimensions"),
         (lambda a: a.update(tree_mask=a["tree_mask"].int()), "tree_mask"),

@@ -1,7 +1,8 @@
 // tree_attention, CPU: input checks (tree_attention_checks.h), the kv_lens check, the key splits
 // (attention::plan_splits), and the choice of kernel for this CPU.
 //
-// q [B, Hq, N, D]; k, v [B, Hkv, S, D]; tree_mask [B, N, W] i64; kv_lens [B] i64 -> out [B, Hq, N, D].
+// q [B, Hq, N, D]; k, v [B, Hkv, S, D]; tree_mask [B, N, W] i64; kv_lens [B] i64; tree_nodes T (>= N, default
+// N: the last T keys are tree nodes, the queries usually the newest N of them) -> out [B, Hq, N, D].
 //
 // Work item = (request b, KV head, key split). The G * N query rows of one KV head (row r = g * N + i:
 // query head hkv * G + g, tree node i) are processed together, so each K/V row is read once per
@@ -195,14 +196,16 @@ namespace {
 
 at::Tensor tree_attention_cpu(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                               const at::Tensor& tree_mask, const at::Tensor& kv_lens, double scale,
-                              bool /*validate: the CPU always checks kv_lens (no sync to save)*/) {
-  check_tree_attention_inputs(q, k, v, tree_mask, kv_lens, scale);
-  const int64_t batch = q.size(0), num_nodes = q.size(2), heads_kv = k.size(1), cache_len = k.size(2);
+                              bool /*validate: the CPU always checks kv_lens (no sync to save)*/,
+                              std::optional<int64_t> tree_nodes) {
+  check_tree_attention_inputs(q, k, v, tree_mask, kv_lens, scale, tree_nodes);
+  const int64_t batch = q.size(0), heads_kv = k.size(1), cache_len = k.size(2);
+  const int64_t tree = tree_attention_nodes(q, tree_nodes);
   TreeAttentionCall call = TreeAttentionCall::prepare(q, k, v, tree_mask, kv_lens);
   const int64_t* lens = call.kv_lens.data_ptr<int64_t>();
   for (int64_t b = 0; b < batch; ++b) {
-    TORCH_CHECK(lens[b] >= num_nodes && lens[b] <= cache_len, "taps_ops: tree_attention: kv_lens[", b, "] = ",
-                lens[b], " must be in [N, S] = [", num_nodes, ", ", cache_len, "]");
+    TORCH_CHECK(lens[b] >= tree && lens[b] <= cache_len, "taps_ops: tree_attention: kv_lens[", b, "] = ",
+                lens[b], " must be in [T, S] = [", tree, ", ", cache_len, "] (T: tree nodes)");
   }
   if (call.out.numel() == 0) return call.out;
   // Key splits when B * Hkv work items cannot feed the threads (4 items a thread); no cap on their
@@ -210,7 +213,7 @@ at::Tensor tree_attention_cpu(const at::Tensor& q, const at::Tensor& k, const at
   const int64_t max_len = *std::max_element(lens, lens + batch);
   const int64_t splits = attention::plan_splits(batch * heads_kv, 4 * at::get_num_threads(), max_len,
                                                 std::numeric_limits<int64_t>::max());
-  const attention::Params p = call.params(scale, splits);
+  const attention::Params p = call.params(scale, splits, tree);
   switch (call.q.scalar_type()) {
     case at::kFloat: attention::cpu::run<float>(p); break;
     case at::kBFloat16: attention::cpu::run<c10::BFloat16>(p); break;

@@ -169,7 +169,7 @@ void run_items(const Params& p, int64_t begin, int64_t end, int64_t tile, Attend
   for (int64_t item = begin; item < end; ++item) {
     const int64_t split = item % p.splits, bh = item / p.splits;
     const int64_t b = bh / p.heads_kv, hkv = bh % p.heads_kv;
-    const TreeSpan span = tree_span(p.kv_lens[b], p.num_nodes, p.cache_len);
+    const TreeSpan span = tree_span(p.kv_lens[b], p.tree_nodes, p.cache_len);
     const KeyRange keys = split_range(span.len, split, split_len(span.len, p.splits, tile));
     const RowStates st = attend(b, hkv, keys, span);
     for (int64_t r = 0; r < rows; ++r) {

@@ -2,11 +2,12 @@
 // check, the launch plan (attention::plan_tree_attention), dispatch over dtype and head dim, and the
 // launch (taps/tree_attention_kernel.cuh) on the current stream.
 //
-// q [B, Hq, N, D]; k, v [B, Hkv, S, D]; tree_mask [B, N, W] i64; kv_lens [B] i64 -> out [B, Hq, N, D].
+// q [B, Hq, N, D]; k, v [B, Hkv, S, D]; tree_mask [B, N, W] i64; kv_lens [B] i64; tree_nodes T (>= N, default
+// N) -> out [B, Hq, N, D].
 // Head dims 64, 80, 96, 128, 256 (compile-time dispatch); fp32 / bf16 / fp16. bf16 / fp16 with at
 // least 16 query rows per KV head (G * N >= 16) run the tensor-core kernel, the rest the SIMT kernel.
 //
-// The kv_lens range check (N <= kv_lens[b] <= S) reads device data: it costs one small reduction and
+// The kv_lens range check (T <= kv_lens[b] <= S, T = tree_nodes or N) reads device data: it costs one small reduction and
 // one device-to-host sync per call (a single .item(); validate=False skips it). The kernel clamps
 // kv_lens to [0, S] anyway, so even an unchecked bad length never reads out of bounds.
 #include <ATen/ATen.h>
@@ -43,9 +44,10 @@ void dispatch_head_dim(const attention::Params& p, const attention::AttentionPla
 
 at::Tensor tree_attention_cuda(const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in,
                                const at::Tensor& tree_mask_in, const at::Tensor& kv_lens_in, double scale,
-                               bool validate) {
-  check_tree_attention_inputs(q_in, k_in, v_in, tree_mask_in, kv_lens_in, scale);
+                               bool validate, std::optional<int64_t> tree_nodes) {
+  check_tree_attention_inputs(q_in, k_in, v_in, tree_mask_in, kv_lens_in, scale, tree_nodes);
   const int64_t batch = q_in.size(0), heads_q = q_in.size(1), num_nodes = q_in.size(2), head_dim = q_in.size(3);
+  const int64_t tree = tree_attention_nodes(q_in, tree_nodes);
   const int64_t heads_kv = k_in.size(1), cache_len = k_in.size(2);
   check_grid_dim(batch, "tree_attention", c10::str("B = ", batch));
 
@@ -54,9 +56,9 @@ at::Tensor tree_attention_cuda(const at::Tensor& q_in, const at::Tensor& k_in, c
   if (validate && batch > 0) {  // the one device sync of this op (see the file comment)
     check_validate_allowed("tree_attention");
     const at::Tensor& kv_lens = call.kv_lens;
-    const bool bad = at::logical_or(kv_lens < num_nodes, kv_lens > cache_len).any().item<bool>();
-    TORCH_CHECK(!bad, "taps_ops: tree_attention: every kv_lens[b] must be in [N, S] = [", num_nodes, ", ",
-                cache_len, "], got ", kv_lens.cpu());
+    const bool bad = at::logical_or(kv_lens < tree, kv_lens > cache_len).any().item<bool>();
+    TORCH_CHECK(!bad, "taps_ops: tree_attention: every kv_lens[b] must be in [T, S] = [", tree, ", ",
+                cache_len, "] (T: tree nodes), got ", kv_lens.cpu());
   }
   if (call.out.numel() == 0) return call.out;
 
@@ -75,7 +77,7 @@ at::Tensor tree_attention_cuda(const at::Tensor& q_in, const at::Tensor& k_in, c
       static_cast<int64_t>(props->sharedMemPerBlockOptin));
   check_grid_dim(heads_kv * plan.row_blocks, "tree_attention",
                  c10::str("Hkv x row blocks = ", heads_kv * plan.row_blocks));
-  const attention::Params p = call.params(scale, plan.splits);
+  const attention::Params p = call.params(scale, plan.splits, tree);
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
   switch (call.q.scalar_type()) {
     case at::kFloat: dispatch_head_dim<float>(p, plan, stream); break;

@@ -258,19 +258,24 @@ def tree_attention(
     scale: Optional[float] = None,
     *,
     validate: bool = True,
+    tree_nodes: Optional[int] = None,
 ) -> Tensor:
     """Attention of N tree queries over each request's prefix plus the tree nodes.
 
     Args:
         q: [B, Hq, N, D] float32/bfloat16/float16.
         k, v: [B, Hkv, S, D], same dtype; Hq a multiple of Hkv (grouped-query attention).
-        tree_mask: [B, N, W] int64 ancestor bitmask (as from build_tree), W >= ceil(N / 64).
-        kv_lens: [B] int64; request b's keys are k[b, :, :kv_lens[b]], the last N of them tree nodes
-            0..N-1, the rest a fully visible prefix. N <= kv_lens[b] <= S.
+        tree_mask: [B, N, W] int64 bitmask (as from build_tree): bit j of word j // 64 of row i = query i
+            sees tree node j. W >= ceil(T / 64).
+        kv_lens: [B] int64; request b's keys are k[b, :, :kv_lens[b]], the last T of them tree nodes
+            0..T-1, the rest a fully visible prefix. T <= kv_lens[b] <= S.
         scale: softmax scale, default 1 / sqrt(D).
-        validate: check N <= kv_lens[b] <= S (one device sync on CUDA; always checked on the CPU, where it
+        validate: check T <= kv_lens[b] <= S (one device sync on CUDA; always checked on the CPU, where it
             is free). With False the CUDA kernel clamps kv_lens into range instead of raising: for hot
             loops and CUDA graphs where the caller guarantees the lengths.
+        tree_nodes: T >= N, the tree nodes among the keys (default N: the queries are the whole tree).
+            More than N when only the newest nodes have queries, as in a drafter's expansion level,
+            whose N frontier nodes see their ancestors among the T nodes drafted so far.
 
     Returns:
         out [B, Hq, N, D] in q's dtype (float32 accumulation).
@@ -279,7 +284,8 @@ def tree_attention(
     """
     if scale is None:
         scale = 1.0 / math.sqrt(q.shape[-1])
-    return torch.ops.taps_ops.tree_attention.default(q, k, v, tree_mask, kv_lens, float(scale), validate)
+    return torch.ops.taps_ops.tree_attention.default(q, k, v, tree_mask, kv_lens, float(scale), validate,
+                                                     None if tree_nodes is None else int(tree_nodes))
 
 
 def compact_kv(caches: Sequence[Tensor], path: Tensor, prefix_lens: Tensor, *, validate: bool = True) -> None:

@@ -420,19 +420,21 @@ def merge_trees_ref(tokens: Tensor, parents: Tensor, scores: Tensor, num_nodes: 
 # ---------------------------------------------------------------------------------------------------
 
 
-def tree_attention_dense_mask(tree_mask: Tensor, kv_lens: Tensor, cache_len: int) -> Tensor:
+def tree_attention_dense_mask(tree_mask: Tensor, kv_lens: Tensor, cache_len: int,
+                              tree_nodes: Optional[int] = None) -> Tensor:
     """The dense boolean visibility mask [B, N, S] of tree_attention (True = query i sees key s).
 
-    Request b: positions < kv_lens[b] - N (the prefix) are visible to every query, position
-    kv_lens[b] - N + j (tree node j) is visible to query i iff bit j of tree_mask[b, i] is set,
-    positions >= kv_lens[b] are not visible.
+    Request b, with T = tree_nodes (default N): positions < kv_lens[b] - T (the prefix) are visible to
+    every query, position kv_lens[b] - T + j (tree node j) is visible to query i iff bit j of
+    tree_mask[b, i] is set, positions >= kv_lens[b] are not visible.
     """
-    batch, num_nodes = tree_mask.shape[0], tree_mask.shape[1]
+    batch, num_queries = tree_mask.shape[0], tree_mask.shape[1]
+    num_nodes = num_queries if tree_nodes is None else int(tree_nodes)
     device = tree_mask.device
     nodes = torch.arange(num_nodes, device=device)
-    words = tree_mask.to(torch.int64)[:, :, nodes // 64]  # [B, N, N]: word holding bit j, per column j
-    tree_bits = ((words >> (nodes % 64)) & 1).bool()  # [B, N(query), N(node)]
-    mask = torch.zeros((batch, num_nodes, cache_len), dtype=torch.bool, device=device)
+    words = tree_mask.to(torch.int64)[:, :, nodes // 64]  # [B, N, T]: word holding bit j, per column j
+    tree_bits = ((words >> (nodes % 64)) & 1).bool()  # [B, N(query), T(node)]
+    mask = torch.zeros((batch, num_queries, cache_len), dtype=torch.bool, device=device)
     for b in range(batch):
         length = int(kv_lens[b])
         start = length - num_nodes
@@ -442,11 +444,12 @@ def tree_attention_dense_mask(tree_mask: Tensor, kv_lens: Tensor, cache_len: int
 
 
 def tree_attention_ref(q: Tensor, k: Tensor, v: Tensor, tree_mask: Tensor, kv_lens: Tensor,
-                       scale: Optional[float] = None, dtype: torch.dtype = torch.float64) -> Tensor:
+                       scale: Optional[float] = None, dtype: torch.dtype = torch.float64,
+                       tree_nodes: Optional[int] = None) -> Tensor:
     """Dense-mask attention: softmax(q k^T * scale + mask) v, computed in `dtype` (float64 default).
 
     q [B, Hq, N, D]; k, v [B, Hkv, S, D] (query head h uses KV head h // (Hq // Hkv));
-    tree_mask [B, N, W] int64; kv_lens [B] int64 with N <= kv_lens[b] <= S.
+    tree_mask [B, N, W] int64; kv_lens [B] int64 with T <= kv_lens[b] <= S (T = tree_nodes, default N).
     Returns [B, Hq, N, D] in `dtype` (the tests cast as they need). A row that sees no key gives 0.
     """
     if scale is None:
@@ -455,7 +458,7 @@ def tree_attention_ref(q: Tensor, k: Tensor, v: Tensor, tree_mask: Tensor, kv_le
     qf, kf, vf = q.to(dtype), k.to(dtype), v.to(dtype)
     kf = kf.repeat_interleave(group, dim=1)
     vf = vf.repeat_interleave(group, dim=1)
-    mask = tree_attention_dense_mask(tree_mask, kv_lens, k.shape[2])[:, None]  # [B, 1, N, S]
+    mask = tree_attention_dense_mask(tree_mask, kv_lens, k.shape[2], tree_nodes)[:, None]  # [B, 1, N, S]
     scores = (qf @ kf.transpose(-1, -2)) * scale
     scores = scores.masked_fill(~mask, float("-inf"))
     probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # all-masked rows -> 0

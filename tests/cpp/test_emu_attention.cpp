@@ -39,6 +39,7 @@ struct AttnCase {
   int B, Hq, Hkv, N, S, split_keys;  // split_keys 0: the plan's (one split at sms = 1 for these sizes)
   bool empty_row;                    // request 0: kv_len = N and one mask row without bits
   bool mma = true;                   // allow the tensor-core kernel (bf16 / fp16 only)
+  int extra = 0;                     // tree nodes before the N queries (T = N + extra: a drafter's level)
 };
 
 constexpr int64_t kH100Smem = 227 * 1024;  // opt-in shared memory per block on sm_90
@@ -58,8 +59,8 @@ template <class T> double tolerance() { return std::is_same_v<T, float> ? 2e-5 :
 
 template <class T, int D>
 void attention_case(const AttnCase& c) {
-  const int B = c.B, Hq = c.Hq, Hkv = c.Hkv, N = c.N, S = c.S, G = Hq / Hkv;
-  const int W = (N + 63) / 64;
+  const int B = c.B, Hq = c.Hq, Hkv = c.Hkv, N = c.N, S = c.S, G = Hq / Hkv, Tn = N + c.extra;
+  const int W = (Tn + 63) / 64;
   const int pad_h = 3 * D;  // K/V head stride padding (a multiple of 8 elements: 16-byte rows)
   // q laid out [B, N, Hq, D] (strided view of [B, Hq, N, D]); k, v [B, Hkv, S, D] with padded heads.
   std::vector<T> q(size_t(B * N * Hq * D)), k(size_t(B * Hkv * (S * D + pad_h))), v(k.size());
@@ -68,18 +69,19 @@ void attention_case(const AttnCase& c) {
   for (auto& x : v) x = from_f<T>(normal());
   const int64_t qs_b = int64_t(N) * Hq * D, qs_h = D, qs_n = int64_t(Hq) * D;
   const int64_t ks_b = int64_t(Hkv) * (S * D + pad_h), ks_h = S * D + pad_h, ks_s = D;
-  // Masks: a random tree per request, each row its ancestors and itself.
+  // Masks: a random tree of Tn nodes per request; query i is node Tn - N + i and sees its ancestors and
+  // itself.
   std::vector<int64_t> mask(size_t(B * N * W), 0), kv_lens(static_cast<size_t>(B));
   for (int b = 0; b < B; ++b) {
-    std::vector<int> parent(size_t(N), -1);
-    for (int i = 1; i < N; ++i) parent[size_t(i)] = rnd(0, i - 1);
+    std::vector<int> parent(size_t(Tn), -1);
+    for (int i = 1; i < Tn; ++i) parent[size_t(i)] = rnd(0, i - 1);
     for (int i = 0; i < N; ++i)
-      for (int a = i; a >= 0; a = parent[size_t(a)])
+      for (int a = Tn - N + i; a >= 0; a = parent[size_t(a)])
         mask[size_t((b * N + i) * W + a / 64)] |= int64_t(uint64_t(1) << (a % 64));
-    kv_lens[size_t(b)] = b == B - 1 ? S : rnd(N, S);  // ragged; the last request fills the cache
+    kv_lens[size_t(b)] = b == B - 1 ? S : rnd(Tn, S);  // ragged; the last request fills the cache
   }
   if (c.empty_row) {
-    kv_lens[0] = N;  // no prefix
+    kv_lens[0] = Tn;  // no prefix
     for (int w = 0; w < W; ++w) mask[size_t((0 * N + N / 2) * W + w)] = 0;
   }
   const float scale = 1.0f / std::sqrt(float(D));
@@ -89,7 +91,7 @@ void attention_case(const AttnCase& c) {
     for (int h = 0; h < Hq; ++h)
       for (int i = 0; i < N; ++i) {
         const int hk = h / G;
-        const int64_t L = kv_lens[size_t(b)], start = L - N;
+        const int64_t L = kv_lens[size_t(b)], start = L - Tn;
         const T* qi = q.data() + b * qs_b + h * qs_h + i * qs_n;
         std::vector<double> s;
         std::vector<int64_t> pos;
@@ -140,6 +142,7 @@ void attention_case(const AttnCase& c) {
   p.k_stride_h = p.v_stride_h = ks_h;
   p.k_stride_s = p.v_stride_s = ks_s;
   p.batch = B, p.heads_q = Hq, p.heads_kv = Hkv, p.num_nodes = N, p.head_dim = D, p.cache_len = S, p.mask_words = W;
+  p.tree_nodes = Tn;
   p.scale = scale;
   attention::launch_tree_attention<T, D>(p, plan, nullptr);
   double big = 1e-30, err = 0;
@@ -151,9 +154,9 @@ void attention_case(const AttnCase& c) {
   }
   char label[260];
   std::snprintf(label, sizeof label,
-                "tree_attention %s %s D=%d B=%d Hq=%d Hkv=%d N=%d S=%d warps=%d row_blocks=%lld splits=%lld "
+                "tree_attention %s %s D=%d B=%d Hq=%d Hkv=%d N=%d T=%d S=%d warps=%d row_blocks=%lld splits=%lld "
                 "empty_row=%d: max error %.3g (%.2g of max) at %zu (got %g, want %g)",
-                type_name<T>(), plan.mma ? "mma" : "simt", D, B, Hq, Hkv, N, S, plan.warps,
+                type_name<T>(), plan.mma ? "mma" : "simt", D, B, Hq, Hkv, N, Tn, S, plan.warps,
                 (long long)plan.row_blocks, (long long)splits, int(c.empty_row), err, err / big, worst,
                 double(as_float(out[worst])), ref[worst]);
   check(err <= tolerance<T>() * big, label);
@@ -175,7 +178,7 @@ void visibility_cases() {
     const int64_t len = trial % 10 == 0 ? rnd(0, int(N)) : rnd(int(N), int(S));
     std::vector<int64_t> row(static_cast<size_t>(W));
     for (auto& x : row) x = int64_t((uint64_t(rng()) << 32) ^ uint64_t(rng()));
-    const attention::TreeSpan span = attention::tree_span(len, N, S);
+    const attention::TreeSpan span = attention::tree_span(len, N, S);  // T = N
     for (int64_t tile0 = -70; tile0 < span.len + 70; tile0 += rnd(1, 40)) {
       if (tile0 < 0) continue;
       const uint64_t vis = attention::tile_visibility(span, row.data(), W, tile0);
@@ -258,6 +261,11 @@ int main() {
   attention_case<__nv_bfloat16, 256>({1, 2, 1, 20, 150, 64, true});     // D = 256, 3 splits, an empty row
   attention_case<__half, 128>({1, 4, 2, 9, 700, 0, false});              // 11 tiles in one split
   attention_case<__nv_bfloat16, 80>({2, 4, 2, 9, 70, 0, false, false});  // bf16 on the SIMT kernel
+  // Queries for only the newest N of T tree nodes (a drafter's expansion level).
+  attention_case<float, 64>({2, 4, 2, 8, 90, 0, false, true, 24});          // T = 32, SIMT
+  attention_case<float, 64>({1, 2, 1, 8, 150, 32, true, true, 72});         // T = 80: two words, splits, empty row
+  attention_case<__half, 64>({2, 8, 2, 8, 120, 0, false, true, 40});        // tensor cores, T = 48
+  attention_case<__nv_bfloat16, 128>({1, 4, 1, 16, 200, 64, false, true, 64});  // T = 80, 4 splits
   std::printf("emulated CUDA tree_attention vs plain loops\n");
   return taps_test::finish();
 }

@@ -6,9 +6,10 @@
 //
 // Conventions (see DESIGN.md, tree_attention):
 //   q [B, Hq, N, D]; k, v [B, Hkv, S, D]; query head h reads KV head h / G (G = Hq / Hkv).
-//   Request b has L = kv_lens[b] keys; positions L - N .. L - 1 are tree nodes 0 .. N - 1, masked by
-//   tree_mask[b, i] (bit j of word j / 64: query node i sees node j); positions < L - N (the prefix)
-//   are visible to every query; positions >= L are ignored.
+//   Request b has L = kv_lens[b] keys; positions L - T .. L - 1 are tree nodes 0 .. T - 1 (T = N unless
+//   the caller gives more: queries for only the newest N of T nodes), masked by tree_mask[b, i] (bit j
+//   of word j / 64: query i sees node j); positions < L - T (the prefix) are visible to every query;
+//   positions >= L are ignored.
 //   A query row that sees no key at all (only possible with a malformed mask) outputs zeros.
 //   The G * N query rows of one KV head are processed together: row r = g * N + i is query head
 //   hkv * G + g, tree node i.
@@ -33,11 +34,11 @@ TAPS_HD bool tree_mask_visible(const int64_t* mask_row, int64_t node) {
 // can never make a kernel read past the cache (the bindings reject it before; this is the backstop).
 struct TreeSpan {
   int64_t len;         // keys of the request: positions [0, len)
-  int64_t tree_start;  // first tree position, len - N (may be negative only for an invalid len < N)
+  int64_t tree_start;  // first tree position, len - T (may be negative only for an invalid len < T)
 };
-TAPS_HD TreeSpan tree_span(int64_t kv_len, int64_t num_nodes, int64_t cache_len) {
+TAPS_HD TreeSpan tree_span(int64_t kv_len, int64_t tree_nodes, int64_t cache_len) {
   const int64_t len = kv_len < 0 ? 0 : (kv_len > cache_len ? cache_len : kv_len);
-  return TreeSpan{len, len - num_nodes};
+  return TreeSpan{len, len - tree_nodes};
 }
 
 // Is key position `pos` (< span.len) visible to query node i? Prefix positions always are.
@@ -100,6 +101,8 @@ struct Params {
   int64_t k_stride_b, k_stride_h, k_stride_s;
   int64_t v_stride_b, v_stride_h, v_stride_s;
   int64_t batch, heads_q, heads_kv, num_nodes, head_dim, cache_len, mask_words;
+  int64_t tree_nodes;  // T >= N: the last T keys of a request are tree nodes 0..T-1 (mask bits); the N
+                       // queries are usually the last N of them (T = N: the queries are the whole tree)
   int64_t splits;      // key splits, merged by log-sum-exp when > 1
   int64_t split_keys;  // CUDA: keys per split, one for every request (the CPU sizes each request's own)
   int64_t block_rows;  // CUDA tensor-core kernel: query rows per block

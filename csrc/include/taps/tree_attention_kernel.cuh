@@ -37,7 +37,7 @@ TAPS_DEVICE AttnBlock<T> attn_block(const Params& p, int64_t block_rows) {
   const int64_t row_blocks = ceil_div(a.rows_total, block_rows);
   a.hkv = blockIdx.y / row_blocks;
   a.row0 = (blockIdx.y % row_blocks) * block_rows;
-  a.span = tree_span(p.kv_lens[a.b], p.num_nodes, p.cache_len);
+  a.span = tree_span(p.kv_lens[a.b], p.tree_nodes, p.cache_len);
   const KeyRange keys = split_range(a.span.len, a.split, p.split_keys);
   a.key_begin = keys.begin;
   a.key_end = keys.end;
