@@ -223,3 +223,72 @@ def test_decoder_tells_groups_whether_it_samples(monkeypatch):
     seen.clear()
     dec.generate(prompts, max_new_tokens=4, temperature=torch.tensor([0.0, 1.0]), seed=0)
     assert seen and all(seen)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Node masks: a drafter level's attention as one tree_attention call instead of a dense mask and SDPA
+# ---------------------------------------------------------------------------------------------------
+
+def _drafting_runs(group, ids, lens, root, hidden, steps):
+    """Root logits after start, then candidates of `steps` draft / advance rounds."""
+    group.start(ids, lens, root, hidden, 96)
+    out = [group.root_logits.clone()]
+    for step in range(steps):
+        cand = group.draft(4, 3)
+        out += [cand.scores, cand.tokens, cand.parents]
+        num = 1 + step % 3
+        tokens = cand.tokens[:len(PROMPTS), :num].clamp_min(0)
+        group.advance(tokens, torch.full((len(PROMPTS),), num), hidden[:, :num] if hidden is not None else None,
+                      [num] * len(PROMPTS))
+        out.append(group.root_logits.clone())
+    return out
+
+
+@pytest.mark.parametrize("kind", ["eagle", "eagle-pair", "lm", "eagle3"])
+@torch.no_grad()
+def test_node_masks_draft_what_dense_masks_draft(kind):
+    """Requests of equal length: the lean groups attend through taps.lean.NodeMask (expansion levels and
+    appends, one taps_ops.tree_attention call per layer); with that switched off they take the dense
+    bool mask and SDPA. Both must draft the same candidates and root logits; ragged requests never take
+    node masks."""
+    from taps.eagle3 import Eagle3Drafter
+    target = hf.use_taps_attention(_llama(seed=1, layers=3))
+    if kind == "eagle3":
+        cfg = transformers.LlamaConfig(**{**target.config.to_dict(), "num_hidden_layers": 1})
+        torch.manual_seed(2)
+        head = em.randomize_(Eagle3Drafter(cfg), 0.2)
+        head.bind(target)
+        drafters = [head]
+    else:
+        drafters = {"eagle": lambda: [_eagle(target, 3)], "eagle-pair": lambda: [_eagle(target, 3), _eagle(target, 4)],
+                    "lm": lambda: [ModelDrafter(_llama(seed=5))]}[kind]()
+    for d in drafters:
+        d.bind(target)
+    prompts = [p[:6] for p in PROMPTS]  # equal lengths
+    ids = torch.tensor(prompts)
+    lens = torch.tensor([6, 6])
+    cache = hf.TreeKVCache.for_model(target, len(prompts), 96)
+    layers = getattr(drafters[0], "feature_layers", None)
+    pre = hf.prefill(target, cache, ids, lens, return_hidden=True,
+                     **({"capture_layers": layers} if layers else {}))
+    hidden = torch.cat([pre.layers[i] for i in layers], -1) if layers else pre.hidden_states
+    root = pre.logits.argmax(-1)
+    runs = []
+    for node_masks in (True, False):
+        group, = make_groups(drafters)
+        group.lean_attention = node_masks
+        seen = []
+        forward = group.forward_nodes
+        group.forward_nodes = lambda *a, forward=forward: seen.append(type(a[4]).__name__) or forward(*a)
+        runs.append(_drafting_runs(group, ids, lens, root, hidden, 4))
+        assert set(seen) == ({"NodeMask"} if node_masks else {"Tensor"}), seen
+    for a, b in zip(*runs):
+        if a.dtype.is_floating_point:  # fp32 rounding of two attention kernels, compounded over the levels
+            torch.testing.assert_close(a, b, atol=2e-5 * a.abs().max().item(), rtol=0)
+        else:
+            assert torch.equal(a, b)
+    # ragged requests: the dense mask (a gap between a short row's prefix and the scratch entries)
+    group, = make_groups(drafters)
+    ragged = torch.tensor([4, 6])
+    group.start(ids, ragged, root, hidden, 96)
+    assert group.lean_attention and not group.node_masks

@@ -47,8 +47,8 @@ from torch import Tensor, nn
 
 from . import hf
 from .expansion import DraftCandidates, expand
-from .lean import (LayerWeights, LeanCausalLM, Linear, Positions, RopeTable, as_dtype, cache_attend,
-                   causal_append, decoder_layer, lean_support)
+from .lean import (LayerWeights, LeanCausalLM, Linear, NodeMask, Positions, RopeTable, as_dtype, cache_attend,
+                   causal_append, causal_bits, decoder_layer, lean_support)
 
 __all__ = ["DraftCandidates", "Drafter", "DraftGroup", "ModelDrafter", "EagleDrafter", "average_drafters",
            "make_groups", "target_vocab_size", "target_hidden_size"]
@@ -243,6 +243,10 @@ class DraftGroup:
 
     needs_hidden = False
     sampling = False
+    #: attention runs through taps.lean.cache_attend, which takes taps.lean.NodeMask masks as well
+    lean_attention = False
+    #: appends of up to this many tokens per row attend through a causal NodeMask (tree_attention)
+    node_mask_append_limit = 256
 
     def __init__(self, drafters: Sequence[Drafter]):
         self.drafters = list(drafters)
@@ -267,6 +271,14 @@ class DraftGroup:
     def scratch_start(self) -> int:
         return max(self.host_lengths)
 
+    @property
+    def node_masks(self) -> bool:
+        """Whether :meth:`forward_nodes` takes the expansion's masks as :class:`taps.lean.NodeMask` (ancestor
+        bits, one taps_ops.tree_attention call per layer instead of a dense bool mask and SDPA): lean groups
+        whose requests all hold the same number of entries, so that the scratch entries follow every
+        row's prefix with no gap."""
+        return self.lean_attention and self._shared_length() is not None
+
     def _rows(self, t: Optional[Tensor]) -> Optional[Tensor]:
         """[B, ...] -> [G * B, ...] (every drafter reads the same request data)."""
         if t is None or self.groups == 1:
@@ -284,10 +296,18 @@ class DraftGroup:
         row: each row's K/V go to its own positions, or, when every request holds the same number of
         entries (always at batch 1), to one column range of all rows (a plain copy, no scatter)."""
         longest = max(self.host_lengths)
+        if self._shared_length() is not None:  # rotary rows as views, K/V as one column range
+            rows = self.groups * self.batch
+            if self.lean_attention and num_tokens <= self.node_mask_append_limit:  # causal bits, no dense mask
+                device = self.lengths_b.device
+                mask = NodeMask(causal_bits(num_tokens, device).expand(rows, -1, -1),
+                                torch.full((rows,), longest + num_tokens, dtype=torch.int64, device=device),
+                                num_tokens)
+            else:
+                mask = self._rows(causal_append(self.lengths_b, longest, num_tokens)[1])
+            return range(longest, longest + num_tokens), cache_attend(self.kv, layers, mask, start=longest)
         positions, mask = causal_append(self.lengths_b, longest, num_tokens)
         mask = self._rows(mask)
-        if self._shared_length() is not None:  # rotary rows as views, K/V as one column range
-            return range(longest, longest + num_tokens), cache_attend(self.kv, layers, mask, start=longest)
         positions = self._rows(positions)
         return positions, cache_attend(self.kv, layers, mask, positions=positions)
 
@@ -535,6 +555,8 @@ def _head_rows(weight: Tensor, bias: Optional[Tensor], vocab: Optional[Tensor]) 
 
 class _LeanLMGroup(DraftGroup):
     """ModelDrafters of one lean-path shape run as one batched forward (:class:`taps.lean.LeanCausalLM`)."""
+
+    lean_attention = True
 
     def __init__(self, drafters: Sequence[ModelDrafter]):
         super().__init__(drafters)
@@ -866,6 +888,7 @@ class _EagleGroup(DraftGroup):
     """EAGLE heads of one shape, bound to one target, run as one batched forward."""
 
     needs_hidden = True
+    lean_attention = True
 
     def __init__(self, drafters: Sequence[EagleDrafter]):
         super().__init__(drafters)

@@ -14,7 +14,10 @@ drafter group, :mod:`taps.drafters`), whose rows are then group-major (row g * B
 drafter g). A unit provides ``root_logits [R, V']``, ``lengths [R]`` (committed entries per row, the root
 last), ``scratch_start`` (a host int >= every length: where the expansion writes its scratch entries, the
 same column for every row), ``token_map`` (None, or [V'] target ids of a reduced draft vocabulary) and
-``forward_nodes(tokens, parent_slot, write_start, rope_pos, mask, level) -> logits [R, K, V']``.
+``forward_nodes(tokens, parent_slot, write_start, rope_pos, mask, level) -> logits [R, K, V']``, whose
+mask is a bool tensor [R, 1, K, start + level * K] (True = visible) or, for units whose ``node_masks`` is
+true (every row's prefix ends at ``scratch_start``), a :class:`taps.lean.NodeMask` (the frontier's
+ancestor bits over the level * K scratch entries; taps_ops.tree_attention's form).
 
 Shapes: R rows, K = top_k, M = K + (depth - 1) * K * K candidates.
 """
@@ -22,12 +25,13 @@ Shapes: R rows, K = top_k, M = K + (depth - 1) * K * K candidates.
 from __future__ import annotations
 
 import contextlib
-from typing import NamedTuple
+from typing import Dict, NamedTuple, Tuple
 
 import torch
 from torch import Tensor
 
 import taps_ops
+from taps.lean import NodeMask
 
 __all__ = ["DraftCandidates", "expand", "num_candidates", "scratch_positions"]
 
@@ -54,6 +58,25 @@ def num_candidates(depth: int, top_k: int) -> int:
 def scratch_positions(depth: int, top_k: int) -> int:
     """Cache entries past the committed ones that an expansion writes: (depth - 1) * top_k."""
     return max(depth - 1, 0) * top_k
+
+
+_OWN_BITS: Dict[Tuple[int, int, torch.device], Tensor] = {}
+
+
+def _own_bits(depth: int, k: int, device: torch.device) -> Tensor:
+    """[depth - 1, K, W] int64: row i of level l (0-based) holds bit l * K + i, node i of expansion level
+    l + 1 among the scratch entries (W = ceil((depth - 1) * K / 64) words); cached."""
+    key = (depth, k, torch.device(device))
+    own = _OWN_BITS.get(key)
+    if own is None:
+        nodes = (depth - 1) * k
+        words = max((nodes + 63) // 64, 1)
+        index = torch.arange(nodes)
+        own = torch.zeros(nodes, words, dtype=torch.int64)
+        own[index, index // 64] = torch.ones(nodes, dtype=torch.int64) << (index % 64)
+        own = own.view(depth - 1, k, words).to(device)
+        _OWN_BITS[key] = own
+    return own
 
 
 def _section(profiler, name):
@@ -90,7 +113,17 @@ def expand(unit, depth: int, top_k: int, profiler=None, with_entropy: bool = Tru
     scores, tokens, parents = [lv.scores], [lv.tokens], [lv.parents]
     parent_slot = torch.full((rows, k), -1, dtype=torch.int64, device=device)
     offset = k
-    if depth > 1:
+    node_masks = depth > 1 and bool(getattr(unit, "node_masks", False))
+    if node_masks:
+        # Every row's prefix ends at `start` (no gap): each level's mask is the frontier's ancestor bits
+        # over the scratch entries drafted so far (taps.lean.NodeMask, for taps_ops.tree_attention), the
+        # parent's bits plus the node's own.
+        start = int(unit.scratch_start)
+        own = _own_bits(depth, k, device)                              # [depth - 1, K, W]
+        bits = own[0].expand(rows, k, own.shape[-1])
+        row = torch.arange(rows, device=device).unsqueeze(1)
+        rope_root = unit.lengths.unsqueeze(1).expand(rows, k)
+    elif depth > 1:
         lengths = unit.lengths
         start = int(unit.scratch_start)
         # Keys: the committed prefix (columns < lengths[r]; columns lengths[r] .. start-1 hide other rows'
@@ -105,10 +138,18 @@ def expand(unit, depth: int, top_k: int, profiler=None, with_entropy: bool = Tru
     for level in range(1, depth):
         if level > 1:
             parent_slot = lv.next_slots
-            mask = torch.cat([prefix, mask[row, parent_slot, start:], eye], dim=-1)
+            if node_masks:
+                bits = bits[row, parent_slot] | own[level - 1]
+            else:
+                mask = torch.cat([prefix, mask[row, parent_slot, start:], eye], dim=-1)
+        if node_masks:
+            level_mask = NodeMask(bits, torch.full((rows,), start + level * k, dtype=torch.int64, device=device),
+                                  level * k)
+        else:
+            level_mask = mask.unsqueeze(1)
         with _section(profiler, "draft_forward"):
             logits = unit.forward_nodes(lv.next_tokens, parent_slot, start + (level - 1) * k,
-                                        rope_root + (level - 1), mask.unsqueeze(1), level)
+                                        rope_root + (level - 1), level_mask, level)
         lv = taps_ops.expand_level(logits, lv.next_scores, lv.next_cands, k, k if level + 1 < depth else 0,
                                    offset, token_map, with_entropy=with_entropy)
         if with_entropy:

@@ -32,7 +32,7 @@ says why a model cannot take the lean path; the engine then uses :mod:`taps.hf` 
 
 from __future__ import annotations
 
-from typing import Callable, List, Optional, Sequence, Tuple, Union
+from typing import Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.nn.functional as F
@@ -42,7 +42,7 @@ import taps_ops
 
 __all__ = ["Linear", "Norm", "LayerWeights", "RopeTable", "decoder_layer", "eagle3_layer", "LeanCausalLM",
            "lean_support", "stack_key", "pack_weight", "kv_writer", "cache_attend", "causal_append",
-           "SUPPORTED_ARCHITECTURES"]
+           "NodeMask", "causal_bits", "SUPPORTED_ARCHITECTURES"]
 
 #: Hugging Face causal-LM classes whose forward the lean path reproduces.
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
@@ -481,17 +481,60 @@ def kv_writer(positions: Optional[Tensor] = None, start: Optional[int] = None) -
     return write
 
 
-def cache_attend(kv: Sequence[Sequence[Tensor]], layers: Sequence[LayerWeights], mask: Tensor, *,
+class NodeMask(NamedTuple):
+    """Visibility of T new keys that follow each row's fully visible prefix, for N queries
+    (``taps_ops.tree_attention``'s form): the mask a drafter's expansion level (the queries are the newest
+    N of the T nodes drafted so far, each sees its ancestors) or an append of N = T tokens (causal) needs,
+    without a dense [R, 1, N, S] bool mask.
+
+    bits: [R, N, W] int64, bit j of word j // 64 of row i = query i sees new key j (W >= ceil(T / 64)).
+    kv_lens: [R] int64, keys per row (prefix + T; the new keys are the last T of them).
+    tree_nodes: T.
+    """
+
+    bits: Tensor
+    kv_lens: Tensor
+    tree_nodes: int
+
+
+_CAUSAL_BITS: Dict[Tuple[int, torch.device], Tensor] = {}
+
+
+def causal_bits(tokens: int, device: torch.device) -> Tensor:
+    """[T, ceil(T / 64)] int64 bit rows of a causal mask over T tokens (row i: bits 0..i), cached."""
+    key = (int(tokens), torch.device(device))
+    bits = _CAUSAL_BITS.get(key)
+    if bits is None:
+        words = max((tokens + 63) // 64, 1)
+        dense = torch.ones(tokens, tokens, dtype=torch.bool).tril()
+        dense = torch.cat([dense, dense.new_zeros(tokens, words * 64 - tokens)], 1).view(tokens, words, 64)
+        weights = torch.ones(64, dtype=torch.int64) << torch.arange(64)  # bit 63 wraps to the sign bit
+        bits = (dense.to(torch.int64) * weights).sum(-1).to(device)
+        _CAUSAL_BITS[key] = bits
+    return bits
+
+
+def cache_attend(kv: Sequence[Sequence[Tensor]], layers: Sequence[LayerWeights], mask: Union[Tensor, NodeMask], *,
                  positions: Optional[Tensor] = None, start: Optional[int] = None) -> Attend:
     """An ``attend`` callback over preallocated per-layer caches ``kv[i] = (keys, values)`` [R, Hkv, S, D].
 
     Each layer's new K/V ([R, T, Hkv, D]) are written at per-row positions ``positions [R, T]`` (committed
     tokens of ragged rows) or, with ``start`` (which takes precedence), at columns ``start .. start + T - 1``
-    of every row (a plain copy; see :func:`kv_writer`); then attention runs over the
-    first ``S' = mask.shape[-1]`` columns with the bool mask ``[R, 1, T, S']`` (True = visible).
+    of every row (a plain copy; see :func:`kv_writer`); then attention runs over the first
+    ``S' = mask.shape[-1]`` columns with the bool mask ``[R, 1, T, S']`` (True = visible), or, with a
+    :class:`NodeMask`, as one ``taps_ops.tree_attention`` call (no dense mask, no SDPA).
     """
-    span = int(mask.shape[-1])
     write = kv_writer(positions, start)
+    if isinstance(mask, NodeMask):
+        bits, kv_lens, tree_nodes = mask
+
+        def attend_nodes(i: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+            keys, values = kv[i]
+            write(keys, values, k, v)
+            return taps_ops.tree_attention(q.transpose(1, 2), keys, values, bits, kv_lens, layers[i].scale,
+                                           validate=False, tree_nodes=tree_nodes)
+        return attend_nodes
+    span = int(mask.shape[-1])
 
     def attend(i: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         keys, values = kv[i]
