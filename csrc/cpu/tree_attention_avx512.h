@@ -211,12 +211,11 @@ void attend_fast(const Params& p, int64_t b, int64_t hkv, int64_t key_begin, int
     }
     const bool tail = t0 + tl > span.tree_start;
     if (tail) {
-      for (int64_t i = 0; i < N; ++i) {
+      for (int64_t i = 0; i < N; ++i) {  // 64 keys a word (tile_visibility), past the tile's end cleared
         const int64_t* mask_row = p.tree_mask + (b * N + i) * p.mask_words;
         uint64_t* bits = &sc.vis[i * Tw];
-        for (int64_t w = 0; w < Tw; ++w) bits[w] = 0;
-        for (int64_t j = 0; j < tl; ++j)
-          if (key_visible(span, mask_row, t0 + j)) bits[j / 64] |= uint64_t{1} << (j % 64);
+        for (int64_t w = 0; w < Tw; ++w)
+          bits[w] = sc.valid[w] != 0 ? tile_visibility(span, mask_row, p.mask_words, t0 + 64 * w) & sc.valid[w] : 0;
       }
     }
     for (int64_t r0 = 0; r0 < rows; r0 += rb_max) {
