@@ -11,18 +11,9 @@
 
 namespace taps {
 
-// The tree's node count T: tree_nodes when given (N <= T), else N.
-inline int64_t tree_attention_nodes(const at::Tensor& q_in, std::optional<int64_t> tree_nodes) {
-  const int64_t num_nodes = q_in.dim() == 4 ? q_in.size(2) : 0;
-  if (!tree_nodes.has_value()) return num_nodes;
-  TORCH_CHECK(*tree_nodes >= num_nodes, "taps_ops: tree_attention: tree_nodes = ", *tree_nodes,
-              " must be at least N = ", num_nodes, " (the queries are tree nodes)");
-  return *tree_nodes;
-}
-
 // q [B, Hq, N, D]; k, v [B, Hkv, S, D]; tree_mask [B, N, W >= ceil(T / 64)]; kv_lens [B]; finite scale;
-// T = tree_nodes (>= N) or N.
-inline void check_tree_attention_inputs(const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in,
+// T = tree_nodes (>= N) or N. Returns T, the tree's node count.
+inline int64_t check_tree_attention_inputs(const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in,
                                         const at::Tensor& tree_mask_in, const at::Tensor& kv_lens_in, double scale,
                                         std::optional<int64_t> tree_nodes) {
   const auto floats = {at::kFloat, at::kBFloat16, at::kHalf};
@@ -48,12 +39,15 @@ inline void check_tree_attention_inputs(const at::Tensor& q_in, const at::Tensor
               " must be a multiple of Hkv = ", heads_kv);
   check_size(tree_mask_in, 0, batch, "tree_attention: tree_mask", "B");
   check_size(tree_mask_in, 1, num_nodes, "tree_attention: tree_mask", "N");
-  const int64_t tree = tree_attention_nodes(q_in, tree_nodes);
+  TORCH_CHECK(!tree_nodes.has_value() || *tree_nodes >= num_nodes, "taps_ops: tree_attention: tree_nodes = ",
+              tree_nodes.value_or(0), " must be at least N = ", num_nodes, " (the queries are tree nodes)");
+  const int64_t tree = tree_nodes.value_or(num_nodes);
   TORCH_CHECK(tree_mask_in.size(2) >= ceil_div(tree, 64), "taps_ops: tree_attention: tree_mask needs ",
               "at least ceil(T / 64) = ", ceil_div(tree, 64), " words per row (T = ", tree,
               " tree nodes), got shape ", tree_mask_in.sizes());
   check_size(kv_lens_in, 0, batch, "tree_attention: kv_lens", "B");
   TORCH_CHECK(std::isfinite(scale), "taps_ops: tree_attention: scale must be finite, got ", scale);
+  return tree;
 }
 
 // One call's tensors: q, k, v with contiguous features, tree_mask and kv_lens contiguous, the output

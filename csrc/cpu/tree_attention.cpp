@@ -198,9 +198,8 @@ at::Tensor tree_attention_cpu(const at::Tensor& q, const at::Tensor& k, const at
                               const at::Tensor& tree_mask, const at::Tensor& kv_lens, double scale,
                               bool /*validate: the CPU always checks kv_lens (no sync to save)*/,
                               std::optional<int64_t> tree_nodes) {
-  check_tree_attention_inputs(q, k, v, tree_mask, kv_lens, scale, tree_nodes);
+  const int64_t tree = check_tree_attention_inputs(q, k, v, tree_mask, kv_lens, scale, tree_nodes);
   const int64_t batch = q.size(0), heads_kv = k.size(1), cache_len = k.size(2);
-  const int64_t tree = tree_attention_nodes(q, tree_nodes);
   TreeAttentionCall call = TreeAttentionCall::prepare(q, k, v, tree_mask, kv_lens);
   const int64_t* lens = call.kv_lens.data_ptr<int64_t>();
   for (int64_t b = 0; b < batch; ++b) {

@@ -45,9 +45,8 @@ void dispatch_head_dim(const attention::Params& p, const attention::AttentionPla
 at::Tensor tree_attention_cuda(const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in,
                                const at::Tensor& tree_mask_in, const at::Tensor& kv_lens_in, double scale,
                                bool validate, std::optional<int64_t> tree_nodes) {
-  check_tree_attention_inputs(q_in, k_in, v_in, tree_mask_in, kv_lens_in, scale, tree_nodes);
+  const int64_t tree = check_tree_attention_inputs(q_in, k_in, v_in, tree_mask_in, kv_lens_in, scale, tree_nodes);
   const int64_t batch = q_in.size(0), heads_q = q_in.size(1), num_nodes = q_in.size(2), head_dim = q_in.size(3);
-  const int64_t tree = tree_attention_nodes(q_in, tree_nodes);
   const int64_t heads_kv = k_in.size(1), cache_len = k_in.size(2);
   check_grid_dim(batch, "tree_attention", c10::str("B = ", batch));
 

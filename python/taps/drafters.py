@@ -297,9 +297,8 @@ class DraftGroup:
         entries (always at batch 1), to one column range of all rows (a plain copy, no scatter)."""
         longest = max(self.host_lengths)
         if self._shared_length() is not None:  # rotary rows as views, K/V as one column range
-            rows = self.groups * self.batch
             if self.lean_attention and num_tokens <= self.node_mask_append_limit:  # causal bits, no dense mask
-                device = self.lengths_b.device
+                rows, device = self.groups * self.batch, self.lengths_b.device
                 mask = NodeMask(causal_bits(num_tokens, device).expand(rows, -1, -1),
                                 torch.full((rows,), longest + num_tokens, dtype=torch.int64, device=device),
                                 num_tokens)

@@ -31,7 +31,7 @@ import torch
 from torch import Tensor
 
 import taps_ops
-from taps.lean import NodeMask
+from taps.lean import NodeMask, pack_bits
 
 __all__ = ["DraftCandidates", "expand", "num_candidates", "scratch_positions"]
 
@@ -70,11 +70,7 @@ def _own_bits(depth: int, k: int, device: torch.device) -> Tensor:
     own = _OWN_BITS.get(key)
     if own is None:
         nodes = (depth - 1) * k
-        words = max((nodes + 63) // 64, 1)
-        index = torch.arange(nodes)
-        own = torch.zeros(nodes, words, dtype=torch.int64)
-        own[index, index // 64] = torch.ones(nodes, dtype=torch.int64) << (index % 64)
-        own = own.view(depth - 1, k, words).to(device)
+        own = pack_bits(torch.eye(nodes, dtype=torch.bool)).view(depth - 1, k, -1).to(device)
         _OWN_BITS[key] = own
     return own
 
@@ -114,27 +110,25 @@ def expand(unit, depth: int, top_k: int, profiler=None, with_entropy: bool = Tru
     parent_slot = torch.full((rows, k), -1, dtype=torch.int64, device=device)
     offset = k
     node_masks = depth > 1 and bool(getattr(unit, "node_masks", False))
+    if depth > 1:
+        lengths = unit.lengths
+        start = int(unit.scratch_start)
+        row = torch.arange(rows, device=device).unsqueeze(1)
+        rope_root = lengths.unsqueeze(1).expand(rows, k)                # level l nodes: lengths + l - 1
     if node_masks:
         # Every row's prefix ends at `start` (no gap): each level's mask is the frontier's ancestor bits
         # over the scratch entries drafted so far (taps.lean.NodeMask, for taps_ops.tree_attention), the
         # parent's bits plus the node's own.
-        start = int(unit.scratch_start)
         own = _own_bits(depth, k, device)                              # [depth - 1, K, W]
         bits = own[0].expand(rows, k, own.shape[-1])
-        row = torch.arange(rows, device=device).unsqueeze(1)
-        rope_root = unit.lengths.unsqueeze(1).expand(rows, k)
     elif depth > 1:
-        lengths = unit.lengths
-        start = int(unit.scratch_start)
         # Keys: the committed prefix (columns < lengths[r]; columns lengths[r] .. start-1 hide other rows'
         # longer prefixes), then the scratch entries of levels 1 .. level (K columns each, from `start`).
         # A level's mask [R, K, start + level * K]: the prefix, then each node's ancestors among the scratch
         # entries (its parent's row of the previous level's mask) and itself.
         prefix = (torch.arange(start, device=device) < lengths.unsqueeze(1)).unsqueeze(1).expand(rows, k, start)
         eye = torch.eye(k, dtype=torch.bool, device=device).expand(rows, k, k)
-        row = torch.arange(rows, device=device).unsqueeze(1)
         mask = torch.cat([prefix, eye], dim=-1)
-        rope_root = lengths.unsqueeze(1).expand(rows, k)                # level l nodes: lengths + l - 1
     for level in range(1, depth):
         if level > 1:
             parent_slot = lv.next_slots

@@ -21,7 +21,8 @@ from torch import Tensor, nn
 import taps_ops
 
 from . import hf
-from .lean import LeanCausalLM, Linear, cache_attend, causal_append, kv_writer, lean_support, stack_key
+from .lean import (LeanCausalLM, Linear, cache_attend, causal_append, kv_writer, lean_support, pack_bits,
+                   stack_key)
 
 __all__ = ["TargetForward", "LAZY_HEAD_MIN", "LAZY_MIN_NODES"]
 
@@ -183,9 +184,7 @@ class _FirstChildChains:
         first = torch.full((batch, num + 1), num, dtype=torch.int64, device=tokens.device)
         first.scatter_reduce_(1, torch.where(real, parents, num), idx.expand(batch, num), "amin")
         is_first = (first[:, :num].gather(1, parents.clamp_min(0)) == idx) & real
-        not_first = torch.nn.functional.pad(~is_first, (0, words * 64 - num)).view(batch, words, 64)
-        bit = torch.arange(64, device=tokens.device)
-        self.not_first = (not_first.long() << bit).sum(-1)          # [B, W]: distinct bits, so sum == or
+        self.not_first = pack_bits(~is_first, words)                 # [B, W]
         self.mask, self.real, self.words = tree_mask, tokens >= 0, words
 
     def below(self, start: Tensor) -> Tensor:

@@ -42,7 +42,7 @@ import taps_ops
 
 __all__ = ["Linear", "Norm", "LayerWeights", "RopeTable", "decoder_layer", "eagle3_layer", "LeanCausalLM",
            "lean_support", "stack_key", "pack_weight", "kv_writer", "cache_attend", "causal_append",
-           "NodeMask", "causal_bits", "SUPPORTED_ARCHITECTURES"]
+           "NodeMask", "causal_bits", "pack_bits", "SUPPORTED_ARCHITECTURES"]
 
 #: Hugging Face causal-LM classes whose forward the lean path reproduces.
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
@@ -497,6 +497,16 @@ class NodeMask(NamedTuple):
     tree_nodes: int
 
 
+def pack_bits(dense: Tensor, words: Optional[int] = None) -> Tensor:
+    """Bool [..., T] -> int64 [..., W] words, bit j of word j // 64 = dense[..., j] (taps_ops' tree-mask
+    form); W = ceil(T / 64) (at least 1) unless given."""
+    num = dense.shape[-1]
+    words = max((num + 63) // 64, 1) if words is None else words
+    padded = F.pad(dense, (0, words * 64 - num)).view(*dense.shape[:-1], words, 64)
+    bit = torch.arange(64, device=dense.device)
+    return (padded.long() << bit).sum(-1)  # distinct bits, so sum == or (bit 63 wraps to the sign bit)
+
+
 _CAUSAL_BITS: Dict[Tuple[int, torch.device], Tensor] = {}
 
 
@@ -505,12 +515,7 @@ def causal_bits(tokens: int, device: torch.device) -> Tensor:
     key = (int(tokens), torch.device(device))
     bits = _CAUSAL_BITS.get(key)
     if bits is None:
-        words = max((tokens + 63) // 64, 1)
-        dense = torch.ones(tokens, tokens, dtype=torch.bool).tril()
-        dense = torch.cat([dense, dense.new_zeros(tokens, words * 64 - tokens)], 1).view(tokens, words, 64)
-        weights = torch.ones(64, dtype=torch.int64) << torch.arange(64)  # bit 63 wraps to the sign bit
-        bits = (dense.to(torch.int64) * weights).sum(-1).to(device)
-        _CAUSAL_BITS[key] = bits
+        bits = _CAUSAL_BITS[key] = pack_bits(torch.ones(tokens, tokens, dtype=torch.bool).tril()).to(device)
     return bits
 
 
