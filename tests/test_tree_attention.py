@@ -315,3 +315,23 @@ def test_torch_compile_fullgraph(device):
                 taps_ops.tree_attention(q.half(), k.half(), v.half(), mask, kv_lens, 0.2, validate=False))
 
     assert_compiles_like_eager(step, *args)
+
+
+def test_bf16_amx_path_opt_in_matches_reference():
+    """The bf16 AMX brgemm path (P rounded to bf16) is opt-in (TAPS_ATTN_BF16_AMX=1, read once per
+    process): run the bf16 reference comparisons in a child process with it on. Skipped on hosts without
+    AMX, where the flag changes nothing."""
+    import os
+    import subprocess
+    import sys
+    if not (hasattr(torch.backends.cpu, "get_cpu_capability") and torch.backends.cpu.get_cpu_capability() == "AVX512"):
+        pytest.skip("not an AVX-512 host")
+    flags = open("/proc/cpuinfo").read() if os.path.exists("/proc/cpuinfo") else ""
+    if "amx_bf16" not in flags:
+        pytest.skip("no AMX on this host")
+    env = dict(os.environ, TAPS_ATTN_BF16_AMX="1")
+    out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k",
+                          "bfloat16 and (matches_reference or head_dims_half or large_group_half)"],
+                         env=env, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    assert " passed" in out.stdout

@@ -20,8 +20,8 @@
 //   the baseline with a plain 16-lane vector struct; the AVX-512 one runs when the CPU has it and
 //   ATen's own capability (ATEN_CPU_CAPABILITY) allows it. Elsewhere (aarch64, clang, ...) it is
 //   compiled once with the default Vectorized<float>.
-// - cpu/tree_attention_avx512.h, on AVX-512 hosts for fp32 and bf16 (when oneDNN's brgemm runs on
-//   AMX) with D % 16 == 0: the same work items, tiles and online softmax, with both tile products as
+// - cpu/tree_attention_avx512.h, on AVX-512 hosts for fp32 and bf16 (opt-in, TAPS_ATTN_BF16_AMX=1, where
+//   oneDNN's brgemm runs on AMX) with D % 16 == 0: the same work items, tiles and online softmax, with both tile products as
 //   row-major micro-GEMMs (a hand-written 6 x 64 AVX-512 kernel for fp32, at::native::cpublas::brgemm
 //   for bf16). fp16 and other head dims take the Vec kernel.
 #include <ATen/ATen.h>
@@ -43,6 +43,7 @@
 #include <bitset>
 #include <climits>
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
 #include <functional>
 #include <limits>
@@ -146,8 +147,12 @@ bool use_avx512() {
 #endif
 }
 
-// The GEMM-shaped fast path: AVX-512 hosts, D a multiple of 16; fp32 always, bf16 where oneDNN's
-// brgemm ukernel runs on AMX (could_pack). Everything else takes the Vec kernel.
+// The GEMM-shaped fast path: AVX-512 hosts, D a multiple of 16; fp32 always, bf16 only when asked for
+// (environment TAPS_ATTN_BF16_AMX=1) where oneDNN's brgemm ukernel runs on AMX (could_pack). That path
+// rounds P to bf16 for the P * V product (as PyTorch's CPU flash attention does), which moves the output
+// enough to flip near-tie greedy tokens: on an AMX host it made one of the demo's two answers of the
+// shipped bf16 target differ from the target's own greedy output, while the Vec kernel (P in fp32) gave
+// both. Everything else takes the Vec kernel.
 template <class T>
 bool use_fast(const Params& p) {
 #if defined(TAPS_ATTN_X86_AVX512)
@@ -156,7 +161,10 @@ bool use_fast(const Params& p) {
     return true;
   } else if constexpr (std::is_same_v<T, c10::BFloat16>) {
 #if defined(TAPS_ATTN_BRGEMM)
-    static const bool amx = at::native::cpublas::could_pack(at::kBFloat16);
+    static const bool amx = [] {
+      const char* flag = std::getenv("TAPS_ATTN_BF16_AMX");
+      return flag != nullptr && std::strcmp(flag, "1") == 0 && at::native::cpublas::could_pack(at::kBFloat16);
+    }();
     return amx;
 #endif
   }

@@ -7,7 +7,8 @@
 //   S[rows][kFastTile] = Q[rows][D] * Kt[D][kFastTile]   (K tile transposed once per tile, 16x16 blocks)
 //   acc[rows][D]      += P[rows][tile] * V[tile][D]        (acc rows rescaled only when their max grew)
 // fp32: a register-blocked AVX-512 micro-GEMM (6 rows x 64 columns, 24 accumulators; V read in place).
-// bf16 on hosts with AMX (at::native::cpublas::could_pack): at::native::cpublas::brgemm (oneDNN
+// bf16 on hosts with AMX (at::native::cpublas::could_pack), opt-in (TAPS_ATTN_BF16_AMX=1, see use_fast in
+// tree_attention.cpp): at::native::cpublas::brgemm (oneDNN
 // ukernel) with K^T and V packed to VNNI pairs; P is rounded to bf16 for P * V like PyTorch's CPU flash
 // attention, everything else accumulates in fp32. Scores are scaled in fp32 (q is not pre-rounded).
 namespace fast {
