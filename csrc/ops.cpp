@@ -69,4 +69,16 @@ TORCH_LIBRARY(taps_ops, m) {
   m.def(
       "expand_level(Tensor logits, Tensor front_scores, Tensor front_cands, int k, int next_k, int cand_offset, "
       "Tensor? token_map, bool with_entropy) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)");
+  // One Llama decoder layer of the lean forward path, attention through tree_attention over a cache
+  // (decoder_layer.cpp; one implementation for every device). x [G, R * T, H] f32/bf16 (G stacked weight
+  // sets); emb [G, R * T, H] (EAGLE-3: the embedding the attention reads beside x) or None; weights: 11
+  // entries (in_norm, hidden_norm, qkv, qkv_bias, o, o_bias, post_norm, gate_up, gate_up_bias, down,
+  // down_bias; linear weights [out, in], oneDNN-packed [out, in] or stacked [G, in, out]); eps [in_norm,
+  // hidden_norm, post_norm]; dims [heads, kv_heads, head_dim, fused_rope]; cos, sin [G * R, T, 1, D];
+  // keys, values [G * R, Hkv, S, D], the new K/V written at columns write_start .. write_start + T - 1;
+  // tree_mask, kv_lens, tree_nodes, scale as tree_attention's. -> the layer's output, x's shape.
+  m.def(
+      "decoder_layer(Tensor x, Tensor? emb, Tensor?[] weights, float[] eps, int[] dims, Tensor cos, Tensor sin, "
+      "Tensor(a!) keys, Tensor(b!) values, int write_start, Tensor tree_mask, Tensor kv_lens, int? tree_nodes, "
+      "float scale) -> Tensor");
 }

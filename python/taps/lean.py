@@ -42,7 +42,7 @@ import taps_ops
 
 __all__ = ["Linear", "Norm", "LayerWeights", "RopeTable", "decoder_layer", "eagle3_layer", "LeanCausalLM",
            "lean_support", "stack_key", "pack_weight", "kv_writer", "cache_attend", "causal_append",
-           "NodeMask", "causal_bits", "pack_bits", "SUPPORTED_ARCHITECTURES"]
+           "NodeMask", "TreeAttend", "causal_bits", "pack_bits", "SUPPORTED_ARCHITECTURES"]
 
 #: Hugging Face causal-LM classes whose forward the lean path reproduces.
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
@@ -213,6 +213,7 @@ class LayerWeights:
         self.down = lin(lambda layer: layer.mlp.down_proj)
         self.qkv: Optional[Linear] = None       # fused projections (inference on the CPU, see pack)
         self.gate_up: Optional[Linear] = None
+        self.op_args: Optional[Tuple[list, list, list]] = None   # taps_ops.decoder_layer's (see pack)
         self.head_dim = int(getattr(attn, "head_dim"))
         self.heads = int(self.q.weight.shape[-1 if self.q.stacked else 0]) // self.head_dim
         self.kv_heads = int(self.k.weight.shape[-1 if self.k.stacked else 0]) // self.head_dim
@@ -228,6 +229,19 @@ class LayerWeights:
             self.gate_up = Linear.concat([self.gate, self.up]).pack()
         for lin in (self.q, self.k, self.v, self.o, self.gate, self.up, self.down):
             lin.pack()
+        self.op_args = None
+        dtype = self.post_norm.rows.dtype
+        if self.qkv is not None and self.q_norm is None and dtype in _FUSED_NORM_DTYPES:
+            # the whole layer as one taps_ops.decoder_layer call, when its attention is a TreeAttend
+            fused_rope = dtype == torch.float32 or (self.heads + self.kv_heads) * self.head_dim <= _FUSED_ROPE_HALF_WIDTH
+            weights = [self.in_norm.rows if self.in_norm is not None else None, None]
+            for lin in (self.qkv, self.o):
+                weights += [lin.packed if lin.packed is not None else lin.weight, lin.bias]
+            weights.append(self.post_norm.rows)
+            for lin in (self.gate_up, self.down):
+                weights += [lin.packed if lin.packed is not None else lin.weight, lin.bias]
+            eps = [self.in_norm.eps if self.in_norm is not None else 0.0, 0.0, self.post_norm.eps]
+            self.op_args = (weights, eps, [self.heads, self.kv_heads, self.head_dim, int(fused_rope)])
         return self
 
 
@@ -255,7 +269,13 @@ Positions = Union[Tensor, range]
 def decoder_layer(w: LayerWeights, index: int, x: Tensor, cos: Tensor, sin: Tensor, attend: Attend,
                   rows: int, tokens: int) -> Tensor:
     """One decoder layer. x: [G, rows * tokens, H] (G weight groups; G = 1 for a single weight set),
-    cos / sin: [G * rows, tokens, 1, D] (sin with rotate_half's sign folded in, see :class:`RopeTable`)."""
+    cos / sin: [G * rows, tokens, 1, D] (sin with rotate_half's sign folded in, see :class:`RopeTable`).
+
+    With autograd off, packed weights (:meth:`LayerWeights.pack`) and a :class:`TreeAttend` attention, the
+    layer runs as one ``taps_ops.decoder_layer`` call: the same operators in the same order, bit for bit,
+    without their Python-side cost."""
+    if type(attend) is TreeAttend and w.op_args is not None and _layer_op_ok(w, x, cos):
+        return attend.layer(w.op_args, index, x, None, cos, sin)
     h = w.in_norm(x) if w.in_norm is not None else x
     return _attention_mlp(w, index, x, h, cos, sin, attend, rows, tokens)
 
@@ -264,9 +284,23 @@ def eagle3_layer(w: LayerWeights, hidden_norm: Norm, index: int, emb: Tensor, x:
                  attend: Attend, rows: int, tokens: int) -> Tensor:
     """The EAGLE-3 head's decoder layer (``midlayer``): the attention reads
     ``cat(input_layernorm(emb), hidden_norm(x))`` (q/k/v projections from 2H) while the residual stream is
-    x; then the MLP as in :func:`decoder_layer`. emb, x: [G, rows * tokens, H]; cos / sin as there."""
+    x; then the MLP as in :func:`decoder_layer`. emb, x: [G, rows * tokens, H]; cos / sin as there (and as
+    there, one ``taps_ops.decoder_layer`` call when it can)."""
+    if (type(attend) is TreeAttend and w.op_args is not None and emb.dtype == x.dtype
+            and hidden_norm.rows.dtype == x.dtype and _layer_op_ok(w, x, cos)):
+        weights, eps, dims = w.op_args
+        if weights[1] is not hidden_norm.rows:
+            weights, eps = list(weights), list(eps)
+            weights[1], eps[1] = hidden_norm.rows, hidden_norm.eps
+            w.op_args = (weights, eps, dims)
+        return attend.layer(w.op_args, index, x, emb, cos, sin)
     h = torch.cat([w.in_norm(emb), hidden_norm(x)], dim=-1)
     return _attention_mlp(w, index, x, h, cos, sin, attend, rows, tokens)
+
+
+def _layer_op_ok(w: LayerWeights, x: Tensor, cos: Tensor) -> bool:
+    """Whether taps_ops.decoder_layer computes what the Python body would for these inputs."""
+    return x.dtype == w.post_norm.rows.dtype and cos.dtype == x.dtype and not torch.is_grad_enabled()
 
 
 def _attention_mlp(w: LayerWeights, index: int, x: Tensor, h: Tensor, cos: Tensor, sin: Tensor, attend: Attend,
@@ -481,6 +515,37 @@ def kv_writer(positions: Optional[Tensor] = None, start: Optional[int] = None) -
     return write
 
 
+class TreeAttend:
+    """An :data:`Attend` callback over per-layer caches ``kv[i] = (keys, values)`` [R, Hkv, S, D] whose
+    rows all take the new K/V at columns ``start .. start + T - 1`` and attend through one
+    ``taps_ops.tree_attention`` call (bits [R, N, W], kv_lens [R], tree_nodes T or None: see
+    :class:`NodeMask`). :func:`decoder_layer` recognises it and runs the whole layer as one
+    ``taps_ops.decoder_layer`` call."""
+
+    __slots__ = ("kv", "scales", "bits", "kv_lens", "tree_nodes", "start")
+
+    def __init__(self, kv: Sequence[Sequence[Tensor]], layers: Sequence[LayerWeights], bits: Tensor, kv_lens: Tensor,
+                 tree_nodes: Optional[int], start: int):
+        self.kv, self.scales = kv, [w.scale for w in layers]
+        self.bits, self.kv_lens, self.tree_nodes, self.start = bits, kv_lens, tree_nodes, int(start)
+
+    def __call__(self, i: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        keys, values = self.kv[i]
+        stop = self.start + k.shape[1]
+        keys[:, :, self.start:stop] = k.transpose(1, 2)
+        values[:, :, self.start:stop] = v.transpose(1, 2)
+        return taps_ops.tree_attention(q.transpose(1, 2), keys, values, self.bits, self.kv_lens, self.scales[i],
+                                       validate=False, tree_nodes=self.tree_nodes)
+
+    def layer(self, op_args: Tuple[list, list, list], i: int, x: Tensor, emb: Optional[Tensor], cos: Tensor,
+              sin: Tensor) -> Tensor:
+        """Layer i as one taps_ops.decoder_layer call (op_args: :attr:`LayerWeights.op_args`)."""
+        keys, values = self.kv[i]
+        weights, eps, dims = op_args
+        return taps_ops.decoder_layer(x, weights, eps, dims, cos, sin, keys, values, self.start, self.bits, self.kv_lens,
+                                      self.scales[i], tree_nodes=self.tree_nodes, emb=emb)
+
+
 class NodeMask(NamedTuple):
     """Visibility of T new keys that follow each row's fully visible prefix, for N queries
     (``taps_ops.tree_attention``'s form): the mask a drafter's expansion level (the queries are the newest
@@ -529,6 +594,8 @@ def cache_attend(kv: Sequence[Sequence[Tensor]], layers: Sequence[LayerWeights],
     ``S' = mask.shape[-1]`` columns with the bool mask ``[R, 1, T, S']`` (True = visible), or, with a
     :class:`NodeMask`, as one ``taps_ops.tree_attention`` call (no dense mask, no SDPA).
     """
+    if isinstance(mask, NodeMask) and start is not None:
+        return TreeAttend(kv, layers, mask.bits, mask.kv_lens, mask.tree_nodes, start)
     write = kv_writer(positions, start)
     if isinstance(mask, NodeMask):
         bits, kv_lens, tree_nodes = mask

@@ -45,7 +45,8 @@ _load_library()
 
 __all__ = [
     "VerifyOutput", "Tree", "MergedTree", "verify_tree", "build_tree", "merge_trees",
-    "tree_attention", "compact_kv", "rms_norm", "rope_", "ExpandLevel", "expand_level", "has_cuda_kernels",
+    "tree_attention", "compact_kv", "rms_norm", "rope_", "ExpandLevel", "expand_level", "decoder_layer",
+    "has_cuda_kernels",
 ]
 
 Scalar = Union[float, int, Tensor]
@@ -401,6 +402,47 @@ def expand_level(logits: Tensor, front_scores: Tensor, front_cands: Tensor, k: i
     return ExpandLevel(*torch.ops.taps_ops.expand_level.default(logits, front_scores, front_cands, int(k),
                                                                 int(next_k), int(cand_offset), token_map,
                                                                 bool(with_entropy)))
+
+
+def decoder_layer(x: Tensor, weights: Sequence[Optional[Tensor]], eps: Sequence[float], dims: Sequence[int],
+                  cos: Tensor, sin: Tensor, keys: Tensor, values: Tensor, write_start: int, tree_mask: Tensor,
+                  kv_lens: Tensor, scale: float, *, tree_nodes: Optional[int] = None,
+                  emb: Optional[Tensor] = None) -> Tensor:
+    """One Llama decoder layer with tree attention over a KV cache, in one call: the lean forward's layer
+    (``taps.lean.decoder_layer`` with a ``taps.lean.TreeAttend``), the same operators in the same order, so
+    the output is the same bit for bit, without the host cost of some 25 operator calls from Python.
+
+    ``h = rms_norm(x, in_norm)`` (or x without an input norm; EAGLE-3, with ``emb``:
+    ``cat(rms_norm(emb, in_norm), rms_norm(x, hidden_norm))``); ``q, k, v = h @ qkv``; q and k rotated
+    (``rope_`` when ``dims[3]``, else ``t * cos + t.roll(D // 2, -1) * sin``); k and v written to cache
+    columns ``write_start .. write_start + T - 1`` of every row; ``tree_attention(q, keys, values,
+    tree_mask, kv_lens, scale, validate=False, tree_nodes)``; ``x += attn @ o``; ``x += down(silu(gate) *
+    up)`` of ``rms_norm(x, post_norm)``.
+
+    Args:
+        x: [G, R * T, H] float32/bfloat16: G weight groups (stacked weights), R rows each of T tokens.
+        weights: 11 entries: in_norm (or None), hidden_norm (EAGLE-3, else None), qkv, qkv_bias, o, o_bias,
+            post_norm, gate_up, gate_up_bias, down, down_bias. Norms [H] or [G, H]; projections [out, in]
+            (F.linear), oneDNN-packed [out, in] (``taps.lean.pack_weight``) or stacked [G, in, out] (bmm,
+            biases [G, 1, out]); qkv's outputs are q's heads, then k's, then v's; gate_up's gate then up.
+            All of x's dtype.
+        eps: [in_norm, hidden_norm, post_norm] epsilons.
+        dims: [heads, kv_heads, head_dim, fused_rope].
+        cos, sin: [G * R, T, 1, D] rotary rows (sin with rotate_half's sign, ``taps.lean.RopeTable``).
+        keys, values: [G * R, Hkv, S, D] caches, written in place.
+        write_start: the cache column of the first new token (every row alike).
+        tree_mask, kv_lens, scale, tree_nodes: as :func:`tree_attention` takes them (no kv_lens check).
+        emb: [G, R * T, H] token embeddings for the EAGLE-3 layer, else None.
+
+    Returns:
+        the layer's output, x's shape and dtype. No autograd: an inference op. Used by the engine on the
+        CPU; on CUDA it runs the same ops but has not run on a GPU so far.
+    """
+    # lists pass through as they are (the engine calls this once per layer with prepared lists)
+    return torch.ops.taps_ops.decoder_layer.default(
+        x, emb, weights if type(weights) is list else list(weights),
+        eps if type(eps) is list else [float(e) for e in eps], dims if type(dims) is list else [int(d) for d in dims],
+        cos, sin, keys, values, int(write_start), tree_mask, kv_lens, tree_nodes, float(scale))
 
 
 from . import _fake  # noqa: E402,F401  (shape functions for torch.compile / FakeTensor)

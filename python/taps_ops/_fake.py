@@ -60,3 +60,9 @@ def _expand_level_fake(logits, front_scores, front_cands, k, next_k, cand_offset
             logits.new_empty((rows, children), **i64), logits.new_empty((rows,), **f32),
             logits.new_empty((rows, next_k), **f32), logits.new_empty((rows, next_k), **i64),
             logits.new_empty((rows, next_k), **i64), logits.new_empty((rows, next_k), **i64))
+
+
+@torch.library.register_fake("taps_ops::decoder_layer")
+def _decoder_layer_fake(x, emb, weights, eps, dims, cos, sin, keys, values, write_start, tree_mask, kv_lens,
+                        tree_nodes, scale):
+    return x.new_empty(x.shape)

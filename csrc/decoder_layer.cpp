@@ -1,0 +1,247 @@
+// decoder_layer: one Llama decoder layer of the lean forward path (python/taps/lean.py's
+// `_attention_mlp`) as one call, with its attention through taps_ops.tree_attention over a cache.
+//
+// Why an op: at decoding's sizes a layer is some 25 torch operators, and called one by one from Python
+// each costs 2-4 us of interpreter and dispatch before its kernel runs, more than many of the kernels
+// themselves. Here the same operators run in the same order from C++ (the ATen ops, taps_ops' own
+// rms_norm / rope_ / tree_attention through the dispatcher), so the result equals the Python path's bit
+// for bit, for a fraction of the host time.
+//
+// One implementation for every device (registered for the CPU and CUDA keys): it only calls other ops,
+// which dispatch on the inputs' device. Inference only (no autograd formula); the lean path calls it with
+// autograd off. Where it is used: the engine's CPU hot path (fused, pre-packed projections). On CUDA the
+// lean path keeps its Python form for now, so this op has not run on a GPU.
+#include <ATen/ATen.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <torch/library.h>
+
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "checks.h"
+
+namespace taps {
+namespace {
+
+// Positions in the `weights` list (python/taps/lean.py, LayerWeights.op_weights, builds it).
+enum Slot : int64_t {
+  kInNorm = 0,    // [H] / [G, H] or None (EAGLE-1/2's first layer has no input norm)
+  kHiddenNorm,    // EAGLE-3 only: the norm of the residual stream x beside the embedding's input norm
+  kQkvW,          // fused q/k/v projection: [out, in] (F.linear), oneDNN-packed [out, in], or [G, in, out]
+  kQkvB,
+  kOW,
+  kOB,
+  kPostNorm,
+  kGateUpW,       // fused gate/up projection, gate first
+  kGateUpB,
+  kDownW,
+  kDownB,
+  kNumSlots
+};
+
+using OptTensor = std::optional<at::Tensor>;
+
+at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& w, const OptTensor& b) {
+  // oneDNN's linear over a pre-packed weight (taps.lean.pack_weight), the call Linear.__call__ makes from
+  // Python: mkldnn::_linear_pointwise(x, w, b, "none", [], "")
+  static auto op = c10::Dispatcher::singleton()
+                       .findSchemaOrThrow("mkldnn::_linear_pointwise", "")
+                       .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const OptTensor&, c10::string_view,
+                                         c10::List<std::optional<at::Scalar>>, std::optional<c10::string_view>)>();
+  return op.call(x, w, b, "none", c10::List<std::optional<at::Scalar>>(), c10::string_view(""));
+}
+
+// taps.lean.Linear.__call__ with autograd off: packed, stacked ([G, in, out]: bmm) or plain.
+at::Tensor project(const at::Tensor& x, const at::Tensor& w, const OptTensor& b) {
+  if (w.is_mkldnn()) return packed_linear(x, w, b);
+  if (w.dim() == 3) return b.has_value() ? at::baddbmm(*b, x, w) : at::bmm(x, w);
+  return at::linear(x, w, b);
+}
+
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps) {
+  static auto op = c10::Dispatcher::singleton()
+                       .findSchemaOrThrow("taps_ops::rms_norm", "")
+                       .typed<at::Tensor(const at::Tensor&, const at::Tensor&, double)>();
+  return op.call(x, w, eps);
+}
+
+void rope_(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
+  static auto op = c10::Dispatcher::singleton()
+                       .findSchemaOrThrow("taps_ops::rope_", "")
+                       .typed<void(const at::Tensor&, const at::Tensor&, const at::Tensor&)>();
+  op.call(x, cos, sin);
+}
+
+at::Tensor tree_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& mask,
+                          const at::Tensor& kv_lens, double scale, std::optional<int64_t> tree_nodes) {
+  static auto op = c10::Dispatcher::singleton()
+                       .findSchemaOrThrow("taps_ops::tree_attention", "")
+                       .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                         const at::Tensor&, double, bool, std::optional<int64_t>)>();
+  return op.call(q, k, v, mask, kv_lens, scale, /*validate=*/false, tree_nodes);
+}
+
+at::Tensor required(const c10::List<OptTensor>& weights, Slot slot, const char* name) {
+  const OptTensor t = weights.get(slot);
+  TORCH_CHECK(t.has_value() && t->defined(), "taps_ops: decoder_layer: weights[", static_cast<int64_t>(slot), "] (",
+              name, ") is required, got None");
+  return *t;
+}
+
+int64_t linear_out(const at::Tensor& w) { return w.dim() == 3 ? w.size(2) : w.size(0); }
+int64_t linear_in(const at::Tensor& w) { return w.size(1); }  // [out, in] and [G, in, out] alike
+
+void check_linear(const at::Tensor& w, const OptTensor& b, const at::Tensor& x, int64_t groups, int64_t in,
+                  int64_t out, const char* name) {
+  TORCH_CHECK(w.dim() == 2 || (w.dim() == 3 && !w.is_mkldnn()), "taps_ops: decoder_layer: ", name,
+              " weight must be [out, in] (plain or oneDNN-packed) or stacked [G, in, out], got shape ", w.sizes());
+  if (w.dim() == 3) {
+    TORCH_CHECK(w.size(0) == groups, "taps_ops: decoder_layer: ", name, " is stacked for ", w.size(0),
+                " groups but x [G, R * T, H] has G = ", groups);
+  } else {
+    TORCH_CHECK(groups == 1, "taps_ops: decoder_layer: x has G = ", groups, " weight groups but ", name,
+                " is a single [out, in] weight; stack it [G, in, out]");
+  }
+  TORCH_CHECK(linear_in(w) == in && linear_out(w) == out, "taps_ops: decoder_layer: ", name,
+              " weight must map ", in, " to ", out, " features, got shape ", w.sizes());
+  TORCH_CHECK(w.scalar_type() == x.scalar_type(), "taps_ops: decoder_layer: ", name, " weight has dtype ",
+              w.scalar_type(), " but x has ", x.scalar_type(), "; they must match");
+  if (!w.is_mkldnn()) check_same_device(x, w, "x", name);
+  if (b.has_value() && b->defined()) {
+    TORCH_CHECK(b->numel() == groups * out && b->size(-1) == out, "taps_ops: decoder_layer: ", name,
+                " bias must hold ", out, " features per group, got shape ", b->sizes());
+    if (w.dim() == 3) {
+      TORCH_CHECK(b->dim() == 3 && b->size(0) == groups && b->size(1) == 1, "taps_ops: decoder_layer: ", name,
+                  " bias of a stacked weight must be [G, 1, out], got shape ", b->sizes());
+    }
+    check_same_device(x, *b, "x", name);
+  }
+}
+
+void check_norm(const OptTensor& w, const at::Tensor& x, int64_t groups, int64_t width, const char* name) {
+  if (!w.has_value() || !w->defined()) return;
+  TORCH_CHECK((w->dim() == 1 && groups == 1) || (w->dim() == 2 && w->size(0) == groups), "taps_ops: decoder_layer: ",
+              name, " weight must be [H] or [G, H] with G = ", groups, ", got shape ", w->sizes());
+  TORCH_CHECK(w->size(-1) == width, "taps_ops: decoder_layer: ", name, " weight must have ", width,
+              " features, got shape ", w->sizes());
+  TORCH_CHECK(w->scalar_type() == x.scalar_type(), "taps_ops: decoder_layer: ", name, " weight has dtype ",
+              w->scalar_type(), " but x has ", x.scalar_type(), "; they must match");
+  check_same_device(x, *w, "x", name);
+}
+
+OptTensor opt(const c10::List<OptTensor>& weights, Slot slot) {
+  OptTensor t = weights.get(slot);
+  if (t.has_value() && !t->defined()) return std::nullopt;
+  return t;
+}
+
+at::Tensor decoder_layer(const at::Tensor& x, const OptTensor& emb_in, const c10::List<OptTensor>& weights,
+                         at::ArrayRef<double> eps, at::IntArrayRef dims, const at::Tensor& cos, const at::Tensor& sin,
+                         const at::Tensor& keys, const at::Tensor& values, int64_t write_start,
+                         const at::Tensor& tree_mask, const at::Tensor& kv_lens, std::optional<int64_t> tree_nodes,
+                         double scale) {
+  TORCH_CHECK(weights.size() == kNumSlots, "taps_ops: decoder_layer: weights must list ", kNumSlots,
+              " entries (in_norm, hidden_norm, qkv, qkv_bias, o, o_bias, post_norm, gate_up, gate_up_bias, down, "
+              "down_bias), got ", weights.size());
+  TORCH_CHECK(eps.size() == 3, "taps_ops: decoder_layer: eps must be [in_norm, hidden_norm, post_norm], got ",
+              eps.size(), " values");
+  TORCH_CHECK(dims.size() == 4, "taps_ops: decoder_layer: dims must be [heads, kv_heads, head_dim, fused_rope], got ",
+              dims.size(), " values");
+  const int64_t heads = dims[0], kv_heads = dims[1], head_dim = dims[2];
+  const bool fused_rope = dims[3] != 0;
+  TORCH_CHECK(heads > 0 && kv_heads > 0 && head_dim > 0 && head_dim % 2 == 0 && heads % kv_heads == 0,
+              "taps_ops: decoder_layer: need heads, kv_heads > 0 with heads a multiple of kv_heads and an even "
+              "head_dim > 0, got dims ", dims);
+  TORCH_CHECK(x.defined() && x.dim() == 3, "taps_ops: decoder_layer: x must be [G, R * T, H], got ",
+              x.defined() ? x.sizes() : at::IntArrayRef{});
+  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, "taps_ops: decoder_layer: x must "
+              "have dtype float32 or bfloat16, got ", x.scalar_type());
+  TORCH_CHECK(cos.defined() && cos.dim() == 4 && cos.size(2) == 1 && cos.size(3) == head_dim,
+              "taps_ops: decoder_layer: cos must be [G * R, T, 1, head_dim = ", head_dim, "], got ",
+              cos.defined() ? cos.sizes() : at::IntArrayRef{});
+  TORCH_CHECK(keys.defined() && values.defined() && keys.dim() == 4 && keys.sizes() == values.sizes(),
+              "taps_ops: decoder_layer: keys and values must be [G * R, Hkv, S, D] of one shape");
+  const int64_t groups = x.size(0), hidden = x.size(2);
+  const int64_t gb = keys.size(0), tokens = cos.size(1);
+  TORCH_CHECK(cos.size(0) == gb && sin.sizes() == cos.sizes(), "taps_ops: decoder_layer: cos and sin must be [",
+              gb, ", T, 1, ", head_dim, "] (keys' G * R rows), got ", cos.sizes(), " and ", sin.sizes());
+  TORCH_CHECK(gb % groups == 0 && x.size(1) * groups == gb * tokens, "taps_ops: decoder_layer: x [G, R * T, H] = ",
+              x.sizes(), " does not hold G * R = ", gb, " rows (keys) of T = ", tokens, " tokens (cos)");
+  TORCH_CHECK(keys.size(1) == kv_heads && keys.size(3) == head_dim, "taps_ops: decoder_layer: keys must have ",
+              kv_heads, " heads of dimension ", head_dim, ", got shape ", keys.sizes());
+  TORCH_CHECK(write_start >= 0 && write_start + tokens <= keys.size(2), "taps_ops: decoder_layer: the new entries ",
+              "go to cache columns ", write_start, " .. ", write_start + tokens - 1, " but the cache holds ",
+              keys.size(2));
+  check_same_device(x, keys, "x", "keys");
+  check_same_device(x, values, "x", "values");
+
+  const bool eagle3 = emb_in.has_value() && emb_in->defined();
+  const OptTensor in_norm = opt(weights, kInNorm), hidden_norm = opt(weights, kHiddenNorm);
+  const int64_t in_width = eagle3 ? 2 * hidden : hidden;
+  if (eagle3) {
+    TORCH_CHECK(emb_in->sizes() == x.sizes() && emb_in->scalar_type() == x.scalar_type(), "taps_ops: decoder_layer: "
+                "emb must have x's shape ", x.sizes(), " and dtype, got ", emb_in->sizes(), " ", emb_in->scalar_type());
+    check_same_device(x, *emb_in, "x", "emb");
+    TORCH_CHECK(in_norm.has_value() && hidden_norm.has_value(), "taps_ops: decoder_layer: with emb (EAGLE-3) both "
+                "in_norm and hidden_norm are required");
+  }
+  const int64_t qkv_out = (heads + 2 * kv_heads) * head_dim;
+  const at::Tensor qkv_w = required(weights, kQkvW, "qkv");
+  const at::Tensor o_w = required(weights, kOW, "o");
+  const at::Tensor post_norm = required(weights, kPostNorm, "post_norm");
+  const at::Tensor gate_up_w = required(weights, kGateUpW, "gate_up");
+  const at::Tensor down_w = required(weights, kDownW, "down");
+  const OptTensor qkv_b = opt(weights, kQkvB), o_b = opt(weights, kOB), gate_up_b = opt(weights, kGateUpB),
+                  down_b = opt(weights, kDownB);
+  const int64_t inter2 = linear_out(gate_up_w);
+  TORCH_CHECK(inter2 % 2 == 0, "taps_ops: decoder_layer: gate_up must have an even number of outputs (gate, up), "
+              "got ", inter2);
+  check_linear(qkv_w, qkv_b, x, groups, in_width, qkv_out, "qkv");
+  check_linear(o_w, o_b, x, groups, heads * head_dim, hidden, "o");
+  check_linear(gate_up_w, gate_up_b, x, groups, hidden, inter2, "gate_up");
+  check_linear(down_w, down_b, x, groups, inter2 / 2, hidden, "down");
+  check_norm(in_norm, x, groups, hidden, "in_norm");
+  check_norm(hidden_norm, x, groups, hidden, "hidden_norm");
+  check_norm(post_norm, x, groups, hidden, "post_norm");
+
+  // attention input: (EAGLE-3) cat(in_norm(emb), hidden_norm(x)); else in_norm(x) or x itself
+  at::Tensor h;
+  if (eagle3)
+    h = at::cat({rms_norm(*emb_in, *in_norm, eps[0]), rms_norm(x, *hidden_norm, eps[1])}, -1);
+  else
+    h = in_norm.has_value() ? rms_norm(x, *in_norm, eps[0]) : x;
+
+  at::Tensor qkv = project(h, qkv_w, qkv_b).view({gb, tokens, heads + 2 * kv_heads, head_dim});
+  at::Tensor q, k, v;
+  if (fused_rope) {
+    rope_(qkv.slice(2, 0, heads + kv_heads), cos, sin);
+    q = qkv.slice(2, 0, heads);
+    k = qkv.slice(2, heads, heads + kv_heads);
+    v = qkv.slice(2, heads + kv_heads);
+  } else {
+    const at::Tensor qk_in = qkv.slice(2, 0, heads + kv_heads);
+    v = qkv.slice(2, heads + kv_heads);
+    const at::Tensor qk = qk_in * cos + qk_in.roll({head_dim / 2}, {-1}) * sin;
+    q = qk.slice(2, 0, heads);
+    k = qk.slice(2, heads);
+  }
+  keys.slice(2, write_start, write_start + tokens).copy_(k.transpose(1, 2));
+  values.slice(2, write_start, write_start + tokens).copy_(v.transpose(1, 2));
+  const at::Tensor out = tree_attention(q.transpose(1, 2), keys, values, tree_mask, kv_lens, scale, tree_nodes);
+
+  at::Tensor y = x + project(out.transpose(1, 2).reshape({groups, x.size(1), heads * head_dim}), o_w, o_b);
+  const at::Tensor gate_up = project(rms_norm(y, post_norm, eps[2]), gate_up_w, gate_up_b);
+  const int64_t inter = inter2 / 2;
+  return y + project(at::silu(gate_up.slice(-1, 0, inter)) * gate_up.slice(-1, inter), down_w, down_b);
+}
+
+}  // namespace
+
+// The same function for both devices: it only calls other ops, which dispatch on the inputs' device.
+TORCH_LIBRARY_IMPL(taps_ops, CPU, m) { m.impl("decoder_layer", &decoder_layer); }
+TORCH_LIBRARY_IMPL(taps_ops, CUDA, m) { m.impl("decoder_layer", &decoder_layer); }
+// oneDNN-packed weights among the arguments make the dispatcher pick this key (x is a plain CPU tensor).
+TORCH_LIBRARY_IMPL(taps_ops, MkldnnCPU, m) { m.impl("decoder_layer", &decoder_layer); }
+
+}  // namespace taps

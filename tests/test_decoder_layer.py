@@ -1,0 +1,261 @@
+"""taps_ops.decoder_layer: one lean decoder layer as one op call.
+
+1. Bit for bit the Python body it replaces (taps.lean.decoder_layer / eagle3_layer with the same
+   TreeAttend, called through a plain callback so that the Python body runs): output and the K/V written
+   to the caches, for fp32 (plain F.linear weights) and bf16 (oneDNN-packed weights), one weight set and
+   G = 2 stacked sets (bmm), with and without biases (Qwen2), without an input norm (EAGLE-1/2's first
+   layer), the EAGLE-3 layer (embedding beside x), the torch rotary form (bf16 rows wider than
+   taps.lean's fused limit), odd sizes, T < tree_nodes.
+2. Bad inputs raise clear errors (a fuzz over every argument).
+3. The engine takes the op: a decoding step's lean layers run through it.
+"""
+
+import re
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+import taps_ops  # noqa: E402
+from taps.lean import LayerWeights, Norm, RopeTable, TreeAttend, decoder_layer, eagle3_layer, pack_bits  # noqa: E402
+
+
+def _layers(arch="llama", groups=1, dtype=torch.float32, seed=0, **extra):
+    prefix = {"llama": "Llama", "qwen2": "Qwen2"}[arch]
+    kw = dict(vocab_size=31, hidden_size=48, intermediate_size=40, num_hidden_layers=1, num_attention_heads=6,
+              num_key_value_heads=2, max_position_embeddings=256, tie_word_embeddings=False)
+    kw.update(extra)
+    models = []
+    for g in range(groups):
+        torch.manual_seed(seed + g)
+        m = getattr(transformers, prefix + "ForCausalLM")(getattr(transformers, prefix + "Config")(**kw)).eval()
+        with torch.no_grad():
+            for name, p in m.named_parameters():
+                p.add_(torch.randn_like(p) * 0.2)   # non-trivial norms and biases
+        models.append(m.to(dtype))
+    return models
+
+
+def _inputs(w: LayerWeights, groups, rows, tokens, tree_nodes, prefix, dtype, seed=1):
+    gen = torch.Generator().manual_seed(seed)
+    gb = groups * rows
+    hidden = w.post_norm.rows.shape[-1]
+    x = torch.randn(groups, rows * tokens, hidden, generator=gen).to(dtype)
+    span = prefix + tree_nodes
+    size = span + 3                                       # cache columns past the live ones
+    keys = torch.randn(gb, w.kv_heads, size, w.head_dim, generator=gen).to(dtype)
+    values = torch.randn(gb, w.kv_heads, size, w.head_dim, generator=gen).to(dtype)
+    dense = torch.rand(gb, tokens, tree_nodes, generator=gen) < 0.5
+    bits = pack_bits(dense)
+    kv_lens = torch.full((gb,), span, dtype=torch.int64)
+    return x, keys, values, bits, kv_lens, span - tokens
+
+
+def _rope(models, w, gb, tokens, start, dtype):
+    table = RopeTable(models[0].model.rotary_emb, dtype)
+    table.ensure(start + tokens, torch.device("cpu"))
+    positions = torch.randint(0, start + tokens, (gb, tokens), generator=torch.Generator().manual_seed(7))
+    return table(positions)
+
+
+def _both(run, keys, values):
+    """(output, keys, values) of the op path and of the Python path, each on its own cache copies."""
+    out = []
+    for use_op in (True, False):
+        k, v = keys.clone(), values.clone()
+        out.append((run(k, v, use_op), k, v))
+    return out
+
+
+def _check_equal(results):
+    (a, ka, va), (b, kb, vb) = results
+    assert a.dtype == b.dtype and a.shape == b.shape
+    assert torch.equal(a, b), f"max diff {(a.float() - b.float()).abs().max().item()}"
+    assert torch.equal(ka, kb) and torch.equal(va, vb)
+
+
+CASES = [
+    # arch, groups, dtype, no input norm, config extras
+    ("llama", 1, torch.float32, False, {}),
+    ("llama", 1, torch.bfloat16, False, {}),
+    ("qwen2", 1, torch.float32, False, {"use_sliding_window": False}),
+    ("qwen2", 1, torch.bfloat16, False, {"use_sliding_window": False}),
+    ("llama", 2, torch.float32, False, {}),
+    ("llama", 2, torch.bfloat16, False, {}),
+    ("qwen2", 3, torch.float32, False, {"use_sliding_window": False}),
+    ("llama", 1, torch.float32, True, {}),
+    ("llama", 2, torch.bfloat16, True, {}),
+    # (6 + 2) heads x 144 > taps.lean's fused rotary width for bf16: the torch rotary form
+    ("llama", 1, torch.bfloat16, False, {"head_dim": 144}),
+    ("llama", 1, torch.float32, False, {"head_dim": 144}),
+]
+
+
+@pytest.mark.parametrize("arch,groups,dtype,no_in_norm,extra", CASES)
+@pytest.mark.parametrize("rows,tokens,tree_nodes,prefix", [(1, 1, 1, 5), (3, 5, 7, 11), (2, 4, 4, 0)])
+@torch.no_grad()
+def test_op_equals_the_python_layer_bit_for_bit(arch, groups, dtype, no_in_norm, extra, rows, tokens, tree_nodes,
+                                                prefix):
+    models = _layers(arch, groups, dtype, **extra)
+    w = LayerWeights([m.model.layers[0] for m in models])
+    if no_in_norm:
+        w.in_norm = None
+    else:
+        w.in_norm.eps = 0.01       # distinct epsilons, so that one used in the other's place shows
+    w.post_norm.eps = 0.05
+    w.pack()
+    assert w.op_args is not None
+    x, keys, values, bits, kv_lens, start = _inputs(w, groups, rows, tokens, tree_nodes, prefix, dtype)
+    if prefix == 0:   # no prefix: every query sees at least itself (its node, the last `tokens` of the tree)
+        itself = torch.eye(tokens, tree_nodes, dtype=torch.bool).roll(tree_nodes - tokens, 1)
+        bits = bits | pack_bits(itself.expand(groups * rows, tokens, tree_nodes))
+    cos, sin = _rope(models, w, groups * rows, tokens, start, dtype)
+    fused_rope = bool(w.op_args[2][3])
+    assert fused_rope == (dtype == torch.float32 or "head_dim" not in extra)
+
+    def run(k, v, use_op):
+        attend = TreeAttend([(k, v)], [w], bits, kv_lens, tree_nodes, start)
+        callback = attend if use_op else (lambda *a: attend(*a))
+        return decoder_layer(w, 0, x, cos, sin, callback, rows, tokens)
+
+    _check_equal(_both(run, keys, values))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("groups", [1, 2])
+@torch.no_grad()
+def test_eagle3_layer_op_equals_the_python_layer(dtype, groups):
+    hidden = 32
+    models = _layers("llama", groups, dtype, hidden_size=hidden, num_attention_heads=4, head_dim=8)
+    gen = torch.Generator().manual_seed(3)
+    for m in models:   # the EAGLE-3 layer's q/k/v read 2H features
+        attn = m.model.layers[0].self_attn
+        for name in ("q_proj", "k_proj", "v_proj"):
+            old = getattr(attn, name)
+            new = torch.nn.Linear(2 * hidden, old.out_features, bias=False).to(dtype)
+            new.weight.copy_(torch.randn(new.weight.shape, generator=gen).to(dtype) * 0.2)
+            setattr(attn, name, new)
+    w = LayerWeights([m.model.layers[0] for m in models])
+    w.in_norm.eps, w.post_norm.eps = 0.01, 0.05
+    w.pack()
+    norm_w = [torch.randn(hidden, generator=gen).to(dtype) for _ in models]
+    hidden_norm = Norm(norm_w, 0.02)
+    rows, tokens, tree_nodes, prefix = 2, 3, 6, 9
+    x, keys, values, bits, kv_lens, start = _inputs(w, groups, rows, tokens, tree_nodes, prefix, dtype)
+    emb = torch.randn(x.shape, generator=gen).to(dtype)
+    cos, sin = _rope(models, w, groups * rows, tokens, start, dtype)
+
+    def run(k, v, use_op):
+        attend = TreeAttend([(k, v)], [w], bits, kv_lens, tree_nodes, start)
+        callback = attend if use_op else (lambda *a: attend(*a))
+        return eagle3_layer(w, hidden_norm, 0, emb, x, cos, sin, callback, rows, tokens)
+
+    _check_equal(_both(run, keys, values))
+
+
+def _valid_call():
+    models = _layers("qwen2", 1, torch.float32, use_sliding_window=False)
+    w = LayerWeights([models[0].model.layers[0]]).pack()
+    x, keys, values, bits, kv_lens, start = _inputs(w, 1, 2, 3, 4, 5, torch.float32)
+    cos, sin = _rope(models, w, 2, 3, start, torch.float32)
+    weights, eps, dims = w.op_args
+    return dict(x=x, weights=list(weights), eps=list(eps), dims=list(dims), cos=cos, sin=sin, keys=keys,
+                values=values, write_start=start, tree_mask=bits, kv_lens=kv_lens, scale=w.scale, tree_nodes=4)
+
+
+def _call(args):
+    return taps_ops.decoder_layer(**args)
+
+
+def _with_weight(i, value):
+    def change(a):
+        a["weights"][i] = value(a["weights"][i]) if callable(value) else value
+    return change
+
+
+BAD = {
+    "x 2-D": (lambda a: a.update(x=a["x"][0]), "x must be"),
+    "x float16": (lambda a: a.update(x=a["x"].half()), "float32 or bfloat16"),
+    "x rows": (lambda a: a.update(x=a["x"][:, :-1]), "does not hold"),
+    "too few weights": (lambda a: a["weights"].pop(), "must list 11"),
+    "eps count": (lambda a: a["eps"].pop(), "eps must be"),
+    "dims count": (lambda a: a["dims"].pop(), "dims must be"),
+    "odd head dim": (lambda a: a["dims"].__setitem__(2, 7), "even head_dim"),
+    "heads not a multiple": (lambda a: a["dims"].__setitem__(1, 4), "multiple of kv_heads"),
+    "no qkv": (_with_weight(2, None), "qkv) is required"),
+    "no post norm": (_with_weight(6, None), "post_norm) is required"),
+    "no down": (_with_weight(9, None), "down) is required"),
+    "qkv shape": (_with_weight(2, lambda t: t[:-2]), "qkv weight must map"),
+    "o dtype": (_with_weight(4, lambda t: t.double()), "o weight has dtype"),
+    "gate_up odd": (_with_weight(7, lambda t: t[:-1]), "even number of outputs"),
+    "qkv bias": (_with_weight(3, lambda t: t[:-1]), "qkv bias must hold"),
+    "norm width": (_with_weight(0, lambda t: t[..., :-1]), "in_norm weight must have"),
+    "norm groups": (_with_weight(6, lambda t: t.expand(3, -1)), "post_norm weight must be [H] or [G, H]"),
+    "stacked weight, G = 1": (_with_weight(4, lambda t: t.t().unsqueeze(0).expand(2, -1, -1)), "stacked for 2"),
+    "cos shape": (lambda a: a.update(cos=a["cos"][:, :, :, :-2]), "cos must be"),
+    "sin shape": (lambda a: a.update(sin=a["sin"][:1]), "cos and sin must be"),
+    "keys heads": (lambda a: a.update(keys=a["keys"][:, :1], values=a["values"][:, :1]), "keys must have"),
+    "values shape": (lambda a: a.update(values=a["values"][..., :-1]), "keys and values must be"),
+    "write past the cache": (lambda a: a.update(write_start=a["keys"].shape[2] - 2), "the cache holds"),
+    "negative write": (lambda a: a.update(write_start=-1), "cache columns"),
+    "tree_mask words": (lambda a: a.update(tree_mask=a["tree_mask"][..., :0]), "tree_mask"),
+    "tree_nodes past kv": (lambda a: a.update(tree_nodes=60), "must be in [T, S]"),
+    "emb shape": (lambda a: a.update(emb=a["x"][:, :1]), "emb must have"),
+    "emb without hidden_norm": (lambda a: a.update(emb=a["x"].clone()), "hidden_norm are required"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD))
+def test_bad_inputs_raise_clear_errors(case):
+    args = _valid_call()
+    with torch.no_grad():
+        _call(args)                      # the valid call works
+    mutate, message = BAD[case]
+    args = _valid_call()
+    mutate(args)
+    with pytest.raises((RuntimeError, ValueError), match=re.escape(message)):
+        with torch.no_grad():
+            _call(args)
+
+
+def test_fake_tensor_shape():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    args = _valid_call()
+    with FakeTensorMode(allow_non_fake_inputs=True) as mode:
+        fake = {k: (mode.from_tensor(v) if isinstance(v, torch.Tensor) else v) for k, v in args.items()}
+        fake["weights"] = [mode.from_tensor(t) if t is not None else None for t in args["weights"]]
+        out = _call(fake)
+    assert out.shape == args["x"].shape and out.dtype == args["x"].dtype
+
+
+@pytest.mark.parametrize("drafter", ["eagle", "lm"])
+def test_the_engine_runs_its_lean_layers_through_the_op(monkeypatch, drafter):
+    """Greedy decoding still equals the target's greedy decoding, with the drafter's expansion levels and
+    appends and the target's tree forward running through taps_ops.decoder_layer."""
+    import engine_models as em
+    import taps
+    from taps.drafters import EagleDrafter, ModelDrafter
+    target = em.llama(64, 32, 2, seed=1)
+    if drafter == "eagle":
+        torch.manual_seed(3)
+        cfg = transformers.LlamaConfig(**{**target.config.to_dict(), "num_hidden_layers": 1})
+        drafters = [em.randomize_(EagleDrafter(cfg), 0.2)]
+    else:
+        drafters = [ModelDrafter(em.llama(64, 32, 1, seed=2))]
+    calls = []
+    real = TreeAttend.layer
+
+    def spy(self, *a, **k):
+        calls.append(a[1])
+        return real(self, *a, **k)
+
+    monkeypatch.setattr(TreeAttend, "layer", spy)
+    dec = taps.SpeculativeDecoder(target, drafters, depth=3, top_k=2, budget=6)
+    ids = torch.randint(0, 64, (1, 7), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        out = dec.generate(ids, max_new_tokens=12)
+        ref = target.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=12, do_sample=False,
+                              pad_token_id=0)
+    assert out.tokens[0] == ref[0, 7:].tolist()
+    assert calls, "no lean layer ran through taps_ops.decoder_layer"
