@@ -20,10 +20,10 @@
 //   the baseline with a plain 16-lane vector struct; the AVX-512 one runs when the CPU has it and
 //   ATen's own capability (ATEN_CPU_CAPABILITY) allows it. Elsewhere (aarch64, clang, ...) it is
 //   compiled once with the default Vectorized<float>.
-// - cpu/tree_attention_avx512.h, on AVX-512 hosts for fp32 and bf16 (opt-in, TAPS_ATTN_BF16_AMX=1, where
-//   oneDNN's brgemm runs on AMX) with D % 16 == 0: the same work items, tiles and online softmax, with both tile products as
-//   row-major micro-GEMMs (a hand-written 6 x 64 AVX-512 kernel for fp32, at::native::cpublas::brgemm
-//   for bf16). fp16 and other head dims take the Vec kernel.
+// - cpu/tree_attention_avx512.h, on AVX-512 hosts for fp32 and bf16 with D % 16 == 0: the same work
+//   items, tiles and online softmax, with both tile products as row-major micro-GEMMs (a hand-written
+//   6 x 64 AVX-512 kernel in fp32, bf16 widened as it is read; opt-in, TAPS_ATTN_BF16_AMX=1, bf16 on
+//   at::native::cpublas::brgemm where it runs on AMX). fp16 and other head dims take the Vec kernel.
 #include <ATen/ATen.h>
 #include <ATen/NumericUtils.h>
 #include <ATen/Parallel.h>
@@ -147,39 +147,46 @@ bool use_avx512() {
 #endif
 }
 
-// The GEMM-shaped fast path: AVX-512 hosts, D a multiple of 16; fp32 always, bf16 only when asked for
-// (environment TAPS_ATTN_BF16_AMX=1) where oneDNN's brgemm ukernel runs on AMX (could_pack). That path
-// rounds P to bf16 for the P * V product (as PyTorch's CPU flash attention does), which moves the output
-// enough to flip near-tie greedy tokens: on an AMX host it made one of the demo's two answers of the
-// shipped bf16 target differ from the target's own greedy output, while the Vec kernel (P in fp32) gave
-// both. Everything else takes the Vec kernel.
+// The GEMM-shaped fast path: AVX-512 hosts, D a multiple of 16, fp32 and bf16 (bf16 widened to fp32 as it
+// is read, the fp32 micro-GEMMs). Everything else takes the Vec kernel. 0: Vec kernel, 1: fast path,
+// 2: fast path with the bf16 products on oneDNN's brgemm ukernel, only when asked for (environment
+// TAPS_ATTN_BF16_AMX=1) and where it runs on AMX (could_pack). That path rounds P to bf16 for the P * V
+// product (as PyTorch's CPU flash attention does), which moves the output enough to flip near-tie greedy
+// tokens: on an AMX host it made one of the demo's two answers of the shipped bf16 target differ from the
+// target's own greedy output, while fp32 P gave both.
 template <class T>
-bool use_fast(const Params& p) {
+int fast_mode(const Params& p) {
 #if defined(TAPS_ATTN_X86_AVX512)
-  if (!use_avx512() || p.head_dim % 16 != 0) return false;
+  if (!use_avx512() || p.head_dim % 16 != 0) return 0;
   if constexpr (std::is_same_v<T, float>) {
-    return true;
+    return 1;
   } else if constexpr (std::is_same_v<T, c10::BFloat16>) {
 #if defined(TAPS_ATTN_BRGEMM)
     static const bool amx = [] {
       const char* flag = std::getenv("TAPS_ATTN_BF16_AMX");
       return flag != nullptr && std::strcmp(flag, "1") == 0 && at::native::cpublas::could_pack(at::kBFloat16);
     }();
-    return amx;
+    if (amx) return 2;
 #endif
+    return 1;
   }
 #endif
-  return false;
+  return 0;
 }
 
 template <class T>
 void run(const Params& p) {
   const int64_t items = p.batch * p.heads_kv * p.splits;
-  [[maybe_unused]] const bool fast = use_fast<T>(p);
+  [[maybe_unused]] const int mode = fast_mode<T>(p);
   at::parallel_for(0, items, 1, [&](int64_t begin, int64_t end) {
 #if defined(TAPS_ATTN_X86_AVX512)
     if constexpr (std::is_same_v<T, float> || std::is_same_v<T, c10::BFloat16>) {
-      if (fast) return avx512::fast::attend_items_fast<T>(p, begin, end);
+#if defined(TAPS_ATTN_BRGEMM)
+      if constexpr (std::is_same_v<T, c10::BFloat16>) {
+        if (mode == 2) return avx512::fast::attend_items_fast<T, true>(p, begin, end);
+      }
+#endif
+      if (mode == 1) return avx512::fast::attend_items_fast<T, false>(p, begin, end);
     }
     if (use_avx512()) return avx512::attend_items<T>(p, begin, end);
 #endif

@@ -4,19 +4,22 @@
 // includes of its own.
 // Same work items and online softmax as that kernel, restructured so that both tile products are
 // plain row-major GEMMs C[M][N] (+)= A[M][K] * B[K][N]:
-//   S[rows][kFastTile] = Q[rows][D] * Kt[D][kFastTile]   (K tile transposed once per tile, 16x16 blocks)
-//   acc[rows][D]      += P[rows][tile] * V[tile][D]        (acc rows rescaled only when their max grew)
+//   S[rows][tile] = Q[rows][D] * Kt[D][tile]        (K tile transposed once per tile, 16x16 blocks)
+//   acc[rows][D] += P[rows][tile] * V[tile][D]      (acc rows rescaled only when their max grew)
 // fp32: a register-blocked AVX-512 micro-GEMM (6 rows x 64 columns, 24 accumulators; V read in place).
+// bf16 by default: the same fp32 micro-GEMMs, q, K and V widened to fp32 as they are read (exact), so
+// the arithmetic is the fp32 path's (P stays fp32, as in the Vec kernel).
 // bf16 on hosts with AMX (at::native::cpublas::could_pack), opt-in (TAPS_ATTN_BF16_AMX=1, see use_fast in
 // tree_attention.cpp): at::native::cpublas::brgemm (oneDNN
 // ukernel) with K^T and V packed to VNNI pairs; P is rounded to bf16 for P * V like PyTorch's CPU flash
 // attention, everything else accumulates in fp32. Scores are scaled in fp32 (q is not pre-rounded).
 namespace fast {
 
-// Keys per tile and query rows per block (S block rows x tile fp32 = 64 KiB). fp32: K^T and V tiles of
-// 32 KiB stay in L1/L2 for all rows. bf16: long tiles keep the AMX P * V product efficient (K = 256).
-template <class T> constexpr int64_t kFastTile = std::is_same_v<T, float> ? 64 : 256;
-template <class T> constexpr int64_t kFastRows = std::is_same_v<T, float> ? 256 : 64;
+// Keys per tile and query rows per block (S block rows x tile fp32 = 64 KiB), by whether the products run
+// on oneDNN's brgemm (bf16 on AMX, opt-in). fp32 micro-GEMMs: K^T and V tiles of 32 KiB stay in L1/L2 for
+// all rows. brgemm: long tiles keep the AMX P * V product efficient (K = 256).
+constexpr int64_t fast_tile(bool brgemm) { return brgemm ? 256 : 64; }
+constexpr int64_t fast_rows(bool brgemm) { return brgemm ? 64 : 256; }
 
 // C[MR x 16 NV] (+)= A[MR x K] * B[K x 16 NV]
 template <int MR, int NV>
@@ -129,23 +132,33 @@ inline void store_bf16(c10::BFloat16* dst, __m512 x) {
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst), _mm512_cvtepi32_epi16(_mm512_srli_epi32(u, 16)));
 }
 
+// dst[j][0 .. D) = the bf16 rows src[j * stride ..] widened to fp32 (exact), j < rows; D % 16 == 0.
+inline void widen_rows(const c10::BFloat16* src, int64_t stride, int64_t rows, int64_t D, float* dst) {
+  for (int64_t j = 0; j < rows; ++j)
+    for (int64_t d = 0; d < D; d += 16) {
+      const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + j * stride + d));
+      _mm512_storeu_si512(dst + j * D + d, _mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+    }
+}
+
 struct FastScratch {
-  std::vector<float> s, acc, row_max, row_sum, qf;
+  std::vector<float> s, acc, row_max, row_sum, qf, kf, vf;
   std::vector<uint32_t> kt, vp;
   std::vector<c10::BFloat16> qh, ph;
   std::vector<uint64_t> vis, valid;
 };
 
-template <class T>
-constexpr bool kUseBrgemm = !std::is_same_v<T, float>;
-
-// One work item (b, hkv, keys [key_begin, key_end)); leaves the unnormalised state in sc.
-template <class T>
+// One work item (b, hkv, keys [key_begin, key_end)); leaves the unnormalised state in sc. B: the products
+// on oneDNN's brgemm (bf16 only), else the fp32 micro-GEMMs (bf16 inputs widened).
+template <class T, bool B>
 void attend_fast(const Params& p, int64_t b, int64_t hkv, int64_t key_begin, int64_t key_end, const TreeSpan& span,
                  FastScratch& sc) {
   const int64_t group = p.heads_q / p.heads_kv, rows = group * p.num_nodes, D = p.head_dim, N = p.num_nodes;
-  constexpr int64_t Tk = kFastTile<T>, Tw = Tk / 64;  // Tw mask words per tile
-  const int64_t rb_max = std::min(rows, kFastRows<T>);
+  static_assert(std::is_same_v<T, float> || std::is_same_v<T, c10::BFloat16>, "fp32 or bf16");
+  static_assert(!B || std::is_same_v<T, c10::BFloat16>, "brgemm: bf16 only");
+  constexpr bool kWiden = !B && !std::is_same_v<T, float>;  // bf16 through the fp32 micro-GEMMs
+  constexpr int64_t Tk = fast_tile(B), Tw = Tk / 64;  // Tw mask words per tile
+  const int64_t rb_max = std::min(rows, fast_rows(B));
   const float neg_inf = -std::numeric_limits<float>::infinity();
   sc.acc.assign(rows * D, 0.0f);
   sc.row_max.assign(rows, neg_inf);
@@ -157,15 +170,22 @@ void attend_fast(const Params& p, int64_t b, int64_t hkv, int64_t key_begin, int
   for (int64_t r = 0; r < rows; ++r) {
     const int64_t h = hkv * group + r / N, i = r % N;
     const T* src = static_cast<const T*>(p.q) + b * p.q_stride_b + h * p.q_stride_h + i * p.q_stride_n;
-    if constexpr (kUseBrgemm<T>) {
+    if constexpr (B) {
       sc.qh.resize(rows * D);
       std::memcpy(&sc.qh[r * D], src, sizeof(T) * D);
+    } else if constexpr (kWiden) {
+      sc.qf.resize(rows * D);
+      widen_rows(src, 0, 1, D, &sc.qf[r * D]);
     } else {
       sc.qf.resize(rows * D);
       std::memcpy(&sc.qf[r * D], src, sizeof(T) * D);
     }
   }
-  if constexpr (kUseBrgemm<T>) {
+  if constexpr (kWiden) {
+    sc.kf.resize(Tk * D);
+    sc.vf.resize(Tk * D);
+  }
+  if constexpr (B) {
     sc.vp.resize(Tk / 2 * D);
     sc.ph.resize(rb_max * Tk);
   }
@@ -175,10 +195,22 @@ void attend_fast(const Params& p, int64_t b, int64_t hkv, int64_t key_begin, int
 
   for (int64_t t0 = key_begin; t0 < key_end; t0 += Tk) {
     const int64_t tl = std::min(Tk, key_end - t0);
-    const int64_t words = kUseBrgemm<T> ? D / 2 : D;
-    pack_kt(reinterpret_cast<const char*>(kb + t0 * p.k_stride_s), p.k_stride_s * static_cast<int64_t>(sizeof(T)), tl, words,
-            sc.kt.data(), Tk);
-    if (kUseBrgemm<T> && t0 + Tk < key_end) {  // bf16: prefetch the next tile's K and V rows into L2
+    const int64_t words = B ? D / 2 : D;
+    const float* v_rows = nullptr;  // fp32 micro-GEMMs: the tile's V rows, v_ld apart
+    int64_t v_ld = p.v_stride_s;
+    if constexpr (kWiden) {
+      widen_rows(kb + t0 * p.k_stride_s, p.k_stride_s, tl, D, sc.kf.data());
+      pack_kt(reinterpret_cast<const char*>(sc.kf.data()), D * static_cast<int64_t>(sizeof(float)), tl, words,
+              sc.kt.data(), Tk);
+      widen_rows(vb + t0 * p.v_stride_s, p.v_stride_s, tl, D, sc.vf.data());
+      v_rows = sc.vf.data();
+      v_ld = D;
+    } else {
+      pack_kt(reinterpret_cast<const char*>(kb + t0 * p.k_stride_s), p.k_stride_s * static_cast<int64_t>(sizeof(T)), tl,
+              words, sc.kt.data(), Tk);
+      if constexpr (!B) v_rows = reinterpret_cast<const float*>(vb + t0 * p.v_stride_s);
+    }
+    if (B && t0 + Tk < key_end) {  // bf16: prefetch the next tile's K and V rows into L2
       // (fp32: no measurable change within this machine's noise, so left to the hardware prefetchers)
       const int64_t nl = std::min(Tk, key_end - t0 - Tk);
       for (int64_t j = 0; j < nl; ++j) {
@@ -191,7 +223,7 @@ void attend_fast(const Params& p, int64_t b, int64_t hkv, int64_t key_begin, int
       }
     }
     int64_t pv_k = tl;
-    if constexpr (kUseBrgemm<T>) {  // V to VNNI pairs [ceil(tl / 2)][D][2], odd tail padded with zeros
+    if constexpr (B) {  // V to VNNI pairs [ceil(tl / 2)][D][2], odd tail padded with zeros
       pv_k = (tl + 1) / 2 * 2;
       for (int64_t j2 = 0; j2 < pv_k / 2; ++j2) {
         const T* a = vb + (t0 + 2 * j2) * p.v_stride_s;
@@ -222,7 +254,7 @@ void attend_fast(const Params& p, int64_t b, int64_t hkv, int64_t key_begin, int
     for (int64_t r0 = 0; r0 < rows; r0 += rb_max) {
       const int64_t rb = std::min(rb_max, rows - r0);
       float* S = sc.s.data();
-      if constexpr (kUseBrgemm<T>) {
+      if constexpr (B) {
 #if defined(TAPS_ATTN_BRGEMM)
         at::native::cpublas::brgemm(rb, Tk, D, D, Tk, Tk, false, &sc.qh[r0 * D],
                                     reinterpret_cast<const c10::BFloat16*>(sc.kt.data()), S, true);
@@ -245,7 +277,7 @@ void attend_fast(const Params& p, int64_t b, int64_t hkv, int64_t key_begin, int
         const float new_max = std::max(old_max, _mm512_reduce_max_ps(mx));
         if (new_max == neg_inf) {  // nothing visible yet: p = 0, the state stays empty
           for (int c = 0; c < Tk / 16; ++c) {
-            if constexpr (kUseBrgemm<T>) store_bf16(&sc.ph[rr * Tk + 16 * c], _mm512_setzero_ps());
+            if constexpr (B) store_bf16(&sc.ph[rr * Tk + 16 * c], _mm512_setzero_ps());
             else _mm512_storeu_ps(s + 16 * c, _mm512_setzero_ps());
           }
         } else {
@@ -262,34 +294,33 @@ void attend_fast(const Params& p, int64_t b, int64_t hkv, int64_t key_begin, int
           for (int c = 0; c < Tk / 16; ++c) {  // p = exp(x - max), row sum
             const __m512 e = Vec(_mm512_sub_ps(_mm512_loadu_ps(s + 16 * c), nm)).exp_u20();
             sum = _mm512_add_ps(sum, e);
-            if constexpr (kUseBrgemm<T>) store_bf16(&sc.ph[rr * Tk + 16 * c], e);
+            if constexpr (B) store_bf16(&sc.ph[rr * Tk + 16 * c], e);
             else _mm512_storeu_ps(s + 16 * c, e);
           }
           sc.row_sum[r] += _mm512_reduce_add_ps(sum);
         }
       }
-      if constexpr (kUseBrgemm<T>) {
+      if constexpr (B) {
 #if defined(TAPS_ATTN_BRGEMM)
         at::native::cpublas::brgemm(rb, D, pv_k, Tk, D, D, true, sc.ph.data(),
                                     reinterpret_cast<const c10::BFloat16*>(sc.vp.data()), &sc.acc[r0 * D], true);
 #endif
       } else {
-        gemm_f32(rb, D, pv_k, S, Tk, reinterpret_cast<const float*>(vb + t0 * p.v_stride_s), p.v_stride_s, &sc.acc[r0 * D], D,
-                 true);
+        gemm_f32(rb, D, pv_k, S, Tk, v_rows, v_ld, &sc.acc[r0 * D], D, true);
       }
     }
   }
 }
 
-template <class T>
+template <class T, bool B>
 void attend_items_fast(const Params& p, int64_t begin, int64_t end) {
   FastScratch sc;
-  run_items<T>(p, begin, end, kFastTile<T>, [&](int64_t b, int64_t hkv, KeyRange keys, const TreeSpan& span) {
-    attend_fast<T>(p, b, hkv, keys.begin, keys.end, span, sc);
+  run_items<T>(p, begin, end, fast_tile(B), [&](int64_t b, int64_t hkv, KeyRange keys, const TreeSpan& span) {
+    attend_fast<T, B>(p, b, hkv, keys.begin, keys.end, span, sc);
     return RowStates{sc.acc.data(), p.head_dim, sc.row_max.data(), sc.row_sum.data()};
   });
 #if defined(TAPS_ATTN_BRGEMM)
-  if constexpr (kUseBrgemm<T>) at::native::cpublas::brgemm_release(true);
+  if constexpr (B) at::native::cpublas::brgemm_release(true);
 #endif
 }
 
