@@ -18,6 +18,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 import taps_ops  # noqa: E402
+from taps import lean  # noqa: E402
 from taps.lean import LayerWeights, Norm, RopeTable, TreeAttend, decoder_layer, eagle3_layer, pack_bits  # noqa: E402
 
 
@@ -259,3 +260,32 @@ def test_the_engine_runs_its_lean_layers_through_the_op(monkeypatch, drafter):
                               pad_token_id=0)
     assert out.tokens[0] == ref[0, 7:].tolist()
     assert calls, "no lean layer ran through taps_ops.decoder_layer"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@torch.no_grad()
+def test_cuda_matches_cpu(device, dtype):
+    """The op on CUDA (the same function, the ops dispatching to their CUDA kernels) against the CPU:
+    equal up to the kernels' rounding. Weights unpacked (oneDNN packing is CPU-only), head dim 64 (the
+    CUDA tree_attention's smallest)."""
+    if device != "cuda":
+        pytest.skip("the CPU side is the bit-for-bit test above")
+    models = _layers("qwen2", 1, dtype, hidden_size=128, num_attention_heads=4, head_dim=64, use_sliding_window=False)
+    w = LayerWeights([models[0].model.layers[0]])
+    w.qkv = lean.Linear.concat([w.q, w.k, w.v])          # fused, not packed: usable on both devices
+    w.gate_up = lean.Linear.concat([w.gate, w.up])
+    weights = [w.in_norm.rows, None, w.qkv.weight, w.qkv.bias, w.o.weight, w.o.bias, w.post_norm.rows,
+               w.gate_up.weight, w.gate_up.bias, w.down.weight, w.down.bias]
+    x, keys, values, bits, kv_lens, start = _inputs(w, 1, 2, 5, 9, 13, dtype)
+    cos, sin = _rope(models, w, 2, 5, start, dtype)
+    args = [w.in_norm.eps, 0.0, w.post_norm.eps], [w.heads, w.kv_heads, w.head_dim, 1]
+    out = []
+    for dev in ("cpu", "cuda"):
+        to = (lambda t: None if t is None else t.to(dev))
+        k, v = keys.clone().to(dev), values.clone().to(dev)
+        y = taps_ops.decoder_layer(to(x), [to(t) for t in weights], *args, to(cos).contiguous(), to(sin).contiguous(),
+                                   k, v, start, to(bits), to(kv_lens), w.scale, tree_nodes=9)
+        out.append((y.cpu().float(), k.cpu().float(), v.cpu().float()))
+    tol = dict(atol=2e-2, rtol=2e-2) if dtype == torch.bfloat16 else dict(atol=1e-4, rtol=1e-4)
+    for a, b in zip(*out):
+        torch.testing.assert_close(a, b, **tol)
