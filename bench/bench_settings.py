@@ -2,6 +2,7 @@
 Hugging Face ``generate`` measured between the grid points (the shipped models, batch 1).
 
     PYTHONPATH=python python bench/bench_settings.py --threads 1 --dtype bf16 --rows merged-budget chat
+    PYTHONPATH=python python bench/bench_settings.py --temperature 1 --depth 2 3 --top-k 2 3 4 --budget 6 10 16
 
 Acceptance grows with the tree, but on a CPU every node costs target compute and every level a drafter
 forward, so the fastest settings are smaller than the most accepting ones; this table is how
@@ -39,6 +40,7 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=96)
     ap.add_argument("--hf-every", type=int, default=4)
     ap.add_argument("--clock", default="process", choices=("wall", "process"))
+    ap.add_argument("--temperature", type=float, default=0.0, help="sampling temperature of both sides (0: greedy)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     from taps import PromptLookupDrafter, SpeculativeDecoder, models
@@ -55,7 +57,7 @@ def main() -> None:
 
     def timed(runner):
         t0 = clock()
-        outs, stats = runner(prompts, args.new_tokens, 0.0, 0)
+        outs, stats = runner(prompts, args.new_tokens, args.temperature, 0)
         return clock() - t0, outs, stats
 
     hf(prompts[:1], 4, 0.0, 0)
@@ -79,7 +81,7 @@ def main() -> None:
         print("  ".join(str(c) for c in rows[-1]), flush=True)
     rows.sort(key=lambda r: (r[0], -float(r[-1][:-1])))
     print_table(["row", "depth", "top_k", "budget", "tau", "tokens/s", "HF tokens/s", "vs HF"], rows,
-                title=f"Tree settings vs speed ({args.dtype}, {args.threads} thread(s), draft vocabulary "
+                title=f"Tree settings vs speed ({args.dtype}, T={args.temperature:g}, {args.threads} thread(s), draft vocabulary "
                       f"{args.draft_vocab or 'full'}, {len(prompts)} prompts, {args.new_tokens} new tokens, "
                       f"{args.clock} time; fastest first per row)")
 
