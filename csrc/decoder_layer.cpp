@@ -12,6 +12,7 @@
 // autograd off. Where it is used: the engine's CPU hot path (fused, pre-packed projections). On CUDA the
 // lean path keeps its Python form for now, so this op has not run on a GPU.
 #include <ATen/ATen.h>
+#include <ATen/TensorIndexing.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/library.h>
 
@@ -147,7 +148,7 @@ at::Tensor decoder_layer(const at::Tensor& x, const OptTensor& emb_in, const c10
                          at::ArrayRef<double> eps, at::IntArrayRef dims, const at::Tensor& cos, const at::Tensor& sin,
                          const at::Tensor& keys, const at::Tensor& values, int64_t write_start,
                          const at::Tensor& tree_mask, const at::Tensor& kv_lens, std::optional<int64_t> tree_nodes,
-                         double scale) {
+                         double scale, const OptTensor& write_positions) {
   TORCH_CHECK(weights.size() == kNumSlots, "taps_ops: decoder_layer: weights must list ", kNumSlots,
               " entries (in_norm, hidden_norm, qkv, qkv_bias, o, o_bias, post_norm, gate_up, gate_up_bias, down, "
               "down_bias), got ", weights.size());
@@ -177,9 +178,18 @@ at::Tensor decoder_layer(const at::Tensor& x, const OptTensor& emb_in, const c10
               x.sizes(), " does not hold G * R = ", gb, " rows (keys) of T = ", tokens, " tokens (cos)");
   TORCH_CHECK(keys.size(1) == kv_heads && keys.size(3) == head_dim, "taps_ops: decoder_layer: keys must have ",
               kv_heads, " heads of dimension ", head_dim, ", got shape ", keys.sizes());
-  TORCH_CHECK(write_start >= 0 && write_start + tokens <= keys.size(2), "taps_ops: decoder_layer: the new entries ",
-              "go to cache columns ", write_start, " .. ", write_start + tokens - 1, " but the cache holds ",
-              keys.size(2));
+  const bool ragged = write_positions.has_value() && write_positions->defined();
+  if (ragged) {
+    TORCH_CHECK(write_positions->dim() == 2 && write_positions->size(0) == gb && write_positions->size(1) == tokens &&
+                    write_positions->scalar_type() == at::kLong,
+                "taps_ops: decoder_layer: write_positions must be int64 [G * R, T] = [", gb, ", ", tokens, "], got ",
+                write_positions->scalar_type(), " ", write_positions->sizes());
+    check_same_device(x, *write_positions, "x", "write_positions");
+  } else {
+    TORCH_CHECK(write_start >= 0 && write_start + tokens <= keys.size(2), "taps_ops: decoder_layer: the new entries ",
+                "go to cache columns ", write_start, " .. ", write_start + tokens - 1, " but the cache holds ",
+                keys.size(2));
+  }
   check_same_device(x, keys, "x", "keys");
   check_same_device(x, values, "x", "values");
 
@@ -233,8 +243,15 @@ at::Tensor decoder_layer(const at::Tensor& x, const OptTensor& emb_in, const c10
     q = qk.slice(2, 0, heads);
     k = qk.slice(2, heads);
   }
-  keys.slice(2, write_start, write_start + tokens).copy_(k.transpose(1, 2));
-  values.slice(2, write_start, write_start + tokens).copy_(v.transpose(1, 2));
+  if (ragged) {  // keys[rows, :, positions] = k, as taps.lean.kv_writer scatters (index_put_ checks the range)
+    const at::Tensor rows = at::arange(gb, write_positions->options()).unsqueeze(1);
+    using at::indexing::Slice;
+    at::Tensor(keys).index_put_({rows, Slice(), *write_positions}, k);  // (a handle: the op's in-place arguments)
+    at::Tensor(values).index_put_({rows, Slice(), *write_positions}, v);
+  } else {
+    keys.slice(2, write_start, write_start + tokens).copy_(k.transpose(1, 2));
+    values.slice(2, write_start, write_start + tokens).copy_(v.transpose(1, 2));
+  }
   const at::Tensor out = tree_attention(q.transpose(1, 2), keys, values, tree_mask, kv_lens, scale, tree_nodes);
 
   at::Tensor y = x + project(out.transpose(1, 2).reshape({groups, x.size(1), heads * head_dim}), o_w, o_b);

@@ -75,10 +75,11 @@ TORCH_LIBRARY(taps_ops, m) {
   // entries (in_norm, hidden_norm, qkv, qkv_bias, o, o_bias, post_norm, gate_up, gate_up_bias, down,
   // down_bias; linear weights [out, in], oneDNN-packed [out, in] or stacked [G, in, out]); eps [in_norm,
   // hidden_norm, post_norm]; dims [heads, kv_heads, head_dim, fused_rope]; cos, sin [G * R, T, 1, D];
-  // keys, values [G * R, Hkv, S, D], the new K/V written at columns write_start .. write_start + T - 1;
+  // keys, values [G * R, Hkv, S, D], the new K/V written at columns write_start .. write_start + T - 1, or,
+  // with write_positions [G * R, T] i64, at each row's own columns (ragged rows; write_start ignored);
   // tree_mask, kv_lens, tree_nodes, scale as tree_attention's. -> the layer's output, x's shape.
   m.def(
       "decoder_layer(Tensor x, Tensor? emb, Tensor?[] weights, float[] eps, int[] dims, Tensor cos, Tensor sin, "
       "Tensor(a!) keys, Tensor(b!) values, int write_start, Tensor tree_mask, Tensor kv_lens, int? tree_nodes, "
-      "float scale) -> Tensor");
+      "float scale, Tensor? write_positions=None) -> Tensor");
 }

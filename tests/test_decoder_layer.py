@@ -123,6 +123,36 @@ def test_op_equals_the_python_layer_bit_for_bit(arch, groups, dtype, no_in_norm,
     _check_equal(_both(run, keys, values))
 
 
+@pytest.mark.parametrize("arch,groups,dtype", [("llama", 1, torch.float32), ("qwen2", 1, torch.bfloat16),
+                                                ("llama", 2, torch.bfloat16), ("llama", 3, torch.float32)])
+@torch.no_grad()
+def test_ragged_rows_op_equals_the_python_layer(arch, groups, dtype):
+    """write_positions: each row's new K/V at its own columns (a scatter), its tree the last tree_nodes keys
+    of its own kv_lens; bit for bit the Python body with the same TreeAttend."""
+    extra = {"use_sliding_window": False} if arch == "qwen2" else {}
+    models = _layers(arch, groups, dtype, **extra)
+    w = LayerWeights([m.model.layers[0] for m in models]).pack()
+    rows, tokens, tree_nodes, prefix = 3, 4, 6, 9
+    x, keys, values, bits, _, _ = _inputs(w, groups, rows, tokens, tree_nodes, prefix, dtype)
+    gb = groups * rows
+    lengths = torch.tensor([prefix - 3 * (r % 3) for r in range(gb)])         # ragged prefixes
+    first = lengths + tree_nodes - tokens                                      # columns of the T new nodes
+    positions = first.unsqueeze(1) + torch.arange(tokens)
+    kv_lens = lengths + tree_nodes
+    cos, sin = _rope(models, w, gb, tokens, prefix, dtype)
+
+    def run(k, v, use_op):
+        attend = TreeAttend([(k, v)], [w], bits, kv_lens, tree_nodes, 0, positions=positions)
+        callback = attend if use_op else (lambda *a: attend(*a))
+        return decoder_layer(w, 0, x, cos, sin, callback, rows, tokens)
+
+    results = _both(run, keys, values)
+    _check_equal(results)
+    (_, k_op, _), _ = results
+    written = k_op[torch.arange(gb).unsqueeze(1), :, positions]                # [GB, T, Hkv, D]
+    assert not torch.equal(written, keys[torch.arange(gb).unsqueeze(1), :, positions])  # the scatter happened
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("groups", [1, 2])
 @torch.no_grad()
@@ -203,6 +233,11 @@ BAD = {
     "tree_mask words": (lambda a: a.update(tree_mask=a["tree_mask"][..., :0]), "tree_mask"),
     "tree_nodes past kv": (lambda a: a.update(tree_nodes=60), "must be in [T, S]"),
     "emb shape": (lambda a: a.update(emb=a["x"][:, :1]), "emb must have"),
+    "write_positions shape": (lambda a: a.update(write_positions=torch.zeros(2, 2, dtype=torch.int64)),
+                              "write_positions must be int64 [G * R, T]"),
+    "write_positions dtype": (lambda a: a.update(write_positions=torch.zeros(2, 3, dtype=torch.int32)),
+                              "write_positions must be int64"),
+    "write_positions past the cache": (lambda a: a.update(write_positions=torch.full((2, 3), 99)), "out of bounds"),
     "emb without hidden_norm": (lambda a: a.update(emb=a["x"].clone()), "hidden_norm are required"),
 }
 
@@ -215,7 +250,7 @@ def test_bad_inputs_raise_clear_errors(case):
     mutate, message = BAD[case]
     args = _valid_call()
     mutate(args)
-    with pytest.raises((RuntimeError, ValueError), match=re.escape(message)):
+    with pytest.raises((RuntimeError, ValueError, IndexError), match=re.escape(message)):
         with torch.no_grad():
             _call(args)
 
@@ -253,13 +288,18 @@ def test_the_engine_runs_its_lean_layers_through_the_op(monkeypatch, drafter):
 
     monkeypatch.setattr(TreeAttend, "layer", spy)
     dec = taps.SpeculativeDecoder(target, drafters, depth=3, top_k=2, budget=6)
-    ids = torch.randint(0, 64, (1, 7), generator=torch.Generator().manual_seed(0))
+    gen = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(0, 64, (n,), generator=gen).tolist() for n in (7, 4, 11)]
     with torch.no_grad():
-        out = dec.generate(ids, max_new_tokens=12)
-        ref = target.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=12, do_sample=False,
-                              pad_token_id=0)
-    assert out.tokens[0] == ref[0, 7:].tolist()
-    assert calls, "no lean layer ran through taps_ops.decoder_layer"
+        for batch in ([prompts[0]], prompts):   # batch 1, then a ragged batch (the K/V scattered per row)
+            calls.clear()
+            out = dec.generate(batch, max_new_tokens=12)
+            for p, got in zip(batch, out.tokens):
+                ids = torch.tensor([p])
+                ref = target.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=12, do_sample=False,
+                                      pad_token_id=0)
+                assert got == ref[0, len(p):].tolist()
+            assert calls, "no lean layer ran through taps_ops.decoder_layer"
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -306,8 +306,15 @@ class DraftGroup:
                 mask = self._rows(causal_append(self.lengths_b, longest, num_tokens)[1])
             return range(longest, longest + num_tokens), cache_attend(self.kv, layers, mask, start=longest)
         positions, mask = causal_append(self.lengths_b, longest, num_tokens)
-        mask = self._rows(mask)
         positions = self._rows(positions)
+        if self.lean_attention and num_tokens <= self.node_mask_append_limit:
+            # each row's new entries follow its own prefix, so causal bits over them and kv_lens = its
+            # length + T describe the row (tree_attention), its K/V scattered to its own columns
+            rows = positions.shape[0]
+            mask = NodeMask(causal_bits(num_tokens, positions.device).expand(rows, -1, -1),
+                            self._rows(self.lengths_b) + num_tokens, num_tokens)
+        else:
+            mask = self._rows(mask)
         return positions, cache_attend(self.kv, layers, mask, positions=positions)
 
     def _shared_length(self) -> Optional[int]:

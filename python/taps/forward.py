@@ -21,8 +21,7 @@ from torch import Tensor, nn
 import taps_ops
 
 from . import hf
-from .lean import (LeanCausalLM, Linear, TreeAttend, cache_attend, causal_append, kv_writer, lean_support,
-                   pack_bits, stack_key)
+from .lean import LeanCausalLM, Linear, TreeAttend, cache_attend, causal_append, lean_support, pack_bits, stack_key
 
 __all__ = ["TargetForward", "LAZY_HEAD_MIN", "LAZY_MIN_NODES"]
 
@@ -117,18 +116,11 @@ class TargetForward:
         prefix = cache.lengths
         positions = prefix.unsqueeze(1) + depth.clamp_min(0)
         kv_lens = prefix + num
-        layers = self.lean.layers
-        if uniform:
-            attend = TreeAttend([(layer.keys, layer.values) for layer in cache.layers], layers, tree_mask, kv_lens,
-                                None, longest)
-        else:
-            write = kv_writer(prefix.unsqueeze(1) + torch.arange(num, device=prefix.device))
-
-            def attend(i: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
-                layer = cache.layers[i]
-                write(layer.keys, layer.values, k, v)
-                return taps_ops.tree_attention(q.transpose(1, 2), layer.keys, layer.values, tree_mask, kv_lens,
-                                               layers[i].scale, validate=False)
+        # node i of row b at cache column prefix[b] + i: one column range when every row holds `longest`
+        # entries, else a scatter; either way the nodes are the last `num` of the row's kv_lens keys
+        attend = TreeAttend([(layer.keys, layer.values) for layer in cache.layers], self.lean.layers, tree_mask,
+                            kv_lens, None, longest,
+                            positions=None if uniform else prefix.unsqueeze(1) + torch.arange(num, device=prefix.device))
 
         hidden, layers = self._run(tokens, positions, attend, capture_layers)
         return hf.ForwardOutput(None, hidden, layers)

@@ -516,24 +516,30 @@ def kv_writer(positions: Optional[Tensor] = None, start: Optional[int] = None) -
 
 
 class TreeAttend:
-    """An :data:`Attend` callback over per-layer caches ``kv[i] = (keys, values)`` [R, Hkv, S, D] whose
-    rows all take the new K/V at columns ``start .. start + T - 1`` and attend through one
-    ``taps_ops.tree_attention`` call (bits [R, N, W], kv_lens [R], tree_nodes T or None: see
-    :class:`NodeMask`). :func:`decoder_layer` recognises it and runs the whole layer as one
-    ``taps_ops.decoder_layer`` call."""
+    """An :data:`Attend` callback over per-layer caches ``kv[i] = (keys, values)`` [R, Hkv, S, D]: the new K/V
+    go to columns ``start .. start + T - 1`` of every row (a plain copy) or, with ``positions`` [R, T], to
+    each row's own columns (a scatter, for ragged rows); attention is one ``taps_ops.tree_attention`` call
+    (bits [R, N, W], kv_lens [R], tree_nodes T or None: see :class:`NodeMask`). :func:`decoder_layer`
+    recognises it and runs the whole layer as one ``taps_ops.decoder_layer`` call."""
 
-    __slots__ = ("kv", "scales", "bits", "kv_lens", "tree_nodes", "start")
+    __slots__ = ("kv", "scales", "bits", "kv_lens", "tree_nodes", "start", "positions", "rows")
 
     def __init__(self, kv: Sequence[Sequence[Tensor]], layers: Sequence[LayerWeights], bits: Tensor, kv_lens: Tensor,
-                 tree_nodes: Optional[int], start: int):
+                 tree_nodes: Optional[int], start: int, positions: Optional[Tensor] = None):
         self.kv, self.scales = kv, [w.scale for w in layers]
         self.bits, self.kv_lens, self.tree_nodes, self.start = bits, kv_lens, tree_nodes, int(start)
+        self.positions = positions
+        self.rows = None if positions is None else torch.arange(positions.shape[0], device=positions.device).unsqueeze(1)
 
     def __call__(self, i: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         keys, values = self.kv[i]
-        stop = self.start + k.shape[1]
-        keys[:, :, self.start:stop] = k.transpose(1, 2)
-        values[:, :, self.start:stop] = v.transpose(1, 2)
+        if self.positions is not None:
+            keys[self.rows, :, self.positions] = k
+            values[self.rows, :, self.positions] = v
+        else:
+            stop = self.start + k.shape[1]
+            keys[:, :, self.start:stop] = k.transpose(1, 2)
+            values[:, :, self.start:stop] = v.transpose(1, 2)
         return taps_ops.tree_attention(q.transpose(1, 2), keys, values, self.bits, self.kv_lens, self.scales[i],
                                        validate=False, tree_nodes=self.tree_nodes)
 
@@ -543,7 +549,7 @@ class TreeAttend:
         keys, values = self.kv[i]
         weights, eps, dims = op_args
         return taps_ops.decoder_layer(x, weights, eps, dims, cos, sin, keys, values, self.start, self.bits, self.kv_lens,
-                                      self.scales[i], tree_nodes=self.tree_nodes, emb=emb)
+                                      self.scales[i], tree_nodes=self.tree_nodes, emb=emb, write_positions=self.positions)
 
 
 class NodeMask(NamedTuple):
@@ -594,18 +600,12 @@ def cache_attend(kv: Sequence[Sequence[Tensor]], layers: Sequence[LayerWeights],
     ``S' = mask.shape[-1]`` columns with the bool mask ``[R, 1, T, S']`` (True = visible), or, with a
     :class:`NodeMask`, as one ``taps_ops.tree_attention`` call (no dense mask, no SDPA).
     """
-    if isinstance(mask, NodeMask) and start is not None:
-        return TreeAttend(kv, layers, mask.bits, mask.kv_lens, mask.tree_nodes, start)
-    write = kv_writer(positions, start)
     if isinstance(mask, NodeMask):
-        bits, kv_lens, tree_nodes = mask
-
-        def attend_nodes(i: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
-            keys, values = kv[i]
-            write(keys, values, k, v)
-            return taps_ops.tree_attention(q.transpose(1, 2), keys, values, bits, kv_lens, layers[i].scale,
-                                           validate=False, tree_nodes=tree_nodes)
-        return attend_nodes
+        if start is None and positions is None:
+            raise ValueError("cache_attend: give positions or start")
+        return TreeAttend(kv, layers, mask.bits, mask.kv_lens, mask.tree_nodes, 0 if start is None else start,
+                          positions=positions if start is None else None)
+    write = kv_writer(positions, start)
     span = int(mask.shape[-1])
 
     def attend(i: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:

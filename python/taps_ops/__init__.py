@@ -407,7 +407,7 @@ def expand_level(logits: Tensor, front_scores: Tensor, front_cands: Tensor, k: i
 def decoder_layer(x: Tensor, weights: Sequence[Optional[Tensor]], eps: Sequence[float], dims: Sequence[int],
                   cos: Tensor, sin: Tensor, keys: Tensor, values: Tensor, write_start: int, tree_mask: Tensor,
                   kv_lens: Tensor, scale: float, *, tree_nodes: Optional[int] = None,
-                  emb: Optional[Tensor] = None) -> Tensor:
+                  emb: Optional[Tensor] = None, write_positions: Optional[Tensor] = None) -> Tensor:
     """One Llama decoder layer with tree attention over a KV cache, in one call: the lean forward's layer
     (``taps.lean.decoder_layer`` with a ``taps.lean.TreeAttend``), the same operators in the same order, so
     the output is the same bit for bit, without the host cost of some 25 operator calls from Python.
@@ -431,6 +431,8 @@ def decoder_layer(x: Tensor, weights: Sequence[Optional[Tensor]], eps: Sequence[
         cos, sin: [G * R, T, 1, D] rotary rows (sin with rotate_half's sign, ``taps.lean.RopeTable``).
         keys, values: [G * R, Hkv, S, D] caches, written in place.
         write_start: the cache column of the first new token (every row alike).
+        write_positions: [G * R, T] int64 cache columns of each row's new tokens instead (ragged rows;
+            ``write_start`` is then ignored; out-of-range columns raise).
         tree_mask, kv_lens, scale, tree_nodes: as :func:`tree_attention` takes them (no kv_lens check).
         emb: [G, R * T, H] token embeddings for the EAGLE-3 layer, else None.
 
@@ -442,7 +444,7 @@ def decoder_layer(x: Tensor, weights: Sequence[Optional[Tensor]], eps: Sequence[
     return torch.ops.taps_ops.decoder_layer.default(
         x, emb, weights if type(weights) is list else list(weights),
         eps if type(eps) is list else [float(e) for e in eps], dims if type(dims) is list else [int(d) for d in dims],
-        cos, sin, keys, values, int(write_start), tree_mask, kv_lens, tree_nodes, float(scale))
+        cos, sin, keys, values, int(write_start), tree_mask, kv_lens, tree_nodes, float(scale), write_positions)
 
 
 from . import _fake  # noqa: E402,F401  (shape functions for torch.compile / FakeTensor)
