@@ -231,7 +231,10 @@ class LayerWeights:
             lin.pack()
         self.op_args = None
         dtype = self.post_norm.rows.dtype
-        if self.qkv is not None and self.q_norm is None and dtype in _FUSED_NORM_DTYPES:
+        same_dtype = all(t is None or t.dtype == dtype for t in
+                         (self.in_norm.rows if self.in_norm is not None else None, self.qkv.weight if self.qkv else None,
+                          self.o.weight, self.gate_up.weight if self.gate_up else None, self.down.weight))
+        if self.qkv is not None and self.q_norm is None and dtype in _FUSED_NORM_DTYPES and same_dtype:
             # the whole layer as one taps_ops.decoder_layer call, when its attention is a TreeAttend
             fused_rope = dtype == torch.float32 or (self.heads + self.kv_heads) * self.head_dim <= _FUSED_ROPE_HALF_WIDTH
             weights = [self.in_norm.rows if self.in_norm is not None else None, None]
