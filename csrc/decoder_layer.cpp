@@ -25,7 +25,7 @@
 namespace taps {
 namespace {
 
-// Positions in the `weights` list (python/taps/lean.py, LayerWeights.op_weights, builds it).
+// Positions in the `weights` list (python/taps/lean.py: LayerWeights.pack builds it, in op_args).
 enum Slot : int64_t {
   kInNorm = 0,    // [H] / [G, H] or None (EAGLE-1/2's first layer has no input norm)
   kHiddenNorm,    // EAGLE-3 only: the norm of the residual stream x beside the embedding's input norm
