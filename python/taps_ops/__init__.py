@@ -46,7 +46,7 @@ _load_library()
 __all__ = [
     "VerifyOutput", "Tree", "MergedTree", "verify_tree", "build_tree", "merge_trees",
     "tree_attention", "compact_kv", "rms_norm", "rope_", "ExpandLevel", "expand_level", "decoder_layer",
-    "has_cuda_kernels", "cpu_info", "set_cpu_isa", "CPU_ISA_LEVELS",
+    "has_cuda_kernels", "cpu_info", "set_cpu_isa", "native_half_matmul", "CPU_ISA_LEVELS",
 ]
 
 Scalar = Union[float, int, Tensor]
@@ -134,8 +134,8 @@ def cpu_info() -> dict:
 
     Returns a dict: ``cpu`` (model name), ``isa`` (the level in force: one of :data:`CPU_ISA_LEVELS`),
     ``host_isa`` (the best this CPU runs), ``features`` (the CPU features the kernels look at, e.g.
-    ``avx2``, ``avx512f``, ``avx512_bf16``, ``amx_bf16``), ``native_bf16`` (AVX512-BF16 or AMX-BF16: bf16
-    matrix products in hardware, so bf16 models are worth running), ``aten_capability`` (PyTorch's own
+    ``avx2``, ``avx512f``, ``avx512_bf16``, ``amx_bf16``), ``native_bf16`` (:func:`native_half_matmul` for
+    bf16: bf16 matrix products in hardware, so bf16 models are worth running), ``aten_capability`` (PyTorch's own
     CPU kernels' level, ``ATEN_CPU_CAPABILITY``), ``ops`` (the level each op uses) and ``summary`` (one line
     of it all, which the benchmarks and ``taps demo`` print).
 
@@ -147,13 +147,28 @@ def cpu_info() -> dict:
     features = list(torch.ops.taps_ops._cpu_features())
     rank = CPU_ISA_LEVELS.index(isa)
     ops = {op: CPU_ISA_LEVELS[min(rank, CPU_ISA_LEVELS.index(top))] for op, top in _OP_MAX_ISA.items()}
-    native_bf16 = "avx512_bf16" in features or "amx_bf16" in features
+    native_bf16 = native_half_matmul(torch.bfloat16)
     aten = torch.backends.cpu.get_cpu_capability() if hasattr(torch.backends.cpu, "get_cpu_capability") else "?"
     info = dict(cpu=_cpu_model(), isa=isa, host_isa=torch.ops.taps_ops._cpu_host_isa(), features=features,
                 native_bf16=native_bf16, aten_capability=aten, ops=ops)
     info["summary"] = (f"{info['cpu']}; taps kernels: {isa} (host {info['host_isa']}); ATen: {aten}; "
                        f"native bf16: {'yes' if native_bf16 else 'no'}")
     return info
+
+
+def native_half_matmul(dtype: torch.dtype) -> bool:
+    """Whether this CPU multiplies `dtype` (bfloat16 / float16) matrices in hardware at the kernels' level:
+    AVX512-BF16 or AMX-BF16 for bfloat16, AVX512-FP16 or AMX-FP16 for float16, with the level at avx512 or
+    above (so ``TAPS_CPU_ISA=avx2`` also answers as a CPU without them would). Elsewhere half-precision
+    products are emulated, several times slower than float32 ones, and taps' lean forwards widen the
+    weights to float32 instead (``taps.lean.Linear.pack``)."""
+    if dtype not in (torch.bfloat16, torch.float16):
+        raise ValueError(f"taps_ops.native_half_matmul: dtype must be bfloat16 or float16, got {dtype}")
+    if CPU_ISA_LEVELS.index(torch.ops.taps_ops._cpu_isa()) < CPU_ISA_LEVELS.index("avx512"):
+        return False
+    names = ("avx512_bf16", "amx_bf16") if dtype == torch.bfloat16 else ("avx512_fp16", "amx_fp16")
+    features = torch.ops.taps_ops._cpu_features()
+    return any(n in features for n in names)
 
 
 def set_cpu_isa(level: str) -> str:
