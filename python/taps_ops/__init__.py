@@ -10,6 +10,9 @@ Public API (shapes in brackets; B requests, N tree nodes, V vocabulary):
 - :func:`rms_norm`   Llama's RMSNorm in one pass (one weight or G stacked ones), for the lean forwards
 - :func:`rope_`      rotary position embedding in place, in one pass, for the lean forwards
 - :func:`expand_level` one level of an EAGLE-2 draft expansion (top-k children, scores, next frontier)
+- :func:`decoder_layer` a whole Llama decoder layer of the lean forwards in one call
+- :func:`cpu_info`, :func:`set_cpu_isa`, :func:`native_half_matmul`: the CPU kernels' instruction-set level
+  (scalar, avx2, avx512, amx; chosen at load from the CPU, ``TAPS_CPU_ISA`` caps it)
 
 The tree format and the op contracts are those of the project's DESIGN.md; :mod:`taps_ops.reference`
 holds a plain-PyTorch implementation of every op that the tests and benchmarks compare against.
