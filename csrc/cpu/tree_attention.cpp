@@ -447,7 +447,7 @@ at::Tensor tree_attention_cpu(const at::Tensor& q, const at::Tensor& k, const at
   TreeAttentionCall call = TreeAttentionCall::prepare(q, k, v, tree_mask, kv_lens);
   const int64_t* lens = call.kv_lens.data_ptr<int64_t>();
   for (int64_t b = 0; b < batch; ++b) {
-    TORCH_CHECK(lens[b] >= tree && lens[b] <= cache_len, "taps_ops: tree_attention: kv_lens[", b, "] = ",
+    TORCH_CHECK_VALUE(lens[b] >= tree && lens[b] <= cache_len, "taps_ops: tree_attention: kv_lens[", b, "] = ",
                 lens[b], " must be in [T, S] = [", tree, ", ", cache_len, "] (T: tree nodes)");
   }
   if (call.out.numel() == 0) return call.out;
