@@ -17,7 +17,8 @@ import torch
 
 from bench_rms_norm import compare, start  # noqa: E402  (bench/ is on the path when run as a script)
 
-from taps.lean import LayerWeights, RopeTable, TreeAttend, decoder_layer, pack_bits  # noqa: E402
+from taps.kv import TreeAttend, pack_bits  # noqa: E402
+from taps.lean import LayerWeights, RopeTable, decoder_layer  # noqa: E402
 
 
 def _layer(hidden, heads, kv, dim, inter, dtype):

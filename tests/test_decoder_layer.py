@@ -19,7 +19,8 @@ transformers = pytest.importorskip("transformers")
 
 import taps_ops  # noqa: E402
 from taps import lean  # noqa: E402
-from taps.lean import LayerWeights, Norm, RopeTable, TreeAttend, decoder_layer, eagle3_layer, pack_bits  # noqa: E402
+from taps.kv import TreeAttend, pack_bits  # noqa: E402
+from taps.lean import LayerWeights, Norm, RopeTable, decoder_layer, eagle3_layer  # noqa: E402
 
 
 def _layers(arch="llama", groups=1, dtype=torch.float32, seed=0, **extra):
@@ -280,13 +281,13 @@ def test_the_engine_runs_its_lean_layers_through_the_op(monkeypatch, drafter):
     else:
         drafters = [ModelDrafter(em.llama(64, 32, 1, seed=2))]
     calls = []
-    real = TreeAttend.layer
+    real = TreeAttend.fused_layer
 
     def spy(self, *a, **k):
         calls.append(a[1])
         return real(self, *a, **k)
 
-    monkeypatch.setattr(TreeAttend, "layer", spy)
+    monkeypatch.setattr(TreeAttend, "fused_layer", spy)
     dec = taps.SpeculativeDecoder(target, drafters, depth=3, top_k=2, budget=6)
     gen = torch.Generator().manual_seed(0)
     prompts = [torch.randint(0, 64, (n,), generator=gen).tolist() for n in (7, 4, 11)]

@@ -247,7 +247,7 @@ def _drafting_runs(group, ids, lens, root, hidden, steps):
 @pytest.mark.parametrize("kind", ["eagle", "eagle-pair", "lm", "eagle3"])
 @torch.no_grad()
 def test_node_masks_draft_what_dense_masks_draft(kind):
-    """Requests of equal length: the lean groups attend through taps.lean.NodeMask (expansion levels and
+    """Requests of equal length: the lean groups attend through taps.kv.NodeMask (expansion levels and
     appends, one taps_ops.tree_attention call per layer); with that switched off they take the dense
     bool mask and SDPA. Both must draft the same candidates and root logits; ragged requests never take
     node masks."""

@@ -18,7 +18,8 @@ transformers = pytest.importorskip("transformers")
 import taps_ops  # noqa: E402
 from taps import hf  # noqa: E402
 from taps.forward import TargetForward  # noqa: E402
-from taps.lean import LeanCausalLM, cache_attend, causal_append, lean_support  # noqa: E402
+from taps.kv import cache_attend, causal_append  # noqa: E402
+from taps.lean import LeanCausalLM, lean_support  # noqa: E402
 
 ARCHS = ["llama", "qwen2", "qwen3", "mistral", "llama3-rope"]
 

@@ -47,8 +47,8 @@ from torch import Tensor, nn
 
 from . import hf
 from .expansion import DraftCandidates, expand
-from .lean import (LayerWeights, LeanCausalLM, Linear, NodeMask, Positions, RopeTable, as_dtype, cache_attend,
-                   causal_append, causal_bits, decoder_layer, lean_support)
+from .kv import NodeMask, cache_attend, causal_append, causal_bits
+from .lean import LayerWeights, LeanCausalLM, Linear, Positions, RopeTable, as_dtype, decoder_layer, lean_support
 
 __all__ = ["DraftCandidates", "Drafter", "DraftGroup", "ModelDrafter", "EagleDrafter", "average_drafters",
            "make_groups", "target_vocab_size", "target_hidden_size"]
@@ -243,7 +243,7 @@ class DraftGroup:
 
     needs_hidden = False
     sampling = False
-    #: attention runs through taps.lean.cache_attend, which takes taps.lean.NodeMask masks as well
+    #: attention runs through taps.kv.cache_attend, which takes taps.kv.NodeMask masks as well
     lean_attention = False
     #: appends of up to this many tokens per row attend through a causal NodeMask (tree_attention)
     node_mask_append_limit = 256
@@ -273,7 +273,7 @@ class DraftGroup:
 
     @property
     def node_masks(self) -> bool:
-        """Whether :meth:`forward_nodes` takes the expansion's masks as :class:`taps.lean.NodeMask` (ancestor
+        """Whether :meth:`forward_nodes` takes the expansion's masks as :class:`taps.kv.NodeMask` (ancestor
         bits, one taps_ops.tree_attention call per layer instead of a dense bool mask and SDPA): lean groups
         whose requests all hold the same number of entries, so that the scratch entries follow every
         row's prefix with no gap."""

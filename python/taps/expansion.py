@@ -16,7 +16,7 @@ last), ``scratch_start`` (a host int >= every length: where the expansion writes
 same column for every row), ``token_map`` (None, or [V'] target ids of a reduced draft vocabulary) and
 ``forward_nodes(tokens, parent_slot, write_start, rope_pos, mask, level) -> logits [R, K, V']``, whose
 mask is a bool tensor [R, 1, K, start + level * K] (True = visible) or, for units whose ``node_masks`` is
-true (every row's prefix ends at ``scratch_start``), a :class:`taps.lean.NodeMask` (the frontier's
+true (every row's prefix ends at ``scratch_start``), a :class:`taps.kv.NodeMask` (the frontier's
 ancestor bits over the level * K scratch entries; taps_ops.tree_attention's form).
 
 Shapes: R rows, K = top_k, M = K + (depth - 1) * K * K candidates.
@@ -31,7 +31,7 @@ import torch
 from torch import Tensor
 
 import taps_ops
-from taps.lean import NodeMask, pack_bits
+from taps.kv import NodeMask, pack_bits
 
 __all__ = ["DraftCandidates", "expand", "num_candidates", "scratch_positions"]
 
@@ -117,7 +117,7 @@ def expand(unit, depth: int, top_k: int, profiler=None, with_entropy: bool = Tru
         rope_root = lengths.unsqueeze(1).expand(rows, k)                # level l nodes: lengths + l - 1
     if node_masks:
         # Every row's prefix ends at `start` (no gap): each level's mask is the frontier's ancestor bits
-        # over the scratch entries drafted so far (taps.lean.NodeMask, for taps_ops.tree_attention), the
+        # over the scratch entries drafted so far (taps.kv.NodeMask, for taps_ops.tree_attention), the
         # parent's bits plus the node's own.
         own = _own_bits(depth, k, device)                              # [depth - 1, K, W]
         bits = own[0].expand(rows, k, own.shape[-1])

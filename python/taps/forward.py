@@ -21,7 +21,8 @@ from torch import Tensor, nn
 import taps_ops
 
 from . import hf
-from .lean import LeanCausalLM, Linear, TreeAttend, cache_attend, causal_append, lean_support, pack_bits, stack_key
+from .kv import TreeAttend, cache_attend, causal_append, pack_bits
+from .lean import LeanCausalLM, Linear, lean_support, stack_key
 
 __all__ = ["TargetForward", "LAZY_HEAD_MIN", "LAZY_MIN_NODES"]
 

@@ -8,7 +8,8 @@ whole draft tree in one forward pass. Three pieces make that work:
   (:func:`tree_attention_context`, set by :func:`tree_verify_forward`) it calls
   :func:`taps_ops.tree_attention` on the cache's full per-layer K/V tensors, so each tree node attends
   to the request's prefix and to its own ancestors only.
-- :class:`TreeKVCache`, a transformers ``Cache`` with preallocated per-layer K and V tensors
+- :class:`TreeKVCache` (defined in :mod:`taps.kv`, which the lean path shares), a transformers ``Cache``
+  with preallocated per-layer K and V tensors
   ``[B, Hkv, max_len, D]`` and per-request lengths ``lengths [B]``, so that requests of different
   lengths share one batch and :func:`taps_ops.compact_kv` can update it in place.
 - the forward helpers :func:`prefill` (ragged prompts, also plain decode steps),
@@ -45,14 +46,15 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import inspect
-from typing import Dict, Iterator, List, NamedTuple, Optional, Sequence
+from typing import Dict, Iterator, NamedTuple, Optional, Sequence
 
 import torch
 from torch import Tensor
 
 import taps_ops
 
-from transformers.cache_utils import Cache, CacheLayerMixin
+from .kv import TreeKVCache
+
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, AttentionInterface
 
 try:  # transformers >= 4.53 builds masks through a registry keyed by the attention name
@@ -176,135 +178,6 @@ def use_taps_attention(model: torch.nn.Module, name: str = TAPS_ATTENTION) -> to
 # The cache
 # ---------------------------------------------------------------------------------------------------
 
-class _WriteState(NamedTuple):
-    positions: Tensor         # [B, T] int64 cache position of each new token
-    kv_span: Optional[int]    # update() returns positions [0, kv_span); None: the full tensors
-
-
-class _SharedState:
-    """What every layer of one TreeKVCache needs to know about the forward in progress."""
-
-    def __init__(self, batch_size: int, device: torch.device):
-        self.lengths = torch.zeros(batch_size, dtype=torch.int64, device=device)
-        self.rows = torch.arange(batch_size, device=device).unsqueeze(1)  # [B, 1]
-        self.write: Optional[_WriteState] = None
-
-
-class _TreeKVLayer(CacheLayerMixin):
-    """One layer of a :class:`TreeKVCache`: preallocated keys and values [B, Hkv, max_len, D]."""
-
-    is_sliding = False
-    is_compileable = False
-    is_croppable = False
-
-    def __init__(self, state: _SharedState, keys: Tensor, values: Tensor):
-        super().__init__()
-        self._state = state
-        self.keys = keys
-        self.values = values
-        self.device = keys.device
-        self.dtype = keys.dtype
-        self.is_initialized = True
-
-    def lazy_initialization(self, key_states: Tensor, value_states: Optional[Tensor] = None) -> None:
-        pass  # preallocated
-
-    def update(self, key_states: Tensor, value_states: Tensor, *args, **kwargs):
-        """Write key/value_states [B, Hkv, T, D] at each request's positions; return the K/V to attend."""
-        write = self._state.write
-        if write is None:
-            raise RuntimeError("TreeKVCache is written only through taps.hf.prefill / tree_verify_forward, "
-                               "which set each request's write positions")
-        if key_states.shape[2] != write.positions.shape[1]:
-            raise ValueError(f"TreeKVCache: {key_states.shape[2]} new tokens, expected {write.positions.shape[1]}")
-        rows = self._state.rows
-        # Advanced indices around a slice: the indexed view is [B, T, Hkv, D].
-        self.keys[rows, :, write.positions] = key_states.transpose(1, 2).to(self.dtype)
-        self.values[rows, :, write.positions] = value_states.transpose(1, 2).to(self.dtype)
-        if write.kv_span is None:
-            return self.keys, self.values
-        return self.keys[:, :, :write.kv_span], self.values[:, :, :write.kv_span]
-
-    def get_mask_sizes(self, query_length, *args, **kwargs):
-        # (kv_length, kv_offset); transformers 4.x passes cache_position [T] instead of the length T.
-        write = self._state.write
-        if write is not None and write.kv_span is not None:
-            return write.kv_span, 0
-        if isinstance(query_length, Tensor):
-            query_length = query_length.shape[0]
-        return self.get_seq_length() + query_length, 0
-
-    def get_seq_length(self, *args, **kwargs) -> int:
-        return int(self._state.lengths.max()) if self._state.lengths.numel() else 0
-
-    def get_max_length(self) -> int:
-        return self.keys.shape[2]
-
-    get_max_cache_shape = get_max_length  # the transformers 4.x name
-
-    def reset(self) -> None:
-        self.keys.zero_()
-        self.values.zero_()
-        self._state.lengths.zero_()
-
-
-class TreeKVCache(Cache):
-    """Preallocated K/V cache with a length per request, for ragged batches and tree verification.
-
-    Every layer holds ``keys``, ``values`` [B, Hkv, max_len, D] (``cache.layers[i].keys``); request b's
-    committed entries are positions ``0 .. lengths[b]-1``. Written only through :func:`prefill` and
-    :func:`tree_verify_forward`; :func:`compact_cache` commits a verified path.
-
-    Args:
-        config: the model's config (its text config is used for multimodal ones).
-        batch_size: B.
-        max_len: positions per request (prompt + generated + one tree of N nodes must fit).
-        dtype, device: of the K/V tensors; must match the model's.
-    """
-
-    def __init__(self, config, batch_size: int, max_len: int, *, dtype: torch.dtype = torch.float32,
-                 device: torch.device | str = "cpu"):
-        text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
-        num_layers = text_config.num_hidden_layers
-        num_heads = text_config.num_attention_heads
-        num_kv_heads = getattr(text_config, "num_key_value_heads", None) or num_heads
-        head_dim = getattr(text_config, "head_dim", None) or text_config.hidden_size // num_heads
-        device = torch.device(device)
-        state = _SharedState(batch_size, device)
-        shape = (batch_size, num_kv_heads, max_len, head_dim)
-        layers = [_TreeKVLayer(state, torch.zeros(shape, dtype=dtype, device=device),
-                               torch.zeros(shape, dtype=dtype, device=device)) for _ in range(num_layers)]
-        super().__init__(layers=layers)
-        self._state = state
-        self.max_len = max_len
-
-    @classmethod
-    def for_model(cls, model: torch.nn.Module, batch_size: int, max_len: int) -> "TreeKVCache":
-        """A cache matching `model`'s config, dtype and device."""
-        param = next(model.parameters())
-        return cls(model.config, batch_size, max_len, dtype=param.dtype, device=param.device)
-
-    @property
-    def lengths(self) -> Tensor:
-        """[B] int64 committed positions per request (updated in place by the helpers)."""
-        return self._state.lengths
-
-    def kv_tensors(self) -> List[Tensor]:
-        """K and V of every layer, [B, Hkv, max_len, D] each: the `caches` list of taps_ops.compact_kv."""
-        out: List[Tensor] = []
-        for layer in self.layers:
-            out += [layer.keys, layer.values]
-        return out
-
-    @contextlib.contextmanager
-    def _writing(self, positions: Tensor, kv_span: Optional[int]) -> Iterator[None]:
-        self._state.write = _WriteState(positions, kv_span)
-        try:
-            yield
-        finally:
-            self._state.write = None
-
-
 # ---------------------------------------------------------------------------------------------------
 # Forward helpers
 # ---------------------------------------------------------------------------------------------------
@@ -389,7 +262,7 @@ def masked_forward(model, cache: TreeKVCache, input_ids: Tensor, write_positions
         ``capture_layers``, (hidden, {i: input of layer i}). cache.lengths is not changed.
     """
     kv_span = int(mask.shape[-1])
-    with cache._writing(write_positions, kv_span), _forward_context(_ForwardContext(None, None, kv_span)):
+    with cache.writing(write_positions, kv_span), _forward_context(_ForwardContext(None, None, kv_span)):
         hidden, layers = _run_decoder(model, cache, input_ids, position_ids, mask, capture_layers)
     return (hidden, layers) if capture_layers else hidden
 
@@ -423,7 +296,7 @@ def prefill(model, cache: TreeKVCache, input_ids: Tensor, num_new: Optional[Tens
         raise ValueError(f"taps.hf.prefill: {kv_span} positions needed, the cache holds {cache.max_len}")
     # Causal in each request's own positions: key j is visible to new token t iff j <= lengths[b] + t.
     mask = (torch.arange(kv_span, device=device) <= positions.unsqueeze(-1)).unsqueeze(1)  # [B, 1, T, S]
-    with cache._writing(positions, kv_span), _forward_context(_ForwardContext(None, None, kv_span)):
+    with cache.writing(positions, kv_span), _forward_context(_ForwardContext(None, None, kv_span)):
         hidden, layers = _run_decoder(model, cache, input_ids.clamp_min(0).to(device), positions, mask, capture_layers)
     lengths.add_(num_new)
     if all_logits:
@@ -472,7 +345,7 @@ def tree_verify_forward(model, cache: TreeKVCache, tree_tokens: Tensor, tree_mas
     # A 4D placeholder so that transformers builds no mask of its own; the hook uses tree_mask.
     placeholder = torch.ones((1, 1, 1, 1), dtype=torch.bool, device=device).expand(
         batch, 1, num_nodes, cache.max_len)
-    with cache._writing(write_positions, None), tree_attention_context(tree_mask.to(device), kv_lens, max_kv_len,
+    with cache.writing(write_positions, None), tree_attention_context(tree_mask.to(device), kv_lens, max_kv_len,
                                                                         validate=False):
         hidden, layers = _run_decoder(model, cache, tree_tokens.clamp_min(0).to(device), positions, placeholder,
                                       capture_layers)

@@ -32,7 +32,7 @@ says why a model cannot take the lean path; the engine then uses :mod:`taps.hf` 
 
 from __future__ import annotations
 
-from typing import Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple, Union
+from typing import Callable, List, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.nn.functional as F
@@ -41,8 +41,7 @@ from torch import Tensor, nn
 import taps_ops
 
 __all__ = ["Linear", "Norm", "LayerWeights", "RopeTable", "decoder_layer", "eagle3_layer", "LeanCausalLM",
-           "lean_support", "stack_key", "pack_weight", "kv_writer", "cache_attend", "causal_append",
-           "NodeMask", "TreeAttend", "causal_bits", "pack_bits", "SUPPORTED_ARCHITECTURES"]
+           "lean_support", "stack_key", "pack_weight", "SUPPORTED_ARCHITECTURES"]
 
 #: Hugging Face causal-LM classes whose forward the lean path reproduces.
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
@@ -290,11 +289,12 @@ def decoder_layer(w: LayerWeights, index: int, x: Tensor, cos: Tensor, sin: Tens
     """One decoder layer. x: [G, rows * tokens, H] (G weight groups; G = 1 for a single weight set),
     cos / sin: [G * rows, tokens, 1, D] (sin with rotate_half's sign folded in, see :class:`RopeTable`).
 
-    With autograd off, packed weights (:meth:`LayerWeights.pack`) and a :class:`TreeAttend` attention, the
-    layer runs as one ``taps_ops.decoder_layer`` call: the same operators in the same order, bit for bit,
-    without their Python-side cost."""
-    if type(attend) is TreeAttend and w.op_args is not None and _layer_op_ok(w, x, cos):
-        return attend.layer(w.op_args, index, x, None, cos, sin)
+    With autograd off, packed weights (:meth:`LayerWeights.pack`) and an attention that offers a fused path
+    (``attend.fused_layer``, e.g. :class:`taps.kv.TreeAttend`), the layer runs as one ``taps_ops.decoder_layer``
+    call: the same operators in the same order, bit for bit, without their Python-side cost."""
+    fused = getattr(attend, "fused_layer", None)
+    if fused is not None and w.op_args is not None and _layer_op_ok(w, x, cos):
+        return fused(w.op_args, index, x, None, cos, sin)
     h = w.in_norm(x) if w.in_norm is not None else x
     return _attention_mlp(w, index, x, h, cos, sin, attend, rows, tokens)
 
@@ -305,14 +305,15 @@ def eagle3_layer(w: LayerWeights, hidden_norm: Norm, index: int, emb: Tensor, x:
     ``cat(input_layernorm(emb), hidden_norm(x))`` (q/k/v projections from 2H) while the residual stream is
     x; then the MLP as in :func:`decoder_layer`. emb, x: [G, rows * tokens, H]; cos / sin as there (and as
     there, one ``taps_ops.decoder_layer`` call when it can)."""
-    if (type(attend) is TreeAttend and w.op_args is not None and emb.dtype == x.dtype
+    fused = getattr(attend, "fused_layer", None)
+    if (fused is not None and w.op_args is not None and emb.dtype == x.dtype
             and hidden_norm.rows.dtype == x.dtype and _layer_op_ok(w, x, cos)):
         weights, eps, dims = w.op_args
         if weights[1] is not hidden_norm.rows:
             weights, eps = list(weights), list(eps)
             weights[1], eps[1] = hidden_norm.rows, hidden_norm.eps
             w.op_args = (weights, eps, dims)
-        return attend.layer(w.op_args, index, x, emb, cos, sin)
+        return fused(w.op_args, index, x, emb, cos, sin)
     h = torch.cat([w.in_norm(emb), hidden_norm(x)], dim=-1)
     return _attention_mlp(w, index, x, h, cos, sin, attend, rows, tokens)
 
@@ -512,135 +513,3 @@ class LeanCausalLM:
     def logits(self, hidden: Tensor) -> Tensor:
         """lm_head of hidden [G, R, H] -> [G, R, V]."""
         return self.head(hidden)
-
-
-def kv_writer(positions: Optional[Tensor] = None, start: Optional[int] = None) -> Callable[..., None]:
-    """``write(keys, values, k, v)``: new K/V ``[R, T, Hkv, D]`` into caches ``[R, Hkv, S, D]``, at per-row
-    positions ``positions [R, T]`` (a scatter, for ragged rows) or, when ``start`` is given (it takes
-    precedence), at columns ``start .. start + T - 1`` of every row (a plain copy, for rows that all hold
-    ``start`` entries)."""
-    if start is None:
-        if positions is None:
-            raise ValueError("kv_writer: give positions or start")
-        rows = torch.arange(positions.shape[0], device=positions.device).unsqueeze(1)
-
-        def write(keys: Tensor, values: Tensor, k: Tensor, v: Tensor) -> None:
-            keys[rows, :, positions] = k
-            values[rows, :, positions] = v
-    else:
-        def write(keys: Tensor, values: Tensor, k: Tensor, v: Tensor) -> None:
-            keys[:, :, start:start + k.shape[1]] = k.transpose(1, 2)
-            values[:, :, start:start + k.shape[1]] = v.transpose(1, 2)
-    return write
-
-
-class TreeAttend:
-    """An :data:`Attend` callback over per-layer caches ``kv[i] = (keys, values)`` [R, Hkv, S, D]: the new K/V
-    go to columns ``start .. start + T - 1`` of every row (a plain copy) or, with ``positions`` [R, T], to
-    each row's own columns (a scatter, for ragged rows); attention is one ``taps_ops.tree_attention`` call
-    (bits [R, N, W], kv_lens [R], tree_nodes T or None: see :class:`NodeMask`). :func:`decoder_layer`
-    recognises it and runs the whole layer as one ``taps_ops.decoder_layer`` call."""
-
-    __slots__ = ("kv", "scales", "bits", "kv_lens", "tree_nodes", "start", "positions", "rows")
-
-    def __init__(self, kv: Sequence[Sequence[Tensor]], layers: Sequence[LayerWeights], bits: Tensor, kv_lens: Tensor,
-                 tree_nodes: Optional[int], start: int, positions: Optional[Tensor] = None):
-        self.kv, self.scales = kv, [w.scale for w in layers]
-        self.bits, self.kv_lens, self.tree_nodes, self.start = bits, kv_lens, tree_nodes, int(start)
-        self.positions = positions
-        self.rows = None if positions is None else torch.arange(positions.shape[0], device=positions.device).unsqueeze(1)
-
-    def __call__(self, i: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
-        keys, values = self.kv[i]
-        if self.positions is not None:
-            keys[self.rows, :, self.positions] = k
-            values[self.rows, :, self.positions] = v
-        else:
-            stop = self.start + k.shape[1]
-            keys[:, :, self.start:stop] = k.transpose(1, 2)
-            values[:, :, self.start:stop] = v.transpose(1, 2)
-        return taps_ops.tree_attention(q.transpose(1, 2), keys, values, self.bits, self.kv_lens, self.scales[i],
-                                       validate=False, tree_nodes=self.tree_nodes)
-
-    def layer(self, op_args: Tuple[list, list, list], i: int, x: Tensor, emb: Optional[Tensor], cos: Tensor,
-              sin: Tensor) -> Tensor:
-        """Layer i as one taps_ops.decoder_layer call (op_args: :attr:`LayerWeights.op_args`)."""
-        keys, values = self.kv[i]
-        weights, eps, dims = op_args
-        return taps_ops.decoder_layer(x, weights, eps, dims, cos, sin, keys, values, self.start, self.bits, self.kv_lens,
-                                      self.scales[i], tree_nodes=self.tree_nodes, emb=emb, write_positions=self.positions)
-
-
-class NodeMask(NamedTuple):
-    """Visibility of T new keys that follow each row's fully visible prefix, for N queries
-    (``taps_ops.tree_attention``'s form): the mask a drafter's expansion level (the queries are the newest
-    N of the T nodes drafted so far, each sees its ancestors) or an append of N = T tokens (causal) needs,
-    without a dense [R, 1, N, S] bool mask.
-
-    bits: [R, N, W] int64, bit j of word j // 64 of row i = query i sees new key j (W >= ceil(T / 64)).
-    kv_lens: [R] int64, keys per row (prefix + T; the new keys are the last T of them).
-    tree_nodes: T.
-    """
-
-    bits: Tensor
-    kv_lens: Tensor
-    tree_nodes: int
-
-
-def pack_bits(dense: Tensor, words: Optional[int] = None) -> Tensor:
-    """Bool [..., T] -> int64 [..., W] words, bit j of word j // 64 = dense[..., j] (taps_ops' tree-mask
-    form); W = ceil(T / 64) (at least 1) unless given."""
-    num = dense.shape[-1]
-    words = max((num + 63) // 64, 1) if words is None else words
-    padded = F.pad(dense, (0, words * 64 - num)).view(*dense.shape[:-1], words, 64)
-    bit = torch.arange(64, device=dense.device)
-    return (padded.long() << bit).sum(-1)  # distinct bits, so sum == or (bit 63 wraps to the sign bit)
-
-
-_CAUSAL_BITS: Dict[Tuple[int, torch.device], Tensor] = {}
-
-
-def causal_bits(tokens: int, device: torch.device) -> Tensor:
-    """[T, ceil(T / 64)] int64 bit rows of a causal mask over T tokens (row i: bits 0..i), cached."""
-    key = (int(tokens), torch.device(device))
-    bits = _CAUSAL_BITS.get(key)
-    if bits is None:
-        bits = _CAUSAL_BITS[key] = pack_bits(torch.ones(tokens, tokens, dtype=torch.bool).tril()).to(device)
-    return bits
-
-
-def cache_attend(kv: Sequence[Sequence[Tensor]], layers: Sequence[LayerWeights], mask: Union[Tensor, NodeMask], *,
-                 positions: Optional[Tensor] = None, start: Optional[int] = None) -> Attend:
-    """An ``attend`` callback over preallocated per-layer caches ``kv[i] = (keys, values)`` [R, Hkv, S, D].
-
-    Each layer's new K/V ([R, T, Hkv, D]) are written at per-row positions ``positions [R, T]`` (committed
-    tokens of ragged rows) or, with ``start`` (which takes precedence), at columns ``start .. start + T - 1``
-    of every row (a plain copy; see :func:`kv_writer`); then attention runs over the first
-    ``S' = mask.shape[-1]`` columns with the bool mask ``[R, 1, T, S']`` (True = visible), or, with a
-    :class:`NodeMask`, as one ``taps_ops.tree_attention`` call (no dense mask, no SDPA).
-    """
-    if isinstance(mask, NodeMask):
-        if start is None and positions is None:
-            raise ValueError("cache_attend: give positions or start")
-        return TreeAttend(kv, layers, mask.bits, mask.kv_lens, mask.tree_nodes, 0 if start is None else start,
-                          positions=positions if start is None else None)
-    write = kv_writer(positions, start)
-    span = int(mask.shape[-1])
-
-    def attend(i: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
-        keys, values = kv[i]
-        write(keys, values, k, v)
-        w = layers[i]
-        return F.scaled_dot_product_attention(q.transpose(1, 2), keys[:, :, :span], values[:, :, :span],
-                                              attn_mask=mask, scale=w.scale, enable_gqa=w.heads != w.kv_heads)
-    return attend
-
-
-def causal_append(lengths: Tensor, longest: int, num_tokens: int) -> Tuple[Tensor, Tensor]:
-    """Positions [R, T] and the causal mask [R, 1, T, S] (S = longest + T) for appending T tokens to rows
-    holding ``lengths [R]`` committed entries (``longest`` = max(lengths), known on the host): token t of
-    row r goes to position lengths[r] + t and sees every key up to it."""
-    positions = lengths.unsqueeze(1) + torch.arange(num_tokens, device=lengths.device)
-    span = longest + num_tokens
-    mask = (torch.arange(span, device=lengths.device) <= positions.unsqueeze(-1)).unsqueeze(1)
-    return positions, mask

@@ -500,7 +500,7 @@ def decoder_layer(x: Tensor, weights: Sequence[Optional[Tensor]], eps: Sequence[
                   kv_lens: Tensor, scale: float, *, tree_nodes: Optional[int] = None,
                   emb: Optional[Tensor] = None, write_positions: Optional[Tensor] = None) -> Tensor:
     """One Llama decoder layer with tree attention over a KV cache, in one call: the lean forward's layer
-    (``taps.lean.decoder_layer`` with a ``taps.lean.TreeAttend``), the same operators in the same order, so
+    (``taps.lean.decoder_layer`` with a ``taps.kv.TreeAttend``), the same operators in the same order, so
     the output is the same bit for bit, without the host cost of some 25 operator calls from Python.
 
     ``h = rms_norm(x, in_norm)`` (or x without an input norm; EAGLE-3, with ``emb``:
