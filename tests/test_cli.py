@@ -51,6 +51,7 @@ BAD_ARGUMENTS = [
     (["demo", "--draft-vocab", "-1"], "--draft-vocab"),
     (["demo", "--dtype", "fp8"], "--dtype"),
     (["demo", "--bogus"], "--bogus"),
+    (["demo", "--strategy", "average", "--lookup"], "--lookup"),
     (["eval", "--limit", "-2"], "--limit"),
     (["eval", "--families", "eagle9"], "eagle9"),
     (["eval", "--benchmarks", "gsm9k"], "gsm9k"),

@@ -126,6 +126,10 @@ def demo(args) -> int:
     from .eval import ROWS, SINGLE_ROWS, evaluate, format_tables
     from .data import load_eval_prompts
 
+    if args.lookup and args.strategy in ("average", "autoregressive"):
+        raise ValueError(f"--lookup does not combine with --strategy {args.strategy} (prompt lookup has no "
+                         "weights to average)" if args.strategy == "average" else
+                         "--lookup does not combine with --strategy autoregressive (the target alone)")
     if args.threads:
         torch.set_num_threads(args.threads)
     limit = args.limit if args.limit is not None else (1 if args.quick else 3)
@@ -160,7 +164,7 @@ def demo(args) -> int:
     settings = {k: v for k, v in dict(depth=args.depth, top_k=args.top_k, budget=args.budget).items() if v is not None}
     pair = [drafters["math"], drafters["chat"]]
     # single: the math drafter alone, or with --lookup the prompt-lookup drafter alone (bench_e2e's lookup row)
-    streamed = pair if args.strategy != "single" else ([] if args.lookup else pair[:1])
+    streamed = {"single": [] if args.lookup else pair[:1], "autoregressive": []}.get(args.strategy, pair)
     names = ["the math drafter", "the chat drafter"][:len(streamed)] + (["prompt lookup"] if args.lookup else [])
     if args.lookup:
         from .ngram import PromptLookupDrafter
@@ -169,7 +173,7 @@ def demo(args) -> int:
     merged = SpeculativeDecoder(target, streamed, strategy=args.strategy, **settings)
     mark = "green" if color else "[brackets]"
     vocab = f"{args.draft_vocab} most frequent tokens" if args.draft_vocab else "the whole vocabulary"
-    print(f"1. Streaming, greedy, {args.strategy} strategy with {' and '.join(names)} (depth {merged.depth}, "
+    print(f"1. Streaming, greedy, {args.strategy} strategy with {' and '.join(names) or 'no drafter'} (depth {merged.depth}, "
           f"top_k {merged.top_k}, {merged.budget} nodes per drafter; draft vocabulary: {vocab}; {dtype_name}, "
           f"{torch.get_num_threads()} thread(s)); tokens accepted from the drafts in {mark}, the rest are the "
           "target's own.")
@@ -192,7 +196,7 @@ def demo(args) -> int:
         dt_hf = time.perf_counter() - t1
         s = out.stats[0]
         speed, speed_hf = s.new_tokens / dt, len(ref) / dt_hf
-        shares = ", ".join(f"{name} {share:.0%}" for name, share in zip(names, s.drafter_share))
+        shares = ", ".join(f"{name} {share:.0%}" for name, share in zip(names, s.drafter_share)) or "no drafter"
         print(f"\n--- {s.new_tokens} tokens in {s.target_forwards + 1} target forwards (tau {s.tau:.2f}); accepted "
               f"draft tokens proposed by {shares} (several when they agree)\n--- speed: taps {speed:.0f} tokens/s, "
               f"Hugging Face generate {speed_hf:.0f} tokens/s: "
