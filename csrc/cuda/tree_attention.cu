@@ -36,7 +36,8 @@ void dispatch_head_dim(const attention::Params& p, const attention::AttentionPla
     case 128: err = attention::launch_tree_attention<T, 128>(p, plan, stream); break;
     case 256: err = attention::launch_tree_attention<T, 256>(p, plan, stream); break;
     default:
-      TORCH_CHECK(false, "taps_ops: tree_attention: CUDA supports head dims 64, 80, 96, 128, 256, got ", p.head_dim);
+      TORCH_CHECK_VALUE(false,
+                        "taps_ops: tree_attention: CUDA supports head dims 64, 80, 96, 128, 256, got ", p.head_dim);
   }
   C10_CUDA_CHECK(err);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
