@@ -21,7 +21,9 @@ loops and CUDA-graph capture (where ``validate=True`` raises); the kernels then 
 write out of bounds, but bad input gives unspecified results.
 
 Bad input (a shape, dtype, device, size limit, tree structure or length the op cannot take) raises
-``ValueError`` with a message that starts ``taps_ops: <op>:``, on every op and backend.
+``ValueError`` with a message that starts ``taps_ops: <op>:``, on every op and backend; three checks in
+the kernels' own files still raise ``RuntimeError``: tree_attention's kv_lens range, compact_kv's paths
+and decoder_layer's arguments.
 """
 
 from __future__ import annotations
