@@ -139,6 +139,12 @@ def test_no_verify_on_a_truncated_weights_file(tmp_path, monkeypatch, capsys):
                         "truncated or corrupted")
 
 
+def test_missing_training_data_says_where_it_comes_from(tmp_path, capsys):
+    rc = cli.main(["train", "tokenizer", "--shared-data", str(tmp_path), "--out", str(tmp_path / "tok")])
+    _one_line_error(capsys, rc, "taps train tokenizer: error: ", str(tmp_path / "gsm8k" / "train.jsonl"),
+                    "github.com/openai/grade-school-math", "JSON Lines", "docs/TRAINING.md")
+
+
 def test_traceback_on_request(monkeypatch, tmp_path):
     monkeypatch.setenv("TAPS_MODELS_DIR", str(tmp_path / "nowhere"))
     monkeypatch.setenv("TAPS_TRACEBACK", "1")
