@@ -53,8 +53,12 @@ at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& w, const OptTens
   return op.call(x, w, b, "none", c10::List<std::optional<at::Scalar>>(), c10::string_view(""));
 }
 
-// taps.lean.Linear.__call__ with autograd off: packed, stacked ([G, in, out]: bmm) or plain.
+// taps.lean.Linear.__call__ with autograd off: packed, stacked ([G, in, out]: bmm) or plain; a float32
+// weight with half-precision x is a widened one (Linear.pack on a CPU without native bf16 / fp16 products):
+// x widened, the float32 product, the result rounded to x's dtype.
 at::Tensor project(const at::Tensor& x, const at::Tensor& w, const OptTensor& b) {
+  if (w.scalar_type() == at::kFloat && x.scalar_type() != at::kFloat)
+    return project(x.to(at::kFloat), w, b).to(x.scalar_type());
   if (w.is_mkldnn()) return packed_linear(x, w, b);
   if (w.dim() == 3) return b.has_value() ? at::baddbmm(*b, x, w) : at::bmm(x, w);
   if (x.dim() == 3 && x.is_contiguous()) {
@@ -113,12 +117,15 @@ void check_linear(const at::Tensor& w, const OptTensor& b, const at::Tensor& x, 
   }
   TORCH_CHECK(linear_in(w) == in && linear_out(w) == out, "taps_ops: decoder_layer: ", name,
               " weight must map ", in, " to ", out, " features, got shape ", w.sizes());
-  TORCH_CHECK(w.scalar_type() == x.scalar_type(), "taps_ops: decoder_layer: ", name, " weight has dtype ",
-              w.scalar_type(), " but x has ", x.scalar_type(), "; they must match");
+  TORCH_CHECK(w.scalar_type() == x.scalar_type() || w.scalar_type() == at::kFloat, "taps_ops: decoder_layer: ", name,
+              " weight has dtype ", w.scalar_type(), " but x has ", x.scalar_type(),
+              "; they must match (or the weight be a widened float32 one)");
   if (!w.is_mkldnn()) check_same_device(x, w, "x", name);
   if (b.has_value() && b->defined()) {
     TORCH_CHECK(b->numel() == groups * out && b->size(-1) == out, "taps_ops: decoder_layer: ", name,
                 " bias must hold ", out, " features per group, got shape ", b->sizes());
+    TORCH_CHECK(b->scalar_type() == w.scalar_type(), "taps_ops: decoder_layer: ", name, " bias has dtype ",
+                b->scalar_type(), " but its weight has ", w.scalar_type(), "; they must match");
     if (w.dim() == 3) {
       TORCH_CHECK(b->dim() == 3 && b->size(0) == groups && b->size(1) == 1, "taps_ops: decoder_layer: ", name,
                   " bias of a stacked weight must be [G, 1, out], got shape ", b->sizes());

@@ -10,6 +10,8 @@
 #include <Python.h>
 #include <torch/library.h>
 
+#include "cpu/cpu_isa.h"
+
 extern "C" {
 // `import taps_ops._C` loads this shared library, whose static initialisers register the ops.
 PyObject* PyInit__C(void) {
@@ -82,4 +84,11 @@ TORCH_LIBRARY(taps_ops, m) {
       "decoder_layer(Tensor x, Tensor? emb, Tensor?[] weights, float[] eps, int[] dims, Tensor cos, Tensor sin, "
       "Tensor(a!) keys, Tensor(b!) values, int write_start, Tensor tree_mask, Tensor kv_lens, int? tree_nodes, "
       "float scale, Tensor? write_positions=None) -> Tensor");
+  // The CPU kernels' instruction-set level (cpu/cpu_isa.h): scalar, avx2, avx512 or amx. _cpu_isa: the one in
+  // force; _cpu_host_isa: the best this CPU runs; _set_cpu_isa(level): cap the kernels there (<= the host's),
+  // returns the level in force; _cpu_features: the CPU features the kernels look at. No tensors: catch-all.
+  m.def("_cpu_isa() -> str", &taps::cpu::cpu_isa_op);
+  m.def("_cpu_host_isa() -> str", &taps::cpu::cpu_host_isa_op);
+  m.def("_set_cpu_isa(str level) -> str", &taps::cpu::set_cpu_isa_op);
+  m.def("_cpu_features() -> str[]", &taps::cpu::cpu_features_op);
 }

@@ -329,3 +329,53 @@ def test_cuda_matches_cpu(device, dtype):
     tol = dict(atol=2e-2, rtol=2e-2) if dtype == torch.bfloat16 else dict(atol=1e-4, rtol=1e-4)
     for a, b in zip(*out):
         torch.testing.assert_close(a, b, **tol)
+
+
+@pytest.mark.parametrize("groups", [1, 2])
+@torch.no_grad()
+def test_widened_half_weights_op_equals_the_python_layer(monkeypatch, groups):
+    """On a CPU without hardware bf16 products (taps_ops.native_half_matmul False), Linear.pack widens bf16
+    weights to float32: every projection is x widened, the float32 product, rounded to bf16; the op takes
+    the widened weights beside the bf16 norms and still equals the Python body bit for bit."""
+    monkeypatch.setattr(taps_ops, "native_half_matmul", lambda dtype: False)
+    models = _layers("qwen2", groups, torch.bfloat16, use_sliding_window=False)   # qwen2: projection biases
+    w = LayerWeights([m.model.layers[0] for m in models])
+    w.pack()
+    for lin in (w.qkv, w.o, w.gate_up, w.down, w.q):
+        assert lin.widened and lin.weight.dtype == torch.float32
+    assert w.qkv.bias.dtype == torch.float32
+    assert w.op_args is not None
+    x, keys, values, bits, kv_lens, start = _inputs(w, groups, 3, 5, 7, 11, torch.bfloat16)
+    # a widened projection is the float32 product of the widened input, rounded once
+    weight = w.qkv.weight if w.qkv.stacked else w.qkv.weight.t()
+    expected = (torch.bmm(x.float(), weight if w.qkv.stacked else weight.expand(groups, *weight.shape))
+                + w.qkv.bias.reshape(groups if w.qkv.stacked else 1, 1, -1)).to(torch.bfloat16)
+    assert torch.equal(w.qkv(x), expected)
+    cos, sin = _rope(models, w, groups * 3, 5, start, torch.bfloat16)
+
+    def run(k, v, use_op):
+        attend = TreeAttend([(k, v)], [w], bits, kv_lens, 7, start)
+        callback = attend if use_op else (lambda *a: attend(*a))
+        return decoder_layer(w, 0, x, cos, sin, callback, 3, 5)
+
+    _check_equal(_both(run, keys, values))
+
+
+def test_widened_bf16_engine_equals_its_autoregressive_decoding(monkeypatch):
+    """bf16 decoding with widened weights (no hardware bf16) emits what the engine's own bf16
+    autoregressive decoding emits, token for token, for a batch of ragged prompts."""
+    import engine_models as em
+    import taps
+    from taps.drafters import ModelDrafter
+    asked = []
+    monkeypatch.setattr(taps_ops, "native_half_matmul", lambda dtype: asked.append(dtype) and False)
+    target = em.llama(64, 32, 2, seed=1).to(torch.bfloat16)
+    drafter = ModelDrafter(em.llama(64, 32, 1, seed=2).to(torch.bfloat16))
+    gen = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(0, 64, (n,), generator=gen).tolist() for n in (7, 4, 11)]
+    with torch.no_grad():
+        spec = taps.SpeculativeDecoder(target, [drafter], depth=3, top_k=2, budget=6).generate(prompts, max_new_tokens=12)
+        plain = taps.SpeculativeDecoder(target, [], strategy="autoregressive").generate(prompts, max_new_tokens=12)
+    assert asked and set(asked) == {torch.bfloat16}   # the lean forwards widened their weights
+    assert spec.tokens == plain.tokens
+    assert all(len(t) == 12 for t in spec.tokens)

@@ -1,19 +1,33 @@
-// What the CPU kernels of the elementwise ops (rms_norm, rope_) share: the instruction-set clones of their
-// row loops and the parallel grain.
+// What the CPU kernels of the elementwise ops (rms_norm, rope_, expand_level) share: their row loops compiled
+// for AVX2 as well as for the baseline, chosen by the kernels' instruction-set level (cpu/cpu_isa.h), and the
+// parallel grain.
 #pragma once
 #include <algorithm>
 #include <cstdint>
 
-// One clone of a function per instruction set (AVX2 where the CPU has it, else the baseline), chosen when
-// the library loads: wider vectors for the same arithmetic. AVX2 has no fused multiply-add (that is the
-// separate FMA set), so both clones give the bits of the header-only core (taps/elementwise.h).
-#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
-#define TAPS_AVX2_CLONES __attribute__((target_clones("avx2", "default")))
-#else
-#define TAPS_AVX2_CLONES
-#endif
+#include "cpu/cpu_isa.h"
 
 namespace taps {
+
+// Runs rows() (a lambda over a row loop of the header-only core) compiled for AVX2 when `avx2`, else for the
+// baseline: wider vectors for the same arithmetic. TAPS_TARGET_AVX2 enables no FMA, so both give the core's
+// bits (taps/elementwise.h); it flattens, so the whole loop is compiled for AVX2. `avx2` is read once per op
+// call, on the calling thread (elementwise_avx2()).
+#if defined(TAPS_CPU_X86)
+template <class Rows>
+TAPS_TARGET_AVX2 void rows_avx2(const Rows& rows) { rows(); }
+#endif
+
+inline bool elementwise_avx2() { return cpu::at_least(cpu::Isa::kAvx2); }
+
+template <class Rows>
+inline void run_rows(bool avx2, const Rows& rows) {
+#if defined(TAPS_CPU_X86)
+  if (avx2) return rows_avx2(rows);
+#endif
+  (void)avx2;
+  rows();
+}
 
 // Rows per at::parallel_for task for rows of `width` elements: about 16k elements, so that the small calls
 // of decoding stay on the calling thread.

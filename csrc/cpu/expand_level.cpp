@@ -2,7 +2,7 @@
 // rows; expand::host_row of the core: the top k by a block-filtered scan, the sums as 32 lanes side by
 // side in the core's order, so the bits are the CUDA kernel's, and the k children), then every request
 // (parallel over requests; expand::host_request: its entropy and the next frontier by a partial sort in
-// the same order). The row loops are compiled again for AVX2 (TAPS_AVX2_CLONES). The point of the op on
+// the same order). The row loops are compiled for AVX2 as well (run_rows, cpu/cpu_isa.h). The point of the op on
 // the CPU is to replace the dozen operators of an expansion level (log_softmax, topk, the entropy, the
 // token map, the cumulative scores, the parents, the frontier's topk and gathers: about 50 us a level at
 // decoding's sizes) with one call.
@@ -26,9 +26,6 @@ inline __attribute__((always_inline)) void row_loop(const expand::Params& p, int
   for (int64_t row = lo; row < hi; ++row) expand::host_row<T>(p, row, val, idx);
 }
 
-TAPS_AVX2_CLONES void rows_f32(const expand::Params& p, int64_t lo, int64_t hi) { row_loop<elementwise::kF32>(p, lo, hi); }
-TAPS_AVX2_CLONES void rows_bf16(const expand::Params& p, int64_t lo, int64_t hi) { row_loop<elementwise::kBF16>(p, lo, hi); }
-TAPS_AVX2_CLONES void rows_f16(const expand::Params& p, int64_t lo, int64_t hi) { row_loop<elementwise::kF16>(p, lo, hi); }
 
 void request_loop(const expand::Params& p, int64_t lo, int64_t hi) {
   std::vector<int64_t> order(static_cast<size_t>(p.front * p.k));
@@ -44,11 +41,12 @@ expand_level_cpu(const at::Tensor& logits, const at::Tensor& front_scores, const
               a.logits.device());
   const expand::Params p = a.params();
   const int64_t rows = a.rows * a.front;
+  const bool avx2 = elementwise_avx2();
   at::parallel_for(0, rows, elementwise_grain(a.vocab), [&](int64_t lo, int64_t hi) {
     switch (a.dtype) {
-      case elementwise::kF32: rows_f32(p, lo, hi); break;
-      case elementwise::kBF16: rows_bf16(p, lo, hi); break;
-      case elementwise::kF16: rows_f16(p, lo, hi); break;
+      case elementwise::kF32: run_rows(avx2, [&] { row_loop<elementwise::kF32>(p, lo, hi); }); break;
+      case elementwise::kBF16: run_rows(avx2, [&] { row_loop<elementwise::kBF16>(p, lo, hi); }); break;
+      case elementwise::kF16: run_rows(avx2, [&] { row_loop<elementwise::kF16>(p, lo, hi); }); break;
     }
   });
   at::parallel_for(0, a.rows, std::max<int64_t>(1, 4096 / std::max<int64_t>(a.front * a.k, 1)),

@@ -28,9 +28,6 @@ inline __attribute__((always_inline)) void rows_loop(const NormView& v, int64_t 
                  v.width, v.eps);
 }
 
-TAPS_AVX2_CLONES void rows_f32(const NormView& v, int64_t lo, int64_t hi) { rows_loop<elementwise::kF32>(v, lo, hi); }
-TAPS_AVX2_CLONES void rows_bf16(const NormView& v, int64_t lo, int64_t hi) { rows_loop<elementwise::kBF16>(v, lo, hi); }
-TAPS_AVX2_CLONES void rows_f16(const NormView& v, int64_t lo, int64_t hi) { rows_loop<elementwise::kF16>(v, lo, hi); }
 
 at::Tensor rms_norm_cpu(const at::Tensor& x, const at::Tensor& weight, double eps) {
   RmsNormArgs a = prepare_rms_norm(x, weight, eps);
@@ -41,11 +38,12 @@ at::Tensor rms_norm_cpu(const at::Tensor& x, const at::Tensor& weight, double ep
   const NormView v{static_cast<const char*>(a.x.data_ptr()), static_cast<const char*>(a.weight.data_ptr()),
                    static_cast<char*>(a.out.data_ptr()), a.x.stride(0) * e, a.width, a.rows_per_group, e,
                    static_cast<float>(eps)};
+  const bool avx2 = elementwise_avx2();
   at::parallel_for(0, a.rows, elementwise_grain(a.width), [&](int64_t lo, int64_t hi) {
     switch (a.dtype) {
-      case elementwise::kF32: rows_f32(v, lo, hi); break;
-      case elementwise::kBF16: rows_bf16(v, lo, hi); break;
-      case elementwise::kF16: rows_f16(v, lo, hi); break;
+      case elementwise::kF32: run_rows(avx2, [&] { rows_loop<elementwise::kF32>(v, lo, hi); }); break;
+      case elementwise::kBF16: run_rows(avx2, [&] { rows_loop<elementwise::kBF16>(v, lo, hi); }); break;
+      case elementwise::kF16: run_rows(avx2, [&] { rows_loop<elementwise::kF16>(v, lo, hi); }); break;
     }
   });
   return a.out;

@@ -29,9 +29,6 @@ inline __attribute__((always_inline)) void rows_loop(const RopeView& v, int64_t 
   }
 }
 
-TAPS_AVX2_CLONES void rows_f32(const RopeView& v, int64_t lo, int64_t hi) { rows_loop<elementwise::kF32>(v, lo, hi); }
-TAPS_AVX2_CLONES void rows_bf16(const RopeView& v, int64_t lo, int64_t hi) { rows_loop<elementwise::kBF16>(v, lo, hi); }
-TAPS_AVX2_CLONES void rows_f16(const RopeView& v, int64_t lo, int64_t hi) { rows_loop<elementwise::kF16>(v, lo, hi); }
 
 void rope_cpu(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
   const RopeArgs a = prepare_rope(x, cos, sin);
@@ -41,11 +38,12 @@ void rope_cpu(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin)
   const RopeView v{static_cast<char*>(x.data_ptr()), static_cast<const char*>(a.cos.data_ptr()),
                    static_cast<const char*>(a.sin.data_ptr()), a.tokens, a.heads, a.dim, x.stride(0) * e,
                    x.stride(1) * e, x.stride(2) * e, a.cos.stride(0) * e, a.cos.stride(1) * e};
+  const bool avx2 = elementwise_avx2();
   at::parallel_for(0, a.rows * a.tokens, elementwise_grain(a.heads * a.dim), [&](int64_t lo, int64_t hi) {
     switch (a.dtype) {
-      case elementwise::kF32: rows_f32(v, lo, hi); break;
-      case elementwise::kBF16: rows_bf16(v, lo, hi); break;
-      case elementwise::kF16: rows_f16(v, lo, hi); break;
+      case elementwise::kF32: run_rows(avx2, [&] { rows_loop<elementwise::kF32>(v, lo, hi); }); break;
+      case elementwise::kBF16: run_rows(avx2, [&] { rows_loop<elementwise::kBF16>(v, lo, hi); }); break;
+      case elementwise::kF16: run_rows(avx2, [&] { rows_loop<elementwise::kF16>(v, lo, hi); }); break;
     }
   });
 }

@@ -12,18 +12,17 @@
 // merged by log-sum-exp, planned and laid out as for CUDA (taps/tree_attention.h), except that each
 // request's keys are split by its own length. Everything accumulates in fp32.
 //
-// Kernels:
-// - cpu/tree_attention_vec.h, written over a float vector type. The extension is compiled for the
-//   baseline ISA, so at::vec::Vectorized would be its generic 8-lane fallback; on x86-64 with GCC it
-//   is compiled twice: inside a `#pragma GCC target` AVX-512 region with ATen's AVX-512
-//   Vectorized<float> (namespace at::vec::AVX512, so no clash with other translation units), and for
-//   the baseline with a plain 16-lane vector struct; the AVX-512 one runs when the CPU has it and
-//   ATen's own capability (ATEN_CPU_CAPABILITY) allows it. Elsewhere (aarch64, clang, ...) it is
-//   compiled once with the default Vectorized<float>.
-// - cpu/tree_attention_avx512.h, on AVX-512 hosts for fp32 and bf16 with D % 16 == 0: the same work
-//   items, tiles and online softmax, with both tile products as row-major micro-GEMMs (a hand-written
-//   6 x 64 AVX-512 kernel in fp32, bf16 widened as it is read; opt-in, TAPS_ATTN_BF16_AMX=1, bf16 on
-//   at::native::cpublas::brgemm where it runs on AMX). fp16 and other head dims take the Vec kernel.
+// Kernels (one per instruction-set level, cpu/cpu_isa.h; the extension is compiled for the x86-64 baseline,
+// so each vector level is a `#pragma GCC target` region of this file):
+// - cpu/tree_attention_vec.h, written over a float vector type `Vec`: compiled in the AVX-512 region with
+//   ATen's AVX-512 Vectorized<float> (namespace at::vec::AVX512, so no clash with other translation units),
+//   in the AVX2 + FMA region with an 8-lane Vec of its own, and for the baseline with a plain 16-lane
+//   struct. Elsewhere (aarch64, clang, ...) it is compiled once with the default Vectorized<float>. It
+//   serves head dims the fast path cannot take.
+// - cpu/tree_attention_fast.h, written over vector traits `S`, compiled in both vector regions: the same
+//   work items, tiles and online softmax, with both tile products as row-major micro-GEMMs (6 x 64 on
+//   AVX-512, 6 x 16 on AVX2; bf16 and fp16 widened to fp32 as they are read), for D % 16 (AVX-512) or D % 8
+//   (AVX2) == 0; opt-in, TAPS_ATTN_BF16_AMX=1, bf16 on at::native::cpublas::brgemm where it runs on AMX.
 #include <ATen/ATen.h>
 #include <ATen/NumericUtils.h>
 #include <ATen/Parallel.h>
@@ -52,6 +51,8 @@
 #include <vector>
 
 #include "checks.h"
+#include "cpu/cpu_isa.h"
+#include "cpu/simd_x86.h"
 #include "taps/tree_attention.h"
 #include "tree_attention_checks.h"
 
@@ -61,8 +62,10 @@
 #define TAPS_ATTN_BRGEMM 1
 #endif
 
-#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
-#define TAPS_ATTN_X86_AVX512 1
+#if defined(TAPS_CPU_X86)
+#include <immintrin.h>
+
+// ---- AVX-512 region: ATen's AVX-512 Vectorized<float> for the Vec kernel, 16-lane traits for the fast path
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c,bmi,bmi2,lzcnt,popcnt")
 #define CPU_CAPABILITY AVX512
@@ -92,9 +95,157 @@
 #endif
 namespace taps::attention::cpu::avx512 {
 using Vec = at::vec::Vectorized<float>;
+struct S {
+  using F = __m512;
+  using I = __m512i;
+  static constexpr int L = 16, kMaxNV = 4;
+  static F load(const float* p) { return _mm512_loadu_ps(p); }
+  static void store(float* p, F x) { _mm512_storeu_ps(p, x); }
+  static F set1(float x) { return _mm512_set1_ps(x); }
+  static F zero() { return _mm512_setzero_ps(); }
+  static F add(F a, F b) { return _mm512_add_ps(a, b); }
+  static F sub(F a, F b) { return _mm512_sub_ps(a, b); }
+  static F mul(F a, F b) { return _mm512_mul_ps(a, b); }
+  static F max(F a, F b) { return _mm512_max_ps(a, b); }
+  static F fmadd(F a, F b, F c) { return _mm512_fmadd_ps(a, b, c); }
+  static F masked_scale(F x, uint32_t bits, F scale, F ninf) {
+    return _mm512_mask_mul_ps(ninf, static_cast<__mmask16>(bits), x, scale);
+  }
+  static float reduce_max(F x) { return _mm512_reduce_max_ps(x); }
+  static float reduce_add(F x) { return _mm512_reduce_add_ps(x); }
+  static F exp(F x) { return Vec(x).exp_u20(); }
+  static F widen(const c10::BFloat16* p) { return simd::widen_bf16x16(p); }
+  static F widen(const c10::Half* p) { return simd::widen_f16x16(p); }
+  static I loadi(const void* p) { return _mm512_loadu_si512(p); }
+  static void storei(void* p, I x) { _mm512_storeu_si512(p, x); }
+  // fp32 -> bf16 (round to nearest even; inputs finite) of 16 values.
+  static void store_bf16(c10::BFloat16* dst, F x) {
+    __m512i u = _mm512_castps_si512(x);
+    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    u = _mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff)));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst), _mm512_cvtepi32_epi16(_mm512_srli_epi32(u, 16)));
+  }
+  // dst[l] = a[l] | c[l] << 16 (c null: 0), 16 values: a VNNI pair of bf16 rows.
+  static void vnni_pair(const c10::BFloat16* a, const c10::BFloat16* c, uint32_t* dst) {
+    const __m512i lo = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(a)));
+    const __m512i hi = c ? _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(c)))
+                         : _mm512_setzero_si512();
+    _mm512_storeu_si512(dst, _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16)));
+  }
+  // 16 x 16 transpose of 32-bit words: out[c] = column c of the rows r[0..16).
+  static void transpose(I r[16]) {
+    __m512i t[16], u[16];
+    for (int k = 0; k < 8; ++k) {
+      t[2 * k] = _mm512_unpacklo_epi32(r[2 * k], r[2 * k + 1]);
+      t[2 * k + 1] = _mm512_unpackhi_epi32(r[2 * k], r[2 * k + 1]);
+    }
+    for (int g = 0; g < 4; ++g) {
+      u[4 * g + 0] = _mm512_unpacklo_epi64(t[4 * g], t[4 * g + 2]);
+      u[4 * g + 1] = _mm512_unpackhi_epi64(t[4 * g], t[4 * g + 2]);
+      u[4 * g + 2] = _mm512_unpacklo_epi64(t[4 * g + 1], t[4 * g + 3]);
+      u[4 * g + 3] = _mm512_unpackhi_epi64(t[4 * g + 1], t[4 * g + 3]);
+    }
+    // u[4 g + c] holds, in 128-bit lane L, column 4 L + c of rows 4 g .. 4 g + 3.
+    for (int c = 0; c < 4; ++c) {
+      const __m512i ab_lo = _mm512_shuffle_i32x4(u[c], u[4 + c], 0x44), ab_hi = _mm512_shuffle_i32x4(u[c], u[4 + c], 0xEE);
+      const __m512i cd_lo = _mm512_shuffle_i32x4(u[8 + c], u[12 + c], 0x44),
+                    cd_hi = _mm512_shuffle_i32x4(u[8 + c], u[12 + c], 0xEE);
+      r[c] = _mm512_shuffle_i32x4(ab_lo, cd_lo, 0x88);
+      r[4 + c] = _mm512_shuffle_i32x4(ab_lo, cd_lo, 0xDD);
+      r[8 + c] = _mm512_shuffle_i32x4(ab_hi, cd_hi, 0x88);
+      r[12 + c] = _mm512_shuffle_i32x4(ab_hi, cd_hi, 0xDD);
+    }
+  }
+};
 #include "cpu/tree_attention_vec.h"
-#include "cpu/tree_attention_avx512.h"
+#include "cpu/tree_attention_fast.h"
 }  // namespace taps::attention::cpu::avx512
+#undef CPU_CAPABILITY
+#undef CPU_CAPABILITY_AVX512
+#pragma GCC pop_options
+
+// ---- AVX2 + FMA region: an 8-lane Vec for the Vec kernel (ATen's vec headers are taken by the region
+// above), 8-lane traits for the fast path
+#pragma GCC push_options
+#pragma GCC target("avx2,fma,f16c,bmi,bmi2,lzcnt,popcnt")
+namespace taps::attention::cpu::avx2 {
+struct Vec {
+  __m256 x;
+  Vec() = default;
+  explicit Vec(float s) : x(_mm256_set1_ps(s)) {}
+  explicit Vec(__m256 v) : x(v) {}
+  static constexpr int size() { return 8; }
+  static Vec loadu(const float* p) { return Vec(_mm256_loadu_ps(p)); }
+  void store(float* p) const { _mm256_storeu_ps(p, x); }
+  Vec exp_u20() const { return Vec(simd::exp8(x)); }  // arguments here are <= 0 (x - running max) or -inf
+  Vec operator-(const Vec& o) const { return Vec(_mm256_sub_ps(x, o.x)); }
+  Vec operator+(const Vec& o) const { return Vec(_mm256_add_ps(x, o.x)); }
+  Vec operator*(const Vec& o) const { return Vec(_mm256_mul_ps(x, o.x)); }
+};
+inline Vec fmadd(const Vec& a, const Vec& b, const Vec& c) { return Vec(_mm256_fmadd_ps(a.x, b.x, c.x)); }
+inline Vec maximum(const Vec& a, const Vec& b) { return Vec(_mm256_max_ps(a.x, b.x)); }
+struct S {
+  using F = __m256;
+  using I = __m256i;
+  static constexpr int L = 8, kMaxNV = 2;
+  static F load(const float* p) { return _mm256_loadu_ps(p); }
+  static void store(float* p, F x) { _mm256_storeu_ps(p, x); }
+  static F set1(float x) { return _mm256_set1_ps(x); }
+  static F zero() { return _mm256_setzero_ps(); }
+  static F add(F a, F b) { return _mm256_add_ps(a, b); }
+  static F sub(F a, F b) { return _mm256_sub_ps(a, b); }
+  static F mul(F a, F b) { return _mm256_mul_ps(a, b); }
+  static F max(F a, F b) { return _mm256_max_ps(a, b); }
+  static F fmadd(F a, F b, F c) { return _mm256_fmadd_ps(a, b, c); }
+  static F masked_scale(F x, uint32_t bits, F scale, F ninf) {
+    const __m256i lane = _mm256_setr_epi32(1, 2, 4, 8, 16, 32, 64, 128);
+    const __m256i on = _mm256_cmpeq_epi32(_mm256_and_si256(_mm256_set1_epi32(static_cast<int>(bits)), lane), lane);
+    return _mm256_blendv_ps(ninf, _mm256_mul_ps(x, scale), _mm256_castsi256_ps(on));
+  }
+  static float reduce_max(F x) { return simd::hmax8(x); }
+  static float reduce_add(F x) { return simd::hsum8(x); }
+  static F exp(F x) { return simd::exp8(x); }
+  static F widen(const c10::BFloat16* p) { return simd::widen_bf16x8(p); }
+  static F widen(const c10::Half* p) { return simd::widen_f16x8(p); }
+  static I loadi(const void* p) { return _mm256_loadu_si256(static_cast<const __m256i*>(p)); }
+  static void storei(void* p, I x) { _mm256_storeu_si256(static_cast<__m256i*>(p), x); }
+  static void store_bf16(c10::BFloat16* dst, F x) {  // round to nearest even; inputs finite
+    __m256i u = _mm256_castps_si256(x);
+    const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+    u = _mm256_srli_epi32(_mm256_add_epi32(u, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7fff))), 16);
+    const __m128i packed = _mm_packus_epi32(_mm256_castsi256_si128(u), _mm256_extracti128_si256(u, 1));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(dst), packed);
+  }
+  static void vnni_pair(const c10::BFloat16* a, const c10::BFloat16* c, uint32_t* dst) {
+    const __m256i lo = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(a)));
+    const __m256i hi = c ? _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(c)))
+                         : _mm256_setzero_si256();
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst), _mm256_or_si256(lo, _mm256_slli_epi32(hi, 16)));
+  }
+  // 8 x 8 transpose of 32-bit words: out[c] = column c of the rows r[0..8).
+  static void transpose(I r[8]) {
+    __m256 t[8], u[8];
+    for (int k = 0; k < 4; ++k) {
+      const __m256 a = _mm256_castsi256_ps(r[2 * k]), b = _mm256_castsi256_ps(r[2 * k + 1]);
+      t[2 * k] = _mm256_unpacklo_ps(a, b);
+      t[2 * k + 1] = _mm256_unpackhi_ps(a, b);
+    }
+    for (int g = 0; g < 2; ++g) {
+      u[4 * g + 0] = _mm256_shuffle_ps(t[4 * g], t[4 * g + 2], 0x44);
+      u[4 * g + 1] = _mm256_shuffle_ps(t[4 * g], t[4 * g + 2], 0xEE);
+      u[4 * g + 2] = _mm256_shuffle_ps(t[4 * g + 1], t[4 * g + 3], 0x44);
+      u[4 * g + 3] = _mm256_shuffle_ps(t[4 * g + 1], t[4 * g + 3], 0xEE);
+    }
+    // u[4 g + c] holds, in 128-bit lane h, column 4 h + c of rows 4 g .. 4 g + 3.
+    for (int c = 0; c < 4; ++c) {
+      r[c] = _mm256_castps_si256(_mm256_permute2f128_ps(u[c], u[4 + c], 0x20));
+      r[4 + c] = _mm256_castps_si256(_mm256_permute2f128_ps(u[c], u[4 + c], 0x31));
+    }
+  }
+};
+#include "cpu/tree_attention_vec.h"
+#include "cpu/tree_attention_fast.h"
+}  // namespace taps::attention::cpu::avx2
 #pragma GCC pop_options
 
 namespace taps::attention::cpu::generic {
@@ -136,72 +287,75 @@ using Vec = at::vec::Vectorized<float>;
 namespace taps::attention::cpu {
 namespace {
 
-bool use_avx512() {
-#if defined(TAPS_ATTN_X86_AVX512)
-  static const bool ok = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-                          __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
-                          __builtin_cpu_supports("fma") && at::get_cpu_capability() == "AVX512";
-  return ok;
-#else
-  return false;
-#endif
-}
-
-// The GEMM-shaped fast path: AVX-512 hosts, D a multiple of 16, fp32 and bf16 (bf16 widened to fp32 as it
-// is read, the fp32 micro-GEMMs). Everything else takes the Vec kernel. 0: Vec kernel, 1: fast path,
-// 2: fast path with the bf16 products on oneDNN's brgemm ukernel, only when asked for (environment
-// TAPS_ATTN_BF16_AMX=1) and where it runs on AMX (could_pack). That path rounds P to bf16 for the P * V
-// product (as PyTorch's CPU flash attention does), which moves the output enough to flip near-tie greedy
-// tokens: on an AMX host it made one of the demo's two answers of the shipped bf16 target differ from the
-// target's own greedy output, while fp32 P gave both.
+// The kernel for this call, by the kernels' instruction-set level (cpu/cpu_isa.h, read once per call):
+enum class Kernel {
+  kGeneric,      // the Vec kernel for the baseline
+  kVecAvx2,      // the Vec kernel, AVX2 + FMA
+  kVecAvx512,    // the Vec kernel, AVX-512
+  kFastAvx2,     // the GEMM-shaped path, AVX2 + FMA: D % 8 == 0 (fp32; bf16 / fp16 widened to fp32 as read)
+  kFastAvx512,   // the GEMM-shaped path, AVX-512: D % 16 == 0 (likewise)
+  kBrgemmAmx,    // bf16 on oneDNN's brgemm ukernel (AMX), only when asked for (TAPS_ATTN_BF16_AMX=1)
+};
+// The brgemm path rounds P to bf16 for the P * V product (as PyTorch's CPU flash attention does), which
+// moves the output enough to flip near-tie greedy tokens: on an AMX host it made one of the demo's two
+// answers of the shipped bf16 target differ from the target's own greedy output, while fp32 P gave both.
+// So it is opt-in, and taken only at the amx level where could_pack says the ukernel runs on AMX.
 template <class T>
-int fast_mode(const Params& p) {
-#if defined(TAPS_ATTN_X86_AVX512)
-  if (!use_avx512() || p.head_dim % 16 != 0) return 0;
-  if constexpr (std::is_same_v<T, float>) {
-    return 1;
-  } else if constexpr (std::is_same_v<T, c10::BFloat16>) {
+Kernel choose_kernel(const Params& p) {
+#if defined(TAPS_CPU_X86)
+  const taps::cpu::Isa isa = taps::cpu::isa();
+  if (isa >= taps::cpu::Isa::kAvx512) {
 #if defined(TAPS_ATTN_BRGEMM)
-    static const bool amx = [] {
-      const char* flag = std::getenv("TAPS_ATTN_BF16_AMX");
-      return flag != nullptr && std::strcmp(flag, "1") == 0 && at::native::cpublas::could_pack(at::kBFloat16);
-    }();
-    if (amx) return 2;
+    if constexpr (std::is_same_v<T, c10::BFloat16>) {
+      static const bool amx_asked = [] {
+        const char* flag = std::getenv("TAPS_ATTN_BF16_AMX");
+        return flag != nullptr && std::strcmp(flag, "1") == 0;
+      }();
+      if (amx_asked && isa >= taps::cpu::Isa::kAmx && p.head_dim % 16 == 0 &&
+          at::native::cpublas::could_pack(at::kBFloat16))
+        return Kernel::kBrgemmAmx;
+    }
 #endif
-    return 1;
+    return p.head_dim % avx512::S::L == 0 ? Kernel::kFastAvx512 : Kernel::kVecAvx512;
   }
+  if (isa >= taps::cpu::Isa::kAvx2) return p.head_dim % avx2::S::L == 0 ? Kernel::kFastAvx2 : Kernel::kVecAvx2;
 #endif
-  return 0;
+  (void)p;
+  return Kernel::kGeneric;
 }
 
 template <class T>
 void run(const Params& p) {
   const int64_t items = p.batch * p.heads_kv * p.splits;
-  [[maybe_unused]] const int mode = fast_mode<T>(p);
+  const Kernel kernel = choose_kernel<T>(p);
   at::parallel_for(0, items, 1, [&](int64_t begin, int64_t end) {
-#if defined(TAPS_ATTN_X86_AVX512)
-    if constexpr (std::is_same_v<T, float> || std::is_same_v<T, c10::BFloat16>) {
+    switch (kernel) {
+#if defined(TAPS_CPU_X86)
+      case Kernel::kBrgemmAmx:
 #if defined(TAPS_ATTN_BRGEMM)
-      if constexpr (std::is_same_v<T, c10::BFloat16>) {
-        if (mode == 2) return avx512::fast::attend_items_fast<T, true>(p, begin, end);
-      }
+        if constexpr (std::is_same_v<T, c10::BFloat16>) return avx512::fast::attend_items_fast<T, true>(p, begin, end);
 #endif
-      if (mode == 1) return avx512::fast::attend_items_fast<T, false>(p, begin, end);
+        break;
+      case Kernel::kFastAvx512: return avx512::fast::attend_items_fast<T, false>(p, begin, end);
+      case Kernel::kVecAvx512: return avx512::attend_items<T>(p, begin, end);
+      case Kernel::kFastAvx2: return avx2::fast::attend_items_fast<T, false>(p, begin, end);
+      case Kernel::kVecAvx2: return avx2::attend_items<T>(p, begin, end);
+#endif
+      default: break;
     }
-    if (use_avx512()) return avx512::attend_items<T>(p, begin, end);
-#endif
     generic::attend_items<T>(p, begin, end);
   });
   if (p.splits == 1) return;
   const int64_t rows = p.batch * p.heads_q * p.num_nodes;
   at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
-#if defined(TAPS_ATTN_X86_AVX512)
-    if (use_avx512()) return avx512::combine_rows<T>(p, begin, end);
+#if defined(TAPS_CPU_X86)
+    if (kernel == Kernel::kFastAvx512 || kernel == Kernel::kVecAvx512 || kernel == Kernel::kBrgemmAmx)
+      return avx512::combine_rows<T>(p, begin, end);
+    if (kernel == Kernel::kFastAvx2 || kernel == Kernel::kVecAvx2) return avx2::combine_rows<T>(p, begin, end);
 #endif
     generic::combine_rows<T>(p, begin, end);
   });
 }
-
 
 }  // namespace
 }  // namespace taps::attention::cpu

@@ -1,7 +1,7 @@
 // verify_tree, CPU: input checks, then one walk per request (at::parallel_for over requests).
 // The walk and every decision are the header-only core's (taps/verify.h); this file supplies the
-// sequential row backend, whose two hot passes (max, sum of exp) are AVX-512 when the CPU has it
-// (cpu/row_kernels.h).
+// sequential row backend, whose two hot passes (max, sum of exp) run at the kernels' instruction-set level
+// (AVX-512, AVX2 + FMA or scalar: cpu/row_kernels.h, cpu/cpu_isa.h).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
@@ -27,6 +27,7 @@ struct CpuOps {
   static constexpr bool kLeader = true;
   const int32_t* first_child;   // [N]
   const int32_t* next_sibling;  // [N]
+  cpu::Isa isa;                 // the row passes' instruction-set level (read once per call)
 
   void sync() const {}
 
@@ -45,15 +46,15 @@ struct CpuOps {
 
   template <typename scalar_t>
   RowScan max_scan(const scalar_t* row, int64_t vocab) const {
-    const rows::MaxResult r = rows::row_max(row, vocab, dtype_of<scalar_t>());
-    const int64_t arg = r.max > -INFINITY ? rows::row_first_equal(row, vocab, dtype_of<scalar_t>(), r.max) : 0;
+    const rows::MaxResult r = rows::row_max(row, vocab, dtype_of<scalar_t>(), isa);
+    const int64_t arg = r.max > -INFINITY ? rows::row_first_equal(row, vocab, dtype_of<scalar_t>(), r.max, isa) : 0;
     return RowScan{r.max, arg < 0 ? 0 : arg,
                    (r.nan ? int32_t(verify::kRowNaN) : 0) | (r.max == INFINITY ? int32_t(verify::kRowPosInf) : 0)};
   }
 
   template <typename scalar_t>
   float sum_target(const scalar_t* row, int64_t vocab, const Target& t) const {
-    return rows::row_sum_exp(row, vocab, dtype_of<scalar_t>(), t.max, t.inv_temperature, t.threshold);
+    return rows::row_sum_exp(row, vocab, dtype_of<scalar_t>(), t.max, t.inv_temperature, t.threshold, isa);
   }
 
   // The draw past the children: skip whole blocks by their vectorised weight sums (child tokens'
@@ -71,7 +72,7 @@ struct CpuOps {
     for (; start < vocab; start += kBlock) {
       const int64_t end = start + kBlock < vocab ? start + kBlock : vocab;
       float block = rows::row_sum_exp(row + start, end - start, dtype_of<scalar_t>(), t.max, t.inv_temperature,
-                                      t.threshold);
+                                      t.threshold, isa);
       for (; next_child < distinct && s.sorted_tokens[next_child] < end; ++next_child)
         block -= verify::target_weight(t, float(row[s.sorted_tokens[next_child]]));
       if (acc + block > x) break;
@@ -138,6 +139,7 @@ void verify_cpu_impl(const VerifyCall& c) {
   int64_t* o_path = c.path.data_ptr<int64_t>();
   int32_t* o_err = c.errors.data_ptr<int32_t>();
 
+  const cpu::Isa isa = rows::row_isa();
   at::parallel_for(0, batch, 1, [&](int64_t begin, int64_t end) {
     std::vector<int32_t> ints(static_cast<size_t>(4 * n));
     std::vector<uint8_t> flags(static_cast<size_t>(n));
@@ -162,7 +164,7 @@ void verify_cpu_impl(const VerifyCall& c) {
           first_child[p] = int32_t(i);
         }
       }
-      CpuOps ops{first_child, next_sibling};
+      CpuOps ops{first_child, next_sibling, isa};
       verify::Request<scalar_t, prob_t> rq{lg + b * n * vocab, dp ? dp + b * n * vocab : nullptr, tb, pb, ub,
                                            n, vocab, temp[b], topp[b], topk[b]};
       verify::WalkState st{};

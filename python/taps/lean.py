@@ -78,10 +78,11 @@ class Linear:
         biases: matching bias(es) or None.
     """
 
-    __slots__ = ("weight", "bias", "stacked", "packed")
+    __slots__ = ("weight", "bias", "stacked", "packed", "widened")
 
     def __init__(self, weights, biases=None):
         self.packed = None
+        self.widened = False
         if isinstance(weights, (list, tuple)):
             if len(weights) == 1:
                 weights, biases = weights[0], (biases[0] if biases is not None else None)
@@ -114,12 +115,27 @@ class Linear:
 
     def pack(self) -> "Linear":
         """On the CPU, keep a copy of the weight in oneDNN's blocked layout (:func:`pack_weight`), so that
-        calls skip re-laying it out (inference only: the packed path is used with autograd off)."""
+        calls skip re-laying it out (inference only: the packed path is used with autograd off).
+
+        On a CPU without hardware bf16 / fp16 matrix products (``taps_ops.native_half_matmul``), a weight of
+        that dtype is widened to float32 (exact) and kept so: each call then widens x, multiplies in float32
+        and rounds the result to x's dtype, as the emulated half-precision kernels would (they accumulate
+        in float32 too) at the float32 kernels' speed instead of several times slower."""
+        if (self.weight.device.type == "cpu" and self.weight.dtype in (torch.bfloat16, torch.float16)
+                and not taps_ops.native_half_matmul(self.weight.dtype)):
+            self.weight = self.weight.detach().float()
+            self.bias = None if self.bias is None else self.bias.detach().float()
+            self.widened = True
         if not self.stacked:
             self.packed = pack_weight(self.weight)
         return self
 
     def __call__(self, x: Tensor) -> Tensor:
+        if self.widened and x.dtype != torch.float32:
+            return self._product(x.float()).to(x.dtype)
+        return self._product(x)
+
+    def _product(self, x: Tensor) -> Tensor:
         if not self.stacked:
             if self.packed is not None and not torch.is_grad_enabled():
                 return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
@@ -231,9 +247,9 @@ class LayerWeights:
             lin.pack()
         self.op_args = None
         dtype = self.post_norm.rows.dtype
-        same_dtype = all(t is None or t.dtype == dtype for t in
-                         (self.in_norm.rows if self.in_norm is not None else None, self.qkv.weight if self.qkv else None,
-                          self.o.weight, self.gate_up.weight if self.gate_up else None, self.down.weight))
+        # the op takes widened float32 projections (Linear.pack) beside half-precision norms, as the Python body
+        same_dtype = (self.in_norm is None or self.in_norm.rows.dtype == dtype) and all(
+            lin is None or lin.weight.dtype == dtype or lin.widened for lin in (self.qkv, self.o, self.gate_up, self.down))
         if self.qkv is not None and self.q_norm is None and dtype in _FUSED_NORM_DTYPES and same_dtype:
             # the whole layer as one taps_ops.decoder_layer call, when its attention is a TreeAttend
             fused_rope = dtype == torch.float32 or (self.heads + self.kv_heads) * self.head_dim <= _FUSED_ROPE_HALF_WIDTH

@@ -51,7 +51,7 @@ _load_library()
 __all__ = [
     "VerifyOutput", "Tree", "MergedTree", "verify_tree", "build_tree", "merge_trees",
     "tree_attention", "compact_kv", "rms_norm", "rope_", "ExpandLevel", "expand_level", "decoder_layer",
-    "has_cuda_kernels",
+    "has_cuda_kernels", "cpu_info", "set_cpu_isa", "native_half_matmul", "CPU_ISA_LEVELS",
 ]
 
 Scalar = Union[float, int, Tensor]
@@ -102,6 +102,94 @@ class MergedTree(NamedTuple):
 def has_cuda_kernels() -> bool:
     """True when the extension was built with its CUDA kernels."""
     return torch._C._dispatch_has_kernel_for_dispatch_key("taps_ops::verify_tree", "CUDA")
+
+
+#: The CPU kernels' instruction-set levels, lowest first (each includes the ones before it).
+CPU_ISA_LEVELS = ("scalar", "avx2", "avx512", "amx")
+
+# The highest level each CPU op has code for (the op runs at min(this, the level in force)). decoder_layer
+# runs ATen's and oneDNN's kernels (ATEN_CPU_CAPABILITY, ONEDNN_MAX_CPU_ISA) plus the ops above.
+_OP_MAX_ISA = {
+    "verify_tree": "avx512",      # row passes (max, sum of exp): AVX-512 / AVX2 + FMA / scalar
+    "tree_attention": "amx",      # micro-GEMMs AVX-512 (D % 16 == 0) / AVX2 + FMA (D % 8 == 0), Vec kernel
+                                  # otherwise; amx: bf16 brgemm only with TAPS_ATTN_BF16_AMX=1
+    "rms_norm": "avx2",           # row loops for AVX2 (no FMA: the same bits at every level)
+    "rope_": "avx2",
+    "expand_level": "avx2",
+    "build_tree": "scalar",       # scalar tree logic (no vector path to choose)
+    "merge_trees": "scalar",
+    "compact_kv": "scalar",       # memcpy
+}
+
+
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    import platform
+    return platform.processor() or platform.machine()
+
+
+def cpu_info() -> dict:
+    """What the CPU kernels run on this machine.
+
+    Returns a dict: ``cpu`` (model name), ``isa`` (the level in force: one of :data:`CPU_ISA_LEVELS`),
+    ``host_isa`` (the best this CPU runs), ``features`` (the CPU features the kernels look at, e.g.
+    ``avx2``, ``avx512f``, ``avx512_bf16``, ``amx_bf16``), ``native_bf16`` (:func:`native_half_matmul` for
+    bf16: bf16 matrix products in hardware, so bf16 models are worth running), ``aten_capability`` (PyTorch's own
+    CPU kernels' level, ``ATEN_CPU_CAPABILITY``), ``ops`` (the level each op uses) and ``summary`` (one line
+    of it all, which the benchmarks and ``taps demo`` print).
+
+    The level is chosen when the library loads: the best the CPU runs, or ``TAPS_CPU_ISA``
+    (scalar|avx2|avx512|amx) when set; :func:`set_cpu_isa` changes it later. Together with
+    ``ATEN_CPU_CAPABILITY=avx2`` and ``ONEDNN_MAX_CPU_ISA=AVX2`` an AVX-512 machine runs as an AVX2-only one.
+    """
+    isa = torch.ops.taps_ops._cpu_isa()
+    features = list(torch.ops.taps_ops._cpu_features())
+    rank = CPU_ISA_LEVELS.index(isa)
+    ops = {op: CPU_ISA_LEVELS[min(rank, CPU_ISA_LEVELS.index(top))] for op, top in _OP_MAX_ISA.items()}
+    native_bf16 = native_half_matmul(torch.bfloat16)
+    aten = torch.backends.cpu.get_cpu_capability() if hasattr(torch.backends.cpu, "get_cpu_capability") else "?"
+    info = dict(cpu=_cpu_model(), isa=isa, host_isa=torch.ops.taps_ops._cpu_host_isa(), features=features,
+                native_bf16=native_bf16, aten_capability=aten, ops=ops)
+    info["summary"] = (f"{info['cpu']}; taps kernels: {isa} (host {info['host_isa']}); ATen: {aten}; "
+                       f"native bf16: {'yes' if native_bf16 else 'no'}")
+    return info
+
+
+def native_half_matmul(dtype: torch.dtype) -> bool:
+    """Whether this CPU multiplies `dtype` (bfloat16 / float16) matrices in hardware at the kernels' level:
+    AVX512-BF16 or AMX-BF16 for bfloat16, AVX512-FP16 or AMX-FP16 for float16, with the level at avx512 or
+    above (so ``TAPS_CPU_ISA=avx2`` also answers as a CPU without them would). Elsewhere half-precision
+    products are emulated, several times slower than float32 ones, and taps' lean forwards widen the
+    weights to float32 instead (``taps.lean.Linear.pack``)."""
+    if dtype not in (torch.bfloat16, torch.float16):
+        raise ValueError(f"taps_ops.native_half_matmul: dtype must be bfloat16 or float16, got {dtype}")
+    if CPU_ISA_LEVELS.index(torch.ops.taps_ops._cpu_isa()) < CPU_ISA_LEVELS.index("avx512"):
+        return False
+    names = ("avx512_bf16", "amx_bf16") if dtype == torch.bfloat16 else ("avx512_fp16", "amx_fp16")
+    features = torch.ops.taps_ops._cpu_features()
+    return any(n in features for n in names)
+
+
+def set_cpu_isa(level: str) -> str:
+    """Runs the CPU kernels at `level` (one of :data:`CPU_ISA_LEVELS`, at most the CPU's own) from now on, in
+    every thread; returns the previous level. For tests and benchmarks of the lower paths on a machine with
+    a higher one (``TAPS_CPU_ISA`` does the same at load time). Raises ValueError for an unknown level or one
+    this CPU cannot run."""
+    if level not in CPU_ISA_LEVELS:
+        raise ValueError(f"taps_ops.set_cpu_isa: level must be one of {', '.join(CPU_ISA_LEVELS)}, got {level!r}")
+    previous = torch.ops.taps_ops._cpu_isa()
+    torch.ops.taps_ops._set_cpu_isa(level)
+    return previous
+
+
+# Read the level once at import: a bad TAPS_CPU_ISA is a clear ValueError here, not at the first op call.
+torch.ops.taps_ops._cpu_isa()
 
 
 def _per_request(value: Scalar, batch: int, dtype: torch.dtype, device: torch.device, name: str) -> Tensor:

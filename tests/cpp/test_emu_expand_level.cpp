@@ -44,7 +44,7 @@ float uniform(float lo, float hi) { return lo + (hi - lo) * float(rng() % 100000
 const char* dtype_name(int T) { return T == kF32 ? "f32" : T == kBF16 ? "bf16" : "f16"; }
 
 // The CPU kernel's computation on one thread: the core's host_row over every row, then host_request over
-// every request (what csrc/cpu/expand_level.cpp runs, in parallel and in its instruction-set clones).
+// every request (what csrc/cpu/expand_level.cpp runs, in parallel and at each instruction-set level).
 template <int T>
 void reference(const Params& p) {
   using namespace taps::expand;
