@@ -1,4 +1,4 @@
-"""The demo's pieces that need no model: the accepted-token marks, the CPU description and `--dtype auto`."""
+"""The demo's pieces that need no model: the accepted-token marks and `--dtype auto`."""
 
 import pytest
 import torch
@@ -19,9 +19,10 @@ def test_marks_never_span_a_line_break():
 
 @pytest.mark.parametrize("native", [True, False])
 def test_auto_dtype_is_bf16_only_with_native_bf16(native, monkeypatch):
-    monkeypatch.setattr(taps_ops, "cpu_info", lambda: {"cpu": "x", "isa": "avx2", "native_bf16": native},
-                        raising=False)
+    asked = []
+    monkeypatch.setattr(taps_ops, "native_half_matmul", lambda dtype: asked.append(dtype) or native)
     assert models.resolve_dtype("auto") == (torch.bfloat16 if native else torch.float32)
+    assert asked == [torch.bfloat16]
     assert models.resolve_dtype("auto", "cpu") == models.resolve_dtype()
     assert models.resolve_dtype("fp32") == models.resolve_dtype("float32") == torch.float32
     assert models.resolve_dtype("bf16") == models.resolve_dtype("bfloat16") == torch.bfloat16
@@ -29,13 +30,6 @@ def test_auto_dtype_is_bf16_only_with_native_bf16(native, monkeypatch):
         models.resolve_dtype("fp8")
 
 
-def test_cpu_info_without_the_extension_reads_proc_cpuinfo(monkeypatch):
-    monkeypatch.delattr(taps_ops, "cpu_info", raising=False)
-    info = models.cpu_info()
-    assert set(info) >= {"cpu", "isa", "native_bf16"} and info["cpu"]
-    try:
-        flags = next(line for line in open("/proc/cpuinfo") if line.startswith("flags")).split()
-    except (OSError, StopIteration):
-        pytest.skip("no /proc/cpuinfo flags on this machine")
-    assert info["native_bf16"] == ("avx512_bf16" in flags or "amx_bf16" in flags)
-    assert info["isa"] == ("avx512" if "avx512f" in flags else "avx2" if "avx2" in flags else "scalar")
+def test_auto_dtype_follows_the_cpu():
+    expected = torch.bfloat16 if taps_ops.cpu_info()["native_bf16"] else torch.float32
+    assert models.resolve_dtype("auto") == expected

@@ -121,6 +121,8 @@ def _same_line(tokens: List[int], hf: List[int], own, prompt: List[int], new_tok
 
 
 def demo(args) -> int:
+    import taps_ops
+
     from . import models
     from .decoder import SpeculativeDecoder
     from .eval import ROWS, SINGLE_ROWS, evaluate, format_tables
@@ -138,7 +140,7 @@ def demo(args) -> int:
     t0 = time.time()
     dtype = models.resolve_dtype(args.dtype)
     dtype_name = {torch.float32: "fp32", torch.bfloat16: "bf16"}[dtype]
-    cpu = models.cpu_info()
+    cpu = taps_ops.cpu_info()
     bf16_note = "native bf16" if cpu.get("native_bf16") else "no native bf16"
     why = f" (--dtype auto: {'the CPU has' if dtype == torch.bfloat16 else 'the CPU lacks'} native bf16)" \
         if args.dtype == "auto" else ""
@@ -153,7 +155,7 @@ def demo(args) -> int:
     reference = copy.deepcopy(target)  # Hugging Face generate on its own copy, untouched by taps
     n_t = sum(p.numel() for p in target.parameters())
     n_d = sum(p.numel() for p in drafters["math"].parameters())
-    print(f"TAPS demo on {cpu.get('cpu')} ({cpu.get('isa')}, {bf16_note}), {dtype_name}{why}, "
+    print(f"TAPS demo on {cpu['cpu']} (taps kernels: {cpu['isa']}, {bf16_note}), {dtype_name}{why}, "
           f"{torch.get_num_threads()} thread(s).\n"
           f"The target (models/target) is a {n_t / 1e6:.1f}M-parameter model "
           f"{_target_story(models.models_dir() / 'target')}: it writes fluent-looking nonsense, as a model that "

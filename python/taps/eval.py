@@ -588,6 +588,8 @@ def run_eval(args: argparse.Namespace) -> dict:
     if unknown or not any(f in have for f in families):
         raise ValueError(f"no drafters of family {', '.join(unknown or families)} in {root / 'drafters'} "
                          f"(known families: {', '.join(M.FAMILIES)}; present: {', '.join(have) or 'none'})")
+    import taps_ops
+
     device = _device(args.device)
     dtype = M.resolve_dtype(getattr(args, "dtype", "fp32"), device)
     if args.threads:
@@ -602,9 +604,9 @@ def run_eval(args: argparse.Namespace) -> dict:
             if name in have.get(family, []):
                 drafters.setdefault(family, {})[name] = M.load_drafter(family, name, target, root / "drafters",
                                                                        verify=verify)
-    cpu = M.cpu_info() if device.type == "cpu" else {}
+    cpu = taps_ops.cpu_info() if device.type == "cpu" else {}
     print(f"target: {root / 'target'} on {device}"
-          + (f" ({cpu.get('cpu')}, {cpu.get('isa')})" if cpu else "")
+          + (f" ({cpu['cpu']}, taps kernels: {cpu['isa']})" if cpu else "")
           + f", {str(dtype).replace('torch.', '')}"
           + (" (--dtype auto)" if getattr(args, "dtype", None) == "auto" else "") + "; drafters: "
           + (", ".join(f"{f}-{n}" for f, ds in drafters.items() for n in ds) or "none"), flush=True)

@@ -18,8 +18,8 @@ loaders do so by default.
     math = load_drafter("eagle2", "math", target)    # bound to the target
 
 :func:`resolve_dtype` is the one place that turns a ``--dtype`` value (``auto``, ``fp32``, ``bf16``) into
-a torch dtype: ``auto`` is bf16 only where the CPU computes in bf16 natively (AVX512-BF16 or AMX, as
-:func:`cpu_info` reports), fp32 otherwise.
+a torch dtype: ``auto`` is bf16 only where the CPU multiplies bf16 in hardware (AVX512-BF16 or AMX, as
+``taps_ops.cpu_info()["native_bf16"]`` reports), fp32 otherwise.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ import torch
 from .files import sha256_file
 
 __all__ = ["MODELS_DIR", "FAMILIES", "DATA_NAMES", "DTYPES", "models_dir", "verify_manifest", "load_target",
-           "available_drafters", "drafter_dir", "load_drafter", "draft_vocab", "cpu_info", "resolve_dtype"]
+           "available_drafters", "drafter_dir", "load_drafter", "draft_vocab", "resolve_dtype"]
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 #: The models folder as of import time (``$TAPS_MODELS_DIR`` or the repository's ``models/``);
@@ -50,40 +50,11 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 _DTYPE_ALIASES = {"float32": "fp32", "bfloat16": "bf16"}
 
 
-def cpu_info() -> Dict[str, object]:
-    """The CPU: ``{"cpu": model name, "isa": "avx512" | "avx2" | "scalar" | ..., "native_bf16": bool}``.
-
-    ``taps_ops.cpu_info()`` when the extension has it (the ISA its kernels dispatch to); otherwise read
-    from ``/proc/cpuinfo`` (the widest of AVX-512 / AVX2 the CPU has; native bf16: the ``avx512_bf16`` or
-    ``amx_bf16`` flag)."""
-    import taps_ops
-
-    native = getattr(taps_ops, "cpu_info", None)
-    if native is not None:
-        return dict(native())
-    import platform
-
-    name, flags = None, set()
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                key, _, value = line.partition(":")
-                if key.strip() == "model name" and name is None:
-                    name = value.strip()
-                elif key.strip() == "flags":
-                    flags = set(value.split())
-                    break
-    except OSError:
-        pass
-    name = name or platform.processor() or platform.machine() or "unknown CPU"
-    isa = "avx512" if "avx512f" in flags else "avx2" if "avx2" in flags else "scalar"
-    return {"cpu": name, "isa": isa, "native_bf16": bool(flags & {"avx512_bf16", "amx_bf16"})}
-
-
 def resolve_dtype(name: str = "auto", device: Union[str, torch.device] = "cpu") -> torch.dtype:
     """The torch dtype of a ``--dtype`` value: ``fp32`` / ``float32``, ``bf16`` / ``bfloat16``, or ``auto``:
-    bf16 on CUDA and on a CPU with native bf16 arithmetic (:func:`cpu_info`), fp32 on other CPUs (there
-    bf16 is emulated and slower than fp32). Raises ValueError on another name."""
+    bf16 on CUDA and on a CPU that multiplies bf16 in hardware (AVX512-BF16 or AMX at the kernels' level:
+    ``taps_ops.native_half_matmul``), fp32 on other CPUs (there bf16 products are emulated). Raises
+    ValueError on another name."""
     key = _DTYPE_ALIASES.get(name, name)
     if key in DTYPES:
         return DTYPES[key]
@@ -91,7 +62,9 @@ def resolve_dtype(name: str = "auto", device: Union[str, torch.device] = "cpu") 
         raise ValueError(f"unknown dtype {name!r}; choose from auto, {', '.join(DTYPES)}")
     if torch.device(device).type == "cuda":
         return torch.bfloat16
-    return torch.bfloat16 if cpu_info().get("native_bf16") else torch.float32
+    import taps_ops
+
+    return torch.bfloat16 if taps_ops.native_half_matmul(torch.bfloat16) else torch.float32
 
 
 def _load_weights(folder: Path, load):
