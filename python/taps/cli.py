@@ -7,8 +7,10 @@
                             the output distribution checked, and the speed against plain PyTorch
     taps train tokenizer|target|drafter|average|vocab ...   reproduce the shipped models (docs/TRAINING.md)
 
-A user error (a missing or corrupted model file, an unknown name, a bad value) prints one line and exits
-with status 2; ``TAPS_TRACEBACK=1`` shows the traceback instead.
+Every value is checked as it is parsed (:mod:`taps.arguments`), before a model or a data file is read. A
+user error (a bad value or name, a missing or corrupted model file, missing training data) prints one
+line, ``taps <command>: error: ...``, and exits with status 2; ``TAPS_TRACEBACK=1`` shows the traceback
+of the errors found after parsing instead.
 """
 
 from __future__ import annotations
