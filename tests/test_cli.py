@@ -79,6 +79,8 @@ BAD_ARGUMENTS = [
     (["train", "average", "--out", "x"], "inputs"),
     (["train", "vocab", "--tokens", "0"], "--tokens"),
     (["train"], "train_command"),
+    ([], "command"),
+    (["bogus"], "bogus"),
 ]
 
 
@@ -101,6 +103,13 @@ def nothing_loads(monkeypatch):
         monkeypatch.setattr(module, name, loaded)
 
 
+def _prog(argv):
+    """The command an error line names: taps, taps <command> or taps train <subcommand>."""
+    if argv[:1] == ["train"] and len(argv) > 1:
+        return "taps train " + argv[1]
+    return "taps " + argv[0] if argv and argv[0] in ("demo", "eval", "tour", "train") else "taps"
+
+
 def _exit_status(argv):
     try:
         return cli.main(argv)
@@ -108,10 +117,9 @@ def _exit_status(argv):
         return e.code
 
 
-@pytest.mark.parametrize("argv, word", BAD_ARGUMENTS, ids=[" ".join(a) for a, _ in BAD_ARGUMENTS])
+@pytest.mark.parametrize("argv, word", BAD_ARGUMENTS, ids=[" ".join(a) or "(nothing)" for a, _ in BAD_ARGUMENTS])
 def test_bad_arguments_fail_in_one_line_before_loading(argv, word, capsys, nothing_loads):
-    prog = "taps " + " ".join(argv[:2] if argv[0] == "train" and len(argv) > 1 else argv[:1])
-    _one_line_error(capsys, _exit_status(argv), f"{prog}: error: ", word)
+    _one_line_error(capsys, _exit_status(argv), f"{_prog(argv)}: error: ", word)
 
 
 def test_bad_arguments_in_a_real_process():
