@@ -96,7 +96,7 @@ at::Tensor tree_attention(const at::Tensor& q, const at::Tensor& k, const at::Te
 
 at::Tensor required(const c10::List<OptTensor>& weights, Slot slot, const char* name) {
   const OptTensor t = weights.get(slot);
-  TORCH_CHECK(t.has_value() && t->defined(), "taps_ops: decoder_layer: weights[", static_cast<int64_t>(slot), "] (",
+  TORCH_CHECK_VALUE(t.has_value() && t->defined(), "taps_ops: decoder_layer: weights[", static_cast<int64_t>(slot), "] (",
               name, ") is required, got None");
   return *t;
 }
@@ -106,28 +106,28 @@ int64_t linear_in(const at::Tensor& w) { return w.size(1); }  // [out, in] and [
 
 void check_linear(const at::Tensor& w, const OptTensor& b, const at::Tensor& x, int64_t groups, int64_t in,
                   int64_t out, const char* name) {
-  TORCH_CHECK(w.dim() == 2 || (w.dim() == 3 && !w.is_mkldnn()), "taps_ops: decoder_layer: ", name,
+  TORCH_CHECK_VALUE(w.dim() == 2 || (w.dim() == 3 && !w.is_mkldnn()), "taps_ops: decoder_layer: ", name,
               " weight must be [out, in] (plain or oneDNN-packed) or stacked [G, in, out], got shape ", w.sizes());
   if (w.dim() == 3) {
-    TORCH_CHECK(w.size(0) == groups, "taps_ops: decoder_layer: ", name, " is stacked for ", w.size(0),
+    TORCH_CHECK_VALUE(w.size(0) == groups, "taps_ops: decoder_layer: ", name, " is stacked for ", w.size(0),
                 " groups but x [G, R * T, H] has G = ", groups);
   } else {
-    TORCH_CHECK(groups == 1, "taps_ops: decoder_layer: x has G = ", groups, " weight groups but ", name,
+    TORCH_CHECK_VALUE(groups == 1, "taps_ops: decoder_layer: x has G = ", groups, " weight groups but ", name,
                 " is a single [out, in] weight; stack it [G, in, out]");
   }
-  TORCH_CHECK(linear_in(w) == in && linear_out(w) == out, "taps_ops: decoder_layer: ", name,
+  TORCH_CHECK_VALUE(linear_in(w) == in && linear_out(w) == out, "taps_ops: decoder_layer: ", name,
               " weight must map ", in, " to ", out, " features, got shape ", w.sizes());
-  TORCH_CHECK(w.scalar_type() == x.scalar_type() || w.scalar_type() == at::kFloat, "taps_ops: decoder_layer: ", name,
+  TORCH_CHECK_VALUE(w.scalar_type() == x.scalar_type() || w.scalar_type() == at::kFloat, "taps_ops: decoder_layer: ", name,
               " weight has dtype ", w.scalar_type(), " but x has ", x.scalar_type(),
               "; they must match (or the weight be a widened float32 one)");
   if (!w.is_mkldnn()) check_same_device(x, w, "x", name);
   if (b.has_value() && b->defined()) {
-    TORCH_CHECK(b->numel() == groups * out && b->size(-1) == out, "taps_ops: decoder_layer: ", name,
+    TORCH_CHECK_VALUE(b->numel() == groups * out && b->size(-1) == out, "taps_ops: decoder_layer: ", name,
                 " bias must hold ", out, " features per group, got shape ", b->sizes());
-    TORCH_CHECK(b->scalar_type() == w.scalar_type(), "taps_ops: decoder_layer: ", name, " bias has dtype ",
+    TORCH_CHECK_VALUE(b->scalar_type() == w.scalar_type(), "taps_ops: decoder_layer: ", name, " bias has dtype ",
                 b->scalar_type(), " but its weight has ", w.scalar_type(), "; they must match");
     if (w.dim() == 3) {
-      TORCH_CHECK(b->dim() == 3 && b->size(0) == groups && b->size(1) == 1, "taps_ops: decoder_layer: ", name,
+      TORCH_CHECK_VALUE(b->dim() == 3 && b->size(0) == groups && b->size(1) == 1, "taps_ops: decoder_layer: ", name,
                   " bias of a stacked weight must be [G, 1, out], got shape ", b->sizes());
     }
     check_same_device(x, *b, "x", name);
@@ -136,11 +136,11 @@ void check_linear(const at::Tensor& w, const OptTensor& b, const at::Tensor& x, 
 
 void check_norm(const OptTensor& w, const at::Tensor& x, int64_t groups, int64_t width, const char* name) {
   if (!w.has_value() || !w->defined()) return;
-  TORCH_CHECK((w->dim() == 1 && groups == 1) || (w->dim() == 2 && w->size(0) == groups), "taps_ops: decoder_layer: ",
+  TORCH_CHECK_VALUE((w->dim() == 1 && groups == 1) || (w->dim() == 2 && w->size(0) == groups), "taps_ops: decoder_layer: ",
               name, " weight must be [H] or [G, H] with G = ", groups, ", got shape ", w->sizes());
-  TORCH_CHECK(w->size(-1) == width, "taps_ops: decoder_layer: ", name, " weight must have ", width,
+  TORCH_CHECK_VALUE(w->size(-1) == width, "taps_ops: decoder_layer: ", name, " weight must have ", width,
               " features, got shape ", w->sizes());
-  TORCH_CHECK(w->scalar_type() == x.scalar_type(), "taps_ops: decoder_layer: ", name, " weight has dtype ",
+  TORCH_CHECK_VALUE(w->scalar_type() == x.scalar_type(), "taps_ops: decoder_layer: ", name, " weight has dtype ",
               w->scalar_type(), " but x has ", x.scalar_type(), "; they must match");
   check_same_device(x, *w, "x", name);
 }
@@ -156,44 +156,44 @@ at::Tensor decoder_layer(const at::Tensor& x, const OptTensor& emb_in, const c10
                          const at::Tensor& keys, const at::Tensor& values, int64_t write_start,
                          const at::Tensor& tree_mask, const at::Tensor& kv_lens, std::optional<int64_t> tree_nodes,
                          double scale, const OptTensor& write_positions) {
-  TORCH_CHECK(weights.size() == kNumSlots, "taps_ops: decoder_layer: weights must list ", kNumSlots,
+  TORCH_CHECK_VALUE(weights.size() == kNumSlots, "taps_ops: decoder_layer: weights must list ", kNumSlots,
               " entries (in_norm, hidden_norm, qkv, qkv_bias, o, o_bias, post_norm, gate_up, gate_up_bias, down, "
               "down_bias), got ", weights.size());
-  TORCH_CHECK(eps.size() == 3, "taps_ops: decoder_layer: eps must be [in_norm, hidden_norm, post_norm], got ",
+  TORCH_CHECK_VALUE(eps.size() == 3, "taps_ops: decoder_layer: eps must be [in_norm, hidden_norm, post_norm], got ",
               eps.size(), " values");
-  TORCH_CHECK(dims.size() == 4, "taps_ops: decoder_layer: dims must be [heads, kv_heads, head_dim, fused_rope], got ",
+  TORCH_CHECK_VALUE(dims.size() == 4, "taps_ops: decoder_layer: dims must be [heads, kv_heads, head_dim, fused_rope], got ",
               dims.size(), " values");
   const int64_t heads = dims[0], kv_heads = dims[1], head_dim = dims[2];
   const bool fused_rope = dims[3] != 0;
-  TORCH_CHECK(heads > 0 && kv_heads > 0 && head_dim > 0 && head_dim % 2 == 0 && heads % kv_heads == 0,
+  TORCH_CHECK_VALUE(heads > 0 && kv_heads > 0 && head_dim > 0 && head_dim % 2 == 0 && heads % kv_heads == 0,
               "taps_ops: decoder_layer: need heads, kv_heads > 0 with heads a multiple of kv_heads and an even "
               "head_dim > 0, got dims ", dims);
-  TORCH_CHECK(x.defined() && x.dim() == 3, "taps_ops: decoder_layer: x must be [G, R * T, H], got ",
+  TORCH_CHECK_VALUE(x.defined() && x.dim() == 3, "taps_ops: decoder_layer: x must be [G, R * T, H], got ",
               x.defined() ? x.sizes() : at::IntArrayRef{});
-  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, "taps_ops: decoder_layer: x must "
+  TORCH_CHECK_VALUE(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, "taps_ops: decoder_layer: x must "
               "have dtype float32 or bfloat16, got ", x.scalar_type());
-  TORCH_CHECK(cos.defined() && cos.dim() == 4 && cos.size(2) == 1 && cos.size(3) == head_dim,
+  TORCH_CHECK_VALUE(cos.defined() && cos.dim() == 4 && cos.size(2) == 1 && cos.size(3) == head_dim,
               "taps_ops: decoder_layer: cos must be [G * R, T, 1, head_dim = ", head_dim, "], got ",
               cos.defined() ? cos.sizes() : at::IntArrayRef{});
-  TORCH_CHECK(keys.defined() && values.defined() && keys.dim() == 4 && keys.sizes() == values.sizes(),
+  TORCH_CHECK_VALUE(keys.defined() && values.defined() && keys.dim() == 4 && keys.sizes() == values.sizes(),
               "taps_ops: decoder_layer: keys and values must be [G * R, Hkv, S, D] of one shape");
   const int64_t groups = x.size(0), hidden = x.size(2);
   const int64_t gb = keys.size(0), tokens = cos.size(1);
-  TORCH_CHECK(cos.size(0) == gb && sin.sizes() == cos.sizes(), "taps_ops: decoder_layer: cos and sin must be [",
+  TORCH_CHECK_VALUE(cos.size(0) == gb && sin.sizes() == cos.sizes(), "taps_ops: decoder_layer: cos and sin must be [",
               gb, ", T, 1, ", head_dim, "] (keys' G * R rows), got ", cos.sizes(), " and ", sin.sizes());
-  TORCH_CHECK(gb % groups == 0 && x.size(1) * groups == gb * tokens, "taps_ops: decoder_layer: x [G, R * T, H] = ",
+  TORCH_CHECK_VALUE(gb % groups == 0 && x.size(1) * groups == gb * tokens, "taps_ops: decoder_layer: x [G, R * T, H] = ",
               x.sizes(), " does not hold G * R = ", gb, " rows (keys) of T = ", tokens, " tokens (cos)");
-  TORCH_CHECK(keys.size(1) == kv_heads && keys.size(3) == head_dim, "taps_ops: decoder_layer: keys must have ",
+  TORCH_CHECK_VALUE(keys.size(1) == kv_heads && keys.size(3) == head_dim, "taps_ops: decoder_layer: keys must have ",
               kv_heads, " heads of dimension ", head_dim, ", got shape ", keys.sizes());
   const bool ragged = write_positions.has_value() && write_positions->defined();
   if (ragged) {
-    TORCH_CHECK(write_positions->dim() == 2 && write_positions->size(0) == gb && write_positions->size(1) == tokens &&
+    TORCH_CHECK_VALUE(write_positions->dim() == 2 && write_positions->size(0) == gb && write_positions->size(1) == tokens &&
                     write_positions->scalar_type() == at::kLong,
                 "taps_ops: decoder_layer: write_positions must be int64 [G * R, T] = [", gb, ", ", tokens, "], got ",
                 write_positions->scalar_type(), " ", write_positions->sizes());
     check_same_device(x, *write_positions, "x", "write_positions");
   } else {
-    TORCH_CHECK(write_start >= 0 && write_start + tokens <= keys.size(2), "taps_ops: decoder_layer: the new entries ",
+    TORCH_CHECK_VALUE(write_start >= 0 && write_start + tokens <= keys.size(2), "taps_ops: decoder_layer: the new entries ",
                 "go to cache columns ", write_start, " .. ", write_start + tokens - 1, " but the cache holds ",
                 keys.size(2));
   }
@@ -204,10 +204,10 @@ at::Tensor decoder_layer(const at::Tensor& x, const OptTensor& emb_in, const c10
   const OptTensor in_norm = opt(weights, kInNorm), hidden_norm = opt(weights, kHiddenNorm);
   const int64_t in_width = eagle3 ? 2 * hidden : hidden;
   if (eagle3) {
-    TORCH_CHECK(emb_in->sizes() == x.sizes() && emb_in->scalar_type() == x.scalar_type(), "taps_ops: decoder_layer: "
+    TORCH_CHECK_VALUE(emb_in->sizes() == x.sizes() && emb_in->scalar_type() == x.scalar_type(), "taps_ops: decoder_layer: "
                 "emb must have x's shape ", x.sizes(), " and dtype, got ", emb_in->sizes(), " ", emb_in->scalar_type());
     check_same_device(x, *emb_in, "x", "emb");
-    TORCH_CHECK(in_norm.has_value() && hidden_norm.has_value(), "taps_ops: decoder_layer: with emb (EAGLE-3) both "
+    TORCH_CHECK_VALUE(in_norm.has_value() && hidden_norm.has_value(), "taps_ops: decoder_layer: with emb (EAGLE-3) both "
                 "in_norm and hidden_norm are required");
   }
   const int64_t qkv_out = (heads + 2 * kv_heads) * head_dim;
@@ -219,7 +219,7 @@ at::Tensor decoder_layer(const at::Tensor& x, const OptTensor& emb_in, const c10
   const OptTensor qkv_b = opt(weights, kQkvB), o_b = opt(weights, kOB), gate_up_b = opt(weights, kGateUpB),
                   down_b = opt(weights, kDownB);
   const int64_t inter2 = linear_out(gate_up_w);
-  TORCH_CHECK(inter2 % 2 == 0, "taps_ops: decoder_layer: gate_up must have an even number of outputs (gate, up), "
+  TORCH_CHECK_VALUE(inter2 % 2 == 0, "taps_ops: decoder_layer: gate_up must have an even number of outputs (gate, up), "
               "got ", inter2);
   check_linear(qkv_w, qkv_b, x, groups, in_width, qkv_out, "qkv");
   check_linear(o_w, o_b, x, groups, heads * head_dim, hidden, "o");

@@ -33,7 +33,7 @@ void compact_kv_cpu(at::TensorList caches, const at::Tensor& path_in, const at::
                     bool /*validate*/) {
   check_compact_kv_path(path_in, prefix_lens_in);
   const int64_t batch = path_in.size(0), path_cols = path_in.size(1);
-  TORCH_CHECK(path_in.device().is_cpu(), "taps_ops: compact_kv: path must be on the CPU for the CPU kernel, got ",
+  TORCH_CHECK_VALUE(path_in.device().is_cpu(), "taps_ops: compact_kv: path must be on the CPU for the CPU kernel, got ",
               path_in.device());
 
   const int64_t cache_len = check_compact_kv_caches(caches, path_in, batch);
@@ -52,13 +52,13 @@ void compact_kv_cpu(at::TensorList caches, const at::Tensor& path_in, const at::
     // Validate even without caches (the bound against S then needs a cache; skip it).
     moves[b] = compact::path_length(pb, path_cols, pl[b], cache_len < 0 ? INT64_MAX : cache_len);
     if (moves[b] < 0) {
-      TORCH_CHECK(path_cols == 0 || pb[0] == 0, "taps_ops: compact_kv: path[", b, ", 0] must be 0 (the root), got ",
+      TORCH_CHECK_VALUE(path_cols == 0 || pb[0] == 0, "taps_ops: compact_kv: path[", b, ", 0] must be 0 (the root), got ",
                   pb[0]);
-      TORCH_CHECK(pl[b] >= 0, "taps_ops: compact_kv: prefix_lens[", b, "] = ", pl[b], " must be >= 0");
+      TORCH_CHECK_VALUE(pl[b] >= 0, "taps_ops: compact_kv: prefix_lens[", b, "] = ", pl[b], " must be >= 0");
       for (int64_t j = 1; j < path_cols && pb[j] >= 0; ++j)
-        TORCH_CHECK(pb[j] > pb[j - 1], "taps_ops: compact_kv: path[", b, "] must be strictly increasing before its ",
+        TORCH_CHECK_VALUE(pb[j] > pb[j - 1], "taps_ops: compact_kv: path[", b, "] must be strictly increasing before its ",
                     "first -1, got ", pb[j - 1], " then ", pb[j], " at column ", j);
-      TORCH_CHECK(false, "taps_ops: compact_kv: prefix_lens[", b, "] + path[", b, ", j] must be < S = ", cache_len,
+      TORCH_CHECK_VALUE(false, "taps_ops: compact_kv: prefix_lens[", b, "] + path[", b, ", j] must be < S = ", cache_len,
                   " (prefix_lens[", b, "] = ", pl[b], ")");
     }
   }

@@ -37,7 +37,7 @@ expand_level_cpu(const at::Tensor& logits, const at::Tensor& front_scores, const
                  int64_t next_k, int64_t cand_offset, const c10::optional<at::Tensor>& token_map, bool with_entropy) {
   ExpandLevelArgs a = prepare_expand_level(logits, front_scores, front_cands, k, next_k, cand_offset, token_map,
                                            with_entropy);
-  TORCH_CHECK(a.logits.device().is_cpu(), "taps_ops: expand_level: logits must be on the CPU for the CPU kernel, got ",
+  TORCH_CHECK_VALUE(a.logits.device().is_cpu(), "taps_ops: expand_level: logits must be on the CPU for the CPU kernel, got ",
               a.logits.device());
   const expand::Params p = a.params();
   const int64_t rows = a.rows * a.front;

@@ -31,7 +31,7 @@ inline __attribute__((always_inline)) void rows_loop(const NormView& v, int64_t 
 
 at::Tensor rms_norm_cpu(const at::Tensor& x, const at::Tensor& weight, double eps) {
   RmsNormArgs a = prepare_rms_norm(x, weight, eps);
-  TORCH_CHECK(a.x.device().is_cpu(), "taps_ops: rms_norm: x must be on the CPU for the CPU kernel, got ",
+  TORCH_CHECK_VALUE(a.x.device().is_cpu(), "taps_ops: rms_norm: x must be on the CPU for the CPU kernel, got ",
               a.x.device());
   if (a.rows == 0 || a.width == 0) return a.out;
   const int64_t e = a.x.element_size();

@@ -32,7 +32,7 @@ inline __attribute__((always_inline)) void rows_loop(const RopeView& v, int64_t 
 
 void rope_cpu(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
   const RopeArgs a = prepare_rope(x, cos, sin);
-  TORCH_CHECK(x.device().is_cpu(), "taps_ops: rope_: x must be on the CPU for the CPU kernel, got ", x.device());
+  TORCH_CHECK_VALUE(x.device().is_cpu(), "taps_ops: rope_: x must be on the CPU for the CPU kernel, got ", x.device());
   if (a.rows * a.tokens * a.heads * a.dim == 0) return;
   const int64_t e = x.element_size();
   const RopeView v{static_cast<char*>(x.data_ptr()), static_cast<const char*>(a.cos.data_ptr()),

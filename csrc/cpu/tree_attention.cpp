@@ -19,7 +19,8 @@
 //   in the AVX2 + FMA region with an 8-lane Vec of its own, and for the baseline with a plain 16-lane
 //   struct. Elsewhere (aarch64, clang, ...) it is compiled once with the default Vectorized<float>. It
 //   serves head dims the fast path cannot take.
-// - cpu/tree_attention_fast.h, written over vector traits `S`, compiled in both vector regions: the same
+// - cpu/tree_attention_fast.h, written over vector traits `S`, compiled in both vector regions and (4 SSE2
+//   lanes, multiply and add) for the x86-64 baseline: the same
 //   work items, tiles and online softmax, with both tile products as row-major micro-GEMMs (6 x 64 on
 //   AVX-512, 6 x 16 on AVX2; bf16 and fp16 widened to fp32 as they are read), for D % 16 (AVX-512) or D % 8
 //   (AVX2) == 0; opt-in, TAPS_ATTN_BF16_AMX=1, bf16 on at::native::cpublas::brgemm where it runs on AMX.
@@ -274,6 +275,77 @@ inline Vec maximum(const Vec& a, const Vec& b) {
   return r;
 }
 #include "cpu/tree_attention_vec.h"
+// The fast path at the baseline level too: SSE2 (every x86-64 CPU), 4 lanes, multiply and add (no FMA).
+struct S {
+  using F = __m128;
+  using I = __m128i;
+  static constexpr int L = 4, kMaxNV = 2;
+  static F load(const float* p) { return _mm_loadu_ps(p); }
+  static void store(float* p, F x) { _mm_storeu_ps(p, x); }
+  static F set1(float x) { return _mm_set1_ps(x); }
+  static F zero() { return _mm_setzero_ps(); }
+  static F add(F a, F b) { return _mm_add_ps(a, b); }
+  static F sub(F a, F b) { return _mm_sub_ps(a, b); }
+  static F mul(F a, F b) { return _mm_mul_ps(a, b); }
+  static F max(F a, F b) { return _mm_max_ps(a, b); }
+  static F fmadd(F a, F b, F c) { return _mm_add_ps(_mm_mul_ps(a, b), c); }
+  static F masked_scale(F x, uint32_t bits, F scale, F ninf) {
+    const __m128i lane = _mm_setr_epi32(1, 2, 4, 8);
+    const F on = _mm_castsi128_ps(_mm_cmpeq_epi32(_mm_and_si128(_mm_set1_epi32(static_cast<int>(bits)), lane), lane));
+    return _mm_or_ps(_mm_and_ps(on, _mm_mul_ps(x, scale)), _mm_andnot_ps(on, ninf));
+  }
+  static float reduce_max(F x) {
+    x = _mm_max_ps(x, _mm_movehl_ps(x, x));
+    return _mm_cvtss_f32(_mm_max_ss(x, _mm_shuffle_ps(x, x, 1)));
+  }
+  static float reduce_add(F x) {
+    x = _mm_add_ps(x, _mm_movehl_ps(x, x));
+    return _mm_cvtss_f32(_mm_add_ss(x, _mm_shuffle_ps(x, x, 1)));
+  }
+  // exp(x) for x <= 0: simd::exp8's reduction and polynomial (rounding by the default MXCSR mode, 2^n in
+  // the exponent bits), without FMA; 0 below -87.3 and for -inf, NaN propagates.
+  static F exp(F x) {
+    const F tiny = _mm_cmplt_ps(x, _mm_set1_ps(-87.3f));
+    const __m128i ni = _mm_cvtps_epi32(_mm_mul_ps(x, _mm_set1_ps(1.44269504088896341f)));
+    const F n = _mm_cvtepi32_ps(ni);
+    F r = _mm_sub_ps(x, _mm_mul_ps(n, _mm_set1_ps(0.693359375f)));
+    r = _mm_sub_ps(r, _mm_mul_ps(n, _mm_set1_ps(-2.12194440e-4f)));
+    F p = _mm_set1_ps(1.0f / 720.0f);
+    p = fmadd(p, r, _mm_set1_ps(1.0f / 120.0f));
+    p = fmadd(p, r, _mm_set1_ps(1.0f / 24.0f));
+    p = fmadd(p, r, _mm_set1_ps(1.0f / 6.0f));
+    p = fmadd(p, r, _mm_set1_ps(0.5f));
+    p = fmadd(p, r, _mm_set1_ps(1.0f));
+    p = fmadd(p, r, _mm_set1_ps(1.0f));
+    const F y = _mm_mul_ps(p, _mm_castsi128_ps(_mm_slli_epi32(_mm_add_epi32(ni, _mm_set1_epi32(127)), 23)));
+    return _mm_andnot_ps(tiny, y);
+  }
+  static F widen(const c10::BFloat16* p) {
+    const __m128i h = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
+    return _mm_castsi128_ps(_mm_unpacklo_epi16(_mm_setzero_si128(), h));
+  }
+  static F widen(const c10::Half* p) {  // no F16C at the baseline
+    return _mm_setr_ps(static_cast<float>(p[0]), static_cast<float>(p[1]), static_cast<float>(p[2]),
+                       static_cast<float>(p[3]));
+  }
+  static I loadi(const void* p) { return _mm_loadu_si128(static_cast<const __m128i*>(p)); }
+  static void storei(void* p, I x) { _mm_storeu_si128(static_cast<__m128i*>(p), x); }
+  static void transpose(I r[4]) {
+    F a = _mm_castsi128_ps(r[0]), b = _mm_castsi128_ps(r[1]), c = _mm_castsi128_ps(r[2]), d = _mm_castsi128_ps(r[3]);
+    _MM_TRANSPOSE4_PS(a, b, c, d);
+    r[0] = _mm_castps_si128(a), r[1] = _mm_castps_si128(b), r[2] = _mm_castps_si128(c), r[3] = _mm_castps_si128(d);
+  }
+  // The bf16 brgemm path runs only at the amx level; these keep its code compiling here.
+  static void store_bf16(c10::BFloat16* dst, F x) {
+    alignas(16) float v[4];
+    _mm_store_ps(v, x);
+    for (int l = 0; l < 4; ++l) dst[l] = c10::BFloat16(v[l]);
+  }
+  static void vnni_pair(const c10::BFloat16* a, const c10::BFloat16* c, uint32_t* dst) {
+    for (int l = 0; l < 4; ++l) dst[l] = uint32_t(a[l].x) | (c ? uint32_t(c[l].x) << 16 : 0u);
+  }
+};
+#include "cpu/tree_attention_fast.h"
 }  // namespace taps::attention::cpu::generic
 
 #else  // one build with the default Vectorized<float> (NEON on aarch64)
@@ -290,6 +362,7 @@ namespace {
 // The kernel for this call, by the kernels' instruction-set level (cpu/cpu_isa.h, read once per call):
 enum class Kernel {
   kGeneric,      // the Vec kernel for the baseline
+  kFastBaseline, // the GEMM-shaped path at the baseline (x86-64: SSE2): D % 4 == 0
   kVecAvx2,      // the Vec kernel, AVX2 + FMA
   kVecAvx512,    // the Vec kernel, AVX-512
   kFastAvx2,     // the GEMM-shaped path, AVX2 + FMA: D % 8 == 0 (fp32; bf16 / fp16 widened to fp32 as read)
@@ -319,6 +392,7 @@ Kernel choose_kernel(const Params& p) {
     return p.head_dim % avx512::S::L == 0 ? Kernel::kFastAvx512 : Kernel::kVecAvx512;
   }
   if (isa >= taps::cpu::Isa::kAvx2) return p.head_dim % avx2::S::L == 0 ? Kernel::kFastAvx2 : Kernel::kVecAvx2;
+  if (p.head_dim % generic::S::L == 0) return Kernel::kFastBaseline;
 #endif
   (void)p;
   return Kernel::kGeneric;
@@ -340,6 +414,7 @@ void run(const Params& p) {
       case Kernel::kVecAvx512: return avx512::attend_items<T>(p, begin, end);
       case Kernel::kFastAvx2: return avx2::fast::attend_items_fast<T, false>(p, begin, end);
       case Kernel::kVecAvx2: return avx2::attend_items<T>(p, begin, end);
+      case Kernel::kFastBaseline: return generic::fast::attend_items_fast<T, false>(p, begin, end);
 #endif
       default: break;
     }
@@ -372,7 +447,7 @@ at::Tensor tree_attention_cpu(const at::Tensor& q, const at::Tensor& k, const at
   TreeAttentionCall call = TreeAttentionCall::prepare(q, k, v, tree_mask, kv_lens);
   const int64_t* lens = call.kv_lens.data_ptr<int64_t>();
   for (int64_t b = 0; b < batch; ++b) {
-    TORCH_CHECK(lens[b] >= tree && lens[b] <= cache_len, "taps_ops: tree_attention: kv_lens[", b, "] = ",
+    TORCH_CHECK_VALUE(lens[b] >= tree && lens[b] <= cache_len, "taps_ops: tree_attention: kv_lens[", b, "] = ",
                 lens[b], " must be in [T, S] = [", tree, ", ", cache_len, "] (T: tree nodes)");
   }
   if (call.out.numel() == 0) return call.out;

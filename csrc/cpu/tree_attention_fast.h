@@ -1,7 +1,8 @@
 // tree_attention, CPU: the GEMM-shaped fast path, written once over a vector traits type `S` and compiled
 // once per instruction set inside its target region of csrc/cpu/tree_attention.cpp (namespaces
-// taps::attention::cpu::avx512 and ::avx2, after the Vec kernel, cpu/tree_attention_vec.h, whose work-item
-// loop, run_items, it shares); included once per region, with no includes of its own.
+// taps::attention::cpu::avx512, ::avx2 and, for the x86-64 baseline, ::generic, after the Vec kernel,
+// cpu/tree_attention_vec.h, whose work-item loop, run_items, it shares); included once per region, with no
+// includes of its own.
 // S: F (a float vector of S::L lanes), I (the integer vector of the same width), load/store/set1/zero,
 // add/sub/mul/max/fmadd, masked_scale(x, bits, scale, ninf) (x * scale where bit l of `bits` is set, ninf
 // elsewhere), reduce_max/reduce_add, exp (of non-positive arguments), widen (L bf16 / fp16 values -> fp32,

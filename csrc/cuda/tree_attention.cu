@@ -57,8 +57,8 @@ at::Tensor tree_attention_cuda(const at::Tensor& q_in, const at::Tensor& k_in, c
     check_validate_allowed("tree_attention");
     const at::Tensor& kv_lens = call.kv_lens;
     const bool bad = at::logical_or(kv_lens < tree, kv_lens > cache_len).any().item<bool>();
-    TORCH_CHECK(!bad, "taps_ops: tree_attention: every kv_lens[b] must be in [T, S] = [", tree, ", ",
-                cache_len, "] (T: tree nodes), got ", kv_lens.cpu());
+    TORCH_CHECK_VALUE(!bad, "taps_ops: tree_attention: every kv_lens[b] must be in [T, S] = [", tree, ", ",
+                      cache_len, "] (T: tree nodes), got ", kv_lens.cpu());
   }
   if (call.out.numel() == 0) return call.out;
 

@@ -10,6 +10,9 @@ Public API (shapes in brackets; B requests, N tree nodes, V vocabulary):
 - :func:`rms_norm`   Llama's RMSNorm in one pass (one weight or G stacked ones), for the lean forwards
 - :func:`rope_`      rotary position embedding in place, in one pass, for the lean forwards
 - :func:`expand_level` one level of an EAGLE-2 draft expansion (top-k children, scores, next frontier)
+- :func:`decoder_layer` a whole Llama decoder layer of the lean forwards in one call
+- :func:`cpu_info`, :func:`set_cpu_isa`, :func:`native_half_matmul`: the CPU kernels' instruction-set level
+  (scalar, avx2, avx512, amx; chosen at load from the CPU, ``TAPS_CPU_ISA`` caps it)
 
 The tree format and the op contracts are those of the project's DESIGN.md; :mod:`taps_ops.reference`
 holds a plain-PyTorch implementation of every op that the tests and benchmarks compare against.
@@ -21,9 +24,7 @@ loops and CUDA-graph capture (where ``validate=True`` raises); the kernels then 
 write out of bounds, but bad input gives unspecified results.
 
 Bad input (a shape, dtype, device, size limit, tree structure or length the op cannot take) raises
-``ValueError`` with a message that starts ``taps_ops: <op>:``, on every op and backend; three checks in
-the kernels' own files still raise ``RuntimeError``: tree_attention's kv_lens range, compact_kv's paths
-and decoder_layer's arguments.
+``ValueError`` with a message that starts ``taps_ops: <op>:``, on every op and backend.
 """
 
 from __future__ import annotations
