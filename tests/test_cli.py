@@ -126,7 +126,9 @@ def test_bad_arguments_in_a_real_process():
     """The same line from the installed entry points, in a fresh interpreter (no traceback on stderr)."""
     env = {**os.environ, "PYTHONPATH": str(REPO_ROOT / "python")}
     for argv, prog in ((["-m", "taps.cli", "demo", "--max-new-tokens", "-5"], "taps demo"),
-                       (["-m", "taps.eval", "--limit", "-2"], "taps eval")):
+                       (["-m", "taps.eval", "--limit", "-2"], "taps eval"),
+                       (["-m", "taps.train", "drafter", "--tokens", "0"], "taps train drafter"),
+                       (["-m", "taps.train", "vocab", "--tokens", "0"], "taps train vocab")):
         run = subprocess.run([sys.executable, *argv], capture_output=True, text=True, env=env, timeout=120)
         err = [line for line in run.stderr.splitlines() if "cpp_extension" not in line]  # torch's CUDA_HOME note
         assert run.returncode == 2 and len(err) == 1 and err[0].startswith(f"{prog}: error: "), run.stderr

@@ -165,7 +165,7 @@ def add_train_subcommands(subparsers) -> argparse.ArgumentParser:
 def main(argv=None) -> int:
     from ..arguments import ArgumentParser, user_error
 
-    ap = ArgumentParser(prog="python -m taps")
+    ap = ArgumentParser(prog="taps")  # the same commands as `taps train ...`, named so in their errors
     sub = ap.add_subparsers(dest="command", required=True)
     add_train_subcommands(sub)
     args = ap.parse_args(["train"] + list(sys.argv[1:] if argv is None else argv))
@@ -178,4 +178,4 @@ def main(argv=None) -> int:
     except (ValueError, OSError) as e:  # user errors: one line, as the `taps` command prints them
         if os.environ.get("TAPS_TRACEBACK"):
             raise
-        return user_error(f"python -m taps.train {args.train_command}", f"{e} (TAPS_TRACEBACK=1 shows where)")
+        return user_error(f"taps train {args.train_command}", f"{e} (TAPS_TRACEBACK=1 shows where)")
