@@ -1,7 +1,8 @@
 """Build of the `taps_ops` torch extension and the `taps` package.
 
-The source list is the directory layout itself (see `taps_sources` below): every `csrc/*.cpp`
-and `csrc/cpu/*.cpp` is compiled, plus every `csrc/cuda/*.cu` when the CUDA build is on.
+The source list is the directory layout itself (see `taps_sources` below): every `csrc/*.cpp`,
+`csrc/composite/*.cpp` (ops made of other ops) and `csrc/cpu/*.cpp` is compiled, plus every
+`csrc/cuda/*.cu` when the CUDA build is on.
 Leaving the `.cu` files out *is* the CPU-only build: each backend registers its own kernels.
 
 Environment knobs:
@@ -31,7 +32,7 @@ ROOT = os.path.dirname(os.path.abspath(__file__))
 
 def taps_sources(with_cuda: bool) -> list[str]:
     """The one description of the extension's sources: the csrc/ layout."""
-    patterns = ["csrc/*.cpp", "csrc/cpu/*.cpp"] + (["csrc/cuda/*.cu", "csrc/cuda/*.cpp"] if with_cuda else [])
+    patterns = ["csrc/*.cpp", "csrc/composite/*.cpp", "csrc/cpu/*.cpp"] + (["csrc/cuda/*.cu", "csrc/cuda/*.cpp"] if with_cuda else [])
     return sorted(p for pat in patterns for p in glob.glob(pat, root_dir=ROOT))
 
 

@@ -72,7 +72,7 @@ TORCH_LIBRARY(taps_ops, m) {
       "expand_level(Tensor logits, Tensor front_scores, Tensor front_cands, int k, int next_k, int cand_offset, "
       "Tensor? token_map, bool with_entropy) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)");
   // One Llama decoder layer of the lean forward path, attention through tree_attention over a cache
-  // (decoder_layer.cpp; one implementation for every device). x [G, R * T, H] f32/bf16 (G stacked weight
+  // (composite/decoder_layer.cpp; one implementation for every device). x [G, R * T, H] f32/bf16 (G stacked weight
   // sets); emb [G, R * T, H] (EAGLE-3: the embedding the attention reads beside x) or None; weights: 11
   // entries (in_norm, hidden_norm, qkv, qkv_bias, o, o_bias, post_norm, gate_up, gate_up_bias, down,
   // down_bias; linear weights [out, in], oneDNN-packed [out, in] or stacked [G, in, out]); eps [in_norm,

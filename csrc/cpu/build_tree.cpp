@@ -1,4 +1,4 @@
-// build_tree, CPU kernel: input checks (build_tree_checks.h) and at::parallel_for over requests
+// build_tree, CPU kernel: input checks (checks/build_tree_checks.h) and at::parallel_for over requests
 // calling the core (taps/build_tree.h), which checks every candidate (also with validate=False: no
 // sync to save, and the core's loop relies on the checks).
 #include <ATen/Parallel.h>
@@ -8,8 +8,8 @@
 #include <optional>
 #include <vector>
 
-#include "build_tree_checks.h"
-#include "checks.h"
+#include "checks/build_tree_checks.h"
+#include "checks/checks.h"
 #include "taps/build_tree.h"
 
 namespace taps {

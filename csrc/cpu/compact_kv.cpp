@@ -1,4 +1,4 @@
-// compact_kv, CPU kernel: input checks (compact_kv_checks.h), the path checks (compact::path_length,
+// compact_kv, CPU kernel: input checks (checks/compact_kv_checks.h), the path checks (compact::path_length,
 // taps/compact_kv.h, with a precise message for the first bad request; also with validate=False: no
 // sync to save), then row moves in increasing
 // path order (safe although sources and destinations overlap: see taps/compact_kv.h), parallel over
@@ -17,8 +17,8 @@
 #include <string>
 #include <vector>
 
-#include "checks.h"
-#include "compact_kv_checks.h"
+#include "checks/checks.h"
+#include "checks/compact_kv_checks.h"
 #include "taps/compact_kv.h"
 
 namespace taps {

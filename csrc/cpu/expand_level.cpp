@@ -1,4 +1,4 @@
-// expand_level, CPU kernel: input checks (expand_level_checks.h), then every logits row (parallel over
+// expand_level, CPU kernel: input checks (checks/expand_level_checks.h), then every logits row (parallel over
 // rows; expand::host_row of the core: the top k by a block-filtered scan, the sums as 32 lanes side by
 // side in the core's order, so the bits are the CUDA kernel's, and the k children), then every request
 // (parallel over requests; expand::host_request: its entropy and the next frontier by a partial sort in
@@ -13,7 +13,7 @@
 #include <vector>
 
 #include "cpu/elementwise_cpu.h"
-#include "expand_level_checks.h"
+#include "checks/expand_level_checks.h"
 #include "taps/expand_level.h"
 
 namespace taps {

@@ -1,4 +1,4 @@
-// merge_trees, CPU kernel: input checks (merge_trees_checks.h) and at::parallel_for over requests
+// merge_trees, CPU kernel: input checks (checks/merge_trees_checks.h) and at::parallel_for over requests
 // calling the core (taps/merge_trees.h), which checks every node (also with validate=False: no sync to
 // save, and the core's loop relies on the checks).
 #include <ATen/Parallel.h>
@@ -8,8 +8,8 @@
 #include <optional>
 #include <vector>
 
-#include "checks.h"
-#include "merge_trees_checks.h"
+#include "checks/checks.h"
+#include "checks/merge_trees_checks.h"
 #include "taps/merge_trees.h"
 
 namespace taps {

@@ -1,4 +1,4 @@
-// rms_norm, CPU kernel: input checks (rms_norm_checks.h), then norm::row (taps/rms_norm.h) on every row,
+// rms_norm, CPU kernel: input checks (checks/rms_norm_checks.h), then norm::row (taps/rms_norm.h) on every row,
 // parallel over rows. One pass over x and the weight, no temporaries: the point of this op on the CPU is
 // to replace the half a dozen operators and temporaries of the composite form (about 10-30 us a call at
 // decoding's sizes) with one call.
@@ -7,7 +7,7 @@
 #include <torch/library.h>
 
 #include "cpu/elementwise_cpu.h"
-#include "rms_norm_checks.h"
+#include "checks/rms_norm_checks.h"
 #include "taps/rms_norm.h"
 
 namespace taps {

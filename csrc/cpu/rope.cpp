@@ -1,4 +1,4 @@
-// rope_, CPU kernel: input checks (rope_checks.h), then rope::row (taps/rope.h) on every (r, t, h) head row
+// rope_, CPU kernel: input checks (checks/rope_checks.h), then rope::row (taps/rope.h) on every (r, t, h) head row
 // in place, parallel over (r, t). One pass, no temporaries: in the lean forwards it replaces the five
 // operators of `x * cos + x.roll(D / 2, -1) * sin` and their temporaries.
 #include <ATen/ATen.h>
@@ -6,7 +6,7 @@
 #include <torch/library.h>
 
 #include "cpu/elementwise_cpu.h"
-#include "rope_checks.h"
+#include "checks/rope_checks.h"
 #include "taps/rope.h"
 
 namespace taps {

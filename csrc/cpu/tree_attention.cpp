@@ -1,4 +1,4 @@
-// tree_attention, CPU: input checks (tree_attention_checks.h), the kv_lens check, the key splits
+// tree_attention, CPU: input checks (checks/tree_attention_checks.h), the kv_lens check, the key splits
 // (attention::plan_splits), and the choice of kernel for this CPU.
 //
 // q [B, Hq, N, D]; k, v [B, Hkv, S, D]; tree_mask [B, N, W] i64; kv_lens [B] i64; tree_nodes T (>= N, default
@@ -51,11 +51,11 @@
 #include <type_traits>
 #include <vector>
 
-#include "checks.h"
+#include "checks/checks.h"
 #include "cpu/cpu_isa.h"
 #include "cpu/simd_x86.h"
 #include "taps/tree_attention.h"
-#include "tree_attention_checks.h"
+#include "checks/tree_attention_checks.h"
 
 // at::native::cpublas::brgemm / could_pack (oneDNN ukernels, AMX for bf16): declared by the torch
 // releases that define these macros; older headers build without the bf16 brgemm path.

@@ -1,7 +1,7 @@
 // verify_tree, CPU: input checks, then one walk per request (at::parallel_for over requests).
-// The walk and every decision are the header-only core's (taps/verify.h); this file supplies the
+// The walk and every decision are the header-only core's (taps/verify_tree.h); this file supplies the
 // sequential row backend, whose two hot passes (max, sum of exp) run at the kernels' instruction-set level
-// (AVX-512, AVX2 + FMA or scalar: cpu/row_kernels.h, cpu/cpu_isa.h).
+// (AVX-512, AVX2 + FMA or scalar: cpu/verify_tree_rows.h, cpu/cpu_isa.h).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
@@ -10,10 +10,10 @@
 
 #include <vector>
 
-#include "checks.h"
-#include "cpu/row_kernels.h"
-#include "verify_checks.h"
-#include "taps/verify.h"
+#include "checks/checks.h"
+#include "cpu/verify_tree_rows.h"
+#include "checks/verify_tree_checks.h"
+#include "taps/verify_tree.h"
 
 namespace taps {
 namespace {

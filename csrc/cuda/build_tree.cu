@@ -1,4 +1,4 @@
-// build_tree, CUDA binding: the checks of the CPU binding (build_tree_checks.h) and the device's size
+// build_tree, CUDA binding: the checks of the CPU binding (checks/build_tree_checks.h) and the device's size
 // limits, one launch per batch (a block per request, taps/build_tree_kernel.cuh), then with validate
 // one small device-to-host copy of the per-request error codes (a sync) to raise on bad input.
 #include <ATen/cuda/CUDAContext.h>
@@ -8,8 +8,8 @@
 
 #include <optional>
 
-#include "build_tree_checks.h"
-#include "checks.h"
+#include "checks/build_tree_checks.h"
+#include "checks/checks.h"
 #include "cuda/cuda_checks.h"
 #include "taps/build_tree_kernel.cuh"
 

@@ -1,4 +1,4 @@
-// compact_kv, CUDA binding: input checks (compact_kv_checks.h), with validate the path checks, and one
+// compact_kv, CUDA binding: input checks (checks/compact_kv_checks.h), with validate the path checks, and one
 // launch per cache tensor (taps/compact_kv_kernel.cuh) on the current stream.
 //
 // caches: list of [B, H, S, D] tensors (any floating dtype, one per tensor), updated in place;
@@ -16,8 +16,8 @@
 #include <cstdint>
 #include <string>
 
-#include "checks.h"
-#include "compact_kv_checks.h"
+#include "checks/checks.h"
+#include "checks/compact_kv_checks.h"
 #include "cuda/cuda_checks.h"
 #include "taps/compact_kv_kernel.cuh"
 

@@ -1,16 +1,15 @@
-// expand_level, CUDA binding: input checks and output allocation (expand_level_checks.h), then two launches
-// (taps/expand_level_kernel.cuh: a warp per logits row for the top k, the sums and the children, then a
-// block per request for its entropy and the next frontier) on the current stream. Same bits as the CPU
-// kernel (both follow taps/expand_level.h's order) except where the device's logf differs from the host's.
-// Never run on a GPU so far (compiled in CI, checked under the host emulation by
-// tests/cpp/test_emu_expand_level.cpp).
+// expand_level, CUDA binding: input checks and output allocation (checks/expand_level_checks.h), then two
+// launches (taps/expand_level_kernel.cuh: a warp per logits row for the top k, the sums and the children,
+// then a block per request for its entropy and the next frontier) on the current stream. Same bits as the
+// CPU kernel (both follow taps/expand_level.h's order) except where the device's logf differs from the
+// host's; the block logic is tested under the host emulation (tests/cpp/test_emu_expand_level.cpp).
 #include <ATen/ATen.h>
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/library.h>
 
-#include "expand_level_checks.h"
+#include "checks/expand_level_checks.h"
 #include "taps/expand_level_kernel.cuh"
 
 namespace taps {

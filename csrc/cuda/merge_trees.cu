@@ -1,4 +1,4 @@
-// merge_trees, CUDA binding: the checks of the CPU binding (merge_trees_checks.h) and the device's size
+// merge_trees, CUDA binding: the checks of the CPU binding (checks/merge_trees_checks.h) and the device's size
 // limits, one launch per batch (a block per request, taps/merge_trees_kernel.cuh), then with validate
 // one small device-to-host copy of the per-request error codes (a sync) to raise on bad input.
 #include <ATen/cuda/CUDAContext.h>
@@ -8,9 +8,9 @@
 
 #include <optional>
 
-#include "checks.h"
+#include "checks/checks.h"
 #include "cuda/cuda_checks.h"
-#include "merge_trees_checks.h"
+#include "checks/merge_trees_checks.h"
 #include "taps/merge_trees_kernel.cuh"
 
 namespace taps {

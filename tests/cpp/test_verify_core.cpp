@@ -1,4 +1,4 @@
-// C++ tests of the header-only verify core (taps/verify.h, taps/common.h), without torch:
+// C++ tests of the header-only verify core (taps/verify_tree.h, taps/common.h), without torch:
 // the walk driven by a minimal sequential row backend on literal trees, the radix threshold search,
 // the request checks and the order-preserving float key.
 #include <cmath>
@@ -6,7 +6,7 @@
 #include <vector>
 
 #include "seq_ops.h"
-#include "taps/verify.h"
+#include "taps/verify_tree.h"
 
 using namespace taps;
 

@@ -2,7 +2,7 @@
 // and float16 elements as raw bits (no torch or CUDA half types, so the host and nvcc compile the same
 // code), round-to-nearest-even conversions as torch's, and float products and sums kept as separate
 // roundings (no contraction into a fused multiply-add, which nvcc does by default), so that a CPU kernel
-// and a CUDA kernel built on these give the same bits. The CPU verify_tree row passes (cpu/row_kernels.h)
+// and a CUDA kernel built on these give the same bits. The CPU verify_tree row passes (cpu/verify_tree_rows.h)
 // read their rows through the same conversions.
 #pragma once
 #include <cstdint>

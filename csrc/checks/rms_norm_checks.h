@@ -3,7 +3,7 @@
 #pragma once
 #include <ATen/ATen.h>
 
-#include "checks.h"
+#include "checks/checks.h"
 #include "taps/elementwise.h"
 
 namespace taps {

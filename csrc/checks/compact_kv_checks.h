@@ -5,7 +5,7 @@
 
 #include <string>
 
-#include "checks.h"
+#include "checks/checks.h"
 
 namespace taps {
 

@@ -2,7 +2,7 @@
 #pragma once
 #include <ATen/ATen.h>
 
-#include "checks.h"
+#include "checks/checks.h"
 #include "taps/elementwise.h"
 
 namespace taps {

@@ -1,5 +1,5 @@
-// The hot per-row passes of the CPU verify_tree kernel: max (NaN-aware), first index of a value, and the
-// sum of target weights sum(x >= thr ? exp((x - m) * inv_t) : 0). A portable scalar version, an AVX2 + FMA
+// verify_tree, CPU: the hot per-row passes of its kernel (cpu/verify_tree.cpp, their only user): max
+// (NaN-aware), first index of a value, and the sum of target weights sum(x >= thr ? exp((x - m) * inv_t) : 0). A portable scalar version, an AVX2 + FMA
 // version and an AVX-512 version (per-function target attributes), chosen per call by the kernels'
 // instruction-set level (cpu/cpu_isa.h; TAPS_CPU_ISA / taps_ops.set_cpu_isa force a lower one). Rows are
 // float32, bfloat16 or float16, passed as raw bits so this header needs no torch types.

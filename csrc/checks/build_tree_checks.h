@@ -5,9 +5,9 @@
 
 #include <optional>
 
-#include "checks.h"
+#include "checks/checks.h"
 #include "taps/tree.h"
-#include "tree_checks.h"
+#include "checks/tree_checks.h"
 
 namespace taps {
 

@@ -9,8 +9,8 @@
 //
 // One implementation for every device (registered for the CPU and CUDA keys): it only calls other ops,
 // which dispatch on the inputs' device. Inference only (no autograd formula); the lean path calls it with
-// autograd off. Where it is used: the engine's CPU hot path (fused, pre-packed projections). On CUDA the
-// lean path keeps its Python form for now, so this op has not run on a GPU.
+// autograd off. Where it is used: the engine's CPU hot path (fused, pre-packed projections); on CUDA the
+// lean path keeps its Python form.
 #include <ATen/ATen.h>
 #include <ATen/TensorIndexing.h>
 #include <ATen/core/dispatch/Dispatcher.h>
@@ -20,7 +20,7 @@
 #include <string>
 #include <vector>
 
-#include "checks.h"
+#include "checks/checks.h"
 
 namespace taps {
 namespace {

@@ -6,7 +6,7 @@
 #include <cmath>
 #include <optional>
 
-#include "checks.h"
+#include "checks/checks.h"
 #include "taps/tree_attention.h"
 
 namespace taps {

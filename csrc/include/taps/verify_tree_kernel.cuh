@@ -1,5 +1,5 @@
 // verify_tree, CUDA kernel templates (no torch headers): the block-parallel row backend and the
-// kernels that run the core walk (taps/verify.h) with one thread block per request. Launched by
+// kernels that run the core walk (taps/verify_tree.h) with one thread block per request. Launched by
 // csrc/cuda/verify_tree.cu; compiled on the host by tests/cpp/test_emu_verify.cpp under a CUDA
 // emulation header to test the block logic without a GPU.
 //
@@ -18,7 +18,7 @@
 
 #include <cstdint>
 
-#include "taps/verify.h"
+#include "taps/verify_tree.h"
 
 namespace taps {
 namespace verify {

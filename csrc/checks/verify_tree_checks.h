@@ -5,8 +5,8 @@
 #include <optional>
 #include <tuple>
 
-#include "checks.h"
-#include "taps/verify.h"
+#include "checks/checks.h"
+#include "taps/verify_tree.h"
 
 namespace taps {
 
