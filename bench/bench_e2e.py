@@ -247,7 +247,8 @@ def overhead_table(args, device) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", default="cpu")
-    ap.add_argument("--dtype", default="fp32", choices=("fp32", "bf16"))
+    ap.add_argument("--dtype", default="auto", choices=("auto", "fp32", "bf16"),
+                    help="auto: bf16 on CUDA and on CPUs with native bf16 (AVX512-BF16, AMX), else fp32")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--family", default="hass")
     ap.add_argument("--rows", nargs="+", default=list(ROWS), choices=ROWS)
@@ -275,7 +276,9 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     device = torch.device(args.device)
-    dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
+    from taps.models import resolve_dtype
+
+    dtype = resolve_dtype(args.dtype, device)
     if not args.overhead_only:
         shipped_tables(args, device, dtype)
     if args.overhead or args.overhead_only:

@@ -100,7 +100,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shape", default="llama3-8b", choices=sorted(SHAPES))
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    ap.add_argument("--dtype", default=None, choices=("fp32", "bf16"), help="default bf16 on CUDA, fp32 on the CPU")
+    ap.add_argument("--dtype", default="auto", choices=("auto", "fp32", "bf16"),
+                    help="auto: bf16 on CUDA and on CPUs with native bf16 (AVX512-BF16, AMX), else fp32")
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--corrupt", type=float, nargs="+", default=[0.0, 0.1, 0.25, 0.5, 1.0])
@@ -113,8 +114,9 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     device = torch.device(args.device)
-    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}.get(args.dtype) or (
-        torch.bfloat16 if device.type == "cuda" else torch.float32)
+    from taps.models import resolve_dtype
+
+    dtype = resolve_dtype(args.dtype, device)
     cfg = transformers.LlamaConfig(**SHAPES[args.shape], max_position_embeddings=8192, tie_word_embeddings=False)
     torch.manual_seed(0)
     t0 = time.perf_counter()

@@ -28,7 +28,8 @@ from common import print_table  # noqa: E402
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--dtype", default="bf16", choices=("fp32", "bf16"))
+    ap.add_argument("--dtype", default="auto", choices=("auto", "fp32", "bf16"),
+                    help="auto: bf16 on CUDA and on CPUs with native bf16 (AVX512-BF16, AMX), else fp32")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--family", default="hass")
     ap.add_argument("--rows", nargs="+", default=["merged-budget", "chat"], choices=sorted(ROW_SPECS))
@@ -46,7 +47,7 @@ def main() -> None:
     from taps import PromptLookupDrafter, SpeculativeDecoder, models
     from taps.data import load_eval_prompts
 
-    dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
+    dtype = models.resolve_dtype(args.dtype)
     target, tok = models.load_target(dtype=dtype)
     import copy
     hf = HFRunner(copy.deepcopy(target), tok.eos_id)
@@ -81,7 +82,7 @@ def main() -> None:
         print("  ".join(str(c) for c in rows[-1]), flush=True)
     rows.sort(key=lambda r: (r[0], -float(r[-1][:-1])))
     print_table(["row", "depth", "top_k", "budget", "tau", "tokens/s", "HF tokens/s", "vs HF"], rows,
-                title=f"Tree settings vs speed ({args.dtype}, T={args.temperature:g}, {args.threads} thread(s), draft vocabulary "
+                title=f"Tree settings vs speed ({str(dtype).replace('torch.', '')}, T={args.temperature:g}, {args.threads} thread(s), draft vocabulary "
                       f"{args.draft_vocab or 'full'}, {len(prompts)} prompts, {args.new_tokens} new tokens, "
                       f"{args.clock} time; fastest first per row)")
 

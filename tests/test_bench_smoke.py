@@ -43,7 +43,7 @@ def table_rows(out, title):
 def test_bench_e2e_shipped_models_and_overhead():
     out = run_bench("bench_e2e.py", "--rows", "autoregressive", "merged-budget", "lookup", "--prompts", "1",
                     "--new-tokens", "8", "--repeats", "1", "--temperatures", "0", "1", "--profile", "--overhead",
-                    "--overhead-tokens", "8")
+                    "--overhead-tokens", "8", "--dtype", "fp32")
     t0 = table_rows(out, "Shipped models, T=0")
     taps = [r for r in t0 if r.strip().startswith("taps")]
     assert len(taps) == 3 and all(r.rstrip().endswith("yes") for r in taps), t0
@@ -55,7 +55,7 @@ def test_bench_e2e_shipped_models_and_overhead():
 
 def test_bench_e2e_synthetic_tiny_shape():
     out = run_bench("bench_e2e_synthetic.py", "--shape", "tiny", "--new-tokens", "8", "--repeats", "1",
-                    "--corrupt", "0", "1", "--prompt-len", "16")
+                    "--corrupt", "0", "1", "--prompt-len", "16", "--dtype", "fp32")
     rows = table_rows(out, "End to end, synthetic target")
     assert len(rows) == 4 and all(r.rstrip().endswith("yes") for r in rows), rows
     oracle = [r for r in rows if "oracle" in r]

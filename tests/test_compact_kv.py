@@ -76,7 +76,7 @@ def test_opcheck(device):
 def test_bad_paths(device, path, prefix, message):
     cache = torch.randn(1, 1, 10, 4, device=device)
     before = cache.clone()
-    with pytest.raises(RuntimeError, match=message):
+    with pytest.raises(ValueError, match=message):
         taps_ops.compact_kv([cache], torch.tensor(path, device=device), torch.tensor(prefix, device=device))
     assert torch.equal(cache, before)
 
@@ -84,18 +84,18 @@ def test_bad_paths(device, path, prefix, message):
 def test_bad_shapes(device):
     path = torch.tensor([[0, 1]], device=device)
     prefix = torch.tensor([0], device=device)
-    with pytest.raises(RuntimeError, match="4 dimensions"):
+    with pytest.raises(ValueError, match="4 dimensions"):
         taps_ops.compact_kv([torch.randn(1, 10, 4, device=device)], path, prefix)
-    with pytest.raises(RuntimeError, match="B = 1"):
+    with pytest.raises(ValueError, match="B = 1"):
         taps_ops.compact_kv([torch.randn(2, 1, 10, 4, device=device)], path, prefix)
-    with pytest.raises(RuntimeError, match="floating"):
+    with pytest.raises(ValueError, match="floating"):
         taps_ops.compact_kv([torch.zeros(1, 1, 10, 4, dtype=torch.int32, device=device)], path, prefix)
-    with pytest.raises(RuntimeError, match="one length"):
+    with pytest.raises(ValueError, match="one length"):
         taps_ops.compact_kv([torch.randn(1, 1, 10, 4, device=device), torch.randn(1, 1, 12, 4, device=device)],
                             path, prefix)
-    with pytest.raises(RuntimeError, match="dtype"):
+    with pytest.raises(ValueError, match="dtype"):
         taps_ops.compact_kv([torch.randn(1, 1, 10, 4, device=device)], path.int(), prefix)
-    with pytest.raises(RuntimeError, match="contiguous last"):
+    with pytest.raises(ValueError, match="contiguous last"):
         taps_ops.compact_kv([torch.randn(1, 1, 4, 10, device=device).transpose(2, 3)], path, prefix)
 
 
@@ -114,7 +114,7 @@ def test_validate_false_same_result_and_opcheck(device):
 def test_validate_false_still_checks_on_cpu():
     # The CPU checks cost no device sync: they run with validate=False too.
     cache = torch.randn(1, 1, 10, 4)
-    with pytest.raises(RuntimeError, match="strictly increasing"):
+    with pytest.raises(ValueError, match="strictly increasing"):
         taps_ops.compact_kv([cache], torch.tensor([[0, 3, 2]]), torch.tensor([0]), validate=False)
 
 

@@ -519,7 +519,7 @@ def _bad_cases():
 @pytest.mark.parametrize("case", _bad_cases(), ids=lambda c: c[0])
 def test_bad_inputs_raise(device, case):
     _, args, message = case
-    with pytest.raises(RuntimeError, match=message):
+    with pytest.raises(ValueError, match=message):
         _run(device, *args)
 
 
@@ -533,7 +533,7 @@ def test_device_mismatch_raises():
         (logits, front_scores.cuda(), front_cands.cuda(), token_map.cuda(), "on one device"),
     ]
     for lg, fs, fc, tm, message in cases:
-        with pytest.raises(RuntimeError, match=message):
+        with pytest.raises(ValueError, match=message):
             taps_ops.expand_level(lg, fs, fc, k, next_k, offset, tm)
             torch.cuda.synchronize()
 
@@ -541,7 +541,7 @@ def test_device_mismatch_raises():
 def test_fuzz_validation():
     """Seeded fuzz: a random valid call (random sizes, empty ones included) matches the reference; the
     same call with one argument corrupted (dtype, rank, size, k, next_k, cand_offset, token_map) raises
-    a RuntimeError naming the op: never a crash, never a silent result."""
+    a ValueError naming the op: never a crash, never a silent result."""
     gen = torch.Generator().manual_seed(11)
 
     def pick(n):
@@ -593,7 +593,7 @@ def test_fuzz_validation():
         elif kind == "map_shape":
             args[6] = [torch.arange(vocab + 1), torch.arange(vocab - 1), torch.arange(vocab).view(1, -1),
                        torch.zeros((), dtype=torch.int64)][pick(4)]
-        with pytest.raises(RuntimeError) as err:
+        with pytest.raises(ValueError) as err:
             taps_ops.expand_level(*args[:7], with_entropy=args[7])
         assert str(err.value).startswith("taps_ops: expand_level:"), (kind, str(err.value))
     assert seen == set(kinds)

@@ -150,7 +150,7 @@ def test_tree_nodes_bad_inputs(tree_nodes, words, lens, message):
     k = torch.randn(1, 2, 40, 64)
     v = torch.randn_like(k)
     mask = torch.full((1, 7, words), -1, dtype=torch.int64)
-    with pytest.raises(RuntimeError, match=message):
+    with pytest.raises(ValueError, match=message):
         taps_ops.tree_attention(q, k, v, mask, torch.tensor([lens]), tree_nodes=tree_nodes)
 
 
@@ -273,7 +273,7 @@ def test_bad_inputs(device, change, message):
     q, k, v, tree_mask, kv_lens = make_inputs(2, 4, 2, 7, 64, 40, torch.float32, device)
     args = dict(q=q, k=k, v=v, tree_mask=tree_mask, kv_lens=kv_lens)
     change(args)
-    with pytest.raises(RuntimeError, match=message):
+    with pytest.raises(ValueError, match=message):
         torch.ops.taps_ops.tree_attention.default(args["q"], args["k"], args["v"], args["tree_mask"],
                                                   args["kv_lens"], 0.125)
 
@@ -281,7 +281,7 @@ def test_bad_inputs(device, change, message):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 def test_device_mismatch():
     q, k, v, tree_mask, kv_lens = make_inputs(1, 2, 1, 3, 64, 10, torch.float32, "cpu")
-    with pytest.raises(RuntimeError, match="device"):
+    with pytest.raises(ValueError, match="device"):
         torch.ops.taps_ops.tree_attention.default(q.cuda(), k.cuda(), v.cuda(), tree_mask, kv_lens.cuda(), 1.0)
 
 
@@ -303,7 +303,7 @@ def test_validate_false_same_result_and_opcheck(device):
 def test_validate_false_still_checks_on_cpu():
     # The CPU check costs no device sync, so the CPU kernel keeps it even with validate=False.
     q, k, v, mask, kv_lens = make_inputs(2, 4, 2, 7, 64, 40, torch.float32, "cpu")
-    with pytest.raises(RuntimeError, match="kv_lens"):
+    with pytest.raises(ValueError, match="kv_lens"):
         taps_ops.tree_attention(q, k, v, mask, kv_lens * 0 + 2, validate=False)
 
 

@@ -17,9 +17,9 @@ inline void check_build_tree_inputs(const at::Tensor& scores, const at::Tensor& 
   check_tensor(scores, "build_tree: scores", 2, {at::kFloat});
   check_tensor(tokens, "build_tree: tokens", 2, {at::kLong});
   check_tensor(parents, "build_tree: parents", 2, {at::kLong});
-  TORCH_CHECK(tokens.sizes() == scores.sizes() && parents.sizes() == scores.sizes(),
-              "taps_ops: build_tree: scores, tokens and parents must all have shape [B, M], got ", scores.sizes(),
-              ", ", tokens.sizes(), " and ", parents.sizes());
+  TORCH_CHECK_VALUE(tokens.sizes() == scores.sizes() && parents.sizes() == scores.sizes(),
+                    "taps_ops: build_tree: scores, tokens and parents must all have shape [B, M], got ", scores.sizes(),
+                    ", ", tokens.sizes(), " and ", parents.sizes());
   check_same_device(scores, tokens, "build_tree: scores", "build_tree: tokens");
   check_same_device(scores, parents, "build_tree: scores", "build_tree: parents");
   TORCH_CHECK_VALUE(num_nodes >= 1, "taps_ops: build_tree: num_nodes must be >= 1 (the root), got ", num_nodes);

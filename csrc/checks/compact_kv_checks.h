@@ -16,16 +16,16 @@ inline int64_t check_compact_kv_caches(at::TensorList caches, const at::Tensor& 
   for (size_t t = 0; t < caches.size(); ++t) {
     const at::Tensor& c = caches[t];
     const std::string name = "compact_kv: caches[" + std::to_string(t) + "] [B, H, S, D]";
-    TORCH_CHECK(c.defined(), "taps_ops: ", name, " is undefined");
-    TORCH_CHECK(c.dim() == 4, "taps_ops: ", name, " must have 4 dimensions, got shape ", c.sizes());
-    TORCH_CHECK(c.is_floating_point(), "taps_ops: ", name, " must have a floating dtype, got ", c.scalar_type());
+    TORCH_CHECK_VALUE(c.defined(), "taps_ops: ", name, " is undefined");
+    TORCH_CHECK_VALUE(c.dim() == 4, "taps_ops: ", name, " must have 4 dimensions, got shape ", c.sizes());
+    TORCH_CHECK_VALUE(c.is_floating_point(), "taps_ops: ", name, " must have a floating dtype, got ", c.scalar_type());
     check_same_device(path, c, "path", name.c_str());
-    TORCH_CHECK(c.size(0) == batch, "taps_ops: ", name, " dimension 0 must be B = ", batch, ", got shape ",
-                c.sizes());
-    TORCH_CHECK(c.size(3) <= 1 || c.stride(3) == 1, "taps_ops: ", name,
-                " must have a contiguous last dimension (it is updated in place), got strides ", c.strides());
-    TORCH_CHECK(cache_len < 0 || c.size(2) == cache_len, "taps_ops: ", name, " has S = ", c.size(2),
-                " but caches[0] has S = ", cache_len, "; all caches must have one length");
+    TORCH_CHECK_VALUE(c.size(0) == batch, "taps_ops: ", name, " dimension 0 must be B = ", batch, ", got shape ",
+                      c.sizes());
+    TORCH_CHECK_VALUE(c.size(3) <= 1 || c.stride(3) == 1, "taps_ops: ", name,
+                      " must have a contiguous last dimension (it is updated in place), got strides ", c.strides());
+    TORCH_CHECK_VALUE(cache_len < 0 || c.size(2) == cache_len, "taps_ops: ", name, " has S = ", c.size(2),
+                      " but caches[0] has S = ", cache_len, "; all caches must have one length");
     cache_len = c.size(2);
   }
   return cache_len;

@@ -59,8 +59,8 @@ inline ExpandLevelArgs prepare_expand_level(const at::Tensor& logits, const at::
                                             const at::Tensor& front_cands, int64_t k, int64_t next_k,
                                             int64_t cand_offset, const c10::optional<at::Tensor>& token_map,
                                             bool with_entropy) {
-  TORCH_CHECK(logits.defined(), "taps_ops: expand_level: logits is undefined");
-  TORCH_CHECK(logits.dim() == 3, "taps_ops: expand_level: logits must be [R, F, V], got shape ", logits.sizes());
+  TORCH_CHECK_VALUE(logits.defined(), "taps_ops: expand_level: logits is undefined");
+  TORCH_CHECK_VALUE(logits.dim() == 3, "taps_ops: expand_level: logits must be [R, F, V], got shape ", logits.sizes());
   ExpandLevelArgs a;
   a.dtype = elementwise_dtype(logits, "expand_level", "logits");
   a.rows = logits.size(0);
@@ -70,24 +70,24 @@ inline ExpandLevelArgs prepare_expand_level(const at::Tensor& logits, const at::
   check_tensor(front_cands, "expand_level: front_cands", 2, {at::kLong});
   check_same_device(logits, front_scores, "logits", "expand_level: front_scores");
   check_same_device(logits, front_cands, "logits", "expand_level: front_cands");
-  TORCH_CHECK(front_scores.size(0) == a.rows && front_scores.size(1) == a.front,
-              "taps_ops: expand_level: front_scores must be [R, F] = [", a.rows, ", ", a.front, "], got shape ",
-              front_scores.sizes());
-  TORCH_CHECK(front_cands.size(0) == a.rows && front_cands.size(1) == a.front,
-              "taps_ops: expand_level: front_cands must be [R, F] = [", a.rows, ", ", a.front, "], got shape ",
-              front_cands.sizes());
-  TORCH_CHECK(a.vocab >= 1, "taps_ops: expand_level: logits must have at least one token (V >= 1), got shape ",
-              logits.sizes());
-  TORCH_CHECK(k >= 1 && k <= a.vocab && k <= expand::kMaxK, "taps_ops: expand_level: k must be in [1, min(V, ",
-              expand::kMaxK, ")] (V = ", a.vocab, "), got ", k);
-  TORCH_CHECK(next_k >= 0 && next_k <= a.front * k, "taps_ops: expand_level: next_k must be in [0, F * k] = [0, ",
-              a.front * k, "], got ", next_k);
-  TORCH_CHECK(cand_offset >= 0, "taps_ops: expand_level: cand_offset must be >= 0, got ", cand_offset);
+  TORCH_CHECK_VALUE(front_scores.size(0) == a.rows && front_scores.size(1) == a.front,
+                    "taps_ops: expand_level: front_scores must be [R, F] = [", a.rows, ", ", a.front, "], got shape ",
+                    front_scores.sizes());
+  TORCH_CHECK_VALUE(front_cands.size(0) == a.rows && front_cands.size(1) == a.front,
+                    "taps_ops: expand_level: front_cands must be [R, F] = [", a.rows, ", ", a.front, "], got shape ",
+                    front_cands.sizes());
+  TORCH_CHECK_VALUE(a.vocab >= 1, "taps_ops: expand_level: logits must have at least one token (V >= 1), got shape ",
+                    logits.sizes());
+  TORCH_CHECK_VALUE(k >= 1 && k <= a.vocab && k <= expand::kMaxK, "taps_ops: expand_level: k must be in [1, min(V, ",
+                    expand::kMaxK, ")] (V = ", a.vocab, "), got ", k);
+  TORCH_CHECK_VALUE(next_k >= 0 && next_k <= a.front * k, "taps_ops: expand_level: next_k must be in [0, F * k] = [0, ",
+                    a.front * k, "], got ", next_k);
+  TORCH_CHECK_VALUE(cand_offset >= 0, "taps_ops: expand_level: cand_offset must be >= 0, got ", cand_offset);
   if (token_map.has_value() && token_map->defined()) {
     check_tensor(*token_map, "expand_level: token_map", 1, {at::kLong});
     check_same_device(logits, *token_map, "logits", "expand_level: token_map");
-    TORCH_CHECK(token_map->size(0) == a.vocab, "taps_ops: expand_level: token_map must have V = ", a.vocab,
-                " entries (one target id per draft token), got shape ", token_map->sizes());
+    TORCH_CHECK_VALUE(token_map->size(0) == a.vocab, "taps_ops: expand_level: token_map must have V = ", a.vocab,
+                      " entries (one target id per draft token), got shape ", token_map->sizes());
     a.token_map = token_map->contiguous();
   }
   a.k = k;

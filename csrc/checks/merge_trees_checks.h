@@ -17,9 +17,9 @@ inline void check_merge_trees_inputs(const at::Tensor& tokens, const at::Tensor&
   check_tensor(tokens, "merge_trees: tokens", 3, {at::kLong});
   check_tensor(parents, "merge_trees: parents", 3, {at::kLong});
   check_tensor(scores, "merge_trees: scores", 3, {at::kFloat});
-  TORCH_CHECK(parents.sizes() == tokens.sizes() && scores.sizes() == tokens.sizes(),
-              "taps_ops: merge_trees: tokens, parents and scores must all have shape [B, T, N], got ", tokens.sizes(),
-              ", ", parents.sizes(), " and ", scores.sizes());
+  TORCH_CHECK_VALUE(parents.sizes() == tokens.sizes() && scores.sizes() == tokens.sizes(),
+                    "taps_ops: merge_trees: tokens, parents and scores must all have shape [B, T, N], got ",
+                    tokens.sizes(), ", ", parents.sizes(), " and ", scores.sizes());
   check_same_device(tokens, parents, "merge_trees: tokens", "merge_trees: parents");
   check_same_device(tokens, scores, "merge_trees: tokens", "merge_trees: scores");
   const int64_t T = tokens.size(1), N = tokens.size(2);
@@ -31,9 +31,9 @@ inline void check_merge_trees_inputs(const at::Tensor& tokens, const at::Tensor&
   TORCH_CHECK_VALUE(num_nodes >= 1, "taps_ops: merge_trees: num_nodes must be >= 1 (the root), got ", num_nodes);
   if (weights.has_value()) {
     check_tensor(*weights, "merge_trees: weights", 2, {at::kFloat});
-    TORCH_CHECK(weights->size(0) == tokens.size(0) && weights->size(1) == T,
-                "taps_ops: merge_trees: weights must have shape [B, T] = [", tokens.size(0), ", ", T, "], got ",
-                weights->sizes());
+    TORCH_CHECK_VALUE(weights->size(0) == tokens.size(0) && weights->size(1) == T,
+                      "taps_ops: merge_trees: weights must have shape [B, T] = [", tokens.size(0), ", ", T, "], got ",
+                      weights->sizes());
     check_same_device(tokens, *weights, "merge_trees: tokens", "merge_trees: weights");
   }
 }

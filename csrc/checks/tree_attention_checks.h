@@ -26,27 +26,27 @@ inline int64_t check_tree_attention_inputs(const at::Tensor& q_in, const at::Ten
   check_same_device(q_in, v_in, "q", "tree_attention: v");
   check_same_device(q_in, tree_mask_in, "q", "tree_attention: tree_mask");
   check_same_device(q_in, kv_lens_in, "q", "tree_attention: kv_lens");
-  TORCH_CHECK(k_in.scalar_type() == q_in.scalar_type() && v_in.scalar_type() == q_in.scalar_type(),
-              "taps_ops: tree_attention: q, k and v must have one dtype, got ", q_in.scalar_type(), ", ",
-              k_in.scalar_type(), ", ", v_in.scalar_type());
+  TORCH_CHECK_VALUE(k_in.scalar_type() == q_in.scalar_type() && v_in.scalar_type() == q_in.scalar_type(),
+                    "taps_ops: tree_attention: q, k and v must have one dtype, got ", q_in.scalar_type(), ", ",
+                    k_in.scalar_type(), ", ", v_in.scalar_type());
   const int64_t batch = q_in.size(0), heads_q = q_in.size(1), num_nodes = q_in.size(2), head_dim = q_in.size(3);
   const int64_t heads_kv = k_in.size(1);
   check_size(k_in, 0, batch, "tree_attention: k", "B");
   check_size(k_in, 3, head_dim, "tree_attention: k", "D (q's head dim)");
-  TORCH_CHECK(v_in.sizes() == k_in.sizes(), "taps_ops: tree_attention: v must have k's shape ", k_in.sizes(),
-              ", got ", v_in.sizes());
-  TORCH_CHECK(heads_kv > 0 && heads_q % heads_kv == 0, "taps_ops: tree_attention: Hq = ", heads_q,
-              " must be a multiple of Hkv = ", heads_kv);
+  TORCH_CHECK_VALUE(v_in.sizes() == k_in.sizes(), "taps_ops: tree_attention: v must have k's shape ", k_in.sizes(),
+                    ", got ", v_in.sizes());
+  TORCH_CHECK_VALUE(heads_kv > 0 && heads_q % heads_kv == 0, "taps_ops: tree_attention: Hq = ", heads_q,
+                    " must be a multiple of Hkv = ", heads_kv);
   check_size(tree_mask_in, 0, batch, "tree_attention: tree_mask", "B");
   check_size(tree_mask_in, 1, num_nodes, "tree_attention: tree_mask", "N");
-  TORCH_CHECK(!tree_nodes.has_value() || *tree_nodes >= num_nodes, "taps_ops: tree_attention: tree_nodes = ",
-              tree_nodes.value_or(0), " must be at least N = ", num_nodes, " (the queries are tree nodes)");
+  TORCH_CHECK_VALUE(!tree_nodes.has_value() || *tree_nodes >= num_nodes, "taps_ops: tree_attention: tree_nodes = ",
+                    tree_nodes.value_or(0), " must be at least N = ", num_nodes, " (the queries are tree nodes)");
   const int64_t tree = tree_nodes.value_or(num_nodes);
-  TORCH_CHECK(tree_mask_in.size(2) >= ceil_div(tree, 64), "taps_ops: tree_attention: tree_mask needs ",
-              "at least ceil(T / 64) = ", ceil_div(tree, 64), " words per row (T = ", tree,
-              " tree nodes), got shape ", tree_mask_in.sizes());
+  TORCH_CHECK_VALUE(tree_mask_in.size(2) >= ceil_div(tree, 64), "taps_ops: tree_attention: tree_mask needs ",
+                    "at least ceil(T / 64) = ", ceil_div(tree, 64), " words per row (T = ", tree,
+                    " tree nodes), got shape ", tree_mask_in.sizes());
   check_size(kv_lens_in, 0, batch, "tree_attention: kv_lens", "B");
-  TORCH_CHECK(std::isfinite(scale), "taps_ops: tree_attention: scale must be finite, got ", scale);
+  TORCH_CHECK_VALUE(std::isfinite(scale), "taps_ops: tree_attention: scale must be finite, got ", scale);
   return tree;
 }
 

@@ -17,35 +17,37 @@ inline void check_verify_inputs(const at::Tensor& logits, const at::Tensor& toke
   const auto floats = {at::kFloat, at::kBFloat16, at::kHalf};
   check_tensor(logits, "verify_tree: logits [B, N, V]", 3, floats);
   const int64_t batch = logits.size(0), n = logits.size(1), vocab = logits.size(2);
-  TORCH_CHECK(vocab >= 1, "taps_ops: verify_tree: logits must have V >= 1, got shape ", logits.sizes());
-  TORCH_CHECK(n >= 1 || batch == 0, "taps_ops: verify_tree: a tree needs N >= 1 nodes (the root), got shape ",
-              logits.sizes());
-  TORCH_CHECK(vocab < (int64_t(1) << 31), "taps_ops: verify_tree: V must be < 2^31, got ", vocab);
+  TORCH_CHECK_VALUE(vocab >= 1, "taps_ops: verify_tree: logits must have V >= 1, got shape ", logits.sizes());
+  TORCH_CHECK_VALUE(n >= 1 || batch == 0, "taps_ops: verify_tree: a tree needs N >= 1 nodes (the root), got shape ",
+                    logits.sizes());
+  TORCH_CHECK_VALUE(vocab < (int64_t(1) << 31), "taps_ops: verify_tree: V must be < 2^31, got ", vocab);
   check_tensor(tokens, "verify_tree: tokens [B, N]", 2, {at::kLong});
   check_tensor(parents, "verify_tree: parents [B, N]", 2, {at::kLong});
   check_tensor(uniforms, "verify_tree: uniforms [B, N]", 2, {at::kFloat});
   for (const at::Tensor* t : {&tokens, &parents, &uniforms}) {
-    TORCH_CHECK(t->size(0) == batch && t->size(1) == n, "taps_ops: verify_tree: tokens, parents and uniforms must be [B, N] = [",
-                batch, ", ", n, "] to match logits ", logits.sizes(), ", got ", t->sizes());
+    TORCH_CHECK_VALUE(t->size(0) == batch && t->size(1) == n,
+                      "taps_ops: verify_tree: tokens, parents and uniforms must be [B, N] = [",
+                      batch, ", ", n, "] to match logits ", logits.sizes(), ", got ", t->sizes());
   }
   check_tensor(temperature, "verify_tree: temperature [B]", 1, {at::kFloat});
   check_tensor(top_k, "verify_tree: top_k [B]", 1, {at::kLong});
   check_tensor(top_p, "verify_tree: top_p [B]", 1, {at::kFloat});
   for (const at::Tensor* t : {&temperature, &top_k, &top_p}) {
-    TORCH_CHECK(t->size(0) == batch, "taps_ops: verify_tree: temperature, top_k and top_p must be [B] = [", batch,
-                "], got ", t->sizes());
+    TORCH_CHECK_VALUE(t->size(0) == batch, "taps_ops: verify_tree: temperature, top_k and top_p must be [B] = [", batch,
+                      "], got ", t->sizes());
   }
   const char* names[] = {"tokens", "parents", "temperature", "top_k", "top_p", "uniforms"};
   const at::Tensor* ts[] = {&tokens, &parents, &temperature, &top_k, &top_p, &uniforms};
   for (int i = 0; i < 6; ++i) check_same_device(logits, *ts[i], "logits", names[i]);
   if (draft_probs.has_value()) {
     check_tensor(*draft_probs, "verify_tree: draft_probs [B, N, V]", 3, floats);
-    TORCH_CHECK(draft_probs->sizes() == logits.sizes(), "taps_ops: verify_tree: draft_probs must have the shape of logits ",
-                logits.sizes(), ", got ", draft_probs->sizes());
+    TORCH_CHECK_VALUE(draft_probs->sizes() == logits.sizes(),
+                      "taps_ops: verify_tree: draft_probs must have the shape of logits ",
+                      logits.sizes(), ", got ", draft_probs->sizes());
     check_same_device(logits, *draft_probs, "logits", "draft_probs");
-    TORCH_CHECK(draft_probs->scalar_type() == at::kFloat || draft_probs->scalar_type() == logits.scalar_type(),
-                "taps_ops: verify_tree: draft_probs must be float32 or the dtype of logits (", logits.scalar_type(),
-                "), got ", draft_probs->scalar_type());
+    TORCH_CHECK_VALUE(draft_probs->scalar_type() == at::kFloat || draft_probs->scalar_type() == logits.scalar_type(),
+                      "taps_ops: verify_tree: draft_probs must be float32 or the dtype of logits (",
+                      logits.scalar_type(), "), got ", draft_probs->scalar_type());
   }
 }
 

@@ -21,10 +21,10 @@ TreeTensors build_tree_cuda(const at::Tensor& scores, const at::Tensor& tokens, 
   check_build_tree_inputs(scores, tokens, parents, num_nodes, root_tokens);
   const c10::cuda::CUDAGuard guard(scores.device());
   const int64_t B = scores.size(0), M = scores.size(1);
-  TORCH_CHECK(M <= tree::kBuildTreeMaxCandidates, "taps_ops: build_tree: the CUDA kernel supports at most ",
-              tree::kBuildTreeMaxCandidates, " candidates per request, got M = ", M);
-  TORCH_CHECK(num_nodes <= tree::kMaxOutputNodes, "taps_ops: build_tree: the CUDA kernel supports at most ",
-              tree::kMaxOutputNodes, " nodes, got num_nodes = ", num_nodes);
+  TORCH_CHECK_VALUE(M <= tree::kBuildTreeMaxCandidates, "taps_ops: build_tree: the CUDA kernel supports at most ",
+                    tree::kBuildTreeMaxCandidates, " candidates per request, got M = ", M);
+  TORCH_CHECK_VALUE(num_nodes <= tree::kMaxOutputNodes, "taps_ops: build_tree: the CUDA kernel supports at most ",
+                    tree::kMaxOutputNodes, " nodes, got num_nodes = ", num_nodes);
   check_shared_memory(tree::build_tree_smem_bytes(M, num_nodes), "build_tree",
                       c10::str("M = ", M, " candidates and num_nodes = ", num_nodes),
                       "use fewer candidates or nodes, or run build_tree on the CPU");

@@ -15,8 +15,8 @@ namespace taps {
 // "M = 9000 candidates and num_nodes = 64", "use fewer candidates or nodes, or run build_tree on the CPU").
 inline void check_shared_memory(size_t bytes, const char* op, const std::string& what, const char* advice) {
   const size_t limit = at::cuda::getCurrentDeviceProperties()->sharedMemPerBlockOptin;
-  TORCH_CHECK(bytes <= limit, "taps_ops: ", op, ": ", what, " need ", bytes,
-              " bytes of shared memory per request, more than this device's ", limit, "; ", advice);
+  TORCH_CHECK_VALUE(bytes <= limit, "taps_ops: ", op, ": ", what, " need ", bytes,
+                    " bytes of shared memory per request, more than this device's ", limit, "; ", advice);
 }
 
 // validate=True reads the results of the data checks back to the host: a device sync, which a stream
@@ -28,7 +28,7 @@ inline void check_validate_allowed(const char* op) {
 
 // Raises unless `value` (named by `what`) fits the grid's y or z dimension.
 inline void check_grid_dim(int64_t value, const char* op, const std::string& what) {
-  TORCH_CHECK(value <= 65535, "taps_ops: ", op, ": ", what, " exceeds the CUDA grid limit 65535");
+  TORCH_CHECK_VALUE(value <= 65535, "taps_ops: ", op, ": ", what, " exceeds the CUDA grid limit 65535");
 }
 
 }  // namespace taps

@@ -21,8 +21,8 @@ expand_level_cuda(const at::Tensor& logits, const at::Tensor& front_scores, cons
                   bool with_entropy) {
   const ExpandLevelArgs a = prepare_expand_level(logits, front_scores, front_cands, k, next_k, cand_offset,
                                                  token_map, with_entropy);
-  TORCH_CHECK(a.logits.is_cuda(), "taps_ops: expand_level: logits must be a CUDA tensor for the CUDA kernel, got ",
-              a.logits.device());
+  TORCH_CHECK_VALUE(a.logits.is_cuda(),
+                    "taps_ops: expand_level: logits must be a CUDA tensor for the CUDA kernel, got ", a.logits.device());
   if (a.rows == 0) return a.outputs();
   const c10::cuda::CUDAGuard guard(a.logits.device());
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream();

@@ -21,10 +21,11 @@ TreeTensors merge_trees_cuda(const at::Tensor& tokens, const at::Tensor& parents
   check_merge_trees_inputs(tokens, parents, scores, num_nodes, weights);
   const c10::cuda::CUDAGuard guard(tokens.device());
   const int64_t B = tokens.size(0), T = tokens.size(1), N = tokens.size(2);
-  TORCH_CHECK(T * N <= tree::kMergeTreesMaxOccurrences, "taps_ops: merge_trees: the CUDA kernel supports at most ",
-              tree::kMergeTreesMaxOccurrences, " nodes per request (T * N), got T * N = ", T * N);
-  TORCH_CHECK(num_nodes <= tree::kMaxOutputNodes, "taps_ops: merge_trees: the CUDA kernel supports at most ",
-              tree::kMaxOutputNodes, " nodes, got num_nodes = ", num_nodes);
+  TORCH_CHECK_VALUE(T * N <= tree::kMergeTreesMaxOccurrences,
+                    "taps_ops: merge_trees: the CUDA kernel supports at most ",
+                    tree::kMergeTreesMaxOccurrences, " nodes per request (T * N), got T * N = ", T * N);
+  TORCH_CHECK_VALUE(num_nodes <= tree::kMaxOutputNodes, "taps_ops: merge_trees: the CUDA kernel supports at most ",
+                    tree::kMaxOutputNodes, " nodes, got num_nodes = ", num_nodes);
   check_shared_memory(tree::merge_trees_smem_bytes(T * N, num_nodes), "merge_trees",
                       c10::str("T * N = ", T * N, " input nodes and num_nodes = ", num_nodes),
                       "use fewer or smaller trees, or run merge_trees on the CPU");

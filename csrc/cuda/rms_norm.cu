@@ -15,7 +15,8 @@ namespace {
 
 at::Tensor rms_norm_cuda(const at::Tensor& x, const at::Tensor& weight, double eps) {
   RmsNormArgs a = prepare_rms_norm(x, weight, eps);
-  TORCH_CHECK(a.x.is_cuda(), "taps_ops: rms_norm: x must be a CUDA tensor for the CUDA kernel, got ", a.x.device());
+  TORCH_CHECK_VALUE(a.x.is_cuda(), "taps_ops: rms_norm: x must be a CUDA tensor for the CUDA kernel, got ",
+                    a.x.device());
   if (a.rows == 0 || a.width == 0) return a.out;
   const c10::cuda::CUDAGuard guard(a.x.device());
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream();

@@ -15,7 +15,7 @@ namespace {
 
 void rope_cuda(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
   const RopeArgs a = prepare_rope(x, cos, sin);
-  TORCH_CHECK(x.is_cuda(), "taps_ops: rope_: x must be a CUDA tensor for the CUDA kernel, got ", x.device());
+  TORCH_CHECK_VALUE(x.is_cuda(), "taps_ops: rope_: x must be a CUDA tensor for the CUDA kernel, got ", x.device());
   const c10::cuda::CUDAGuard guard(x.device());
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
   const int64_t sr = x.stride(0), st = x.stride(1), sh = x.stride(2), cr = a.cos.stride(0), ct = a.cos.stride(1);

@@ -36,7 +36,8 @@ void dispatch_head_dim(const attention::Params& p, const attention::AttentionPla
     case 128: err = attention::launch_tree_attention<T, 128>(p, plan, stream); break;
     case 256: err = attention::launch_tree_attention<T, 256>(p, plan, stream); break;
     default:
-      TORCH_CHECK(false, "taps_ops: tree_attention: CUDA supports head dims 64, 80, 96, 128, 256, got ", p.head_dim);
+      TORCH_CHECK_VALUE(false,
+                        "taps_ops: tree_attention: CUDA supports head dims 64, 80, 96, 128, 256, got ", p.head_dim);
   }
   C10_CUDA_CHECK(err);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
@@ -56,8 +57,8 @@ at::Tensor tree_attention_cuda(const at::Tensor& q_in, const at::Tensor& k_in, c
     check_validate_allowed("tree_attention");
     const at::Tensor& kv_lens = call.kv_lens;
     const bool bad = at::logical_or(kv_lens < tree, kv_lens > cache_len).any().item<bool>();
-    TORCH_CHECK(!bad, "taps_ops: tree_attention: every kv_lens[b] must be in [T, S] = [", tree, ", ",
-                cache_len, "] (T: tree nodes), got ", kv_lens.cpu());
+    TORCH_CHECK_VALUE(!bad, "taps_ops: tree_attention: every kv_lens[b] must be in [T, S] = [", tree, ", ",
+                      cache_len, "] (T: tree nodes), got ", kv_lens.cpu());
   }
   if (call.out.numel() == 0) return call.out;
 

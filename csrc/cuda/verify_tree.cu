@@ -25,8 +25,8 @@ int cluster_size_for(int64_t batch, int64_t vocab) {
   if (prop->major < 9) return 1;
   if (const char* env = std::getenv("TAPS_VERIFY_CLUSTER")) {
     const int forced = std::atoi(env);
-    TORCH_CHECK(forced == 1 || forced == 2 || forced == 4 || forced == 8,
-                "taps_ops: TAPS_VERIFY_CLUSTER must be 1, 2, 4 or 8, got '", env, "'");
+    TORCH_CHECK_VALUE(forced == 1 || forced == 2 || forced == 4 || forced == 8,
+                      "taps_ops: TAPS_VERIFY_CLUSTER must be 1, 2, 4 or 8, got '", env, "'");
     return forced;
   }
   int c = 1;
@@ -55,9 +55,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> verify_tree_cuda(
     const std::optional<at::Tensor>& draft_probs_in, const at::Tensor& uniforms_in, bool validate) {
   check_verify_inputs(logits_in, tokens_in, parents_in, temperature_in, top_k_in, top_p_in, draft_probs_in,
                       uniforms_in);
-  TORCH_CHECK(logits_in.size(1) <= verify::kMaxNodes, "taps_ops: verify_tree: the CUDA kernel supports trees of up to ",
-              verify::kMaxNodes, " nodes, got N = ", logits_in.size(1));
-  TORCH_CHECK(logits_in.size(0) < (int64_t(1) << 31), "taps_ops: verify_tree: batch too large for one launch");
+  TORCH_CHECK_VALUE(logits_in.size(1) <= verify::kMaxNodes,
+                    "taps_ops: verify_tree: the CUDA kernel supports trees of up to ",
+                    verify::kMaxNodes, " nodes, got N = ", logits_in.size(1));
+  TORCH_CHECK_VALUE(logits_in.size(0) < (int64_t(1) << 31), "taps_ops: verify_tree: batch too large for one launch");
   const c10::cuda::CUDAGuard guard(logits_in.device());
   if (validate) check_validate_allowed("verify_tree");
   const VerifyCall call = VerifyCall::prepare(logits_in, tokens_in, parents_in, temperature_in, top_k_in, top_p_in,

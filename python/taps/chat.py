@@ -106,7 +106,10 @@ class ChatTokenizer:
     """The tokenizer wrapper: a Hugging Face fast tokenizer plus the chat template.
 
     ``encode_chat(messages)`` gives token ids of the rendered conversation; ``decode`` keeps the special
-    tokens so ``parse(decode(encode_chat(m))) == m``.
+    tokens so ``parse(decode(encode_chat(m))) == m``. It also answers what code written for a Hugging Face
+    tokenizer asks of one (``SpeculativeDecoder(..., tokenizer=tok)`` takes it or ``tok.hf`` alike): it is
+    callable (``tok(text)["input_ids"]``), has ``eos_token_id`` / ``bos_token_id`` / ``pad_token_id``,
+    ``len()``, ``get_vocab()`` and ``apply_chat_template``.
     """
 
     def __init__(self, hf_tokenizer):
@@ -127,6 +130,35 @@ class ChatTokenizer:
     @property
     def vocab_size(self) -> int:
         return len(self.hf)
+
+    # --- the Hugging Face tokenizer's names
+    @property
+    def eos_token_id(self) -> int:
+        return self.eos_id
+
+    @property
+    def bos_token_id(self) -> int:
+        return self.bos_id
+
+    @property
+    def pad_token_id(self) -> int:
+        return self.pad_id
+
+    def __len__(self) -> int:
+        return len(self.hf)
+
+    def get_vocab(self) -> dict:
+        return self.hf.get_vocab()
+
+    def __call__(self, *args, **kwargs):
+        """The Hugging Face tokenizer's call (``tok(text)["input_ids"]``)."""
+        return self.hf(*args, **kwargs)
+
+    def apply_chat_template(self, messages, add_generation_prompt: bool = False, tokenize: bool = True):
+        """As Hugging Face's: the conversation's token ids (``tokenize=False``: its text) in the chat template."""
+        if tokenize:
+            return self.encode_chat(messages, add_generation_prompt)
+        return self.render(messages, add_generation_prompt)
 
     def render(self, messages, add_generation_prompt: bool = False) -> str:
         return render(messages, add_generation_prompt)

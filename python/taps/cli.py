@@ -7,8 +7,10 @@
                             the output distribution checked, and the speed against plain PyTorch
     taps train tokenizer|target|drafter|average|vocab ...   reproduce the shipped models (docs/TRAINING.md)
 
-A user error (a missing or corrupted model file, an unknown name, a bad value) prints one line and exits
-with status 2; ``TAPS_TRACEBACK=1`` shows the traceback instead.
+Every value is checked as it is parsed (:mod:`taps.arguments`), before a model or a data file is read. A
+user error (a bad value or name, a missing or corrupted model file, missing training data) prints one
+line, ``taps <command>: error: ...``, and exits with status 2; ``TAPS_TRACEBACK=1`` shows the traceback
+of the errors found after parsing instead.
 """
 
 from __future__ import annotations
@@ -180,13 +182,16 @@ def _demo_engine(args) -> None:
         print(f"   {strategy:16s} tau per request {taus}  identical to the target's own greedy output: {same}")
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="taps", description="TAPS speculative decoding")
-    sub = ap.add_subparsers(dest="command", required=True)
+def build_parser() -> argparse.ArgumentParser:
+    """The ``taps`` parser: every subcommand's options, each value checked as it is parsed (one-line
+    errors, exit status 2: :class:`taps.arguments.ArgumentParser`)."""
+    from taps.arguments import ArgumentParser
     from taps.demo import add_demo_arguments
     from taps.eval import add_eval_arguments
     from taps.train.cli import add_train_subcommands
 
+    ap = ArgumentParser(prog="taps", description="TAPS speculative decoding")
+    sub = ap.add_subparsers(dest="command", required=True)
     d = sub.add_parser("demo", help="the shipped models: streamed answers and a small acceptance-length table")
     add_demo_arguments(d)
     e = sub.add_parser("eval", help="acceptance length of every drafter and strategy on the benchmarks")
@@ -194,17 +199,36 @@ def main(argv=None) -> int:
     t = sub.add_parser("tour", help="a tour of the kernels on synthetic trees and a random Llama")
     t.add_argument("--quick", action="store_true", help="smaller sizes")
     add_train_subcommands(sub)
-    args = ap.parse_args(argv)
+    return ap
+
+
+def _subparser(parser: argparse.ArgumentParser, prog: str) -> argparse.ArgumentParser:
+    """The (sub-)parser of `parser` whose prog is `prog` (e.g. "taps train drafter"), else `parser`."""
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for sub in action.choices.values():
+                found = _subparser(sub, prog)
+                if found.prog == prog:
+                    return found
+    return parser
+
+
+def main(argv=None) -> int:
+    from taps.arguments import user_error
+
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    name = "taps " + args.command + (f" {args.train_command}" if args.command == "train" else "")
+    if extra:  # argparse reports them from the top parser; name the subcommand instead
+        _subparser(parser, name).error(f"unrecognized arguments: {' '.join(extra)}")
     try:
         return _run(args)
     except (ValueError, OSError) as e:  # user errors: bad files, values, names; one line, no traceback
         if os.environ.get("TAPS_TRACEBACK"):
             raise
-        name = args.command + (f" {args.train_command}" if args.command == "train" else "")
-        print(f"taps {name}: error: {e} (TAPS_TRACEBACK=1 shows where)", file=sys.stderr)
-        return 2
+        return user_error(name, f"{e} (TAPS_TRACEBACK=1 shows where)")
     except KeyboardInterrupt:
-        print("taps: interrupted", file=sys.stderr)
+        print(f"{name}: interrupted", file=sys.stderr)
         return 130
 
 

@@ -13,7 +13,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import json
 import sys
 import time
 from typing import List
@@ -21,25 +23,30 @@ from typing import List
 import torch
 
 def add_demo_arguments(p) -> None:
+    from .arguments import int_at_least
+    from .models import DTYPES, FAMILIES
+    from .strategies import STRATEGIES
+
     p.add_argument("--quick", action="store_true", help="fewer prompts and tokens (CI)")
-    p.add_argument("--family", default="hass", choices=("eagle2", "hass", "eagle3"), help="drafter family")
-    p.add_argument("--limit", type=int, default=None, help="prompts per benchmark in the evaluation (default 3, "
-                                                           "quick 1)")
-    p.add_argument("--max-new-tokens", type=int, default=None, help="default 96 (quick 40)")
-    p.add_argument("--strategy", default="merged", help="strategy of the streamed answers")
+    p.add_argument("--family", default="hass", choices=FAMILIES, help="drafter family")
+    p.add_argument("--limit", type=int_at_least(0), default=None,
+                   help="prompts per benchmark in the evaluation (default 3, quick 1; 0: no evaluation table)")
+    p.add_argument("--max-new-tokens", type=int_at_least(1), default=None, help="default 96 (quick 40)")
+    p.add_argument("--strategy", default="merged", choices=tuple(STRATEGIES), help="strategy of the streamed answers")
     p.add_argument("--lookup", action="store_true",
                    help="add taps' prompt-lookup drafter (taps.PromptLookupDrafter, no weights) to the streamed "
                         "answers' drafters (with --strategy single: it alone, the fastest CPU row of "
-                        "bench/RESULTS.md; e.g. --strategy merged-budget --lookup --dtype bf16)")
-    p.add_argument("--depth", type=int, default=None, help="default: SpeculativeDecoder's for the device")
-    p.add_argument("--top-k", type=int, default=None, help="default: SpeculativeDecoder's for the device")
-    p.add_argument("--budget", type=int, default=None,
+                        "bench/RESULTS.md; e.g. --strategy merged-budget --lookup)")
+    p.add_argument("--depth", type=int_at_least(1), default=None, help="default: SpeculativeDecoder's for the device")
+    p.add_argument("--top-k", type=int_at_least(1), default=None, help="default: SpeculativeDecoder's for the device")
+    p.add_argument("--budget", type=int_at_least(2), default=None,
                    help="nodes of one drafter's tree, root included (default: SpeculativeDecoder's)")
-    p.add_argument("--draft-vocab", type=int, default=1024,
+    p.add_argument("--draft-vocab", type=int_at_least(0), default=1024,
                    help="drafters propose only the N most frequent target tokens (0: the whole vocabulary)")
-    p.add_argument("--dtype", default="fp32", choices=("fp32", "bf16"),
-                   help="weights and activations, for taps and Hugging Face alike")
-    p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: default)")
+    p.add_argument("--dtype", default="auto", choices=("auto",) + tuple(DTYPES),
+                   help="weights and activations, for taps and Hugging Face alike (auto: bf16 where the CPU has "
+                        "native bf16, AVX512-BF16 or AMX; else fp32)")
+    p.add_argument("--threads", type=int_at_least(0), default=0, help="torch CPU threads (0: default)")
     p.add_argument("--no-color", action="store_true", help="mark accepted tokens with brackets, not colour")
 
 
@@ -58,11 +65,13 @@ class _Marker:
             full = self.tok.decode(self.ids, skip_special_tokens=True)
             piece, self.text = full[len(self.text):], full
             drafted = i < len(new) - 1
-            if drafted and piece:
-                piece = f"\033[32m{piece}\033[0m" if self.color else f"[{piece}]"
-            parts.append(piece)
+            parts.append(self.mark(piece) if drafted else piece)
         sys.stdout.write("".join(parts))
         sys.stdout.flush()
+
+    def mark(self, piece: str) -> str:
+        """`piece` marked line by line, so that no mark spans a line break."""
+        return "\n".join((f"\033[32m{x}\033[0m" if self.color else f"[{x}]") if x else x for x in piece.split("\n"))
 
 
 @torch.no_grad()
@@ -74,37 +83,90 @@ def _hf_generate(model, prompt: List[int], new_tokens: int, eos_id: int) -> List
     return out[0, ids.shape[1]:].tolist()
 
 
+@contextlib.contextmanager
+def _no_progress_bars():
+    """Hugging Face's progress bars (its "Loading weights" bar) off inside the block."""
+    from transformers.utils import logging as hf_logging
+
+    was = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if was:
+            hf_logging.enable_progress_bar()
+
+
+def _target_story(folder) -> str:
+    """What the shipped target is, from its manifest: size, training tokens and machine."""
+    try:
+        m = json.loads((folder / "manifest.json").read_text())
+        threads = m.get("train_config", {}).get("threads") or "all"
+        trained = (f"trained on {m['tokens_seen'] / 1e6:.0f}M tokens in {m['elapsed_s'] / 60:.0f} min on "
+                   f"{threads} {m.get('device', 'cpu').upper()} cores")
+    except (OSError, ValueError, KeyError, TypeError):
+        trained = "trained on a few million tokens"
+    return trained
+
+
+def _same_line(tokens: List[int], hf: List[int], own, prompt: List[int], new_tokens: int, eos_id: int) -> str:
+    """Whether `tokens` are the target's own greedy output: Hugging Face generate's (`hf`) in fp32; in
+    half precision taps' autoregressive decoding's (`own`, a decoder), with HF's beside it."""
+    if own is None:
+        return f"identical to the target's own greedy output (Hugging Face generate): {tokens == hf}"
+    ref = own.generate([prompt], max_new_tokens=new_tokens, eos_token_id=eos_id).tokens[0]
+    return (f"identical to the target's own greedy output (taps autoregressive, same dtype): {tokens == ref}; "
+            f"to Hugging Face generate's: {tokens == hf}" + ("" if tokens == hf else
+                                                             " (its one-token forwards round differently in bf16)"))
+
+
 def demo(args) -> int:
+    import taps_ops
+
     from . import models
     from .decoder import SpeculativeDecoder
     from .eval import ROWS, SINGLE_ROWS, evaluate, format_tables
     from .data import load_eval_prompts
 
+    if args.lookup and args.strategy in ("average", "autoregressive"):
+        raise ValueError(f"--lookup does not combine with --strategy {args.strategy} (prompt lookup has no "
+                         "weights to average)" if args.strategy == "average" else
+                         "--lookup does not combine with --strategy autoregressive (the target alone)")
     if args.threads:
         torch.set_num_threads(args.threads)
     limit = args.limit if args.limit is not None else (1 if args.quick else 3)
     new_tokens = args.max_new_tokens or (40 if args.quick else 96)
     color = sys.stdout.isatty() and not args.no_color
     t0 = time.time()
-    dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
-    target, tok = models.load_target(dtype=dtype)
-    reference = copy.deepcopy(target)  # Hugging Face generate on its own copy, untouched by taps
+    dtype = models.resolve_dtype(args.dtype)
+    dtype_name = {torch.float32: "fp32", torch.bfloat16: "bf16"}[dtype]
+    cpu = taps_ops.cpu_info()
+    bf16_note = "native bf16" if cpu.get("native_bf16") else "no native bf16"
+    why = f" (--dtype auto: {'the CPU has' if dtype == torch.bfloat16 else 'the CPU lacks'} native bf16)" \
+        if args.dtype == "auto" else ""
     have = models.available_drafters().get(args.family, [])
-    if not {"math", "chat"} <= set(have):
-        raise SystemExit(f"taps demo: the {args.family} math and chat drafters are missing from "
-                         f"{models.models_dir() / 'drafters'} (found {have}); see docs/TRAINING.md")
-    drafters = {name: models.load_drafter(args.family, name, target, draft_vocab=args.draft_vocab or None)
-                for name in have}
+    if not {"math", "chat"} <= set(have) and (models.models_dir() / "target" / "config.json").is_file():
+        raise FileNotFoundError(f"the {args.family} math and chat drafters are missing from "
+                                f"{models.models_dir() / 'drafters'} (found {have or 'none'}); see docs/TRAINING.md")
+    with _no_progress_bars():
+        target, tok = models.load_target(dtype=dtype)
+        drafters = {name: models.load_drafter(args.family, name, target, draft_vocab=args.draft_vocab or None)
+                    for name in have}
+    reference = copy.deepcopy(target)  # Hugging Face generate on its own copy, untouched by taps
     n_t = sum(p.numel() for p in target.parameters())
     n_d = sum(p.numel() for p in drafters["math"].parameters())
-    print(f"TAPS demo: target {n_t / 1e6:.1f}M parameters (models/target), {args.family} drafters "
-          f"{', '.join(sorted(drafters))} ({n_d / 1e6:.2f}M parameters each, plus the target's embeddings "
-          f"and lm_head); every file matches its manifest sha256. Loaded in {time.time() - t0:.1f}s.\n")
+    print(f"TAPS demo on {cpu['cpu']} (taps kernels: {cpu['isa']}, {bf16_note}), {dtype_name}{why}, "
+          f"{torch.get_num_threads()} thread(s).\n"
+          f"The target (models/target) is a {n_t / 1e6:.1f}M-parameter model "
+          f"{_target_story(models.models_dir() / 'target')}: it writes fluent-looking nonsense, as a model that "
+          "small does; what the demo shows is how many of the drafters' tokens the target accepts, and the speed.\n"
+          f"Drafters: {args.family} {', '.join(sorted(drafters))} ({n_d / 1e6:.2f}M parameters each, plus the target's "
+          f"embeddings and lm_head); every file matches its manifest sha256. Loaded in {time.time() - t0:.1f}s.\n")
 
     settings = {k: v for k, v in dict(depth=args.depth, top_k=args.top_k, budget=args.budget).items() if v is not None}
     pair = [drafters["math"], drafters["chat"]]
     # single: the math drafter alone, or with --lookup the prompt-lookup drafter alone (bench_e2e's lookup row)
-    streamed = pair if args.strategy != "single" else ([] if args.lookup else pair[:1])
+    streamed = {"single": [] if args.lookup else pair[:1], "autoregressive": []}.get(args.strategy, pair)
     names = ["the math drafter", "the chat drafter"][:len(streamed)] + (["prompt lookup"] if args.lookup else [])
     if args.lookup:
         from .ngram import PromptLookupDrafter
@@ -113,10 +175,13 @@ def demo(args) -> int:
     merged = SpeculativeDecoder(target, streamed, strategy=args.strategy, **settings)
     mark = "green" if color else "[brackets]"
     vocab = f"{args.draft_vocab} most frequent tokens" if args.draft_vocab else "the whole vocabulary"
-    print(f"1. Streaming, greedy, {args.strategy} strategy with {' and '.join(names)} (depth {merged.depth}, "
-          f"top_k {merged.top_k}, {merged.budget} nodes per drafter; draft vocabulary: {vocab}; {args.dtype}, "
+    print(f"1. Streaming, greedy, {args.strategy} strategy with {' and '.join(names) or 'no drafter'} (depth {merged.depth}, "
+          f"top_k {merged.top_k}, {merged.budget} nodes per drafter; draft vocabulary: {vocab}; {dtype_name}, "
           f"{torch.get_num_threads()} thread(s)); tokens accepted from the drafts in {mark}, the rest are the "
           "target's own.")
+    # in bf16 Hugging Face's one-token forwards round differently from a tree forward, so the greedy
+    # reference there is taps' own autoregressive decoding (README, "Speculative decoding"); HF's is shown too
+    own = SpeculativeDecoder(target, [], strategy="autoregressive") if dtype != torch.float32 else None
     merged.generate([tok.encode_text("warm-up")], max_new_tokens=4)  # one-time setup outside the timings
     _hf_generate(reference, [1, 2, 3], 2, tok.eos_id)
     for title, bench in (("math (GSM8K test)", "gsm8k"), ("chat (MT-Bench)", "mt_bench")):
@@ -133,12 +198,15 @@ def demo(args) -> int:
         dt_hf = time.perf_counter() - t1
         s = out.stats[0]
         speed, speed_hf = s.new_tokens / dt, len(ref) / dt_hf
-        shares = ", ".join(f"{name} {share:.0%}" for name, share in zip(names, s.drafter_share))
+        shares = ", ".join(f"{name} {share:.0%}" for name, share in zip(names, s.drafter_share)) or "no drafter"
         print(f"\n--- {s.new_tokens} tokens in {s.target_forwards + 1} target forwards (tau {s.tau:.2f}); accepted "
               f"draft tokens proposed by {shares} (several when they agree)\n--- speed: taps {speed:.0f} tokens/s, "
               f"Hugging Face generate {speed_hf:.0f} tokens/s: "
-              f"{speed / speed_hf:.2f}x; identical to the target's own greedy output: {out.tokens[0] == ref}")
+              f"{speed / speed_hf:.2f}x; {_same_line(out.tokens[0], ref, own, prompt, new_tokens, tok.eos_id)}")
 
+    if not limit:
+        print(f"\ndemo finished in {time.time() - t0:.0f}s")
+        return 0
     rows = [r for r in ROWS if r in have or r not in SINGLE_ROWS]  # single rows need their drafter
     print(f"\n2. Acceptance length tau (tokens per target forward) on {limit} prompt(s) per benchmark, temperature 0, "
           f"{new_tokens} new tokens (`taps eval` runs the full table):\n")

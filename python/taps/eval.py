@@ -43,8 +43,9 @@ from typing import Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 import torch
 
+from .arguments import device_name, float_list, int_at_least, name_list
 from .data import EVAL_SETS
-from .models import DATA_NAMES, FAMILIES
+from .models import DATA_NAMES, DTYPES, FAMILIES
 
 __all__ = ["ROWS", "SINGLE_ROWS", "ROW_SPECS", "evaluate", "format_tables", "plot_acceptance", "merge_results",
            "add_eval_arguments", "run_eval", "main"]
@@ -456,27 +457,39 @@ def _csv(text: str) -> List[str]:
     return [x.strip() for x in text.split(",") if x.strip()]
 
 
+def _names(value) -> List[str]:
+    """A comma list given as text (a Namespace built by hand) or already split (:func:`add_eval_arguments`)."""
+    return _csv(value) if isinstance(value, str) else list(value)
+
+
 def add_eval_arguments(p: argparse.ArgumentParser) -> None:
     """The options of `taps eval`."""
     p.add_argument("--models", default=None,
                    help="models folder with target/ and drafters/ (default: the repo's models/ or $TAPS_MODELS_DIR)")
-    p.add_argument("--benchmarks", default=",".join(DEFAULT_BENCHMARKS), help="comma list of evaluation sets")
-    p.add_argument("--families", default=",".join(DEFAULT_FAMILIES), help="comma list of drafter families")
-    p.add_argument("--strategies", default=",".join(ROWS),
+    p.add_argument("--benchmarks", default=list(DEFAULT_BENCHMARKS), type=name_list(EVAL_SETS),
+                   help="comma list of evaluation sets: " + ", ".join(EVAL_SETS) + " (default all)")
+    p.add_argument("--families", default=list(DEFAULT_FAMILIES), type=name_list(),
+                   help="comma list of drafter families (default " + ",".join(DEFAULT_FAMILIES) + ")")
+    p.add_argument("--strategies", default=list(ROWS), type=name_list(ROWS),
                    help="comma list of rows: " + ", ".join(ROWS) + " (default all)")
-    p.add_argument("--temperatures", default="0,1", help="comma list of sampling temperatures (0 = greedy)")
-    p.add_argument("--limit", type=int, default=20, help="prompts per benchmark (0: all)")
-    p.add_argument("--max-new-tokens", type=int, default=96)
-    p.add_argument("--depth", type=int, default=5, help="draft tree depth")
-    p.add_argument("--top-k", type=int, default=8, help="children per expanded node")
-    p.add_argument("--budget", type=int, default=32, help="nodes of one drafter's tree, root included")
-    p.add_argument("--batch-size", type=int, default=4, help="prompts per generate call")
+    p.add_argument("--temperatures", default=[0.0, 1.0], type=float_list(0.0),
+                   help="comma list of sampling temperatures (0 = greedy; default 0,1)")
+    p.add_argument("--limit", type=int_at_least(0), default=20, help="prompts per benchmark (0: all)")
+    p.add_argument("--max-new-tokens", type=int_at_least(1), default=96)
+    p.add_argument("--depth", type=int_at_least(1), default=5, help="draft tree depth")
+    p.add_argument("--top-k", type=int_at_least(1), default=8, help="children per expanded node")
+    p.add_argument("--budget", type=int_at_least(2), default=32, help="nodes of one drafter's tree, root included")
+    p.add_argument("--batch-size", type=int_at_least(1), default=4, help="prompts per generate call")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="runs/eval/results.json", help="results JSON")
     p.add_argument("--plot", default="runs/eval/depth.png", help="acceptance-per-depth PNG ('' to skip)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
-    p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
-    p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N (auto: cuda when usable)")
+    p.add_argument("--threads", type=int_at_least(0), default=0, help="torch CPU threads (0: torch's default)")
+    p.add_argument("--device", default="auto", type=device_name,
+                   help="auto | cpu | cuda | cuda:N (auto: cuda when usable)")
+    p.add_argument("--dtype", default="auto", choices=("auto",) + tuple(DTYPES),
+                   help="the models' dtype (auto: bf16 on CUDA and on CPUs with native bf16, AVX512-BF16 or AMX; "
+                        "else fp32)")
     p.add_argument("--no-verify", action="store_true", help="skip the manifest sha256 checks")
     p.add_argument("--merge", nargs="+", default=None, metavar="JSON",
                    help="evaluate nothing: combine results files of earlier runs (e.g. one per family, run in "
@@ -508,6 +521,8 @@ def _jsonable(v):
         return str(v)
     if isinstance(v, (str, int, float, bool)) or v is None:
         return v
+    if isinstance(v, (list, tuple)):
+        return [_jsonable(x) for x in v]
     return str(v)
 
 
@@ -561,35 +576,26 @@ def run_eval(args: argparse.Namespace) -> dict:
         results = merge_results([json.loads(Path(f).read_text()) for f in args.merge])
         _write_outputs(results, args)
         return results
-    benches = _csv(args.benchmarks)
-    bad = [b for b in benches if b not in EVAL_SETS]
-    if bad or not benches:
-        raise SystemExit(f"taps eval: unknown benchmark(s) {bad}; choose from {', '.join(EVAL_SETS)}")
-    rows = _csv(args.strategies)
-    bad = [r for r in rows if r not in ROW_SPECS]
-    if bad or not rows:
-        raise SystemExit(f"taps eval: unknown row(s) {bad}; choose from {', '.join(ROWS)}")
-    families = _csv(args.families)
-    if not families:
-        raise SystemExit("taps eval: --families needs at least one family")
-    try:
-        temperatures = [float(t) for t in _csv(args.temperatures)]
-    except ValueError:
-        raise SystemExit(f"taps eval: --temperatures must be numbers, got {args.temperatures!r}") from None
-    if not temperatures or any(t < 0 for t in temperatures):
-        raise SystemExit("taps eval: --temperatures needs non-negative numbers")
-    if args.threads:
-        torch.set_num_threads(args.threads)
-
+    benches, rows, families = _names(args.benchmarks), _names(args.strategies), _names(args.families)
+    temperatures = [float(t) for t in (_csv(args.temperatures) if isinstance(args.temperatures, str)
+                                       else args.temperatures)]
+    bad = [b for b in benches if b not in EVAL_SETS] + [r for r in rows if r not in ROW_SPECS]
+    if bad or not benches or not rows or not families or not temperatures or any(t < 0 for t in temperatures):
+        raise ValueError(f"bad --benchmarks, --strategies, --families or --temperatures (unknown: {bad or 'none'})")
     root = Path(args.models) if args.models else M.models_dir()
-    device = _device(args.device)
-    verify = not args.no_verify
     have = M.available_drafters(root / "drafters")
     unknown = [f for f in families if f not in M.FAMILIES and f not in have]
     if unknown or not any(f in have for f in families):
-        raise SystemExit(f"taps eval: no drafters of family {', '.join(unknown or families)} in {root / 'drafters'} "
+        raise ValueError(f"no drafters of family {', '.join(unknown or families)} in {root / 'drafters'} "
                          f"(known families: {', '.join(M.FAMILIES)}; present: {', '.join(have) or 'none'})")
-    target, tok = M.load_target(root / "target", verify=verify)
+    import taps_ops
+
+    device = _device(args.device)
+    dtype = M.resolve_dtype(getattr(args, "dtype", "fp32"), device)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    verify = not args.no_verify
+    target, tok = M.load_target(root / "target", dtype=dtype, verify=verify)
     target.to(device)
     needed = sorted({n for r in rows for n in ROW_SPECS[r][1]})
     drafters: Dict[str, Dict[str, object]] = {}
@@ -598,7 +604,11 @@ def run_eval(args: argparse.Namespace) -> dict:
             if name in have.get(family, []):
                 drafters.setdefault(family, {})[name] = M.load_drafter(family, name, target, root / "drafters",
                                                                        verify=verify)
-    print(f"target: {root / 'target'} on {device}; drafters: "
+    cpu = taps_ops.cpu_info() if device.type == "cpu" else {}
+    print(f"target: {root / 'target'} on {device}"
+          + (f" ({cpu['cpu']}, taps kernels: {cpu['isa']})" if cpu else "")
+          + f", {str(dtype).replace('torch.', '')}"
+          + (" (--dtype auto)" if getattr(args, "dtype", None) == "auto" else "") + "; drafters: "
           + (", ".join(f"{f}-{n}" for f, ds in drafters.items() for n in ds) or "none"), flush=True)
 
     results = evaluate(target, tok, drafters, benches, rows, temperatures, limit=args.limit or None,
@@ -615,10 +625,9 @@ def run_eval(args: argparse.Namespace) -> dict:
 
 def main(argv=None) -> int:
     """``python -m taps.eval``: the same as `taps eval`."""
-    p = argparse.ArgumentParser(prog="taps eval", description=__doc__.split("\n\n")[0])
-    add_eval_arguments(p)
-    results = run_eval(p.parse_args(argv))
-    return 1 if results.get("greedy_mismatches") else 0
+    from .cli import main as taps_main
+
+    return taps_main(["eval"] + list(sys.argv[1:] if argv is None else argv))
 
 
 if __name__ == "__main__":

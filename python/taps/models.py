@@ -16,6 +16,10 @@ loaders do so by default.
 
     target, tok = load_target()                      # fp32, eval mode, + ChatTokenizer
     math = load_drafter("eagle2", "math", target)    # bound to the target
+
+:func:`resolve_dtype` is the one place that turns a ``--dtype`` value (``auto``, ``fp32``, ``bf16``) into
+a torch dtype: ``auto`` is bf16 only where the CPU multiplies bf16 in hardware (AVX512-BF16 or AMX, as
+``taps_ops.cpu_info()["native_bf16"]`` reports), fp32 otherwise.
 """
 
 from __future__ import annotations
@@ -29,8 +33,8 @@ import torch
 
 from .files import sha256_file
 
-__all__ = ["MODELS_DIR", "FAMILIES", "DATA_NAMES", "models_dir", "verify_manifest", "load_target",
-           "available_drafters", "drafter_dir", "load_drafter", "draft_vocab"]
+__all__ = ["MODELS_DIR", "FAMILIES", "DATA_NAMES", "DTYPES", "models_dir", "verify_manifest", "load_target",
+           "available_drafters", "drafter_dir", "load_drafter", "draft_vocab", "resolve_dtype"]
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 #: The models folder as of import time (``$TAPS_MODELS_DIR`` or the repository's ``models/``);
@@ -41,6 +45,39 @@ DATA_NAMES = ("math", "chat", "mixed", "mixed2", "avg")
 MANIFEST = "manifest.json"
 
 PathLike = Union[str, os.PathLike]
+#: ``--dtype`` values: ``auto`` (see :func:`resolve_dtype`) and these names
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+_DTYPE_ALIASES = {"float32": "fp32", "bfloat16": "bf16"}
+
+
+def resolve_dtype(name: str = "auto", device: Union[str, torch.device] = "cpu") -> torch.dtype:
+    """The torch dtype of a ``--dtype`` value: ``fp32`` / ``float32``, ``bf16`` / ``bfloat16``, or ``auto``:
+    bf16 on CUDA and on a CPU that multiplies bf16 in hardware (AVX512-BF16 or AMX at the kernels' level:
+    ``taps_ops.native_half_matmul``), fp32 on other CPUs (there bf16 products are emulated). Raises
+    ValueError on another name."""
+    key = _DTYPE_ALIASES.get(name, name)
+    if key in DTYPES:
+        return DTYPES[key]
+    if key != "auto":
+        raise ValueError(f"unknown dtype {name!r}; choose from auto, {', '.join(DTYPES)}")
+    if torch.device(device).type == "cuda":
+        return torch.bfloat16
+    import taps_ops
+
+    return torch.bfloat16 if taps_ops.native_half_matmul(torch.bfloat16) else torch.float32
+
+
+def _load_weights(folder: Path, load):
+    """``load()`` (a from_pretrained call on `folder`), with an unreadable weights file (truncated, not
+    safetensors) raised as one ValueError naming the folder instead of the reader's own exception."""
+    from safetensors import SafetensorError
+
+    try:
+        return load()
+    except SafetensorError as e:
+        files = ", ".join(sorted(p.name for p in folder.glob("*.safetensors"))) or "the weights"
+        raise ValueError(f"{folder}: cannot read {files} ({e}): truncated or corrupted (the manifest check, "
+                         "on unless skipped, compares every file with its sha256)") from None
 
 
 def models_dir() -> Path:
@@ -113,7 +150,7 @@ def load_target(path: Optional[PathLike] = None, dtype: torch.dtype = torch.floa
                                 "train one with `taps train target` or set TAPS_MODELS_DIR)")
     if verify:
         verify_manifest(folder)
-    model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=dtype)
+    model = _load_weights(folder, lambda: AutoModelForCausalLM.from_pretrained(str(folder), dtype=dtype))
     return model.eval(), ChatTokenizer.from_pretrained(folder)
 
 
@@ -174,7 +211,7 @@ def load_drafter(family: str, data: str, target: torch.nn.Module, path: Optional
     if verify:
         verify_manifest(folder)
     dtype = next(target.parameters()).dtype
-    drafter = EagleDrafter.from_pretrained(str(folder), target=target, dtype=dtype)
+    drafter = _load_weights(folder, lambda: EagleDrafter.from_pretrained(str(folder), target=target, dtype=dtype))
     if draft_vocab:
         drafter.set_draft_vocab(globals()["draft_vocab"](draft_vocab))
     return drafter

@@ -22,6 +22,9 @@ to check, so they have no such flag): the checks that read the inputs' data (tre
 raise a clear error. On CUDA they cost one device sync, so ``validate=False`` skips them for hot
 loops and CUDA-graph capture (where ``validate=True`` raises); the kernels then still never read or
 write out of bounds, but bad input gives unspecified results.
+
+Bad input (a shape, dtype, device, size limit, tree structure or length the op cannot take) raises
+``ValueError`` with a message that starts ``taps_ops: <op>:``, on every op and backend.
 """
 
 from __future__ import annotations
@@ -198,12 +201,12 @@ def _per_request(value: Scalar, batch: int, dtype: torch.dtype, device: torch.de
         if value.dim() != 1 or value.shape[0] != batch:
             raise ValueError(f"taps_ops: {name} must be a scalar or a [B] = [{batch}] tensor, got shape {tuple(value.shape)}")
         if value.is_floating_point() and dtype == torch.int64:
-            raise TypeError(f"taps_ops: {name} must hold integers, got dtype {value.dtype}")
+            raise ValueError(f"taps_ops: {name} must hold integers, got dtype {value.dtype}")
         return value.to(device=device, dtype=dtype).contiguous()
     if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise TypeError(f"taps_ops: {name} must be a Python number or a tensor, got {type(value).__name__}")
+        raise ValueError(f"taps_ops: {name} must be a Python number or a tensor, got {type(value).__name__}")
     if dtype == torch.int64 and not float(value).is_integer():
-        raise TypeError(f"taps_ops: {name} must be an integer, got {value!r}")
+        raise ValueError(f"taps_ops: {name} must be an integer, got {value!r}")
     return torch.full((batch,), value, dtype=dtype, device=device)
 
 
@@ -539,3 +542,4 @@ def decoder_layer(x: Tensor, weights: Sequence[Optional[Tensor]], eps: Sequence[
 
 
 from . import _fake  # noqa: E402,F401  (shape functions for torch.compile / FakeTensor)
+from . import reference  # noqa: E402,F401  (taps_ops.reference.<op>_ref without a separate import)

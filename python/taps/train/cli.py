@@ -113,14 +113,17 @@ def add_train_subcommands(subparsers) -> argparse.ArgumentParser:
     """Register ``train tokenizer|target|drafter|average`` on ``subparsers`` (from add_subparsers())."""
     from pathlib import Path
 
+    from ..arguments import float_at_least, int_at_least
+
     train = subparsers.add_parser("train", help="train the tokenizer and the target model from the offline data")
     sub = train.add_subparsers(dest="train_command", required=True)
 
     t = sub.add_parser("tokenizer", help="train the byte-level BPE tokenizer on the chat + math training text")
     t.add_argument("--out", type=Path, default=REPO_ROOT / "models" / "tokenizer")
-    t.add_argument("--vocab-size", type=int, default=8192)
-    t.add_argument("--min-frequency", type=int, default=2)
-    t.add_argument("--chat-fraction", type=float, default=0.5, help="share of chat in the corpus characters")
+    t.add_argument("--vocab-size", type=int_at_least(1), default=8192)
+    t.add_argument("--min-frequency", type=int_at_least(1), default=2)
+    t.add_argument("--chat-fraction", type=float_at_least(0, 1), default=0.5,
+                   help="share of chat in the corpus characters")
     t.add_argument("--seed", type=int, default=0)
     t.add_argument("--shared-data", type=Path, default=None,
                    help="folder of the shared training data (default ../shared/data or $TAPS_SHARED_DATA)")
@@ -150,7 +153,8 @@ def add_train_subcommands(subparsers) -> argparse.ArgumentParser:
     vo = sub.add_parser("vocab", help="count the drafters' training tokens (token_counts.json in the target folder, "
                                       "for reduced draft vocabularies)")
     vo.add_argument("--target", type=Path, default=REPO_ROOT / "models" / "target")
-    vo.add_argument("--tokens", type=int, default=1_000_000, help="training tokens counted per domain (math, chat)")
+    vo.add_argument("--tokens", type=int_at_least(1), default=1_000_000,
+                    help="training tokens counted per domain (math, chat)")
     vo.add_argument("--seed", type=int, default=0, help="the drafters' data seed")
     vo.add_argument("--shared-data", type=Path, default=None,
                     help="folder of the shared training data (default ../shared/data or $TAPS_SHARED_DATA)")
@@ -159,7 +163,9 @@ def add_train_subcommands(subparsers) -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m taps.train")
+    from ..arguments import ArgumentParser, user_error
+
+    ap = ArgumentParser(prog="taps")  # the same commands as `taps train ...`, named so in their errors
     sub = ap.add_subparsers(dest="command", required=True)
     add_train_subcommands(sub)
     args = ap.parse_args(["train"] + list(sys.argv[1:] if argv is None else argv))
@@ -167,4 +173,9 @@ def main(argv=None) -> int:
         from torch.distributed.elastic.multiprocessing.errors import record
 
         return record(args.func)(args)
-    return args.func(args)
+    try:
+        return args.func(args)
+    except (ValueError, OSError) as e:  # user errors: one line, as the `taps` command prints them
+        if os.environ.get("TAPS_TRACEBACK"):
+            raise
+        return user_error(f"taps train {args.train_command}", f"{e} (TAPS_TRACEBACK=1 shows where)")

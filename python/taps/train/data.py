@@ -150,7 +150,10 @@ def math_training_examples(shared=None, stats: Optional[Dict[str, LoadStats]] = 
     """GSM8K train + MATH train (PRM800K split, no MATH-500 problem) as user/assistant conversations."""
     root = shared_data_dir(shared)
     hint = ("The math training text is read from the shared data folder (default ../shared/data next to "
-            "the repo; set --shared-data or $TAPS_SHARED_DATA).")
+            "the repo; set --shared-data or $TAPS_SHARED_DATA): gsm8k/train.jsonl is GSM8K's "
+            "grade_school_math/data/train.jsonl (github.com/openai/grade-school-math; JSON Lines of question, "
+            "answer), math500/train.jsonl the MATH problems outside MATH-500 (JSON Lines of problem, solution, "
+            "unique_id); docs/TRAINING.md, \"Data\", says where to get them.")
     g = require_file(root / "gsm8k" / "train.jsonl", "GSM8K train", hint)
     m = require_file(root / "math500" / "train.jsonl", "MATH train", hint)
     stats = stats if stats is not None else {}

@@ -52,6 +52,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from ..arguments import check_ranges
 from ..models import FAMILIES  # the shipped families are the training objectives
 from . import dist as D
 from .data import REPO_ROOT
@@ -110,13 +111,14 @@ class DrafterTrainConfig:
             raise ValueError(f"family must be one of {FAMILIES}, got {self.family!r}")
         if self.data not in DATA_MIXES:
             raise ValueError(f"data must be one of {DATA_MIXES}, got {self.data!r}")
-        for k in ("tokens", "seq_len", "batch_size", "topk", "align_steps", "ttt_steps"):
-            if getattr(self, k) < 1:
-                raise ValueError(f"{k} must be >= 1, got {getattr(self, k)}")
         if self.target_dtype not in TARGET_DTYPES:
             raise ValueError(f"target_dtype must be one of {tuple(TARGET_DTYPES)}, got {self.target_dtype!r}")
-        if self.micro_batch < 0:
-            raise ValueError(f"micro_batch must be >= 0, got {self.micro_batch}")
+        check_ranges(self, dict(tokens=(1, None), seq_len=(1, None), batch_size=(1, None), topk=(1, None),
+                                align_steps=(1, None), ttt_steps=(1, None), micro_batch=(0, None), heldout_tokens=(1, None), min_lr=(0, None),
+                                warmup_steps=(0, None), weight_decay=(0, None), reg_weight=(0, None),
+                                cls_weight=(0, None), topk_weight=(0, None), noise=(0, None), draft_vocab=(0, None),
+                                threads=(0, None), eval_every=(0, None), ckpt_every=(0, None), max_steps=(1, None)),
+                     optional=("max_steps",), positive=("lr", "grad_clip", "ckpt_minutes", "dist_timeout"))
         self.name = self.name or f"{self.family}-{self.data}"
         self.out = Path(self.out) if self.out else REPO_ROOT / "models" / "drafters" / self.name
         self.run_dir = Path(self.run_dir) if self.run_dir else REPO_ROOT / "runs" / "drafters" / self.name
@@ -728,6 +730,9 @@ def average_checkpoints(inputs: List[Path], out: Path, target_path: Path) -> dic
 
     if len(inputs) < 2:
         raise ValueError("average: give at least two drafter folders")
+    missing = [str(p) for p in inputs if not (Path(p) / "config.json").is_file()]
+    if missing:
+        raise FileNotFoundError(f"average: no drafter (config.json) in {', '.join(missing)}")
     ds = [EagleDrafter.from_pretrained(str(p), dtype=torch.float32) for p in inputs]
     avg = average_drafters(ds).to(torch.bfloat16)
     out = Path(out)

@@ -39,6 +39,7 @@ from typing import Dict, List, Optional, Sequence
 
 import torch
 
+from ..arguments import check_ranges
 from . import dist as D
 from .data import REPO_ROOT
 
@@ -83,6 +84,15 @@ class TargetTrainConfig:
     quiet: bool = False
     fsdp: bool = False  # shard the model with FSDP instead of replicating it (DDP) under torchrun
     dist_timeout: float = D.DEFAULT_TIMEOUT_S  # seconds before a collective that waits for a rank fails
+
+    def __post_init__(self):
+        if self.preset not in PRESETS:
+            raise ValueError(f"preset must be one of {sorted(PRESETS)}, got {self.preset!r}")
+        check_ranges(self, dict(tokens=(1, None), math_fraction=(0, 1), heldout_tokens=(1, None), seq_len=(2, None),
+                                batch_size=(1, None), grad_accum=(1, None), min_lr=(0, None), warmup_steps=(0, None),
+                                weight_decay=(0, None), threads=(0, None), eval_every=(0, None),
+                                ckpt_every=(0, None), max_steps=(1, None)),
+                     optional=("max_steps",), positive=("lr", "grad_clip", "ckpt_minutes", "dist_timeout"))
 
     @classmethod
     def field_names(cls) -> List[str]:
