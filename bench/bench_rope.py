@@ -19,6 +19,16 @@ import taps_ops
 from bench_rms_norm import compare, start  # noqa: E402  (bench/ is on the path when run as a script)
 
 
+def rotation_tables(rows: int, tokens: int, dim: int, device, dtype):
+    """cos and sin tables [rows, tokens, 1, dim] of random angles, sin with rotate_half's sign on its first
+    half (as taps.lean.RopeTable holds them): each call is a rotation, so the benchmark's thousands of
+    in-place calls on one tensor keep its values normal (random tables would grow them to inf / NaN and
+    shrink others to subnormals, whose arithmetic is many times slower)."""
+    angle = torch.rand(rows, tokens, 1, dim // 2, device=device) * 6.2832
+    cos, sin = angle.cos(), angle.sin()
+    return torch.cat([cos, cos], -1).to(dtype), torch.cat([-sin, sin], -1).to(dtype)
+
+
 def main() -> None:
     args, devices = start(__doc__, "rope_", f"{'R x T':>7} {'Hq+Hkv':>6} {'D':>4} {'dtype':>8}")
     for device in devices:
@@ -26,8 +36,7 @@ def main() -> None:
                                              (4, 64, 32, 8, 128)):
             for dt in (torch.float32, torch.bfloat16):
                 qkv = torch.randn(rows, tokens, heads + 2 * kv, dim, device=device).to(dt)
-                cos = torch.randn(rows, tokens, 1, dim, device=device).to(dt)
-                sin = torch.randn(rows, tokens, 1, dim, device=device).to(dt)
+                cos, sin = rotation_tables(rows, tokens, dim, device, dt)
 
                 def composite():
                     qk, _ = qkv.split([heads + kv, kv], dim=2)
