@@ -14,8 +14,8 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import (fmt_time, isa_cells, isa_headers, isa_note, op_levels, per_isa, print_table, time_call,  # noqa: E402
-                    tree_bench_setup)
+from common import (fmt_time, isa_cells, isa_headers, isa_note, op_levels, per_isa,  # noqa: E402
+                    print_table, time_call, tree_bench_setup)
 from tree_cases import eagle_candidates  # noqa: E402
 
 import taps_ops  # noqa: E402

@@ -34,7 +34,8 @@ def _layer(hidden, heads, kv, dim, inter, dtype):
 
 
 def main() -> None:
-    args, _ = start(__doc__, None, f"{'H':>5} {'heads':>7} {'MLP':>6} {'T':>3} {'keys':>5} {'dtype':>8}", "python", "op")
+    columns = f"{'H':>5} {'heads':>7} {'MLP':>6} {'T':>3} {'keys':>5} {'dtype':>8}"
+    args, _ = start(__doc__, None, columns, "python", "op")
     args.repeats = max(args.repeats // 10, 20)  # a layer is 10-100x an elementwise op
     print(f"a layer: mean of {args.repeats} calls")
     for hidden, heads, kv, dim, inter, tokens, cached in ((64, 4, 2, 16, 128, 8, 100), (64, 4, 2, 16, 128, 32, 100),
