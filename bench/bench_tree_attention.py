@@ -10,7 +10,8 @@ same device.
 CPU: one taps column per instruction-set level (``--isa``, see bench/common.py), SDPA and the reference
 measured once, and per level the floor: the larger of the FLOPs (4 * B * Hq * N * S * D) at the level's
 peak (threads x ``--ghz`` x FLOP per cycle: 8 scalar, 32 AVX2 (two 8-lane FMAs), 64 AVX-512 and AMX; the
-kernels compute in fp32, bf16 widened) and the K/V bytes at ``--gbps``; "% floor" is floor / taps time.
+kernels compute in fp32, bf16 widened, except bf16 at amx with TAPS_ATTN_BF16_AMX=1, whose tile products
+can beat this floor) and the K/V bytes at ``--gbps``; "% floor" is floor / taps time.
 The first rows are the shipped target's attention (B 1, Hq 8, Hkv 4, D 32, a 16-node tree after ~200
 cached keys), fp32 and bf16.
 
