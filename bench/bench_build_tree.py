@@ -1,6 +1,9 @@
 """build_tree microbenchmark: plain PyTorch (EAGLE-2 style top-k + mask loop) vs reference.py vs taps_ops.
 
-    python bench/bench_build_tree.py [--quick]
+    python bench/bench_build_tree.py [--quick] [--isa LEVELS]
+
+taps_ops.build_tree has no vector code (taps_ops.cpu_info()["ops"]), so ``--isa`` (see bench/common.py) gives
+one taps column whatever levels it names.
 """
 
 from __future__ import annotations
@@ -11,7 +14,8 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import fmt_time, print_table, time_call, tree_bench_setup  # noqa: E402
+from common import (fmt_time, isa_cells, isa_headers, isa_note, op_levels, per_isa,  # noqa: E402
+                    print_table, time_call, tree_bench_setup)
 from tree_cases import eagle_candidates  # noqa: E402
 
 import taps_ops  # noqa: E402
@@ -37,6 +41,7 @@ def plain_build_tree(scores, tokens, parents, num_nodes):
 
 def main():
     args, devices = tree_bench_setup("build_tree")
+    levels = op_levels(args.isa, "build_tree")
     configs = [(1, 6, 10, 64), (8, 6, 10, 64), (64, 6, 10, 64), (64, 8, 10, 128)]
     if args.quick:
         configs = configs[:2]
@@ -48,10 +53,13 @@ def main():
         for d in devices:
             s, t, p = scores.to(d), tokens.to(d), parents.to(d)
             t_plain = time_call(lambda: plain_build_tree(s, t, p, num_nodes), d)
-            t_ops = time_call(lambda: taps_ops.build_tree(s, t, p, num_nodes), d, repeats=50)
-            rows.append([batch, scores.shape[1], num_nodes, d, fmt_time(t_plain), fmt_time(t_ref), fmt_time(t_ops),
-                         f"{t_plain / t_ops:.1f}x"])
-    print_table(["B", "M", "nodes", "device", "plain torch", "reference.py (cpu)", "taps_ops", "vs plain"], rows)
+            taps = lambda: time_call(lambda: taps_ops.build_tree(s, t, p, num_nodes), d, repeats=50)  # noqa: E731
+            times = per_isa(levels, taps) if d == "cpu" else [taps()] + [float("nan")] * (len(levels) - 1)
+            rows.append([batch, scores.shape[1], num_nodes, d, fmt_time(t_plain), fmt_time(t_ref),
+                         *isa_cells(t_plain, times)])
+    print_table(["B", "M", "nodes", "device", "plain torch", "reference.py (cpu)", *isa_headers(levels, "plain")],
+                rows)
+    print(isa_note("build_tree", levels))
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """Microbenchmark of taps_ops.decoder_layer against the Python layer body it replaces (taps.lean).
 
-    PYTHONPATH=python python bench/bench_decoder_layer.py [--repeats 2000]
+    PYTHONPATH=python python bench/bench_decoder_layer.py [--repeats 2000] [--isa LEVELS]
 
 Rows: one Llama decoder layer at decoding sizes (hidden, heads / kv heads x head dim, MLP width, tokens T,
 keys already cached), fp32 and bf16, weights fused and packed as the engine holds them
@@ -8,7 +8,10 @@ keys already cached), fp32 and bf16, weights fused and packed as the engine hold
 keys. Columns: the Python body (``taps.lean.decoder_layer`` through a plain callback), the op (the same
 function through a ``TreeAttend``, one call), the ratio, and the floor: the layer's weights and the K/V it
 reads, once, at ``--gbps`` (default 20 GB/s for one core of the development CPU). Small layers are far
-from it: their time is the operators' fixed costs, which is what the op cuts.
+from it: their time is the operators' fixed costs, which is what the op cuts. The op runs once per
+instruction-set level of the taps kernels (``--isa``, see bench/common.py: its rms_norm, rope_ and
+tree_attention; its linears are ATen's and oneDNN's, whose level ATEN_CPU_CAPABILITY and ONEDNN_MAX_CPU_ISA
+set), next to the Python body measured once (at the level in force when the benchmark starts).
 """
 
 from __future__ import annotations
@@ -32,10 +35,10 @@ def _layer(hidden, heads, kv, dim, inter, dtype):
 
 
 def main() -> None:
-    args, _ = start(__doc__)
+    columns = f"{'H':>5} {'heads':>7} {'MLP':>6} {'T':>3} {'keys':>5} {'dtype':>8}"
+    args, _ = start(__doc__, None, columns, "python", "op")
     args.repeats = max(args.repeats // 10, 20)  # a layer is 10-100x an elementwise op
-    print(f"{'device':6} {'H':>5} {'heads':>7} {'MLP':>6} {'T':>3} {'keys':>5} {'dtype':>8} {'python us':>9} "
-          f"{'op us':>8} {'x python':>8} {'floor us':>9}")
+    print(f"a layer: mean of {args.repeats} calls")
     for hidden, heads, kv, dim, inter, tokens, cached in ((64, 4, 2, 16, 128, 8, 100), (64, 4, 2, 16, 128, 32, 100),
                                                            (256, 8, 4, 32, 768, 4, 200), (256, 8, 4, 32, 768, 16, 200),
                                                            (2048, 16, 4, 128, 5632, 32, 500)):

@@ -1,6 +1,6 @@
 """Microbenchmark of taps_ops.expand_level against the composite form the expansion ran before it.
 
-    PYTHONPATH=python python bench/bench_expand_level.py [--repeats 2000]
+    PYTHONPATH=python python bench/bench_expand_level.py [--repeats 2000] [--isa LEVELS]
 
 Rows: one expansion level, R requests x F frontier nodes x V draft-vocabulary logits, top_k 8 (a root
 level F = 1, a frontier of 8, batches of 4; V = 512, a reduced draft vocabulary of 1,024 and 32,000, a
@@ -9,7 +9,8 @@ map, the cumulative scores and parents, the frontier's topk and gathers: what ta
 level), taps_ops.expand_level, the ratio, and the floor: reading the logits once at the machine's memory
 bandwidth (``--gbps``; the op also computes one exp per logit, about V * R * F / 8 vector instructions,
 below the read at these sizes). Mean over ``repeats`` calls after a warm-up; on CUDA (when present)
-synchronised around the loop.
+synchronised around the loop. On the CPU the op runs once per instruction-set level (``--isa``, see
+bench/common.py), next to the composite measured once.
 """
 
 from __future__ import annotations
@@ -34,10 +35,8 @@ def composite(logits, front_score, front_cand, k, token_map, offset):
 
 
 def main() -> None:
-    args, devices = start(__doc__)
+    args, devices = start(__doc__, "expand_level", f"{'R':>3} {'F':>3} {'V':>6} {'dtype':>8}")
     k = 8
-    print(f"{'device':6} {'R':>3} {'F':>3} {'V':>6} {'dtype':>8} {'torch us':>9} {'taps us':>8} {'x torch':>8} "
-          f"{'floor us':>9}")
     for device in devices:
         for rows, front, vocab in ((1, 1, 512), (1, 8, 512), (1, 8, 1024), (4, 8, 1024), (1, 8, 32000)):
             for dt in (torch.float32, torch.bfloat16):

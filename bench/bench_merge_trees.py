@@ -1,6 +1,9 @@
 """merge_trees microbenchmark: a plain-Python trie union (what a user writes) vs reference.py vs taps_ops.
 
-    python bench/bench_merge_trees.py [--quick]
+    python bench/bench_merge_trees.py [--quick] [--isa LEVELS]
+
+taps_ops.merge_trees has no vector code (taps_ops.cpu_info()["ops"]), so ``--isa`` (see bench/common.py) gives
+one taps column whatever levels it names.
 """
 
 from __future__ import annotations
@@ -11,7 +14,8 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import fmt_time, print_table, time_call, tree_bench_setup  # noqa: E402
+from common import (fmt_time, isa_cells, isa_headers, isa_note, op_levels, per_isa,  # noqa: E402
+                    print_table, time_call, tree_bench_setup)
 from tree_cases import eagle_candidates  # noqa: E402
 
 import taps_ops  # noqa: E402
@@ -57,6 +61,7 @@ def drafter_trees(batch, num_trees, nodes, vocab, overlap=0.5):
 
 def main():
     args, devices = tree_bench_setup("merge_trees")
+    levels = op_levels(args.isa, "merge_trees")
     configs = [(1, 2, 64), (8, 3, 64), (64, 3, 64), (64, 4, 128)]
     if args.quick:
         configs = configs[:2]
@@ -71,11 +76,13 @@ def main():
         union = int((merged.tokens >= 0).sum(1).float().mean())
         for d in devices:
             tk, pr, sc = tokens.to(d), parents.to(d), scores.to(d)
-            t_ops = time_call(lambda: taps_ops.merge_trees(tk, pr, sc, budget), d, repeats=50)
-            rows.append([batch, num_trees, nodes, union, d, fmt_time(t_plain), fmt_time(t_ref), fmt_time(t_ops),
-                         f"{t_plain / t_ops:.1f}x"])
-    print_table(["B", "T", "N", "union nodes", "device", "plain python trie (cpu)", "reference.py (cpu)", "taps_ops",
-                 "vs plain"], rows)
+            taps = lambda: time_call(lambda: taps_ops.merge_trees(tk, pr, sc, budget), d, repeats=50)  # noqa: E731
+            times = per_isa(levels, taps) if d == "cpu" else [taps()] + [float("nan")] * (len(levels) - 1)
+            rows.append([batch, num_trees, nodes, union, d, fmt_time(t_plain), fmt_time(t_ref),
+                         *isa_cells(t_plain, times)])
+    print_table(["B", "T", "N", "union nodes", "device", "plain python trie (cpu)", "reference.py (cpu)",
+                 *isa_headers(levels, "plain")], rows)
+    print(isa_note("merge_trees", levels))
 
 
 if __name__ == "__main__":

@@ -1,29 +1,48 @@
 """Microbenchmark of taps_ops.tree_attention against PyTorch SDPA with a dense boolean mask.
 
-    PYTHONPATH=python python bench/bench_tree_attention.py [--repeats 7] [--quick] [--threads T]
+    PYTHONPATH=python python bench/bench_tree_attention.py [--repeats 7] [--quick] [--threads T] [--isa LEVELS]
 
 Columns: SDPA (torch.nn.functional.scaled_dot_product_attention, dense bool mask [B, 1, N, S],
 enable_gqa=True), the float64-free reference (taps_ops.reference.tree_attention_ref in the input dtype,
-small sizes only), taps on CPU, taps on CUDA when present; median of `repeats` timed runs each.
-Speedups are SDPA time / taps time on the same device. For CUDA, "GB/s" is the K/V bytes of the
-visible keys (2 * B * Hkv * sum(kv_lens) * D * elem) over the taps time, and "% copy" that rate over
-the device-to-device copy rate measured first (a 1 GiB copy: its read plus write bytes over its time),
-the practical ceiling of HBM bandwidth. On CUDA, Llama-3-8B head shapes at S = 1k, 4k, 32k run too;
-bf16 / fp16 rows with G * N >= 16 take the tensor-core kernel ("kernel" column). "x flashinfer" is
-FlashInfer's single_prefill_with_kv_cache with the same custom mask over taps (B = 1, when installed).
+small sizes only), taps; median of `repeats` timed runs each. Speedups are SDPA time / taps time on the
+same device.
+
+CPU: one taps column per instruction-set level (``--isa``, see bench/common.py), SDPA and the reference
+measured once, and per level the floor: the larger of the FLOPs (4 * B * Hq * N * S * D) at the level's
+peak (threads x ``--ghz`` x FLOP per cycle: 8 scalar, 32 AVX2 (two 8-lane FMAs), 64 AVX-512 and AMX; the
+kernels compute in fp32, bf16 widened, except bf16 at amx with TAPS_ATTN_BF16_AMX=1, whose tile products
+can beat this floor) and the K/V bytes at ``--gbps``; "% floor" is floor / taps time.
+The first rows are the shipped target's attention (B 1, Hq 8, Hkv 4, D 32, a 16-node tree after ~200
+cached keys), fp32 and bf16.
+
+CUDA (when present): "GB/s" is the K/V bytes of the visible keys (2 * B * Hkv * sum(kv_lens) * D * elem)
+over the taps time, and "% copy" that rate over the device-to-device copy rate measured first (a 1 GiB
+copy: its read plus write bytes over its time), the practical ceiling of HBM bandwidth. On CUDA,
+Llama-3-8B head shapes at S = 1k, 4k, 32k run too; bf16 / fp16 rows with G * N >= 16 take the
+tensor-core kernel ("kernel" column). "x flashinfer" is FlashInfer's single_prefill_with_kv_cache with
+the same custom mask over taps (B = 1, when installed).
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
+import sys
 import time
 
 import torch
 import torch.nn.functional as F
 
-import taps_ops
-from taps_ops.reference import tree_attention_dense_mask, tree_attention_ref
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import (add_isa_argument, fmt_time, isa_levels, machine_line, op_levels, per_isa,  # noqa: E402
+                    print_table)
+
+import taps_ops  # noqa: E402
+from taps_ops.reference import tree_attention_dense_mask, tree_attention_ref  # noqa: E402
+
+# FLOP per cycle and core of the fp32 arithmetic at each level (fused multiply-add counted as two)
+FLOP_PER_CYCLE = {"scalar": 8, "avx2": 32, "avx512": 64, "amx": 64}
 
 
 def random_tree_mask(batch: int, num_nodes: int, device) -> torch.Tensor:
@@ -82,7 +101,20 @@ def flashinfer_time(q, k, v, dense, repeats):
                                                                  kv_layout="HND"), repeats, True)
 
 
-def case(batch, heads_q, heads_kv, num_nodes, head_dim, cache_len, dtype, repeats, device, reference=True):
+def max_ghz() -> float:
+    """The highest "cpu MHz" of /proc/cpuinfo, in GHz (2.0 where there is none)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            mhz = [float(ln.split(":")[1]) for ln in f if ln.startswith("cpu MHz")]
+    except OSError:
+        mhz = []
+    return max(mhz) / 1e3 if mhz else 2.0
+
+
+def case(batch, heads_q, heads_kv, num_nodes, head_dim, cache_len, dtype, repeats, device, reference=True,
+         levels=()):
+    """SDPA, the reference and taps timed on one shape; on the CPU taps once per level in `levels` (a list
+    under row["taps"]), else once."""
     cuda = device == "cuda"
     q = torch.randn(batch, heads_q, num_nodes, head_dim, dtype=dtype, device=device)
     k = torch.randn(batch, heads_kv, cache_len, head_dim, dtype=dtype, device=device)
@@ -96,7 +128,8 @@ def case(batch, heads_q, heads_kv, num_nodes, head_dim, cache_len, dtype, repeat
     small = reference and batch * heads_q * num_nodes * cache_len <= 2_000_000
     row["ref"] = timed(lambda: tree_attention_ref(q, k, v, tree_mask, kv_lens, dtype=dtype), repeats, cuda) \
         if small else None
-    row["taps"] = timed(lambda: taps_ops.tree_attention(q, k, v, tree_mask, kv_lens), repeats, cuda)
+    taps = lambda: timed(lambda: taps_ops.tree_attention(q, k, v, tree_mask, kv_lens), repeats, cuda)  # noqa: E731
+    row["taps"] = taps() if cuda else per_isa(levels, taps)
     row["flashinfer"] = flashinfer_time(q, k, v, dense, repeats) if cuda and batch == 1 else None
     kv_bytes = 2 * batch * heads_kv * cache_len * head_dim * k.element_size()
     return row, kv_bytes
@@ -108,13 +141,22 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="small sizes only")
     ap.add_argument("--threads", type=int, default=0, help="torch.set_num_threads (0: torch's default)")
     ap.add_argument("--no-reference", action="store_true", help="skip the plain-PyTorch reference column")
+    ap.add_argument("--ghz", type=float, default=max_ghz(), help="core clock for the CPU floor (default: the "
+                    "highest 'cpu MHz' in /proc/cpuinfo)")
+    ap.add_argument("--gbps", type=float, default=20.0, help="memory bandwidth for the CPU floor (default 20 GB/s, "
+                    "one core of the development CPU)")
+    add_isa_argument(ap)
     args = ap.parse_args()
     if args.threads > 0:
         torch.set_num_threads(args.threads)
+    levels = op_levels(isa_levels(args.isa), "tree_attention")
     torch.manual_seed(0)
     shapes = [  # B, Hq, Hkv, N, D, S, dtype
+        (1, 8, 4, 16, 32, 216, torch.float32),  # the shipped target: 16 tree nodes after 200 cached keys
+        (1, 8, 4, 16, 32, 216, torch.bfloat16),
         (1, 8, 2, 7, 64, 257, torch.float32),
         (2, 32, 8, 16, 128, 1000, torch.float32),
+        (8, 16, 16, 32, 64, 1024, torch.float32),
         (4, 32, 8, 64, 128, 2048, torch.float32),
         (4, 32, 8, 64, 128, 2048, torch.bfloat16),
         (1, 32, 8, 64, 128, 8192, torch.bfloat16),
@@ -130,31 +172,44 @@ def main() -> None:
         (1, 32, 8, 64, 128, 4096, torch.float32),
     ]
     if args.quick:
-        shapes, gpu_shapes = shapes[:2], gpu_shapes[:2]
+        shapes, gpu_shapes = shapes[:3], gpu_shapes[:2]
     devices = ["cpu"] + (["cuda"] if torch.cuda.is_available() and taps_ops.has_cuda_kernels() else [])
-    print(f"torch {torch.__version__}, threads {torch.get_num_threads()}, "
-          f"CPU capability {torch.backends.cpu.get_cpu_capability()}, median of {args.repeats}")
-    ceiling = None
-    if "cuda" in devices:
-        ceiling = copy_bandwidth(args.repeats)
-        print(f"{torch.cuda.get_device_name()}: device-to-device copy {ceiling / 1e9:.0f} GB/s")
+    print(f"tree_attention | {machine_line()} | CPU capability {torch.backends.cpu.get_cpu_capability()}, "
+          f"median of {args.repeats}")
+    threads = torch.get_num_threads()
+    cpu_rows = []
+    for (b, hq, hkv, n, d, s, dt) in shapes:
+        row, kv_bytes = case(b, hq, hkv, n, d, s, dt, args.repeats, "cpu", not args.no_reference, levels)
+        flops = 4 * b * hq * n * s * d
+        cells = []
+        for level, t in zip(levels, row["taps"]):
+            floor = max(flops / (threads * args.ghz * 1e9 * FLOP_PER_CYCLE[level]), kv_bytes / (args.gbps * 1e9))
+            cells += [fmt_time(t), f"{row['sdpa'] / t:.2f}x", fmt_time(floor), f"{100 * floor / t:.0f}%"]
+        cpu_rows.append([b, hq, hkv, n, d, s, str(dt)[6:], fmt_time(row["sdpa"]),
+                         fmt_time(row["ref"]) if row["ref"] else "-", *cells])
+    print_table(["B", "Hq", "Hkv", "N", "D", "S", "dtype", "sdpa", "ref",
+                 *[h for lv in levels for h in (f"taps {lv}", "x sdpa", "floor", "% floor")]], cpu_rows,
+                title=f"CPU, {threads} thread(s): taps at instruction-set level {', '.join(levels)}")
+    print(f"floor = max(FLOPs at threads x {args.ghz:.2f} GHz x FLOP/cycle of the level "
+          f"({', '.join(f'{lv} {FLOP_PER_CYCLE[lv]}' for lv in levels)}), K/V bytes at {args.gbps:g} GB/s)")
+    if "cuda" not in devices:
+        return
+    ceiling = copy_bandwidth(args.repeats)
+    print(f"\n{torch.cuda.get_device_name()}: device-to-device copy {ceiling / 1e9:.0f} GB/s")
     header = f"{'device':6} {'B':>2} {'Hq':>3} {'Hkv':>3} {'N':>4} {'D':>4} {'S':>5} {'dtype':>8} {'kernel':>6} " \
              f"{'sdpa ms':>9} {'ref ms':>9} {'taps ms':>9} {'x sdpa':>7} {'x ref':>7} {'GB/s':>7} {'% copy':>6} " \
              f"{'x flashinfer':>12}"
     print(header)
-    for device in devices:
-        for (b, hq, hkv, n, d, s, dt) in shapes + (gpu_shapes if device == "cuda" else []):
-            row, kv_bytes = case(b, hq, hkv, n, d, s, dt, args.repeats, device, not args.no_reference)
-            ref = f"{row['ref'] * 1e3:9.2f}" if row["ref"] else f"{'-':>9}"
-            x_ref = f"{row['ref'] / row['taps']:7.2f}" if row["ref"] else f"{'-':>7}"
-            kernel = "cpu" if device == "cpu" else ("mma" if dt != torch.float32 and hq // hkv * n >= 16 else "simt")
-            rate = kv_bytes / row["taps"]
-            bw = f"{rate / 1e9:7.1f}" if device == "cuda" else f"{'-':>7}"
-            share = f"{100 * rate / ceiling:6.1f}" if device == "cuda" else f"{'-':>6}"
-            x_fi = f"{row['flashinfer'] / row['taps']:.2f}" if row["flashinfer"] else "-"
-            print(f"{device:6} {b:2} {hq:3} {hkv:3} {n:4} {d:4} {s:5} {str(dt)[6:]:>8} {kernel:>6} "
-                  f"{row['sdpa'] * 1e3:9.2f} {ref} {row['taps'] * 1e3:9.3f} {row['sdpa'] / row['taps']:7.2f} "
-                  f"{x_ref} {bw} {share} {x_fi:>12}")
+    for (b, hq, hkv, n, d, s, dt) in shapes + gpu_shapes:
+        row, kv_bytes = case(b, hq, hkv, n, d, s, dt, args.repeats, "cuda", not args.no_reference)
+        ref = f"{row['ref'] * 1e3:9.2f}" if row["ref"] else f"{'-':>9}"
+        x_ref = f"{row['ref'] / row['taps']:7.2f}" if row["ref"] else f"{'-':>7}"
+        kernel = "mma" if dt != torch.float32 and hq // hkv * n >= 16 else "simt"
+        rate = kv_bytes / row["taps"]
+        x_fi = f"{row['flashinfer'] / row['taps']:.2f}" if row["flashinfer"] else "-"
+        print(f"{'cuda':6} {b:2} {hq:3} {hkv:3} {n:4} {d:4} {s:5} {str(dt)[6:]:>8} {kernel:>6} "
+              f"{row['sdpa'] * 1e3:9.2f} {ref} {row['taps'] * 1e3:9.3f} {row['sdpa'] / row['taps']:7.2f} "
+              f"{x_ref} {rate / 1e9:7.1f} {100 * rate / ceiling:6.1f} {x_fi:>12}")
 
 
 if __name__ == "__main__":

@@ -1,11 +1,12 @@
 """verify_tree microbenchmark: plain PyTorch vs reference.py vs taps_ops (CPU, CUDA when present).
 
-    python bench/bench_verify_tree.py [--batch 8] [--nodes 64] [--vocab 128256] [--accept 0.7] [--quick]
+    python bench/bench_verify_tree.py [--batch 8] [--nodes 64] [--vocab 128256] [--accept 0.7] [--quick] [--isa LEVELS]
 
 "plain torch" is what a user writes without taps_ops: argmax (greedy) or softmax (sampling) over every
 node's row, then the walk in Python. taps_ops reads only the rows it visits (the accepted path plus
 one). The floor is the time to read those visited rows at the device's measured read bandwidth
-(a max-reduction over 512 MB).
+(a max-reduction over 512 MB). On the CPU taps runs once per instruction-set level (``--isa``, see
+bench/common.py), next to plain torch and the reference measured once.
 """
 
 from __future__ import annotations
@@ -17,7 +18,8 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import fmt_time, machine_line, print_table, time_call  # noqa: E402
+from common import (add_isa_argument, fmt_time, isa_levels, isa_note, machine_line, op_levels,  # noqa: E402
+                    per_isa, print_table, time_call)
 
 import taps_ops  # noqa: E402
 from taps_ops import reference  # noqa: E402
@@ -91,7 +93,9 @@ def main():
     ap.add_argument("--repeats", type=int, default=10)
     ap.add_argument("--quick", action="store_true", help="small sizes, few repeats (smoke run)")
     ap.add_argument("--no-reference", action="store_true")
+    add_isa_argument(ap)
     args = ap.parse_args()
+    levels = op_levels(isa_levels(args.isa), "verify_tree")
     if args.quick:
         args.batch, args.nodes, args.vocab, args.repeats = 4, 16, 5003, 3
     print(f"verify_tree: B={args.batch} N={args.nodes} V={args.vocab} | {machine_line()}")
@@ -100,7 +104,7 @@ def main():
     for d in devices:
         print(f"read bandwidth {d}: {bandwidth[d] / 1e9:.1f} GB/s (torch.amax over 512 MB)")
 
-    rows = []
+    rows = {d: [] for d in devices}
     for dtype in (torch.float32, torch.bfloat16):
         for temperature in (0.0, 1.0):
             logits, tokens, parents, uniforms = make_case(args.batch, args.nodes, args.vocab, args.accept, dtype, "cpu")
@@ -117,15 +121,19 @@ def main():
             for d in devices:
                 lg, tk, pr, un = (x.to(d) for x in (logits, tokens, parents, uniforms))
                 t_plain = time_call(lambda: plain_torch_verify(lg, tk, pr, temperature), d, repeats=args.repeats)
-                t = time_call(lambda: taps_ops.verify_tree(lg, tk, pr, temperature=temperature, uniforms=un), d,
-                              repeats=args.repeats * (10 if d == "cuda" else 1), flush=(d == "cuda"))
+                taps = lambda: time_call(lambda: taps_ops.verify_tree(lg, tk, pr, temperature=temperature,  # noqa: E731
+                                                                      uniforms=un), d,
+                                         repeats=args.repeats * (10 if d == "cuda" else 1), flush=(d == "cuda"))
+                times = per_isa(levels, taps) if d == "cpu" else [taps()]
                 floor = floor_bytes / bandwidth[d]
-                rows.append([case, d, mean_acc, fmt_time(t_plain), fmt_time(t_ref), fmt_time(t),
-                             f"{t_plain / t:.1f}x", fmt_time(floor), f"{100 * floor / t:.0f}%"])
-    print_table(["case", "device", "accepted", "plain torch", "reference.py (cpu)", "taps_ops", "vs plain",
-                 "floor", "of floor"], rows)
+                cells = [c for t in times for c in (fmt_time(t), f"{t_plain / t:.1f}x", f"{100 * floor / t:.0f}%")]
+                rows[d].append([case, mean_acc, fmt_time(t_plain), fmt_time(t_ref), fmt_time(floor), *cells])
+    for d in devices:
+        cols = [f"taps {lv}" for lv in levels] if d == "cpu" else ["taps_ops"]
+        print_table(["case", "accepted", "plain torch", "reference.py (cpu)", "floor",
+                     *[h for c in cols for h in (c, "vs plain", "of floor")]], rows[d], title=f"{d}:")
+    print(isa_note("verify_tree", levels))
     print("floor = visited rows x V x dtype bytes at the device's read bandwidth; 'of floor' = floor / time.")
-
 
 if __name__ == "__main__":
     main()

@@ -1,4 +1,5 @@
-"""The end-to-end benchmark scripts run (tiny settings) and report lossless output.
+"""The benchmark scripts run (tiny settings): the end-to-end ones report lossless output, the op ones a
+taps column per CPU instruction-set level.
 
 The scripts are what users and the GPU check (bench/gpu_check.sh) run; a script broken by an API change
 would waste a GPU lease. Nothing here is timed: the tests check that each script finishes, prints its
@@ -73,10 +74,65 @@ def test_bench_drafter_runs():
 @pytest.mark.parametrize("script,rows", [("bench_rms_norm.py", 10), ("bench_rope.py", 8),
                                          ("bench_expand_level.py", 10)])
 def test_elementwise_op_benches_run(script, rows):
-    """The rms_norm, rope_ and expand_level microbenchmarks print one line per case with a positive ratio."""
-    out = run_bench(script, "--repeats", "5")
+    """The rms_norm, rope_ and expand_level microbenchmarks print one line per case with a positive ratio
+    per instruction-set level, the lowest (scalar) included when asked for."""
+    out = run_bench(script, "--repeats", "5", "--isa", "scalar")
     lines = [ln for ln in out.splitlines() if ln.startswith("cpu ")]
     assert len(lines) == rows, out
     for ln in lines:
         ratio = float(ln.split()[-2])
         assert ratio > 0, ln
+    header = next(ln for ln in out.splitlines() if ln.startswith("device"))
+    assert "taps scalar us" in header, out
+    assert "taps kernels:" in out, out  # taps_ops.cpu_info()["summary"] in the machine line
+
+
+def test_isa_levels_by_default_and_asked_for():
+    """--isa: every level up to the one in force, highest first (avx512 left out under amx); a list in its
+    order; an unknown level is a clear error."""
+    sys.path.insert(0, str(ROOT / "bench"))
+    try:
+        from common import cpu_isa, isa_levels, op_levels
+    finally:
+        sys.path.pop(0)
+    import taps_ops
+
+    levels = isa_levels(None)
+    in_force = taps_ops.cpu_info()["isa"]
+    assert levels[0] == in_force and levels[-1] == "scalar"
+    assert ("avx512" in levels) == (in_force == "avx512")
+    assert isa_levels("scalar") == ["scalar"]
+    with pytest.raises(SystemExit, match="unknown level"):
+        isa_levels("sse9")
+    assert op_levels(levels, "build_tree") == ["scalar"]
+    with cpu_isa("scalar"):
+        assert taps_ops.cpu_info()["isa"] == "scalar"
+    assert taps_ops.cpu_info()["isa"] == in_force
+
+
+@pytest.mark.parametrize("script,args,title,rows", [
+    ("bench_tree_attention.py", ["--quick", "--repeats", "1", "--no-reference", "--threads", "1"], "CPU,", 3),
+    ("bench_verify_tree.py", ["--quick", "--no-reference", "--repeats", "1"], "cpu:", 4),
+    ("bench_build_tree.py", ["--quick", "--no-reference"], "B ", 2),
+    ("bench_merge_trees.py", ["--quick", "--no-reference"], "B ", 2),
+    ("bench_compact_kv.py", ["--quick", "--no-reference", "--repeats", "1"], "device", 1),
+])
+def test_tree_op_benches_run(script, args, title, rows):
+    """The other op microbenchmarks print their CPU table with one taps column per level they run (the
+    scalar level asked for here too) and a positive ratio against the reference in each."""
+    out = run_bench(script, *args, "--isa", "scalar")
+    lines = out.splitlines()
+    start = next(i for i, ln in enumerate(lines) if ln.startswith(title))
+    if title.endswith((",", ":")):  # a title line above the header
+        start += 1
+    header, rule = lines[start], lines[start + 1]
+    data = []
+    for ln in lines[start + 2:]:  # print_table's rows are as wide as its rule
+        if len(ln) != len(rule):
+            break
+        data.append(ln)
+    assert "taps scalar" in header, out
+    assert len(data) == rows, out
+    for ln in data:
+        ratios = [float(c[:-1]) for c in ln.split() if c.endswith("x") and c[:-1].replace(".", "").isdigit()]
+        assert ratios and all(r > 0 for r in ratios), ln
