@@ -30,35 +30,16 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import print_table  # noqa: E402
 
-import transformers  # noqa: E402
-
 from taps import EagleDrafter, ModelDrafter, SpeculativeDecoder  # noqa: E402
+from taps.synthetic import early_exit, perturbed, refined_llama  # noqa: E402
 
 
 def build_models(args, device):
-    cfg = transformers.LlamaConfig(vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=args.hidden * 3,
-                                   num_hidden_layers=args.layers, num_attention_heads=args.heads,
-                                   num_key_value_heads=max(1, args.heads // 4), max_position_embeddings=4096,
-                                   initializer_range=0.05, tie_word_embeddings=False)
-    torch.manual_seed(0)
-    target = transformers.LlamaForCausalLM(cfg).eval()
-    with torch.no_grad():
-        target.lm_head.weight.mul_(args.head_scale)
-        for layer in target.model.layers[1:]:
-            layer.self_attn.o_proj.weight.mul_(args.refine)
-            layer.mlp.down_proj.weight.mul_(args.refine)
-    small_cfg = copy.deepcopy(cfg)
-    small_cfg.num_hidden_layers = 1
-    a = transformers.LlamaForCausalLM(small_cfg).eval()
-    a.load_state_dict({k: v for k, v in target.state_dict().items()
-                       if not k.startswith("model.layers.") or k.startswith("model.layers.0.")})
-    b = copy.deepcopy(a)
-    g = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        for name, p in b.model.layers[0].named_parameters():
-            if p.dim() > 1:
-                p.add_(torch.randn(p.shape, generator=g) * p.std() * args.noise)
-    eagle_cfg = copy.deepcopy(small_cfg)
+    target = refined_llama(args.vocab, args.hidden, args.layers, heads=args.heads, kv_heads=max(1, args.heads // 4),
+                           head_scale=args.head_scale, refine=args.refine, seed=0, max_positions=4096)
+    a = early_exit(target)
+    b = perturbed(a, noise=args.noise, seed=1)
+    eagle_cfg = copy.deepcopy(a.config)
     torch.manual_seed(2)
     eagle = EagleDrafter(eagle_cfg)
     dtype = torch.float32 if device.type == "cpu" else torch.bfloat16

@@ -10,12 +10,11 @@ to agree with their target:
 - the target itself (whole chains accepted).
 """
 
-import copy
-
 import numpy as np
 import torch
 import transformers
 
+from taps import synthetic
 from taps.train.drafter import DrafterTrainConfig, drafter_losses, new_drafter, target_features
 
 from conftest import one_torch_thread
@@ -37,15 +36,7 @@ def llama(vocab, hidden, layers, seed, head_scale=1.0):
     return model
 
 
-def early_exit(target, layers=1):
-    """The target's first `layers` decoder layers, its final norm and its head, as a causal LM."""
-    config = copy.deepcopy(target.config)
-    config.num_hidden_layers = layers
-    model = transformers.LlamaForCausalLM(config).eval()
-    kept = {k: v for k, v in target.state_dict().items()
-            if not k.startswith("model.layers.") or int(k.split(".")[2]) < layers}
-    model.load_state_dict(kept)
-    return model
+early_exit = synthetic.early_exit  # the target's first layers, its final norm and its head, as a causal LM
 
 
 @torch.no_grad()
