@@ -56,7 +56,7 @@ from ..arguments import check_ranges
 from ..models import FAMILIES  # the shipped families are the training objectives
 from . import dist as D
 from .data import REPO_ROOT
-from .target import _recent_train_loss, checkpoint_if_due, finish_run, lr_at, make_optimizer, pack, resume
+from .loop import checkpoint_if_due, finish_run, lr_at, make_optimizer, pack, recent_train_loss, resume
 
 DATA_MIXES = ("math", "chat", "mixed")
 DOMAINS = ("math", "chat")
@@ -656,7 +656,7 @@ def training_loop(cfg: DrafterTrainConfig, model: D.DataParallelModel, total_ste
         summary["final_heldout"] = last_eval if last_eval is not None else evaluate()
         state = model.state_dict()  # a collective under FSDP
         if ctx.is_main:
-            summary["final_train_loss"] = _recent_train_loss(log, 20)
+            summary["final_train_loss"] = recent_train_loss(log, 20)
             export(state, summary)
             acc = ", ".join(f"{d} acc@1 {summary['final_heldout'][d]['acc@1']:.3f} acc@3 "
                             f"{summary['final_heldout'][d]['acc@3']:.3f}" for d in DOMAINS)

@@ -27,7 +27,6 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
-import math
 import os
 import random
 import shutil
@@ -35,13 +34,14 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, List, Optional
 
 import torch
 
 from ..arguments import check_ranges
 from . import dist as D
 from .data import REPO_ROOT
+from .loop import checkpoint_if_due, finish_run, last_heldout, lr_at, make_optimizer, pack, recent_train_loss, resume
 
 PRESETS: Dict[str, dict] = {
     # ~5.3M parameters with an 8192-token vocabulary (2.1M of them in the tied embedding).
@@ -162,12 +162,6 @@ class TokenData:
         return {"train": self.train, "domain": self.domain, "heldout": self.heldout, "info": self.info}
 
 
-def pack(docs: Sequence[Sequence[int]], seq_len: int) -> torch.Tensor:
-    flat = [t for d in docs for t in d]
-    n = len(flat) // seq_len
-    return torch.tensor(flat[: n * seq_len], dtype=torch.int32).view(n, seq_len)
-
-
 def token_data_from_examples(examples: Dict[str, list], tok, *, tokens: int, math_fraction: float,
                              heldout_tokens: int, seq_len: int, seed: int) -> TokenData:
     """Tokenize per-domain conversations (``{"chat": [...], "math": [...]}``, lists of Example), hold out
@@ -262,21 +256,6 @@ def build_model(cfg: TargetTrainConfig, tok):
     return LlamaForCausalLM(mc)
 
 
-def lr_at(cfg: TargetTrainConfig, step: int, total: int) -> float:
-    """Learning rate of optimizer step ``step`` (0-based): linear warm-up, cosine decay to min_lr."""
-    if step < cfg.warmup_steps:
-        return cfg.lr * (step + 1) / cfg.warmup_steps
-    frac = (step - cfg.warmup_steps) / max(1, total - cfg.warmup_steps)
-    return cfg.min_lr + 0.5 * (cfg.lr - cfg.min_lr) * (1 + math.cos(math.pi * min(1.0, frac)))
-
-
-def make_optimizer(model, cfg: TargetTrainConfig):
-    decay = [p for n, p in model.named_parameters() if p.requires_grad and p.dim() >= 2]
-    no_decay = [p for n, p in model.named_parameters() if p.requires_grad and p.dim() < 2]
-    return torch.optim.AdamW([{"params": decay, "weight_decay": cfg.weight_decay},
-                              {"params": no_decay, "weight_decay": 0.0}], lr=cfg.lr, betas=(0.9, 0.95), eps=1e-8)
-
-
 def _autocast(device: torch.device):
     if device.type == "cuda":
         return torch.autocast("cuda", dtype=torch.bfloat16)
@@ -297,78 +276,6 @@ def heldout_loss(model: D.DataParallelModel, blocks: torch.Tensor, device, micro
                           lambda a, b: {"loss": float(model(blocks[a:b].to(device=device, dtype=torch.long))[0])})
     model.module.train()
     return res.get("loss", 0.0)
-
-
-# ------------------------------------------------------------------------------------------ checkpoint
-
-def _save_checkpoint(path: Path, model: D.DataParallelModel, opt, step: int, tokens_seen: int, cfg, elapsed: float):
-    """Every rank calls this (gathering the state is a collective under FSDP); rank 0 writes the file."""
-    state = {"model": model.state_dict(), "optimizer": model.optimizer_state_dict(opt), "step": step,
-             "tokens_seen": tokens_seen, "elapsed": elapsed, "run_key": json.dumps(cfg.run_key(), sort_keys=True),
-             "rng_cpu": torch.get_rng_state(), "segments": model.describe(step)["segments"]}
-    if not model.ctx.is_main:
-        return
-    if torch.cuda.is_available():
-        state["rng_cuda"] = torch.cuda.get_rng_state_all()
-    tmp = path.with_suffix(".tmp")
-    torch.save(state, tmp)
-    os.replace(tmp, path)
-
-
-def resume(ckpt: Path, log: Path, model: D.DataParallelModel, opt, cfg, device, tag: str, total_steps: int):
-    """Load ``ckpt`` (written by :func:`_save_checkpoint` with the same ``cfg.run_key()``, by any number
-    of processes) into model and optimizer on every rank, restore the RNG state and cut the log back to
-    its step; without a checkpoint, start a fresh log. Returns (step, tokens_seen, elapsed seconds)."""
-    main = model.ctx.is_main
-    if not ckpt.exists():
-        if main and log.exists():
-            log.unlink()
-        return 0, 0, 0.0
-    st = torch.load(ckpt, map_location="cpu", weights_only=True)
-    if st["run_key"] != json.dumps(cfg.run_key(), sort_keys=True):
-        raise RuntimeError(f"{ckpt} belongs to a run with other settings ({st['run_key']}); use another "
-                           "--run-dir or delete it to start over")
-    model.load_state_dict(st["model"])
-    model.load_optimizer_state_dict(opt, st["optimizer"])
-    model.history, model.first_step = st.get("segments", []), st["step"]
-    torch.set_rng_state(st["rng_cpu"].cpu())
-    if "rng_cuda" in st and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all([s.cpu() for s in st["rng_cuda"]])
-    if main:
-        _truncate_log(log, st["step"])
-        print(f"{tag} resumed from {ckpt} at step {st['step']}/{total_steps} with {model.ctx.world_size} "
-              "process(es)", flush=True)
-    return st["step"], st["tokens_seen"], st["elapsed"]
-
-
-def checkpoint_if_due(ckpt: Path, model: D.DataParallelModel, opt, step: int, stop_at: int, tokens_seen: int, cfg,
-                      elapsed: float, last_ckpt: float) -> float:
-    """Write the checkpoint every ``cfg.ckpt_minutes`` (by rank 0's clock) and every ``cfg.ckpt_every``
-    steps when set, and at ``stop_at``; returns the time of the last checkpoint. Every rank calls it."""
-    due = (time.time() - last_ckpt >= cfg.ckpt_minutes * 60 or (cfg.ckpt_every and step % cfg.ckpt_every == 0)
-           or step == stop_at)
-    if model.ctx.agree(bool(due)):
-        _save_checkpoint(ckpt, model, opt, step, tokens_seen, cfg, elapsed)
-        return time.time()
-    return last_ckpt
-
-
-def finish_run(bar, logf, step: int, total_steps: int, tokens_seen: int, n_params: int, elapsed0: float,
-               t_start: float) -> dict:
-    """Close the progress bar and the log (None on ranks other than 0); the run's summary dict."""
-    bar.close()
-    if logf is not None:
-        logf.close()
-    return {"steps": step, "total_steps": total_steps, "tokens_seen": tokens_seen, "parameters": n_params,
-            "finished": step >= total_steps, "elapsed_s": round(elapsed0 + time.time() - t_start, 1)}
-
-
-def _truncate_log(log: Path, step: int) -> None:
-    """Drop log lines written after the checkpoint (a run killed between two checkpoints)."""
-    if not log.exists():
-        return
-    keep = [ln for ln in log.read_text().splitlines() if ln.strip() and json.loads(ln)["step"] <= step]
-    log.write_text("".join(ln + "\n" for ln in keep))
 
 
 # ------------------------------------------------------------------------------------------------ main
@@ -474,14 +381,14 @@ def _train_target(cfg: TargetTrainConfig, ctx: D.DistContext, data: Optional[Tok
     summary["training"] = {**model.describe(step), "grad_accum": cfg.grad_accum}
     if summary["finished"]:
         if last_eval is None and ctx.is_main:  # eval_every=0, or resumed after the final evaluation was written
-            last_eval = _last_heldout(log)
+            last_eval = last_heldout(log)
         if not ctx.agree(last_eval is not None):
             last_eval = {d: round(heldout_loss(model, data.heldout[d], device, micro), 5)
                          for d in DOMAINS if len(data.heldout[d])}
         state = model.state_dict()  # a collective under FSDP
         if ctx.is_main:
             summary["final_heldout_loss"] = last_eval
-            summary["final_train_loss"] = _recent_train_loss(log, 20)
+            summary["final_train_loss"] = recent_train_loss(log, 20)
             final = build_model(cfg, tok)
             final.load_state_dict(state)
             export(final, tok, cfg, data, summary, device)
@@ -490,20 +397,6 @@ def _train_target(cfg: TargetTrainConfig, ctx: D.DistContext, data: Optional[Tok
         print(f"[train target] stopped at step {step}/{total_steps} (checkpoint {ckpt}); rerun to continue",
               flush=True)
     return summary
-
-
-def _log_lines(log: Path):
-    return [json.loads(ln) for ln in log.read_text().splitlines() if ln.strip()] if log.exists() else []
-
-
-def _last_heldout(log: Path):
-    ev = [r["heldout"] for r in _log_lines(log) if "heldout" in r]
-    return ev[-1] if ev else None
-
-
-def _recent_train_loss(log: Path, n: int) -> float:
-    losses = [r["loss"] for r in _log_lines(log) if "loss" in r][-n:]
-    return round(sum(losses) / max(1, len(losses)), 5)
 
 
 def export(model, tok, cfg: TargetTrainConfig, data: TokenData, summary: dict, device) -> None:
