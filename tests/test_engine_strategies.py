@@ -194,3 +194,38 @@ def test_padding_columns_are_trimmed_before_the_target_forward():
     assert torch.equal(cut.tree_mask, mask[:, :40, :1]) and torch.equal(cut.tokens, tokens[:, :40])
     assert _trim(Combined(tokens[:, :40], *(t[:, :40] for t in (tokens, tokens)), mask[:, :40, :1],
                           tokens[:, :40], None)).tokens.shape == (2, 40)
+
+
+def test_a_user_registered_strategy_decodes_end_to_end():
+    """A strategy registered with taps.register_strategy after import is usable by name: the decoder asks
+    it for its drafters (prepare_drafters), it combines every step (here: the second drafter's tree only),
+    and greedy output stays the target's own."""
+    import engine_models as em
+    import taps
+    from taps.strategies import Single, strategy_names
+
+    combined = []
+
+    @taps.register_strategy("second-only")
+    class SecondOnly(Single):
+        @classmethod
+        def prepare_drafters(cls, drafters, target):
+            return drafters[1:]   # of two drafters, the second
+
+        def _combine(self, cands, root):
+            combined.append(cands.drafters)
+            return super()._combine(cands, root)
+
+    assert "second-only" in strategy_names() and "second-only" not in taps.STRATEGIES
+    target = em.llama(64, 32, 2, seed=1)
+    near, far = ModelDrafter(em.early_exit(target)), ModelDrafter(em.llama(64, 32, 1, seed=5))
+    dec = SpeculativeDecoder(target, [far, near], strategy="second-only", depth=3, top_k=2, budget=6)
+    assert dec.drafters == [near]
+    prompts = [[3, 9, 27, 17, 5], [1, 2]]
+    with torch.no_grad():
+        out = dec.generate(prompts, max_new_tokens=10)
+        ref = SpeculativeDecoder(target, [], strategy="autoregressive").generate(prompts, max_new_tokens=10)
+    assert out.tokens == ref.tokens
+    assert combined and all(d == (0,) for d in combined)
+    with pytest.raises(ValueError, match="unknown strategy 'second-oly'"):
+        SpeculativeDecoder(target, [near], strategy="second-oly")

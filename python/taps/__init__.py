@@ -6,7 +6,7 @@ Public names (imported lazily, so ``import taps`` stays light for the CLI):
   :class:`EagleDrafter` (EAGLE-1/2 / HASS feature head), :class:`Eagle3Drafter` (EAGLE-3 head),
   :class:`PromptLookupDrafter` (n-gram matches in the context, no model), :func:`average_drafters`
 - :func:`expand`: the EAGLE-2 tree expansion every drafter uses
-- strategies: :data:`STRATEGIES`, :func:`make_strategy`, :func:`register_strategy`
+- strategies: :data:`STRATEGIES`, :func:`strategy_names`, :func:`make_strategy`, :func:`register_strategy`
 - :class:`SpeculativeDecoder` and its :class:`GenerateOutput`; :class:`RequestStats`, :class:`Profiler`
 - :mod:`taps.hf`: the target's tree-verification forward and KV cache
 """
@@ -20,6 +20,7 @@ _EXPORTS = {
     "ModelDrafter": "drafters", "average_drafters": "drafters", "Eagle3Drafter": "eagle3",
     "expand": "expansion", "PromptLookupDrafter": "ngram",
     "STRATEGIES": "strategies", "make_strategy": "strategies", "register_strategy": "strategies",
+    "strategy_names": "strategies",
     "Profiler": "stats", "RequestStats": "stats", "summarize": "stats",
     "GenerateOutput": "decoder", "SpeculativeDecoder": "decoder",
 }

@@ -28,12 +28,12 @@ from torch import Tensor, nn
 import taps_ops
 
 from . import hf
-from .drafters import DraftGroup, Drafter, average_drafters, make_groups, target_vocab_size
+from .drafters import DraftGroup, Drafter, make_groups, target_vocab_size
 from .expansion import scratch_positions
 from .forward import TargetForward
 from .lean import stack_key
 from .stats import Profiler, RequestStats, summarize
-from .strategies import STRATEGIES, Candidates, Combined, Strategy, make_strategy
+from .strategies import Candidates, Combined, Strategy, make_strategy, strategy_class
 
 __all__ = ["SpeculativeDecoder", "GenerateOutput", "check_same_tokenizer", "DEFAULT_SETTINGS"]
 
@@ -79,7 +79,8 @@ class SpeculativeDecoder:
     Args:
         target: the target causal LM (switched to the ``"taps"`` attention; put in eval mode).
         drafters: :class:`taps.drafters.Drafter` instances (empty for ``strategy="autoregressive"``).
-        strategy: one of :data:`taps.strategies.STRATEGIES`.
+        strategy: a registered strategy name (:func:`taps.strategies.strategy_names`: the built-in ones
+            and any registered with :func:`taps.register_strategy`).
         depth: tree depth below the root (EAGLE-2 expansion levels); default per device type
             (:data:`DEFAULT_SETTINGS`).
         top_k: children per expanded node and frontier width; default per device type.
@@ -95,8 +96,7 @@ class SpeculativeDecoder:
     def __init__(self, target: nn.Module, drafters: Sequence[Drafter] = (), strategy: str = "single", *,
                  depth: Optional[int] = None, top_k: Optional[int] = None, budget: Optional[int] = None,
                  tokenizer=None, route_steps: int = 3, adaptive_prior: float = 1.0, lean: Optional[bool] = None):
-        if strategy not in STRATEGIES:
-            raise ValueError(f"unknown strategy {strategy!r}; choose one of {', '.join(STRATEGIES)}")
+        strategy_cls = strategy_class(strategy)  # ValueError for an unknown name
         if isinstance(drafters, Drafter):
             drafters = [drafters]
         drafters = list(drafters)
@@ -110,12 +110,7 @@ class SpeculativeDecoder:
         if depth < 1 or top_k < 1:
             raise ValueError(f"depth and top_k must be >= 1, got depth={depth}, top_k={top_k}")
         self.tokenizer = tokenizer
-        if strategy == "average":
-            if len(drafters) < 1:
-                raise ValueError("strategy 'average' needs at least one drafter (got an empty list)")
-            for d in drafters:
-                d.bind(self.target)
-            drafters = [average_drafters(drafters)] if len(drafters) > 1 else drafters
+        drafters = strategy_cls.prepare_drafters(drafters, self.target)
         for d in drafters:
             check_same_tokenizer(tokenizer, d.tokenizer)
             d.bind(self.target)

@@ -37,7 +37,8 @@ import taps_ops
 
 from .expansion import DraftCandidates
 
-__all__ = ["STRATEGIES", "Candidates", "Combined", "Strategy", "make_strategy", "register_strategy",
+__all__ = ["STRATEGIES", "Candidates", "Combined", "Strategy", "make_strategy", "register_strategy", "strategy_class",
+           "strategy_names",
            "tree_confidence", "allocate_budget", "reserve_nodes"]
 
 
@@ -163,6 +164,12 @@ class Strategy:
     needs_entropy = False
     min_drafters, max_drafters = 1, 63
 
+    @classmethod
+    def prepare_drafters(cls, drafters: List, target) -> List:
+        """The drafters the strategy drafts with, from those the decoder was given (bound to `target`
+        afterwards); checkpoint averaging replaces them by their weight-space mean. Default: unchanged."""
+        return drafters
+
     def __init__(self, name: str, num_drafters: int, budget: int, route_steps: int = 3, prior: float = 1.0):
         self.name = name
         self.num_drafters = num_drafters
@@ -201,13 +208,13 @@ class Strategy:
         self.accepted += accepted_by_drafter.to(self.accepted.dtype)
 
 
-@register_strategy("single", "average")
+@register_strategy("single")
 class Single(Strategy):
-    """One drafter's tree (``average``: the decoder passes the weight-space mean as that drafter)."""
+    """One drafter's tree."""
 
     def __init__(self, name, num_drafters, budget, **options):
-        if name == "single" and num_drafters != 1:
-            raise ValueError(f"strategy 'single' takes exactly one drafter, got {num_drafters}")
+        if num_drafters != 1:
+            raise ValueError(f"strategy {name!r} takes exactly one drafter, got {num_drafters}")
         super().__init__(name, num_drafters, budget, **options)
 
     def _combine(self, cands, root):
@@ -216,6 +223,22 @@ class Single(Strategy):
         tokens = tree.tokens[0]
         return Combined(tokens, tree.parents[0], tree.depth[0], tree.tree_mask[0],
                         _draft_nodes(tokens).long() << t, None)
+
+
+@register_strategy("average")
+class Average(Single):
+    """Checkpoint averaging: the weight-space mean of the drafters (:func:`taps.drafters.average_drafters`)
+    drafts alone, as ``single``."""
+
+    @classmethod
+    def prepare_drafters(cls, drafters, target):
+        if not drafters:
+            raise ValueError("strategy 'average' needs at least one drafter (got an empty list)")
+        from .drafters import average_drafters
+
+        for d in drafters:
+            d.bind(target)
+        return [average_drafters(drafters)] if len(drafters) > 1 else drafters
 
 
 @register_strategy("route-confidence", "route-entropy", "route-confidence-prompt", "route-entropy-prompt")
@@ -329,16 +352,28 @@ class Autoregressive(Strategy):
         return self._combine(None, root)
 
 
-#: every registered strategy name
+#: the built-in strategy names (:func:`strategy_names` also lists the ones registered later)
 STRATEGIES: Tuple[str, ...] = tuple(_REGISTRY)
 
 
-def make_strategy(name: str, num_drafters: int, budget: int, **options) -> Strategy:
-    """The strategy registered as `name` (see :data:`STRATEGIES`); raises ValueError for unknown names or
-    a drafter count the strategy cannot use."""
+def strategy_names() -> Tuple[str, ...]:
+    """Every registered strategy name, the built-in ones and those registered since with
+    :func:`register_strategy`."""
+    return tuple(_REGISTRY)
+
+
+def strategy_class(name: str) -> Type[Strategy]:
+    """The class registered as `name`; ValueError for an unknown name."""
     cls = _REGISTRY.get(name)
     if cls is None:
         raise ValueError(f"unknown strategy {name!r}; choose one of {', '.join(_REGISTRY)}")
+    return cls
+
+
+def make_strategy(name: str, num_drafters: int, budget: int, **options) -> Strategy:
+    """The strategy registered as `name` (see :func:`strategy_names`); raises ValueError for unknown names
+    or a drafter count the strategy cannot use."""
+    cls = strategy_class(name)
     if num_drafters > cls.max_drafters:
         if cls.max_drafters == 0:
             raise ValueError(f"strategy {name!r} uses no drafter; pass drafters=[]")
