@@ -18,6 +18,7 @@ device sync: that copy.
 
 from __future__ import annotations
 
+import time
 import warnings
 from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional, Sequence, Tuple, Union
@@ -31,9 +32,10 @@ from . import hf
 from .drafters import DraftGroup, Drafter, average_drafters, make_groups, target_vocab_size
 from .expansion import scratch_positions
 from .forward import TargetForward
-from .lean import stack_key
+from .lean import pack_bits, stack_key
 from .stats import Profiler, RequestStats, summarize
-from .strategies import STRATEGIES, Candidates, Combined, Strategy, make_strategy
+from .strategies import STRATEGIES, Candidates, Combined, Strategy, make_strategy, root_tree
+from .tuner import Tuner, node_grid, shared_costs, time_call
 
 __all__ = ["SpeculativeDecoder", "GenerateOutput", "check_same_tokenizer", "DEFAULT_SETTINGS"]
 
@@ -84,17 +86,23 @@ class SpeculativeDecoder:
             (:data:`DEFAULT_SETTINGS`).
         top_k: children per expanded node and frontier width; default per device type.
         budget: nodes of one drafter's tree, root included (default depth * top_k + 1, capped by the
-            number of candidates + 1). ``merged`` verifies up to T * (budget - 1) + 1 nodes.
+            number of candidates + 1). ``merged`` verifies up to T * (budget - 1) + 1 nodes. ``"auto"``:
+            the default budget as the largest shape, and a :class:`taps.tuner.Tuner` choosing each step's
+            draft (see `tuner`).
         tokenizer: the target's tokenizer (needed for text prompts; checked against drafters' ones).
         route_steps: steps a ``route-*-prompt`` strategy observes before deciding per request.
         adaptive_prior: pseudo-count of accepted tokens per drafter for ``adaptive``.
         lean: run the target on the lean path (:mod:`taps.lean`): None = when the architecture is
             covered (Llama, Mistral, Qwen2, Qwen3), True = require it, False = the Hugging Face module.
+        tuner: a :class:`taps.tuner.Tuner` that chooses each step's drafters, depth and node budget
+            (within depth / budget), or no draft at all, by measured costs and running acceptance; None:
+            the fixed settings every step. Ignored without drafters.
     """
 
     def __init__(self, target: nn.Module, drafters: Sequence[Drafter] = (), strategy: str = "single", *,
-                 depth: Optional[int] = None, top_k: Optional[int] = None, budget: Optional[int] = None,
-                 tokenizer=None, route_steps: int = 3, adaptive_prior: float = 1.0, lean: Optional[bool] = None):
+                 depth: Optional[int] = None, top_k: Optional[int] = None, budget: Union[int, str, None] = None,
+                 tokenizer=None, route_steps: int = 3, adaptive_prior: float = 1.0, lean: Optional[bool] = None,
+                 tuner: Optional[Tuner] = None):
         if strategy not in STRATEGIES:
             raise ValueError(f"unknown strategy {strategy!r}; choose one of {', '.join(STRATEGIES)}")
         if isinstance(drafters, Drafter):
@@ -110,6 +118,10 @@ class SpeculativeDecoder:
         if depth < 1 or top_k < 1:
             raise ValueError(f"depth and top_k must be >= 1, got depth={depth}, top_k={top_k}")
         self.tokenizer = tokenizer
+        if isinstance(budget, str):
+            if budget != "auto":
+                raise ValueError(f"budget must be a node count, None or 'auto', got {budget!r}")
+            budget, tuner = None, tuner if tuner is not None else Tuner()
         if strategy == "average":
             if len(drafters) < 1:
                 raise ValueError("strategy 'average' needs at least one drafter (got an empty list)")
@@ -133,6 +145,8 @@ class SpeculativeDecoder:
         #: compute the target's lm_head only for the rows verification visits (None: on the CPU)
         self.lazy_head: Optional[bool] = None
         self._groups: Optional[Tuple[tuple, List[DraftGroup]]] = None
+        #: chooses each step's draft (None: the fixed settings)
+        self.tuner: Optional[Tuner] = tuner if drafters else None
 
     @property
     def device(self) -> torch.device:
@@ -289,6 +303,9 @@ class SpeculativeDecoder:
                     emit(b, [t])
                 for g in groups:
                     g.start(ids, lens, root, _features(pre, g.target_features), drafter_cap, host_lengths)
+            if self.tuner is not None:
+                with prof.section("calibrate"):
+                    self._calibrate(groups, cache, root, host_lengths, sample)
             steps = self._loop(groups, cache, root, host_lengths, done, stats, emit, sample, prof)
         finally:
             for g in groups:
@@ -305,10 +322,51 @@ class SpeculativeDecoder:
         """The target layers whose inputs some drafter reads (EAGLE-3 heads)."""
         return tuple(sorted({i for g in groups if isinstance(g.target_features, tuple) for i in g.target_features}))
 
+    def _calibrate(self, groups: List[DraftGroup], cache: hf.TreeKVCache, root: Tensor, host_lengths: List[int],
+                   sample: dict) -> None:
+        """Measure what the tuner's cost model lacks for this batch size: the target's tree forward with
+        verification per node count (scratch trees written past every request's committed cache, with
+        coins of a private generator: nothing is committed), and each drafter group's expansion at depth
+        1 and at the decoder's depth (scratch entries only)."""
+        tuner = self.tuner
+        batch = root.shape[0]
+        if tuner.costs is None:
+            p = next(self.target.parameters())
+            tuner.costs = shared_costs((id(self.target), p.device, p.dtype, torch.get_num_threads()))
+        tuner.acceptance.reset(batch)
+        costs = tuner.costs
+        if not tuner.calibrate:
+            return
+        sync = torch.cuda.synchronize if root.device.type == "cuda" else None
+        if costs.needs_forward(batch):
+            longest = max(host_lengths)
+            uniform = min(host_lengths) == longest
+            capture = self._capture_layers(groups)
+            coins = dict(sample, generator=torch.Generator(device=root.device).manual_seed(0))
+            points = []
+            for n in node_grid(self.strategy.num_nodes):
+                tree = _scratch_tree(root, n, self.top_k)
+
+                def run(tree=tree):
+                    fwd = self.forward.tree(cache, tree.tokens, tree.tree_mask, tree.depth, longest,
+                                            capture_layers=capture, uniform=uniform)
+                    self.forward.verify(fwd.hidden_states, tree.tokens, tree.parents, tree.tree_mask,
+                                        lazy=self.lazy_head, **coins)
+                points.append((n, time_call(run, repeats=4, sync=sync)))
+            costs.set_forward(batch, points)
+        entropy = self.strategy.needs_entropy
+        for g in groups:
+            members = tuple(g.members)
+            if costs.needs_draft(members, batch):
+                shallow = time_call(lambda: g.draft(1, self.top_k, None, entropy), sync=sync)
+                deep = time_call(lambda: g.draft(self.depth, self.top_k, None, entropy), sync=sync)
+                costs.set_draft(members, batch, (1, shallow), (self.depth, deep))
+
     def _loop(self, groups: List[DraftGroup], cache: hf.TreeKVCache, root: Tensor, host_lengths: List[int],
               done: List[bool], stats: List[RequestStats], emit, sample: dict, prof: Profiler) -> int:
         """Verification steps until every request is done; returns the number of steps."""
         strategy = self.strategy
+        tuner = self.tuner
         device = root.device
         batch = root.shape[0]
         num_drafters = len(self.drafters)
@@ -316,29 +374,55 @@ class SpeculativeDecoder:
         bit_range = torch.arange(max(num_drafters, 1), device=device)
         alive = strategy.alive()
         capture = self._capture_layers(groups)
+        # with a tuner, groups append what they missed when they next draft (see taps.tuner)
+        pending = _Pending(groups) if tuner is not None else None
         steps = 0
         while not all(done):
             steps += 1
             prof.steps += 1
             with prof.section("step"):
+                start = time.perf_counter()
                 if strategy.alive() != alive:  # a routing decision dropped drafters
                     alive = strategy.alive()
+                    old = groups
                     groups = [g.subset([i for i, t in enumerate(g.members) if t in alive]) for g in groups]
+                    if pending is not None:
+                        pending.replace(old, groups)
                     groups = [g for g in groups if g is not None]
+                shape, drafting, depth, parts = None, groups, self.depth, {}
+                if tuner is not None:
+                    active = [b for b in range(batch) if not done[b]]
+                    shape = tuner.plan([tuple(g.members) for g in groups],
+                                       lambda i, d: groups[i].tree_depth(d, self.top_k),
+                                       [pending.count(g) for g in groups], active, batch, self.depth,
+                                       self.budget)
+                    drafting = [g for g in groups if set(g.members) <= set(shape.drafters)]
+                    depth = shape.depth
                 with prof.section("draft"):
-                    drafted = [g.draft(self.depth, self.top_k, prof, strategy.needs_entropy) for g in groups]
+                    updates = pending.catch_up(drafting, batch) if pending is not None else []
+                    drafted = []
+                    for g in drafting:
+                        t0 = time.perf_counter()
+                        drafted.append(g.draft(depth, self.top_k, prof, strategy.needs_entropy))
+                        if tuner is not None:
+                            parts[("draft", tuple(g.members), depth, batch)] = (
+                                time.perf_counter() - t0, tuner.costs.draft(tuple(g.members), depth, batch))
                 with prof.section("tree"):
                     cands = None
                     if drafted:
-                        order = tuple(t for g in groups for t in g.members)
+                        order = tuple(t for g in drafting for t in g.members)
                         fields = ("scores", "tokens", "parents", "entropy")
                         cands = Candidates(*((torch.cat([getattr(c, f) for c in drafted]) if len(drafted) > 1
                                               else getattr(drafted[0], f))  # one group: no copy
                                              .view(len(order), batch, *drafted[0][i].shape[1:])
                                              for i, f in enumerate(fields)), order)
-                    tree = strategy.combine(cands, root)
+                        with strategy.step_budget(None if shape is None else shape.budget):
+                            tree = strategy.combine(cands, root)
+                    else:
+                        tree = strategy.combine(None, root) if not groups else root_tree(root)
                     if device.type == "cpu":  # (a host read: free on the CPU, a sync elsewhere)
                         tree = _trim(tree)
+                t0 = time.perf_counter()
                 with prof.section("target_forward"):
                     longest = max(host_lengths)
                     fwd = self.forward.tree(cache, tree.tokens, tree.tree_mask, tree.depth, longest,
@@ -359,16 +443,17 @@ class SpeculativeDecoder:
                     taps_ops.compact_kv(cache.kv_tensors(), path, cache.lengths, validate=device.type == "cpu")
                     cache.lengths.add_(num_new)
                 # what the host needs of this step, in one copy: tokens, counts, statistics
-                parts = [ver.tokens, accepted.unsqueeze(1), (tree.tokens >= 0).sum(1, keepdim=True)]
+                parts_host = [ver.tokens, accepted.unsqueeze(1), (tree.tokens >= 0).sum(1, keepdim=True)]
                 if num_drafters:
                     on_path = path[:, 1:]
                     src = tree.source.gather(1, on_path.clamp_min(0)).masked_fill(on_path < 0, 0)
                     by_drafter = ((src.unsqueeze(-1) >> bit_range) & 1).sum(1)  # [B, T]
                     strategy.observe(by_drafter)
-                    parts.append(by_drafter)
+                    parts_host.append(by_drafter)
                 if tree.choice is not None:
-                    parts.append(tree.choice.unsqueeze(1))
-                host = torch.cat(parts, 1).tolist()
+                    parts_host.append(tree.choice.unsqueeze(1))
+                host = torch.cat(parts_host, 1).tolist()
+                forward_seconds = time.perf_counter() - t0
                 n = ver.tokens.shape[1]
                 acc_list = [row[n] for row in host]
                 width = max(a for a, d in zip(acc_list, done) if not d) + 1
@@ -384,21 +469,115 @@ class SpeculativeDecoder:
                             if spec is not None and spec not in on_path:
                                 feats = _features(fwd, spec)
                                 on_path[spec] = feats.gather(1, idx.unsqueeze(-1).expand(-1, -1, feats.shape[-1]))
-                            g.advance(new_tokens, num_new, on_path.get(spec), num_new_host, tokens_host)
+                        if pending is not None:
+                            pending.add(new_tokens, num_new, on_path, num_new_host, tokens_host)
+                        else:
+                            for g in groups:
+                                g.advance(new_tokens, num_new, on_path.get(g.target_features), num_new_host,
+                                          tokens_host)
                 root = ver.tokens.gather(1, accepted.unsqueeze(1)).squeeze(1)
+                observed = [None] * batch
                 for b in range(batch):
                     host_lengths[b] += num_new_host[b]
                     if done[b]:
                         continue
                     row, a = host[b], acc_list[b]
+                    observed[b] = a
                     stats[b].record(a, depth_bins, nodes=row[n + 1])
+                    if shape is not None:
+                        stats[b].draft_shapes.append(shape.label)
                     if num_drafters:
                         for t in range(num_drafters):
                             stats[b].drafter_accepted[t] += row[n + 2 + t]
                     if tree.choice is not None:
                         stats[b].route_decisions.append(row[-1])
                     emit(b, row[:a + 1])
+                if tuner is not None:
+                    real = [host[b][n + 1] for b in range(batch) if observed[b] is not None]
+                    nodes = sum(real) / len(real)
+                    cap = max([g.tree_depth(depth, self.top_k) for g in drafting], default=0)
+                    parts[("forward", batch, round(nodes))] = (forward_seconds, tuner.costs.forward(nodes, batch))
+                    tuner.observe(shape, observed, min(cap, shape.budget - 1), nodes, batch,
+                                  time.perf_counter() - start, parts, updates)
         return steps
+
+
+class _Pending:
+    """Committed tokens (with the target features drafters read) that drafter groups have not appended
+    yet: a group that does not draft in a step skips its update, and appends every step it missed in
+    one call before it next drafts."""
+
+    def __init__(self, groups: Sequence[DraftGroup]):
+        self.queue: Dict[int, list] = {id(g): [] for g in groups}
+        self.tokens: Dict[int, int] = {id(g): 0 for g in groups}
+
+    def add(self, tokens: Tensor, num_new: Tensor, features: Dict, num_host: List[int], tokens_host) -> None:
+        """One step's accepted tokens and bonus [B, K] (num_new [B] real), features {spec: [B, K, H]}."""
+        entry = (tokens, num_new, features, num_host, tokens_host)
+        most = max(num_host)
+        for key in self.queue:
+            self.queue[key].append(entry)
+            self.tokens[key] += most
+
+    def count(self, group: DraftGroup) -> int:
+        """Tokens per request (the most of any) the group has yet to append."""
+        return self.tokens[id(group)]
+
+    def replace(self, old: Sequence[DraftGroup], new: Sequence[Optional[DraftGroup]]) -> None:
+        """Groups replaced by their subsets (None: dropped)."""
+        for a, b in zip(old, new):
+            queue, count = self.queue.pop(id(a)), self.tokens.pop(id(a))
+            if b is not None:
+                self.queue[id(b)], self.tokens[id(b)] = queue, count
+
+    def catch_up(self, groups: Sequence[DraftGroup], batch: int) -> List[Tuple[tuple, int, float]]:
+        """Append what each of `groups` missed; returns (drafters, tokens, seconds) per append."""
+        out = []
+        for g in groups:
+            entries = self.queue[id(g)]
+            if not entries:
+                continue
+            t0 = time.perf_counter()
+            tokens, num_new, features, num_host, tokens_host = _join(entries, g.target_features)
+            g.advance(tokens, num_new, features, num_host, tokens_host)
+            out.append((tuple(g.members), self.tokens[id(g)], time.perf_counter() - t0))
+            self.queue[id(g)], self.tokens[id(g)] = [], 0
+        return out
+
+
+def _join(entries: Sequence[tuple], spec):
+    """Steps of (tokens [B, K_i], num_new [B], {spec: features [B, K_i, H]}, host counts, host tokens)
+    as one: each row's real tokens (and features) of every step, in order, first in the row."""
+    if len(entries) == 1:
+        tokens, num_new, features, num_host, tokens_host = entries[0]
+        return tokens, num_new, features.get(spec), num_host, tokens_host
+    tokens = torch.cat([e[0] for e in entries], 1)
+    valid = torch.cat([torch.arange(e[0].shape[1], device=tokens.device) < e[1].unsqueeze(1) for e in entries], 1)
+    order = torch.argsort((~valid).to(torch.int8), dim=1, stable=True)
+    features = None
+    if spec is not None:
+        feats = torch.cat([e[2][spec] for e in entries], 1)
+        features = feats.gather(1, order.unsqueeze(-1).expand(-1, -1, feats.shape[-1]))
+    num_new = sum(e[1] for e in entries)
+    num_host = [sum(e[3][b] for e in entries) for b in range(len(entries[0][3]))]
+    tokens_host = [[t for e in entries for t in e[4][b][:e[3][b]]] for b in range(len(num_host))]
+    return tokens.gather(1, order), num_new, features, num_host, tokens_host
+
+
+def _scratch_tree(root: Tensor, nodes: int, top_k: int) -> Combined:
+    """A tree of `nodes` nodes per request for timing: node i's parent is (i - 1) // top_k (the shape of
+    a full top-k expansion), every token the root's."""
+    batch = root.shape[0]
+    parents = [-1] + [(i - 1) // top_k for i in range(1, nodes)]
+    depth = [0] * nodes
+    anc = torch.eye(nodes, dtype=torch.bool)
+    for i in range(1, nodes):
+        depth[i] = depth[parents[i]] + 1
+        anc[i] |= anc[parents[i]]
+    device = root.device
+    expand = lambda t: t.to(device).unsqueeze(0).expand(batch, *t.shape).contiguous()  # noqa: E731
+    return Combined(root.view(batch, 1).expand(batch, nodes).contiguous(), expand(torch.tensor(parents)),
+                    expand(torch.tensor(depth)), expand(pack_bits(anc)), torch.zeros_like(root).view(batch, 1), None)
 
 
 def _trim(tree: Combined) -> Combined:
