@@ -89,7 +89,7 @@ def test_no_draft_when_the_drafter_is_useless():
     """A drafter that proposes only tokens the target never produces here, real costs measured on this
     machine: after a few probes, plain steps."""
     m = em.greedy_models()
-    prompts = [m["seqs"][i, :6].tolist() for i in range(3)]
+    prompts = [m["seqs"][i, :6].tolist() for i in range(4)]
     ref = SpeculativeDecoder(m["target"], [], strategy="autoregressive").generate(prompts, max_new_tokens=40)
     produced = {t for row in ref.tokens for t in row}
     useless = ModelDrafter(m["other"]).set_draft_vocab(torch.tensor([t for t in range(96) if t not in produced][:16]))
@@ -99,7 +99,7 @@ def test_no_draft_when_the_drafter_is_useless():
     out = dec.generate([prompts[0]], max_new_tokens=40)
     assert out.tokens[0] == ref.tokens[0] and out.summary["tau"] == 1.0
     hist = out.summary["shape_histogram"]
-    assert hist.get("none", 0) >= 0.8 * sum(hist.values()), hist
+    assert hist.get("none", 0) >= 0.75 * sum(hist.values()), hist
 
 
 def _perfect_drafter_run(costs, top_k, budget):

@@ -444,7 +444,7 @@ class SpeculativeDecoder:
                     cache.lengths.add_(num_new)
                 # what the host needs of this step, in one copy: tokens, counts, statistics
                 parts_host = [ver.tokens, accepted.unsqueeze(1), (tree.tokens >= 0).sum(1, keepdim=True)]
-                if num_drafters:
+                if num_drafters and drafted:
                     on_path = path[:, 1:]
                     src = tree.source.gather(1, on_path.clamp_min(0)).masked_fill(on_path < 0, 0)
                     by_drafter = ((src.unsqueeze(-1) >> bit_range) & 1).sum(1)  # [B, T]
@@ -468,7 +468,8 @@ class SpeculativeDecoder:
                             spec = g.target_features
                             if spec is not None and spec not in on_path:
                                 feats = _features(fwd, spec)
-                                on_path[spec] = feats.gather(1, idx.unsqueeze(-1).expand(-1, -1, feats.shape[-1]))
+                                on_path[spec] = feats if feats.shape[1] == 1 else \
+                                    feats.gather(1, idx.unsqueeze(-1).expand(-1, -1, feats.shape[-1]))
                         if pending is not None:
                             pending.add(new_tokens, num_new, on_path, num_new_host, tokens_host)
                         else:
@@ -486,7 +487,7 @@ class SpeculativeDecoder:
                     stats[b].record(a, depth_bins, nodes=row[n + 1])
                     if shape is not None:
                         stats[b].draft_shapes.append(shape.label)
-                    if num_drafters:
+                    if num_drafters and drafted:
                         for t in range(num_drafters):
                             stats[b].drafter_accepted[t] += row[n + 2 + t]
                     if tree.choice is not None:

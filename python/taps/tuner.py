@@ -332,15 +332,19 @@ class Tuner:
         acceptance: an :class:`AcceptanceModel` (default: a new one).
         budgets: node budgets (root included) tried besides the decoder's own (those below it).
         max_probe_interval: steps between probes of a kind that is not chosen, at most.
+        margin: how much more tokens per second (a fraction) a draft must promise than a plain step (the
+            predictions' own error; drafting on a tie would lose by it).
         calibrate: measure the missing costs when a generation starts (False: only online).
     """
 
     def __init__(self, costs: Optional[CostModel] = None, acceptance: Optional[AcceptanceModel] = None, *,
-                 budgets: Sequence[int] = (2, 4, 8), max_probe_interval: int = 256, calibrate: bool = True):
+                 budgets: Sequence[int] = (2, 4, 8), max_probe_interval: int = 256, margin: float = 0.05,
+                 calibrate: bool = True):
         self.costs = costs
         self.acceptance = acceptance or AcceptanceModel()
         self.budgets = tuple(sorted({int(n) for n in budgets if int(n) >= 2}))
         self.max_probe_interval = int(max_probe_interval)
+        self.margin = float(margin)
         self.calibrate = calibrate
         self.clock = 0
         self._probe: Dict[tuple, Tuple[int, int]] = {}  # kind -> (next step, interval)
@@ -348,6 +352,8 @@ class Tuner:
         #: lookup, merged trees and shallow candidates hold fewer than their budget
         self._nodes: Dict[tuple, float] = {}
         self._shape_memo = None
+        self._plan_memo = None
+        self._version = 0  # counts observations of drafts (the plan's cached part depends on them)
 
     # -- the candidate set ---------------------------------------------------------------------------
     def kinds(self, groups: Sequence[Tuple[int, ...]], single: bool) -> List[Tuple[Tuple[int, ...], ...]]:
@@ -381,7 +387,8 @@ class Tuner:
         draft accepted) options (the first is no draft): the best value per second, unless a kind not
         chosen (no draft included) is due for a probe and could beat it with every draft accepted (then
         its deepest such shape: every depth observed at once); a probed kind's interval doubles."""
-        best_shape, best_value, best_seconds, _ = max(options, key=lambda o: o[1] / max(o[2], 1e-9))
+        best_shape, best_value, best_seconds, _ = max(
+            options, key=lambda o: o[1] / max(o[2], 1e-9) * (1.0 if o[0].drafters else 1.0 + self.margin))
         best, rate = best_shape, best_value / max(best_seconds, 1e-9)
         self.clock += 1
         self._probe[best.key] = (self.clock + 1, 1)
@@ -414,15 +421,24 @@ class Tuner:
             single: whether the strategy needs every group at once.
         """
         costs = self.costs
+        groups = tuple(groups)
+        memo = (groups, depth, budget, single, tuple(active), batch, self._version)
+        if self._plan_memo is None or self._plan_memo[0] != memo:
+            # what only an observation of a draft changes (plain steps leave it as it is)
+            base = []
+            position = {g: i for i, g in enumerate(groups)}
+            for shape, members in self._shapes(groups, depth, budget, single):
+                cap = min(shape.budget - 1, max(caps(position[g], shape.depth) for g in members))
+                nodes = self._nodes.get((shape.key, shape.depth, shape.budget), shape.budget)
+                seconds = costs.forward(nodes, batch) + costs.rest(shape.key)
+                seconds += sum(costs.draft(g, shape.depth, batch) for g in members)
+                base.append((shape, self.value(shape, active, cap), seconds, len(active) * (1.0 + cap),
+                             [(g, position[g]) for g in members]))
+            self._plan_memo = (memo, base)
         options = [(NONE, self.value(NONE, active, 0), costs.forward(1, batch) + costs.rest(NONE.key), len(active))]
-        position = {g: i for i, g in enumerate(groups)}
-        for shape, members in self._shapes(tuple(groups), depth, budget, single):
-            cap = min(shape.budget - 1, max(caps(position[g], shape.depth) for g in members))
-            nodes = self._nodes.get((shape.key, shape.depth, shape.budget), shape.budget)
-            seconds = costs.forward(nodes, batch) + costs.rest(shape.key)
-            for g in members:
-                seconds += costs.draft(g, shape.depth, batch) + costs.update(g, pending[position[g]], batch)
-            options.append((shape, self.value(shape, active, cap), seconds, len(active) * (1.0 + cap)))
+        update = [costs.update(g, pending[i], batch) for i, g in enumerate(groups)]
+        for shape, value, seconds, upper, members in self._plan_memo[1]:
+            options.append((shape, value, seconds + sum(update[i] for _, i in members), upper))
         return self.choose(options)
 
     def _shapes(self, groups, depth, budget, single):
@@ -441,6 +457,7 @@ class Tuner:
         the nominal tree depth, the mean real nodes per request, the step's seconds, its timed parts
         ({part: (measured, predicted)}) and group updates ((drafters, tokens, seconds))."""
         if shape.drafters:
+            self._version += 1
             self.acceptance.observe(shape.key, accepted, cap)
             memo = (shape.key, shape.depth, shape.budget)
             self._nodes[memo] = _ema(self._nodes.get(memo), nodes, 0.2)
