@@ -301,12 +301,18 @@ class SpeculativeDecoder:
                 root = taps_ops.verify_tree(pre.logits.unsqueeze(1), one, one - 1, **sample).tokens[:, 0]
                 for b, t in enumerate(root.tolist()):
                     emit(b, [t])
+                # with a tuner, a group starts when it first drafts (never, when drafting does not pay)
+                starts = {}
                 for g in groups:
-                    g.start(ids, lens, root, _features(pre, g.target_features), drafter_cap, host_lengths)
+                    args = (ids, lens, root, _features(pre, g.target_features), drafter_cap, list(host_lengths))
+                    if self.tuner is None:
+                        g.start(*args)
+                    else:
+                        starts[id(g)] = args
             if self.tuner is not None:
                 with prof.section("calibrate"):
-                    self._calibrate(groups, cache, root, host_lengths, sample)
-            steps = self._loop(groups, cache, root, host_lengths, done, stats, emit, sample, prof)
+                    self._calibrate(cache, root, host_lengths, sample, self._capture_layers(groups))
+            steps = self._loop(groups, cache, root, host_lengths, done, stats, emit, sample, prof, starts)
         finally:
             for g in groups:
                 g.release()
@@ -322,12 +328,12 @@ class SpeculativeDecoder:
         """The target layers whose inputs some drafter reads (EAGLE-3 heads)."""
         return tuple(sorted({i for g in groups if isinstance(g.target_features, tuple) for i in g.target_features}))
 
-    def _calibrate(self, groups: List[DraftGroup], cache: hf.TreeKVCache, root: Tensor, host_lengths: List[int],
-                   sample: dict) -> None:
+    def _calibrate(self, cache: hf.TreeKVCache, root: Tensor, host_lengths: List[int], sample: dict,
+                   capture: Tuple[int, ...]) -> None:
         """Measure what the tuner's cost model lacks for this batch size: the target's tree forward with
         verification per node count (scratch trees written past every request's committed cache, with
-        coins of a private generator: nothing is committed), and each drafter group's expansion at depth
-        1 and at the decoder's depth (scratch entries only)."""
+        coins of a private generator: nothing is committed). Drafter groups are measured when they start
+        (:meth:`_calibrate_group`)."""
         tuner = self.tuner
         batch = root.shape[0]
         if tuner.costs is None:
@@ -341,7 +347,6 @@ class SpeculativeDecoder:
         if costs.needs_forward(batch):
             longest = max(host_lengths)
             uniform = min(host_lengths) == longest
-            capture = self._capture_layers(groups)
             coins = dict(sample, generator=torch.Generator(device=root.device).manual_seed(0))
             points = []
             for n in node_grid(self.strategy.num_nodes):
@@ -354,17 +359,23 @@ class SpeculativeDecoder:
                                         lazy=self.lazy_head, **coins)
                 points.append((n, time_call(run, repeats=4, sync=sync)))
             costs.set_forward(batch, points)
-        entropy = self.strategy.needs_entropy
-        for g in groups:
-            members = tuple(g.members)
-            if costs.needs_draft(members, batch):
-                shallow = time_call(lambda: g.draft(1, self.top_k, None, entropy), sync=sync)
-                deep = time_call(lambda: g.draft(self.depth, self.top_k, None, entropy), sync=sync)
-                costs.set_draft(members, batch, (1, shallow), (self.depth, deep))
+
+    def _calibrate_group(self, g: DraftGroup, batch: int) -> None:
+        """Measure a started group's expansion at depth 1 and at the decoder's depth when the tuner's cost
+        model lacks it (scratch entries only: nothing is committed)."""
+        costs, members = self.tuner.costs, tuple(g.members)
+        if self.tuner.calibrate and costs.needs_draft(members, batch):
+            sync = torch.cuda.synchronize if self.device.type == "cuda" else None
+            entropy = self.strategy.needs_entropy
+            shallow = time_call(lambda: g.draft(1, self.top_k, None, entropy), sync=sync)
+            deep = time_call(lambda: g.draft(self.depth, self.top_k, None, entropy), sync=sync)
+            costs.set_draft(members, batch, (1, shallow), (self.depth, deep))
 
     def _loop(self, groups: List[DraftGroup], cache: hf.TreeKVCache, root: Tensor, host_lengths: List[int],
-              done: List[bool], stats: List[RequestStats], emit, sample: dict, prof: Profiler) -> int:
-        """Verification steps until every request is done; returns the number of steps."""
+              done: List[bool], stats: List[RequestStats], emit, sample: dict, prof: Profiler,
+              starts: Optional[Dict[int, tuple]] = None) -> int:
+        """Verification steps until every request is done; returns the number of steps. ``starts``: the
+        start arguments of groups not started yet (with a tuner)."""
         strategy = self.strategy
         tuner = self.tuner
         device = root.device
@@ -375,7 +386,7 @@ class SpeculativeDecoder:
         alive = strategy.alive()
         capture = self._capture_layers(groups)
         # with a tuner, groups append what they missed when they next draft (see taps.tuner)
-        pending = _Pending(groups) if tuner is not None else None
+        pending = _Pending(groups, starts or {}, lambda g: self._calibrate_group(g, batch)) if tuner else None
         steps = 0
         while not all(done):
             steps += 1
@@ -384,6 +395,8 @@ class SpeculativeDecoder:
                 start = time.perf_counter()
                 if strategy.alive() != alive:  # a routing decision dropped drafters
                     alive = strategy.alive()
+                    if pending is not None:  # every group started and up to date
+                        pending.catch_up(groups)
                     old = groups
                     groups = [g.subset([i for i, t in enumerate(g.members) if t in alive]) for g in groups]
                     if pending is not None:
@@ -399,7 +412,7 @@ class SpeculativeDecoder:
                     drafting = [g for g in groups if set(g.members) <= set(shape.drafters)]
                     depth = shape.depth
                 with prof.section("draft"):
-                    updates = pending.catch_up(drafting, batch) if pending is not None else []
+                    updates = pending.catch_up(drafting) if pending is not None else []
                     drafted = []
                     for g in drafting:
                         t0 = time.perf_counter()
@@ -508,9 +521,10 @@ class _Pending:
     yet: a group that does not draft in a step skips its update, and appends every step it missed in
     one call before it next drafts."""
 
-    def __init__(self, groups: Sequence[DraftGroup]):
+    def __init__(self, groups: Sequence[DraftGroup], starts: Dict[int, tuple], on_start: Callable[[DraftGroup], None]):
         self.queue: Dict[int, list] = {id(g): [] for g in groups}
         self.tokens: Dict[int, int] = {id(g): 0 for g in groups}
+        self.starts, self.on_start = starts, on_start
 
     def add(self, tokens: Tensor, num_new: Tensor, features: Dict, num_host: List[int], tokens_host) -> None:
         """One step's accepted tokens and bonus [B, K] (num_new [B] real), features {spec: [B, K, H]}."""
@@ -531,10 +545,15 @@ class _Pending:
             if b is not None:
                 self.queue[id(b)], self.tokens[id(b)] = queue, count
 
-    def catch_up(self, groups: Sequence[DraftGroup], batch: int) -> List[Tuple[tuple, int, float]]:
-        """Append what each of `groups` missed; returns (drafters, tokens, seconds) per append."""
+    def catch_up(self, groups: Sequence[DraftGroup]) -> List[Tuple[tuple, int, float]]:
+        """Start the groups not started yet, and append what each of `groups` missed; returns (drafters,
+        tokens, seconds) per append."""
         out = []
         for g in groups:
+            args = self.starts.pop(id(g), None)
+            if args is not None:
+                g.start(*args)
+                self.on_start(g)
             entries = self.queue[id(g)]
             if not entries:
                 continue

@@ -354,6 +354,7 @@ class Tuner:
         self._shape_memo = None
         self._plan_memo = None
         self._version = 0  # counts observations of drafts (the plan's cached part depends on them)
+        self._plain_until = 0  # while no draft is best: the clock of the next probe that could win
 
     # -- the candidate set ---------------------------------------------------------------------------
     def kinds(self, groups: Sequence[Tuple[int, ...]], single: bool) -> List[Tuple[Tuple[int, ...], ...]]:
@@ -393,6 +394,8 @@ class Tuner:
         self.clock += 1
         self._probe[best.key] = (self.clock + 1, 1)
         due: Dict[tuple, Shape] = {}
+        hopeful = [self._probe.get(o[0].key, (0, 1))[0] for o in options if o[0].key != best.key and o[3] > rate * o[2]]
+        self._plain_until = min(hopeful, default=self.clock + self.max_probe_interval) if not best.drafters else 0
         for shape, _, seconds, upper in options:
             if shape.key != best.key and upper > rate * seconds and self._probe.get(shape.key, (0, 1))[0] <= self.clock:
                 old = due.get(shape.key)
@@ -423,6 +426,11 @@ class Tuner:
         costs = self.costs
         groups = tuple(groups)
         memo = (groups, depth, budget, single, tuple(active), batch, self._version)
+        if self._plain_until > self.clock + 1 and self._plan_memo is not None and self._plan_memo[0] == memo:
+            # no draft was best and nothing a draft's value depends on changed since, while what drafting
+            # would cost only grew (its pending appends): no draft again, until a probe is due
+            self.clock += 1
+            return NONE
         if self._plan_memo is None or self._plan_memo[0] != memo:
             # what only an observation of a draft changes (plain steps leave it as it is)
             base = []
