@@ -232,3 +232,14 @@ def test_join_pending_steps():
     assert tokens[0, :3].tolist() == [5, 6, 8] and tokens[1, :1].tolist() == [9]
     assert feats[0, :3, 0].tolist() == [0., 1., 10.] and feats[1, 0, 0].item() == 11.
     assert tokens_host == [[5, 6, 8], [9]]
+
+
+def test_greedy_and_sampled_acceptance_kept_apart():
+    tuner = Tuner(_cheap())
+    tuner.begin(1, sampling=False)
+    greedy = tuner.acceptance
+    greedy.observe(((0,), 8), [3], cap=3)
+    tuner.begin(2, sampling=True)
+    assert tuner.acceptance is not greedy and not tuner.acceptance.pooled
+    tuner.begin(1, sampling=False)
+    assert tuner.acceptance is greedy and ((0,), 8) in greedy.pooled

@@ -339,7 +339,7 @@ class SpeculativeDecoder:
         if tuner.costs is None:
             p = next(self.target.parameters())
             tuner.costs = shared_costs((id(self.target), p.device, p.dtype, torch.get_num_threads()))
-        tuner.acceptance.reset(batch)
+        tuner.begin(batch, bool(torch.as_tensor(sample["temperature"]).gt(0).any()))
         costs = tuner.costs
         if not tuner.calibrate:
             return
@@ -357,7 +357,7 @@ class SpeculativeDecoder:
                                             capture_layers=capture, uniform=uniform)
                     self.forward.verify(fwd.hidden_states, tree.tokens, tree.parents, tree.tree_mask,
                                         lazy=self.lazy_head, **coins)
-                points.append((n, time_call(run, repeats=4, sync=sync)))
+                points.append((n, time_call(run, repeats=4, sync=sync, timer=tuner.timer)))
             costs.set_forward(batch, points)
 
     def _calibrate_group(self, g: DraftGroup, batch: int) -> None:
@@ -367,8 +367,8 @@ class SpeculativeDecoder:
         if self.tuner.calibrate and costs.needs_draft(members, batch):
             sync = torch.cuda.synchronize if self.device.type == "cuda" else None
             entropy = self.strategy.needs_entropy
-            shallow = time_call(lambda: g.draft(1, self.top_k, None, entropy), sync=sync)
-            deep = time_call(lambda: g.draft(self.depth, self.top_k, None, entropy), sync=sync)
+            shallow = time_call(lambda: g.draft(1, self.top_k, None, entropy), sync=sync, timer=self.tuner.timer)
+            deep = time_call(lambda: g.draft(self.depth, self.top_k, None, entropy), sync=sync, timer=self.tuner.timer)
             costs.set_draft(members, batch, (1, shallow), (self.depth, deep))
 
     def _loop(self, groups: List[DraftGroup], cache: hf.TreeKVCache, root: Tensor, host_lengths: List[int],
@@ -386,13 +386,14 @@ class SpeculativeDecoder:
         alive = strategy.alive()
         capture = self._capture_layers(groups)
         # with a tuner, groups append what they missed when they next draft (see taps.tuner)
-        pending = _Pending(groups, starts or {}, lambda g: self._calibrate_group(g, batch)) if tuner else None
+        pending = _Pending(groups, starts or {}, lambda g: self._calibrate_group(g, batch), tuner.timer) if tuner else None
+        now = tuner.timer if tuner is not None else time.perf_counter
         steps = 0
         while not all(done):
             steps += 1
             prof.steps += 1
             with prof.section("step"):
-                start = time.perf_counter()
+                start = now()
                 if strategy.alive() != alive:  # a routing decision dropped drafters
                     alive = strategy.alive()
                     if pending is not None:  # every group started and up to date
@@ -415,11 +416,11 @@ class SpeculativeDecoder:
                     updates = pending.catch_up(drafting) if pending is not None else []
                     drafted = []
                     for g in drafting:
-                        t0 = time.perf_counter()
+                        t0 = now()
                         drafted.append(g.draft(depth, self.top_k, prof, strategy.needs_entropy))
                         if tuner is not None:
                             parts[("draft", tuple(g.members), depth, batch)] = (
-                                time.perf_counter() - t0, tuner.costs.draft(tuple(g.members), depth, batch))
+                                now() - t0, tuner.costs.draft(tuple(g.members), depth, batch))
                 with prof.section("tree"):
                     cands = None
                     if drafted:
@@ -435,7 +436,7 @@ class SpeculativeDecoder:
                         tree = strategy.combine(None, root) if not groups else root_tree(root)
                     if device.type == "cpu":  # (a host read: free on the CPU, a sync elsewhere)
                         tree = _trim(tree)
-                t0 = time.perf_counter()
+                t0 = now()
                 with prof.section("target_forward"):
                     longest = max(host_lengths)
                     fwd = self.forward.tree(cache, tree.tokens, tree.tree_mask, tree.depth, longest,
@@ -466,7 +467,7 @@ class SpeculativeDecoder:
                 if tree.choice is not None:
                     parts_host.append(tree.choice.unsqueeze(1))
                 host = torch.cat(parts_host, 1).tolist()
-                forward_seconds = time.perf_counter() - t0
+                forward_seconds = now() - t0
                 n = ver.tokens.shape[1]
                 acc_list = [row[n] for row in host]
                 width = max(a for a, d in zip(acc_list, done) if not d) + 1
@@ -512,7 +513,7 @@ class SpeculativeDecoder:
                     cap = max([g.tree_depth(depth, self.top_k) for g in drafting], default=0)
                     parts[("forward", batch, round(nodes))] = (forward_seconds, tuner.costs.forward(nodes, batch))
                     tuner.observe(shape, observed, min(cap, shape.budget - 1), nodes, batch,
-                                  time.perf_counter() - start, parts, updates)
+                                  now() - start, parts, updates)
         return steps
 
 
@@ -521,10 +522,11 @@ class _Pending:
     yet: a group that does not draft in a step skips its update, and appends every step it missed in
     one call before it next drafts."""
 
-    def __init__(self, groups: Sequence[DraftGroup], starts: Dict[int, tuple], on_start: Callable[[DraftGroup], None]):
+    def __init__(self, groups: Sequence[DraftGroup], starts: Dict[int, tuple], on_start: Callable[[DraftGroup], None],
+                 timer: Callable[[], float] = time.perf_counter):
         self.queue: Dict[int, list] = {id(g): [] for g in groups}
         self.tokens: Dict[int, int] = {id(g): 0 for g in groups}
-        self.starts, self.on_start = starts, on_start
+        self.starts, self.on_start, self.timer = starts, on_start, timer
 
     def add(self, tokens: Tensor, num_new: Tensor, features: Dict, num_host: List[int], tokens_host) -> None:
         """One step's accepted tokens and bonus [B, K] (num_new [B] real), features {spec: [B, K, H]}."""
@@ -557,10 +559,10 @@ class _Pending:
             entries = self.queue[id(g)]
             if not entries:
                 continue
-            t0 = time.perf_counter()
+            t0 = self.timer()
             tokens, num_new, features, num_host, tokens_host = _join(entries, g.target_features)
             g.advance(tokens, num_new, features, num_host, tokens_host)
-            out.append((tuple(g.members), self.tokens[id(g)], time.perf_counter() - t0))
+            out.append((tuple(g.members), self.tokens[id(g)], self.timer() - t0))
             self.queue[id(g)], self.tokens[id(g)] = [], 0
         return out
 

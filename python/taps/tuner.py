@@ -33,6 +33,7 @@ call the next time they draft (that append is part of that step's predicted cost
 
 from __future__ import annotations
 
+import copy
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple
@@ -335,17 +336,22 @@ class Tuner:
         margin: how much more tokens per second (a fraction) a draft must promise than a plain step (the
             predictions' own error; drafting on a tie would lose by it).
         calibrate: measure the missing costs when a generation starts (False: only online).
+        timer: the clock of every measurement (default ``time.perf_counter``, wall time; on a CPU shared
+            with other jobs and one thread, ``time.process_time`` leaves their load out).
     """
 
     def __init__(self, costs: Optional[CostModel] = None, acceptance: Optional[AcceptanceModel] = None, *,
                  budgets: Sequence[int] = (2, 4, 8), max_probe_interval: int = 256, margin: float = 0.05,
-                 calibrate: bool = True):
+                 calibrate: bool = True, timer: Callable[[], float] = time.perf_counter):
         self.costs = costs
         self.acceptance = acceptance or AcceptanceModel()
+        #: an acceptance model per verification mode (greedy, sampled): their rates differ
+        self._modes: Dict[bool, AcceptanceModel] = {False: self.acceptance}
         self.budgets = tuple(sorted({int(n) for n in budgets if int(n) >= 2}))
         self.max_probe_interval = int(max_probe_interval)
         self.margin = float(margin)
         self.calibrate = calibrate
+        self.timer = timer
         self.clock = 0
         self._probe: Dict[tuple, Tuple[int, int]] = {}  # kind -> (next step, interval)
         #: running mean of the real nodes per request of each (kind, depth, budget): trees of prompt
@@ -409,6 +415,16 @@ class Tuner:
         return due[key]
 
     # -- the decoder's calls ------------------------------------------------------------------------------
+    def begin(self, batch: int, sampling: bool) -> None:
+        """A generation of `batch` requests starts; ``sampling``: verification samples (temperature > 0),
+        whose acceptance is kept apart from greedy verification's."""
+        if sampling not in self._modes:
+            self._modes[sampling] = copy.deepcopy(self._modes[False])
+            self._modes[sampling].pooled.clear()
+        self.acceptance = self._modes[sampling]
+        self.acceptance.reset(batch)
+        self._plan_memo = None
+
     def plan(self, groups: Sequence[Tuple[int, ...]], caps: Callable[[int, int], int], pending: Sequence[int],
              active: Sequence[int], batch: int, depth: int, budget: int, single: bool = False) -> Shape:
         """This step's draft.
@@ -484,16 +500,17 @@ def shared_costs(key: tuple) -> CostModel:
     return model
 
 
-def time_call(fn: Callable[[], object], repeats: int = 2, sync: Optional[Callable[[], None]] = None) -> float:
+def time_call(fn: Callable[[], object], repeats: int = 2, sync: Optional[Callable[[], None]] = None,
+              timer: Callable[[], float] = time.perf_counter) -> float:
     """Fewest seconds of `repeats` calls of fn (after one untimed call)."""
     fn()
     best = float("inf")
     for _ in range(repeats):
         if sync is not None:
             sync()
-        t0 = time.perf_counter()
+        t0 = timer()
         fn()
         if sync is not None:
             sync()
-        best = min(best, time.perf_counter() - t0)
+        best = min(best, timer() - t0)
     return best
