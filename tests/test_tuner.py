@@ -206,6 +206,9 @@ def test_acceptance_model():
     for _ in range(100):
         acc.observe(other, [0], cap=8)
     assert acc.expected(other, 0, 8) < 0.05
+    # its upper confidence bound shrinks with the trials (probes stop); an unseen kind's is every draft
+    assert acc.expected(other, 0, 8, optimistic=True) < 0.1 * 8  # (depths past 1 never tried)
+    assert acc.expected(((2,), 4), 0, 3, optimistic=True) == pytest.approx(3.0)
 
 
 def test_probes_back_off():

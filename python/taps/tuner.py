@@ -23,8 +23,9 @@ much each part costs depends on the machine (ISA, dtype, threads, batch, a GPU o
   time; the largest wins. Candidates: no draft (a plain one-token step), and for every allowed set of
   drafter groups, every depth 1 .. the decoder's and every node budget of ``budgets`` below the
   decoder's, and its own. Each kind not chosen is probed now and then at its full depth (every depth
-  observed at once), with exponential back-off, and only while it could win with every draft accepted,
-  so useless drafters cost a vanishing share of the steps.
+  observed at once), with exponential back-off, and only while it could win with its rates at an upper
+  confidence bound (each raised by 1 / sqrt(1 + trials)), so useless drafters cost a vanishing share of
+  the steps.
 
 Verification is unchanged whatever is chosen, so the output distribution is the target's own. Drafter
 groups that do not draft in a step are not updated either: the tokens they missed are appended in one
@@ -297,14 +298,26 @@ class AcceptanceModel:
         ot, oh = (own.trials[d - 1], own.hits[d - 1]) if own and d <= len(own.trials) else (0.0, 0.0)
         return (oh + self.pooled_weight * prior) / (ot + self.pooled_weight)
 
-    def expected(self, key: tuple, b: int, cap: int) -> float:
-        """E[accepted] of request b for a tree of depth `cap`."""
-        memo = (key, b, cap)
+    def trials(self, key: tuple, b: int, d: int) -> float:
+        """Trials at depth d counted for request b (its own and the pooled ones)."""
+        total = 0.0
+        for counts in (self.pooled.get(key), self.requests[b].get(key) if b < len(self.requests) else None):
+            if counts is not None and d <= len(counts.trials):
+                total += counts.trials[d - 1]
+        return total
+
+    def expected(self, key: tuple, b: int, cap: int, optimistic: bool = False) -> float:
+        """E[accepted] of request b for a tree of depth `cap`; ``optimistic``: with every rate raised by
+        1 / sqrt(1 + its trials) (an upper confidence bound: what a kind could still turn out to give)."""
+        memo = (key, b, cap, optimistic)
         value = self._memo.get(memo)
         if value is None:
             value, p = 0.0, 1.0
             for d in range(1, cap + 1):
-                p *= self.rate(key, b, d)
+                rate = self.rate(key, b, d)
+                if optimistic:
+                    rate = min(1.0, rate + (1.0 + self.trials(key, b, d)) ** -0.5)
+                p *= rate
                 value += p
             self._memo[memo] = value
         return value
@@ -390,8 +403,8 @@ class Tuner:
         return sum(1.0 + self.acceptance.expected(shape.key, b, cap) for b in active)
 
     def choose(self, options: Sequence[Tuple[Shape, float, float, float]]) -> Shape:
-        """The shape to run from (shape, value, predicted seconds, the largest value it could have: every
-        draft accepted) options (the first is no draft): the best value per second, unless a kind not
+        """The shape to run from (shape, value, predicted seconds, an optimistic value: its acceptance
+        rates at an upper confidence bound) options (the first is no draft): the best value per second, unless a kind not
         chosen (no draft included) is due for a probe and could beat it with every draft accepted (then
         its deepest such shape: every depth observed at once); a probed kind's interval doubles."""
         best_shape, best_value, best_seconds, _ = max(
@@ -456,7 +469,8 @@ class Tuner:
                 nodes = self._nodes.get((shape.key, shape.depth, shape.budget), shape.budget)
                 seconds = costs.forward(nodes, batch) + costs.rest(shape.key)
                 seconds += sum(costs.draft(g, shape.depth, batch) for g in members)
-                base.append((shape, self.value(shape, active, cap), seconds, len(active) * (1.0 + cap),
+                upper = sum(1.0 + self.acceptance.expected(shape.key, b, cap, optimistic=True) for b in active)
+                base.append((shape, self.value(shape, active, cap), seconds, upper,
                              [(g, position[g]) for g in members]))
             self._plan_memo = (memo, base)
         options = [(NONE, self.value(NONE, active, 0), costs.forward(1, batch) + costs.rest(NONE.key), len(active))]
