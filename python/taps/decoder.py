@@ -508,8 +508,8 @@ class SpeculativeDecoder:
                         stats[b].route_decisions.append(row[-1])
                     emit(b, row[:a + 1])
                 if tuner is not None:
-                    real = [host[b][n + 1] for b in range(batch) if observed[b] is not None]
-                    nodes = sum(real) / len(real)
+                    # the columns the forward ran: a batch's trees are as wide as its widest (trimmed on the CPU)
+                    nodes = tree.tokens.shape[1]
                     cap = max([g.tree_depth(depth, self.top_k) for g in drafting], default=0)
                     parts[("forward", batch, round(nodes))] = (forward_seconds, tuner.costs.forward(nodes, batch))
                     tuner.observe(shape, observed, min(cap, shape.budget - 1), nodes, batch,
@@ -537,8 +537,10 @@ class _Pending:
             self.tokens[key] += most
 
     def count(self, group: DraftGroup) -> int:
-        """Tokens per request (the most of any) the group has yet to append."""
-        return self.tokens[id(group)]
+        """Tokens per request (the most of any) the group has yet to append: a group not started yet
+        appends its prompts too."""
+        args = self.starts.get(id(group))
+        return self.tokens[id(group)] + (0 if args is None else max(args[-1]))
 
     def replace(self, old: Sequence[DraftGroup], new: Sequence[Optional[DraftGroup]]) -> None:
         """Groups replaced by their subsets (None: dropped)."""

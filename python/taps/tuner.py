@@ -367,8 +367,8 @@ class Tuner:
         self.timer = timer
         self.clock = 0
         self._probe: Dict[tuple, Tuple[int, int]] = {}  # kind -> (next step, interval)
-        #: running mean of the real nodes per request of each (kind, depth, budget): trees of prompt
-        #: lookup, merged trees and shallow candidates hold fewer than their budget
+        #: running mean of the nodes per request the forward ran for each (kind, depth, budget): trees of
+        #: prompt lookup, merged trees and shallow candidates hold fewer than their budget
         self._nodes: Dict[tuple, float] = {}
         self._shape_memo = None
         self._plan_memo = None
@@ -492,7 +492,7 @@ class Tuner:
     def observe(self, shape: Shape, accepted: Sequence[Optional[int]], cap: int, nodes: float, batch: int,
                 total: float, parts: Dict[tuple, Tuple[float, float]], updates) -> None:
         """What a step of `shape` gave: accepted draft tokens per request (None: finished before it),
-        the nominal tree depth, the mean real nodes per request, the step's seconds, its timed parts
+        the nominal tree depth, the nodes per request the forward ran, the step's seconds, its timed parts
         ({part: (measured, predicted)}) and group updates ((drafters, tokens, seconds))."""
         if shape.drafters:
             self._version += 1
