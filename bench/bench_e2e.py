@@ -7,8 +7,11 @@ Table 1 (shipped models: the target and the hass drafters of models/, 3 GSM8K + 
 chat template, batch 1; "lookup" rows add taps' own prompt-lookup drafter, taps.PromptLookupDrafter):
 tokens/s of Hugging Face ``generate`` on its own copy of the target (untouched by taps: its own attention,
 its own cache), of HF's prompt-lookup decoding (``prompt_lookup_num_tokens``), and of every taps strategy
-with ``SpeculativeDecoder``'s defaults (or ``--depth/--top-k/--budget``), each as a ratio to HF ``generate``; tau; verified nodes per step; at T=0 whether the output equals HF's greedy
-output token for token. Rows are timed in rounds (every row once per round, ``--repeats`` rounds) and each
+with ``SpeculativeDecoder``'s defaults (or ``--depth/--top-k/--budget``), and of every strategy again with
+a ``taps.Tuner`` (the "auto" rows, as ``budget="auto"`` with the tuner timing on the benchmark's
+``--clock``: it chooses each step's draft, down to none, within those settings), each as a ratio to HF ``generate`` and to taps autoregressive; tau; verified nodes per step;
+at T=0 whether the output equals HF's greedy output token for token; for the auto rows the draft shapes
+chosen most often. Rows are timed in rounds (every row once per round, ``--repeats`` rounds) and each
 row keeps its fastest round, so slow drifts of a shared machine hit all rows alike.
 
 Table 2: where a taps step's time goes (``generate(profile=True)``), ms per step and phase.
@@ -91,7 +94,7 @@ class TapsRunner:
 
 
 def shipped_tables(args, device, dtype) -> None:
-    from taps import PromptLookupDrafter, SpeculativeDecoder, models
+    from taps import PromptLookupDrafter, SpeculativeDecoder, Tuner, models
     from taps.data import load_eval_prompts
 
     target, tok = models.load_target(dtype=dtype)
@@ -108,20 +111,24 @@ def shipped_tables(args, device, dtype) -> None:
     if args.lookup:
         runners[f"HF prompt lookup ({args.lookup})"] = HFRunner(hf_target, tok.eos_id, lookup=args.lookup)
     decoders = {}
+    clock = time.process_time if args.clock == "process" else time.perf_counter
     for row in args.rows:
         strategy, names = ROW_SPECS[row]
         lookup_kw = {} if args.lookup_depth is None else dict(depth=args.lookup_depth)
-        dec = SpeculativeDecoder(target, [PromptLookupDrafter(**lookup_kw) if n == "lookup" else drafters[n]
-                                          for n in names], strategy=strategy, **settings)
-        decoders[row] = dec
-        runners[f"taps {row}"] = TapsRunner(dec, tok.eos_id)
+        for auto in (False, True) if args.auto and names else (False,):
+            # the tuner measures with the benchmark's clock (process time leaves other jobs' load out)
+            kw = dict(settings, tuner=Tuner(timer=clock)) if auto else settings
+            dec = SpeculativeDecoder(target, [PromptLookupDrafter(**lookup_kw) if n == "lookup" else drafters[n]
+                                              for n in names], strategy=strategy, **kw)
+            name = f"{row} auto" if auto else row
+            decoders[name] = dec
+            runners[f"taps {name}"] = TapsRunner(dec, tok.eos_id)
     first = next(iter(decoders.values()), None)
     print(f"device {device}, {torch.get_num_threads()} thread(s), {str(dtype).replace('torch.', '')}; "
           f"shipped target + {args.family} drafters; {len(prompts)} prompts (GSM8K, MT-Bench), "
           f"{args.new_tokens} new tokens, batch 1; draft vocabulary {args.draft_vocab or 'full'}; taps settings: "
           + (f"depth {first.depth}, top_k {first.top_k}, budget {first.budget}" if first else "-"))
 
-    clock = time.process_time if args.clock == "process" else time.perf_counter
     for temperature in args.temperatures:
         for name, runner in runners.items():  # warm-up
             runner(prompts[:1], 8, temperature, 0)
@@ -144,23 +151,35 @@ def shipped_tables(args, device, dtype) -> None:
         outputs = {n: [result[n, i][0] for i in range(len(prompts))] for n in names}
         ref_outs = outputs["HF generate"]
         base = sum(len(o) for o in ref_outs) / seconds["HF generate"]
+        plain = "taps autoregressive"
+        base_ar = sum(len(o) for o in outputs[plain]) / seconds[plain] if plain in names else None
         rows = []
         for name in names:
             outs = outputs[name]
             stats = [result[name, i][1] for i in range(len(prompts))]
             tps = sum(len(o) for o in outs) / seconds[name]
-            tau = nodes = "-"
+            tau = nodes = shapes = "-"
             if stats[0] is not None:
                 taus = [s.stats[0].tau for s in stats if s.stats[0].target_forwards]
                 tau = f"{sum(taus) / max(len(taus), 1):.2f}"
                 steps = sum(s.steps for s in stats)
                 nodes_total = sum(sum(s.stats[0].tree_nodes) for s in stats)
                 nodes = f"{nodes_total / steps:.1f}" if steps else "-"
+                hist: Dict[str, int] = {}
+                for s in stats:
+                    for k, v in s.summary.get("shape_histogram", {}).items():
+                        hist[k] = hist.get(k, 0) + v
+                total = sum(hist.values())
+                if total:
+                    shapes = ", ".join(f"{k} {v / total:.0%}" for k, v in
+                                       sorted(hist.items(), key=lambda kv: -kv[1])[:3])
             same = "-"
             if temperature == 0:
                 same = "yes" if outs == ref_outs else f"NO ({sum(a != b for a, b in zip(outs, ref_outs))} differ)"
-            rows.append([name, f"{tps:.0f}", f"{tps / base:.2f}x", tau, nodes, same])
-        print_table(["row", "tokens/s", "vs HF generate", "tau", "nodes/step", "= HF greedy"], rows,
+            vs_ar = f"{tps / base_ar:.2f}x" if base_ar else "-"
+            rows.append([name, f"{tps:.0f}", f"{tps / base:.2f}x", vs_ar, tau, nodes, same, shapes])
+        print_table(["row", "tokens/s", "vs HF generate", "vs taps autoregressive", "tau", "nodes/step",
+                     "= HF greedy", "auto: top shapes"], rows,
                     title=f"Shipped models, T={temperature:g} ({args.repeats} rounds, rows interleaved per prompt, "
                           f"fastest per row and prompt; {args.clock} time)")
 
@@ -268,6 +287,8 @@ def main() -> None:
                     help="tokens per prompt-lookup continuation (default: the drafter's own default)")
     ap.add_argument("--top-k", type=int, default=None)
     ap.add_argument("--budget", type=int, default=None)
+    ap.add_argument("--no-auto", dest="auto", action="store_false",
+                    help="no auto rows (budget='auto': a tuner choosing each step's draft)")
     ap.add_argument("--profile", action="store_true", help="also the per-phase table")
     ap.add_argument("--overhead", action="store_true", help="also the pure-overhead table")
     ap.add_argument("--overhead-only", action="store_true")

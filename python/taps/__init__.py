@@ -8,6 +8,7 @@ Public names (imported lazily, so ``import taps`` stays light for the CLI):
 - :func:`expand`: the EAGLE-2 tree expansion every drafter uses
 - strategies: :data:`STRATEGIES`, :func:`strategy_names`, :func:`make_strategy`, :func:`register_strategy`
 - :class:`SpeculativeDecoder` and its :class:`GenerateOutput`; :class:`RequestStats`, :class:`Profiler`
+- :class:`Tuner`: chooses each step's draft from measured costs and running acceptance (``budget="auto"``)
 - :mod:`taps.hf`: the target's tree-verification forward and KV cache
 """
 
@@ -22,7 +23,7 @@ _EXPORTS = {
     "STRATEGIES": "strategies", "make_strategy": "strategies", "register_strategy": "strategies",
     "strategy_names": "strategies",
     "Profiler": "stats", "RequestStats": "stats", "summarize": "stats",
-    "GenerateOutput": "decoder", "SpeculativeDecoder": "decoder",
+    "GenerateOutput": "decoder", "SpeculativeDecoder": "decoder", "Tuner": "tuner",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -18,6 +18,7 @@ device sync: that copy.
 
 from __future__ import annotations
 
+import time
 import warnings
 from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional, Sequence, Tuple, Union
@@ -31,9 +32,11 @@ from . import hf
 from .drafters import DraftGroup, Drafter, make_groups, target_vocab_size
 from .expansion import scratch_positions
 from .forward import TargetForward
+from .kv import pack_bits
 from .lean import stack_key
 from .stats import Profiler, RequestStats, summarize
-from .strategies import Candidates, Combined, Strategy, make_strategy, strategy_class
+from .strategies import Candidates, Combined, Strategy, make_strategy, root_tree, strategy_class
+from .tuner import Tuner, node_grid, shared_costs, time_call
 
 __all__ = ["SpeculativeDecoder", "GenerateOutput", "check_same_tokenizer", "DEFAULT_SETTINGS"]
 
@@ -85,17 +88,23 @@ class SpeculativeDecoder:
             (:data:`DEFAULT_SETTINGS`).
         top_k: children per expanded node and frontier width; default per device type.
         budget: nodes of one drafter's tree, root included (default depth * top_k + 1, capped by the
-            number of candidates + 1). ``merged`` verifies up to T * (budget - 1) + 1 nodes.
+            number of candidates + 1). ``merged`` verifies up to T * (budget - 1) + 1 nodes. ``"auto"``:
+            the default budget as the largest shape, and a :class:`taps.tuner.Tuner` choosing each step's
+            draft (see `tuner`).
         tokenizer: the target's tokenizer (needed for text prompts; checked against drafters' ones).
         route_steps: steps a ``route-*-prompt`` strategy observes before deciding per request.
         adaptive_prior: pseudo-count of accepted tokens per drafter for ``adaptive``.
         lean: run the target on the lean path (:mod:`taps.lean`): None = when the architecture is
             covered (Llama, Mistral, Qwen2, Qwen3), True = require it, False = the Hugging Face module.
+        tuner: a :class:`taps.tuner.Tuner` that chooses each step's drafters, depth and node budget
+            (within depth / budget), or no draft at all, by measured costs and running acceptance; None:
+            the fixed settings every step. Ignored without drafters.
     """
 
     def __init__(self, target: nn.Module, drafters: Sequence[Drafter] = (), strategy: str = "single", *,
-                 depth: Optional[int] = None, top_k: Optional[int] = None, budget: Optional[int] = None,
-                 tokenizer=None, route_steps: int = 3, adaptive_prior: float = 1.0, lean: Optional[bool] = None):
+                 depth: Optional[int] = None, top_k: Optional[int] = None, budget: Union[int, str, None] = None,
+                 tokenizer=None, route_steps: int = 3, adaptive_prior: float = 1.0, lean: Optional[bool] = None,
+                 tuner: Optional[Tuner] = None):
         strategy_cls = strategy_class(strategy)  # ValueError for an unknown name
         if isinstance(drafters, Drafter):
             drafters = [drafters]
@@ -110,6 +119,10 @@ class SpeculativeDecoder:
         if depth < 1 or top_k < 1:
             raise ValueError(f"depth and top_k must be >= 1, got depth={depth}, top_k={top_k}")
         self.tokenizer = tokenizer
+        if isinstance(budget, str):
+            if budget != "auto":
+                raise ValueError(f"budget must be a node count, None or 'auto', got {budget!r}")
+            budget, tuner = None, tuner if tuner is not None else Tuner()
         drafters = strategy_cls.prepare_drafters(drafters, self.target)
         for d in drafters:
             check_same_tokenizer(tokenizer, d.tokenizer)
@@ -128,6 +141,8 @@ class SpeculativeDecoder:
         #: compute the target's lm_head only for the rows verification visits (None: on the CPU)
         self.lazy_head: Optional[bool] = None
         self._groups: Optional[Tuple[tuple, List[DraftGroup]]] = None
+        #: chooses each step's draft (None: the fixed settings)
+        self.tuner: Optional[Tuner] = tuner if drafters else None
 
     @property
     def device(self) -> torch.device:
@@ -282,9 +297,18 @@ class SpeculativeDecoder:
                 root = taps_ops.verify_tree(pre.logits.unsqueeze(1), one, one - 1, **sample).tokens[:, 0]
                 for b, t in enumerate(root.tolist()):
                     emit(b, [t])
+                # with a tuner, a group starts when it first drafts (never, when drafting does not pay)
+                starts = {}
                 for g in groups:
-                    g.start(ids, lens, root, _features(pre, g.target_features), drafter_cap, host_lengths)
-            steps = self._loop(groups, cache, root, host_lengths, done, stats, emit, sample, prof)
+                    args = (ids, lens, root, _features(pre, g.target_features), drafter_cap, list(host_lengths))
+                    if self.tuner is None:
+                        g.start(*args)
+                    else:
+                        starts[id(g)] = args
+            if self.tuner is not None:
+                with prof.section("calibrate"):
+                    self._calibrate(cache, root, host_lengths, sample, self._capture_layers(groups))
+            steps = self._loop(groups, cache, root, host_lengths, done, stats, emit, sample, prof, starts)
         finally:
             for g in groups:
                 g.release()
@@ -300,10 +324,56 @@ class SpeculativeDecoder:
         """The target layers whose inputs some drafter reads (EAGLE-3 heads)."""
         return tuple(sorted({i for g in groups if isinstance(g.target_features, tuple) for i in g.target_features}))
 
+    def _calibrate(self, cache: hf.TreeKVCache, root: Tensor, host_lengths: List[int], sample: dict,
+                   capture: Tuple[int, ...]) -> None:
+        """Measure what the tuner's cost model lacks for this batch size: the target's tree forward with
+        verification per node count (scratch trees written past every request's committed cache, with
+        coins of a private generator: nothing is committed). Drafter groups are measured when they start
+        (:meth:`_calibrate_group`)."""
+        tuner = self.tuner
+        batch = root.shape[0]
+        if tuner.costs is None:
+            p = next(self.target.parameters())
+            tuner.costs = shared_costs((id(self.target), p.device, p.dtype, torch.get_num_threads()))
+        tuner.begin(batch, bool(torch.as_tensor(sample["temperature"]).gt(0).any()))
+        costs = tuner.costs
+        if not tuner.calibrate:
+            return
+        sync = torch.cuda.synchronize if root.device.type == "cuda" else None
+        if costs.needs_forward(batch):
+            longest = max(host_lengths)
+            uniform = min(host_lengths) == longest
+            coins = dict(sample, generator=torch.Generator(device=root.device).manual_seed(0))
+            points = []
+            for n in node_grid(self.strategy.num_nodes):
+                tree = _scratch_tree(root, n, self.top_k)
+
+                def run(tree=tree):
+                    fwd = self.forward.tree(cache, tree.tokens, tree.tree_mask, tree.depth, longest,
+                                            capture_layers=capture, uniform=uniform)
+                    self.forward.verify(fwd.hidden_states, tree.tokens, tree.parents, tree.tree_mask,
+                                        lazy=self.lazy_head, **coins)
+                points.append((n, time_call(run, repeats=4, sync=sync, timer=tuner.timer)))
+            costs.set_forward(batch, points)
+
+    def _calibrate_group(self, g: DraftGroup, batch: int) -> None:
+        """Measure a started group's expansion at depth 1 and at the decoder's depth when the tuner's cost
+        model lacks it (scratch entries only: nothing is committed)."""
+        costs, members = self.tuner.costs, tuple(g.members)
+        if self.tuner.calibrate and costs.needs_draft(members, batch):
+            sync = torch.cuda.synchronize if self.device.type == "cuda" else None
+            entropy = self.strategy.needs_entropy
+            shallow = time_call(lambda: g.draft(1, self.top_k, None, entropy), sync=sync, timer=self.tuner.timer)
+            deep = time_call(lambda: g.draft(self.depth, self.top_k, None, entropy), sync=sync, timer=self.tuner.timer)
+            costs.set_draft(members, batch, (1, shallow), (self.depth, deep))
+
     def _loop(self, groups: List[DraftGroup], cache: hf.TreeKVCache, root: Tensor, host_lengths: List[int],
-              done: List[bool], stats: List[RequestStats], emit, sample: dict, prof: Profiler) -> int:
-        """Verification steps until every request is done; returns the number of steps."""
+              done: List[bool], stats: List[RequestStats], emit, sample: dict, prof: Profiler,
+              starts: Optional[Dict[int, tuple]] = None) -> int:
+        """Verification steps until every request is done; returns the number of steps. ``starts``: the
+        start arguments of groups not started yet (with a tuner)."""
         strategy = self.strategy
+        tuner = self.tuner
         device = root.device
         batch = root.shape[0]
         num_drafters = len(self.drafters)
@@ -311,29 +381,58 @@ class SpeculativeDecoder:
         bit_range = torch.arange(max(num_drafters, 1), device=device)
         alive = strategy.alive()
         capture = self._capture_layers(groups)
+        # with a tuner, groups append what they missed when they next draft (see taps.tuner)
+        pending = _Pending(groups, starts or {}, lambda g: self._calibrate_group(g, batch), tuner.timer) if tuner else None
+        now = tuner.timer if tuner is not None else time.perf_counter
         steps = 0
         while not all(done):
             steps += 1
             prof.steps += 1
             with prof.section("step"):
+                start = now()
                 if strategy.alive() != alive:  # a routing decision dropped drafters
                     alive = strategy.alive()
+                    if pending is not None:  # every group started and up to date
+                        pending.catch_up(groups)
+                    old = groups
                     groups = [g.subset([i for i, t in enumerate(g.members) if t in alive]) for g in groups]
+                    if pending is not None:
+                        pending.replace(old, groups)
                     groups = [g for g in groups if g is not None]
+                shape, drafting, depth, parts = None, groups, self.depth, {}
+                if tuner is not None:
+                    active = [b for b in range(batch) if not done[b]]
+                    shape = tuner.plan([tuple(g.members) for g in groups],
+                                       lambda i, d: groups[i].tree_depth(d, self.top_k),
+                                       [pending.count(g) for g in groups], active, batch, self.depth,
+                                       self.budget)
+                    drafting = [g for g in groups if set(g.members) <= set(shape.drafters)]
+                    depth = shape.depth
                 with prof.section("draft"):
-                    drafted = [g.draft(self.depth, self.top_k, prof, strategy.needs_entropy) for g in groups]
+                    updates = pending.catch_up(drafting) if pending is not None else []
+                    drafted = []
+                    for g in drafting:
+                        t0 = now()
+                        drafted.append(g.draft(depth, self.top_k, prof, strategy.needs_entropy))
+                        if tuner is not None:
+                            parts[("draft", tuple(g.members), depth, batch)] = (
+                                now() - t0, tuner.costs.draft(tuple(g.members), depth, batch))
                 with prof.section("tree"):
                     cands = None
                     if drafted:
-                        order = tuple(t for g in groups for t in g.members)
+                        order = tuple(t for g in drafting for t in g.members)
                         fields = ("scores", "tokens", "parents", "entropy")
                         cands = Candidates(*((torch.cat([getattr(c, f) for c in drafted]) if len(drafted) > 1
                                               else getattr(drafted[0], f))  # one group: no copy
                                              .view(len(order), batch, *drafted[0][i].shape[1:])
                                              for i, f in enumerate(fields)), order)
-                    tree = strategy.combine(cands, root)
+                        with strategy.step_budget(None if shape is None else shape.budget):
+                            tree = strategy.combine(cands, root)
+                    else:
+                        tree = strategy.combine(None, root) if not groups else root_tree(root)
                     if device.type == "cpu":  # (a host read: free on the CPU, a sync elsewhere)
                         tree = _trim(tree)
+                t0 = now()
                 with prof.section("target_forward"):
                     longest = max(host_lengths)
                     fwd = self.forward.tree(cache, tree.tokens, tree.tree_mask, tree.depth, longest,
@@ -354,16 +453,17 @@ class SpeculativeDecoder:
                     taps_ops.compact_kv(cache.kv_tensors(), path, cache.lengths, validate=device.type == "cpu")
                     cache.lengths.add_(num_new)
                 # what the host needs of this step, in one copy: tokens, counts, statistics
-                parts = [ver.tokens, accepted.unsqueeze(1), (tree.tokens >= 0).sum(1, keepdim=True)]
-                if num_drafters:
+                parts_host = [ver.tokens, accepted.unsqueeze(1), (tree.tokens >= 0).sum(1, keepdim=True)]
+                if num_drafters and drafted:
                     on_path = path[:, 1:]
                     src = tree.source.gather(1, on_path.clamp_min(0)).masked_fill(on_path < 0, 0)
                     by_drafter = ((src.unsqueeze(-1) >> bit_range) & 1).sum(1)  # [B, T]
                     strategy.observe(by_drafter)
-                    parts.append(by_drafter)
+                    parts_host.append(by_drafter)
                 if tree.choice is not None:
-                    parts.append(tree.choice.unsqueeze(1))
-                host = torch.cat(parts, 1).tolist()
+                    parts_host.append(tree.choice.unsqueeze(1))
+                host = torch.cat(parts_host, 1).tolist()
+                forward_seconds = now() - t0
                 n = ver.tokens.shape[1]
                 acc_list = [row[n] for row in host]
                 width = max(a for a, d in zip(acc_list, done) if not d) + 1
@@ -378,22 +478,126 @@ class SpeculativeDecoder:
                             spec = g.target_features
                             if spec is not None and spec not in on_path:
                                 feats = _features(fwd, spec)
-                                on_path[spec] = feats.gather(1, idx.unsqueeze(-1).expand(-1, -1, feats.shape[-1]))
-                            g.advance(new_tokens, num_new, on_path.get(spec), num_new_host, tokens_host)
+                                on_path[spec] = feats if feats.shape[1] == 1 else \
+                                    feats.gather(1, idx.unsqueeze(-1).expand(-1, -1, feats.shape[-1]))
+                        if pending is not None:
+                            pending.add(new_tokens, num_new, on_path, num_new_host, tokens_host)
+                        else:
+                            for g in groups:
+                                g.advance(new_tokens, num_new, on_path.get(g.target_features), num_new_host,
+                                          tokens_host)
                 root = ver.tokens.gather(1, accepted.unsqueeze(1)).squeeze(1)
+                observed = [None] * batch
                 for b in range(batch):
                     host_lengths[b] += num_new_host[b]
                     if done[b]:
                         continue
                     row, a = host[b], acc_list[b]
+                    observed[b] = a
                     stats[b].record(a, depth_bins, nodes=row[n + 1])
-                    if num_drafters:
+                    if shape is not None:
+                        stats[b].draft_shapes.append(shape.label)
+                    if num_drafters and drafted:
                         for t in range(num_drafters):
                             stats[b].drafter_accepted[t] += row[n + 2 + t]
                     if tree.choice is not None:
                         stats[b].route_decisions.append(row[-1])
                     emit(b, row[:a + 1])
+                if tuner is not None:
+                    # the columns the forward ran: a batch's trees are as wide as its widest (trimmed on the CPU)
+                    nodes = tree.tokens.shape[1]
+                    cap = max([g.tree_depth(depth, self.top_k) for g in drafting], default=0)
+                    parts[("forward", batch, round(nodes))] = (forward_seconds, tuner.costs.forward(nodes, batch))
+                    tuner.observe(shape, observed, min(cap, shape.budget - 1), nodes, batch,
+                                  now() - start, parts, updates)
         return steps
+
+
+class _Pending:
+    """Committed tokens (with the target features drafters read) that drafter groups have not appended
+    yet: a group that does not draft in a step skips its update, and appends every step it missed in
+    one call before it next drafts."""
+
+    def __init__(self, groups: Sequence[DraftGroup], starts: Dict[int, tuple], on_start: Callable[[DraftGroup], None],
+                 timer: Callable[[], float] = time.perf_counter):
+        self.queue: Dict[int, list] = {id(g): [] for g in groups}
+        self.tokens: Dict[int, int] = {id(g): 0 for g in groups}
+        self.starts, self.on_start, self.timer = starts, on_start, timer
+
+    def add(self, tokens: Tensor, num_new: Tensor, features: Dict, num_host: List[int], tokens_host) -> None:
+        """One step's accepted tokens and bonus [B, K] (num_new [B] real), features {spec: [B, K, H]}."""
+        entry = (tokens, num_new, features, num_host, tokens_host)
+        most = max(num_host)
+        for key in self.queue:
+            self.queue[key].append(entry)
+            self.tokens[key] += most
+
+    def count(self, group: DraftGroup) -> int:
+        """Tokens per request (the most of any) the group has yet to append: a group not started yet
+        appends its prompts too."""
+        args = self.starts.get(id(group))
+        return self.tokens[id(group)] + (0 if args is None else max(args[-1]))
+
+    def replace(self, old: Sequence[DraftGroup], new: Sequence[Optional[DraftGroup]]) -> None:
+        """Groups replaced by their subsets (None: dropped)."""
+        for a, b in zip(old, new):
+            queue, count = self.queue.pop(id(a)), self.tokens.pop(id(a))
+            if b is not None:
+                self.queue[id(b)], self.tokens[id(b)] = queue, count
+
+    def catch_up(self, groups: Sequence[DraftGroup]) -> List[Tuple[tuple, int, float]]:
+        """Start the groups not started yet, and append what each of `groups` missed; returns (drafters,
+        tokens, seconds) per append."""
+        out = []
+        for g in groups:
+            args = self.starts.pop(id(g), None)
+            if args is not None:
+                g.start(*args)
+                self.on_start(g)
+            entries = self.queue[id(g)]
+            if not entries:
+                continue
+            t0 = self.timer()
+            tokens, num_new, features, num_host, tokens_host = _join(entries, g.target_features)
+            g.advance(tokens, num_new, features, num_host, tokens_host)
+            out.append((tuple(g.members), self.tokens[id(g)], self.timer() - t0))
+            self.queue[id(g)], self.tokens[id(g)] = [], 0
+        return out
+
+
+def _join(entries: Sequence[tuple], spec):
+    """Steps of (tokens [B, K_i], num_new [B], {spec: features [B, K_i, H]}, host counts, host tokens)
+    as one: each row's real tokens (and features) of every step, in order, first in the row."""
+    if len(entries) == 1:
+        tokens, num_new, features, num_host, tokens_host = entries[0]
+        return tokens, num_new, features.get(spec), num_host, tokens_host
+    tokens = torch.cat([e[0] for e in entries], 1)
+    valid = torch.cat([torch.arange(e[0].shape[1], device=tokens.device) < e[1].unsqueeze(1) for e in entries], 1)
+    order = torch.argsort((~valid).to(torch.int8), dim=1, stable=True)
+    features = None
+    if spec is not None:
+        feats = torch.cat([e[2][spec] for e in entries], 1)
+        features = feats.gather(1, order.unsqueeze(-1).expand(-1, -1, feats.shape[-1]))
+    num_new = sum(e[1] for e in entries)
+    num_host = [sum(e[3][b] for e in entries) for b in range(len(entries[0][3]))]
+    tokens_host = [[t for e in entries for t in e[4][b][:e[3][b]]] for b in range(len(num_host))]
+    return tokens.gather(1, order), num_new, features, num_host, tokens_host
+
+
+def _scratch_tree(root: Tensor, nodes: int, top_k: int) -> Combined:
+    """A tree of `nodes` nodes per request for timing: node i's parent is (i - 1) // top_k (the shape of
+    a full top-k expansion), every token the root's."""
+    batch = root.shape[0]
+    parents = [-1] + [(i - 1) // top_k for i in range(1, nodes)]
+    depth = [0] * nodes
+    anc = torch.eye(nodes, dtype=torch.bool)
+    for i in range(1, nodes):
+        depth[i] = depth[parents[i]] + 1
+        anc[i] |= anc[parents[i]]
+    device = root.device
+    expand = lambda t: t.to(device).unsqueeze(0).expand(batch, *t.shape).contiguous()  # noqa: E731
+    return Combined(root.view(batch, 1).expand(batch, nodes).contiguous(), expand(torch.tensor(parents)),
+                    expand(torch.tensor(depth)), expand(pack_bits(anc)), torch.zeros_like(root).view(batch, 1), None)
 
 
 def _trim(tree: Combined) -> Combined:

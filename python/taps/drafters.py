@@ -354,6 +354,10 @@ class DraftGroup:
         """EAGLE-2 candidates of every drafter, rows group-major ([G * B, M])."""
         return expand(self, depth, top_k, profiler, with_entropy)
 
+    def tree_depth(self, depth: int, top_k: int) -> int:
+        """The deepest node :meth:`draft` ``(depth, top_k)`` can propose (the expansion's depth)."""
+        return depth
+
     def release(self) -> None:
         self.lengths_b = None
         self.root_logits = None

@@ -184,6 +184,10 @@ class _LookupGroup(DraftGroup):
         return DraftCandidates(scores.to(device), tokens.to(device), parents.to(device),
                                torch.zeros(batch, device=device))
 
+    def tree_depth(self, depth: int, top_k: int) -> int:
+        chain = depth if self.sampling or self.d.depth is None else self.d.depth
+        return min(chain, num_candidates(depth, min(int(top_k), max(self.d.vocab_size, 1))))
+
     def forward_nodes(self, *args, **kwargs):
         raise NotImplementedError("PromptLookupDrafter runs no model")
 

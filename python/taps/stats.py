@@ -26,6 +26,8 @@ class RequestStats:
         drafters counts for each: the merge_trees ``source`` bitmask).
     route_decisions: the drafter whose tree was verified at each step (routing strategies), else empty.
     tree_nodes: real nodes (root included) of the tree verified at each step.
+    draft_shapes: the draft a tuner chose at each step (:attr:`taps.tuner.Shape.label`: ``none`` for a
+        plain one-token step, else the drafters, depth and node budget), empty without a tuner.
     """
 
     prompt_tokens: int = 0
@@ -35,6 +37,7 @@ class RequestStats:
     drafter_accepted: List[int] = field(default_factory=list)
     route_decisions: List[int] = field(default_factory=list)
     tree_nodes: List[int] = field(default_factory=list)
+    draft_shapes: List[str] = field(default_factory=list)
     finish_reason: str = ""
 
     @property
@@ -60,6 +63,11 @@ class RequestStats:
         total = sum(self.accepted)
         return [a / total if total else 0.0 for a in self.drafter_accepted]
 
+    @property
+    def shape_histogram(self) -> Dict[str, int]:
+        """Steps per draft shape a tuner chose (:attr:`draft_shapes`), most frequent first."""
+        return _histogram(self.draft_shapes)
+
     def record(self, accepted: int, max_depth: int, nodes: Optional[int] = None) -> None:
         """One verification step: `accepted` draft tokens, of a tree of `nodes` real nodes."""
         if not self.depth_reached:
@@ -75,13 +83,21 @@ class RequestStats:
                     target_forwards=self.target_forwards,
                     acceptance_rate_per_depth=self.acceptance_rate_per_depth,
                     drafter_share=self.drafter_share, route_decisions=list(self.route_decisions),
-                    tree_nodes=list(self.tree_nodes),
+                    tree_nodes=list(self.tree_nodes), shape_histogram=self.shape_histogram,
                     finish_reason=self.finish_reason)
+
+
+def _histogram(labels: List[str]) -> Dict[str, int]:
+    counts: Dict[str, int] = {}
+    for s in labels:
+        counts[s] = counts.get(s, 0) + 1
+    return dict(sorted(counts.items(), key=lambda kv: (-kv[1], kv[0])))
 
 
 def summarize(stats: List[RequestStats]) -> dict:
     """Over requests: tau (per request, then the mean), acceptance rate per depth and the share of
-    accepted tokens per drafter (pooled), the share of routed steps per drafter (routing strategies)."""
+    accepted tokens per drafter (pooled), the share of routed steps per drafter (routing strategies),
+    the steps per draft shape a tuner chose (pooled; empty without a tuner)."""
     if not stats:
         return {}
     depth = max(len(s.depth_reached) for s in stats)
@@ -98,6 +114,7 @@ def summarize(stats: List[RequestStats]) -> dict:
         drafter_share=[sum(s.drafter_accepted[t] for s in stats if t < len(s.drafter_accepted)) / acc_total
                        if acc_total else 0.0 for t in range(ndrafters)],
         route_share=[decisions.count(t) / len(decisions) for t in range(ndrafters)] if decisions else [],
+        shape_histogram=_histogram([x for s in stats for x in s.draft_shapes]),
     )
 
 

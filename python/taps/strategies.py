@@ -28,7 +28,8 @@ Strategies are classes registered under their names (:func:`register_strategy`, 
 
 from __future__ import annotations
 
-from typing import Callable, Dict, List, Mapping, NamedTuple, Optional, Tuple, Type, Union
+import contextlib
+from typing import Callable, Dict, Iterator, List, Mapping, NamedTuple, Optional, Tuple, Type, Union
 
 import torch
 from torch import Tensor
@@ -38,8 +39,7 @@ import taps_ops
 from .expansion import DraftCandidates
 
 __all__ = ["STRATEGIES", "Candidates", "Combined", "Strategy", "make_strategy", "register_strategy", "strategy_class",
-           "strategy_names",
-           "tree_confidence", "allocate_budget", "reserve_nodes"]
+           "strategy_names", "tree_confidence", "allocate_budget", "reserve_nodes", "root_tree"]
 
 
 class Candidates(NamedTuple):
@@ -133,6 +133,13 @@ def reserve_nodes(scores: Tensor, tokens: Tensor, alloc: Tensor) -> Tensor:
     return scores + keep.to(scores.dtype) * RESERVE
 
 
+def root_tree(root: Tensor) -> Combined:
+    """The tree of the roots [B] alone (a plain one-token step)."""
+    batch = root.shape[0]
+    ones = torch.ones((batch, 1), dtype=torch.int64, device=root.device)
+    return Combined(root.view(batch, 1), -ones, ones * 0, ones.view(batch, 1, 1), ones * 0, None)
+
+
 # ---------------------------------------------------------------------------------------------------
 # The strategies
 # ---------------------------------------------------------------------------------------------------
@@ -202,6 +209,18 @@ class Strategy:
 
     def _combine(self, cands: Candidates, root: Tensor) -> Combined:
         raise NotImplementedError
+
+    @contextlib.contextmanager
+    def step_budget(self, budget: Optional[int]) -> Iterator[None]:
+        """Combine with a node budget of `budget` (at most the strategy's own) inside the block; None:
+        the strategy's own."""
+        own = self.budget
+        if budget is not None:
+            self.budget = min(int(budget), own)
+        try:
+            yield
+        finally:
+            self.budget = own
 
     def observe(self, accepted_by_drafter: Tensor) -> None:
         """Accepted draft tokens each drafter had proposed in the last step, [B, T]."""
@@ -344,9 +363,7 @@ class Autoregressive(Strategy):
         return 1
 
     def _combine(self, cands, root):
-        batch = root.shape[0]
-        ones = torch.ones((batch, 1), dtype=torch.int64, device=root.device)
-        return Combined(root.view(batch, 1), -ones, ones * 0, ones.view(batch, 1, 1), ones * 0, None)
+        return root_tree(root)
 
     def combine(self, cands, root):
         return self._combine(None, root)

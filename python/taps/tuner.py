@@ -1,0 +1,529 @@
+"""Speculation as a decision: each step's draft chosen by measured costs and running acceptance.
+
+A speculative step pays for the drafters' forwards, their cache updates and a target forward over the
+whole tree; it wins only when the tokens it yields outweigh that against a plain one-token step. How
+much each part costs depends on the machine (ISA, dtype, threads, batch, a GPU or not), so the
+:class:`Tuner` measures it there and decides every step, down to no draft at all:
+
+- **Cost model** (:class:`CostModel`): seconds of the target's tree forward with its verification as a
+  function of the node count (per batch size), of each drafter group's expansion as a function of depth,
+  of each group's cache update as a function of the tokens it appends, and a residual per draft kind
+  (tree building, compaction, the loop). Calibrated in a few tens of milliseconds when a decoder first
+  runs (a scratch tree forward per node count on the real cache, each group's expansion at two depths;
+  neither commits anything), cached per (target, device, dtype, threads), and corrected online from the
+  step's own timers (an exponential average of measured over predicted per part, the residual the
+  difference). :class:`FixedCosts` injects fixed costs instead (tests, or a model measured elsewhere).
+- **Acceptance model** (:class:`AcceptanceModel`): per draft kind (which drafters draft, and the node
+  budget) and per depth d, the rate P(accepted >= d | accepted >= d - 1), counted per request and
+  pooled over the decoder's past requests (decayed), the pooled rate acting as the request's prior
+  (itself drawn towards ``prior_rate``). Counting to the kind's nominal depth folds prompt lookup's match
+  rate into its depth-1 rate (a step without a match is a miss at depth 1).
+- **Objective**: for every candidate, E[accepted + 1] summed over the active requests (E[accepted] =
+  sum over d of the product of the rates up to d, to the tree's depth) divided by its predicted step
+  time; the largest wins. Candidates: no draft (a plain one-token step), and for every allowed set of
+  drafter groups, every depth 1 .. the decoder's and every node budget of ``budgets`` below the
+  decoder's, and its own. Each kind not chosen is probed now and then at its full depth (every depth
+  observed at once), with exponential back-off, and only while it could win with its rates at an upper
+  confidence bound (each raised by 1 / sqrt(1 + trials)), so useless drafters cost a vanishing share of
+  the steps.
+
+Verification is unchanged whatever is chosen, so the output distribution is the target's own. Drafter
+groups that do not draft in a step are not updated either: the tokens they missed are appended in one
+call the next time they draft (that append is part of that step's predicted cost).
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple
+
+
+__all__ = ["Shape", "CostModel", "FixedCosts", "AcceptanceModel", "Tuner", "NONE"]
+
+
+class Shape(NamedTuple):
+    """One step's draft: which drafters draft (their indices in the decoder, () = no draft), the
+    expansion depth and the node budget of the tree (root included)."""
+
+    drafters: Tuple[int, ...]
+    depth: int
+    budget: int
+
+    @property
+    def key(self) -> tuple:
+        """The draft kind the acceptance model and the cost residuals are kept for: the drafters and
+        the node budget (at one budget, a shallower expansion's tree is about the deeper one's cut at
+        that depth: the best nodes by score are the same, so the per-depth rates carry over)."""
+        return (self.drafters, self.budget)
+
+    @property
+    def label(self) -> str:
+        """Short name, e.g. ``none`` or ``0+1 d3 n16`` (drafters 0 and 1, depth 3, 16 nodes)."""
+        if not self.drafters:
+            return "none"
+        return "+".join(map(str, self.drafters)) + f" d{self.depth} n{self.budget}"
+
+
+#: the plain one-token step
+NONE = Shape((), 0, 1)
+
+
+def _ema(old: Optional[float], new: float, alpha: float) -> float:
+    return new if old is None else old + alpha * (new - old)
+
+
+def _interpolate(points: Sequence[Tuple[int, float]], x: float) -> float:
+    """Piecewise-linear through sorted (x, y) points, extended linearly past the last two."""
+    if len(points) == 1:
+        return points[0][1] * max(x, 1) / max(points[0][0], 1)
+    for (x0, y0), (x1, y1) in zip(points, points[1:]):
+        if x <= x1:
+            return y0 + (y1 - y0) * (x - x0) / (x1 - x0)
+    (x0, y0), (x1, y1) = points[-2], points[-1]
+    return y1 + (y1 - y0) * (x - x1) / (x1 - x0)
+
+
+def node_grid(max_nodes: int) -> List[int]:
+    """Node counts the target forward is timed at: 1, 2, 3, 4, 6, 8, 12, 16, ... up to max_nodes."""
+    grid, n = [1, 2, 3], 4
+    while n < max_nodes:
+        grid += [n, n * 3 // 2]
+        n *= 2
+    return sorted({g for g in grid if g < max_nodes} | {max_nodes})
+
+
+class CostModel:
+    """Predicted seconds of a step's parts on this machine (see the module docstring).
+
+    Parts are keyed by batch size and, for drafter groups, by the drafter indices of the group. The
+    decoder calibrates what is missing when a generation starts (:meth:`needs`, :meth:`set_forward`,
+    :meth:`set_draft`) and reports every step's measured parts (:meth:`observe`).
+
+    Args:
+        alpha: weight of the newest measurement in the online averages.
+    """
+
+    def __init__(self, alpha: float = 0.1):
+        self.alpha = alpha
+        self.forward_points: Dict[int, List[Tuple[int, float]]] = {}
+        self.draft_points: Dict[Tuple[tuple, int], Tuple[int, float, int, float]] = {}
+        self.update_fit: Dict[Tuple[tuple, int], List[float]] = {}
+        self._update_sums: Dict[Tuple[tuple, int], List[float]] = {}
+        self.scale: Dict[tuple, float] = {}
+        self.residual: Dict[tuple, float] = {}
+
+    # -- calibration -------------------------------------------------------------------------------
+    def needs_forward(self, batch: int) -> bool:
+        return batch not in self.forward_points
+
+    def needs_draft(self, group: tuple, batch: int) -> bool:
+        return (group, batch) not in self.draft_points
+
+    def set_forward(self, batch: int, points: Sequence[Tuple[int, float]]) -> None:
+        """Measured (nodes, seconds) of the target's tree forward with verification at this batch (made
+        non-decreasing in the node count: a burst of load during one measurement costs that point)."""
+        points = sorted(points)
+        for i in range(len(points) - 2, -1, -1):
+            points[i] = (points[i][0], min(points[i][1], points[i + 1][1]))
+        self.forward_points[batch] = points
+
+    def set_draft(self, group: tuple, batch: int, shallow: Tuple[int, float], deep: Tuple[int, float]) -> None:
+        """Measured (depth, seconds) of group's expansion at two depths; the update is first estimated
+        as one expansion level (an append runs the same layers over a few tokens)."""
+        (d0, t0), (d1, t1) = shallow, deep
+        self.draft_points[(group, batch)] = (d0, t0, d1, t1)
+        level = (t1 - t0) / (d1 - d0) if d1 > d0 else t0
+        self.update_fit.setdefault((group, batch), [max(level, 0.0), max(level, 0.0) / 16])
+
+    # -- predictions --------------------------------------------------------------------------------
+    def forward(self, nodes: float, batch: int) -> float:
+        """The target's tree forward and verification over `nodes` real nodes per request."""
+        points = self.forward_points.get(batch)
+        if points is None:  # scale the nearest calibrated batch
+            if not self.forward_points:
+                return 0.0
+            near = min(self.forward_points, key=lambda b: abs(b - batch))
+            points = [(n, t * batch / near) for n, t in self.forward_points[near]]
+        return _interpolate(points, nodes) * self.scale.get(("forward", batch, round(nodes)), 1.0)
+
+    def draft(self, group: tuple, depth: int, batch: int) -> float:
+        """Group's expansion of `depth` levels."""
+        pts = self.draft_points.get((group, batch))
+        if pts is None:
+            return 0.0
+        d0, t0, d1, t1 = pts
+        slope = (t1 - t0) / (d1 - d0) if d1 > d0 else 0.0
+        return max(t0 + slope * (depth - d0), 0.0) * self.scale.get(("draft", group, depth, batch), 1.0)
+
+    def _fit_update(self, key: tuple, tokens: int, seconds: float) -> None:
+        """Least squares of seconds = a + b * tokens over the measured appends, older ones forgotten
+        (weight 0.97 per append); the calibrated estimate counts as one append of one token."""
+        sums = self._update_sums.get(key)
+        if sums is None:
+            a, b = self.update_fit.get(key, (seconds, 0.0))
+            sums = self._update_sums[key] = [1.0, 1.0, 1.0, a + b, a + b]  # n, sx, sxx, sy, sxy
+        forget = 1 - self.alpha * 0.3
+        x, y = float(tokens), seconds
+        for i, v in enumerate((1.0, x, x * x, y, x * y)):
+            sums[i] = sums[i] * forget + v
+        n, sx, sxx, sy, sxy = sums
+        det = n * sxx - sx * sx
+        b = (n * sxy - sx * sy) / det if det > 1e-9 * n * n else 0.0
+        b = max(b, 0.0)
+        self.update_fit[key] = [max((sy - b * sx) / n, 0.0), b]
+
+    def update(self, group: tuple, tokens: int, batch: int) -> float:
+        """Group's append of `tokens` tokens per request (0: nothing to append)."""
+        if tokens <= 0:
+            return 0.0
+        fit = self.update_fit.get((group, batch))
+        return 0.0 if fit is None else max(fit[0] + fit[1] * tokens, 0.0)
+
+    def rest(self, key: tuple) -> float:
+        """The residual of a draft kind (tree building, compaction, the loop's own work)."""
+        if key in self.residual:
+            return self.residual[key]
+        return self.residual.get(NONE.key, 0.0)
+
+    # -- online correction -----------------------------------------------------------------------------
+    def observe(self, key: tuple, batch: int, total: float, predicted_parts: float, parts: Dict[tuple, Tuple[float, float]],
+                updates: Sequence[Tuple[tuple, int, float]]) -> None:
+        """One step's measurements: total seconds, the parts' predictions summed, each timed part as
+        {part key: (measured, predicted)}, and each group update as (group, tokens, seconds)."""
+        # Each measurement moves a part's scale by at most a factor 2 (a burst of load on a shared
+        # machine, or a collection, must not undo the calibration); the residual moves by at most a
+        # fifth of a tenth of the step per step (it tracks a median, robust to outliers).
+        for part, (measured, predicted) in parts.items():
+            if predicted > 0:
+                ratio = min(max(measured / predicted, 0.5), 2.0)
+                self.scale[part] = _ema(1.0, self.scale.get(part, 1.0) * ratio, self.alpha) if part not in self.scale \
+                    else _ema(self.scale[part], self.scale[part] * ratio, self.alpha)
+        for group, tokens, seconds in updates:
+            self._fit_update((group, batch), tokens, seconds)
+        old = self.rest(key)
+        step = 0.1 * (predicted_parts + max(old, 0.0))
+        self.residual[key] = old + min(max(total - predicted_parts - old, -step), step) * 2 * self.alpha
+
+
+class FixedCosts(CostModel):
+    """A cost model with given part costs and no calibration or online correction.
+
+    Args:
+        forward: ``forward(nodes, batch) -> seconds``.
+        draft: ``draft(drafters, depth, batch) -> seconds`` (drafters: the group's drafter indices).
+        update: ``update(drafters, tokens, batch) -> seconds``.
+        rest: seconds of everything else in a step.
+    """
+
+    def __init__(self, forward: Callable[[float, int], float], draft: Callable[[tuple, int, int], float],
+                 update: Callable[[tuple, int, int], float] = lambda g, t, b: 0.0, rest: float = 0.0):
+        super().__init__()
+        self._forward, self._draft, self._update, self._rest = forward, draft, update, rest
+
+    def needs_forward(self, batch):
+        return False
+
+    def needs_draft(self, group, batch):
+        return False
+
+    def forward(self, nodes, batch):
+        return self._forward(nodes, batch)
+
+    def draft(self, group, depth, batch):
+        return self._draft(group, depth, batch)
+
+    def update(self, group, tokens, batch):
+        return self._update(group, tokens, batch) if tokens > 0 else 0.0
+
+    def rest(self, key):
+        return self._rest
+
+    def observe(self, *args, **kwargs):
+        pass
+
+
+@dataclass
+class _Counts:
+    """Trials and hits per depth (index d - 1)."""
+
+    trials: List[float] = field(default_factory=list)
+    hits: List[float] = field(default_factory=list)
+
+    def add(self, accepted: int, cap: int, weight: float = 1.0) -> None:
+        while len(self.trials) < cap:
+            self.trials.append(0.0)
+            self.hits.append(0.0)
+        for d in range(1, min(accepted + 1, cap) + 1):
+            self.trials[d - 1] += weight
+            if accepted >= d:
+                self.hits[d - 1] += weight
+
+    def scale(self, factor: float) -> None:
+        self.trials = [t * factor for t in self.trials]
+        self.hits = [h * factor for h in self.hits]
+
+
+class AcceptanceModel:
+    """Running acceptance rates per draft kind and depth, per request, with a prior (see the module
+    docstring).
+
+    Args:
+        prior_rate, prior_weight: the rate every depth starts from, and its weight in trials.
+        pooled_weight: weight (in trials) of the pooled rate in a request's own.
+        decay: factor applied to the pooled counts of a kind at each of its observations.
+    """
+
+    def __init__(self, prior_rate: float = 0.5, prior_weight: float = 1.0, pooled_weight: float = 2.0,
+                 decay: float = 0.98):
+        self.prior_rate, self.prior_weight = prior_rate, prior_weight
+        self.pooled_weight, self.decay = pooled_weight, decay
+        self.pooled: Dict[tuple, _Counts] = {}
+        self.requests: List[Dict[tuple, _Counts]] = []
+        self._memo: Dict[tuple, float] = {}
+
+    def reset(self, batch: int) -> None:
+        """Start a batch of requests (the pooled counts stay)."""
+        self.requests = [{} for _ in range(batch)]
+        self._memo.clear()
+
+    def rate(self, key: tuple, b: int, d: int) -> float:
+        """P(accepted >= d | accepted >= d - 1) for request b."""
+        pooled = self.pooled.get(key)
+        pt, ph = (pooled.trials[d - 1], pooled.hits[d - 1]) if pooled and d <= len(pooled.trials) else (0.0, 0.0)
+        prior = (ph + self.prior_weight * self.prior_rate) / (pt + self.prior_weight)
+        own = self.requests[b].get(key) if b < len(self.requests) else None
+        ot, oh = (own.trials[d - 1], own.hits[d - 1]) if own and d <= len(own.trials) else (0.0, 0.0)
+        return (oh + self.pooled_weight * prior) / (ot + self.pooled_weight)
+
+    def trials(self, key: tuple, b: int, d: int) -> float:
+        """Trials at depth d counted for request b (its own and the pooled ones)."""
+        total = 0.0
+        for counts in (self.pooled.get(key), self.requests[b].get(key) if b < len(self.requests) else None):
+            if counts is not None and d <= len(counts.trials):
+                total += counts.trials[d - 1]
+        return total
+
+    def expected(self, key: tuple, b: int, cap: int, optimistic: bool = False) -> float:
+        """E[accepted] of request b for a tree of depth `cap`; ``optimistic``: with every rate raised by
+        1 / sqrt(1 + its trials) (an upper confidence bound: what a kind could still turn out to give)."""
+        memo = (key, b, cap, optimistic)
+        value = self._memo.get(memo)
+        if value is None:
+            value, p = 0.0, 1.0
+            for d in range(1, cap + 1):
+                rate = self.rate(key, b, d)
+                if optimistic:
+                    rate = min(1.0, rate + (1.0 + self.trials(key, b, d)) ** -0.5)
+                p *= rate
+                value += p
+            self._memo[memo] = value
+        return value
+
+    def observe(self, key: tuple, accepted: Sequence[Optional[int]], cap: int) -> None:
+        """One step of kind `key` with nominal depth `cap`: accepted[b] draft tokens (None: request b
+        did not take part)."""
+        pooled = self.pooled.setdefault(key, _Counts())
+        pooled.scale(self.decay)
+        for b, a in enumerate(accepted):
+            if a is None:
+                continue
+            pooled.add(a, cap)
+            self.requests[b].setdefault(key, _Counts()).add(a, cap)
+        self._memo = {m: v for m, v in self._memo.items() if m[0] != key}
+
+
+class Tuner:
+    """Chooses each step's draft (:class:`Shape`) by expected tokens per second; see the module docstring.
+
+    Pass one to ``SpeculativeDecoder(tuner=...)`` (``budget="auto"`` makes a default one). It keeps what
+    it learned (costs, pooled acceptance, probe schedule) across the decoder's generations.
+
+    Args:
+        costs: a :class:`CostModel` (default: the one cached for the target, device, dtype and threads).
+        acceptance: an :class:`AcceptanceModel` (default: a new one).
+        budgets: node budgets (root included) tried besides the decoder's own (those below it).
+        max_probe_interval: steps between probes of a kind that is not chosen, at most.
+        margin: how much more tokens per second (a fraction) a draft must promise than a plain step (the
+            predictions' own error; drafting on a tie would lose by it).
+        calibrate: measure the missing costs when a generation starts (False: only online).
+        timer: the clock of every measurement (default ``time.perf_counter``, wall time; on a CPU shared
+            with other jobs and one thread, ``time.process_time`` leaves their load out).
+    """
+
+    def __init__(self, costs: Optional[CostModel] = None, acceptance: Optional[AcceptanceModel] = None, *,
+                 budgets: Sequence[int] = (2, 4, 8), max_probe_interval: int = 256, margin: float = 0.05,
+                 calibrate: bool = True, timer: Callable[[], float] = time.perf_counter):
+        self.costs = costs
+        self.acceptance = acceptance or AcceptanceModel()
+        #: an acceptance model per verification mode (greedy, sampled): their rates differ
+        self._modes: Dict[bool, AcceptanceModel] = {False: self.acceptance}
+        self.budgets = tuple(sorted({int(n) for n in budgets if int(n) >= 2}))
+        self.max_probe_interval = int(max_probe_interval)
+        self.margin = float(margin)
+        self.calibrate = calibrate
+        self.timer = timer
+        self.clock = 0
+        self._probe: Dict[tuple, Tuple[int, int]] = {}  # kind -> (next step, interval)
+        #: running mean of the nodes per request the forward ran for each (kind, depth, budget): trees of
+        #: prompt lookup, merged trees and shallow candidates hold fewer than their budget
+        self._nodes: Dict[tuple, float] = {}
+        self._shape_memo = None
+        self._plan_memo = None
+        self._version = 0  # counts observations of drafts (the plan's cached part depends on them)
+        self._plain_until = 0  # while no draft is best: the clock of the next probe that could win
+
+    # -- the candidate set ---------------------------------------------------------------------------
+    def kinds(self, groups: Sequence[Tuple[int, ...]], single: bool) -> List[Tuple[Tuple[int, ...], ...]]:
+        """Allowed sets of drafter groups: every non-empty subset (all groups together when ``single``)."""
+        if single or len(groups) > 4:
+            return [tuple(groups)]
+        out = []
+        for mask in range(1, 1 << len(groups)):
+            out.append(tuple(g for i, g in enumerate(groups) if mask >> i & 1))
+        return out
+
+    def candidates(self, sets, depth: int, budget: int) -> List[Shape]:
+        """Every (drafter set, depth, node budget) shape: the budgets below the decoder's, and its own."""
+        out = []
+        for groups in sets:
+            drafters = tuple(sorted(t for g in groups for t in g))
+            for n in [n for n in self.budgets if n < budget] + [budget]:
+                for d in range(1, min(depth, n - 1) + 1):
+                    out.append(Shape(drafters, d, n))
+        return out
+
+    # -- choosing ---------------------------------------------------------------------------------------
+    def value(self, shape: Shape, active: Sequence[int], cap: int) -> float:
+        """E[accepted + 1] summed over the active requests."""
+        if not shape.drafters:
+            return float(len(active))
+        return sum(1.0 + self.acceptance.expected(shape.key, b, cap) for b in active)
+
+    def choose(self, options: Sequence[Tuple[Shape, float, float, float]]) -> Shape:
+        """The shape to run from (shape, value, predicted seconds, an optimistic value: its acceptance
+        rates at an upper confidence bound) options (the first is no draft): the best value per second, unless a kind not
+        chosen (no draft included) is due for a probe and could beat it with every draft accepted (then
+        its deepest such shape: every depth observed at once); a probed kind's interval doubles."""
+        best_shape, best_value, best_seconds, _ = max(
+            options, key=lambda o: o[1] / max(o[2], 1e-9) * (1.0 if o[0].drafters else 1.0 + self.margin))
+        best, rate = best_shape, best_value / max(best_seconds, 1e-9)
+        self.clock += 1
+        self._probe[best.key] = (self.clock + 1, 1)
+        due: Dict[tuple, Shape] = {}
+        hopeful = [self._probe.get(o[0].key, (0, 1))[0] for o in options if o[0].key != best.key and o[3] > rate * o[2]]
+        self._plain_until = min(hopeful, default=self.clock + self.max_probe_interval) if not best.drafters else 0
+        for shape, _, seconds, upper in options:
+            if shape.key != best.key and upper > rate * seconds and self._probe.get(shape.key, (0, 1))[0] <= self.clock:
+                old = due.get(shape.key)
+                if old is None or (shape.depth, shape.budget) > (old.depth, old.budget):
+                    due[shape.key] = shape
+        if not due:
+            return best
+        key = min(due, key=lambda k: self._probe.get(k, (0, 1))[0])
+        interval = min(self._probe.get(key, (0, 1))[1] * 2, self.max_probe_interval)
+        self._probe[key] = (self.clock + interval, interval)
+        return due[key]
+
+    # -- the decoder's calls ------------------------------------------------------------------------------
+    def begin(self, batch: int, sampling: bool) -> None:
+        """A generation of `batch` requests starts; ``sampling``: verification samples (temperature > 0),
+        whose acceptance is kept apart from greedy verification's."""
+        if sampling not in self._modes:
+            self._modes[sampling] = copy.deepcopy(self._modes[False])
+            self._modes[sampling].pooled.clear()
+        self.acceptance = self._modes[sampling]
+        self.acceptance.reset(batch)
+        self._plan_memo = None
+
+    def plan(self, groups: Sequence[Tuple[int, ...]], caps: Callable[[int, int], int], pending: Sequence[int],
+             active: Sequence[int], batch: int, depth: int, budget: int, single: bool = False) -> Shape:
+        """This step's draft.
+
+        Args:
+            groups: each drafter group's drafter indices.
+            caps: ``caps(group position, depth)``: the deepest node that group's draft of `depth` levels
+                can propose.
+            pending: tokens per request each group has yet to append (it appends them before drafting).
+            active: requests still generating.
+            batch: rows of the step (finished requests included).
+            depth, budget: the decoder's depth and node budget (the largest shape).
+            single: whether the strategy needs every group at once.
+        """
+        costs = self.costs
+        groups = tuple(groups)
+        memo = (groups, depth, budget, single, tuple(active), batch, self._version)
+        if self._plain_until > self.clock + 1 and self._plan_memo is not None and self._plan_memo[0] == memo:
+            # no draft was best and nothing a draft's value depends on changed since, while what drafting
+            # would cost only grew (its pending appends): no draft again, until a probe is due
+            self.clock += 1
+            return NONE
+        if self._plan_memo is None or self._plan_memo[0] != memo:
+            # what only an observation of a draft changes (plain steps leave it as it is)
+            base = []
+            position = {g: i for i, g in enumerate(groups)}
+            for shape, members in self._shapes(groups, depth, budget, single):
+                cap = min(shape.budget - 1, max(caps(position[g], shape.depth) for g in members))
+                nodes = self._nodes.get((shape.key, shape.depth, shape.budget), shape.budget)
+                seconds = costs.forward(nodes, batch) + costs.rest(shape.key)
+                seconds += sum(costs.draft(g, shape.depth, batch) for g in members)
+                upper = sum(1.0 + self.acceptance.expected(shape.key, b, cap, optimistic=True) for b in active)
+                base.append((shape, self.value(shape, active, cap), seconds, upper,
+                             [(g, position[g]) for g in members]))
+            self._plan_memo = (memo, base)
+        options = [(NONE, self.value(NONE, active, 0), costs.forward(1, batch) + costs.rest(NONE.key), len(active))]
+        update = [costs.update(g, pending[i], batch) for i, g in enumerate(groups)]
+        for shape, value, seconds, upper, members in self._plan_memo[1]:
+            options.append((shape, value, seconds + sum(update[i] for _, i in members), upper))
+        return self.choose(options)
+
+    def _shapes(self, groups, depth, budget, single):
+        memo = (groups, depth, budget, single)
+        if self._shape_memo is None or self._shape_memo[0] != memo:
+            out = []
+            for members in self.kinds(groups, single):
+                for shape in self.candidates([members], depth, budget):
+                    out.append((shape, members))
+            self._shape_memo = (memo, out)
+        return self._shape_memo[1]
+
+    def observe(self, shape: Shape, accepted: Sequence[Optional[int]], cap: int, nodes: float, batch: int,
+                total: float, parts: Dict[tuple, Tuple[float, float]], updates) -> None:
+        """What a step of `shape` gave: accepted draft tokens per request (None: finished before it),
+        the nominal tree depth, the nodes per request the forward ran, the step's seconds, its timed parts
+        ({part: (measured, predicted)}) and group updates ((drafters, tokens, seconds))."""
+        if shape.drafters:
+            self._version += 1
+            self.acceptance.observe(shape.key, accepted, cap)
+            memo = (shape.key, shape.depth, shape.budget)
+            self._nodes[memo] = _ema(self._nodes.get(memo), nodes, 0.2)
+        predicted = sum(p for _, p in parts.values()) + sum(self.costs.update(g, t, batch) for g, t, _ in updates)
+        self.costs.observe(shape.key, batch, total, predicted, parts, updates)
+
+
+_SHARED_COSTS: Dict[tuple, CostModel] = {}
+
+
+def shared_costs(key: tuple) -> CostModel:
+    """The cost model kept for `key` (target, device, dtype, threads), created empty when new."""
+    model = _SHARED_COSTS.get(key)
+    if model is None:
+        model = _SHARED_COSTS[key] = CostModel()
+    return model
+
+
+def time_call(fn: Callable[[], object], repeats: int = 2, sync: Optional[Callable[[], None]] = None,
+              timer: Callable[[], float] = time.perf_counter) -> float:
+    """Fewest seconds of `repeats` calls of fn (after one untimed call)."""
+    fn()
+    best = float("inf")
+    for _ in range(repeats):
+        if sync is not None:
+            sync()
+        t0 = timer()
+        fn()
+        if sync is not None:
+            sync()
+        best = min(best, timer() - t0)
+    return best

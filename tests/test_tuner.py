@@ -1,0 +1,248 @@
+"""The tuner (taps.tuner): each step's draft chosen by a measured cost model and running acceptance.
+
+Whatever it chooses, the output is the target's own: greedy output equal to autoregressive decoding
+under shapes forced to change every step (every strategy, ragged batches), and a chi-square of sampled
+sequences against the target's exact distribution. It chooses no draft when the drafters are useless
+or drafting is expensive, and drafts when acceptance is high and drafting cheap. The cost model's
+calibration and online correction, the acceptance model and the catch-up of skipped drafter updates
+are tested on injected numbers.
+"""
+
+import random
+
+import pytest
+import torch
+
+from taps import ModelDrafter, PromptLookupDrafter, SpeculativeDecoder
+from taps.decoder import _join
+from taps.tuner import NONE, AcceptanceModel, CostModel, FixedCosts, Shape, Tuner, node_grid
+
+import engine_models as em
+from test_engine_sampling import PROMPT, STEPS, assert_samples_follow
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+class Cycling(Tuner):
+    """Runs candidate shapes (no draft included) drawn at random with a fixed seed, whatever they are worth."""
+
+    def __init__(self, **kw):
+        super().__init__(FixedCosts(lambda n, b: 1e-3, lambda g, d, b: 1e-3), **kw)
+        self.seen = []
+        self.rng = random.Random(5)
+
+    def choose(self, options):
+        shape = options[0 if self.rng.random() < 0.25 else self.rng.randrange(len(options))][0]
+        self.seen.append(shape)
+        return shape
+
+
+def _cheap(draft=1e-5, forward=1e-3, per_node=0.0):
+    return FixedCosts(lambda n, b: forward + per_node * n, lambda g, d, b: draft * d, lambda g, t, b: draft)
+
+
+GREEDY_CASES = [
+    ("single", ("eagle",)),
+    ("merged", ("eagle", "lookup")),
+    ("merged-budget", ("eagle", "early_exit")),
+    ("route-confidence", ("eagle", "other")),
+    ("route-entropy-prompt", ("eagle", "early_exit")),
+    ("adaptive", ("eagle", "early_exit", "lookup")),
+]
+
+
+def _greedy_drafters(names):
+    m = em.greedy_models()
+    made = {"eagle": lambda: m["eagle"], "early_exit": lambda: ModelDrafter(m["early_exit"]),
+            "other": lambda: ModelDrafter(m["other"]), "lookup": PromptLookupDrafter}
+    return [made[n]() for n in names]
+
+
+@pytest.mark.parametrize("strategy,names", GREEDY_CASES, ids=[f"{s}-{'+'.join(n)}" for s, n in GREEDY_CASES])
+def test_forced_shapes_keep_greedy_output(strategy, names):
+    m = em.greedy_models()
+    prompts = [m["seqs"][0, :4].tolist(), m["seqs"][1, :9].tolist(), m["seqs"][2, :6].tolist()]
+    ref = SpeculativeDecoder(m["target"], [], strategy="autoregressive").generate(prompts, max_new_tokens=24)
+    tuner = Cycling()
+    dec = SpeculativeDecoder(m["target"], _greedy_drafters(names), strategy=strategy, depth=3, top_k=3, budget=8,
+                             route_steps=2, tuner=tuner)
+    out = dec.generate(prompts, max_new_tokens=24)
+    assert out.tokens == ref.tokens
+    labels = {s.label for s in tuner.seen}
+    assert "none" in labels and len({s.depth for s in tuner.seen if s.drafters}) >= 2, labels
+    assert len({s.budget for s in tuner.seen}) >= 3, labels
+    assert out.stats[0].draft_shapes and set(out.summary["shape_histogram"]) <= labels
+
+
+def test_forced_shapes_sample_the_target():
+    m = em.sampling_models()
+    tuner = Cycling()
+    dec = SpeculativeDecoder(m["target"], [ModelDrafter(m["target"]), m["eagle"]], strategy="merged", depth=3,
+                             top_k=2, budget=6, tuner=tuner)
+    out = dec.generate([PROMPT] * 2000, max_new_tokens=STEPS, temperature=1.0, seed=77)
+    assert out.summary["tau"] > 1.3, "acceptance hardly exercised"
+    assert len({s.label for s in tuner.seen}) >= 2
+    assert_samples_follow(out.tokens, PROMPT, 1.0, 0, 1.0, what="tuned: ")
+
+
+def test_no_draft_when_the_drafter_is_useless():
+    """A drafter that proposes only tokens the target never produces here, real costs measured on this
+    machine: after a few probes, plain steps."""
+    m = em.greedy_models()
+    prompts = [m["seqs"][i, :6].tolist() for i in range(4)]
+    ref = SpeculativeDecoder(m["target"], [], strategy="autoregressive").generate(prompts, max_new_tokens=40)
+    produced = {t for row in ref.tokens for t in row}
+    useless = ModelDrafter(m["other"]).set_draft_vocab(torch.tensor([t for t in range(96) if t not in produced][:16]))
+    dec = SpeculativeDecoder(m["target"], [useless], strategy="single", depth=3, top_k=3, budget="auto")
+    for p in prompts:
+        dec.generate([p], max_new_tokens=40)
+    out = dec.generate([prompts[0]], max_new_tokens=40)
+    assert out.tokens[0] == ref.tokens[0] and out.summary["tau"] == 1.0
+    hist = out.summary["shape_histogram"]
+    assert hist.get("none", 0) >= 0.75 * sum(hist.values()), hist
+
+
+def _perfect_drafter_run(costs, top_k, budget):
+    """60 tokens drafted by the target itself (every greedy draft of the first child accepted), with
+    the tuner on injected costs."""
+    m = em.greedy_models()
+    dec = SpeculativeDecoder(m["target"], [ModelDrafter(m["target"])], strategy="single", depth=3, top_k=top_k,
+                             budget=budget, tuner=Tuner(costs))
+    out = dec.generate([m["seqs"][0, :6].tolist()], max_new_tokens=60)
+    return out, out.summary["shape_histogram"]
+
+
+def test_no_draft_when_drafting_is_expensive():
+    """A perfect drafter whose draft costs ten target forwards a level."""
+    out, hist = _perfect_drafter_run(_cheap(draft=1e-2, forward=1e-3), 2, 6)
+    assert hist.get("none", 0) >= 0.8 * sum(hist.values()), hist
+
+
+def test_drafts_deep_when_acceptance_is_high_and_drafting_cheap():
+    out, hist = _perfect_drafter_run(_cheap(draft=1e-5, forward=1e-3), 2, 6)
+    deep = sum(v for k, v in hist.items() if " d3 " in k)
+    assert deep >= 0.8 * sum(hist.values()), hist
+    assert out.summary["tau"] > 2.5
+
+
+def test_node_cost_picks_a_narrow_tree():
+    """When every node costs a fifth of the forward, the trees stay narrow (and are still drafted)."""
+    out, hist = _perfect_drafter_run(_cheap(draft=1e-6, forward=1e-3, per_node=2e-4), 3, 10)
+    nodes = out.stats[0].tree_nodes
+    assert sum(nodes) / len(nodes) <= 5 and hist.get("none", 0) <= 0.2 * len(nodes), (hist, nodes)
+
+
+def test_fixed_settings_unchanged():
+    m = em.greedy_models()
+    dec = SpeculativeDecoder(m["target"], [m["eagle"]], strategy="single", depth=3, top_k=3, budget=8)
+    assert dec.tuner is None
+    out = dec.generate([m["seqs"][0, :6].tolist()], max_new_tokens=20)
+    assert out.stats[0].draft_shapes == [] and out.summary["shape_histogram"] == {}
+    assert set(out.stats[0].tree_nodes) == {8}
+    auto = SpeculativeDecoder(m["target"], [m["eagle"]], strategy="single", depth=3, top_k=3, budget="auto")
+    fixed = SpeculativeDecoder(m["target"], [m["eagle"]], strategy="single", depth=3, top_k=3)
+    assert isinstance(auto.tuner, Tuner) and auto.budget == fixed.budget  # the default budget: the largest shape
+    assert SpeculativeDecoder(m["target"], [], strategy="autoregressive", budget="auto").tuner is None
+    with pytest.raises(ValueError, match="auto"):
+        SpeculativeDecoder(m["target"], [m["eagle"]], strategy="single", budget="fast")
+
+
+# -- the models on injected numbers -------------------------------------------------------------------
+
+def test_cost_model_interpolates_and_corrects_online():
+    costs = CostModel(alpha=0.5)
+    costs.set_forward(1, [(1, 1.0), (4, 2.0), (8, 4.0)])
+    assert costs.forward(1, 1) == 1.0 and costs.forward(2, 1) == pytest.approx(4 / 3)
+    assert costs.forward(16, 1) == pytest.approx(8.0)  # extended past the last point
+    assert costs.forward(4, 2) == pytest.approx(4.0)   # another batch: scaled from the nearest
+    costs.set_draft((0,), 1, (1, 0.5), (3, 1.5))
+    assert costs.draft((0,), 2, 1) == pytest.approx(1.0)
+    assert costs.update((0,), 0, 1) == 0.0 and costs.update((0,), 4, 1) > 0
+    # measured forwards twice the prediction: the scale converges to 2
+    for _ in range(20):
+        costs.observe(((0,), 8), 1, 5.0, 2.0, {("forward", 1, 4): (4.0, costs.forward(4, 1))}, [])
+    assert costs.forward(4, 1) == pytest.approx(4.0, rel=0.05)
+    assert costs.forward(8, 1) == pytest.approx(4.0)  # scales are per node count
+    for _ in range(100):  # the residual tracks the median of its samples: one outlier hardly moves it
+        costs.observe(((0,), 8), 1, 5.0, 2.0, {}, [])
+    assert costs.rest(((0,), 8)) == pytest.approx(3.0, abs=0.01)
+    costs.observe(((0,), 8), 1, 50.0, 2.0, {}, [])
+    assert costs.rest(((0,), 8)) == pytest.approx(3.0, abs=0.6)
+    quiet = CostModel()
+    for _ in range(100):
+        quiet.observe(((0,), 8), 1, 5.0, 2.0, {}, [])
+    quiet.observe(((0,), 8), 1, 50.0, 2.0, {}, [])
+    assert quiet.rest(((0,), 8)) == pytest.approx(3.0, abs=0.11)
+    assert costs.rest(((1,), 2)) == costs.rest(NONE.key) == 0.0  # an unseen kind starts from the plain step's
+    # updates of 1..8 tokens costing 0.2 + 0.1 * tokens: the fit predicts them
+    for i in range(300):
+        t = 1 + i % 8
+        costs.observe(NONE.key, 1, 1.0, 1.0, {}, [((0,), t, 0.2 + 0.1 * t)])
+    assert costs.update((0,), 3, 1) == pytest.approx(0.5, rel=0.1)
+    assert costs.update((0,), 8, 1) == pytest.approx(1.0, rel=0.1)
+
+
+def test_node_grid():
+    assert node_grid(1) == [1]
+    assert node_grid(16) == [1, 2, 3, 4, 6, 8, 12, 16]
+    assert node_grid(31)[-1] == 31
+
+
+def test_acceptance_model():
+    acc = AcceptanceModel(prior_rate=0.5, prior_weight=2.0, pooled_weight=4.0, decay=1.0)
+    acc.reset(2)
+    key = ((0,), None)
+    assert acc.expected(key, 0, 2) == pytest.approx(0.5 + 0.25)  # the prior
+    for _ in range(200):
+        acc.observe(key, [2, None], cap=3)   # request 0: two accepted of three every step
+    assert acc.rate(key, 0, 1) > 0.97 and acc.rate(key, 0, 3) < 0.05
+    assert acc.expected(key, 0, 3) == pytest.approx(2.0, abs=0.1)
+    # request 1 never took part: the pooled rates are its prior
+    assert acc.rate(key, 1, 1) > 0.9
+    acc.reset(1)  # a new request starts from the pooled rates
+    assert acc.expected(key, 0, 3) == pytest.approx(2.0, abs=0.1)
+    # a kind that never gets a token accepted (e.g. prompt lookup without matches) tends to 0
+    other = ((1,), None)
+    for _ in range(100):
+        acc.observe(other, [0], cap=8)
+    assert acc.expected(other, 0, 8) < 0.05
+    # its upper confidence bound shrinks with the trials (probes stop); an unseen kind's is every draft
+    assert acc.expected(other, 0, 8, optimistic=True) < 0.1 * 8  # (depths past 1 never tried)
+    assert acc.expected(((2,), 4), 0, 3, optimistic=True) == pytest.approx(3.0)
+
+
+def test_probes_back_off():
+    """A kind that is never the best is tried again at doubling intervals."""
+    tuner = Tuner(_cheap())
+    bad = Shape((0,), 3, 8)
+    probes = [i for i in range(200) if tuner.choose([(NONE, 1.0, 1.0, 1.0), (bad, 0.1, 1.0, 4.0)]).drafters]
+    # a kind that could not win even with every draft accepted is never tried
+    hopeless = Tuner(_cheap())
+    assert not any(hopeless.choose([(NONE, 1.0, 1.0, 1.0), (bad, 0.1, 5.0, 4.0)]).drafters for _ in range(50))
+    gaps = [b - a for a, b in zip(probes, probes[1:])]
+    assert probes[0] == 0 and gaps == sorted(gaps) and gaps[-1] >= 64 and len(probes) <= 9
+
+
+def test_join_pending_steps():
+    t1 = torch.tensor([[5, 6, -1], [7, -1, -1]])
+    t2 = torch.tensor([[8], [9]])
+    f1 = torch.arange(6.).view(2, 3, 1)
+    f2 = torch.tensor([[[10.]], [[11.]]])
+    e1 = (t1, torch.tensor([2, 0]), {"final": f1}, [2, 0], [[5, 6, -1], [7]])
+    e2 = (t2, torch.tensor([1, 1]), {"final": f2}, [1, 1], [[8], [9]])
+    tokens, num, feats, num_host, tokens_host = _join([e1, e2], "final")
+    assert num.tolist() == [3, 1] and num_host == [3, 1]
+    assert tokens[0, :3].tolist() == [5, 6, 8] and tokens[1, :1].tolist() == [9]
+    assert feats[0, :3, 0].tolist() == [0., 1., 10.] and feats[1, 0, 0].item() == 11.
+    assert tokens_host == [[5, 6, 8], [9]]
+
+
+def test_greedy_and_sampled_acceptance_kept_apart():
+    tuner = Tuner(_cheap())
+    tuner.begin(1, sampling=False)
+    greedy = tuner.acceptance
+    greedy.observe(((0,), 8), [3], cap=3)
+    tuner.begin(2, sampling=True)
+    assert tuner.acceptance is not greedy and not tuner.acceptance.pooled
+    tuner.begin(1, sampling=False)
+    assert tuner.acceptance is greedy and ((0,), 8) in greedy.pooled
