@@ -18,7 +18,7 @@ import copy
 import json
 import sys
 import time
-from typing import List
+from typing import List, Optional
 
 import torch
 
@@ -39,8 +39,10 @@ def add_demo_arguments(p) -> None:
                         "bench/RESULTS.md; e.g. --strategy merged-budget --lookup)")
     p.add_argument("--depth", type=int_at_least(1), default=None, help="default: SpeculativeDecoder's for the device")
     p.add_argument("--top-k", type=int_at_least(1), default=None, help="default: SpeculativeDecoder's for the device")
-    p.add_argument("--budget", type=int_at_least(2), default=None,
-                   help="nodes of one drafter's tree, root included (default: SpeculativeDecoder's)")
+    p.add_argument("--budget", type=_budget_arg(int_at_least(2)), default=None,
+                   help="nodes of one drafter's tree, root included (default: SpeculativeDecoder's), or auto: "
+                        "taps.Tuner chooses each step's drafters, depth and nodes, down to no draft, by measured "
+                        "costs (the streamed answers; the evaluation table keeps fixed settings)")
     p.add_argument("--draft-vocab", type=int_at_least(0), default=1024,
                    help="drafters propose only the N most frequent target tokens (0: the whole vocabulary)")
     p.add_argument("--dtype", default="auto", choices=("auto",) + tuple(DTYPES),
@@ -48,6 +50,20 @@ def add_demo_arguments(p) -> None:
                         "native bf16, AVX512-BF16 or AMX; else fp32)")
     p.add_argument("--threads", type=int_at_least(0), default=0, help="torch CPU threads (0: default)")
     p.add_argument("--no-color", action="store_true", help="mark accepted tokens with brackets, not colour")
+
+
+def _budget_arg(node_count):
+    """An argparse ``type``: `node_count`'s integer, or ``auto``."""
+    def parse(text: str):
+        return "auto" if text == "auto" else node_count(text)
+    return parse
+
+
+def _top_shapes(stats, top: int = 3) -> str:
+    """The draft shapes a tuner chose most often (share of steps), e.g. ``none 80%, 0+1 d3 n8 15%``."""
+    hist = stats.shape_histogram
+    steps = sum(hist.values())
+    return ", ".join(f"{label} {count / steps:.0%}" for label, count in list(hist.items())[:top])
 
 
 class _Marker:
@@ -109,12 +125,12 @@ def _target_story(folder) -> str:
     return trained
 
 
-def _same_line(tokens: List[int], hf: List[int], own, prompt: List[int], new_tokens: int, eos_id: int) -> str:
+def _same_line(tokens: List[int], hf: List[int], own: Optional[List[int]]) -> str:
     """Whether `tokens` are the target's own greedy output: Hugging Face generate's (`hf`) in fp32; in
-    half precision taps' autoregressive decoding's (`own`, a decoder), with HF's beside it."""
+    half precision taps' autoregressive decoding's (`own`, its tokens), with HF's beside it."""
     if own is None:
         return f"identical to the target's own greedy output (Hugging Face generate): {tokens == hf}"
-    ref = own.generate([prompt], max_new_tokens=new_tokens, eos_token_id=eos_id).tokens[0]
+    ref = own
     return (f"identical to the target's own greedy output (taps autoregressive, same dtype): {tokens == ref}; "
             f"to Hugging Face generate's: {tokens == hf}" + ("" if tokens == hf else
                                                              " (its one-token forwards round differently in bf16)"))
@@ -176,13 +192,16 @@ def demo(args) -> int:
     mark = "green" if color else "[brackets]"
     vocab = f"{args.draft_vocab} most frequent tokens" if args.draft_vocab else "the whole vocabulary"
     print(f"1. Streaming, greedy, {args.strategy} strategy with {' and '.join(names) or 'no drafter'} (depth {merged.depth}, "
-          f"top_k {merged.top_k}, {merged.budget} nodes per drafter; draft vocabulary: {vocab}; {dtype_name}, "
+          f"top_k {merged.top_k}, {merged.budget} nodes per drafter"
+          f"{'; budget auto: a tuner chooses each step within these, down to no draft' if merged.tuner else ''}; draft vocabulary: {vocab}; {dtype_name}, "
           f"{torch.get_num_threads()} thread(s)); tokens accepted from the drafts in {mark}, the rest are the "
           "target's own.")
-    # in bf16 Hugging Face's one-token forwards round differently from a tree forward, so the greedy
-    # reference there is taps' own autoregressive decoding (README, "Speculative decoding"); HF's is shown too
-    own = SpeculativeDecoder(target, [], strategy="autoregressive") if dtype != torch.float32 else None
+    # the engine's own autoregressive decoding: the second speed reference (a speed-up that comes from a leaner
+    # forward is not a speculative one) and, in bf16, the greedy reference (Hugging Face's one-token
+    # forwards round differently from a tree forward there; README, "Speculative decoding"; HF's shown too)
+    own = SpeculativeDecoder(target, [], strategy="autoregressive")
     merged.generate([tok.encode_text("warm-up")], max_new_tokens=4)  # one-time setup outside the timings
+    own.generate([tok.encode_text("warm-up")], max_new_tokens=4)
     _hf_generate(reference, [1, 2, 3], 2, tok.eos_id)
     for title, bench in (("math (GSM8K test)", "gsm8k"), ("chat (MT-Bench)", "mt_bench")):
         ex = load_eval_prompts(bench)[0]
@@ -196,13 +215,18 @@ def demo(args) -> int:
         t1 = time.perf_counter()
         ref = _hf_generate(reference, prompt, new_tokens, tok.eos_id)
         dt_hf = time.perf_counter() - t1
+        t1 = time.perf_counter()
+        plain = own.generate([prompt], max_new_tokens=new_tokens, eos_token_id=tok.eos_id).tokens[0]
+        dt_own = time.perf_counter() - t1
         s = out.stats[0]
-        speed, speed_hf = s.new_tokens / dt, len(ref) / dt_hf
+        speed, speed_hf, speed_own = s.new_tokens / dt, len(ref) / dt_hf, len(plain) / dt_own
         shares = ", ".join(f"{name} {share:.0%}" for name, share in zip(names, s.drafter_share)) or "no drafter"
+        chose = f"; the tuner's drafts: {_top_shapes(s)}" if s.draft_shapes else ""
         print(f"\n--- {s.new_tokens} tokens in {s.target_forwards + 1} target forwards (tau {s.tau:.2f}); accepted "
-              f"draft tokens proposed by {shares} (several when they agree)\n--- speed: taps {speed:.0f} tokens/s, "
-              f"Hugging Face generate {speed_hf:.0f} tokens/s: "
-              f"{speed / speed_hf:.2f}x; {_same_line(out.tokens[0], ref, own, prompt, new_tokens, tok.eos_id)}")
+              f"draft tokens proposed by {shares} (several when they agree){chose}\n--- speed: taps {speed:.0f} "
+              f"tokens/s: {speed / speed_hf:.2f}x Hugging Face generate ({speed_hf:.0f} tokens/s), "
+              f"{speed / speed_own:.2f}x taps autoregressive ({speed_own:.0f} tokens/s); "
+              f"{_same_line(out.tokens[0], ref, plain if dtype != torch.float32 else None)}")
 
     if not limit:
         print(f"\ndemo finished in {time.time() - t0:.0f}s")
