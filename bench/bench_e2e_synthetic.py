@@ -1,6 +1,7 @@
 """End-to-end speed with a large target and controlled acceptance (random weights; meant for a GPU).
 
     PYTHONPATH=python python bench/bench_e2e_synthetic.py --shape llama3-8b --device cuda
+    PYTHONPATH=python python bench/bench_e2e_synthetic.py --shape llama-0.5b --device cpu --new-tokens 32
     PYTHONPATH=python python bench/bench_e2e_synthetic.py --shape tiny --device cpu      # logic check
 
 Target: a Llama with the shape of Llama-3-8B (``--shape tiny``: a small one), random weights, bf16 (fp32
@@ -11,9 +12,11 @@ draft node on that continuation, the continuation's next token gets the highest 
 probability ``p`` (``--corrupt``), when the head's own random logits decide. So ``p`` sets the acceptance
 length tau (p = 0: every draft is accepted, tau = depth + 1).
 
-Rows: Hugging Face ``generate`` (greedy), taps ``autoregressive``, and taps ``single`` for each p: tokens/s,
-ratio to Hugging Face, tau, and whether the output equals Hugging Face's greedy output (in bf16 the tree
-forward and the one-token forward may round differently, so a near-tie can flip; the speed stands).
+Rows: Hugging Face ``generate`` (greedy), taps ``autoregressive``, and for each p taps ``single`` with the
+fixed settings and with ``budget="auto"`` (taps.Tuner: each step's depth and nodes, down to no draft, by
+measured costs; ``--no-auto`` leaves it out): tokens/s, the ratios to Hugging Face and to taps
+autoregressive, tau, and whether the output equals Hugging Face's greedy output (in bf16 the tree forward
+and the one-token forward may round differently, so a near-tie can flip; the speed stands).
 """
 
 from __future__ import annotations
@@ -38,6 +41,10 @@ SHAPES = {
     "llama3-8b": dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
                       num_attention_heads=32, num_key_value_heads=8, rope_parameters={"rope_type": "default",
                                                                                       "rope_theta": 500000.0}),
+    # about 0.5B parameters (2 GB in fp32): far beyond a CPU's caches, so a one-token forward is bound by
+    # memory bandwidth as on a GPU
+    "llama-0.5b": dict(vocab_size=32000, hidden_size=1280, intermediate_size=3584, num_hidden_layers=24,
+                       num_attention_heads=20, num_key_value_heads=4),
     "tiny": dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
                  num_key_value_heads=2),
 }
@@ -110,6 +117,7 @@ def main() -> None:
     ap.add_argument("--budget", type=int, default=32)
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--threads", type=int, default=0)
+    ap.add_argument("--no-auto", action="store_true", help="skip the budget='auto' rows")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -150,7 +158,7 @@ def main() -> None:
         hf_s, hf_out = timed(lambda: target.generate(ids, **hf_kw))
     continuation = hf_out[:, ids.shape[1]:]
     reference = continuation[0].tolist()
-    rows = [["HF generate", "-", f"{args.new_tokens / hf_s:.1f}", "1.00x", "-", "yes"]]
+    rows = [["HF generate", "-", f"{args.new_tokens / hf_s:.1f}", "1.00x", "-", "-", "yes"]]
 
     def run(dec):
         dec.generate(prompt[0].tolist(), max_new_tokens=4)  # warm-up (allocations, packing)
@@ -159,20 +167,23 @@ def main() -> None:
         same = "yes" if out.tokens[0] == reference[:len(out.tokens[0])] else "no (bf16 rounding?)"
         return tps, out.summary["tau"], same
 
-    tps, tau, same = run(SpeculativeDecoder(target, [], strategy="autoregressive"))
-    rows.append(["taps autoregressive", "-", f"{tps:.1f}", f"{tps * hf_s / args.new_tokens:.2f}x", f"{tau:.2f}", same])
+    ar_tps, tau, same = run(SpeculativeDecoder(target, [], strategy="autoregressive"))
+
+    def row(name, p, tps, tau, same):
+        rows.append([name, p, f"{tps:.1f}", f"{tps * hf_s / args.new_tokens:.2f}x", f"{tps / ar_tps:.2f}x",
+                     f"{tau:.2f}", same])
+    row("taps autoregressive", "-", ar_tps, tau, same)
     head_cfg = copy.deepcopy(cfg)
     head_cfg.num_hidden_layers = 1
     for p in args.corrupt:
-        drafter = OracleDrafter(head_cfg)
-        drafter.oracle = {"tokens": continuation, "corrupt": p,
-                          "generator": torch.Generator(device=device).manual_seed(2)}
-        dec = SpeculativeDecoder(target, [drafter], strategy="single", depth=args.depth, top_k=args.top_k,
-                                 budget=args.budget)
-        tps, tau, same = run(dec)
-        rows.append(["taps single, oracle drafter", f"{p:g}", f"{tps:.1f}", f"{tps * hf_s / args.new_tokens:.2f}x",
-                     f"{tau:.2f}", same])
-    print_table(["row", "corrupt p", "tokens/s", "vs HF generate", "tau", "= HF greedy"], rows,
+        for auto in (False,) if args.no_auto else (False, True):
+            drafter = OracleDrafter(head_cfg)
+            drafter.oracle = {"tokens": continuation, "corrupt": p,
+                              "generator": torch.Generator(device=device).manual_seed(2)}
+            dec = SpeculativeDecoder(target, [drafter], strategy="single", depth=args.depth, top_k=args.top_k,
+                                     budget="auto" if auto else args.budget)
+            row("taps single auto" if auto else "taps single", f"{p:g}", *run(dec))
+    print_table(["row", "corrupt p", "tokens/s", "vs HF generate", "vs taps AR", "tau", "= HF greedy"], rows,
                 title="End to end, synthetic target, controlled acceptance")
 
 
