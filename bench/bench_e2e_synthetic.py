@@ -182,7 +182,7 @@ def main() -> None:
                               "generator": torch.Generator(device=device).manual_seed(2)}
             dec = SpeculativeDecoder(target, [drafter], strategy="single", depth=args.depth, top_k=args.top_k,
                                      budget="auto" if auto else args.budget)
-            row("taps single auto" if auto else "taps single", f"{p:g}", *run(dec))
+            row("taps single auto, oracle drafter" if auto else "taps single, oracle drafter", f"{p:g}", *run(dec))
     print_table(["row", "corrupt p", "tokens/s", "vs HF generate", "vs taps AR", "tau", "= HF greedy"], rows,
                 title="End to end, synthetic target, controlled acceptance")
 

@@ -59,10 +59,12 @@ def test_bench_e2e_synthetic_tiny_shape():
     out = run_bench("bench_e2e_synthetic.py", "--shape", "tiny", "--new-tokens", "8", "--repeats", "1",
                     "--corrupt", "0", "1", "--prompt-len", "16", "--dtype", "fp32")
     rows = table_rows(out, "End to end, synthetic target")
-    assert len(rows) == 4 and all(r.rstrip().endswith("yes") for r in rows), rows
-    oracle = [r for r in rows if "oracle" in r]
-    tau = [float(r.split()[-2]) for r in oracle]
+    assert len(rows) == 6 and all(r.rstrip().endswith("yes") for r in rows), rows  # + an auto row per p
+    fixed = [r for r in rows if "oracle" in r and "auto" not in r]
+    auto = [r for r in rows if "oracle" in r and "auto" in r]
+    tau = [float(r.split()[-2]) for r in fixed]
     assert tau[0] > 3.0 and tau[1] == 1.0, rows  # the uncorrupted oracle is accepted, the corrupted never
+    assert len(auto) == 2 and float(auto[1].split()[-2]) == 1.0, rows
 
 
 def test_bench_drafter_runs():
