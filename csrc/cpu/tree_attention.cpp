@@ -302,24 +302,7 @@ struct S {
     x = _mm_add_ps(x, _mm_movehl_ps(x, x));
     return _mm_cvtss_f32(_mm_add_ss(x, _mm_shuffle_ps(x, x, 1)));
   }
-  // exp(x) for x <= 0: simd::exp8's reduction and polynomial (rounding by the default MXCSR mode, 2^n in
-  // the exponent bits), without FMA; 0 below -87.3 and for -inf, NaN propagates.
-  static F exp(F x) {
-    const F tiny = _mm_cmplt_ps(x, _mm_set1_ps(-87.3f));
-    const __m128i ni = _mm_cvtps_epi32(_mm_mul_ps(x, _mm_set1_ps(1.44269504088896341f)));
-    const F n = _mm_cvtepi32_ps(ni);
-    F r = _mm_sub_ps(x, _mm_mul_ps(n, _mm_set1_ps(0.693359375f)));
-    r = _mm_sub_ps(r, _mm_mul_ps(n, _mm_set1_ps(-2.12194440e-4f)));
-    F p = _mm_set1_ps(1.0f / 720.0f);
-    p = fmadd(p, r, _mm_set1_ps(1.0f / 120.0f));
-    p = fmadd(p, r, _mm_set1_ps(1.0f / 24.0f));
-    p = fmadd(p, r, _mm_set1_ps(1.0f / 6.0f));
-    p = fmadd(p, r, _mm_set1_ps(0.5f));
-    p = fmadd(p, r, _mm_set1_ps(1.0f));
-    p = fmadd(p, r, _mm_set1_ps(1.0f));
-    const F y = _mm_mul_ps(p, _mm_castsi128_ps(_mm_slli_epi32(_mm_add_epi32(ni, _mm_set1_epi32(127)), 23)));
-    return _mm_andnot_ps(tiny, y);
-  }
+  static F exp(F x) { return simd::exp4(x); }
   static F widen(const c10::BFloat16* p) {
     const __m128i h = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
     return _mm_castsi128_ps(_mm_unpacklo_epi16(_mm_setzero_si128(), h));

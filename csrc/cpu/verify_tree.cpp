@@ -139,7 +139,7 @@ void verify_cpu_impl(const VerifyCall& c) {
   int64_t* o_path = c.path.data_ptr<int64_t>();
   int32_t* o_err = c.errors.data_ptr<int32_t>();
 
-  const cpu::Isa isa = rows::row_isa();
+  const cpu::Isa isa = cpu::isa();  // the row passes' level, read once per call
   at::parallel_for(0, batch, 1, [&](int64_t begin, int64_t end) {
     std::vector<int32_t> ints(static_cast<size_t>(4 * n));
     std::vector<uint8_t> flags(static_cast<size_t>(n));

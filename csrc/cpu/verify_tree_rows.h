@@ -199,9 +199,7 @@ TAPS_AVX2_FN float row_sum_exp_avx2(const void* row, int64_t n, Dtype t, float m
 }
 #endif  // TAPS_ROW_AVX512
 
-// The level the row passes run at: read once per op call on the calling thread (cpu::isa()), passed down.
-inline cpu::Isa row_isa() { return cpu::isa(); }
-
+// Each pass takes the level it runs at (cpu::isa(), read once per op call on the calling thread).
 inline MaxResult row_max(const void* row, int64_t n, Dtype t, cpu::Isa isa) {
 #ifdef TAPS_ROW_AVX512
   if (isa >= cpu::Isa::kAvx512) return row_max_avx512(row, n, t);
