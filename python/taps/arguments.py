@@ -19,7 +19,7 @@ import sys
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 __all__ = ["ArgumentParser", "int_at_least", "float_at_least", "float_list", "name_list", "device_name",
-           "check_ranges"]
+           "or_auto", "check_ranges"]
 
 
 class ArgumentParser(argparse.ArgumentParser):
@@ -83,6 +83,16 @@ def int_at_least(low: int, high: Optional[int] = None) -> Callable[[str], int]:
 def float_at_least(low: float, high: Optional[float] = None) -> Callable[[str], float]:
     """An argparse ``type``: a finite number in [low, high] (no upper bound when high is None)."""
     return _bounded(_float, "a number", low, high)
+
+
+def or_auto(parse: Callable[[str], object]) -> Callable[[str], object]:
+    """An argparse ``type``: ``auto``, or a value `parse` accepts (e.g. ``or_auto(int_at_least(2))`` for a
+    node budget)."""
+    def parse_or_auto(text: str):
+        return "auto" if text == "auto" else parse(text)
+
+    parse_or_auto.__name__ = getattr(parse, "__name__", "value")
+    return parse_or_auto
 
 
 def float_list(low: float = -math.inf) -> Callable[[str], List[float]]:

@@ -23,7 +23,7 @@ from typing import List, Optional
 import torch
 
 def add_demo_arguments(p) -> None:
-    from .arguments import int_at_least
+    from .arguments import int_at_least, or_auto
     from .models import DTYPES, FAMILIES
     from .strategies import STRATEGIES
 
@@ -39,7 +39,7 @@ def add_demo_arguments(p) -> None:
                         "bench/RESULTS.md; e.g. --strategy merged-budget --lookup)")
     p.add_argument("--depth", type=int_at_least(1), default=None, help="default: SpeculativeDecoder's for the device")
     p.add_argument("--top-k", type=int_at_least(1), default=None, help="default: SpeculativeDecoder's for the device")
-    p.add_argument("--budget", type=_budget_arg(int_at_least(2)), default=None,
+    p.add_argument("--budget", type=or_auto(int_at_least(2)), default=None,
                    help="nodes of one drafter's tree, root included (default: SpeculativeDecoder's), or auto: "
                         "taps.Tuner chooses each step's drafters, depth and nodes, down to no draft, by measured "
                         "costs (the streamed answers; the evaluation table keeps fixed settings)")
@@ -50,13 +50,6 @@ def add_demo_arguments(p) -> None:
                         "native bf16, AVX512-BF16 or AMX; else fp32)")
     p.add_argument("--threads", type=int_at_least(0), default=0, help="torch CPU threads (0: default)")
     p.add_argument("--no-color", action="store_true", help="mark accepted tokens with brackets, not colour")
-
-
-def _budget_arg(node_count):
-    """An argparse ``type``: `node_count`'s integer, or ``auto``."""
-    def parse(text: str):
-        return "auto" if text == "auto" else node_count(text)
-    return parse
 
 
 def _top_shapes(stats, top: int = 3) -> str:
