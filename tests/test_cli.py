@@ -78,6 +78,21 @@ BAD_ARGUMENTS = [
     (["train", "average", "/nonexistent/a", "/nonexistent/b", "--out", "/nonexistent/c"], "/nonexistent/a"),
     (["train", "average", "--out", "x"], "inputs"),
     (["train", "vocab", "--tokens", "0"], "--tokens"),
+    (["serve", "--port", "70000"], "--port"),
+    (["serve", "--max-batch", "0"], "--max-batch"),
+    (["serve", "--max-queue", "-1"], "--max-queue"),
+    (["serve", "--timeout", "0"], "--timeout"),
+    (["serve", "--budget", "1"], "--budget"),
+    (["serve", "--dtype", "fp8"], "--dtype"),
+    (["serve", "--drafter", "x=medusa"], "medusa"),
+    (["serve", "--drafter", "x=eagle:/nonexistent/head"], "/nonexistent/head"),
+    (["serve", "--drafter", "x=shipped:hass-algebra"], "hass-algebra"),
+    (["serve", "--drafter", "lookup"], "NAME=KIND"),
+    (["serve", "--target", "/nonexistent/model"], "/nonexistent/model"),
+    (["serve", "--strategy", "nope"], "nope"),
+    (["serve", "--strategy", "single"], "exactly one drafter"),
+    (["serve", "--default-drafters", "math,nope"], "nope"),
+    (["serve", "--config", "/nonexistent/serve.toml"], "serve.toml"),
     (["train"], "train_command"),
     ([], "command"),
     (["bogus"], "bogus"),
@@ -107,7 +122,7 @@ def _prog(argv):
     """The command an error line names: taps, taps <command> or taps train <subcommand>."""
     if argv[:1] == ["train"] and len(argv) > 1:
         return "taps train " + argv[1]
-    return "taps " + argv[0] if argv and argv[0] in ("demo", "eval", "tour", "train") else "taps"
+    return "taps " + argv[0] if argv and argv[0] in ("demo", "eval", "tour", "train", "serve") else "taps"
 
 
 def _exit_status(argv):

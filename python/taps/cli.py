@@ -6,6 +6,8 @@
     taps tour [--quick]     a tour of the kernels: two drafters' trees merged, verified losslessly,
                             the output distribution checked, and the speed against plain PyTorch
     taps train tokenizer|target|drafter|average|vocab ...   reproduce the shipped models (docs/TRAINING.md)
+    taps serve [--config FILE] ...   an OpenAI-compatible HTTP server over the shipped or any Hugging Face
+                            models, with continuous batching (taps.serve)
 
 Every value is checked as it is parsed (:mod:`taps.arguments`), before a model or a data file is read. A
 user error (a bad value or name, a missing or corrupted model file, missing training data) prints one
@@ -26,6 +28,7 @@ def build_parser() -> argparse.ArgumentParser:
     from taps.arguments import ArgumentParser
     from taps.demo import add_demo_arguments
     from taps.eval import add_eval_arguments
+    from taps.serve.config import SERVE_DESCRIPTION, SERVE_EPILOG, add_serve_arguments
     from taps.train.cli import add_train_subcommands
 
     ap = ArgumentParser(prog="taps", description="TAPS speculative decoding")
@@ -37,6 +40,10 @@ def build_parser() -> argparse.ArgumentParser:
     t = sub.add_parser("tour", help="a tour of the kernels on synthetic trees and a random Llama")
     t.add_argument("--quick", action="store_true", help="smaller sizes")
     add_train_subcommands(sub)
+    s = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (chat and text completions, streaming, "
+                                     "continuous batching)", description=SERVE_DESCRIPTION, epilog=SERVE_EPILOG,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_serve_arguments(s)
     return ap
 
 
@@ -85,6 +92,12 @@ def _run(args) -> int:
         return tour(args)
     if args.command == "train":
         return args.func(args)
+    if args.command == "serve":
+        from taps.serve.config import config_from_args
+        from taps.serve.server import check_dependencies, serve
+
+        check_dependencies()
+        return serve(config_from_args(args))
     return 2
 
 

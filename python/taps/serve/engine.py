@@ -1,0 +1,446 @@
+"""The engine thread: every decoding step of the server runs here, one thread, no locks around torch.
+
+Requests reach it from the asyncio side through a queue (:meth:`Engine.submit`, :meth:`Engine.cancel`);
+what it decodes goes back into each request's asyncio queue with ``loop.call_soon_threadsafe``.
+
+A :class:`taps.decoder.SpeculativeDecoder` decodes one strategy with one drafter set, so requests are
+grouped by :class:`BatchKey` (strategy, drafter names, whether a tuner chooses each step's draft); each
+key gets a :class:`taps.batching.ContinuousBatch` over a decoder of its own, made on first use from the
+loaded models. Every turn of the loop the engine takes new requests and cancellations, admits waiting
+requests while fewer than ``max_batch`` are in the batches (the rest wait in the engine's queue, whose
+length the asyncio side bounds), ends requests past their deadline, and runs one step of every non-empty
+batch in turn. A request leaves its batch at EOS, at its max_tokens, at a stop string (the engine cancels
+it: stop strings are found here, in the text of each step's tokens), on its client's disconnect or at its
+deadline.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+import traceback
+from collections import OrderedDict, deque
+from dataclasses import dataclass, field
+from typing import Any, Callable, Deque, Dict, Hashable, List, Optional, Sequence, Tuple
+
+import torch
+
+from .config import ServeConfig
+from .text import TextStream
+
+__all__ = ["BatchKey", "ModelSet", "Output", "Submission", "Engine", "load_models"]
+
+log = logging.getLogger("taps.serve")
+
+
+@dataclass(frozen=True)
+class BatchKey:
+    """What one decoder decodes with: a strategy, the drafters by name, and whether a tuner chooses each
+    step's draft among them (``budget="auto"``)."""
+
+    strategy: str
+    drafters: Tuple[str, ...]
+    auto: bool
+
+
+@dataclass
+class ModelSet:
+    """The loaded models: the target, its tokenizer and the drafters requests may name."""
+
+    name: str
+    target: torch.nn.Module
+    tokenizer: Any
+    drafters: Dict[str, Any]
+    #: the target's context (max_position_embeddings); None when its config has none
+    context_length: Optional[int]
+    vocab_size: int
+    eos_token_ids: List[int]
+    #: Hugging Face fast tokenizers may not be used from two threads at once
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    @property
+    def chat_tokenizer(self) -> bool:
+        from ..chat import ChatTokenizer
+
+        return isinstance(self.tokenizer, ChatTokenizer)
+
+    def encode_chat(self, messages: List[dict]) -> List[int]:
+        """Token ids of the conversation in the target's chat template, ending with the generation prompt;
+        ValueError when the template cannot render it."""
+        with self.lock:
+            if self.chat_tokenizer:
+                return self.tokenizer.encode_chat(messages, add_generation_prompt=True)
+            if not getattr(self.tokenizer, "chat_template", None):
+                raise ValueError(f"the model {self.name} has no chat template; use /v1/completions")
+            try:
+                text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+            except Exception as e:  # the template's own errors (jinja): the conversation does not fit it
+                raise ValueError(f"the chat template cannot render these messages: {e}") from None
+            return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    def encode_text(self, text: str) -> List[int]:
+        """Token ids of a completion prompt (the tokenizer's own special tokens added, as for training text)."""
+        with self.lock:
+            if self.chat_tokenizer:
+                return self.tokenizer.encode_text(text)
+            return list(self.tokenizer(text)["input_ids"])
+
+    def decode(self, ids: List[int]) -> str:
+        with self.lock:
+            return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+
+def _device(name: str) -> torch.device:
+    if name == "auto":
+        import taps_ops
+
+        name = "cuda" if torch.cuda.is_available() and taps_ops.has_cuda_kernels() else "cpu"
+    return torch.device(name)
+
+
+def load_models(cfg: ServeConfig) -> ModelSet:
+    """Load the target, its tokenizer and the drafters of `cfg` (shipped files checked against their
+    manifests)."""
+    from .. import models
+    from ..drafters import EagleDrafter, ModelDrafter, target_vocab_size
+    from ..ngram import PromptLookupDrafter
+
+    device = _device(cfg.device)
+    dtype = models.resolve_dtype(cfg.dtype, device)
+    if cfg.shipped_target:
+        target, tok = models.load_target(dtype=dtype)
+        name = cfg.model_name or "taps-mini"
+    else:
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        target = AutoModelForCausalLM.from_pretrained(cfg.target, dtype=dtype).eval()
+        tok = AutoTokenizer.from_pretrained(cfg.target)
+        name = cfg.model_name or cfg.target.rstrip("/").rsplit("/", 1)[-1]
+    target.to(device)
+    drafters = {}
+    for key, spec in cfg.drafters.items():
+        if spec.kind == "shipped":
+            family, data = spec.path.split("-", 1)
+            vocab = spec.options.get("draft_vocab", cfg.draft_vocab)
+            drafters[key] = models.load_drafter(family, data, target, draft_vocab=vocab or None)
+        elif spec.kind == "eagle":
+            drafters[key] = EagleDrafter.from_pretrained(spec.path, target=target, dtype=dtype)
+        elif spec.kind == "model":
+            drafters[key] = ModelDrafter.from_pretrained(spec.path, dtype=dtype)
+            drafters[key].bind(target)
+        else:
+            drafters[key] = PromptLookupDrafter(**spec.options)
+            drafters[key].bind(target)
+    config = target.config
+    context = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
+    eos = set()
+    for source in (getattr(tok, "eos_token_id", None), getattr(getattr(target, "generation_config", None),
+                                                                    "eos_token_id", None)):
+        if source is not None:
+            eos |= {int(source)} if isinstance(source, int) else {int(e) for e in source}
+    return ModelSet(name, target, tok, drafters, int(context) if context else None, target_vocab_size(target),
+                    sorted(eos))
+
+
+@dataclass
+class Output:
+    """What the engine sends a request: new text and the tokens generated so far, then with the last
+    text the finish reason (``stop`` / ``length``) and the request's ``taps`` report (:meth:`Engine.report`);
+    or an error instead."""
+
+    text: str = ""
+    completion_tokens: int = 0
+    finish_reason: Optional[str] = None
+    taps: Optional[dict] = None
+    #: (HTTP status, message, code) when the request failed
+    error: Optional[Tuple[int, str, Optional[str]]] = None
+
+
+@dataclass
+class Submission:
+    """A request as the asyncio side hands it to the engine."""
+
+    request_id: Hashable
+    key: BatchKey
+    prompt_ids: List[int]
+    params: Any  # taps.batching.SamplingParams
+    stop: List[str]
+    deadline: float
+    send: Callable[[Output], None]
+    arrival: float = field(default_factory=time.perf_counter)
+
+
+class _Live:
+    """A request's engine-side state."""
+
+    def __init__(self, sub: Submission, stream: TextStream):
+        self.sub, self.stream = sub, stream
+        self.first = True
+        #: no output wanted any more (the answer is complete, the client left, or it timed out); the
+        #: request is still in its batch until the batch reports it cancelled
+        self.closed = False
+
+
+class Engine:
+    """The engine thread over `models` (see the module docstring).
+
+    Args:
+        models: the loaded :class:`ModelSet`.
+        config: the server's settings (decoder settings, max_batch).
+        metrics: a :class:`taps.serve.metrics.ServerMetrics` (or None).
+    """
+
+    def __init__(self, models: ModelSet, config: ServeConfig, metrics=None, max_decoders: int = 16):
+        self.models, self.config, self.metrics = models, config, metrics
+        self.max_decoders = max_decoders
+        self._inbox: "queue.Queue" = queue.Queue()
+        self._pending: Deque[Submission] = deque()
+        self._live: Dict[Hashable, _Live] = {}
+        self._where: Dict[Hashable, BatchKey] = {}
+        self._batches: "OrderedDict[BatchKey, Any]" = OrderedDict()
+        self._decoders: Dict[BatchKey, Any] = {}
+        self._thread: Optional[threading.Thread] = None
+        self._stopping = False
+        #: the engine thread died on an unexpected error (the server answers 503 then)
+        self.failed: Optional[str] = None
+        #: requests admitted to a batch (running or waiting there) and waiting in the engine's queue,
+        #: as of the last turn of the loop
+        self.num_running = 0
+        self.num_waiting = 0
+        self._throughput: Deque[Tuple[float, int]] = deque()
+
+    # -- the asyncio side ------------------------------------------------------------------------------
+    def start(self) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="taps-engine", daemon=True)
+            self._thread.start()
+
+    def stop(self, timeout: float = 30.0) -> None:
+        """Cancel everything and end the thread."""
+        if self._thread is not None:
+            self._inbox.put(("stop", None))
+            self._thread.join(timeout)
+            self._thread = None
+
+    @property
+    def alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def submit(self, sub: Submission) -> None:
+        self._inbox.put(("add", sub))
+
+    def cancel(self, request_id: Hashable) -> None:
+        """The client left: drop the request without output (unknown or finished ids are ignored)."""
+        self._inbox.put(("cancel", request_id))
+
+    # -- the engine thread -----------------------------------------------------------------------------
+    def _run(self) -> None:
+        try:
+            with torch.no_grad():
+                while not self._stopping:
+                    self._turn()
+        except BaseException:  # an engine bug: fail every request rather than leave them waiting
+            self.failed = traceback.format_exc()
+            log.error("taps serve: the engine thread stopped:\n%s", self.failed)
+        finally:
+            why = "the server is shutting down" if self._stopping else "the decoding engine stopped on an internal error"
+            for sub in list(self._pending) + [live.sub for live in self._live.values() if not live.closed]:
+                sub.send(Output(error=(503, why, None)))
+            self._pending.clear()
+            self._live.clear()
+
+    def _turn(self) -> None:
+        busy = bool(self._pending) or any(self._batches.values())
+        try:
+            command = self._inbox.get(block=not busy, timeout=None)
+        except queue.Empty:
+            command = None
+        while command is not None:
+            self._command(*command)
+            try:
+                command = self._inbox.get_nowait()
+            except queue.Empty:
+                command = None
+        if self._stopping:
+            return
+        self._expire()
+        self._admit()
+        for key, batch in list(self._batches.items()):
+            if batch:
+                self._step(key, batch)
+        self._count()
+
+    def _command(self, kind: str, value) -> None:
+        if kind == "stop":
+            self._stopping = True
+        elif kind == "add":
+            self._pending.append(value)
+        elif kind == "cancel":
+            self._drop(value)
+
+    def _drop(self, request_id: Hashable) -> None:
+        """Leave without further output: out of the queue now, or out of its batch at its next step."""
+        for sub in self._pending:
+            if sub.request_id == request_id:
+                self._pending.remove(sub)
+                return
+        live = self._live.get(request_id)
+        if live is not None and not live.closed:
+            live.closed = True
+            self._batches[self._where[request_id]].cancel(request_id)
+
+    def _expire(self) -> None:
+        now = time.perf_counter()
+        late = [s for s in self._pending if s.deadline <= now]
+        late += [live.sub for live in self._live.values() if not live.closed and live.sub.deadline <= now]
+        for sub in late:
+            self._drop(sub.request_id)
+            sub.send(Output(error=(408, f"the request took longer than the server's timeout "
+                                        f"({self.config.timeout:g} s)", "timeout")))
+            if self.metrics is not None:
+                self.metrics.finished.labels("timeout").inc()
+
+    def _in_batches(self) -> int:
+        return sum(b.num_running + b.num_waiting for b in self._batches.values())
+
+    def _admit(self) -> None:
+        room = self.config.max_batch - self._in_batches()
+        while self._pending and room > 0:
+            sub = self._pending.popleft()
+            try:
+                batch = self._batch(sub.key)
+                batch.add(sub.request_id, sub.prompt_ids, sub.params)
+            except (ValueError, TypeError) as e:  # a decoder the drafters cannot make, a prompt it refuses
+                sub.send(Output(error=(400, str(e), None)))
+                continue
+            self._live[sub.request_id] = _Live(sub, TextStream(self.models.decode, sub.stop))
+            self._where[sub.request_id] = sub.key
+            room -= 1
+
+    def _batch(self, key: BatchKey):
+        """The batch of `key`, made on first use (the least recently used idle one goes past
+        ``max_decoders``)."""
+        from ..batching import ContinuousBatch
+        from ..decoder import SpeculativeDecoder
+
+        batch = self._batches.get(key)
+        if batch is not None:
+            self._batches.move_to_end(key)
+            return batch
+        cfg = self.config
+        decoder = SpeculativeDecoder(self.models.target, [self.models.drafters[n] for n in key.drafters],
+                                     key.strategy, depth=cfg.depth, top_k=cfg.top_k,
+                                     budget="auto" if key.auto else None if cfg.budget == "auto" else cfg.budget,
+                                     tokenizer=self.models.tokenizer)
+        batch = self._batches[key] = ContinuousBatch(decoder, max_batch=cfg.max_batch)
+        self._decoders[key] = decoder
+        idle = [k for k, b in self._batches.items() if not b and k != key]
+        for k in idle[:max(0, len(self._batches) - self.max_decoders)]:
+            del self._batches[k], self._decoders[k]
+        return batch
+
+    def _step(self, key: BatchKey, batch) -> None:
+        t0 = time.perf_counter()
+        try:
+            events = batch.step()
+        except Exception:  # a decoding error: this batch's requests fail, the others go on
+            log.error("taps serve: a decoding step failed (%s):\n%s", key, traceback.format_exc())
+            for rid in [r for r, k in self._where.items() if k == key]:
+                live = self._live.pop(rid)
+                del self._where[rid]
+                if not live.closed:
+                    live.sub.send(Output(error=(500, "the decoding step failed on an internal error", None)))
+                    if self.metrics is not None:
+                        self.metrics.finished.labels("error").inc()
+            del self._batches[key], self._decoders[key]
+            return
+        seconds = time.perf_counter() - t0
+        committed = 0
+        for event in events:
+            committed += len(event.tokens)
+            self._event(event)
+        if self.metrics is not None:
+            self.metrics.step_seconds.observe(seconds)
+        now = time.perf_counter()
+        self._throughput.append((now, committed))
+        while self._throughput and self._throughput[0][0] < now - 10.0:
+            self._throughput.popleft()
+
+    def _event(self, event) -> None:
+        live = self._live.get(event.request_id)
+        if live is None:
+            return
+        sub = live.sub
+        if event.finish_reason is not None:  # out of its batch
+            del self._live[event.request_id]
+            del self._where[event.request_id]
+        if live.closed:
+            return
+        now = time.perf_counter()
+        if live.first and event.tokens and self.metrics is not None:
+            self.metrics.time_to_first_token.observe(now - sub.arrival)
+        text = live.stream.feed(event.tokens)
+        reason = event.finish_reason
+        if live.stream.stopped:
+            reason = "stop"
+            if event.finish_reason is None:
+                live.closed = True
+                self._batches[self._where[event.request_id]].cancel(event.request_id)
+        elif reason in ("eos", "length"):
+            text += live.stream.finish()
+            reason = "stop" if reason == "eos" else "length"
+        elif reason is not None:  # cancelled by no one here: the batch dropped it
+            sub.send(Output(error=(500, f"the request ended unexpectedly ({reason})", None)))
+            return
+        done = reason is not None
+        report = self.report(sub.key, event.stats) if done else None
+        if text or done or live.first:
+            sub.send(Output(text=text, completion_tokens=live.stream.num_tokens, finish_reason=reason, taps=report))
+        live.first = False
+        if done and self.metrics is not None:
+            self.metrics.request_done(len(sub.prompt_ids), live.stream.num_tokens, reason, event.stats,
+                                      now - sub.arrival, report)
+
+    def report(self, key: BatchKey, stats) -> dict:
+        """The ``taps`` block of a response: the strategy and drafters, tau, each drafter's share of the
+        accepted draft tokens, and the steps per draft shape (drafters, depth ``d``, node budget ``n``:
+        the tuner's choices, or the fixed shape)."""
+        decoder = self._decoders[key]
+        names = list(key.drafters)
+        if len(decoder.drafters) != len(names):  # checkpoint averaging: one drafter, their mean
+            names = ["+".join(names)] if decoder.drafters else []
+        if stats.draft_shapes:
+            shapes = {_shape_name(label, names): n for label, n in stats.shape_histogram.items()}
+        elif stats.target_forwards:
+            label = f"{'+'.join(names)} d{decoder.depth} n{decoder.budget}" if names else "none"
+            shapes = {label: stats.target_forwards}
+        else:
+            shapes = {}
+        return {"strategy": key.strategy, "drafters": list(key.drafters), "budget": "auto" if key.auto else decoder.budget,
+                "tau": round(stats.tau, 4), "target_forwards": stats.target_forwards,
+                "accepted_draft_tokens": sum(stats.accepted),
+                "drafter_share": {n: round(s, 4) for n, s in zip(names, stats.drafter_share)},
+                "draft_shapes": shapes}
+
+    def _count(self) -> None:
+        in_batches = sum(b.num_running for b in self._batches.values())
+        waiting = len(self._pending) + sum(b.num_waiting for b in self._batches.values())
+        self.num_running, self.num_waiting = in_batches, waiting
+        if self.metrics is not None:
+            self.metrics.running.set(in_batches)
+            self.metrics.queue_depth.set(waiting)
+            span = self._throughput[-1][0] - self._throughput[0][0] if len(self._throughput) > 1 else 0.0
+            tokens = sum(n for _, n in list(self._throughput)[1:])
+            self.metrics.tokens_per_second.set(tokens / span if span > 0 else 0.0)
+
+
+def _shape_name(label: str, names: Sequence[str]) -> str:
+    """A tuner's shape label (``0+1 d3 n16``) with drafter names for indices (``math+chat d3 n16``)."""
+    head, _, rest = label.partition(" ")
+    try:
+        drafters = "+".join(names[int(i)] for i in head.split("+"))
+    except (ValueError, IndexError):
+        return label
+    return f"{drafters} {rest}".strip()

@@ -1,0 +1,128 @@
+"""`taps serve`'s settings: a JSON or TOML config file and flags over it, every value checked before a model
+loads (one line naming the flag or the file's key)."""
+
+import json
+
+import pytest
+
+from taps import cli
+from taps.serve.config import DrafterSpec, ServeConfig, config_from_args
+
+
+def settings(tmp_path, argv, text=None, name="serve.toml"):
+    """config_from_args of `taps serve argv` (with --config pointing at `text` written to `name`)."""
+    if text is not None:
+        (tmp_path / name).write_text(text)
+        argv = ["--config", str(tmp_path / name)] + argv
+    return config_from_args(cli.build_parser().parse_args(["serve", *argv]))
+
+
+def model_folder(path):
+    path.mkdir(parents=True)
+    (path / "config.json").write_text("{}")
+    return path
+
+
+def test_defaults_serve_the_shipped_models():
+    cfg = config_from_args(cli.build_parser().parse_args(["serve"]))
+    assert cfg.target is None and cfg.strategy == "merged-budget" and cfg.budget == "auto"
+    assert cfg.drafters == {"math": DrafterSpec("shipped", "hass-math"), "chat": DrafterSpec("shipped", "hass-chat"),
+                            "lookup": DrafterSpec("lookup")}
+    assert cfg.request_drafters() == ["math", "chat", "lookup"]
+    assert (cfg.host, cfg.port, cfg.max_batch, cfg.max_queue, cfg.timeout) == ("127.0.0.1", 8000, 16, 64, 600.0)
+    assert ServeConfig().drafters == cfg.drafters
+
+
+TOML = """
+target = "llama"              # relative to the file's folder
+dtype = "bf16"
+model_name = "my-llama"
+strategy = "merged"
+default_drafters = ["eagle", "lookup"]
+budget = 24
+depth = 5
+top_k = 8
+
+[drafters]
+eagle = "eagle:heads/eagle3"
+small = {kind = "model", path = "small-lm"}
+lookup = {kind = "lookup", max_ngram = 4}
+
+[limits]
+max_batch = 4
+max_queue = 8
+timeout = 30
+default_max_tokens = 128
+max_tokens = 512
+"""
+
+
+def test_a_toml_file_and_the_same_settings_in_json(tmp_path):
+    for sub in ("llama", "heads/eagle3", "small-lm"):
+        model_folder(tmp_path / sub)
+    cfg = settings(tmp_path, [], TOML)
+    assert cfg.target == str(tmp_path / "llama") and cfg.dtype == "bf16" and cfg.model_name == "my-llama"
+    assert cfg.drafters == {"eagle": DrafterSpec("eagle", str(tmp_path / "heads/eagle3")),
+                            "small": DrafterSpec("model", str(tmp_path / "small-lm")),
+                            "lookup": DrafterSpec("lookup", None, {"max_ngram": 4})}
+    assert (cfg.strategy, cfg.default_drafters, cfg.budget, cfg.depth, cfg.top_k) == \
+        ("merged", ["eagle", "lookup"], 24, 5, 8)
+    assert (cfg.max_batch, cfg.max_queue, cfg.timeout, cfg.default_max_tokens, cfg.max_tokens) == (4, 8, 30.0, 128, 512)
+    as_json = json.dumps({"target": "llama", "drafters": {"lookup": "lookup", "eagle": {"kind": "eagle",
+                                                                                        "path": "heads/eagle3"}},
+                          "limits": {"max_batch": 2}, "budget": "auto"})
+    cfg = settings(tmp_path, [], as_json, "serve.json")
+    assert cfg.drafters["eagle"].path == str(tmp_path / "heads/eagle3") and cfg.max_batch == 2
+    assert cfg.budget == "auto"
+
+
+def test_flags_win_over_the_file(tmp_path):
+    for sub in ("llama", "heads/eagle3", "small-lm"):
+        model_folder(tmp_path / sub)
+    cfg = settings(tmp_path, ["--max-batch", "9", "--strategy", "merged-budget", "--drafter", "lookup=lookup",
+                              "--default-drafters", "lookup", "--budget", "auto", "--port", "0"], TOML)
+    assert cfg.max_batch == 9 and cfg.strategy == "merged-budget" and cfg.budget == "auto" and cfg.port == 0
+    assert cfg.drafters == {"lookup": DrafterSpec("lookup")} and cfg.max_queue == 8
+
+
+@pytest.mark.parametrize("text, words", [
+    ('colour = "blue"', "unknown settings colour"),
+    ("[limits]\nmax_batch = 0", "limits.max_batch"),
+    ("[limits]\nspeed = 1", "unknown limits speed"),
+    ('limits = "fast"', "limits must be a table"),
+    ('budget = "lots"', "budget"),
+    ("port = 1e9", "port"),
+    ("max_batch = 3", "unknown settings max_batch"),
+    ('strategy = "bogus"', "bogus"),
+    ('dtype = "fp8"', "dtype"),
+    ('[drafters]\nx = "medusa"', "medusa"),
+    ('[drafters]\nx = "eagle"', "needs a path"),
+    ('[drafters]\nx = "eagle:nowhere"', "not a model folder"),
+    ('[drafters]\nx = {kind = "lookup", max_ngram = 0}', "max_ngram"),
+    ('[drafters]\nx = {kind = "lookup", width = 3}', "width"),
+    ('[drafters]\n"bad name" = "lookup"', "bad name"),
+    ('default_drafters = ["nope"]', "nope"),
+    ('target = "nowhere"', "not a model folder"),
+    ("this is = not toml", "not valid TOML"),
+])
+def test_bad_config_files_are_one_line_errors(tmp_path, text, words):
+    with pytest.raises(ValueError) as e:
+        settings(tmp_path, [], text)
+    assert words in str(e.value) and "\n" not in str(e.value)
+
+
+def test_shipped_drafters_need_the_shipped_target(tmp_path):
+    model_folder(tmp_path / "llama")
+    with pytest.raises(ValueError, match="shipped drafters are trained for the shipped target"):
+        settings(tmp_path, ["--target", str(tmp_path / "llama"), "--drafter", "m=shipped:hass-math"])
+    assert settings(tmp_path, ["--target", str(tmp_path / "llama")]).drafters == {"lookup": DrafterSpec("lookup")}
+
+
+def test_a_bad_config_file_fails_before_anything_loads(tmp_path, monkeypatch, capsys):
+    from taps.serve import engine
+
+    monkeypatch.setattr(engine, "load_models", lambda *a: pytest.fail("models loaded before the check"))
+    (tmp_path / "serve.json").write_text('{"limits": {"timeout": -1}}')
+    rc = cli.main(["serve", "--config", str(tmp_path / "serve.json")])
+    err = capsys.readouterr().err.strip()
+    assert rc == 2 and len(err.splitlines()) == 1 and err.startswith("taps serve: error: ") and "timeout" in err
