@@ -192,7 +192,7 @@ class GreedyCalls:
             bound.apply_defaults()
             a = bound.arguments
             if isinstance(a["temperature"], (int, float)) and a["temperature"] == 0:
-                calls.append((dec.target, dec._prepare(a["inputs"]), a["max_new_tokens"], a["eos_token_id"],
+                calls.append((dec.target, dec.prompt_ids(a["inputs"]), a["max_new_tokens"], a["eos_token_id"],
                               out.tokens, dec.strategy.name))
             return out
 

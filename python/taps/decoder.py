@@ -4,24 +4,38 @@
     out = decoder.generate(["prompt one", "a longer prompt two"], max_new_tokens=64, temperature=0)
     out.tokens, out.text, out.stats[0].tau, out.summary
 
-Per step: the drafters expand their EAGLE-2 candidates (drafters of one kind and shape as one batched
-forward, :func:`taps.drafters.make_groups`) -> the strategy builds the tree to verify -> one target
-forward over the tree (:class:`taps.forward.TargetForward`: the lean path for Llama-family targets, else
-the Hugging Face module) -> ``taps_ops.verify_tree`` (deterministic candidates: ``draft_probs=None``;
-lossless at any temperature / top-k / top-p) -> ``taps_ops.compact_kv`` of the target cache -> one
-device-to-host copy of what the step decided (accepted tokens, counts, statistics) -> each drafter group
-appends the accepted tokens and the bonus token to its own cache. Batches of ragged prompts; a request
-that is done (EOS or ``max_new_tokens``) stops emitting and its caches stop growing while the others
-continue. Sizes that masks need (the longest committed length) are kept on the host, so a step has one
-device sync: that copy.
+A batch of requests is a :class:`DecodeState` (:meth:`SpeculativeDecoder.start`: prefill, the first
+token, the drafter groups started); :meth:`SpeculativeDecoder.step` runs one verification step over it as
+named phases:
+
+1. route: drop the groups of drafters a routing decision retired;
+2. plan: the draft (the fixed settings, or the tuner's choice of drafters, depth and budget, down to none);
+3. draft: each drafting group expands its EAGLE-2 candidates (drafters of one kind and shape as one
+   batched forward, :func:`taps.drafters.make_groups`);
+4. tree: the strategy combines them into the tree to verify;
+5. verify: one target forward over the tree (:class:`taps.forward.TargetForward`: the lean path for
+   Llama-family targets, else the Hugging Face module) and ``taps_ops.verify_tree`` (deterministic
+   candidates, ``draft_probs=None``: lossless at any temperature / top-k / top-p);
+6. commit: the accepted path compacted in the target cache, the next roots;
+7. read back: what the step decided (tokens, counts, statistics) in one device-to-host copy
+   (:class:`_HostRecord`);
+8. advance: each drafter group appends the committed tokens (queued until it next drafts, with a tuner);
+9. record: per-request statistics, emitted tokens, the tuner's observation.
+
+Batches of ragged prompts; a request that is done (EOS or ``max_new_tokens``) stops emitting and its
+caches stop growing while the others continue. Sizes that masks need (the longest committed length) are
+kept on the host, so a step has one device sync: the read-back. Requests join and leave a running state
+between steps (:meth:`SpeculativeDecoder.join`, :meth:`SpeculativeDecoder.drop`; continuous batching in
+:mod:`taps.batching`).
 """
 
 from __future__ import annotations
 
+import numbers
 import time
 import warnings
-from dataclasses import dataclass
-from typing import Callable, Dict, List, Optional, Sequence, Tuple, Union
+from dataclasses import dataclass, field
+from typing import Callable, Dict, Hashable, List, NamedTuple, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import Tensor, nn
@@ -36,9 +50,10 @@ from .kv import pack_bits
 from .lean import stack_key
 from .stats import Profiler, RequestStats, summarize
 from .strategies import Candidates, Combined, Strategy, make_strategy, root_tree, strategy_class
-from .tuner import Tuner, node_grid, shared_costs, time_call
+from .tuner import Shape, Tuner, node_grid, shared_costs, time_call
 
-__all__ = ["SpeculativeDecoder", "GenerateOutput", "check_same_tokenizer", "DEFAULT_SETTINGS"]
+__all__ = ["SpeculativeDecoder", "GenerateOutput", "DecodeState", "RequestState", "check_same_tokenizer",
+           "check_max_new_tokens", "DEFAULT_SETTINGS"]
 
 Prompt = Union[str, Sequence[int], Tensor]
 
@@ -149,7 +164,9 @@ class SpeculativeDecoder:
         return next(self.target.parameters()).device
 
     # ---------------------------------------------------------------------------------------------
-    def _prepare(self, inputs) -> List[List[int]]:
+    def prompt_ids(self, inputs) -> List[List[int]]:
+        """Prompts as token-id lists, checked: `inputs` as :meth:`generate` takes them (ValueError /
+        TypeError for empty prompts, ids outside the target's vocabulary, text without a tokenizer)."""
         if isinstance(inputs, str):
             inputs = [inputs]
         if isinstance(inputs, Tensor):
@@ -196,6 +213,10 @@ class SpeculativeDecoder:
             return {eos_token_id}
         return {int(e) for e in eos_token_id}
 
+    def new_groups(self) -> List[DraftGroup]:
+        """Drafter groups for a new batch (not started), sharing the decoder's packed weights."""
+        return [g.spawn() for g in self._draft_groups()]
+
     def _draft_groups(self) -> List[DraftGroup]:
         """The drafters' batched groups, rebuilt when a drafter's weights (or the target's) changed."""
         key = tuple((id(d), id(d.draft_vocab), stack_key(list(d.parameters()))) for d in self.drafters)
@@ -225,12 +246,9 @@ class SpeculativeDecoder:
         Returns:
             :class:`GenerateOutput`.
         """
-        if isinstance(max_new_tokens, bool) or not float(max_new_tokens).is_integer() or max_new_tokens < 0:
-            raise ValueError(f"max_new_tokens must be an integer >= 0, got {max_new_tokens!r}")
-        max_new_tokens = int(max_new_tokens)
-        rows = self._prepare(inputs)
+        max_new_tokens = check_max_new_tokens(max_new_tokens)
+        rows = self.prompt_ids(inputs)
         device = self.device
-        batch = len(rows)
         limit = getattr(self.target.config, "max_position_embeddings", None)
         longest = max(len(r) for r in rows)
         if limit is not None and longest + max_new_tokens > limit:
@@ -239,122 +257,371 @@ class SpeculativeDecoder:
                           "past it are outside what the model was trained on", stacklevel=2)
         if generator is None and seed is not None:
             generator = torch.Generator(device=device).manual_seed(int(seed))
-        eos = self._eos_set(eos_token_id)
+        eos = frozenset(self._eos_set(eos_token_id))
+        requests = [RequestState(b, max_new_tokens, eos, RequestStats(prompt_tokens=len(r),
+                                                                  drafter_accepted=[0] * len(self.drafters)))
+                    for b, r in enumerate(rows)]
+        on_tokens = None if stream is None else (lambda request, new: stream(request.key, new))
         prof = Profiler(enabled=profile, sync=profile and device.type == "cuda")
-        sample = dict(temperature=temperature, top_k=top_k, top_p=top_p, generator=generator,
-                      validate=device.type == "cpu")
+        sample = dict(temperature=temperature, top_k=top_k, top_p=top_p)
+        if max_new_tokens == 0:
+            for r in requests:
+                r.stats.finish_reason = "length"
+        else:
+            groups = self._draft_groups()
+            try:
+                state = self.start(rows, requests, sample, groups, prof, generator=generator, on_tokens=on_tokens)
+                while not state.finished:
+                    self.step(state)
+            finally:
+                for g in groups:
+                    g.release()
+        for r in requests:
+            r.stats.new_tokens = len(r.tokens)
+        tokens = [r.tokens for r in requests]
+        text = None if self.tokenizer is None else [self.tokenizer.decode(t) for t in tokens]
+        stats = [r.stats for r in requests]
+        return GenerateOutput(tokens, text, stats, summarize(stats), prof.per_step() if profile else None,
+                              prof.steps)
 
+    # -- a batch of requests: start, step ------------------------------------------------------------
+    def start(self, rows: List[List[int]], requests: List["RequestState"], sample: dict, groups: List[DraftGroup],
+              prof: Profiler, *, generator: Optional[torch.Generator] = None, on_tokens=None,
+              fresh: bool = True) -> "DecodeState":
+        """Prefill the prompts `rows` (one per request), sample each request's first token and start the
+        drafter `groups` (not started yet, for these rows): the state :meth:`step` continues.
+
+        ``sample``: temperature / top_k / top_p (scalars or [B] tensors); the coins come from each
+        request's own generator (``RequestState.coins``) when every request has one, else from `generator`.
+        ``fresh``: a new batch (the strategy's and the tuner's per-request state start over; with a tuner a
+        group starts when it first drafts, never when drafting does not pay); False: requests that
+        :meth:`join` adds to a running batch (groups started now; nothing of the running batch reset)."""
+        device = self.device
+        batch = len(rows)
         host_lengths = [len(r) for r in rows]
+        longest = max(host_lengths)
         lens = torch.tensor(host_lengths, dtype=torch.int64, device=device)
         ids = torch.zeros((batch, longest), dtype=torch.int64, device=device)
         for b, r in enumerate(rows):
             ids[b, :len(r)] = torch.tensor(r, dtype=torch.int64)
-        strategy = self.strategy
-        strategy.reset(batch, device)
-        n_nodes = strategy.num_nodes
-        cap = longest + max_new_tokens + self.depth + n_nodes + 4
+        cap = max(len(r) + q.max_new for r, q in zip(rows, requests)) + self.depth + self.strategy.num_nodes + 4
         drafter_cap = cap + self.depth + 2 + scratch_positions(self.depth, self.top_k)
-        cache = self.forward.new_cache(batch, cap)
-
-        num_drafters = len(self.drafters)
-        stats = [RequestStats(prompt_tokens=len(r), drafter_accepted=[0] * num_drafters) for r in rows]
-        out_tokens: List[List[int]] = [[] for _ in rows]
-        done = [max_new_tokens == 0] * batch
-
-        def emit(b: int, new: List[int]) -> None:
-            room = max_new_tokens - len(out_tokens[b])
-            new = new[:room]
-            for i, t in enumerate(new):
-                if t in eos:
-                    new = new[:i + 1]
-                    stats[b].finish_reason = "eos"
-                    done[b] = True
-                    break
-            out_tokens[b].extend(new)
-            if len(out_tokens[b]) >= max_new_tokens and not done[b]:
-                stats[b].finish_reason = "length"
-                done[b] = True
-            if stream is not None and new:
-                stream(b, new)
-
-        if max_new_tokens == 0:
-            for s in stats:
-                s.finish_reason = "length"
-            return GenerateOutput(out_tokens, [""] * batch if self.tokenizer is not None else None, stats,
-                                  summarize(stats), {} if profile else None, 0)
-
-        groups = self._draft_groups()
-        sampling = bool(torch.as_tensor(temperature).gt(0).any())
+        sampling = bool(torch.as_tensor(sample["temperature"]).gt(0).any())
         for g in groups:
             g.sampling = sampling
-        try:
-            # Prefill: the target reads the prompts; its next token (sampled like any other) is the first root.
-            with prof.section("prefill"):
-                capture = self._capture_layers(groups)
-                pre = self.forward.prefill(cache, ids, lens, 0, return_hidden=self.needs_hidden,
-                                           capture_layers=capture)
-                one = torch.zeros((batch, 1), dtype=torch.int64, device=device)
-                root = taps_ops.verify_tree(pre.logits.unsqueeze(1), one, one - 1, **sample).tokens[:, 0]
-                for b, t in enumerate(root.tolist()):
-                    emit(b, [t])
-                # with a tuner, a group starts when it first drafts (never, when drafting does not pay)
-                starts = {}
-                for g in groups:
-                    args = (ids, lens, root, _features(pre, g.target_features), drafter_cap, list(host_lengths))
-                    if self.tuner is None:
-                        g.start(*args)
-                    else:
-                        starts[id(g)] = args
-            if self.tuner is not None:
-                with prof.section("calibrate"):
-                    self._calibrate(cache, root, host_lengths, sample, self._capture_layers(groups))
-            steps = self._loop(groups, cache, root, host_lengths, done, stats, emit, sample, prof, starts)
-        finally:
+        if fresh:
+            self.strategy.reset(batch, device)
+        state = DecodeState(requests, self.forward.new_cache(batch, cap), groups,
+                            dict(sample, validate=device.type == "cpu"), generator, prof, on_tokens,
+                            self.strategy.alive(), self.strategy.num_nodes)
+        state.capture = self.forward.capture_layers(g.target_features for g in groups)
+        with prof.section("prefill"):
+            pre = self.forward.prefill(state.cache, ids, lens, 0, return_hidden=self.needs_hidden,
+                                       capture_layers=state.capture)
+            state.root = self.forward.sample(pre.logits, uniforms=state.coins(1, 1), generator=generator,
+                                             **state.sample)
+            for request, length, t in zip(requests, host_lengths, state.root.tolist()):
+                request.length = length
+                state.emit(request, [t])
             for g in groups:
-                g.release()
-        for b in range(batch):
-            stats[b].new_tokens = len(out_tokens[b])
-        text = None
-        if self.tokenizer is not None:
-            text = [self.tokenizer.decode(t) for t in out_tokens]
-        return GenerateOutput(out_tokens, text, stats, summarize(stats), prof.per_step() if profile else None, steps)
+                args = (ids, lens, state.root, self.forward.features(pre, g.target_features), drafter_cap,
+                        list(host_lengths))
+                if self.tuner is None or not fresh:
+                    g.start(*args)
+                else:
+                    state.starts[id(g)] = args
+        if self.tuner is not None:
+            state.pending = _Pending(groups, state.starts, lambda g: self._calibrate_group(g, state.batch),
+                                     self.tuner.timer)
+            if fresh:
+                with prof.section("calibrate"):
+                    self.tuner.begin(batch, sampling)
+                    self._calibrate(state)
+        return state
 
-    @staticmethod
-    def _capture_layers(groups: Sequence[DraftGroup]) -> Tuple[int, ...]:
-        """The target layers whose inputs some drafter reads (EAGLE-3 heads)."""
-        return tuple(sorted({i for g in groups if isinstance(g.target_features, tuple) for i in g.target_features}))
+    def step(self, state: "DecodeState") -> None:
+        """One verification step of every unfinished request of `state`: route, draft, build the tree,
+        the target's tree forward and verification, commit the accepted path, read the step back to the
+        host, advance the drafters, record."""
+        prof = state.prof
+        prof.steps += 1
+        with prof.section("step"):
+            start = self._now()
+            self._route(state)
+            plan = self._plan(state)
+            with prof.section("draft"):
+                drafted = self._draft(state, plan)
+            with prof.section("tree"):
+                tree = self._tree(state, plan, drafted)
+            t0 = self._now()
+            fwd, ver = self._verify(state, tree)
+            with prof.section("compact"):
+                path, num_new = self._commit(state, ver)
+            record = self._read_back(state, tree, ver, path, drafted is not None)
+            forward_seconds = self._now() - t0
+            with prof.section("draft_update"):
+                self._advance_drafters(state, plan, fwd, ver, path, num_new, record)
+            self._record(state, plan, tree, record, forward_seconds, self._now() - start)
 
-    def _calibrate(self, cache: hf.TreeKVCache, root: Tensor, host_lengths: List[int], sample: dict,
-                   capture: Tuple[int, ...]) -> None:
+    def _now(self) -> float:
+        return self.tuner.timer() if self.tuner is not None else time.perf_counter()
+
+    # -- the phases of a step ------------------------------------------------------------------------------
+    def _route(self, state: "DecodeState") -> None:
+        """Drop the groups of drafters the strategy no longer drafts with (a routing decision)."""
+        alive = self.strategy.alive()
+        if alive == state.alive or not state.can_drop:
+            return
+        state.alive = alive
+        if state.pending is not None:  # every group started and up to date
+            state.pending.catch_up(state.groups)
+        old = state.groups
+        groups = [g.subset([i for i, t in enumerate(g.members) if t in alive]) for g in old]
+        if state.pending is not None:
+            state.pending.replace(old, groups)
+        state.groups = [g for g in groups if g is not None]
+
+    def _plan(self, state: "DecodeState") -> "_Plan":
+        """The step's draft: the fixed settings, or the tuner's choice of drafters, depth and budget."""
+        if self.tuner is None:
+            return _Plan(None, state.groups, self.depth)
+        groups = state.groups
+        active = [b for b, r in enumerate(state.requests) if not r.done]
+        shape = self.tuner.plan([tuple(g.members) for g in groups], lambda i, d: groups[i].tree_depth(d, self.top_k),
+                                [state.pending.count(g) for g in groups], active, state.batch, self.depth,
+                                self.budget)
+        return _Plan(shape, [g for g in groups if set(g.members) <= set(shape.drafters)], shape.depth)
+
+    def _draft(self, state: "DecodeState", plan: "_Plan") -> Optional[Candidates]:
+        """The drafting groups' candidates (a group behind on appends catches up first), stacked in the
+        groups' member order; None when no group drafts."""
+        if state.pending is not None:
+            plan.updates = state.pending.catch_up(plan.drafting)
+        drafted = []
+        for g in plan.drafting:
+            t0 = self._now()
+            drafted.append(g.draft(plan.depth, self.top_k, state.prof, self.strategy.needs_entropy))
+            if plan.shape is not None:
+                members = tuple(g.members)
+                plan.parts[("draft", members, plan.depth, state.batch)] = (
+                    self._now() - t0, self.tuner.costs.draft(members, plan.depth, state.batch))
+        if not drafted:
+            return None
+        order = tuple(t for g in plan.drafting for t in g.members)
+        fields = ("scores", "tokens", "parents", "entropy")
+        return Candidates(*((torch.cat([getattr(c, f) for c in drafted]) if len(drafted) > 1
+                             else getattr(drafted[0], f))  # one group: no copy
+                            .view(len(order), state.batch, *drafted[0][i].shape[1:])
+                            for i, f in enumerate(fields)), order)
+
+    def _tree(self, state: "DecodeState", plan: "_Plan", cands: Optional[Candidates]) -> Combined:
+        """The tree to verify: the strategy's combination of the candidates (the root alone without)."""
+        if cands is not None:
+            with self.strategy.step_budget(None if plan.shape is None else plan.shape.budget):
+                tree = self.strategy.combine(cands, state.root)
+        else:
+            tree = self.strategy.combine(None, state.root) if not state.groups else root_tree(state.root)
+        if state.root.device.type == "cpu":  # (a host read: free on the CPU, a sync elsewhere)
+            tree = _trim(tree)
+        return tree
+
+    def _verify(self, state: "DecodeState", tree: Combined) -> Tuple[hf.ForwardOutput, taps_ops.VerifyOutput]:
+        """The target's forward over the trees and ``taps_ops.verify_tree`` of what it predicts."""
+        with state.prof.section("target_forward"):
+            lengths = state.host_lengths
+            longest = max(lengths)
+            fwd = self.forward.tree(state.cache, tree.tokens, tree.tree_mask, tree.depth, longest,
+                                    capture_layers=state.capture, uniform=min(lengths) == longest)
+        with state.prof.section("verify"):
+            ver = self.forward.verify(fwd.hidden_states, tree.tokens, tree.parents, tree.tree_mask,
+                                      lazy=self.lazy_head, uniforms=state.coins(tree.tokens.shape[1], state.coin_width),
+                                      generator=state.generator, **state.sample)
+        return fwd, ver
+
+    def _commit(self, state: "DecodeState", ver: taps_ops.VerifyOutput) -> Tuple[Tensor, Tensor]:
+        """Commit each unfinished request's accepted path to the target cache and take its last token as
+        the next root; returns the path and the tokens committed per request (0 for a finished one), [B, N]
+        and [B]."""
+        path, accepted = ver.path, ver.num_accepted
+        done = [r.done for r in state.requests]
+        if any(done):
+            done_t = torch.tensor(done, device=path.device)
+            accepted = accepted.masked_fill(done_t, 0)
+            path = path.masked_fill(done_t.unsqueeze(1) & (torch.arange(path.shape[1], device=path.device) > 0), -1)
+            num_new = (accepted + 1).masked_fill(done_t, 0)
+        else:
+            num_new = accepted + 1
+        self.forward.commit(state.cache, path, num_new, validate=state.sample["validate"])
+        state.root = ver.tokens.gather(1, accepted.unsqueeze(1)).squeeze(1)
+        return path, num_new
+
+    def _read_back(self, state: "DecodeState", tree: Combined, ver: taps_ops.VerifyOutput, path: Tensor,
+                   drafted: bool) -> "_HostRecord":
+        """What the host needs of the step, in one device-to-host copy: each request's emitted tokens, its
+        accepted count, the tree's real nodes, the accepted tokens each drafter had proposed (also given
+        to the strategy) and the routing choice."""
+        num_drafters = len(self.drafters)
+        parts = [ver.tokens, ver.num_accepted.unsqueeze(1), (tree.tokens >= 0).sum(1, keepdim=True)]
+        by_drafter = num_drafters > 0 and drafted
+        if by_drafter:
+            on_path = path[:, 1:]
+            src = tree.source.gather(1, on_path.clamp_min(0)).masked_fill(on_path < 0, 0)
+            bits = torch.arange(num_drafters, device=src.device)
+            counts = ((src.unsqueeze(-1) >> bits) & 1).sum(1)  # [B, T]
+            self.strategy.observe(counts)
+            parts.append(counts)
+        if tree.choice is not None:
+            parts.append(tree.choice.unsqueeze(1))
+        host = torch.cat(parts, 1).tolist()
+        n = ver.tokens.shape[1]
+        record = _HostRecord([], [], [], [] if by_drafter else None, [] if tree.choice is not None else None)
+        for row, request in zip(host, state.requests):
+            a = 0 if request.done else row[n]
+            record.accepted.append(a)
+            record.tokens.append([] if request.done else row[:a + 1])
+            record.nodes.append(row[n + 1])
+            if by_drafter:
+                record.by_drafter.append(row[n + 2:n + 2 + num_drafters])
+            if record.route is not None:
+                record.route.append(row[-1])
+        return record
+
+    def _advance_drafters(self, state: "DecodeState", plan: "_Plan", fwd: hf.ForwardOutput,
+                          ver: taps_ops.VerifyOutput, path: Tensor, num_new: Tensor, record: "_HostRecord") -> None:
+        """Each group appends the committed tokens (and the target features it reads at the root and the
+        accepted nodes); with a tuner, queued until the group next drafts."""
+        groups = state.groups
+        if not groups:
+            return
+        width = max([len(t) for t in record.tokens] + [1])
+        new_tokens = ver.tokens[:, :width]
+        idx = path[:, :width].clamp_min(0)
+        features = {}
+        for g in groups:
+            spec = g.target_features
+            if spec is not None and spec not in features:
+                feats = self.forward.features(fwd, spec)
+                features[spec] = feats if feats.shape[1] == 1 else \
+                    feats.gather(1, idx.unsqueeze(-1).expand(-1, -1, feats.shape[-1]))
+        counts = [len(t) for t in record.tokens]
+        if state.pending is not None:
+            state.pending.add(new_tokens, num_new, features, counts, record.tokens)
+        else:
+            for g in groups:
+                g.advance(new_tokens, num_new, features.get(g.target_features), counts, record.tokens)
+
+    def _record(self, state: "DecodeState", plan: "_Plan", tree: Combined, record: "_HostRecord",
+                forward_seconds: float, seconds: float) -> None:
+        """Per-request statistics and emission, the next roots, and the tuner's observation."""
+        observed: List[Optional[int]] = [None] * state.batch
+        for b, request in enumerate(state.requests):
+            new = record.tokens[b]
+            request.length += len(new)
+            if request.done:
+                continue
+            observed[b] = record.accepted[b]
+            stats = request.stats
+            stats.record(record.accepted[b], self.depth, nodes=record.nodes[b])
+            if plan.shape is not None:
+                stats.draft_shapes.append(plan.shape.label)
+            if record.by_drafter is not None:
+                for t, c in enumerate(record.by_drafter[b]):
+                    stats.drafter_accepted[t] += c
+            if record.route is not None:
+                stats.route_decisions.append(record.route[b])
+            state.emit(request, new)
+        if plan.shape is not None:
+            # the columns the forward ran: a batch's trees are as wide as its widest (trimmed on the CPU)
+            tuner, nodes = self.tuner, tree.tokens.shape[1]
+            cap = max([g.tree_depth(plan.depth, self.top_k) for g in plan.drafting], default=0)
+            plan.parts[("forward", state.batch, round(nodes))] = (forward_seconds,
+                                                                 tuner.costs.forward(nodes, state.batch))
+            tuner.observe(plan.shape, observed, min(cap, plan.shape.budget - 1), nodes, state.batch, seconds,
+                          plan.parts, plan.updates)
+
+    # -- requests joining and leaving a running batch --------------------------------------------------
+    def join(self, state: "DecodeState", other: "DecodeState") -> None:
+        """Add the requests of `other` (made by :meth:`start` with ``fresh=False`` from groups spawned off
+        `state`'s) after `state`'s, between two steps. `other` is consumed."""
+        if state.pending is not None:
+            state.pending.catch_up(state.groups)  # every group started and up to date
+        state.cache.append_requests(other.cache)
+        state.root = torch.cat([state.root, other.root])
+        for g, h in zip(state.groups, other.groups):
+            g.append_requests(h)
+        state.sample = _join_sample(state.sample, state.batch, other.sample, other.batch)
+        state.requests += other.requests
+        self.strategy.add_requests(other.batch, state.root.device)
+        self._begin(state, added=other.batch)
+
+    def drop(self, state: "DecodeState", keep: Sequence[int]) -> None:
+        """Keep only the requests at positions `keep` of `state` (in that order), between two steps."""
+        keep = list(keep)
+        if keep == list(range(state.batch)):
+            return
+        if state.pending is not None:
+            state.pending.catch_up(state.groups)
+        index = torch.tensor(keep, dtype=torch.int64, device=state.root.device)
+        state.cache.select_requests(index)
+        state.root = state.root.index_select(0, index)
+        for g in state.groups:
+            g.select_requests(keep)
+        state.sample = _select_sample(state.sample, index, state.batch)
+        state.requests = [state.requests[b] for b in keep]
+        self.strategy.select_requests(index)
+        if self.tuner is not None:
+            self.tuner.acceptance.select_requests(keep)
+        if state.batch:
+            self._begin(state)
+
+    def _begin(self, state: "DecodeState", added: int = 0) -> None:
+        """After the batch changed: the sampling mode of the drafters and the tuner, and the costs the
+        tuner lacks for the new batch size."""
+        sampling = bool(torch.as_tensor(state.sample["temperature"]).gt(0).any())
+        for g in state.groups:
+            g.sampling = sampling
+        if self.tuner is None:
+            return
+        if sampling != state.sampling:
+            self.tuner.begin(state.batch, sampling)
+        elif added:
+            self.tuner.acceptance.add_requests(added)
+        state.sampling = sampling
+        self._calibrate(state)
+        for g in state.groups:
+            if id(g) not in state.starts:
+                self._calibrate_group(g, state.batch)
+
+    # -- the tuner's cost measurements -----------------------------------------------------------------
+    def _calibrate(self, state: "DecodeState") -> None:
         """Measure what the tuner's cost model lacks for this batch size: the target's tree forward with
         verification per node count (scratch trees written past every request's committed cache, with
         coins of a private generator: nothing is committed). Drafter groups are measured when they start
         (:meth:`_calibrate_group`)."""
         tuner = self.tuner
-        batch = root.shape[0]
+        batch = state.batch
         if tuner.costs is None:
             p = next(self.target.parameters())
             tuner.costs = shared_costs((id(self.target), p.device, p.dtype, torch.get_num_threads()))
-        tuner.begin(batch, bool(torch.as_tensor(sample["temperature"]).gt(0).any()))
         costs = tuner.costs
-        if not tuner.calibrate:
+        if not tuner.calibrate or not costs.needs_forward(batch):
             return
-        sync = torch.cuda.synchronize if root.device.type == "cuda" else None
-        if costs.needs_forward(batch):
-            longest = max(host_lengths)
-            uniform = min(host_lengths) == longest
-            coins = dict(sample, generator=torch.Generator(device=root.device).manual_seed(0))
-            points = []
-            for n in node_grid(self.strategy.num_nodes):
-                tree = _scratch_tree(root, n, self.top_k)
+        sync = torch.cuda.synchronize if state.root.device.type == "cuda" else None
+        lengths = state.host_lengths
+        longest = max(lengths)
+        uniform = min(lengths) == longest
+        coins = dict(state.sample, generator=torch.Generator(device=state.root.device).manual_seed(0))
+        points = []
+        for n in node_grid(self.strategy.num_nodes):
+            tree = _scratch_tree(state.root, n, self.top_k)
 
-                def run(tree=tree):
-                    fwd = self.forward.tree(cache, tree.tokens, tree.tree_mask, tree.depth, longest,
-                                            capture_layers=capture, uniform=uniform)
-                    self.forward.verify(fwd.hidden_states, tree.tokens, tree.parents, tree.tree_mask,
-                                        lazy=self.lazy_head, **coins)
-                points.append((n, time_call(run, repeats=4, sync=sync, timer=tuner.timer)))
-            costs.set_forward(batch, points)
+            def run(tree=tree):
+                fwd = self.forward.tree(state.cache, tree.tokens, tree.tree_mask, tree.depth, longest,
+                                        capture_layers=state.capture, uniform=uniform)
+                self.forward.verify(fwd.hidden_states, tree.tokens, tree.parents, tree.tree_mask,
+                                    lazy=self.lazy_head, **coins)
+            points.append((n, time_call(run, repeats=4, sync=sync, timer=tuner.timer)))
+        costs.set_forward(batch, points)
 
     def _calibrate_group(self, g: DraftGroup, batch: int) -> None:
         """Measure a started group's expansion at depth 1 and at the decoder's depth when the tuner's cost
@@ -367,150 +634,147 @@ class SpeculativeDecoder:
             deep = time_call(lambda: g.draft(self.depth, self.top_k, None, entropy), sync=sync, timer=self.tuner.timer)
             costs.set_draft(members, batch, (1, shallow), (self.depth, deep))
 
-    def _loop(self, groups: List[DraftGroup], cache: hf.TreeKVCache, root: Tensor, host_lengths: List[int],
-              done: List[bool], stats: List[RequestStats], emit, sample: dict, prof: Profiler,
-              starts: Optional[Dict[int, tuple]] = None) -> int:
-        """Verification steps until every request is done; returns the number of steps. ``starts``: the
-        start arguments of groups not started yet (with a tuner)."""
-        strategy = self.strategy
-        tuner = self.tuner
-        device = root.device
-        batch = root.shape[0]
-        num_drafters = len(self.drafters)
-        depth_bins = self.depth
-        bit_range = torch.arange(max(num_drafters, 1), device=device)
-        alive = strategy.alive()
-        capture = self._capture_layers(groups)
-        # with a tuner, groups append what they missed when they next draft (see taps.tuner)
-        pending = _Pending(groups, starts or {}, lambda g: self._calibrate_group(g, batch), tuner.timer) if tuner else None
-        now = tuner.timer if tuner is not None else time.perf_counter
-        steps = 0
-        while not all(done):
-            steps += 1
-            prof.steps += 1
-            with prof.section("step"):
-                start = now()
-                if strategy.alive() != alive:  # a routing decision dropped drafters
-                    alive = strategy.alive()
-                    if pending is not None:  # every group started and up to date
-                        pending.catch_up(groups)
-                    old = groups
-                    groups = [g.subset([i for i, t in enumerate(g.members) if t in alive]) for g in groups]
-                    if pending is not None:
-                        pending.replace(old, groups)
-                    groups = [g for g in groups if g is not None]
-                shape, drafting, depth, parts = None, groups, self.depth, {}
-                if tuner is not None:
-                    active = [b for b in range(batch) if not done[b]]
-                    shape = tuner.plan([tuple(g.members) for g in groups],
-                                       lambda i, d: groups[i].tree_depth(d, self.top_k),
-                                       [pending.count(g) for g in groups], active, batch, self.depth,
-                                       self.budget)
-                    drafting = [g for g in groups if set(g.members) <= set(shape.drafters)]
-                    depth = shape.depth
-                with prof.section("draft"):
-                    updates = pending.catch_up(drafting) if pending is not None else []
-                    drafted = []
-                    for g in drafting:
-                        t0 = now()
-                        drafted.append(g.draft(depth, self.top_k, prof, strategy.needs_entropy))
-                        if tuner is not None:
-                            parts[("draft", tuple(g.members), depth, batch)] = (
-                                now() - t0, tuner.costs.draft(tuple(g.members), depth, batch))
-                with prof.section("tree"):
-                    cands = None
-                    if drafted:
-                        order = tuple(t for g in drafting for t in g.members)
-                        fields = ("scores", "tokens", "parents", "entropy")
-                        cands = Candidates(*((torch.cat([getattr(c, f) for c in drafted]) if len(drafted) > 1
-                                              else getattr(drafted[0], f))  # one group: no copy
-                                             .view(len(order), batch, *drafted[0][i].shape[1:])
-                                             for i, f in enumerate(fields)), order)
-                        with strategy.step_budget(None if shape is None else shape.budget):
-                            tree = strategy.combine(cands, root)
-                    else:
-                        tree = strategy.combine(None, root) if not groups else root_tree(root)
-                    if device.type == "cpu":  # (a host read: free on the CPU, a sync elsewhere)
-                        tree = _trim(tree)
-                t0 = now()
-                with prof.section("target_forward"):
-                    longest = max(host_lengths)
-                    fwd = self.forward.tree(cache, tree.tokens, tree.tree_mask, tree.depth, longest,
-                                            capture_layers=capture, uniform=min(host_lengths) == longest)
-                with prof.section("verify"):
-                    ver = self.forward.verify(fwd.hidden_states, tree.tokens, tree.parents, tree.tree_mask,
-                                              lazy=self.lazy_head, **sample)
-                accepted, path = ver.num_accepted, ver.path
-                any_done = any(done)
-                if any_done:
-                    done_t = torch.tensor(done, device=device)
-                    accepted = accepted.masked_fill(done_t, 0)
-                    path = path.masked_fill(done_t.unsqueeze(1) & (torch.arange(path.shape[1], device=device) > 0), -1)
-                num_new = accepted + 1
-                if any_done:
-                    num_new = num_new.masked_fill(done_t, 0)
-                with prof.section("compact"):
-                    taps_ops.compact_kv(cache.kv_tensors(), path, cache.lengths, validate=device.type == "cpu")
-                    cache.lengths.add_(num_new)
-                # what the host needs of this step, in one copy: tokens, counts, statistics
-                parts_host = [ver.tokens, accepted.unsqueeze(1), (tree.tokens >= 0).sum(1, keepdim=True)]
-                if num_drafters and drafted:
-                    on_path = path[:, 1:]
-                    src = tree.source.gather(1, on_path.clamp_min(0)).masked_fill(on_path < 0, 0)
-                    by_drafter = ((src.unsqueeze(-1) >> bit_range) & 1).sum(1)  # [B, T]
-                    strategy.observe(by_drafter)
-                    parts_host.append(by_drafter)
-                if tree.choice is not None:
-                    parts_host.append(tree.choice.unsqueeze(1))
-                host = torch.cat(parts_host, 1).tolist()
-                forward_seconds = now() - t0
-                n = ver.tokens.shape[1]
-                acc_list = [row[n] for row in host]
-                width = max(a for a, d in zip(acc_list, done) if not d) + 1
-                num_new_host = [0 if d else a + 1 for a, d in zip(acc_list, done)]
-                tokens_host = [row[:a + 1] for row, a in zip(host, acc_list)]
-                with prof.section("draft_update"):
-                    if groups:
-                        new_tokens = ver.tokens[:, :width]
-                        idx = path[:, :width].clamp_min(0)
-                        on_path = {}  # target features at the root and the accepted nodes, per kind
-                        for g in groups:
-                            spec = g.target_features
-                            if spec is not None and spec not in on_path:
-                                feats = _features(fwd, spec)
-                                on_path[spec] = feats if feats.shape[1] == 1 else \
-                                    feats.gather(1, idx.unsqueeze(-1).expand(-1, -1, feats.shape[-1]))
-                        if pending is not None:
-                            pending.add(new_tokens, num_new, on_path, num_new_host, tokens_host)
-                        else:
-                            for g in groups:
-                                g.advance(new_tokens, num_new, on_path.get(g.target_features), num_new_host,
-                                          tokens_host)
-                root = ver.tokens.gather(1, accepted.unsqueeze(1)).squeeze(1)
-                observed = [None] * batch
-                for b in range(batch):
-                    host_lengths[b] += num_new_host[b]
-                    if done[b]:
-                        continue
-                    row, a = host[b], acc_list[b]
-                    observed[b] = a
-                    stats[b].record(a, depth_bins, nodes=row[n + 1])
-                    if shape is not None:
-                        stats[b].draft_shapes.append(shape.label)
-                    if num_drafters and drafted:
-                        for t in range(num_drafters):
-                            stats[b].drafter_accepted[t] += row[n + 2 + t]
-                    if tree.choice is not None:
-                        stats[b].route_decisions.append(row[-1])
-                    emit(b, row[:a + 1])
-                if tuner is not None:
-                    # the columns the forward ran: a batch's trees are as wide as its widest (trimmed on the CPU)
-                    nodes = tree.tokens.shape[1]
-                    cap = max([g.tree_depth(depth, self.top_k) for g in drafting], default=0)
-                    parts[("forward", batch, round(nodes))] = (forward_seconds, tuner.costs.forward(nodes, batch))
-                    tuner.observe(shape, observed, min(cap, shape.budget - 1), nodes, batch,
-                                  now() - start, parts, updates)
-        return steps
+
+def check_max_new_tokens(value) -> int:
+    """`value` as an int >= 0 (ValueError otherwise)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not float(value).is_integer() or value < 0:
+        raise ValueError(f"max_new_tokens must be an integer >= 0, got {value!r}")
+    return int(value)
+
+
+@dataclass
+class RequestState:
+    """One request of a batch, on the host: what it emitted, its committed length and when it ends.
+
+    key: the caller's name for it (``generate``: its index); max_new: tokens it may emit; eos: ids that
+    end it; stats: its :class:`RequestStats`; coins: its own generator of acceptance coins (None: the
+    batch's)."""
+
+    key: Hashable
+    max_new: int
+    eos: frozenset
+    stats: RequestStats
+    coins: Optional[torch.Generator] = None
+    tokens: List[int] = field(default_factory=list)
+    length: int = 0
+    done: bool = False
+
+    def emit(self, new: Sequence[int]) -> List[int]:
+        """Take `new` tokens up to ``max_new`` and the first EOS (kept); returns those taken."""
+        if self.done:
+            return []
+        new = list(new[:self.max_new - len(self.tokens)])
+        for i, t in enumerate(new):
+            if t in self.eos:
+                new = new[:i + 1]
+                self.stats.finish_reason = "eos"
+                self.done = True
+                break
+        self.tokens.extend(new)
+        if len(self.tokens) >= self.max_new and not self.done:
+            self.stats.finish_reason = "length"
+            self.done = True
+        return new
+
+
+class DecodeState:
+    """What a decoder keeps between the steps of one batch of requests (row b = ``requests[b]``): the
+    requests' host records, the target cache, each request's current root (its last committed token,
+    not cached yet), the drafter groups (with their queued appends and unstarted groups under a tuner),
+    the sampling settings and the coins. Made by :meth:`SpeculativeDecoder.start`; requests join and
+    leave it between steps (:meth:`SpeculativeDecoder.join`, :meth:`SpeculativeDecoder.drop`)."""
+
+    def __init__(self, requests: List[RequestState], cache: hf.TreeKVCache, groups: List[DraftGroup], sample: dict,
+                 generator: Optional[torch.Generator], prof: Profiler, on_tokens, alive: List[int], coin_width: int):
+        self.requests = requests
+        self.cache = cache
+        self.groups = groups
+        #: temperature / top_k / top_p (scalars or [B] tensors) and validate, as verify_tree takes them
+        self.sample = sample
+        self.generator = generator
+        self.prof = prof
+        self.on_tokens = on_tokens
+        self.alive = alive
+        #: coins a request with its own generator draws per step (the widest tree), whatever its tree's size
+        self.coin_width = coin_width
+        self.root: Optional[Tensor] = None
+        self.capture: Tuple[int, ...] = ()
+        self.pending: Optional[_Pending] = None
+        self.starts: Dict[int, tuple] = {}
+        #: groups of drafters the strategy stops drafting with are dropped (False where requests join later)
+        self.can_drop = True
+        self.sampling = bool(torch.as_tensor(sample["temperature"]).gt(0).any())
+
+    @property
+    def batch(self) -> int:
+        return len(self.requests)
+
+    @property
+    def host_lengths(self) -> List[int]:
+        return [r.length for r in self.requests]
+
+    @property
+    def finished(self) -> bool:
+        return all(r.done for r in self.requests)
+
+    def coins(self, width: int, draw: int) -> Optional[Tensor]:
+        """[B, width] acceptance coins from each request's own generator (`draw` >= width drawn per
+        request, so that what a request draws does not depend on its neighbours' trees); None when the
+        requests use the batch's generator."""
+        if not self.requests or any(r.coins is None for r in self.requests):
+            return None
+        device = self.requests[0].coins.device
+        return torch.stack([torch.rand(draw, generator=r.coins, device=device) for r in self.requests])[:, :width]
+
+    def emit(self, request: RequestState, new: Sequence[int]) -> None:
+        kept = request.emit(new)
+        if kept and self.on_tokens is not None:
+            self.on_tokens(request, kept)
+
+
+@dataclass
+class _Plan:
+    """A step's draft: the tuner's shape (None: the fixed settings), the groups that draft, the depth;
+    the timed parts and group appends the tuner is told of."""
+
+    shape: Optional[Shape]
+    drafting: List[DraftGroup]
+    depth: int
+    parts: Dict[tuple, Tuple[float, float]] = field(default_factory=dict)
+    updates: list = field(default_factory=list)
+
+
+class _HostRecord(NamedTuple):
+    """A step as the host reads it, per request: the tokens it emits (accepted drafts and the bonus;
+    empty for a finished request), its accepted drafts, the tree's real nodes, the accepted tokens each
+    drafter had proposed (None when nothing was drafted) and the routing choice (None without)."""
+
+    tokens: List[List[int]]
+    accepted: List[int]
+    nodes: List[int]
+    by_drafter: Optional[List[List[int]]]
+    route: Optional[List[int]]
+
+
+def _select_sample(sample: dict, index: Tensor, batch: int) -> dict:
+    """Sampling settings of the requests `index`: [B] tensors re-indexed, scalars kept."""
+    return {k: v.index_select(0, index.to(v.device)) if isinstance(v, Tensor) and v.dim() == 1 and v.shape[0] == batch
+            else v for k, v in sample.items()}
+
+
+def _join_sample(a: dict, batch_a: int, b: dict, batch_b: int) -> dict:
+    """Sampling settings of two batches one after the other: equal scalars kept, else [B] tensors."""
+    out = dict(a)
+    for k in ("temperature", "top_k", "top_p"):
+        x, y = a[k], b[k]
+        if not isinstance(x, Tensor) and not isinstance(y, Tensor) and x == y:
+            continue
+        dtype = torch.int64 if k == "top_k" else torch.float32
+        x = torch.as_tensor(x, dtype=dtype).expand(batch_a) if not isinstance(x, Tensor) or x.dim() == 0 else x
+        y = torch.as_tensor(y, dtype=dtype).expand(batch_b) if not isinstance(y, Tensor) or y.dim() == 0 else y
+        out[k] = torch.cat([x.to(dtype), y.to(device=x.device, dtype=dtype)])
+    return out
+
 
 
 class _Pending:
@@ -612,12 +876,3 @@ def _trim(tree: Combined) -> Combined:
     cut = lambda t: t[:, :real]  # noqa: E731
     return Combined(cut(tree.tokens), cut(tree.parents), cut(tree.depth), tree.tree_mask[:, :real, :words],
                     cut(tree.source), tree.choice)
-
-
-def _features(out: hf.ForwardOutput, spec) -> Optional[Tensor]:
-    """What a drafter group reads of a target forward (see :attr:`taps.drafters.Drafter.target_features`)."""
-    if spec is None:
-        return None
-    if spec == "final":
-        return out.hidden_states
-    return torch.cat([out.layers[i] for i in spec], dim=-1)

@@ -13,7 +13,7 @@ sync to size its masks.
 
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from typing import Iterable, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor, nn
@@ -130,9 +130,40 @@ class TargetForward:
         """The lm_head over hidden [..., H]."""
         return self.head(hidden)
 
+    @staticmethod
+    def capture_layers(specs: Iterable) -> Tuple[int, ...]:
+        """The decoder layers whose inputs the drafters' feature specs ask for (see
+        :attr:`taps.drafters.Drafter.target_features`: a tuple of layer indices for EAGLE-3 heads)."""
+        return tuple(sorted({i for spec in specs if isinstance(spec, tuple) for i in spec}))
+
+    @staticmethod
+    def features(out: hf.ForwardOutput, spec) -> Optional[Tensor]:
+        """What a drafter with feature spec `spec` reads of a forward's output: None, the final hidden
+        states (``"final"``) or the inputs of the listed layers concatenated ([B, T, len * H])."""
+        if spec is None:
+            return None
+        if spec == "final":
+            return out.hidden_states
+        return torch.cat([out.layers[i] for i in spec], dim=-1)
+
+    def sample(self, logits: Tensor, *, uniforms: Optional[Tensor] = None, generator: Optional[torch.Generator] = None,
+               **sample) -> Tensor:
+        """One token per row from logits [B, V] (a prefill's), drawn as verification draws at a tree's
+        root (``taps_ops.verify_tree`` of one-node trees): [B] int64."""
+        one = torch.zeros((logits.shape[0], 1), dtype=torch.int64, device=logits.device)
+        return taps_ops.verify_tree(logits.unsqueeze(1), one, one - 1, uniforms=uniforms, generator=generator,
+                                    **sample).tokens[:, 0]
+
+    @staticmethod
+    def commit(cache: hf.TreeKVCache, path: Tensor, num_new: Tensor, validate: bool = True) -> None:
+        """Commit each request's accepted path (``VerifyOutput.path`` [B, N]) after a tree forward:
+        ``num_new [B]`` entries (the path's length, or 0 for a request whose path is only its root and
+        that commits nothing); see :func:`taps.hf.compact_cache`."""
+        hf.compact_cache(cache, path, num_new=num_new, validate=validate)
+
     def verify(self, hidden: Tensor, tokens: Tensor, parents: Tensor, tree_mask: Optional[Tensor] = None, *,
-               lazy: Optional[bool] = None, generator: Optional[torch.Generator] = None,
-               **sample) -> taps_ops.VerifyOutput:
+               lazy: Optional[bool] = None, uniforms: Optional[Tensor] = None,
+               generator: Optional[torch.Generator] = None, **sample) -> taps_ops.VerifyOutput:
         """``taps_ops.verify_tree`` of trees [B, N] from the final hidden states [B, N, H] of a tree forward.
 
         The walk reads the logits of the nodes it visits only (the accepted path). ``lazy`` (needs the
@@ -143,11 +174,13 @@ class TargetForward:
         computed, for that node's chain, and the walk is run again with the same coins until every node on its path was
         computed. The result is exactly that of the full-logits walk (the same rows, the same coins). On a
         GPU the full head is one cheap matrix product and needs no host decisions: the default there.
+        ``uniforms [B, N]``: the coins (default: drawn from `generator`).
         """
         batch, num, _ = hidden.shape
         if lazy is None:  # on the CPU, where the head is a large share of the step
             lazy = hidden.device.type == "cpu" and self.head.weight.numel() >= LAZY_HEAD_MIN and num >= LAZY_MIN_NODES
-        uniforms = torch.rand((batch, num), generator=generator, device=hidden.device, dtype=torch.float32)
+        if uniforms is None:
+            uniforms = torch.rand((batch, num), generator=generator, device=hidden.device, dtype=torch.float32)
         if not lazy or num == 1 or tree_mask is None:
             return taps_ops.verify_tree(self.logits(hidden), tokens, parents, uniforms=uniforms, **sample)
         chains = _FirstChildChains(tokens, parents, tree_mask)

@@ -353,21 +353,25 @@ def tree_verify_forward(model, cache: TreeKVCache, tree_tokens: Tensor, tree_mas
     return ForwardOutput(logits, hidden if return_hidden or not compute_logits else None, layers)
 
 
-def compact_cache(cache: TreeKVCache, path: Tensor, prefix_lens: Optional[Tensor] = None) -> Tensor:
+def compact_cache(cache: TreeKVCache, path: Tensor, prefix_lens: Optional[Tensor] = None, *,
+                  num_new: Optional[Tensor] = None, validate: bool = True) -> Tensor:
     """Commit each request's accepted path after a verification forward, for every layer.
 
     Args:
         cache: the cache :func:`tree_verify_forward` wrote the tree into.
         path: [B, P] int64 accepted node indices, root first, -1 padded (``VerifyOutput.path``).
         prefix_lens: [B] int64 committed positions before the tree; default ``cache.lengths``.
+        num_new: [B] int64 entries each request commits (default: its path's length; 0 leaves a
+            request's length as it is, for one that is finished).
+        validate: ``taps_ops.compact_kv``'s checks of the paths.
 
     Returns:
-        new lengths [B] int64 = prefix_lens + path length (also stored in ``cache.lengths``).
+        new lengths [B] int64 = prefix_lens + num_new (also stored in ``cache.lengths``).
     """
     device = cache.lengths.device
     prefix = cache.lengths if prefix_lens is None else prefix_lens.to(device=device, dtype=torch.int64)
     path = path.to(device=device, dtype=torch.int64)
-    taps_ops.compact_kv(cache.kv_tensors(), path, prefix)
-    new_lengths = prefix + (path >= 0).sum(dim=1)
+    taps_ops.compact_kv(cache.kv_tensors(), path, prefix, validate=validate)
+    new_lengths = prefix + ((path >= 0).sum(dim=1) if num_new is None else num_new)
     cache.lengths.copy_(new_lengths)
     return new_lengths

@@ -165,6 +165,30 @@ class TreeKVCache(Cache):
         """[B] int64 committed positions per request (updated in place by the helpers)."""
         return self._state.lengths
 
+    def select_requests(self, index: Tensor) -> None:
+        """Keep only the requests `index` ([B'] int64 positions, in that order), in place."""
+        index = index.to(self.lengths.device)
+        for layer in self.layers:
+            layer.keys = layer.keys.index_select(0, index)
+            layer.values = layer.values.index_select(0, index)
+        self._state.lengths = self._state.lengths.index_select(0, index)
+        self._state.rows = torch.arange(index.shape[0], device=index.device).unsqueeze(1)
+
+    def append_requests(self, other: "TreeKVCache") -> None:
+        """Add the requests of `other` (a cache of the same model) after this cache's, in place; the cache
+        then holds the larger of the two capacities."""
+        max_len = max(self.max_len, other.max_len)
+        for mine, theirs in zip(self.layers, other.layers):
+            for name in ("keys", "values"):
+                a, b = getattr(mine, name), getattr(theirs, name)
+                joined = a.new_zeros((a.shape[0] + b.shape[0], a.shape[1], max_len, a.shape[3]))
+                joined[:a.shape[0], :, :a.shape[2]] = a
+                joined[a.shape[0]:, :, :b.shape[2]] = b
+                setattr(mine, name, joined)
+        self._state.lengths = torch.cat([self._state.lengths, other.lengths.to(self._state.lengths.device)])
+        self._state.rows = torch.arange(self._state.lengths.shape[0], device=self._state.lengths.device).unsqueeze(1)
+        self.max_len = max_len
+
     def kv_tensors(self) -> List[Tensor]:
         """K and V of every layer, [B, Hkv, max_len, D] each: the `caches` list of taps_ops.compact_kv."""
         out: List[Tensor] = []

@@ -29,6 +29,7 @@ Strategies are classes registered under their names (:func:`register_strategy`, 
 from __future__ import annotations
 
 import contextlib
+import copy
 from typing import Callable, Dict, Iterator, List, Mapping, NamedTuple, Optional, Tuple, Type, Union
 
 import torch
@@ -186,10 +187,29 @@ class Strategy:
         self._alive: List[int] = list(range(num_drafters))
         self.accepted: Optional[Tensor] = None
 
+    #: per-request state, [B, ...] tensors (made by :meth:`reset`), that requests joining or leaving a
+    #: running batch carry (:meth:`add_requests`, :meth:`select_requests`)
+    _row_state: Tuple[str, ...] = ("accepted",)
+
     def reset(self, batch: int, device: torch.device) -> None:
         """Start a new batch of requests."""
         self._alive = list(range(self.num_drafters))
         self.accepted = torch.zeros((batch, self.num_drafters), dtype=torch.float64, device=device)
+
+    def add_requests(self, count: int, device: torch.device) -> None:
+        """`count` new requests after the running ones, in the state :meth:`reset` gives a request; every
+        drafter drafts again."""
+        fresh = copy.copy(self)
+        fresh.reset(count, device)
+        for name in self._row_state:
+            setattr(self, name, torch.cat([getattr(self, name), getattr(fresh, name)]))
+        self._alive = list(range(self.num_drafters))
+
+    def select_requests(self, index: Tensor) -> None:
+        """Keep only the requests `index` ([B'] int64 positions, in that order)."""
+        for name in self._row_state:
+            value = getattr(self, name)
+            setattr(self, name, value.index_select(0, index.to(value.device)))
 
     def alive(self) -> List[int]:
         """Drafters that draft (and must be kept up to date) from now on; the list only shrinks."""
@@ -271,27 +291,49 @@ class Route(Strategy):
         self.needs_entropy = self.by_entropy
         self.per_prompt = name.endswith("-prompt")
 
+    #: per request: the summed signal of each drafter, steps observed and the decision (-1: none yet)
+    _row_state = Strategy._row_state + ("signal_sum", "steps", "fixed")
+
     def reset(self, batch, device):
         super().reset(batch, device)
         self.signal_sum = torch.zeros((batch, self.num_drafters), dtype=torch.float64, device=device)
-        self.steps = 0
-        self.fixed: Optional[Tensor] = None
+        self.steps = torch.zeros(batch, dtype=torch.int64, device=device)
+        self.fixed = torch.full((batch,), -1, dtype=torch.int64, device=device)
+        self._undecided = batch if self.per_prompt else 0  # requests without a decision (on the host)
+        self._observed = [0] * batch  # steps each request has observed (host copy of `steps`)
+
+    def add_requests(self, count, device):
+        super().add_requests(count, device)
+        if self.per_prompt:
+            self._undecided += count
+        self._observed += [0] * count
+
+    def select_requests(self, index):
+        super().select_requests(index)
+        self._observed = [self._observed[i] for i in index.tolist()]
+        self._undecided = sum(n < self.route_steps for n in self._observed) if self.per_prompt else 0
 
     def _combine(self, cands, root):
         order = list(cands.drafters)
         trees = _build(cands, self.budget, root)                       # [T, B, N]
         device = root.device
-        if self.fixed is not None:
+        if self.per_prompt and not self._undecided:  # every request has decided
             choice = self.fixed
         else:
             sig = (-cands.entropy if self.by_entropy else tree_confidence(trees)).t()  # [B, T]
             choice = torch.tensor(order, device=device)[sig.argmax(1)]  # ties: the lower drafter index
-            if self.per_prompt:
-                self.signal_sum[:, order] += sig.double()  # every drafter is alive until the decision
-                self.steps += 1
-                if self.steps >= self.route_steps:
-                    self.fixed = self.signal_sum.argmax(1)
-                    self._alive = sorted(set(self.fixed.tolist()))
+        if self._undecided:
+            # every drafter is alive while a request is undecided; each decides after route_steps steps
+            # of its own, and a request decided before this step keeps its drafter
+            observe = self.fixed < 0
+            choice = torch.where(observe, choice, self.fixed)
+            self.signal_sum[:, order] += sig.double() * observe.unsqueeze(1)
+            self.steps += observe
+            self._observed = [n + (n < self.route_steps) for n in self._observed]
+            self.fixed = torch.where(observe & (self.steps >= self.route_steps), self.signal_sum.argmax(1), self.fixed)
+            self._undecided = sum(n < self.route_steps for n in self._observed)
+            if not self._undecided:
+                self._alive = sorted(set(self.fixed.tolist()))
         lookup = torch.zeros(self.num_drafters, dtype=torch.int64, device=device)
         lookup[torch.tensor(order, device=device)] = torch.arange(len(order), device=device)
         idx = lookup[choice]  # position of the chosen drafter among those that drafted

@@ -288,6 +288,16 @@ class AcceptanceModel:
         self.requests = [{} for _ in range(batch)]
         self._memo.clear()
 
+    def add_requests(self, count: int) -> None:
+        """`count` requests join the batch after the running ones (from the pooled rates)."""
+        self.requests += [{} for _ in range(count)]
+        self._memo.clear()
+
+    def select_requests(self, keep: Sequence[int]) -> None:
+        """Keep only the requests at positions `keep` (in that order)."""
+        self.requests = [self.requests[b] for b in keep]
+        self._memo.clear()
+
     def rate(self, key: tuple, b: int, d: int) -> float:
         """P(accepted >= d | accepted >= d - 1) for request b."""
         pooled = self.pooled.get(key)
