@@ -191,6 +191,32 @@ def test_seeds_reproduce_whatever_else_runs(server):
     assert len({ask(s) for s in (1, 2, 3, 4)}) > 1  # sampled: other seeds, other answers
 
 
+PIECES = [b"Hel", b"lo", b" w", b"\xc3", b"\xa9", b"rld", b"!"]  # token i's bytes; \xc3\xa9 is one character
+
+
+def _decode(ids):
+    return b"".join(PIECES[i] for i in ids).decode("utf-8", errors="replace")
+
+
+@pytest.mark.parametrize("stop, sent, stopped_at", [
+    ([], "Hello w\u00e9rld!", None),
+    (["lo w"], "Hel", 3),                   # across three tokens
+    (["\u00e9r"], "Hello w", 6),            # a character split over two tokens, then the next token
+    (["w\u00e9rld!!"], "Hello w\u00e9rld!", None),  # a prefix of a stop string at the end is held, then released
+])
+def test_text_stream_decodes_incrementally_and_stops(stop, sent, stopped_at):
+    from taps.serve.text import TextStream
+
+    stream = TextStream(_decode, stop)
+    pieces = [stream.feed([i]) for i in range(len(PIECES))]
+    pieces.append(stream.finish())
+    assert "".join(pieces) == sent and not any("\ufffd" in p for p in pieces)
+    assert stream.stopped == (stopped_at is not None)
+    assert stream.num_tokens == (stopped_at or len(PIECES))
+    if stop == ["w\u00e9rld!!"]:
+        assert pieces[2] == " " and pieces[-1] == "w\u00e9rld!"  # "w..." held back until the answer ended
+
+
 # (route, body, status, param): each must be refused with OpenAI's error body
 BAD_REQUESTS = [
     ("chat", {"model": "taps-mini"}, 400, "messages"),
