@@ -92,7 +92,7 @@ class DrafterTrainConfig:
     target_dtype: str = "float32"  # the target's weights while it computes features (bfloat16 halves them)
     draft_vocab: int = 2048  # eagle3 only: the head's draft vocabulary (0 = the whole vocabulary)
     ttt_steps: int = 7  # eagle3 only: unrolled steps of the training-time test
-    feature_layers: str = ""  # eagle3 only: target layers read, e.g. "1,2,3" (default taps.eagle3.feature_layers)
+    feature_layers: str = ""  # eagle3 only: target layers read, e.g. "1,2,3" (default taps.drafters.eagle3.feature_layers)
     seed: int = 0
     device: str = "auto"
     threads: int = 0
@@ -166,7 +166,7 @@ def add_drafter_arguments(p) -> None:
         p.add_argument("--" + k.replace("_", "-"), type=int, default=getattr(d, k))
     p.add_argument("--feature-layers", default=d.feature_layers,
                    help="eagle3: comma list of target layers whose inputs the head reads (N = the final hidden "
-                        "state; default: taps.eagle3.feature_layers of the target's depth)")
+                        "state; default: taps.drafters.eagle3.feature_layers of the target's depth)")
     p.add_argument("--ckpt-minutes", type=float, default=d.ckpt_minutes)
     p.add_argument("--max-steps", type=int, default=None, help="stop (checkpointed) after this step")
     p.add_argument("--device", default=d.device, help="auto | cpu | cuda | cuda:N")
