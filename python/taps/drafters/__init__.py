@@ -23,9 +23,10 @@ from .base import DraftGroup, Drafter, make_groups, target_hidden_size, target_v
 from .eagle import EagleDrafter
 from .eagle3 import Eagle3Drafter
 from .heads import head_key
+from .load import load_drafter
 from .ngram import PromptLookupDrafter
 from .small_lm import ModelDrafter
 
 __all__ = ["DraftCandidates", "Drafter", "DraftGroup", "ModelDrafter", "EagleDrafter", "Eagle3Drafter",
-           "PromptLookupDrafter", "average_drafters", "head_key", "make_groups",
+           "PromptLookupDrafter", "average_drafters", "head_key", "load_drafter", "make_groups",
            "target_vocab_size", "target_hidden_size"]

@@ -2,7 +2,9 @@
 
 A head's folder holds ``config.json`` (Llama config fields plus the head's own, see each kind) and its
 weights in ``model.safetensors`` or ``pytorch_model.bin`` (one file, unprefixed names; a ``model.``
-prefix, as some exports write it, is dropped on reading).
+prefix, as some exports write it, is dropped on reading). :func:`weight_names` lists the names of any
+folder's weights without reading the tensors, sharded Hugging Face models included, so that
+:func:`taps.drafters.load_drafter` can tell the layouts apart.
 
 This module knows no drafter kind: :mod:`taps.drafters.eagle` and :mod:`taps.drafters.eagle3` read and
 write through it.
@@ -12,15 +14,17 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Dict, Tuple
+from typing import Dict, List, Tuple
 
 import torch
 from torch import Tensor
 
-__all__ = ["WEIGHT_FILES", "load_weights", "read_checkpoint", "write_checkpoint", "config_from_dict"]
+__all__ = ["WEIGHT_FILES", "load_weights", "weight_names", "read_checkpoint", "write_checkpoint",
+           "config_from_dict"]
 
 #: the weight files a head's folder may hold, in the order they are looked for
 WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
+_SHARD_INDEXES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")
 
 
 def load_weights(path: str) -> Dict[str, Tensor]:
@@ -33,6 +37,25 @@ def load_weights(path: str) -> Dict[str, Tensor]:
                 return load_file(file)
             return torch.load(file, map_location="cpu", weights_only=True)
     raise FileNotFoundError(f"no weights ({' or '.join(WEIGHT_FILES)}) in {path}")
+
+
+def weight_names(path: str) -> List[str]:
+    """The names of the weights in folder `path` (one weight file, or a sharded model's index), without
+    reading the tensors; FileNotFoundError when it holds none."""
+    for name in _SHARD_INDEXES:
+        file = os.path.join(path, name)
+        if os.path.exists(file):
+            with open(file) as f:
+                return sorted(json.load(f)["weight_map"])
+    for name in WEIGHT_FILES:
+        file = os.path.join(path, name)
+        if os.path.exists(file):
+            if name.endswith(".safetensors"):
+                from safetensors import safe_open
+                with safe_open(file, framework="pt") as f:
+                    return sorted(f.keys())
+            return sorted(torch.load(file, map_location="cpu", weights_only=True, mmap=True))
+    raise FileNotFoundError(f"no weights ({' or '.join(WEIGHT_FILES + _SHARD_INDEXES)}) in {path}")
 
 
 def read_checkpoint(path: str) -> Tuple[dict, Dict[str, Tensor]]:

@@ -30,7 +30,7 @@ Files: ``config.json`` (Llama fields plus ``draft_vocab_size``, and ``target_hid
 head's width differs from the target's) and ``model.safetensors`` or ``pytorch_model.bin`` with the
 keys ``fc.weight``, ``midlayer.*``, ``norm.weight``, ``lm_head.weight`` [, ``d2t``, ``t2d``,
 ``embed_tokens.weight``], unprefixed. :meth:`taps.EagleDrafter.from_pretrained` recognises the layout
-by these names and returns an :class:`Eagle3Drafter`.
+by these names and returns an :class:`Eagle3Drafter` (so does :func:`taps.drafters.load_drafter`).
 
 Heads of one shape and one draft vocabulary bound to one target run as one batched group in the
 decoding loop (:class:`_Eagle3Group`), beside groups of other kinds (EAGLE-2 heads, small LMs).
