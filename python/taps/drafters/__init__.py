@@ -1,7 +1,8 @@
 """Drafters: models that propose a tree of candidate tokens for the target to verify.
 
 Every drafter implements one small interface and runs through batched drafter groups
-(:mod:`taps.drafters.base`: the call sequence, the cache convention, group-major rows). One module per drafter kind:
+(:mod:`taps.drafters.base`: the call sequence, the cache convention, group-major rows, the request-row
+operations of a continuous-batching loop). One module per drafter kind:
 
 - :mod:`taps.drafters.small_lm`: :class:`ModelDrafter`, an independent small Hugging Face causal LM
   sharing the target's tokenizer;

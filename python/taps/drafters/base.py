@@ -20,6 +20,15 @@ g * B + b is request b of drafter g). A drafter used on its own runs through a g
 (:class:`SoloMixin`), so both paths are the same code. Drafter subclasses written elsewhere that only
 implement the interface above run through :class:`_InterfaceGroup`, one at a time.
 
+Request rows. A continuous-batching loop changes a group's requests between steps without restarting
+it: :meth:`DraftGroup.spawn` gives a group of the same drafters (sharing the weights and tables) to start
+on newly arrived requests, :meth:`DraftGroup.append_requests` moves its requests after this group's, and
+:meth:`DraftGroup.select_requests` keeps a subset (finished requests leave). Both re-index every per-row
+tensor (``kv``, ``lengths_b``, ``host_lengths``, the ``_row_state`` tensors and each kind's own state), so
+that the group drafts for its requests what a group started on them alone would. A drafter driven
+through :class:`_InterfaceGroup` takes part when it implements :meth:`Drafter.select_requests` and
+:meth:`Drafter.append_requests`.
+
 Reduced draft vocabulary. :meth:`Drafter.set_draft_vocab` restricts what a drafter may propose to a
 subset of the target's vocabulary (for example its most frequent tokens, :mod:`taps.vocab`): the head
 then computes logits for those rows only, which is most of a small drafter's cost. The trees still
@@ -28,6 +37,7 @@ hold target token ids; verification is unchanged, so decoding stays lossless.
 
 from __future__ import annotations
 
+import copy
 from typing import Dict, Hashable, List, Optional, Sequence, Tuple
 
 import torch
@@ -38,7 +48,7 @@ from ..kv import NodeMask, cache_attend, causal_append, causal_bits
 from ..lean import Linear, Positions
 
 __all__ = ["Drafter", "DraftGroup", "SoloMixin", "make_groups", "target_vocab_size", "target_hidden_size",
-           "head_rows"]
+           "head_rows", "join_rows"]
 
 
 def target_vocab_size(model: nn.Module) -> int:
@@ -191,6 +201,18 @@ class Drafter(nn.Module):
         if len(drafters) != 1:
             raise ValueError(f"{cls.__name__} drafters run one at a time")
         return _InterfaceGroup(drafters[0])
+
+    # -- request rows (drafters run through the interface group) ------------------------------------
+    def select_requests(self, keep: Sequence[int]) -> None:
+        """Keep only requests `keep` (indices into the current batch, in that order) of the committed
+        state. Only drafters that run through the interface group (no :meth:`make_group` of their own)
+        implement it, for :meth:`DraftGroup.select_requests`."""
+        raise NotImplementedError(f"{type(self).__name__} does not implement select_requests")
+
+    def append_requests(self, other: "Drafter") -> None:
+        """Add the requests of `other` (a :meth:`clone` of this drafter, started on its own) after this
+        drafter's, and release `other`; as :meth:`select_requests`, for :meth:`DraftGroup.append_requests`."""
+        raise NotImplementedError(f"{type(self).__name__} does not implement append_requests")
 
 
 def make_groups(drafters: Sequence[Drafter]) -> List["DraftGroup"]:
@@ -347,10 +369,13 @@ class DraftGroup:
         return depth
 
     def release(self) -> None:
+        """Drop the requests' state (caches included; the attributes are replaced, never changed in place,
+        so a group :meth:`spawn` made keeps its own)."""
         self.lengths_b = None
         self.root_logits = None
 
-    #: per-row state ([G * B, ...] tensors) that :meth:`subset` carries over
+    #: per-row state ([G * B, ...] tensors) that :meth:`subset`, :meth:`select_requests` and
+    #: :meth:`append_requests` carry over with the caches ``kv``
     _row_state: Tuple[str, ...] = ("root_logits",)
 
     def subset(self, keep: Sequence[int]) -> Optional["DraftGroup"]:
@@ -369,10 +394,7 @@ class DraftGroup:
         device = self.lengths_b.device
         rows = torch.cat([torch.arange(i * batch, (i + 1) * batch, device=device) for i in keep])
         new.lengths_b, new.host_lengths = self.lengths_b, list(self.host_lengths)
-        for name in self._row_state:
-            value = getattr(self, name)
-            setattr(new, name, None if value is None else value.index_select(0, rows))
-        new.kv = [[t.index_select(0, rows) for t in layer] for layer in self.kv]
+        new._take_rows(self, rows)
         new._share_tables(self)
         self.release()
         return new
@@ -380,6 +402,86 @@ class DraftGroup:
     def _share_tables(self, other: "DraftGroup") -> None:
         """Reuse `other`'s precomputed tables (rotary rows) after :meth:`subset`."""
 
+    def _take_rows(self, source: "DraftGroup", rows: Tensor) -> None:
+        """Set this group's per-row tensors (:attr:`_row_state`, the caches ``kv``) to rows `rows` of
+        `source`'s."""
+        for name in self._row_state:
+            value = getattr(source, name)
+            setattr(self, name, None if value is None else value.index_select(0, rows))
+        self.kv = [[t.index_select(0, rows) for t in layer] for layer in source.kv]
+
+    # -- request rows ----------------------------------------------------------------------------------
+    def spawn(self) -> "DraftGroup":
+        """A new group of the same drafters and ``members``, not started, sharing this group's weights and
+        precomputed tables, with the same ``sampling``: start it on newly arrived requests, then
+        :meth:`append_requests` it to this group."""
+        new = copy.copy(self)
+        new.members = list(self.members)
+        new.host_lengths = []
+        new.release()
+        return new
+
+    def select_requests(self, keep: Sequence[int]) -> None:
+        """Keep only requests `keep` (indices b in 0 .. B-1, distinct, in that order) of every drafter, in
+        place; `keep` may be empty (the group then holds no request until :meth:`append_requests`)."""
+        keep = self._request_list(keep)
+        index = torch.tensor(keep, dtype=torch.int64, device=self.lengths_b.device)
+        offsets = torch.arange(self.groups, device=index.device).unsqueeze(1) * self.batch
+        self._select_state(keep, index, (offsets + index).flatten())
+        self.host_lengths = [self.host_lengths[b] for b in keep]
+
+    def append_requests(self, other: "DraftGroup") -> None:
+        """Add the B' requests of `other` (a started group from :meth:`spawn`) after this group's B, in
+        place (rows stay group-major); caches of different capacities are joined at the larger one.
+        `other` is released."""
+        if (other is self or type(other) is not type(self) or other.members != self.members
+                or len(other.drafters) != len(self.drafters)
+                or any(a is not b for a, b in zip(other.drafters, self.drafters))):
+            raise ValueError(f"{type(self).__name__}.append_requests: the other group must come from this "
+                             "group's spawn()")
+        if other.lengths_b is None:
+            raise RuntimeError(f"{type(self).__name__}.append_requests: start() the other group first")
+        self._join_state(other)
+        self.host_lengths = self.host_lengths + other.host_lengths
+        other.release()
+
+    def _request_list(self, keep: Sequence[int]) -> List[int]:
+        """`keep` as a list of distinct request indices of this group (ValueError otherwise)."""
+        keep = [int(b) for b in keep]
+        if any(not 0 <= b < self.batch for b in keep) or len(set(keep)) != len(keep):
+            raise ValueError(f"{type(self).__name__}.select_requests: need distinct requests in "
+                             f"[0, {self.batch}), got {keep}")
+        return keep
+
+    def _select_state(self, keep: List[int], index: Tensor, rows: Tensor) -> None:
+        """Keep the device state of requests `keep` (``index``: the same [B'] on the device; ``rows``:
+        their [G * B'] rows); kinds with state of their own extend it."""
+        self.lengths_b = self.lengths_b.index_select(0, index)
+        self._take_rows(self, rows)
+
+    def _join_state(self, other: "DraftGroup") -> None:
+        """Put `other`'s device state after this group's; kinds with state of their own extend it."""
+        self.lengths_b = torch.cat([self.lengths_b, other.lengths_b])
+        for name in self._row_state:
+            mine = getattr(self, name)
+            if mine is not None:
+                setattr(self, name, join_rows(mine, getattr(other, name), self.groups))
+        self.kv = [[join_rows(a, b, self.groups) for a, b in zip(mine, theirs)]
+                   for mine, theirs in zip(self.kv, other.kv)]
+
+
+def join_rows(a: Tensor, b: Tensor, groups: int) -> Tensor:
+    """Group-major row tensors ``a [G * B, ...]`` and ``b [G * B', ...]`` joined as ``[G * (B + B'), ...]``:
+    each group's rows of `a`, then its rows of `b`. A dimension where they differ (a cache's capacity)
+    takes the larger size; the padding is zeros."""
+    ba, bb = a.shape[0] // groups, b.shape[0] // groups
+    a, b = a.reshape(groups, ba, *a.shape[1:]), b.reshape(groups, bb, *b.shape[1:])
+    if a.shape[2:] == b.shape[2:]:
+        return torch.cat([a, b], 1).flatten(0, 1)
+    out = a.new_zeros((groups, ba + bb, *(max(x, y) for x, y in zip(a.shape[2:], b.shape[2:]))))
+    out[(slice(None), slice(0, ba)) + tuple(slice(0, n) for n in a.shape[2:])] = a
+    out[(slice(None), slice(ba, None)) + tuple(slice(0, n) for n in b.shape[2:])] = b
+    return out.flatten(0, 1)
 
 
 class _InterfaceGroup(DraftGroup):
@@ -427,6 +529,24 @@ class _InterfaceGroup(DraftGroup):
 
     def release(self) -> None:
         self.drafters[0].release()
+
+    def spawn(self) -> "DraftGroup":
+        """A group of a :meth:`Drafter.clone` of the drafter (whose state lives in the drafter itself)."""
+        new = _InterfaceGroup(self.drafters[0].clone())
+        new.members, new.sampling = list(self.members), self.sampling
+        return new
+
+    def select_requests(self, keep: Sequence[int]) -> None:
+        keep = self._request_list(keep)
+        self.drafters[0].select_requests(keep)
+        self.host_lengths = [self.host_lengths[b] for b in keep]
+
+    def append_requests(self, other: "DraftGroup") -> None:
+        if other is self or type(other) is not type(self) or other.members != self.members:
+            raise ValueError("_InterfaceGroup.append_requests: the other group must come from this group's spawn()")
+        self.drafters[0].append_requests(other.drafters[0])
+        self.host_lengths = self.host_lengths + other.host_lengths
+        other.release()
 
 
 class SoloMixin:

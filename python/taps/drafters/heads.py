@@ -94,7 +94,8 @@ class FeatureHeadGroup(DraftGroup):
         self.frontier = out
         return self._logits(out)
 
-    _row_state = ("root_logits", "root_feature", "frontier")
+    #: (the frontier is scratch of one draft(), written at level 1 before it is read)
+    _row_state = ("root_logits", "root_feature")
 
     def release(self) -> None:
         super().release()

@@ -195,3 +195,12 @@ class LookupGroup(DraftGroup):
         super().release()
         self.history, self.index = [], []
 
+    def _select_state(self, keep, index, rows):
+        super()._select_state(keep, index, rows)
+        self.history = [self.history[b] for b in keep]
+        self.index = [self.index[b] for b in keep]
+
+    def _join_state(self, other):
+        super()._join_state(other)
+        self.history = self.history + other.history
+        self.index = self.index + other.index

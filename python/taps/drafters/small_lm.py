@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import copy
 import json
-from typing import Hashable, Optional, Sequence
+from typing import Hashable, List, Optional, Sequence
 
 import torch
 from torch import Tensor, nn
@@ -19,7 +19,7 @@ from torch import Tensor, nn
 from .. import hf
 from ..kv import cache_attend
 from ..lean import LeanCausalLM, lean_support
-from .base import DraftGroup, Drafter, SoloMixin, head_rows, target_vocab_size
+from .base import DraftGroup, Drafter, SoloMixin, head_rows, join_rows, target_vocab_size
 
 __all__ = ["ModelDrafter"]
 
@@ -179,3 +179,24 @@ class _HFLMGroup(DraftGroup):
         super().release()
         self.cache = None
 
+    def _select_state(self, keep, index, rows):
+        super()._select_state(keep, index, rows)
+        self._set_cache([[layer.keys.index_select(0, index), layer.values.index_select(0, index)]
+                         for layer in self.cache.layers], self.cache.max_len)
+
+    def _join_state(self, other):
+        super()._join_state(other)
+        mine, theirs = self.cache, other.cache
+        self._set_cache([[join_rows(a.keys, b.keys, 1), join_rows(a.values, b.values, 1)]
+                         for a, b in zip(mine.layers, theirs.layers)], max(mine.max_len, theirs.max_len))
+
+    def _set_cache(self, kv: List[List[Tensor]], max_len: int) -> None:
+        """A new cache of capacity `max_len` holding `kv` (per layer [keys, values] [B, Hkv, S, D], S <=
+        max_len) and lengths ``lengths_b``, which become its lengths (the Hugging Face path updates them in
+        place)."""
+        cache = hf.TreeKVCache.for_model(self.model, int(self.lengths_b.numel()), max_len)
+        for layer, (keys, values) in zip(cache.layers, kv):
+            layer.keys[:, :, :keys.shape[2]] = keys
+            layer.values[:, :, :values.shape[2]] = values
+        cache.lengths.copy_(self.lengths_b)
+        self.cache, self.lengths_b = cache, cache.lengths
