@@ -1,6 +1,6 @@
 """Training of EAGLE-3 heads (:class:`taps.drafters.eagle3.Eagle3Drafter`) on the target's multi-layer features.
 
-``taps train drafter --family eagle3`` runs :func:`train_eagle3` (through ``train_drafter``) with the same
+``taps train drafter --family eagle3`` runs :func:`train_eagle3` (:mod:`taps.train.cli`) with the same
 data, blocks, block order, optimiser, schedule, training loop, checkpointing and export as the EAGLE-2 /
 HASS families (:mod:`taps.train.drafter`); what differs:
 
@@ -43,8 +43,9 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from . import dist as D
-from .drafter import (DOMAINS, TARGET_DTYPES, DrafterTrainConfig, check_batches, drafter_config, export_drafter,
-                      load_domain_features, training_loop)
+from .drafter import (DOMAINS, TARGET_DTYPES, DrafterTrainConfig, drafter_config, export_drafter, load_domain_features,
+                      training_loop)
+from .loop import check_batches
 
 __all__ = ["train_eagle3", "new_eagle3_drafter", "unrolled_logits", "eagle3_losses", "UnrolledAttention",
            "draft_vocabulary", "HELDOUT_STEPS", "STEP_WEIGHT"]
@@ -356,9 +357,17 @@ def heldout_metrics(model: D.DataParallelModel, held: tuple, device, micro: int 
 
 # ------------------------------------------------------------------------------------------------ main
 
-def train_eagle3(cfg: DrafterTrainConfig, ctx: D.DistContext) -> dict:
-    """Train (or resume) one EAGLE-3 head in the process group `ctx`; export it when finished. Returns a
-    summary dict. :func:`taps.train.drafter.train_drafter` calls it (``--family eagle3``) on every rank."""
+def train_eagle3(cfg: DrafterTrainConfig) -> dict:
+    """Train (or resume) one EAGLE-3 head (``cfg.family`` eagle3); export it when finished. Returns a summary
+    dict. Under torchrun every rank calls this (data parallel, :mod:`taps.train.dist`); only rank 0 writes
+    files."""
+    if cfg.family != "eagle3":
+        raise ValueError(f"train_eagle3 trains the eagle3 family, not {cfg.family}")
+    with cfg.distributed() as ctx:
+        return _train_eagle3(cfg, ctx)
+
+
+def _train_eagle3(cfg: DrafterTrainConfig, ctx: D.DistContext) -> dict:
     from taps.drafters.eagle3 import feature_layers
     from taps.lean import RopeTable
     from taps.models import load_target
