@@ -35,7 +35,7 @@ from common import print_table  # noqa: E402
 import transformers  # noqa: E402
 
 from taps import EagleDrafter, SpeculativeDecoder  # noqa: E402
-from taps.drafters import _EagleGroup  # noqa: E402
+from taps.drafters.eagle import EagleGroup  # noqa: E402
 
 SHAPES = {
     "llama3-8b": dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
@@ -52,7 +52,7 @@ SHAPES = {
 BONUS = 1e4
 
 
-class _OracleGroup(_EagleGroup):
+class _OracleGroup(EagleGroup):
     """An EAGLE head's group whose logits favour the oracle continuation (see the module docstring)."""
 
     def start(self, input_ids, prompt_lens, root, hidden, max_len, prompt_lens_host=None):

@@ -206,15 +206,15 @@ def test_decoder_tells_groups_whether_it_samples(monkeypatch):
     """The decoder sets DraftGroup.sampling for a generation (prompt lookup keeps the decoder's depth under
     sampling): False when greedy, True when any request samples."""
     from taps import PromptLookupDrafter
-    from taps.ngram import _LookupGroup
+    from taps.drafters.ngram import LookupGroup
     seen = []
-    draft = _LookupGroup.draft
+    draft = LookupGroup.draft
 
     def spy(self, *args, **kwargs):
         seen.append(self.sampling)
         return draft(self, *args, **kwargs)
 
-    monkeypatch.setattr(_LookupGroup, "draft", spy)
+    monkeypatch.setattr(LookupGroup, "draft", spy)
     target = _llama(seed=1)
     dec = SpeculativeDecoder(target, [PromptLookupDrafter()], strategy="single", depth=3, top_k=3, budget=8)
     prompts = [p * 2 for p in PROMPTS]

@@ -33,6 +33,7 @@ if not (dist.is_available() and dist.is_gloo_available()):
     pytest.skip("torch.distributed with gloo is not available", allow_module_level=True)
 
 from taps.train import drafter as TD  # noqa: E402
+from taps.train import eagle3 as TE  # noqa: E402
 from taps.train.data import REPO_ROOT  # noqa: E402
 from tiny_training import fake_blocks, tiny_target_dir  # noqa: E402
 
@@ -213,7 +214,7 @@ def test_eagle3_two_processes_reach_the_weights_of_one(setup):
     e3 = dict(DRAFTER, family="eagle3", draft_vocab=64, ttt_steps=3)
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(TD, "domain_blocks", fake_blocks)
-        TD.train_drafter(TD.DrafterTrainConfig(**e3, **paths("e3-one", features="features-e3-one")))
+        TE.train_eagle3(TD.DrafterTrainConfig(**e3, **paths("e3-one", features="features-e3-one")))
     torchrun(WORKER, *cli_args("drafter", **{**e3, **paths("e3-two", features="features-e3-two"),
                                             "dist_timeout": 60}))
     assert_same_weights(root, "e3-one", "e3-two")

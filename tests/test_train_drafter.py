@@ -148,10 +148,12 @@ def test_qwen3_target_trains_exports_and_drafts(tiny_setup):
 def assert_resume_equals_uninterrupted(cfg, tmp_path, stop: int, **kw) -> None:
     """A run stopped after `stop` steps and resumed exports the weights of the finished run
     ``tmp_path/out/full`` (same settings `kw`), bit for bit."""
+    from taps.train.cli import train_drafter_family
+
     part = cfg(**kw, run_dir=tmp_path / "runs" / "part", out=tmp_path / "out" / "part", max_steps=stop)
-    assert not TD.train_drafter(part)["finished"]
+    assert not train_drafter_family(part)["finished"]
     part.max_steps = None
-    TD.train_drafter(part)
+    train_drafter_family(part)
     a = EagleDrafter.from_pretrained(str(tmp_path / "out" / "full")).state_dict()
     b = EagleDrafter.from_pretrained(str(part.out)).state_dict()
     for k in a:

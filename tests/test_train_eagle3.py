@@ -162,7 +162,7 @@ def test_tiny_run_trains_resumes_exports_and_decodes(tiny_setup, tmp_path):
     cfg, tdir = tiny_setup
     common = dict(family="eagle3", data="mixed", tokens=8192, lr=1e-2, draft_vocab=512, ttt_steps=3)
     full = cfg(**common, run_dir=tmp_path / "runs" / "full", out=tmp_path / "out" / "full")
-    summary = TD.train_drafter(full)
+    summary = TE.train_eagle3(full)
     assert summary["finished"] and summary["steps"] == 8192 // 64 // 4
     log = [json.loads(x) for x in (full.run_dir / "log.jsonl").read_text().splitlines()]
     losses = [r["loss"] for r in log if "loss" in r]

@@ -18,8 +18,8 @@ __version__ = "0.1.0"
 
 _EXPORTS = {
     "DraftCandidates": "drafters", "Drafter": "drafters", "EagleDrafter": "drafters",
-    "ModelDrafter": "drafters", "average_drafters": "drafters", "Eagle3Drafter": "eagle3",
-    "expand": "expansion", "PromptLookupDrafter": "ngram",
+    "ModelDrafter": "drafters", "average_drafters": "drafters", "Eagle3Drafter": "drafters",
+    "expand": "expansion", "PromptLookupDrafter": "drafters",
     "STRATEGIES": "strategies", "make_strategy": "strategies", "register_strategy": "strategies",
     "strategy_names": "strategies",
     "Profiler": "stats", "RequestStats": "stats", "summarize": "stats",

@@ -178,7 +178,7 @@ def demo(args) -> int:
     streamed = {"single": [] if args.lookup else pair[:1], "autoregressive": []}.get(args.strategy, pair)
     names = ["the math drafter", "the chat drafter"][:len(streamed)] + (["prompt lookup"] if args.lookup else [])
     if args.lookup:
-        from .ngram import PromptLookupDrafter
+        from .drafters import PromptLookupDrafter
 
         streamed = streamed + [PromptLookupDrafter()]
     merged = SpeculativeDecoder(target, streamed, strategy=args.strategy, **settings)

@@ -10,7 +10,7 @@ same arithmetic with a minimum of operations:
   optional biases and Qwen3's per-head q/k norms, rotary embedding, attention through a callback, o
   projection, SiLU MLP), written once and shared by the target, the small-LM drafters and the EAGLE heads;
   :func:`eagle3_layer`: the EAGLE-3 head's layer (attention over [normed embedding, normed hidden]), the
-  same body, run by the EAGLE-3 drafter's inference and its training alike (:mod:`taps.eagle3`).
+  same body, run by the EAGLE-3 drafter's inference and its training alike (:mod:`taps.drafters.eagle3`).
 - :class:`Linear` and :class:`Norm` hold either one weight set (the module's own parameters, no copy) or
   ``G`` weight sets of the same shape stacked into one tensor, so that ``G`` drafters run as one batched
   forward (``torch.bmm``): activations are then ``[G, R, features]`` with the drafters' rows group-major.

@@ -187,7 +187,7 @@ def draft_vocab(size: int, path: Optional[PathLike] = None) -> torch.Tensor:
 def load_drafter(family: str, data: str, target: torch.nn.Module, path: Optional[PathLike] = None,
                  verify: bool = True, draft_vocab: Optional[int] = None):
     """Load drafter ``<family>-<data>`` as an :class:`taps.drafters.EagleDrafter` (an
-    :class:`taps.eagle3.Eagle3Drafter` for EAGLE-3 checkpoints) bound to `target` (in the target's dtype
+    :class:`taps.drafters.eagle3.Eagle3Drafter` for EAGLE-3 checkpoints) bound to `target` (in the target's dtype
     and on its device).
 
     Args:

@@ -104,8 +104,7 @@ def load_models(cfg: ServeConfig) -> ModelSet:
     """Load the target, its tokenizer and the drafters of `cfg` (shipped files checked against their
     manifests)."""
     from .. import models
-    from ..drafters import EagleDrafter, ModelDrafter, target_vocab_size
-    from ..ngram import PromptLookupDrafter
+    from ..drafters import EagleDrafter, ModelDrafter, PromptLookupDrafter, target_vocab_size
 
     device = _device(cfg.device)
     dtype = models.resolve_dtype(cfg.dtype, device)

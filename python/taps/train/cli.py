@@ -3,12 +3,13 @@
     taps train tokenizer [--out models/tokenizer] [--vocab-size 8192] [--seed 0]
     taps train target    [--tokenizer models/tokenizer] [--out models/target] [--run-dir runs/target]
                          [--preset 5m] [--tokens 10000000] [--device auto] ...
-    taps train drafter   --family eagle2|hass --data math|chat|mixed [--tokens 1000000] [--name NAME] ...
+    taps train drafter   --family eagle2|hass|eagle3 --data math|chat|mixed [--tokens 1000000] [--name NAME] ...
     taps train average   models/drafters/A models/drafters/B --out models/drafters/A-B-avg
     taps train vocab     [--target models/target] [--tokens 1000000]
 
 ``add_train_subcommands(subparsers)`` registers them under a ``train`` command of an argparse
-sub-parser set; ``python -m taps.train ...`` runs the same commands without the main CLI.
+sub-parser set; ``python -m taps.train ...`` runs the same commands without the main CLI. ``drafter``
+runs the trainer of its ``--family`` (:data:`DRAFTER_TRAINERS`, :func:`train_drafter_family`).
 
 Under torchrun (``torchrun --nproc_per_node N -m taps.train target|drafter ...``) the target and
 drafter trainings run data parallel (:mod:`taps.train.dist`); ``tokenizer`` and ``average``, which have
@@ -18,6 +19,7 @@ nothing to share out, run on rank 0 alone.
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import os
 import sys
@@ -86,10 +88,22 @@ def _target(args) -> int:
     return 0
 
 
-def _drafter(args) -> int:
-    from .drafter import DrafterTrainConfig, train_drafter
+#: the trainer of each drafter family (``--family``): (module of taps.train, function), imported when it runs
+DRAFTER_TRAINERS = {"eagle2": ("drafter", "train_drafter"), "hass": ("drafter", "train_drafter"),
+                    "eagle3": ("eagle3", "train_eagle3")}
 
-    train_drafter(config_from_args(DrafterTrainConfig, args))
+
+def train_drafter_family(cfg) -> dict:
+    """Train (or resume) a drafter with the trainer of its family (:data:`DRAFTER_TRAINERS`; ``cfg``: a
+    :class:`taps.train.drafter.DrafterTrainConfig`). Returns the trainer's summary."""
+    module, name = DRAFTER_TRAINERS[cfg.family]
+    return getattr(importlib.import_module(f".{module}", __package__), name)(cfg)
+
+
+def _drafter(args) -> int:
+    from .drafter import DrafterTrainConfig
+
+    train_drafter_family(config_from_args(DrafterTrainConfig, args))
     return 0
 
 

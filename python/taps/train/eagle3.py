@@ -1,17 +1,17 @@
-"""Training of EAGLE-3 heads (:class:`taps.eagle3.Eagle3Drafter`) on the target's multi-layer features.
+"""Training of EAGLE-3 heads (:class:`taps.drafters.eagle3.Eagle3Drafter`) on the target's multi-layer features.
 
-``taps train drafter --family eagle3`` runs :func:`train_eagle3` (through ``train_drafter``) with the same
+``taps train drafter --family eagle3`` runs :func:`train_eagle3` (:mod:`taps.train.cli`) with the same
 data, blocks, block order, optimiser, schedule, training loop, checkpointing and export as the EAGLE-2 /
 HASS families (:mod:`taps.train.drafter`); what differs:
 
-- features: the inputs of the target layers :func:`taps.eagle3.feature_layers` picks (1, 2, 3 for the
+- features: the inputs of the target layers :func:`taps.drafters.eagle3.feature_layers` picks (1, 2, 3 for the
   shipped 4-layer target), concatenated, cached per domain beside the final-hidden-state cache
   (``<feature_dir>/<domain>-layers-<i>-<j>-<k>.pt``, bf16, k * H * 2 bytes per token). The final
   hidden states still give the target's next-token distribution.
 - draft vocabulary: the ``draft_vocab`` most frequent target tokens of the drafters' training data, from
   the target folder's ``token_counts.json`` (``taps train vocab``: both domains, so every head of a target
   shares one vocabulary and can be averaged or batched) or, without that file, counted over this run's
-  training blocks. d2t / t2d as the reference builds them (:func:`taps.eagle3.vocab_mapping`). The head's
+  training blocks. d2t / t2d as the reference builds them (:func:`taps.drafters.eagle3.vocab_mapping`). The head's
   ``lm_head`` starts as the target's lm_head rows of those tokens and its ``norm`` as the target's final
   norm.
 - objective (the reference's "training-time test"): the head is unrolled over ``ttt_steps`` steps. Step
@@ -43,8 +43,9 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from . import dist as D
-from .drafter import (DOMAINS, TARGET_DTYPES, DrafterTrainConfig, check_batches, drafter_config, export_drafter,
-                      load_domain_features, training_loop)
+from .drafter import (DOMAINS, TARGET_DTYPES, DrafterTrainConfig, drafter_config, export_drafter, load_domain_features,
+                      training_loop)
+from .loop import check_batches
 
 __all__ = ["train_eagle3", "new_eagle3_drafter", "unrolled_logits", "eagle3_losses", "UnrolledAttention",
            "draft_vocabulary", "HELDOUT_STEPS", "STEP_WEIGHT"]
@@ -59,7 +60,7 @@ def new_eagle3_drafter(target, draft_ids: Optional[Tensor], layers: Sequence[int
     """An Eagle3Drafter shaped like the target's decoder layers, reading target layers `layers`, over the
     draft vocabulary `draft_ids` (target ids; None = the whole vocabulary), bound to `target`; its
     lm_head starts as the target's rows of those tokens, its norm as the target's final norm."""
-    from taps.eagle3 import Eagle3Drafter, vocab_mapping
+    from taps.drafters.eagle3 import Eagle3Drafter, vocab_mapping
 
     vocab = int(target.get_output_embeddings().weight.shape[0])
     cfg = drafter_config(target.config, 1)
@@ -114,7 +115,7 @@ def unrolled_logits(drafter, weights, tokens: Tensor, fused: Tensor, steps: int,
     """Draft-vocabulary logits [B, n, Vd] of unrolled steps 0 .. steps - 1 (see the module docstring).
 
     tokens: [B, n] the block's tokens x_0 .. x_{n-1}; fused: [B, n, k * H] the fused target features at
-    positions 0 .. n-1; weights: :class:`taps.eagle3.Eagle3Weights` of the drafter (autograd flows to its
+    positions 0 .. n-1; weights: :class:`taps.drafters.eagle3.Eagle3Weights` of the drafter (autograd flows to its
     parameters). Step i's column t reads token x_{t+1+i} (0 past the block's end; its outputs there are
     not used)."""
     from taps.lean import RopeTable
@@ -162,7 +163,7 @@ def eagle3_losses(drafter, head_w: Tensor, tokens: Tensor, fused: Tensor, final:
     number of those positions in this batch, :func:`masked_counts`). A micro-batch of b rows of a global
     batch of B rows passes the global batch's counts times b / B, so that its rows' share of the mean
     loss, and of the gradient, is what it is in the whole batch, however the batch is split."""
-    from taps.eagle3 import Eagle3Weights
+    from taps.drafters.eagle3 import Eagle3Weights
 
     n = tokens.shape[1]
     ids = drafter.draft_token_ids()
@@ -356,10 +357,18 @@ def heldout_metrics(model: D.DataParallelModel, held: tuple, device, micro: int 
 
 # ------------------------------------------------------------------------------------------------ main
 
-def train_eagle3(cfg: DrafterTrainConfig, ctx: D.DistContext) -> dict:
-    """Train (or resume) one EAGLE-3 head in the process group `ctx`; export it when finished. Returns a
-    summary dict. :func:`taps.train.drafter.train_drafter` calls it (``--family eagle3``) on every rank."""
-    from taps.eagle3 import feature_layers
+def train_eagle3(cfg: DrafterTrainConfig) -> dict:
+    """Train (or resume) one EAGLE-3 head (``cfg.family`` eagle3); export it when finished. Returns a summary
+    dict. Under torchrun every rank calls this (data parallel, :mod:`taps.train.dist`); only rank 0 writes
+    files."""
+    if cfg.family != "eagle3":
+        raise ValueError(f"train_eagle3 trains the eagle3 family, not {cfg.family}")
+    with cfg.distributed() as ctx:
+        return _train_eagle3(cfg, ctx)
+
+
+def _train_eagle3(cfg: DrafterTrainConfig, ctx: D.DistContext) -> dict:
+    from taps.drafters.eagle3 import feature_layers
     from taps.lean import RopeTable
     from taps.models import load_target
 

