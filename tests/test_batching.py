@@ -1,0 +1,191 @@
+"""Continuous batching (taps.batching.ContinuousBatch) on tiny random Llama models, fp32 on CPU.
+
+1. Requests that join a running batch at different steps, leave it when they finish, or are cancelled
+   get, token for token, their greedy decoding alone (the target's own greedy output), for every kind of
+   drafter group, the merging and routing strategies, with and without a tuner; nothing leaks (no row
+   left, the state dropped when the batch empties).
+2. Sampling: a request's tokens under a seed do not depend on its neighbours (fixed draft settings), and
+   the first tokens of many seeded requests admitted at different steps, mixed with greedy ones, follow
+   the target's exact distribution (chi-square).
+3. The caller's errors: a known id, bad sampling values, a prompt too long for the model.
+"""
+
+from collections import Counter
+
+import pytest
+import torch
+
+from taps import ModelDrafter, PromptLookupDrafter, SpeculativeDecoder
+from taps.batching import ContinuousBatch, SamplingParams
+
+import engine_models as em
+from sampling_checks import assert_counts, spec_probs
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+PROMPTS = [[5, 17, 42, 8, 61, 3], [3, 3, 90, 12, 7, 64, 90, 2, 33, 41, 11], [70, 1], [9, 9, 9, 4, 9, 9, 9],
+           [12, 40, 41, 42, 12, 40], [33, 2]]
+
+
+SAMPLING_PROMPTS = [[3, 9, 1, 30], [5, 17, 2, 8, 11, 4], [7, 7], [30, 1, 4, 9, 22, 13, 8]]  # vocabulary 32
+
+
+def _greedy(i, steps):
+    return em.greedy_reference(em.greedy_models()["target"], PROMPTS[i], steps)
+
+
+def _drafters(names):
+    m = em.greedy_models()
+    made = {"eagle": lambda: m["eagle"], "early": lambda: ModelDrafter(m["early_exit"]),
+            "other": lambda: ModelDrafter(m["other"]), "lookup": lambda: PromptLookupDrafter()}
+    return [made[n]() for n in names]
+
+
+def _run(batch, arrivals, cancel_at=None):
+    """Step `batch` until empty; `arrivals` {step: [(id, prompt, params)]} join at those steps, `cancel_at`
+    {step: [ids]} are cancelled then. Returns ({id: tokens}, {id: finish reason}, {id: stats})."""
+    tokens, reasons, stats, step = {}, {}, {}, 0
+    cancel_at = cancel_at or {}
+    while batch or any(s >= step for s in arrivals):
+        for rid, prompt, params in arrivals.get(step, []):
+            batch.add(rid, prompt, params)
+        for rid in cancel_at.get(step, []):
+            batch.cancel(rid)
+        for ev in batch.step():
+            assert ev.request_id not in reasons  # nothing after a request's last event
+            tokens.setdefault(ev.request_id, []).extend(ev.tokens)
+            if ev.finish_reason is not None:
+                reasons[ev.request_id] = ev.finish_reason
+                stats[ev.request_id] = ev.stats
+                assert ev.stats.new_tokens == len(tokens[ev.request_id])
+        assert batch.num_running <= batch.max_batch
+        step += 1
+        assert step < 500
+    assert batch.num_running == 0 and batch.num_waiting == 0 and batch.state is None
+    return tokens, reasons, stats
+
+
+CASES = [
+    # (strategy, drafters, budget)
+    ("single", ("eagle",), None),
+    ("merged", ("early", "eagle", "other"), None),
+    ("merged-budget", ("eagle", "lookup"), None),
+    ("route-confidence-prompt", ("eagle", "early"), None),
+    ("adaptive", ("early", "eagle"), None),
+    ("autoregressive", (), None),
+    ("merged", ("early", "eagle", "lookup"), "auto"),
+]
+
+
+@pytest.mark.parametrize("strategy,drafters,budget", CASES, ids=[f"{c[0]}-{'+'.join(c[1])}-{c[2]}" for c in CASES])
+def test_joining_and_leaving_keeps_greedy_output(strategy, drafters, budget):
+    m = em.greedy_models()
+    dec = SpeculativeDecoder(m["target"], _drafters(drafters), strategy=strategy, depth=3, top_k=3,
+                             budget=budget if budget else 8, route_steps=2)
+    batch = ContinuousBatch(dec, max_batch=3)
+    new = [14, 9, 20, 5, 11, 16]
+    arrivals = {0: [(i, PROMPTS[i], SamplingParams(max_new_tokens=new[i])) for i in (0, 1)],
+                2: [(2, PROMPTS[2], SamplingParams(max_new_tokens=new[2]))],
+                3: [(i, PROMPTS[i], SamplingParams(max_new_tokens=new[i])) for i in (3, 4)],  # 4 waits
+                9: [(5, PROMPTS[5], SamplingParams(max_new_tokens=new[5]))]}
+    tokens, reasons, stats = _run(batch, arrivals)
+    if drafters:
+        assert sum(s.tau for s in stats.values()) / len(stats) > 1.3, strategy
+    for i in range(6):
+        assert tokens[i] == _greedy(i, new[i]), f"{strategy}: request {i}"
+        assert reasons[i] == "length"
+
+
+def test_cancel_running_and_waiting_requests():
+    m = em.greedy_models()
+    dec = SpeculativeDecoder(m["target"], _drafters(("eagle", "early")), strategy="merged", depth=3, top_k=3,
+                             budget=8)
+    batch = ContinuousBatch(dec, max_batch=2)
+    arrivals = {0: [(i, PROMPTS[i], SamplingParams(max_new_tokens=30)) for i in range(4)]}
+    tokens, reasons, _ = _run(batch, arrivals, cancel_at={2: [1, 3, "unknown"]})
+    assert reasons == {0: "length", 1: "cancelled", 2: "length", 3: "cancelled"}
+    assert tokens[3] == []  # cancelled while waiting: never admitted
+    assert 0 < len(tokens[1]) < 30 and tokens[1] == _greedy(1, 30)[:len(tokens[1])]
+    for i in (0, 2):
+        assert tokens[i] == _greedy(i, 30)
+
+
+def test_eos_zero_tokens_and_cancel_after_finish():
+    m = em.greedy_models()
+    dec = SpeculativeDecoder(m["target"], _drafters(("eagle",)), strategy="single", depth=3, top_k=3, budget=8)
+    ref = _greedy(0, 12)
+    eos = ref[5]
+    batch = ContinuousBatch(dec)
+    arrivals = {0: [("eos", PROMPTS[0], SamplingParams(max_new_tokens=12, eos_token_id=[eos])),
+                    ("none", PROMPTS[1], SamplingParams(max_new_tokens=0)),
+                    ("one", PROMPTS[2], SamplingParams(max_new_tokens=1))]}
+    tokens, reasons, _ = _run(batch, arrivals, cancel_at={3: ["one"]})
+    assert tokens["eos"] == ref[:ref.index(eos) + 1] and reasons["eos"] == "eos"
+    assert tokens.get("none", []) == [] and reasons["none"] == "length"
+    assert tokens["one"] == _greedy(2, 1) and reasons["one"] == "length"
+
+
+def test_seeded_request_does_not_depend_on_neighbours():
+    m = em.sampling_models()
+    dec = SpeculativeDecoder(m["target"], [m["eagle"], ModelDrafter(m["target"])], strategy="merged", depth=3,
+                             top_k=2, budget=6)
+    params = SamplingParams(max_new_tokens=12, temperature=0.9, top_p=0.95, seed=77)
+    alone, _, _ = _run(ContinuousBatch(dec), {0: [("me", SAMPLING_PROMPTS[1], params)]})
+    others = {0: [("a", SAMPLING_PROMPTS[0], SamplingParams(max_new_tokens=20, temperature=1.0, seed=1))],
+              2: [("me", SAMPLING_PROMPTS[1], params), ("b", SAMPLING_PROMPTS[3], SamplingParams(max_new_tokens=4))],
+              4: [("c", SAMPLING_PROMPTS[2], SamplingParams(max_new_tokens=9, temperature=0.5, top_k=3, seed=5))]}
+    crowded, _, _ = _run(ContinuousBatch(dec), others)
+    assert crowded["me"] == alone["me"]
+    again, _, _ = _run(ContinuousBatch(dec), {0: [("me", SAMPLING_PROMPTS[1], SamplingParams(**{**params.__dict__, "seed": 78}))]})
+    assert again["me"] != alone["me"]  # another seed, other draws (12 tokens at T=0.9)
+
+
+def test_samples_follow_the_target_when_requests_join_at_different_steps():
+    m = em.sampling_models()
+    steps, temperature, top_p = 3, 1.0, 0.9
+    dec = SpeculativeDecoder(m["target"], [m["eagle"], ModelDrafter(m["target"])], strategy="merged", depth=3,
+                             top_k=2, budget=6)
+    batch = ContinuousBatch(dec, max_batch=24)
+    prompt = [3, 9, 1, 30]
+    samples = 1500
+    arrivals = {}
+    for i in range(samples):  # a stream of seeded sampled requests, with greedy neighbours of other prompts
+        arrivals.setdefault(i // 20, []).append((i, prompt, SamplingParams(steps, temperature, top_p=top_p, seed=i, eos_token_id=[])))
+        if i % 97 == 0:
+            arrivals[i // 20].append((f"g{i}", SAMPLING_PROMPTS[i % 4], SamplingParams(max_new_tokens=7)))
+    tokens, reasons, stats = _run(batch, arrivals)
+    tau = sum(stats[i].tau for i in range(samples)) / samples
+    assert tau > 1.3, f"tau {tau:.2f}: acceptance is hardly exercised"
+    sequences = [tuple(tokens[i]) for i in range(samples)]
+    joint = em.exact_joint(m["target"], prompt, steps, lambda row: spec_probs(row, temperature, 0, top_p))
+    counts = Counter(sequences)
+    assert not [s for s in counts if s not in joint]
+    cells = list(joint)
+    assert sum(joint[c] * samples >= 5 for c in cells) >= 6
+    assert_counts([counts.get(c, 0) for c in cells], [joint[c] for c in cells], what="continuous batch: ")
+
+
+def test_caller_errors():
+    m = em.greedy_models()
+    dec = SpeculativeDecoder(m["target"], _drafters(("eagle",)), strategy="single", depth=2, top_k=2)
+    batch = ContinuousBatch(dec)
+    batch.add("x", [1, 2, 3])
+    with pytest.raises(ValueError, match="already"):
+        batch.add("x", [4, 5])
+    bad = [dict(temperature=-1.0), dict(temperature=float("nan")), dict(top_p=0.0), dict(top_p=1.5),
+           dict(top_k=-2), dict(top_k=1.5), dict(max_new_tokens=-1), dict(max_new_tokens=2.5), dict(seed="7")]
+    for kw in bad:
+        with pytest.raises(ValueError):
+            batch.add(f"bad {kw}", [1, 2], SamplingParams(**kw))
+    with pytest.raises(ValueError):
+        batch.add("empty", [])
+    with pytest.raises(ValueError):
+        batch.add("vocab", [1, 10 ** 6])
+    limit = m["target"].config.max_position_embeddings
+    with pytest.raises(ValueError, match="context"):
+        batch.add("long", [1] * (limit - 3), SamplingParams(max_new_tokens=4))
+    with pytest.raises(ValueError):
+        ContinuousBatch(dec, max_batch=0)
+    assert batch.num_waiting == 1
+    tokens, reasons, _ = _run(batch, {})
+    assert list(reasons) == ["x"]
