@@ -4,8 +4,9 @@
     PYTHONPATH=python python bench/bench_serve.py --url http://127.0.0.1:8000    # a running server
 
 ``--requests`` streamed chat requests (default 64), ``--concurrency`` at a time (default 8): GSM8K test and
-MT-Bench prompts in turn (``data/``), temperatures cycling through ``--temperatures``, each with its own
-seed; every ``--cancel-every``-th request is cancelled after its first ``--cancel-after`` text chunks (the
+MT-Bench prompts in turn (``data/``), temperatures cycling through ``--temperatures`` (``--seeds``: each
+with a seed of its own; a seeded request at a temperature decodes with fixed tree settings, in a batch
+apart from the tuner's); every ``--cancel-every``-th request is cancelled after its first ``--cancel-after`` text chunks (the
 client closes the stream). The load runs twice on the same server: with the server's default strategy
 and drafters (or ``--strategy`` / ``--drafters``), then with ``taps.strategy = "autoregressive"`` (the
 target alone, through the same server and batching), after a short warm-up of each.
@@ -55,7 +56,7 @@ class Load:
     max_tokens: int
     cancel_every: int
     cancel_after: int
-    seed: int
+    seed: Optional[int]
     taps: dict = field(default_factory=dict)
 
 
@@ -77,7 +78,9 @@ async def one_request(client, model: str, load: Load, i: int) -> Result:
     res = Result(cancel=load.cancel_every > 0 and i % load.cancel_every == load.cancel_every - 1)
     body = {"model": model, "messages": [{"role": "user", "content": load.prompts[i]}], "stream": True,
             "stream_options": {"include_usage": True}, "max_tokens": load.max_tokens,
-            "temperature": load.temperatures[i % len(load.temperatures)], "seed": load.seed + i}
+            "temperature": load.temperatures[i % len(load.temperatures)]}
+    if load.seed is not None:
+        body["seed"] = load.seed + i
     if load.taps:
         body["taps"] = load.taps
     start = time.perf_counter()
@@ -185,7 +188,7 @@ def main(argv=None) -> int:
     ap.add_argument("--strategy", help="the speculative load's strategy (default: the server's)")
     ap.add_argument("--drafters", help="the speculative load's drafters, comma list or auto (default: the server's)")
     ap.add_argument("--warmup", type=int, default=4, help="untimed requests of each load first")
-    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--seeds", action="store_true", help="give request i the seed i")
     ap.add_argument("--threads", type=int, default=0, help="in-process server: torch threads (0: torch's default)")
     ap.add_argument("--dtype", default="auto", help="in-process server: auto, fp32 or bf16")
     args = ap.parse_args(argv)
@@ -215,20 +218,22 @@ def main(argv=None) -> int:
         label = (f"{spec_taps.get('strategy', info.get('default_strategy'))} with "
                  f"{spec_taps.get('drafters', info.get('default_drafters'))}, budget {info.get('budget')}")
         temperatures = [float(t) for t in args.temperatures.split(",")]
+        seed = 0 if args.seeds else None
         prompts = load_prompts(args.requests)
-        loads = {"taps": Load(prompts, temperatures, args.max_tokens, args.cancel_every, args.cancel_after, args.seed,
+        loads = {"taps": Load(prompts, temperatures, args.max_tokens, args.cancel_every, args.cancel_after, seed,
                               spec_taps),
                  "autoregressive": Load(prompts, temperatures, args.max_tokens, args.cancel_every, args.cancel_after,
-                                        args.seed, {"strategy": "autoregressive"})}
+                                        seed, {"strategy": "autoregressive"})}
         print(f"bench_serve: {url} serving {model} ({info.get('dtype')}, {info.get('device')}, "
               f"{info.get('threads')} torch thread(s)); CPU: {taps_ops.cpu_info()['summary']}")
         print(f"load: {args.requests} streamed chat requests (GSM8K and MT-Bench in turn), {args.concurrency} at a "
               f"time, max_tokens {args.max_tokens}, temperatures {args.temperatures}, every "
-              f"{args.cancel_every or 'no'}-th cancelled after {args.cancel_after} chunks; taps: {label}")
+              f"{args.cancel_every or 'no'}-th cancelled after {args.cancel_after} chunks, "
+              f"{'seeded' if args.seeds else 'no seeds'}; taps: {label}")
         summaries, failures = {}, []
         for name, load in loads.items():
             if args.warmup:
-                warm = Load(prompts[:args.warmup], temperatures, min(args.max_tokens, 16), 0, 0, args.seed, load.taps)
+                warm = Load(prompts[:args.warmup], temperatures, min(args.max_tokens, 16), 0, 0, seed, load.taps)
                 asyncio.run(run_load(url, model, warm, args.concurrency))
                 wait_idle(url)
             results, wall = asyncio.run(run_load(url, model, load, args.concurrency))

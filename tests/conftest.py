@@ -12,12 +12,6 @@ import torch
 
 import taps_ops
 
-# STAND-IN: taps.batching is not in the package yet; tests/batching_standin.py takes its place (taps serve's
-# tests and the README's serving example need it). Goes with the stand-in.
-import batching_standin  # noqa: E402
-
-batching_standin.install()
-
 
 def cuda_available() -> bool:
     """True when a GPU is present (CUDA tests then need the extension's CUDA kernels)."""

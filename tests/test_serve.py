@@ -418,7 +418,7 @@ def test_fuzz_random_bodies_never_get_a_server_error(models):
     seen = set()
     with BackgroundServer(ServeConfig(dtype="fp32", max_tokens=4, default_max_tokens=4), models=models) as s, \
             httpx.Client(base_url=s.url, timeout=60) as h:
-        @settings(max_examples=150, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True,
+        @settings(max_examples=100, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True,
                   database=None)
         @given(route=st.sampled_from(["/v1/chat/completions", "/v1/completions"]), body=_fuzz_bodies())
         def post(route, body):
