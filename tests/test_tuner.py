@@ -246,3 +246,17 @@ def test_greedy_and_sampled_acceptance_kept_apart():
     assert tuner.acceptance is not greedy and not tuner.acceptance.pooled
     tuner.begin(1, sampling=False)
     assert tuner.acceptance is greedy and ((0,), 8) in greedy.pooled
+
+
+def test_cost_models_are_kept_per_drafter_set():
+    """Decoders of one target with other drafters at the same positions do not share drafter costs: a
+    prompt-lookup drafter at position 0 is not priced as the EAGLE head another decoder has there."""
+    m = em.greedy_models()
+    decoders = [SpeculativeDecoder(m["target"], [d], strategy="single", depth=3, top_k=3, budget="auto")
+                for d in (m["eagle"], PromptLookupDrafter(), m["eagle"])]
+    for dec in decoders:
+        dec.generate([[5, 17, 42, 8, 61, 3]], max_new_tokens=4)
+    first, lookup, again = (dec.tuner.costs for dec in decoders)
+    assert first is again  # the same target and drafters: one cost model
+    assert lookup is not first
+    assert lookup.draft((0,), 3, 1) < first.draft((0,), 3, 1) / 5  # no forward to draft by lookup

@@ -50,7 +50,7 @@ from .kv import pack_bits
 from .lean import stack_key
 from .stats import Profiler, RequestStats, summarize
 from .strategies import Candidates, Combined, Strategy, make_strategy, root_tree, strategy_class
-from .tuner import Shape, Tuner, node_grid, shared_costs, time_call
+from .tuner import Shape, Tuner, identity, node_grid, shared_costs, time_call
 
 __all__ = ["SpeculativeDecoder", "GenerateOutput", "DecodeState", "RequestState", "check_same_tokenizer",
            "check_max_new_tokens", "DEFAULT_SETTINGS"]
@@ -602,7 +602,8 @@ class SpeculativeDecoder:
         batch = state.batch
         if tuner.costs is None:
             p = next(self.target.parameters())
-            tuner.costs = shared_costs((id(self.target), p.device, p.dtype, torch.get_num_threads()))
+            tuner.costs = shared_costs((identity(self.target), tuple(identity(d) for d in self.drafters), p.device,
+                                        p.dtype, torch.get_num_threads()))
         costs = tuner.costs
         if not tuner.calibrate or not costs.needs_forward(batch):
             return

@@ -10,7 +10,7 @@ much each part costs depends on the machine (ISA, dtype, threads, batch, a GPU o
   of each group's cache update as a function of the tokens it appends, and a residual per draft kind
   (tree building, compaction, the loop). Calibrated in a few tens of milliseconds when a decoder first
   runs (a scratch tree forward per node count on the real cache, each group's expansion at two depths;
-  neither commits anything), cached per (target, device, dtype, threads), and corrected online from the
+  neither commits anything), cached per (target, drafters, device, dtype, threads), and corrected online from the
   step's own timers (an exponential average of measured over predicted per part, the residual the
   difference). :class:`FixedCosts` injects fixed costs instead (tests, or a model measured elsewhere).
 - **Acceptance model** (:class:`AcceptanceModel`): per draft kind (which drafters draft, and the node
@@ -35,7 +35,9 @@ call the next time they draft (that append is part of that step's predicted cost
 from __future__ import annotations
 
 import copy
+import itertools
 import time
+import weakref
 from dataclasses import dataclass, field
 from typing import Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
@@ -351,7 +353,7 @@ class Tuner:
     it learned (costs, pooled acceptance, probe schedule) across the decoder's generations.
 
     Args:
-        costs: a :class:`CostModel` (default: the one cached for the target, device, dtype and threads).
+        costs: a :class:`CostModel` (default: the one cached for the target, the drafters, device, dtype and threads).
         acceptance: an :class:`AcceptanceModel` (default: a new one).
         budgets: node budgets (root included) tried besides the decoder's own (those below it).
         max_probe_interval: steps between probes of a kind that is not chosen, at most.
@@ -513,10 +515,23 @@ class Tuner:
 
 
 _SHARED_COSTS: Dict[tuple, CostModel] = {}
+_IDENTITIES: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+_NEXT_IDENTITY = itertools.count()
+
+
+def identity(obj) -> int:
+    """A number that names `obj` (a model or drafter) for as long as it lives, never reused after it is
+    gone (unlike ``id``): part of the key of a shared cost model."""
+    number = _IDENTITIES.get(obj)
+    if number is None:
+        number = _IDENTITIES[obj] = next(_NEXT_IDENTITY)
+    return number
 
 
 def shared_costs(key: tuple) -> CostModel:
-    """The cost model kept for `key` (target, device, dtype, threads), created empty when new."""
+    """The cost model kept for `key`, created empty when new. The decoder's key names the target, the
+    drafters in their order (the model keys its drafter parts by drafter positions), the device, dtype
+    and threads."""
     model = _SHARED_COSTS.get(key)
     if model is None:
         model = _SHARED_COSTS[key] = CostModel()
