@@ -10,6 +10,7 @@
 3. The caller's errors: a known id, bad sampling values, a prompt too long for the model.
 """
 
+import random
 from collections import Counter
 
 import pytest
@@ -17,6 +18,7 @@ import torch
 
 from taps import ModelDrafter, PromptLookupDrafter, SpeculativeDecoder
 from taps.batching import ContinuousBatch, SamplingParams
+from taps.tuner import FixedCosts, Tuner
 
 import engine_models as em
 from sampling_checks import assert_counts, spec_probs
@@ -189,3 +191,69 @@ def test_caller_errors():
     assert batch.num_waiting == 1
     tokens, reasons, _ = _run(batch, {})
     assert list(reasons) == ["x"]
+
+
+class _Scheduled(Tuner):
+    """No draft for the first `idle` steps (the groups stay unstarted while requests join and leave), then
+    shapes drawn at random with a fixed seed, no draft included, whatever they are worth."""
+
+    def __init__(self, idle: int, seed: int):
+        super().__init__(FixedCosts(lambda n, b: 1e-3, lambda g, d, b: 1e-3))
+        self.idle, self.rng = idle, random.Random(seed)
+
+    def choose(self, options):
+        if self.clock < self.idle:
+            self.clock += 1
+            return options[0][0]
+        self.clock += 1
+        return options[0 if self.rng.random() < 0.3 else self.rng.randrange(len(options))][0]
+
+
+@pytest.mark.parametrize("idle,seed", [(0, 1), (4, 2), (12, 3)])
+def test_groups_that_wait_keep_greedy_output_as_requests_join_and_leave(idle, seed):
+    """Groups that have not started (their requests' prompts and missed steps folded into their start), and
+    started groups behind on appends, through joins and drops: every request still gets its greedy output."""
+    m = em.greedy_models()
+    dec = SpeculativeDecoder(m["target"], _drafters(("early", "eagle", "lookup")), strategy="merged", depth=3,
+                             top_k=3, budget=8, tuner=_Scheduled(idle, seed))
+    batch = ContinuousBatch(dec, max_batch=3)
+    new = [14, 9, 20, 5, 11, 16]
+    arrivals = {0: [(i, PROMPTS[i], SamplingParams(max_new_tokens=new[i])) for i in (0, 1)],
+                2: [(2, PROMPTS[2], SamplingParams(max_new_tokens=new[2]))],
+                5: [(i, PROMPTS[i], SamplingParams(max_new_tokens=new[i])) for i in (3, 4)],
+                13: [(5, PROMPTS[5], SamplingParams(max_new_tokens=new[5]))]}
+    tokens, reasons, stats = _run(batch, arrivals, cancel_at={7: [3]})
+    shapes = Counter(label for s in stats.values() for label in s.draft_shapes)
+    assert shapes["none"] and len(shapes) > 2, shapes  # plain steps and drafts both ran
+    for i in range(6):
+        ref = _greedy(i, new[i])
+        assert tokens[i] == (ref if reasons[i] == "length" else ref[:len(tokens[i])]), f"request {i}"
+
+
+@pytest.mark.parametrize("names", [("early",), ("eagle",), ("lookup",), ("eagle", "early")])
+def test_folded_start_drafts_as_start_and_appends(names):
+    """A group that waited: starting it on its prompts with the missed steps folded in drafts what starting
+    it on the prompts and appending the steps drafts."""
+    m = em.greedy_models()
+    drafts = []
+    for fold in (False, True):
+        dec = SpeculativeDecoder(m["target"], _drafters(names), strategy="merged" if len(names) > 1 else "single",
+                                 depth=3, top_k=3, budget=8, tuner=_Scheduled(idle=10 ** 6, seed=0))
+        batch = ContinuousBatch(dec, max_batch=4)
+        for i in (0, 1, 2):
+            batch.add(i, PROMPTS[i], SamplingParams(max_new_tokens=30))
+        for _ in range(5):
+            batch.step()
+        state = batch.state
+        out = []
+        for g in state.groups:
+            assert not state.pending.started(g) and state.pending.count(g) > 0
+            if fold:
+                state.pending.fold(g)
+                assert not state.pending.queue[id(g)]
+            state.pending.catch_up([g])
+            out.append(g.draft(3, 3))
+        drafts.append(out)
+    for a, b in zip(*drafts):
+        assert torch.equal(a.tokens, b.tokens) and torch.equal(a.parents, b.parents)
+        torch.testing.assert_close(a.scores, b.scores, rtol=1e-4, atol=1e-4)

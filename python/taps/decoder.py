@@ -293,9 +293,9 @@ class SpeculativeDecoder:
 
         ``sample``: temperature / top_k / top_p (scalars or [B] tensors); the coins come from each
         request's own generator (``RequestState.coins``) when every request has one, else from `generator`.
-        ``fresh``: a new batch (the strategy's and the tuner's per-request state start over; with a tuner a
-        group starts when it first drafts, never when drafting does not pay); False: requests that
-        :meth:`join` adds to a running batch (groups started now; nothing of the running batch reset)."""
+        With a tuner a group starts when it first drafts (never, when drafting does not pay). ``fresh``: a
+        new batch (the strategy's and the tuner's per-request state start over); False: requests that
+        :meth:`join` adds to a running batch (nothing of the running batch reset)."""
         device = self.device
         batch = len(rows)
         host_lengths = [len(r) for r in rows]
@@ -326,7 +326,7 @@ class SpeculativeDecoder:
             for g in groups:
                 args = (ids, lens, state.root, self.forward.features(pre, g.target_features), drafter_cap,
                         list(host_lengths))
-                if self.tuner is None or not fresh:
+                if self.tuner is None:
                     g.start(*args)
                 else:
                     state.starts[id(g)] = args
@@ -542,12 +542,24 @@ class SpeculativeDecoder:
     # -- requests joining and leaving a running batch --------------------------------------------------
     def join(self, state: "DecodeState", other: "DecodeState") -> None:
         """Add the requests of `other` (made by :meth:`start` with ``fresh=False`` from groups spawned off
-        `state`'s) after `state`'s, between two steps. `other` is consumed."""
-        if state.pending is not None:
-            state.pending.catch_up(state.groups)  # every group started and up to date
+        `state`'s) after `state`'s, between two steps. `other` is consumed.
+
+        With a tuner, a group that has not started yet stays so (the new requests' prompts join its start
+        arguments); one that has appends what it missed, and the group of the new requests starts now and
+        joins it."""
+        pending = state.pending
         state.cache.append_requests(other.cache)
         state.root = torch.cat([state.root, other.root])
         for g, h in zip(state.groups, other.groups):
+            if pending is not None and not pending.started(g):
+                pending.fold(g)
+                pending.append_start(g, other.starts.pop(id(h)))
+                continue
+            if pending is not None:
+                pending.catch_up([g])
+                args = other.starts.pop(id(h), None)
+                if args is not None:
+                    h.start(*args)
             g.append_requests(h)
         state.sample = _join_sample(state.sample, state.batch, other.sample, other.batch)
         state.requests += other.requests
@@ -559,13 +571,14 @@ class SpeculativeDecoder:
         keep = list(keep)
         if keep == list(range(state.batch)):
             return
-        if state.pending is not None:
-            state.pending.catch_up(state.groups)
         index = torch.tensor(keep, dtype=torch.int64, device=state.root.device)
+        if state.pending is not None:
+            state.pending.select_requests(keep, index)
         state.cache.select_requests(index)
         state.root = state.root.index_select(0, index)
         for g in state.groups:
-            g.select_requests(keep)
+            if state.pending is None or state.pending.started(g):
+                g.select_requests(keep)
         state.sample = _select_sample(state.sample, index, state.batch)
         state.requests = [state.requests[b] for b in keep]
         self.strategy.select_requests(index)
@@ -809,6 +822,67 @@ class _Pending:
             queue, count = self.queue.pop(id(a)), self.tokens.pop(id(a))
             if b is not None:
                 self.queue[id(b)], self.tokens[id(b)] = queue, count
+
+    def started(self, group: DraftGroup) -> bool:
+        return id(group) not in self.starts
+
+    def select_requests(self, keep: List[int], index: Tensor) -> None:
+        """Keep only the requests `keep` (positions; `index` the same as a tensor) in every queued step and
+        in the start arguments of the groups not started yet."""
+        picked: Dict[int, tuple] = {}
+
+        def pick(entry: tuple) -> tuple:
+            if id(entry) not in picked:
+                tokens, num_new, features, num_host, tokens_host = entry
+                picked[id(entry)] = (tokens.index_select(0, index), num_new.index_select(0, index),
+                                     {k: f.index_select(0, index) for k, f in features.items()},
+                                     [num_host[b] for b in keep], [tokens_host[b] for b in keep])
+            return picked[id(entry)]
+        for key, entries in self.queue.items():
+            self.queue[key] = [pick(e) for e in entries]
+            self.tokens[key] = sum(max(e[3], default=0) for e in self.queue[key])
+        for key, (ids, lens, root, hidden, cap, host) in self.starts.items():
+            self.starts[key] = (ids.index_select(0, index), lens.index_select(0, index), root.index_select(0, index),
+                                None if hidden is None else hidden.index_select(0, index), cap, [host[b] for b in keep])
+
+    def fold(self, group: DraftGroup) -> None:
+        """For a group not started yet: its queued steps folded into its start arguments (each request's
+        prompt then holds every token committed before its current root, the hidden states with it), so
+        that its requests can change; starting on them is starting on the prompts and appending the steps."""
+        entries = self.queue[id(group)]
+        if not entries:
+            return
+        ids, lens, root, hidden, cap, host = self.starts[id(group)]
+        tokens, num_new, features, num_host, tokens_host = _join(entries, group.target_features)
+        rows = []
+        for b in range(ids.shape[0]):
+            m = num_host[b]
+            rows.append(torch.cat([ids[b, :host[b]], root[b:b + 1], tokens[b, :m - 1]]) if m else ids[b, :host[b]])
+        new_host = [host[b] + num_host[b] for b in range(len(host))]
+        new_ids = ids.new_zeros((len(rows), max(new_host)))
+        for b, r in enumerate(rows):
+            new_ids[b, :r.shape[0]] = r
+        new_root = torch.where(num_new > 0, tokens.gather(1, (num_new - 1).clamp_min(0).unsqueeze(1)).squeeze(1), root)
+        new_hidden = None
+        if hidden is not None:
+            new_hidden = hidden.new_zeros((len(rows), max(new_host), hidden.shape[-1]))
+            for b in range(len(rows)):
+                new_hidden[b, :host[b]] = hidden[b, :host[b]]
+                new_hidden[b, host[b]:new_host[b]] = features[b, :num_host[b]]
+        self.starts[id(group)] = (new_ids, lens + num_new, new_root, new_hidden, cap, new_host)
+        self.queue[id(group)], self.tokens[id(group)] = [], 0
+
+    def append_start(self, group: DraftGroup, args: tuple) -> None:
+        """Start arguments of more requests (those of a group spawned for them) after those of `group`, a
+        group not started yet whose queue is folded."""
+        ids, lens, root, hidden, cap, host = self.starts[id(group)]
+        ids2, lens2, root2, hidden2, cap2, host2 = args
+        width = max(ids.shape[1], ids2.shape[1])
+        pad = lambda t: t if t.shape[1] == width else torch.cat(  # noqa: E731
+            [t, t.new_zeros((t.shape[0], width - t.shape[1], *t.shape[2:]))], 1)
+        self.starts[id(group)] = (torch.cat([pad(ids), pad(ids2)]), torch.cat([lens, lens2]), torch.cat([root, root2]),
+                                  None if hidden is None else torch.cat([pad(hidden), pad(hidden2)]), max(cap, cap2),
+                                  host + host2)
 
     def catch_up(self, groups: Sequence[DraftGroup]) -> List[Tuple[tuple, int, float]]:
         """Start the groups not started yet, and append what each of `groups` missed; returns (drafters,
