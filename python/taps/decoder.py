@@ -609,8 +609,9 @@ class SpeculativeDecoder:
     def _calibrate(self, state: "DecodeState") -> None:
         """Measure what the tuner's cost model lacks for this batch size: the target's tree forward with
         verification per node count (scratch trees written past every request's committed cache, with
-        coins of a private generator: nothing is committed). Drafter groups are measured when they start
-        (:meth:`_calibrate_group`)."""
+        coins of a private generator: nothing is committed); the first batch size on the whole node grid,
+        later ones (requests joining and leaving a running batch meet many) on four node counts, in a
+        third of the time. Drafter groups are measured when they start (:meth:`_calibrate_group`)."""
         tuner = self.tuner
         batch = state.batch
         if tuner.costs is None:
@@ -626,7 +627,12 @@ class SpeculativeDecoder:
         uniform = min(lengths) == longest
         coins = dict(state.sample, generator=torch.Generator(device=state.root.device).manual_seed(0))
         points = []
-        for n in node_grid(self.strategy.num_nodes):
+        grid = node_grid(self.strategy.num_nodes)
+        first = not costs.forward_points
+        if not first:
+            top = grid[-1]
+            grid = sorted({1, max(top // 4, 1), max(top // 2, 1), top})
+        for n in grid:
             tree = _scratch_tree(state.root, n, self.top_k)
 
             def run(tree=tree):
@@ -634,7 +640,7 @@ class SpeculativeDecoder:
                                         capture_layers=state.capture, uniform=uniform)
                 self.forward.verify(fwd.hidden_states, tree.tokens, tree.parents, tree.tree_mask,
                                     lazy=self.lazy_head, **coins)
-            points.append((n, time_call(run, repeats=4, sync=sync, timer=tuner.timer)))
+            points.append((n, time_call(run, repeats=4 if first else 2, sync=sync, timer=tuner.timer)))
         costs.set_forward(batch, points)
 
     def _calibrate_group(self, g: DraftGroup, batch: int) -> None:
