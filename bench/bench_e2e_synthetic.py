@@ -177,6 +177,7 @@ def main() -> None:
     head_cfg.num_hidden_layers = 1
     for p in args.corrupt:
         for auto in (False,) if args.no_auto else (False, True):
+            torch.manual_seed(3)  # the same head whatever the runs before drew from the global generator
             drafter = OracleDrafter(head_cfg)
             drafter.oracle = {"tokens": continuation, "corrupt": p,
                               "generator": torch.Generator(device=device).manual_seed(2)}
