@@ -48,8 +48,9 @@ struct V {
     return _mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7fff)), lsb);
   }
   static H narrow(F x) {
-    const __m256i r = _mm256_castps_si256(_mm256_blendv_ps(
-        _mm256_castsi256_ps(rounded(x)), _mm256_castsi256_ps(_mm256_set1_epi32(0x7fc00000)), _mm256_cmp_ps(x, x, _CMP_UNORD_Q)));
+    const __m256 nan = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fc00000));
+    const __m256i r = _mm256_castps_si256(
+        _mm256_blendv_ps(_mm256_castsi256_ps(rounded(x)), nan, _mm256_cmp_ps(x, x, _CMP_UNORD_Q)));
     const __m256i hi = _mm256_srli_epi32(r, 16);
     return _mm_packus_epi32(_mm256_castsi256_si128(hi), _mm256_extracti128_si256(hi, 1));
   }
@@ -75,9 +76,10 @@ struct VBase {
   using H = __m256i;
   static constexpr int L = 16;
   static H load(const uint16_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
-  static H load_part(const uint16_t* p, int64_t n) { return _mm256_maskz_loadu_epi16(__mmask16((1u << n) - 1), p); }
+  static __mmask16 first(int64_t n) { return __mmask16((1u << n) - 1); }
+  static H load_part(const uint16_t* p, int64_t n) { return _mm256_maskz_loadu_epi16(first(n), p); }
   static void store(uint16_t* p, H h) { _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), h); }
-  static void store_part(uint16_t* p, H h, int64_t n) { _mm256_mask_storeu_epi16(p, __mmask16((1u << n) - 1), h); }
+  static void store_part(uint16_t* p, H h, int64_t n) { _mm256_mask_storeu_epi16(p, first(n), h); }
   static F widen(H h) { return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16)); }
   static __m512i rounded(F x) {
     const __m512i u = _mm512_castps_si512(x);
@@ -85,10 +87,13 @@ struct VBase {
     return _mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7fff)), lsb);
   }
   static H narrow_int(F x) {
-    const __m512i r = _mm512_mask_mov_epi32(rounded(x), _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q), _mm512_set1_epi32(0x7fc00000));
+    const __mmask16 nan = _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
+    const __m512i r = _mm512_mask_mov_epi32(rounded(x), nan, _mm512_set1_epi32(0x7fc00000));
     return _mm512_cvtepi32_epi16(_mm512_srli_epi32(r, 16));
   }
-  static F round_int(F x) { return _mm512_castsi512_ps(_mm512_and_si512(rounded(x), _mm512_set1_epi32(int(0xffff0000u)))); }
+  static F round_int(F x) {
+    return _mm512_castsi512_ps(_mm512_and_si512(rounded(x), _mm512_set1_epi32(int(0xffff0000u))));
+  }
   static F zero() { return _mm512_setzero_ps(); }
   static F set1(float x) { return _mm512_set1_ps(x); }
   static F add(F a, F b) { return _mm512_add_ps(a, b); }

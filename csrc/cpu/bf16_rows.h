@@ -38,7 +38,8 @@ inline void rms_norm_bf16_row(const uint16_t* x, const uint16_t* w, uint16_t* y,
   };
   int64_t i = 0;
   for (; i + V::L <= width; i += V::L) V::store(y + i, normed(V::load(x + i), V::load(w + i)));
-  if (i < width) V::store_part(y + i, normed(V::load_part(x + i, width - i), V::load_part(w + i, width - i)), width - i);
+  if (i < width)
+    V::store_part(y + i, normed(V::load_part(x + i, width - i), V::load_part(w + i, width - i)), width - i);
 }
 
 // rope of one token's bf16 head rows in place (taps/rope.h, rope::row on each): pairs (i, i + D / 2), L pairs

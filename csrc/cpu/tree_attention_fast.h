@@ -122,8 +122,9 @@ __attribute__((always_inline)) inline void row_blocks(int64_t M, Block&& block) 
 
 // The row blocks of one column block of L NV columns; after_block() runs after each (prefetches).
 template <int NV, class AfterBlock>
-__attribute__((always_inline)) inline void gemm_cols(int64_t M, int64_t K, const float* A, int64_t lda, const float* B, int64_t ldb, float* C,
-                      int64_t ldc, bool add, const float* c_scale, AfterBlock& after_block) {
+__attribute__((always_inline)) inline void gemm_cols(int64_t M, int64_t K, const float* A, int64_t lda, const float* B,
+                                                     int64_t ldb, float* C, int64_t ldc, bool add, const float* c_scale,
+                                                     AfterBlock& after_block) {
   row_blocks(M, [&](int64_t m, int64_t mr) __attribute__((always_inline)) {
     micro_gemm_rows<NV>(mr, K, A + m * lda, lda, B, ldb, C + m * ldc, ldc, add, c_scale ? c_scale + m : nullptr);
     after_block();
@@ -133,11 +134,13 @@ __attribute__((always_inline)) inline void gemm_cols(int64_t M, int64_t K, const
 // C[M][N] (+)= A[M][K] * B[K][N], fp32, N a multiple of L; with `add` and c_scale, C's rows are first
 // multiplied by c_scale[0 .. M). after_block() after each micro-kernel block.
 template <class AfterBlock>
-__attribute__((always_inline)) inline void gemm_f32(int64_t M, int64_t N, int64_t K, const float* A, int64_t lda, const float* B, int64_t ldb,
-                     float* C, int64_t ldc, bool add, const float* c_scale, AfterBlock&& after_block) {
+__attribute__((always_inline)) inline void gemm_f32(int64_t M, int64_t N, int64_t K, const float* A, int64_t lda,
+                                                    const float* B, int64_t ldb, float* C, int64_t ldc, bool add,
+                                                    const float* c_scale, AfterBlock&& after_block) {
   constexpr int kNV = S::kMaxNV;
   int64_t n = 0;
-  for (; n + kNV * L <= N; n += kNV * L) gemm_cols<kNV>(M, K, A, lda, B + n, ldb, C + n, ldc, add, c_scale, after_block);
+  for (; n + kNV * L <= N; n += kNV * L)
+    gemm_cols<kNV>(M, K, A, lda, B + n, ldb, C + n, ldc, add, c_scale, after_block);
   switch ((N - n) / L) {
     case 3: if constexpr (kNV > 3) gemm_cols<3>(M, K, A, lda, B + n, ldb, C + n, ldc, add, c_scale, after_block); break;
     case 2: if constexpr (kNV > 2) gemm_cols<2>(M, K, A, lda, B + n, ldb, C + n, ldc, add, c_scale, after_block); break;
@@ -360,7 +363,8 @@ void attend_fast(const Params& p, int64_t b, int64_t hkv, int64_t key_begin, int
     for (int64_t r0 = 0; r0 < rows; r0 += rb_max) {
       const int64_t rb = std::min(rb_max, rows - r0);
       float* Sc = sc.s.data();
-      const auto tile_max = [&](int64_t rr) __attribute__((always_inline)) {  // the tile's max of row r0 + rr (scores scaled for brgemm, masked)
+      // the tile's max of row r0 + rr (scores scaled for brgemm, masked)
+      const auto tile_max = [&](int64_t rr) __attribute__((always_inline)) {
         float* s = Sc + rr * Tk;
         F mx = ninf;
         if (masked) {
@@ -376,7 +380,8 @@ void attend_fast(const Params& p, int64_t b, int64_t hkv, int64_t key_begin, int
         }
         sc.tile_max[rr] = S::reduce_max(mx);
       };
-      const auto probabilities = [&](int64_t rr) __attribute__((always_inline)) {  // p = 2^(x - max) of row r0 + rr, its sum
+      // p = 2^(x - max) of row r0 + rr, its sum
+      const auto probabilities = [&](int64_t rr) __attribute__((always_inline)) {
         const int64_t r = r0 + rr;
         float* s = Sc + rr * Tk;
         const float row_max = sc.row_max[r];

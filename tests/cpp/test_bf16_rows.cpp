@@ -56,7 +56,8 @@ void rms_norm_variant(br::Kind kind, const char* name) {
       std::vector<uint16_t> want(width), got(width, 0x1234);
       taps::norm::row<ew::kBF16>(x.data(), w.data(), want.data(), width, 1e-6f);
       br::rms_norm_row(kind, x.data(), w.data(), got.data(), width, 1e-6f);
-      check(got == want, std::string(name) + " rms_norm width " + std::to_string(width) + " row " + std::to_string(row));
+      check(got == want,
+            std::string(name) + " rms_norm width " + std::to_string(width) + " row " + std::to_string(row));
     }
 }
 
