@@ -61,7 +61,8 @@ def test_set_cpu_isa_round_trip(at_level, level):
     info = taps_ops.cpu_info()
     assert info["isa"] == level
     assert info["ops"]["tree_attention"] == level
-    assert info["ops"]["rms_norm"] == ("scalar" if level == "scalar" else "avx2")
+    assert info["ops"]["rms_norm"] == {"scalar": "scalar", "avx2": "avx2"}.get(level, "avx512")
+    assert info["ops"]["expand_level"] == ("scalar" if level == "scalar" else "avx2")
 
 
 def test_set_cpu_isa_errors(at_level):

@@ -134,6 +134,42 @@ def test_special_values():
                                torch.ones(1, 8))
 
 
+def special_bf16(shape, generator) -> torch.Tensor:
+    """bf16 values with every kind the bf16 rows round specially mixed in: NaNs of several payloads and signs,
+    infinities, zeros of both signs, subnormals, and values whose products fall below 2^-126."""
+    x = (torch.randn(shape, generator=generator) * 3).to(torch.bfloat16)
+    bits = x.view(torch.int16)
+    pick = torch.rand(shape, generator=generator)
+    specials = torch.tensor([0x7FC0, 0x7FFF, 0xFFC1 - 0x10000, 0x7F81, 0x7F80, 0xFF80 - 0x10000, 0x0000,
+                             0x8000 - 0x10000, 0x0001, 0x807F - 0x10000, 0x0080, 0x00FF], dtype=torch.int16)
+    which = torch.randint(0, len(specials), shape, generator=generator)
+    bits[pick < 0.05] = specials[which[pick < 0.05]]
+    tiny = (pick >= 0.05) & (pick < 0.15)
+    x[tiny] = (torch.randn(int(tiny.sum()), generator=generator) * 2e-38).to(torch.bfloat16)
+    return x
+
+
+@pytest.mark.parametrize("width", [1, 7, 8, 15, 16, 17, 31, 32, 33, 48, 63, 64, 65, 100, 257])
+def test_bf16_special_values_bitwise(width):
+    # NaN payloads, infinities, signed zeros, subnormal inputs and products (the explicit-vector rows round
+    # those lanes by the integer formula): the cores' bits, NaN as 0x7fc0
+    g = torch.Generator().manual_seed(width)
+    x = special_bf16((9, width), g)
+    x[0] = (torch.randn(width, generator=g) * 1e-36).to(torch.bfloat16)  # a row of tiny values
+    x[1, : max(1, width // 3)] = 1e30  # one large part: the rest of the row's products fall below 2^-126
+    w = special_bf16((width,), g)
+    w[: width // 2] = torch.randn(width // 2, generator=g).to(torch.bfloat16)
+    assert_bf16_bits(taps_ops.rms_norm(x, w, 1e-6), fixed_order_ref(x, w, 1e-6))
+
+
+def assert_bf16_bits(got: torch.Tensor, want: torch.Tensor) -> None:
+    """Equal bits, and NaN as the cores' 0x7fc0 wherever `want` is NaN (torch's vectorised float -> bfloat16
+    conversion writes NaN as 0xffff, its scalar one as 0x7fc0)."""
+    nan = torch.isnan(want)
+    assert torch.equal(got.view(torch.int16)[~nan], want.view(torch.int16)[~nan])
+    assert bool((got.view(torch.int16)[nan] == 0x7FC0).all())
+
+
 def test_empty():
     assert taps_ops.rms_norm(torch.zeros(0, 5), torch.ones(5), 1e-6).shape == (0, 5)
     assert taps_ops.rms_norm(torch.zeros(3, 0), torch.ones(0), 1e-6).shape == (3, 0)

@@ -32,6 +32,20 @@ def test_bitwise_against_torch_expression(device, dtype, shape):
     assert torch.equal(again.cpu(), want)
 
 
+@pytest.mark.parametrize("dim", [2, 6, 16, 18, 32, 34, 64, 66, 128])
+def test_bf16_special_values_bitwise(dim):
+    # NaN payloads, infinities, signed zeros, subnormal inputs and products (the explicit-vector rows round
+    # those lanes by the integer formula): torch's bits, NaN as the cores' 0x7fc0
+    from test_rms_norm import assert_bf16_bits, special_bf16
+    g = torch.Generator().manual_seed(dim)
+    x = special_bf16((2, 5, 3, dim), g)
+    cos, sin = special_bf16((2, 5, dim), g), special_bf16((2, 5, dim), g)
+    want = rope_ref(x, cos, sin)
+    got = x.clone()
+    taps_ops.rope_(got, cos, sin)
+    assert_bf16_bits(got, want)
+
+
 def test_fused_qkv_view_in_place(device):
     """The q and k heads of a [R, T, Hq + 2 Hkv, D] projection, rotated together through a strided view;
     v untouched."""

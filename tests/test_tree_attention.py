@@ -166,6 +166,34 @@ def test_head_dims(device, head_dim):
     check_accuracy(*make_inputs(2, 4, 4, 7, head_dim, 100, torch.float32, device))
 
 
+# CPU fast path (cpu/tree_attention_fast.h): G * N query rows per KV head in micro-kernel row blocks of 6
+# (a remainder of 1-3 rows split 7 = 4 + 3, 8 = 4 + 4, 9 = 5 + 4), 64-key tiles whose score columns stop at
+# the first whole vector past the last key, masks only on tiles that reach the tree or the keys' end,
+# the next tile's K / V prefetched (contiguous rows or rows further apart than D).
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("heads_q,heads_kv,num_nodes", [(1, 1, 1), (2, 2, 7), (1, 1, 8), (3, 1, 3), (1, 1, 13),
+                                                        (4, 2, 16), (1, 1, 33)])
+@pytest.mark.parametrize("head_dim,cache_len", [(8, 65), (24, 200), (40, 64), (64, 130)])
+def test_fast_path_row_blocks_and_ragged_tiles(dtype, heads_q, heads_kv, num_nodes, head_dim, cache_len):
+    batch = 3
+    cache_len = max(cache_len, num_nodes)
+    q, k, v, mask, kv_lens = make_inputs(batch, heads_q, heads_kv, num_nodes, head_dim, cache_len, dtype, "cpu")
+    kv_lens[1] = min(cache_len, num_nodes + 64)  # a tree that starts exactly one tile in
+    check_accuracy(q, k, v, mask, kv_lens)
+    # K / V rows further apart than D (the prefetch walks row by row)
+    wide = [torch.zeros(*t.shape[:3], head_dim + 5, dtype=dtype) for t in (k, v)]
+    wide[0][..., :head_dim], wide[1][..., :head_dim] = k, v
+    check_accuracy(q, wide[0][..., :head_dim], wide[1][..., :head_dim], mask, kv_lens)
+
+
+def test_scores_far_below_the_max():
+    # scores 130+ below a row's max in base 2 (2^-130 is past float32's normal range): those keys weigh 0,
+    # the rest must still be right (the fast path's exp2 clamps at -127)
+    q, k, v, mask, kv_lens = make_inputs(2, 4, 2, 5, 32, 150, torch.float32, "cpu", ragged=False)
+    k = k * torch.linspace(0.0, 30.0, 150).view(1, 1, 150, 1)
+    check_accuracy(q, k, v, mask, kv_lens, scale=4.0)
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("head_dim", [64, 80, 96, 128, 256])
 def test_head_dims_half(device, dtype, head_dim):

@@ -1,6 +1,6 @@
 // What the CPU kernels of the elementwise ops (rms_norm, rope_, expand_level) share: their row loops compiled
-// for AVX2 as well as for the baseline, chosen by the kernels' instruction-set level (cpu/cpu_isa.h), and the
-// parallel grain.
+// for AVX2 as well as for the baseline, chosen by the kernels' instruction-set level (cpu/cpu_isa.h), the
+// parallel grain, and the bf16 rows of rms_norm and rope_ with explicit vectors.
 #pragma once
 #include <algorithm>
 #include <cstdint>
@@ -32,5 +32,19 @@ inline void run_rows(bool avx2, const Rows& rows) {
 // Rows per at::parallel_for task for rows of `width` elements: about 16k elements, so that the small calls
 // of decoding stay on the calling thread.
 inline int64_t elementwise_grain(int64_t width) { return std::max<int64_t>(1, 16384 / std::max<int64_t>(width, 1)); }
+
+// The bf16 rows of rms_norm and rope_ with explicit vectors (cpu/bf16_rows.cpp): AVX2, AVX-512, AVX-512 with
+// AVX512-BF16's rounding; the cores' bits at every level. kNone: the cores' rows as above (run_rows).
+namespace bf16_rows {
+enum class Kind { kNone, kAvx2, kAvx512, kAvx512Bf16 };
+// The rows for this level (read once per op call, on the calling thread): kNone below avx2.
+Kind kind(cpu::Isa isa);
+// norm::row<kBF16> (x, w, y: `width` bf16 values as raw bits).
+void rms_norm_row(Kind k, const uint16_t* x, const uint16_t* w, uint16_t* y, int64_t width, float eps);
+// rope::row<kBF16> on the `heads` rows of one token (x in place, rows `head_stride` elements apart; c, s: the
+// token's table rows; `dim` bf16 values each).
+void rope_token(Kind k, uint16_t* x, int64_t head_stride, int64_t heads, const uint16_t* c, const uint16_t* s,
+                int64_t dim);
+}  // namespace bf16_rows
 
 }  // namespace taps

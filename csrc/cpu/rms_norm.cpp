@@ -39,10 +39,20 @@ at::Tensor rms_norm_cpu(const at::Tensor& x, const at::Tensor& weight, double ep
                    static_cast<char*>(a.out.data_ptr()), a.x.stride(0) * e, a.width, a.rows_per_group, e,
                    static_cast<float>(eps)};
   const bool avx2 = elementwise_avx2();
+  const bf16_rows::Kind bf16 = bf16_rows::kind(cpu::isa());
   at::parallel_for(0, a.rows, elementwise_grain(a.width), [&](int64_t lo, int64_t hi) {
     switch (a.dtype) {
       case elementwise::kF32: run_rows(avx2, [&] { rows_loop<elementwise::kF32>(v, lo, hi); }); break;
-      case elementwise::kBF16: run_rows(avx2, [&] { rows_loop<elementwise::kBF16>(v, lo, hi); }); break;
+      case elementwise::kBF16:
+        if (bf16 == bf16_rows::Kind::kNone) {
+          run_rows(avx2, [&] { rows_loop<elementwise::kBF16>(v, lo, hi); });
+          break;
+        }
+        for (int64_t r = lo; r < hi; ++r)
+          bf16_rows::rms_norm_row(bf16, reinterpret_cast<const uint16_t*>(v.x + r * v.x_stride),
+                                  reinterpret_cast<const uint16_t*>(v.w + (r / v.rows_per_group) * v.width * v.elem),
+                                  reinterpret_cast<uint16_t*>(v.y + r * v.width * v.elem), v.width, v.eps);
+        break;
       case elementwise::kF16: run_rows(avx2, [&] { rows_loop<elementwise::kF16>(v, lo, hi); }); break;
     }
   });

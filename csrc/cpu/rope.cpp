@@ -39,10 +39,22 @@ void rope_cpu(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin)
                    static_cast<const char*>(a.sin.data_ptr()), a.tokens, a.heads, a.dim, x.stride(0) * e,
                    x.stride(1) * e, x.stride(2) * e, a.cos.stride(0) * e, a.cos.stride(1) * e};
   const bool avx2 = elementwise_avx2();
+  const bf16_rows::Kind bf16 = bf16_rows::kind(cpu::isa());
   at::parallel_for(0, a.rows * a.tokens, elementwise_grain(a.heads * a.dim), [&](int64_t lo, int64_t hi) {
     switch (a.dtype) {
       case elementwise::kF32: run_rows(avx2, [&] { rows_loop<elementwise::kF32>(v, lo, hi); }); break;
-      case elementwise::kBF16: run_rows(avx2, [&] { rows_loop<elementwise::kBF16>(v, lo, hi); }); break;
+      case elementwise::kBF16:
+        if (bf16 == bf16_rows::Kind::kNone) {
+          run_rows(avx2, [&] { rows_loop<elementwise::kBF16>(v, lo, hi); });
+          break;
+        }
+        for (int64_t n = lo; n < hi; ++n) {
+          const int64_t r = n / v.tokens, t = n % v.tokens, table = r * v.cr + t * v.ct;
+          bf16_rows::rope_token(bf16, reinterpret_cast<uint16_t*>(v.x + r * v.sr + t * v.st), v.sh / 2, v.heads,
+                                reinterpret_cast<const uint16_t*>(v.cos + table),
+                                reinterpret_cast<const uint16_t*>(v.sin + table), v.dim);
+        }
+        break;
       case elementwise::kF16: run_rows(avx2, [&] { rows_loop<elementwise::kF16>(v, lo, hi); }); break;
     }
   });

@@ -1,11 +1,10 @@
-// Vector math that the x86 CPU kernels share (verify_tree's row passes, tree_attention's fast path), one
-// version per instruction set, each compiled with its level's target attribute (cpu/cpu_isa.h):
-// exp of non-positive arguments (a degree-6 polynomial after range reduction, max relative error about
-// 2e-7, 0 below the normal range; the same polynomial in every width), horizontal max / sum, and bf16 /
-// fp16 rows widened to fp32 (exact).
+// Vector math that the x86 CPU kernels share (verify_tree's row passes, tree_attention's AVX2 Vec kernel and
+// fast-path traits), one version per instruction set, each compiled with its level's target attribute
+// (cpu/cpu_isa.h): exp of non-positive arguments (a degree-6 polynomial after range reduction, max relative
+// error about 2e-7, 0 below the normal range; the same polynomial in both widths), horizontal max / sum,
+// and bf16 / fp16 rows widened to fp32 (exact).
 #pragma once
 #include <cstdint>
-#include <initializer_list>
 
 #include "cpu/cpu_isa.h"
 
@@ -88,22 +87,6 @@ TAPS_TARGET_AVX2_FMA inline __m256 widen_bf16x8(const void* p) {
 }
 TAPS_TARGET_AVX2_FMA inline __m256 widen_f16x8(const void* p) {
   return _mm256_cvtph_ps(_mm_loadu_si128(static_cast<const __m128i*>(p)));
-}
-
-// ---- SSE2, the x86-64 baseline (4 lanes, no FMA) --------------------------------------------------------
-// exp(x) for x <= 0, as exp8 with a multiply and an add for each fused step (rounding by the default MXCSR
-// mode, 2^n in the exponent bits); 0 below -87.3 and for -inf, NaN propagates.
-inline __m128 exp4(__m128 x) {
-  const __m128 tiny = _mm_cmplt_ps(x, _mm_set1_ps(-87.3f));
-  const __m128i ni = _mm_cvtps_epi32(_mm_mul_ps(x, _mm_set1_ps(1.44269504088896341f)));
-  const __m128 n = _mm_cvtepi32_ps(ni);
-  __m128 r = _mm_sub_ps(x, _mm_mul_ps(n, _mm_set1_ps(0.693359375f)));
-  r = _mm_sub_ps(r, _mm_mul_ps(n, _mm_set1_ps(-2.12194440e-4f)));
-  __m128 p = _mm_set1_ps(1.0f / 720.0f);
-  for (const float c : {1.0f / 120.0f, 1.0f / 24.0f, 1.0f / 6.0f, 0.5f, 1.0f, 1.0f})
-    p = _mm_add_ps(_mm_mul_ps(p, r), _mm_set1_ps(c));
-  const __m128 y = _mm_mul_ps(p, _mm_castsi128_ps(_mm_slli_epi32(_mm_add_epi32(ni, _mm_set1_epi32(127)), 23)));
-  return _mm_andnot_ps(tiny, y);
 }
 
 }  // namespace taps::simd

@@ -109,14 +109,19 @@ struct S {
   static F mul(F a, F b) { return _mm512_mul_ps(a, b); }
   static F max(F a, F b) { return _mm512_max_ps(a, b); }
   static F fmadd(F a, F b, F c) { return _mm512_fmadd_ps(a, b, c); }
+  static F round(F x) { return _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+  static F pow2(F n) {  // 2^n for integral n in [-127, 0] in the exponent bits (n = -127: 0)
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23));
+  }
   static F masked_scale(F x, uint32_t bits, F scale, F ninf) {
     return _mm512_mask_mul_ps(ninf, static_cast<__mmask16>(bits), x, scale);
   }
   static float reduce_max(F x) { return _mm512_reduce_max_ps(x); }
   static float reduce_add(F x) { return _mm512_reduce_add_ps(x); }
-  static F exp(F x) { return Vec(x).exp_u20(); }
   static F widen(const c10::BFloat16* p) { return simd::widen_bf16x16(p); }
   static F widen(const c10::Half* p) { return simd::widen_f16x16(p); }
+  static I as_int(F x) { return _mm512_castps_si512(x); }
+  static I zeroi() { return _mm512_setzero_si512(); }
   static I loadi(const void* p) { return _mm512_loadu_si512(p); }
   static void storei(void* p, I x) { _mm512_storeu_si512(p, x); }
   // fp32 -> bf16 (round to nearest even; inputs finite) of 16 values.
@@ -134,7 +139,7 @@ struct S {
     _mm512_storeu_si512(dst, _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16)));
   }
   // 16 x 16 transpose of 32-bit words: out[c] = column c of the rows r[0..16).
-  static void transpose(I r[16]) {
+  __attribute__((always_inline)) static void transpose(I r[16]) {
     __m512i t[16], u[16];
     for (int k = 0; k < 8; ++k) {
       t[2 * k] = _mm512_unpacklo_epi32(r[2 * k], r[2 * k + 1]);
@@ -198,6 +203,10 @@ struct S {
   static F mul(F a, F b) { return _mm256_mul_ps(a, b); }
   static F max(F a, F b) { return _mm256_max_ps(a, b); }
   static F fmadd(F a, F b, F c) { return _mm256_fmadd_ps(a, b, c); }
+  static F round(F x) { return _mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+  static F pow2(F n) {  // 2^n for integral n in [-127, 0] in the exponent bits (n = -127: 0)
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23));
+  }
   static F masked_scale(F x, uint32_t bits, F scale, F ninf) {
     const __m256i lane = _mm256_setr_epi32(1, 2, 4, 8, 16, 32, 64, 128);
     const __m256i on = _mm256_cmpeq_epi32(_mm256_and_si256(_mm256_set1_epi32(static_cast<int>(bits)), lane), lane);
@@ -205,9 +214,10 @@ struct S {
   }
   static float reduce_max(F x) { return simd::hmax8(x); }
   static float reduce_add(F x) { return simd::hsum8(x); }
-  static F exp(F x) { return simd::exp8(x); }
   static F widen(const c10::BFloat16* p) { return simd::widen_bf16x8(p); }
   static F widen(const c10::Half* p) { return simd::widen_f16x8(p); }
+  static I as_int(F x) { return _mm256_castps_si256(x); }
+  static I zeroi() { return _mm256_setzero_si256(); }
   static I loadi(const void* p) { return _mm256_loadu_si256(static_cast<const __m256i*>(p)); }
   static void storei(void* p, I x) { _mm256_storeu_si256(static_cast<__m256i*>(p), x); }
   static void store_bf16(c10::BFloat16* dst, F x) {  // round to nearest even; inputs finite
@@ -224,7 +234,7 @@ struct S {
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst), _mm256_or_si256(lo, _mm256_slli_epi32(hi, 16)));
   }
   // 8 x 8 transpose of 32-bit words: out[c] = column c of the rows r[0..8).
-  static void transpose(I r[8]) {
+  __attribute__((always_inline)) static void transpose(I r[8]) {
     __m256 t[8], u[8];
     for (int k = 0; k < 4; ++k) {
       const __m256 a = _mm256_castsi256_ps(r[2 * k]), b = _mm256_castsi256_ps(r[2 * k + 1]);
@@ -289,6 +299,10 @@ struct S {
   static F mul(F a, F b) { return _mm_mul_ps(a, b); }
   static F max(F a, F b) { return _mm_max_ps(a, b); }
   static F fmadd(F a, F b, F c) { return _mm_add_ps(_mm_mul_ps(a, b), c); }
+  static F round(F x) { return _mm_cvtepi32_ps(_mm_cvtps_epi32(x)); }  // |x| <= 127 here; MXCSR: to nearest
+  static F pow2(F n) {  // 2^n for integral n in [-127, 0] in the exponent bits (n = -127: 0)
+    return _mm_castsi128_ps(_mm_slli_epi32(_mm_add_epi32(_mm_cvtps_epi32(n), _mm_set1_epi32(127)), 23));
+  }
   static F masked_scale(F x, uint32_t bits, F scale, F ninf) {
     const __m128i lane = _mm_setr_epi32(1, 2, 4, 8);
     const F on = _mm_castsi128_ps(_mm_cmpeq_epi32(_mm_and_si128(_mm_set1_epi32(static_cast<int>(bits)), lane), lane));
@@ -302,7 +316,6 @@ struct S {
     x = _mm_add_ps(x, _mm_movehl_ps(x, x));
     return _mm_cvtss_f32(_mm_add_ss(x, _mm_shuffle_ps(x, x, 1)));
   }
-  static F exp(F x) { return simd::exp4(x); }
   static F widen(const c10::BFloat16* p) {
     const __m128i h = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
     return _mm_castsi128_ps(_mm_unpacklo_epi16(_mm_setzero_si128(), h));
@@ -311,9 +324,11 @@ struct S {
     return _mm_setr_ps(static_cast<float>(p[0]), static_cast<float>(p[1]), static_cast<float>(p[2]),
                        static_cast<float>(p[3]));
   }
+  static I as_int(F x) { return _mm_castps_si128(x); }
+  static I zeroi() { return _mm_setzero_si128(); }
   static I loadi(const void* p) { return _mm_loadu_si128(static_cast<const __m128i*>(p)); }
   static void storei(void* p, I x) { _mm_storeu_si128(static_cast<__m128i*>(p), x); }
-  static void transpose(I r[4]) {
+  __attribute__((always_inline)) static void transpose(I r[4]) {
     F a = _mm_castsi128_ps(r[0]), b = _mm_castsi128_ps(r[1]), c = _mm_castsi128_ps(r[2]), d = _mm_castsi128_ps(r[3]);
     _MM_TRANSPOSE4_PS(a, b, c, d);
     r[0] = _mm_castps_si128(a), r[1] = _mm_castps_si128(b), r[2] = _mm_castps_si128(c), r[3] = _mm_castps_si128(d);

@@ -25,12 +25,17 @@ TAPS_HD uint32_t float_to_bits(float f) {
 
 TAPS_HD float bf16_to_float(uint16_t h) { return bits_to_float(uint32_t(h) << 16); }
 
-// Round to nearest even, as torch's float -> bfloat16 conversion (NaN -> the quiet NaN 0x7fc0).
-TAPS_HD uint16_t float_to_bf16(float f) {
+// f rounded to nearest even at bfloat16's precision, as float bits: the upper 16 bits are torch's float ->
+// bfloat16 conversion (NaN -> the quiet NaN 0x7fc0), the lower 16 are 0. Non-NaN inputs never carry out of
+// bit 31 (that needs bits 30..16 all set: a NaN). One 32-bit select, so that loops of it vectorise without
+// narrowing first.
+TAPS_HD uint32_t bf16_rounded_bits(float f) {
   const uint32_t u = float_to_bits(f);
-  const uint16_t r = uint16_t((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
-  return f != f ? uint16_t(0x7fc0) : r;  // a select, so that loops of it vectorise
+  return f != f ? 0x7fc00000u : (u + 0x7fffu + ((u >> 16) & 1u)) & 0xffff0000u;
 }
+
+// Round to nearest even, as torch's float -> bfloat16 conversion (NaN -> the quiet NaN 0x7fc0).
+TAPS_HD uint16_t float_to_bf16(float f) { return uint16_t(bf16_rounded_bits(f) >> 16); }
 
 TAPS_HD float f16_to_float(uint16_t h) {
   const uint32_t sign = uint32_t(h & 0x8000u) << 16, exp = (h >> 10) & 0x1fu, mant = h & 0x3ffu;
@@ -94,7 +99,7 @@ TAPS_HD float round_t(float f) {
   if constexpr (T == kF32) {
     return f;
   } else if constexpr (T == kBF16) {
-    return bf16_to_float(float_to_bf16(f));
+    return bits_to_float(bf16_rounded_bits(f));
   } else {
     return f16_to_float(float_to_f16(f));
   }
