@@ -306,14 +306,13 @@ class SpeculativeDecoder:
             ids[b, :len(r)] = torch.tensor(r, dtype=torch.int64)
         cap = max(len(r) + q.max_new for r, q in zip(rows, requests)) + self.depth + self.strategy.num_nodes + 4
         drafter_cap = cap + self.depth + 2 + scratch_positions(self.depth, self.top_k)
-        sampling = bool(torch.as_tensor(sample["temperature"]).gt(0).any())
-        for g in groups:
-            g.sampling = sampling
         if fresh:
             self.strategy.reset(batch, device)
         state = DecodeState(requests, self.forward.new_cache(batch, cap), groups,
                             dict(sample, validate=device.type == "cpu"), generator, prof, on_tokens,
                             self.strategy.alive(), self.strategy.num_nodes)
+        for g in groups:
+            g.sampling = state.sampling
         state.capture = self.forward.capture_layers(g.target_features for g in groups)
         with prof.section("prefill"):
             pre = self.forward.prefill(state.cache, ids, lens, 0, return_hidden=self.needs_hidden,
@@ -335,7 +334,7 @@ class SpeculativeDecoder:
                                      self.tuner.timer)
             if fresh:
                 with prof.section("calibrate"):
-                    self.tuner.begin(batch, sampling)
+                    self.tuner.begin(batch, state.sampling)
                     self._calibrate(state)
         return state
 
@@ -512,7 +511,7 @@ class SpeculativeDecoder:
 
     def _record(self, state: "DecodeState", plan: "_Plan", tree: Combined, record: "_HostRecord",
                 forward_seconds: float, seconds: float) -> None:
-        """Per-request statistics and emission, the next roots, and the tuner's observation."""
+        """Per-request statistics and emission, and the tuner's observation."""
         observed: List[Optional[int]] = [None] * state.batch
         for b, request in enumerate(state.requests):
             new = record.tokens[b]
@@ -590,7 +589,7 @@ class SpeculativeDecoder:
     def _begin(self, state: "DecodeState", added: int = 0) -> None:
         """After the batch changed: the sampling mode of the drafters and the tuner, and the costs the
         tuner lacks for the new batch size."""
-        sampling = bool(torch.as_tensor(state.sample["temperature"]).gt(0).any())
+        sampling = _samples(state.sample)
         for g in state.groups:
             g.sampling = sampling
         if self.tuner is None:
@@ -602,7 +601,7 @@ class SpeculativeDecoder:
         state.sampling = sampling
         self._calibrate(state)
         for g in state.groups:
-            if id(g) not in state.starts:
+            if state.pending.started(g):
                 self._calibrate_group(g, state.batch)
 
     # -- the tuner's cost measurements -----------------------------------------------------------------
@@ -723,7 +722,7 @@ class DecodeState:
         self.starts: Dict[int, tuple] = {}
         #: groups of drafters the strategy stops drafting with are dropped (False where requests join later)
         self.can_drop = True
-        self.sampling = bool(torch.as_tensor(sample["temperature"]).gt(0).any())
+        self.sampling = _samples(sample)
 
     @property
     def batch(self) -> int:
@@ -774,6 +773,11 @@ class _HostRecord(NamedTuple):
     nodes: List[int]
     by_drafter: Optional[List[List[int]]]
     route: Optional[List[int]]
+
+
+def _samples(sample: dict) -> bool:
+    """Whether verification with these settings samples (a temperature above 0 for some request)."""
+    return bool(torch.as_tensor(sample["temperature"]).gt(0).any())
 
 
 def _select_sample(sample: dict, index: Tensor, batch: int) -> dict:
