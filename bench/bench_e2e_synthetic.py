@@ -15,8 +15,16 @@ length tau (p = 0: every draft is accepted, tau = depth + 1).
 Rows: Hugging Face ``generate`` (greedy), taps ``autoregressive``, and for each p taps ``single`` with the
 fixed settings and with ``budget="auto"`` (taps.Tuner: each step's depth and nodes, down to no draft, by
 measured costs; ``--no-auto`` leaves it out): tokens/s, the ratios to Hugging Face and to taps
-autoregressive, tau, and whether the output equals Hugging Face's greedy output (in bf16 the tree forward
-and the one-token forward may round differently, so a near-tie can flip; the speed stands).
+autoregressive, tau, the first (warm-up) generation's time, which holds the tuner's calibration, the
+draft shapes the tuner chose most, and whether the output equals Hugging Face's greedy output (in bf16 the tree forward
+and the one-token forward may round differently, so a near-tie can flip; the speed stands). Every row runs
+once per round, the rows interleaved (``--repeats`` rounds, the fastest kept), so that a load that comes
+and goes on a shared machine reaches every row alike.
+
+``--draft-vocab N``: the head proposes from N target ids only (:meth:`taps.Drafter.set_draft_vocab`, as
+EAGLE-3 heads do), so each of its levels reads N rows of the lm_head instead of the whole vocabulary. The
+ids are the continuation's own tokens and random others: a reduced vocabulary of a corpus's most frequent
+tokens holds most of a real text's tokens, and ``--corrupt`` already models the misses.
 """
 
 from __future__ import annotations
@@ -30,7 +38,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import print_table  # noqa: E402
+from common import machine_line, print_table  # noqa: E402
 
 import transformers  # noqa: E402
 
@@ -60,6 +68,12 @@ class _OracleGroup(EagleGroup):
         self.prompt = prompt_lens.to(self.fc.weight.device).repeat(self.groups)
         self.continuation = oracle["tokens"].to(self.fc.weight.device).repeat(self.groups, 1)
         self.corrupt, self.gen = oracle["corrupt"], oracle["generator"]
+        # logits come over the draft vocabulary (token_map: its target ids) when it is reduced
+        self.to_draft = None
+        if self.token_map is not None:
+            self.to_draft = torch.full((self.drafters[0].vocab_size,), -1, dtype=torch.int64,
+                                       device=self.token_map.device)
+            self.to_draft[self.token_map] = torch.arange(self.token_map.numel(), device=self.token_map.device)
         super().start(input_ids, prompt_lens, root, hidden, max_len, prompt_lens_host)
 
     def _steer(self, logits, offset, on_path):
@@ -68,6 +82,10 @@ class _OracleGroup(EagleGroup):
         idx = offset.clamp(0, width - 1)
         target = self.continuation.gather(1, idx.view(idx.shape[0], -1)).view(idx.shape)
         keep = on_path & (offset < width)
+        if self.to_draft is not None:
+            target = self.to_draft[target]
+            keep &= target >= 0
+            target = target.clamp(min=0)
         keep &= torch.rand(keep.shape, generator=self.gen, device=keep.device) >= self.corrupt
         bonus = torch.zeros_like(logits).scatter_(-1, target.unsqueeze(-1), BONUS)
         return logits + bonus * keep.unsqueeze(-1)
@@ -115,25 +133,39 @@ def main() -> None:
     ap.add_argument("--depth", type=int, default=5)
     ap.add_argument("--top-k", type=int, default=8)
     ap.add_argument("--budget", type=int, default=32)
-    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--draft-vocab", type=int, default=0,
+                    help="the head proposes from this many target ids (0: all): the continuation's tokens and "
+                         "random others (see the module docstring)")
+    ap.add_argument("--repeats", type=int, default=2, help="rounds; every row runs once per round, interleaved")
+    ap.add_argument("--clock", default="wall", choices=("wall", "process"),
+                    help="process: CPU time of this process (other jobs' load left out; the tuner uses it too)")
     ap.add_argument("--threads", type=int, default=0)
     ap.add_argument("--no-auto", action="store_true", help="skip the budget='auto' rows")
+    ap.add_argument("--no-fixed", action="store_true", help="skip the fixed-settings rows")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
     device = torch.device(args.device)
+    if args.clock == "process" and device.type == "cuda":
+        ap.error("--clock process measures CPU time: use wall on CUDA")
     from taps.models import resolve_dtype
+    from taps.tuner import Tuner
 
+    clock = time.process_time if args.clock == "process" else time.perf_counter
     dtype = resolve_dtype(args.dtype, device)
     cfg = transformers.LlamaConfig(**SHAPES[args.shape], max_position_embeddings=8192, tie_word_embeddings=False)
+    if not 0 <= args.draft_vocab <= cfg.vocab_size:
+        ap.error(f"--draft-vocab must be in [0, {cfg.vocab_size}]")
     torch.manual_seed(0)
     t0 = time.perf_counter()
     with torch.device(device):
         target = transformers.LlamaForCausalLM(cfg).to(dtype).eval()
+    print(machine_line())
     print(f"target {args.shape} ({sum(p.numel() for p in target.parameters()) / 1e9:.2f}B parameters, "
           f"{str(dtype).replace('torch.', '')}, {device}) built in {time.perf_counter() - t0:.0f}s; prompt "
           f"{args.prompt_len}, {args.new_tokens} new tokens, batch 1; depth {args.depth}, top_k {args.top_k}, "
-          f"budget {args.budget}")
+          f"budget {args.budget}; draft vocabulary {args.draft_vocab or 'full'}; {args.clock} clock, "
+          f"best of {args.repeats} interleaved rounds")
     prompt = torch.randint(0, cfg.vocab_size, (1, args.prompt_len), generator=torch.Generator().manual_seed(1))
     ids = prompt.to(device)
 
@@ -142,50 +174,73 @@ def main() -> None:
             torch.cuda.synchronize()
 
     def timed(fn):
-        best, out = float("inf"), None
-        for _ in range(args.repeats):
-            sync()
-            t = time.perf_counter()
-            out = fn()
-            sync()
-            best = min(best, time.perf_counter() - t)
-        return best, out
+        sync()
+        t = clock()
+        out = fn()
+        sync()
+        return clock() - t, out
 
     hf_kw = dict(max_new_tokens=args.new_tokens, min_new_tokens=args.new_tokens, do_sample=False,
                  attention_mask=torch.ones_like(ids), pad_token_id=0)
     with torch.no_grad():
         target.generate(ids, **{**hf_kw, "max_new_tokens": 4, "min_new_tokens": 4})  # warm-up
-        hf_s, hf_out = timed(lambda: target.generate(ids, **hf_kw))
+        _, hf_out = timed(lambda: target.generate(ids, **hf_kw))
     continuation = hf_out[:, ids.shape[1]:]
     reference = continuation[0].tolist()
-    rows = [["HF generate", "-", f"{args.new_tokens / hf_s:.1f}", "1.00x", "-", "-", "yes"]]
+    vocab = None
+    if args.draft_vocab:
+        # the continuation's tokens (a vocabulary of a corpus's most frequent tokens holds most of a real
+        # text's), filled with random ids: what the reduced head saves is its cost, not its hits
+        seen = torch.unique(continuation[0].cpu())
+        rest = torch.randperm(cfg.vocab_size, generator=torch.Generator().manual_seed(4))
+        rest = rest[~torch.isin(rest, seen)][:max(args.draft_vocab - seen.numel(), 0)]
+        vocab = torch.cat([seen, rest])[:args.draft_vocab]
 
-    def run(dec):
-        dec.generate(prompt[0].tolist(), max_new_tokens=4)  # warm-up (allocations, packing)
-        sec, out = timed(lambda: dec.generate(prompt[0].tolist(), max_new_tokens=args.new_tokens))
-        tps = len(out.tokens[0]) / sec
-        same = "yes" if out.tokens[0] == reference[:len(out.tokens[0])] else "no (bf16 rounding?)"
-        return tps, out.summary["tau"], same
-
-    ar_tps, tau, same = run(SpeculativeDecoder(target, [], strategy="autoregressive"))
-
-    def row(name, p, tps, tau, same):
-        rows.append([name, p, f"{tps:.1f}", f"{tps * hf_s / args.new_tokens:.2f}x", f"{tps / ar_tps:.2f}x",
-                     f"{tau:.2f}", same])
-    row("taps autoregressive", "-", ar_tps, tau, same)
     head_cfg = copy.deepcopy(cfg)
     head_cfg.num_hidden_layers = 1
+    rows = [("HF generate", "-", None)]
+    rows.append(("taps autoregressive", "-", SpeculativeDecoder(target, [], strategy="autoregressive")))
     for p in args.corrupt:
-        for auto in (False,) if args.no_auto else (False, True):
+        for auto in (() if args.no_fixed else (False,)) + (() if args.no_auto else (True,)):
             torch.manual_seed(3)  # the same head whatever the runs before drew from the global generator
             drafter = OracleDrafter(head_cfg)
             drafter.oracle = {"tokens": continuation, "corrupt": p,
                               "generator": torch.Generator(device=device).manual_seed(2)}
+            if vocab is not None:
+                drafter.set_draft_vocab(vocab)
             dec = SpeculativeDecoder(target, [drafter], strategy="single", depth=args.depth, top_k=args.top_k,
-                                     budget="auto" if auto else args.budget)
-            row("taps single auto, oracle drafter" if auto else "taps single, oracle drafter", f"{p:g}", *run(dec))
-    print_table(["row", "corrupt p", "tokens/s", "vs HF generate", "vs taps AR", "tau", "= HF greedy"], rows,
-                title="End to end, synthetic target, controlled acceptance")
+                                     budget=args.budget, tuner=Tuner(timer=clock) if auto else None)
+            rows.append(("taps single auto, oracle drafter" if auto else "taps single, oracle drafter", f"{p:g}",
+                         dec))
+    prompt_ids = prompt[0].tolist()
+    warm = []
+    for _, _, dec in rows[1:]:
+        t = time.perf_counter()
+        dec.generate(prompt_ids, max_new_tokens=4)  # warm-up (allocations, packing, the tuner's calibration)
+        warm.append(time.perf_counter() - t)
+    best = [float("inf")] * len(rows)
+    last = [None] * len(rows)
+    for _ in range(args.repeats):
+        for i, (_, _, dec) in enumerate(rows):
+            if dec is None:
+                with torch.no_grad():
+                    sec, _ = timed(lambda: target.generate(ids, **hf_kw))
+            else:
+                sec, last[i] = timed(lambda: dec.generate(prompt_ids, max_new_tokens=args.new_tokens))
+            best[i] = min(best[i], sec)
+    hf_tps = args.new_tokens / best[0]
+    ar_tps = args.new_tokens / best[1]
+    table = [["HF generate", "-", f"{hf_tps:.2f}", "1.00x", f"{hf_tps / ar_tps:.2f}x", "-", "-", "-", "yes"]]
+    for i, (name, p, dec) in enumerate(rows[1:], 1):
+        out = last[i]
+        tps = len(out.tokens[0]) / best[i]
+        same = "yes" if out.tokens[0] == reference[:len(out.tokens[0])] else "no (bf16 rounding?)"
+        shapes = out.summary.get("shape_histogram") or {}
+        top = ", ".join(f"{k} {v / max(sum(shapes.values()), 1):.0%}" for k, v in list(shapes.items())[:3])
+        table.append([name, p, f"{tps:.2f}", f"{tps / hf_tps:.2f}x", f"{tps / ar_tps:.2f}x", f"{warm[i - 1]:.1f}s",
+                      top or "-", f"{out.summary['tau']:.2f}", same])
+    print_table(["row", "corrupt p", "tokens/s", "vs HF generate", "vs taps AR", "warm-up", "auto: shapes", "tau",
+                 "= HF greedy"], table, title="End to end, synthetic target, controlled acceptance")
 
 
 if __name__ == "__main__":

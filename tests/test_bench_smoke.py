@@ -55,9 +55,12 @@ def test_bench_e2e_shipped_models_and_overhead():
     assert any(r.strip().startswith("taps merged") for r in overhead)
 
 
-def test_bench_e2e_synthetic_tiny_shape():
+@pytest.mark.parametrize("vocab", [[], ["--draft-vocab", "100"]], ids=["full-vocab", "draft-vocab"])
+def test_bench_e2e_synthetic_tiny_shape(vocab):
+    """Every row equals HF greedy; the oracle head is accepted when uncorrupted, never when fully corrupted,
+    with its whole vocabulary or a reduced one (which holds the continuation's tokens)."""
     out = run_bench("bench_e2e_synthetic.py", "--shape", "tiny", "--new-tokens", "8", "--repeats", "1",
-                    "--corrupt", "0", "1", "--prompt-len", "16", "--dtype", "fp32")
+                    "--corrupt", "0", "1", "--prompt-len", "16", "--dtype", "fp32", *vocab)
     rows = table_rows(out, "End to end, synthetic target")
     assert len(rows) == 6 and all(r.rstrip().endswith("yes") for r in rows), rows  # + an auto row per p
     fixed = [r for r in rows if "oracle" in r and "auto" not in r]
