@@ -260,3 +260,50 @@ def test_cost_models_are_kept_per_drafter_set():
     assert first is again  # the same target and drafters: one cost model
     assert lookup is not first
     assert lookup.draft((0,), 3, 1) < first.draft((0,), 3, 1) / 5  # no forward to draft by lookup
+
+
+class _FakeClock:
+    """A timer advanced by the calls it times: each call of :meth:`call` takes `cost` seconds."""
+
+    def __init__(self, cost):
+        self.now, self.cost, self.calls = 0.0, cost, 0
+
+    def __call__(self):
+        return self.now
+
+    def call(self):
+        self.calls += 1
+        self.now += self.cost
+
+
+@pytest.mark.parametrize("cost,warmup,calls", [(1e-3, True, 5), (0.2, True, 2), (0.02, True, 3),
+                                               (0.2, False, 1), (1e-3, False, 4)])
+def test_time_call_within_a_budget(cost, warmup, calls):
+    """Calibration times a call `repeats` times after a warm-up, fewer when the calls would overrun the
+    budget (at least one timed call): a large model's calibration costs a few forwards."""
+    from taps.tuner import time_call
+
+    clock = _FakeClock(cost)
+    seconds = time_call(clock.call, repeats=4, timer=clock, budget=0.05, warmup=warmup)
+    assert seconds == pytest.approx(cost)
+    assert clock.calls == calls
+
+
+def test_calibration_of_an_expensive_target_is_short():
+    """With a forward dearer than the calibration budget, the target's node grid is timed once per point
+    with a single warm-up call, and each group's two expansions once each after their warm-up."""
+    m = em.greedy_models()
+    calls = []
+    tuner = Tuner(CostModel(), calibration_budget=1e-9)  # its own cost model: nothing calibrated yet
+    dec = SpeculativeDecoder(m["target"], [m["eagle"]], strategy="single", depth=3, top_k=3, tuner=tuner)
+    forward = dec.forward.tree
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return forward(*args, **kwargs)
+
+    dec.forward.tree = counted
+    dec.generate([[5, 17, 42, 8, 61, 3]], max_new_tokens=1)
+    assert len(calls) == len(node_grid(dec.strategy.num_nodes)) + 1
+    with pytest.raises(ValueError, match="calibration_budget"):
+        Tuner(calibration_budget=0)

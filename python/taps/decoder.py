@@ -610,7 +610,8 @@ class SpeculativeDecoder:
         verification per node count (scratch trees written past every request's committed cache, with
         coins of a private generator: nothing is committed); the first batch size on the whole node grid,
         later ones (requests joining and leaving a running batch meet many) on four node counts, in a
-        third of the time. Drafter groups are measured when they start (:meth:`_calibrate_group`)."""
+        third of the time; each point within the tuner's ``calibration_budget`` (a large target's forward is
+        timed once per point). Drafter groups are measured when they start (:meth:`_calibrate_group`)."""
         tuner = self.tuner
         batch = state.batch
         if tuner.costs is None:
@@ -639,7 +640,11 @@ class SpeculativeDecoder:
                                         capture_layers=state.capture, uniform=uniform)
                 self.forward.verify(fwd.hidden_states, tree.tokens, tree.parents, tree.tree_mask,
                                     lazy=self.lazy_head, **coins)
-            points.append((n, time_call(run, repeats=4 if first else 2, sync=sync, timer=tuner.timer)))
+            # a warm-up call before the first point, and before later ones while calls are cheap (a large
+            # model's forward needs none past the first: its allocations are a small part of it)
+            warm = not points or points[-1][1] < tuner.calibration_budget / 4
+            points.append((n, time_call(run, repeats=4 if first else 2, sync=sync, timer=tuner.timer,
+                                        budget=tuner.calibration_budget, warmup=warm)))
         costs.set_forward(batch, points)
 
     def _calibrate_group(self, g: DraftGroup, batch: int) -> None:
@@ -649,8 +654,9 @@ class SpeculativeDecoder:
         if self.tuner.calibrate and costs.needs_draft(members, batch):
             sync = torch.cuda.synchronize if self.device.type == "cuda" else None
             entropy = self.strategy.needs_entropy
-            shallow = time_call(lambda: g.draft(1, self.top_k, None, entropy), sync=sync, timer=self.tuner.timer)
-            deep = time_call(lambda: g.draft(self.depth, self.top_k, None, entropy), sync=sync, timer=self.tuner.timer)
+            timing = dict(sync=sync, timer=self.tuner.timer, budget=self.tuner.calibration_budget)
+            shallow = time_call(lambda: g.draft(1, self.top_k, None, entropy), **timing)
+            deep = time_call(lambda: g.draft(self.depth, self.top_k, None, entropy), **timing)
             costs.set_draft(members, batch, (1, shallow), (self.depth, deep))
 
 

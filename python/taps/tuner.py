@@ -360,13 +360,16 @@ class Tuner:
         margin: how much more tokens per second (a fraction) a draft must promise than a plain step (the
             predictions' own error; drafting on a tie would lose by it).
         calibrate: measure the missing costs when a generation starts (False: only online).
+        calibration_budget: seconds of timed calls per measured point of the calibration (at least one
+            call): a target whose forward takes longer is timed fewer times (see :func:`time_call`).
         timer: the clock of every measurement (default ``time.perf_counter``, wall time; on a CPU shared
             with other jobs and one thread, ``time.process_time`` leaves their load out).
     """
 
     def __init__(self, costs: Optional[CostModel] = None, acceptance: Optional[AcceptanceModel] = None, *,
                  budgets: Sequence[int] = (2, 4, 8), max_probe_interval: int = 256, margin: float = 0.05,
-                 calibrate: bool = True, timer: Callable[[], float] = time.perf_counter):
+                 calibrate: bool = True, calibration_budget: float = 0.05,
+                 timer: Callable[[], float] = time.perf_counter):
         self.costs = costs
         self.acceptance = acceptance or AcceptanceModel()
         #: an acceptance model per verification mode (greedy, sampled): their rates differ
@@ -375,6 +378,9 @@ class Tuner:
         self.max_probe_interval = int(max_probe_interval)
         self.margin = float(margin)
         self.calibrate = calibrate
+        if not calibration_budget > 0:
+            raise ValueError(f"Tuner: calibration_budget must be > 0 seconds, got {calibration_budget!r}")
+        self.calibration_budget = float(calibration_budget)
         self.timer = timer
         self.clock = 0
         self._probe: Dict[tuple, Tuple[int, int]] = {}  # kind -> (next step, interval)
@@ -539,11 +545,27 @@ def shared_costs(key: tuple) -> CostModel:
 
 
 def time_call(fn: Callable[[], object], repeats: int = 2, sync: Optional[Callable[[], None]] = None,
-              timer: Callable[[], float] = time.perf_counter) -> float:
-    """Fewest seconds of `repeats` calls of fn (after one untimed call)."""
-    fn()
+              timer: Callable[[], float] = time.perf_counter, budget: Optional[float] = None,
+              warmup: bool = True) -> float:
+    """Fewest seconds of `repeats` calls of fn, after one untimed call when `warmup`.
+
+    budget: seconds the timed calls may take together, at least one call: with a model whose forward takes
+    longer than budget / repeats, fewer calls (a calibration of a large model then costs a few forwards, not
+    tens; the step timers correct the costs afterwards). The untimed call sets the pace when there is one.
+    """
+    first = None
+    if warmup:
+        if sync is not None:
+            sync()
+        t0 = timer()
+        fn()
+        if sync is not None:
+            sync()
+        first = timer() - t0
     best = float("inf")
-    for _ in range(repeats):
+    for i in range(max(int(repeats), 1)):
+        if budget is not None and i > 0 and (i + 1) * min(best, first if first is not None else best) > budget:
+            break
         if sync is not None:
             sync()
         t0 = timer()
