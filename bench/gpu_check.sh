@@ -82,9 +82,9 @@ if wanted bench; then
   cat "$OUT"/bench_*.txt >>"$summary" 2>/dev/null
 fi
 if wanted e2e && afford 190 "e2e"; then
-  step "end to end: Llama-3-8B-shaped target, controlled-acceptance EAGLE drafter (fixed and budget=auto), vs HF generate and taps autoregressive"
+  step "end to end: Llama-3-8B-shaped target, controlled-acceptance EAGLE drafter (fixed and budget=auto; a 32k draft vocabulary as EAGLE-3's), vs HF generate and taps autoregressive"
   timeout 180 "$PY" bench/bench_e2e_synthetic.py --shape llama3-8b --new-tokens 96 --repeats 2 \
-    --corrupt 0 0.2 0.5 1 >"$OUT/bench_e2e_synthetic.txt" 2>&1
+    --corrupt 0 0.2 0.5 1 --draft-vocab 32000 >"$OUT/bench_e2e_synthetic.txt" 2>&1
   echo "e2e rc=$?" | tee -a "$summary"
   tail -n 16 "$OUT/bench_e2e_synthetic.txt" >>"$summary"
 fi

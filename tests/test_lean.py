@@ -209,3 +209,36 @@ def test_lazy_head_verification_equals_the_full_logits(sample):
                 node = int(full.path[b, j])
                 off_chain += node != min(i for i in range(num) if parents[b, i] == parents[b, node])
     assert off_chain > 5 and longest >= 3
+
+
+@torch.no_grad()
+def test_forwards_of_one_target_share_its_packed_weights():
+    """Decoders of one target keep one packed copy of its weights (the lean model's fused projections are
+    as large as the weights), rebuilt for all of them when a parameter changes, and freed with the last."""
+    import gc
+    import weakref
+
+    model = _model("llama")
+    first, second = TargetForward(model), TargetForward(model)
+    first.new_cache(1, 8)
+    second.new_cache(1, 8)
+    assert first.lean is second.lean and first.head is second.head
+    other = TargetForward(_model("llama", seed=1))
+    other.new_cache(1, 8)
+    assert other.lean is not first.lean
+    old = weakref.ref(first.lean)
+    ids = torch.tensor([[3, 1, 4]])
+    before = first.prefill(first.new_cache(1, 8), ids, torch.tensor([3]), 0).logits
+    model.lm_head.weight.mul_(2.0)  # an in-place update: the packed copies are stale
+    first.new_cache(1, 8)
+    second.new_cache(1, 8)
+    assert first.lean is second.lean and first.lean is not old()
+    after = second.prefill(second.new_cache(1, 8), ids, torch.tensor([3]), 0).logits
+    torch.testing.assert_close(after, 2 * before)
+    hf_path = TargetForward(model, lean=False)  # the Hugging Face path shares the head, has no lean model
+    hf_path.new_cache(1, 8)
+    assert hf_path.lean is None and hf_path.head is first.head
+    shared = weakref.ref(first.lean)
+    del first, second, hf_path, old
+    gc.collect()
+    assert shared() is None

@@ -13,6 +13,7 @@ sync to size its masks.
 
 from __future__ import annotations
 
+import weakref
 from typing import Iterable, Optional, Sequence, Tuple
 
 import torch
@@ -34,6 +35,32 @@ LAZY_HEAD_MIN = 1 << 20
 LAZY_MIN_NODES = 24
 
 
+class _Packed:
+    """The packed copies of one target's weights (its head; the lean model's fused projections, as large
+    as the weights themselves) for the parameter values ``key`` names: shared by every
+    :class:`TargetForward` of that target that holds it (decoders of one target keep one copy, not one
+    each), and freed with the last of them."""
+
+    __slots__ = ("model", "key", "head", "lean", "__weakref__")
+
+    def __init__(self, model: nn.Module, key: tuple, lean: bool):
+        self.model, self.key = model, key  # the model: its id names this entry for as long as it lives
+        out = model.get_output_embeddings()
+        self.head = Linear(out.weight, out.bias).pack()
+        self.lean = LeanCausalLM(model).pack() if lean else None
+
+
+_PACKED: "weakref.WeakValueDictionary[int, _Packed]" = weakref.WeakValueDictionary()
+
+
+def _packed(model: nn.Module, key: tuple, lean: bool) -> _Packed:
+    """The shared packed weights of `model` at parameter values `key`, built when missing or stale."""
+    entry = _PACKED.get(id(model))
+    if entry is None or entry.model is not model or entry.key != key or (lean and entry.lean is None):
+        entry = _PACKED[id(model)] = _Packed(model, key, lean)
+    return entry
+
+
 class TargetForward:
     """Forward passes of a target causal LM for the decoding loop.
 
@@ -50,20 +77,19 @@ class TargetForward:
             raise ValueError(f"TargetForward: the lean path does not cover this model: {why}")
         self.use_lean = lean is not False and why is None
         self.lean: Optional[LeanCausalLM] = None
-        self._key = None
+        self._packed: Optional[_Packed] = None
         self.head = Linear(model.get_output_embeddings().weight, model.get_output_embeddings().bias)
 
     def new_cache(self, batch: int, max_len: int) -> hf.TreeKVCache:
         """A cache of `max_len` positions per request (and, on the lean path, the weights' packed copies
-        and rotary rows brought up to date: rebuilt when a parameter changed since the last call)."""
+        and rotary rows brought up to date: rebuilt when a parameter changed since the last call; one copy
+        shared by every TargetForward of the model)."""
         cache = hf.TreeKVCache.for_model(self.model, batch, max_len)
         key = stack_key(list(self.model.parameters()))
-        if key != self._key:
-            out = self.model.get_output_embeddings()
-            self.head = Linear(out.weight, out.bias).pack()
-            if self.use_lean:
-                self.lean = LeanCausalLM(self.model).pack()
-            self._key = key
+        if self._packed is None or self._packed.key != key:
+            self._packed = _packed(self.model, key, self.use_lean)
+            self.head = self._packed.head
+            self.lean = self._packed.lean if self.use_lean else None
         if self.lean is not None:
             self.lean.rope.ensure(max_len, cache.lengths.device)
         return cache
