@@ -24,8 +24,9 @@ much each part costs depends on the machine (ISA, dtype, threads, batch, a GPU o
   drafter groups, every depth 1 .. the decoder's and every node budget of ``budgets`` below the
   decoder's, and its own. Each kind not chosen is probed now and then at its full depth (every depth
   observed at once), with exponential back-off, and only while it could win with its rates at an upper
-  confidence bound (each raised by 1 / sqrt(1 + trials)), so useless drafters cost a vanishing share of
-  the steps.
+  confidence bound (each raised by 1 / sqrt(1 + trials); a kind's chance to reach each depth at most that
+  of an observed wider kind of the same drafters, whose tree holds its best nodes), so useless drafters
+  cost a vanishing share of the steps.
 
 Verification is unchanged whatever is chosen, so the output distribution is the target's own. Drafter
 groups that do not draft in a step are not updated either: the tokens they missed are appended in one
@@ -319,19 +320,33 @@ class AcceptanceModel:
 
     def expected(self, key: tuple, b: int, cap: int, optimistic: bool = False) -> float:
         """E[accepted] of request b for a tree of depth `cap`; ``optimistic``: with every rate raised by
-        1 / sqrt(1 + its trials) (an upper confidence bound: what a kind could still turn out to give)."""
+        1 / sqrt(1 + its trials) (an upper confidence bound: what a kind could still turn out to give).
+        Each P(accepted >= d) is at most that of any observed kind of the same drafters with a larger node
+        budget (whose tree holds this one's best nodes: what it did not accept, this one would not have
+        either), so that the widest tree's steps speak for the narrower kinds too."""
         memo = (key, b, cap, optimistic)
         value = self._memo.get(memo)
         if value is None:
-            value, p = 0.0, 1.0
-            for d in range(1, cap + 1):
-                rate = self.rate(key, b, d)
-                if optimistic:
-                    rate = min(1.0, rate + (1.0 + self.trials(key, b, d)) ** -0.5)
-                p *= rate
-                value += p
+            reach = self._reach(key, b, cap, optimistic)
+            drafters, budget = key
+            for other in self.pooled if budget is not None else ():
+                if other[0] == drafters and other[1] is not None and other[1] > budget:
+                    reach = [min(p, q) for p, q in zip(reach, self._reach(other, b, cap, optimistic))]
+            value = sum(reach)
             self._memo[memo] = value
         return value
+
+    def _reach(self, key: tuple, b: int, cap: int, optimistic: bool) -> List[float]:
+        """P(accepted >= d) of request b for d = 1 .. cap from kind `key`'s own rates (at their upper
+        confidence bound when ``optimistic``)."""
+        out, p = [], 1.0
+        for d in range(1, cap + 1):
+            rate = self.rate(key, b, d)
+            if optimistic:
+                rate = min(1.0, rate + (1.0 + self.trials(key, b, d)) ** -0.5)
+            p *= rate
+            out.append(p)
+        return out
 
     def observe(self, key: tuple, accepted: Sequence[Optional[int]], cap: int) -> None:
         """One step of kind `key` with nominal depth `cap`: accepted[b] draft tokens (None: request b
@@ -343,7 +358,8 @@ class AcceptanceModel:
                 continue
             pooled.add(a, cap)
             self.requests[b].setdefault(key, _Counts()).add(a, cap)
-        self._memo = {m: v for m, v in self._memo.items() if m[0] != key}
+        # the values of narrower kinds of these drafters are bounded by this kind's
+        self._memo = {m: v for m, v in self._memo.items() if m[0][0] != key[0]}
 
 
 class Tuner:
@@ -423,7 +439,8 @@ class Tuner:
         """The shape to run from (shape, value, predicted seconds, an optimistic value: its acceptance
         rates at an upper confidence bound) options (the first is no draft): the best value per second, unless a kind not
         chosen (no draft included) is due for a probe and could beat it with every draft accepted (then
-        its deepest such shape: every depth observed at once); a probed kind's interval doubles."""
+        its deepest such shape: every depth observed at once; the widest such kind); a probed kind's
+        interval doubles, and the narrower kinds of its drafters wait as long."""
         best_shape, best_value, best_seconds, _ = max(
             options, key=lambda o: o[1] / max(o[2], 1e-9) * (1.0 if o[0].drafters else 1.0 + self.margin))
         best, rate = best_shape, best_value / max(best_seconds, 1e-9)
@@ -439,9 +456,15 @@ class Tuner:
                     due[shape.key] = shape
         if not due:
             return best
-        key = min(due, key=lambda k: self._probe.get(k, (0, 1))[0])
+        # the widest due kind first (of the drafters due longest): its tree holds the narrower kinds' best
+        # nodes, so its outcome bounds theirs (AcceptanceModel.expected), and it counts as their probe too
+        key = max(due, key=lambda k: (k[1], -self._probe.get(k, (0, 1))[0]))
         interval = min(self._probe.get(key, (0, 1))[1] * 2, self.max_probe_interval)
-        self._probe[key] = (self.clock + interval, interval)
+        for other in {o[0].key for o in options}:
+            if other[0] == key[0] and other[1] <= key[1] and other != best.key:
+                next_step, old = self._probe.get(other, (0, 1))
+                if next_step < self.clock + interval:
+                    self._probe[other] = (self.clock + interval, max(old, interval))
         return due[key]
 
     # -- the decoder's calls ------------------------------------------------------------------------------
