@@ -212,8 +212,8 @@ def test_acceptance_model():
 
 
 def test_probes_back_off():
-    """A kind that is never the best is tried again at doubling intervals."""
-    tuner = Tuner(_cheap())
+    """A kind that is never the best is tried again at doubling intervals (with credit for every probe)."""
+    tuner = Tuner(_cheap(), explore=1.0)
     bad = Shape((0,), 3, 8)
     probes = [i for i in range(200) if tuner.choose([(NONE, 1.0, 1.0, 1.0), (bad, 0.1, 1.0, 4.0)]).drafters]
     # a kind that could not win even with every draft accepted is never tried
@@ -221,6 +221,48 @@ def test_probes_back_off():
     assert not any(hopeless.choose([(NONE, 1.0, 1.0, 1.0), (bad, 0.1, 5.0, 4.0)]).drafters for _ in range(50))
     gaps = [b - a for a, b in zip(probes, probes[1:])]
     assert probes[0] == 0 and gaps == sorted(gaps) and gaps[-1] >= 64 and len(probes) <= 9
+
+
+def test_probes_lose_at_most_their_share():
+    """Probes spend an exploration credit (at first what max_probe_interval steps add) that grows by
+    `explore` times the best shape's predicted seconds per step: a probe predicted to lose 0.9 s against
+    1 s steps runs about every 0.9 / explore steps, however soon its back-off would allow it, and one
+    predicted to lose nothing runs whenever due. A kind's first try is free."""
+    bad = Shape((0,), 3, 8)
+    for explore in (0.0, 0.05, 0.2):
+        tuner = Tuner(_cheap(), explore=explore)
+        probes = [i for i in range(400) if tuner.choose([(NONE, 1.0, 1.0, 1.0), (bad, 0.1, 1.0, 4.0)]).drafters]
+        assert probes[0] == 0
+        assert (len(probes) - 1) * 0.9 <= explore * (400 + tuner.max_probe_interval) + 1e-9, (explore, probes)
+        assert explore == 0.0 or len(probes) > 1, explore
+    free = Tuner(_cheap(), explore=0.0)
+    even = Shape((0,), 3, 8)  # as many tokens per second as a plain step, within the margin
+    assert free.choose([(NONE, 1.0, 1.0, 1.0), (even, 1.02, 1.0, 4.0)]) == even
+
+
+def test_no_plan_while_no_probe_is_affordable():
+    """While no draft is best and no probe is both due and covered by the credit, plan() answers no
+    draft without evaluating the candidates again (the steps' credit still adds up); drafters that
+    never get a token accepted are probed a few times, the cheap shapes first."""
+    class Counting(Tuner):
+        def __init__(self, **kw):
+            super().__init__(FixedCosts(lambda n, b: 1e-3 + 1e-4 * n, lambda g, d, b: 5e-4 * d), **kw)
+            self.chosen = 0
+
+        def choose(self, options):
+            self.chosen += 1
+            return super().choose(options)
+
+    tuner = Counting(explore=0.02)
+    tuner.begin(8, False)
+    probes = []
+    for i in range(300):
+        shape = tuner.plan([(0,), (1,)], lambda g, d: d, [0, 0], list(range(8)), 8, 3, 16)
+        if shape.drafters:
+            probes.append(shape)
+        tuner.observe(shape, [0] * 8, shape.depth, shape.budget, 8, 1e-3, {}, [])
+    kinds = 3 * 4  # drafter sets and budgets, each tried once for free (those that could win)
+    assert 2 <= len(probes) <= kinds + 12 and tuner.chosen <= 3 * len(probes) + 6, (probes, tuner.chosen)
 
 
 def test_join_pending_steps():

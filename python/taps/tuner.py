@@ -23,9 +23,11 @@ much each part costs depends on the machine (ISA, dtype, threads, batch, a GPU o
   time; the largest wins. Candidates: no draft (a plain one-token step), and for every allowed set of
   drafter groups, every depth 1 .. the decoder's and every node budget of ``budgets`` below the
   decoder's, and its own. Each kind not chosen is probed now and then at its full depth (every depth
-  observed at once), with exponential back-off, and only while it could win with its rates at an upper
-  confidence bound (each raised by 1 / sqrt(1 + trials)), so useless drafters cost a vanishing share of
-  the steps.
+  observed at once), with exponential back-off, only while it could win with its rates at an upper
+  confidence bound (each raised by 1 / sqrt(1 + trials)), and only as far as an exploration credit
+  covers its predicted loss (the credit grows by a share ``explore`` of each step's predicted time), so
+  probes lose about that share at most, however many kinds there are and whatever a tree costs at the
+  batch size, and useless drafters cost a vanishing share of the steps.
 
 Verification is unchanged whatever is chosen, so the output distribution is the target's own. Drafter
 groups that do not draft in a step are not updated either: the tokens they missed are appended in one
@@ -283,7 +285,7 @@ class AcceptanceModel:
         self.pooled_weight, self.decay = pooled_weight, decay
         self.pooled: Dict[tuple, _Counts] = {}
         self.requests: List[Dict[tuple, _Counts]] = []
-        self._memo: Dict[tuple, float] = {}
+        self._memo: Dict[tuple, dict] = {}  # per kind: what an observation of it changes
 
     def reset(self, batch: int) -> None:
         """Start a batch of requests (the pooled counts stay)."""
@@ -320,17 +322,33 @@ class AcceptanceModel:
     def expected(self, key: tuple, b: int, cap: int, optimistic: bool = False) -> float:
         """E[accepted] of request b for a tree of depth `cap`; ``optimistic``: with every rate raised by
         1 / sqrt(1 + its trials) (an upper confidence bound: what a kind could still turn out to give)."""
-        memo = (key, b, cap, optimistic)
-        value = self._memo.get(memo)
-        if value is None:
-            value, p = 0.0, 1.0
+        if cap <= 0:
+            return 0.0
+        # the running sums over the depths, one list for every cap, shared by the requests with no counts
+        # of their own for the kind (their rates are the pooled ones)
+        own = b < len(self.requests) and key in self.requests[b]
+        memo = (b if own else -1, optimistic)
+        kind = self._memo.setdefault(key, {})
+        sums = kind.get(memo)
+        if sums is None or len(sums) < cap:
+            sums, value, p = [], 0.0, 1.0
             for d in range(1, cap + 1):
                 rate = self.rate(key, b, d)
                 if optimistic:
                     rate = min(1.0, rate + (1.0 + self.trials(key, b, d)) ** -0.5)
                 p *= rate
                 value += p
-            self._memo[memo] = value
+                sums.append(value)
+            kind[memo] = sums
+        return sums[cap - 1]
+
+    def total(self, key: tuple, rows: Tuple[int, ...], cap: int, optimistic: bool = False) -> float:
+        """E[accepted + 1] summed over the requests `rows` (kept until an observation of `key`)."""
+        memo = (rows, cap, optimistic)
+        kind = self._memo.setdefault(key, {})
+        value = kind.get(memo)
+        if value is None:
+            value = kind[memo] = sum(1.0 + self.expected(key, b, cap, optimistic) for b in rows)
         return value
 
     def observe(self, key: tuple, accepted: Sequence[Optional[int]], cap: int) -> None:
@@ -343,7 +361,7 @@ class AcceptanceModel:
                 continue
             pooled.add(a, cap)
             self.requests[b].setdefault(key, _Counts()).add(a, cap)
-        self._memo = {m: v for m, v in self._memo.items() if m[0] != key}
+        self._memo.pop(key, None)
 
 
 class Tuner:
@@ -359,6 +377,7 @@ class Tuner:
         max_probe_interval: steps between probes of a kind that is not chosen, at most.
         margin: how much more tokens per second (a fraction) a draft must promise than a plain step (the
             predictions' own error; drafting on a tie would lose by it).
+        explore: the share of the predicted time probes of kinds not chosen may lose (see :meth:`choose`).
         calibrate: measure the missing costs when a generation starts (False: only online).
         timer: the clock of every measurement (default ``time.perf_counter``, wall time; on a CPU shared
             with other jobs and one thread, ``time.process_time`` leaves their load out).
@@ -366,7 +385,7 @@ class Tuner:
 
     def __init__(self, costs: Optional[CostModel] = None, acceptance: Optional[AcceptanceModel] = None, *,
                  budgets: Sequence[int] = (2, 4, 8), max_probe_interval: int = 256, margin: float = 0.05,
-                 calibrate: bool = True, timer: Callable[[], float] = time.perf_counter):
+                 explore: float = 0.02, calibrate: bool = True, timer: Callable[[], float] = time.perf_counter):
         self.costs = costs
         self.acceptance = acceptance or AcceptanceModel()
         #: an acceptance model per verification mode (greedy, sampled): their rates differ
@@ -385,6 +404,9 @@ class Tuner:
         self._plan_memo = None
         self._version = 0  # counts observations of drafts (the plan's cached part depends on them)
         self._plain_until = 0  # while no draft is best: the clock of the next probe that could win
+        self.explore = float(explore)
+        self._credit: Optional[float] = None  # seconds the probes may still lose (see choose)
+        self._accrual = 0.0  # the credit one step adds
 
     # -- the candidate set ---------------------------------------------------------------------------
     def kinds(self, groups: Sequence[Tuple[int, ...]], single: bool) -> List[Tuple[Tuple[int, ...], ...]]:
@@ -411,32 +433,64 @@ class Tuner:
         """E[accepted + 1] summed over the active requests."""
         if not shape.drafters:
             return float(len(active))
-        return sum(1.0 + self.acceptance.expected(shape.key, b, cap) for b in active)
+        return self.acceptance.total(shape.key, tuple(active), cap)
 
     def choose(self, options: Sequence[Tuple[Shape, float, float, float]]) -> Shape:
         """The shape to run from (shape, value, predicted seconds, an optimistic value: its acceptance
-        rates at an upper confidence bound) options (the first is no draft): the best value per second, unless a kind not
-        chosen (no draft included) is due for a probe and could beat it with every draft accepted (then
-        its deepest such shape: every depth observed at once); a probed kind's interval doubles."""
+        rates at an upper confidence bound) options (the first is no draft): the best value per second,
+        unless a kind not chosen (no draft included) is due for a probe, could beat it with its optimistic
+        value, and its predicted loss is covered by the exploration credit (then its deepest such shape:
+        every depth observed at once); a probed kind's interval doubles.
+
+        A kind's first try is free; the credit starts at what ``max_probe_interval`` steps add and holds
+        at most that; it grows by ``explore`` times the best shape's predicted seconds every step, and a
+        later probe spends its predicted loss: the seconds it takes beyond what the best shape would take for the
+        tokens it is expected to give. So probes cost about that share of the time whatever they cost
+        each (a tree over a batch of 8 costs several plain steps, one over a single request little more
+        than one)."""
+        margin = 1.0 + self.margin
         best_shape, best_value, best_seconds, _ = max(
-            options, key=lambda o: o[1] / max(o[2], 1e-9) * (1.0 if o[0].drafters else 1.0 + self.margin))
-        best, rate = best_shape, best_value / max(best_seconds, 1e-9)
+            options, key=lambda o: o[1] / max(o[2], 1e-9) * (1.0 if o[0].drafters else margin))
+        rate = best_value / max(best_seconds, 1e-9)
         self.clock += 1
-        self._probe[best.key] = (self.clock + 1, 1)
-        due: Dict[tuple, Shape] = {}
-        hopeful = [self._probe.get(o[0].key, (0, 1))[0] for o in options if o[0].key != best.key and o[3] > rate * o[2]]
-        self._plain_until = min(hopeful, default=self.clock + self.max_probe_interval) if not best.drafters else 0
-        for shape, _, seconds, upper in options:
-            if shape.key != best.key and upper > rate * seconds and self._probe.get(shape.key, (0, 1))[0] <= self.clock:
-                old = due.get(shape.key)
-                if old is None or (shape.depth, shape.budget) > (old.depth, old.budget):
-                    due[shape.key] = shape
+        clock, probe = self.clock, self._probe
+        best_key = best_shape.key
+        probe[best_key] = (clock + 1, 1)
+        self._accrual = self.explore * best_seconds
+        # the credit starts full (a new tuner may try the kinds at once), and holds at most what
+        # max_probe_interval steps add
+        top = self._accrual * self.max_probe_interval
+        self._credit = top if self._credit is None else min(self._credit + self._accrual, top)
+        credit, accrual = self._credit, self._accrual
+        due: Dict[tuple, Tuple[Shape, float]] = {}
+        ready = clock + self.max_probe_interval  # the first step some kind could be probed at
+        for shape, value, seconds, upper in options:
+            if upper <= rate * seconds:
+                continue
+            key = (shape.drafters, shape.budget)
+            if key == best_key:
+                continue
+            # a kind's first try is free (a new tuner tries every kind that could win once)
+            tried = key in probe
+            loss = 0.0 if not tried else max(seconds - value / rate, 0.0) if rate > 0 else seconds
+            at = probe.get(key, (0, 1))[0]
+            if loss > credit:
+                at = max(at, clock + (int((loss - credit) / accrual) + 1 if accrual > 0 else self.max_probe_interval))
+            elif at <= clock:
+                old = due.get(key)
+                if old is None or (shape.depth, shape.budget) > (old[0].depth, old[0].budget):
+                    due[key] = (shape, loss)
+            ready = min(ready, at)
+        self._plain_until = ready if not best_shape.drafters else 0
         if not due:
-            return best
-        key = min(due, key=lambda k: self._probe.get(k, (0, 1))[0])
-        interval = min(self._probe.get(key, (0, 1))[1] * 2, self.max_probe_interval)
-        self._probe[key] = (self.clock + interval, interval)
-        return due[key]
+            return best_shape
+        key = min(due, key=lambda k: probe.get(k, (0, 1))[0])
+        shape, loss = due[key]
+        self._credit -= loss
+        interval = min(probe.get(key, (0, 1))[1] * 2, self.max_probe_interval)
+        probe[key] = (clock + interval, interval)
+        self._plain_until = 0
+        return shape
 
     # -- the decoder's calls ------------------------------------------------------------------------------
     def begin(self, batch: int, sampling: bool) -> None:
@@ -470,33 +524,43 @@ class Tuner:
             # no draft was best and nothing a draft's value depends on changed since, while what drafting
             # would cost only grew (its pending appends): no draft again, until a probe is due
             self.clock += 1
+            self._credit = min(self._credit + self._accrual, self._accrual * self.max_probe_interval)
             return NONE
         if self._plan_memo is None or self._plan_memo[0] != memo:
             # what only an observation of a draft changes (plain steps leave it as it is)
             base = []
             position = {g: i for i, g in enumerate(groups)}
-            for shape, members in self._shapes(groups, depth, budget, single):
-                cap = min(shape.budget - 1, max(caps(position[g], shape.depth) for g in members))
-                nodes = self._nodes.get((shape.key, shape.depth, shape.budget), shape.budget)
-                seconds = costs.forward(nodes, batch) + costs.rest(shape.key)
-                seconds += sum(costs.draft(g, shape.depth, batch) for g in members)
-                upper = sum(1.0 + self.acceptance.expected(shape.key, b, cap, optimistic=True) for b in active)
-                base.append((shape, self.value(shape, active, cap), seconds, upper,
-                             [(g, position[g]) for g in members]))
+            rows, acceptance = tuple(active), self.acceptance
+            # the parts shapes share, each computed once: a group's depth cap and expansion per depth
+            cap_of = {(g, d): caps(position[g], d) for g in groups for d in range(1, depth + 1)}
+            draft_of = {(g, d): costs.draft(g, d, batch) for g in groups for d in range(1, depth + 1)}
+            for shape, members, key, index in self._shapes(groups, depth, budget, single):
+                d = shape.depth
+                cap = min(shape.budget - 1, max(cap_of[g, d] for g in members))
+                nodes = self._nodes.get((key, d, shape.budget), shape.budget)
+                seconds = costs.forward(nodes, batch) + costs.rest(key) + sum(draft_of[g, d] for g in members)
+                base.append((shape, acceptance.total(key, rows, cap), seconds,
+                             acceptance.total(key, rows, cap, optimistic=True), index))
             self._plan_memo = (memo, base)
         options = [(NONE, self.value(NONE, active, 0), costs.forward(1, batch) + costs.rest(NONE.key), len(active))]
         update = [costs.update(g, pending[i], batch) for i, g in enumerate(groups)]
+        appends: Dict[tuple, float] = {}  # per set of drafting groups (their positions)
         for shape, value, seconds, upper, members in self._plan_memo[1]:
-            options.append((shape, value, seconds + sum(update[i] for _, i in members), upper))
+            extra = appends.get(members)
+            if extra is None:
+                extra = appends[members] = sum(update[i] for i in members)
+            options.append((shape, value, seconds + extra, upper))
         return self.choose(options)
 
     def _shapes(self, groups, depth, budget, single):
         memo = (groups, depth, budget, single)
         if self._shape_memo is None or self._shape_memo[0] != memo:
             out = []
+            position = {g: i for i, g in enumerate(groups)}
             for members in self.kinds(groups, single):
+                index = tuple(position[g] for g in members)
                 for shape in self.candidates([members], depth, budget):
-                    out.append((shape, members))
+                    out.append((shape, members, shape.key, index))
             self._shape_memo = (memo, out)
         return self._shape_memo[1]
 
