@@ -302,3 +302,29 @@ def test_cost_models_are_kept_per_drafter_set():
     assert first is again  # the same target and drafters: one cost model
     assert lookup is not first
     assert lookup.draft((0,), 3, 1) < first.draft((0,), 3, 1) / 5  # no forward to draft by lookup
+
+
+def test_batch_sizes_near_a_calibrated_one_are_scaled_not_calibrated():
+    """A batch size within a factor CostModel.reach of a calibrated one needs no calibration: it is
+    predicted linearly in the batch size between calibrated ones, else in proportion from the nearest."""
+    costs = CostModel()
+    costs.set_forward(8, [(1, 8.0), (16, 32.0)])
+    costs.set_draft((0,), 8, (1, 2.0), (3, 6.0))
+    assert not costs.needs_forward(4) and not costs.needs_forward(16) and costs.needs_forward(3)
+    assert not costs.needs_draft((0,), 5) and costs.needs_draft((0,), 2) and costs.needs_draft((1,), 8)
+    assert costs.forward(16, 4) == pytest.approx(16.0) and costs.draft((0,), 3, 4) == pytest.approx(3.0)
+    costs.set_forward(2, [(1, 4.0), (16, 10.0)])
+    assert costs.forward(1, 5) == pytest.approx(6.0)  # halfway between batches 2 and 8
+    assert costs.forward(16, 1) == pytest.approx(5.0)
+
+
+def test_no_calibration_at_a_batch_size_near_a_calibrated_one():
+    m = em.greedy_models()
+    dec = SpeculativeDecoder(m["target"], [m["eagle"]], strategy="single", depth=3, top_k=3,
+                             tuner=Tuner(CostModel()))
+    prompts = [m["seqs"][i, :6].tolist() for i in range(4)]
+    dec.generate(prompts, max_new_tokens=4)
+    dec.generate(prompts[:3], max_new_tokens=4)
+    assert set(dec.tuner.costs.forward_points) == {4}
+    dec.generate(prompts[:1], max_new_tokens=4)
+    assert set(dec.tuner.costs.forward_points) == {1, 4}

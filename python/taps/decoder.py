@@ -606,7 +606,8 @@ class SpeculativeDecoder:
 
     # -- the tuner's cost measurements -----------------------------------------------------------------
     def _calibrate(self, state: "DecodeState") -> None:
-        """Measure what the tuner's cost model lacks for this batch size: the target's tree forward with
+        """Measure what the tuner's cost model lacks for this batch size (nothing when a calibrated batch
+        size within a factor ``CostModel.reach`` stands for it): the target's tree forward with
         verification per node count (scratch trees written past every request's committed cache, with
         coins of a private generator: nothing is committed); the first batch size on the whole node grid,
         later ones (requests joining and leaving a running batch meet many) on four node counts, in a

@@ -89,6 +89,26 @@ def _interpolate(points: Sequence[Tuple[int, float]], x: float) -> float:
     return y1 + (y1 - y0) * (x - x1) / (x1 - x0)
 
 
+def _within(batches, batch: int, reach: float) -> bool:
+    """Whether some batch size of `batches` is within a factor `reach` of `batch`."""
+    return any(b <= batch * reach and batch <= b * reach for b in batches)
+
+
+def _across(batches, batch: int, at: Callable[[int], float]) -> float:
+    """``at(batch)`` when `batch` is among the calibrated `batches`; else linear in the batch size between
+    the calibrated ones around it, or in proportion to it from the nearest (0 without any)."""
+    batches = set(batches)
+    if batch in batches:
+        return at(batch)
+    below = max((b for b in batches if b < batch), default=None)
+    above = min((b for b in batches if b > batch), default=None)
+    if below is not None and above is not None:
+        low, high = at(below), at(above)
+        return low + (high - low) * (batch - below) / (above - below)
+    near = below if below is not None else above
+    return 0.0 if near is None else at(near) * batch / near
+
+
 def node_grid(max_nodes: int) -> List[int]:
     """Node counts the target forward is timed at: 1, 2, 3, 4, 6, 8, 12, 16, ... up to max_nodes."""
     grid, n = [1, 2, 3], 4
@@ -105,12 +125,19 @@ class CostModel:
     decoder calibrates what is missing when a generation starts (:meth:`needs`, :meth:`set_forward`,
     :meth:`set_draft`) and reports every step's measured parts (:meth:`observe`).
 
+    A batch size that was not calibrated is predicted from the calibrated ones (linear in the batch
+    size between the two around it, else in proportion to the batch size from the nearest) and corrected
+    online like any other; the decoder calibrates a new batch size only when no calibrated one is within
+    a factor ``reach`` of it (requests joining and leaving a running batch meet every size).
+
     Args:
         alpha: weight of the newest measurement in the online averages.
+        reach: how far (a factor) a calibrated batch size stands for others.
     """
 
-    def __init__(self, alpha: float = 0.1):
+    def __init__(self, alpha: float = 0.1, reach: float = 2.0):
         self.alpha = alpha
+        self.reach = reach
         self.forward_points: Dict[int, List[Tuple[int, float]]] = {}
         self.draft_points: Dict[Tuple[tuple, int], Tuple[int, float, int, float]] = {}
         self.update_fit: Dict[Tuple[tuple, int], List[float]] = {}
@@ -120,10 +147,13 @@ class CostModel:
 
     # -- calibration -------------------------------------------------------------------------------
     def needs_forward(self, batch: int) -> bool:
-        return batch not in self.forward_points
+        """Whether the target's forward lacks a calibrated batch size within a factor ``reach`` of
+        `batch` (one that is near enough stands for it, scaled: :meth:`forward`)."""
+        return not _within(self.forward_points, batch, self.reach)
 
     def needs_draft(self, group: tuple, batch: int) -> bool:
-        return (group, batch) not in self.draft_points
+        """The same for a drafter group's expansion."""
+        return not _within([b for g, b in self.draft_points if g == group], batch, self.reach)
 
     def set_forward(self, batch: int, points: Sequence[Tuple[int, float]]) -> None:
         """Measured (nodes, seconds) of the target's tree forward with verification at this batch (made
@@ -144,22 +174,17 @@ class CostModel:
     # -- predictions --------------------------------------------------------------------------------
     def forward(self, nodes: float, batch: int) -> float:
         """The target's tree forward and verification over `nodes` real nodes per request."""
-        points = self.forward_points.get(batch)
-        if points is None:  # scale the nearest calibrated batch
-            if not self.forward_points:
-                return 0.0
-            near = min(self.forward_points, key=lambda b: abs(b - batch))
-            points = [(n, t * batch / near) for n, t in self.forward_points[near]]
-        return _interpolate(points, nodes) * self.scale.get(("forward", batch, round(nodes)), 1.0)
+        seconds = _across(self.forward_points, batch, lambda b: _interpolate(self.forward_points[b], nodes))
+        return seconds * self.scale.get(("forward", batch, round(nodes)), 1.0)
 
     def draft(self, group: tuple, depth: int, batch: int) -> float:
         """Group's expansion of `depth` levels."""
-        pts = self.draft_points.get((group, batch))
-        if pts is None:
-            return 0.0
-        d0, t0, d1, t1 = pts
-        slope = (t1 - t0) / (d1 - d0) if d1 > d0 else 0.0
-        return max(t0 + slope * (depth - d0), 0.0) * self.scale.get(("draft", group, depth, batch), 1.0)
+        def at(b):
+            d0, t0, d1, t1 = self.draft_points[(group, b)]
+            slope = (t1 - t0) / (d1 - d0) if d1 > d0 else 0.0
+            return max(t0 + slope * (depth - d0), 0.0)
+        seconds = _across([b for g, b in self.draft_points if g == group], batch, at)
+        return seconds * self.scale.get(("draft", group, depth, batch), 1.0)
 
     def _fit_update(self, key: tuple, tokens: int, seconds: float) -> None:
         """Least squares of seconds = a + b * tokens over the measured appends, older ones forgotten
@@ -182,8 +207,8 @@ class CostModel:
         """Group's append of `tokens` tokens per request (0: nothing to append)."""
         if tokens <= 0:
             return 0.0
-        fit = self.update_fit.get((group, batch))
-        return 0.0 if fit is None else max(fit[0] + fit[1] * tokens, 0.0)
+        return max(_across([b for g, b in self.update_fit if g == group], batch,
+                           lambda b: self.update_fit[(group, b)][0] + self.update_fit[(group, b)][1] * tokens), 0.0)
 
     def rest(self, key: tuple) -> float:
         """The residual of a draft kind (tree building, compaction, the loop's own work)."""
