@@ -16,8 +16,8 @@ row keeps its fastest round, so slow drifts of a shared machine hit all rows ali
 
 Table 1b (``--batch N``): the prompts (the GSM8K ones first, then the MT-Bench ones) decoded as one ragged
 batch of N (``--prompts`` per benchmark defaults to N / 2 here), every row's tokens/s against taps
-autoregressive decoding of the same batch (HF ``generate`` is not run); rows in interleaved rounds, each
-row's median and fastest round; whether each row's output equals autoregressive decoding token for token
+autoregressive decoding of the same batch (HF ``generate`` is not run; a second autoregressive decoder, the
+control row, shows the measurement's noise); rows in interleaved rounds, each row's median and fastest round; whether each row's output equals autoregressive decoding token for token
 (at T=0); for the auto rows the draft shapes chosen most often.
 
 Table 2: where a taps step's time goes (``generate(profile=True)``), ms per step and phase.
@@ -230,7 +230,9 @@ def batch_table(args, device, dtype) -> None:
                 if v is not None}
     clock = time.process_time if args.clock == "process" else time.perf_counter
     lookup_kw = {} if args.lookup_depth is None else dict(depth=args.lookup_depth)
-    decoders = {"autoregressive": SpeculativeDecoder(target, [], strategy="autoregressive")}
+    # a second autoregressive decoder: its ratio to the first is the noise of the measurement
+    decoders = {"autoregressive": SpeculativeDecoder(target, [], strategy="autoregressive"),
+                "autoregressive (control)": SpeculativeDecoder(target, [], strategy="autoregressive")}
     for row in args.rows:
         strategy, names = ROW_SPECS[row]
         if not names:

@@ -494,14 +494,16 @@ class SpeculativeDecoder:
             return
         width = max([len(t) for t in record.tokens] + [1])
         new_tokens = ver.tokens[:, :width]
-        idx = path[:, :width].clamp_min(0)
+        idx = None
         features = {}
         for g in groups:
             spec = g.target_features
             if spec is not None and spec not in features:
                 feats = self.forward.features(fwd, spec)
-                features[spec] = feats if feats.shape[1] == 1 else \
-                    feats.gather(1, idx.unsqueeze(-1).expand(-1, -1, feats.shape[-1]))
+                if feats.shape[1] > 1:  # a tree's: the accepted path's rows
+                    idx = path[:, :width].clamp_min(0) if idx is None else idx
+                    feats = feats.gather(1, idx.unsqueeze(-1).expand(-1, -1, feats.shape[-1]))
+                features[spec] = feats
         counts = [len(t) for t in record.tokens]
         if state.pending is not None:
             state.pending.add(new_tokens, num_new, features, counts, record.tokens)
@@ -513,6 +515,7 @@ class SpeculativeDecoder:
                 forward_seconds: float, seconds: float) -> None:
         """Per-request statistics and emission, and the tuner's observation."""
         observed: List[Optional[int]] = [None] * state.batch
+        label = None if plan.shape is None else plan.shape.label
         for b, request in enumerate(state.requests):
             new = record.tokens[b]
             request.length += len(new)
@@ -521,8 +524,8 @@ class SpeculativeDecoder:
             observed[b] = record.accepted[b]
             stats = request.stats
             stats.record(record.accepted[b], self.depth, nodes=record.nodes[b])
-            if plan.shape is not None:
-                stats.draft_shapes.append(plan.shape.label)
+            if label is not None:
+                stats.draft_shapes.append(label)
             if record.by_drafter is not None:
                 for t, c in enumerate(record.by_drafter[b]):
                     stats.drafter_accepted[t] += c

@@ -97,7 +97,6 @@ def _within(batches, batch: int, reach: float) -> bool:
 def _across(batches, batch: int, at: Callable[[int], float]) -> float:
     """``at(batch)`` when `batch` is among the calibrated `batches`; else linear in the batch size between
     the calibrated ones around it, or in proportion to it from the nearest (0 without any)."""
-    batches = set(batches)
     if batch in batches:
         return at(batch)
     below = max((b for b in batches if b < batch), default=None)
@@ -174,7 +173,11 @@ class CostModel:
     # -- predictions --------------------------------------------------------------------------------
     def forward(self, nodes: float, batch: int) -> float:
         """The target's tree forward and verification over `nodes` real nodes per request."""
-        seconds = _across(self.forward_points, batch, lambda b: _interpolate(self.forward_points[b], nodes))
+        points = self.forward_points.get(batch)
+        if points is not None:
+            seconds = _interpolate(points, nodes)
+        else:
+            seconds = _across(self.forward_points, batch, lambda b: _interpolate(self.forward_points[b], nodes))
         return seconds * self.scale.get(("forward", batch, round(nodes)), 1.0)
 
     def draft(self, group: tuple, depth: int, batch: int) -> float:
@@ -183,7 +186,8 @@ class CostModel:
             d0, t0, d1, t1 = self.draft_points[(group, b)]
             slope = (t1 - t0) / (d1 - d0) if d1 > d0 else 0.0
             return max(t0 + slope * (depth - d0), 0.0)
-        seconds = _across([b for g, b in self.draft_points if g == group], batch, at)
+        seconds = at(batch) if (group, batch) in self.draft_points else \
+            _across([b for g, b in self.draft_points if g == group], batch, at)
         return seconds * self.scale.get(("draft", group, depth, batch), 1.0)
 
     def _fit_update(self, key: tuple, tokens: int, seconds: float) -> None:
@@ -207,6 +211,9 @@ class CostModel:
         """Group's append of `tokens` tokens per request (0: nothing to append)."""
         if tokens <= 0:
             return 0.0
+        fit = self.update_fit.get((group, batch))
+        if fit is not None:
+            return max(fit[0] + fit[1] * tokens, 0.0)
         return max(_across([b for g, b in self.update_fit if g == group], batch,
                            lambda b: self.update_fit[(group, b)][0] + self.update_fit[(group, b)][1] * tokens), 0.0)
 
