@@ -328,3 +328,29 @@ def test_no_calibration_at_a_batch_size_near_a_calibrated_one():
     assert set(dec.tuner.costs.forward_points) == {4}
     dec.generate(prompts[:1], max_new_tokens=4)
     assert set(dec.tuner.costs.forward_points) == {1, 4}
+
+
+def test_dropping_requests_joins_the_queued_steps_once():
+    """A drop re-indexes one joined entry per group, not every queued step, with the same tokens and
+    features for the requests kept."""
+    from types import SimpleNamespace
+
+    from taps.decoder import _Pending
+
+    groups = [SimpleNamespace(target_features="final"), SimpleNamespace(target_features=None)]
+    pending = _Pending(groups, {}, lambda g: None)
+    steps = [(torch.tensor([[5, 6], [7, -1], [8, 9]]), torch.tensor([2, 1, 2]), [2, 1, 2]),
+             (torch.tensor([[1], [2], [3]]), torch.tensor([1, 1, 1]), [1, 1, 1])]
+    for i, (tokens, num, host) in enumerate(steps):
+        feats = torch.arange(tokens.numel(), dtype=torch.float32).view(*tokens.shape, 1) + 10 * i
+        pending.add(tokens, num, {"final": feats}, host, [row[:n] for row, n in zip(tokens.tolist(), host)])
+    want = _join(pending.queue[id(groups[0])], "final")
+    keep = [2, 0]
+    pending.select_requests(keep, torch.tensor(keep))
+    for g in groups:
+        assert len(pending.queue[id(g)]) == 1
+    tokens, num, feats, host, tokens_host = _join(pending.queue[id(groups[0])], "final")
+    assert tokens_host == [want[4][b] for b in keep] and host == [want[3][b] for b in keep]
+    assert torch.equal(tokens, want[0][keep]) and torch.equal(feats, want[2][keep])
+    assert _join(pending.queue[id(groups[1])], None)[4] == tokens_host
+    assert pending.count(groups[0]) == max(host)

@@ -814,6 +814,7 @@ class _Pending:
                  timer: Callable[[], float] = time.perf_counter):
         self.queue: Dict[int, list] = {id(g): [] for g in groups}
         self.tokens: Dict[int, int] = {id(g): 0 for g in groups}
+        self.spec: Dict[int, object] = {id(g): g.target_features for g in groups}
         self.starts, self.on_start, self.timer = starts, on_start, timer
 
     def add(self, tokens: Tensor, num_new: Tensor, features: Dict, num_host: List[int], tokens_host) -> None:
@@ -833,9 +834,9 @@ class _Pending:
     def replace(self, old: Sequence[DraftGroup], new: Sequence[Optional[DraftGroup]]) -> None:
         """Groups replaced by their subsets (None: dropped)."""
         for a, b in zip(old, new):
-            queue, count = self.queue.pop(id(a)), self.tokens.pop(id(a))
+            queue, count, spec = self.queue.pop(id(a)), self.tokens.pop(id(a)), self.spec.pop(id(a))
             if b is not None:
-                self.queue[id(b)], self.tokens[id(b)] = queue, count
+                self.queue[id(b)], self.tokens[id(b)], self.spec[id(b)] = queue, count, spec
 
     def started(self, group: DraftGroup) -> bool:
         return id(group) not in self.starts
@@ -852,7 +853,13 @@ class _Pending:
                                      {k: f.index_select(0, index) for k, f in features.items()},
                                      [num_host[b] for b in keep], [tokens_host[b] for b in keep])
             return picked[id(entry)]
+        joined = []
         for key, entries in self.queue.items():
+            if len(entries) > 1:  # one entry to re-index, not one per step missed (a drop per finished request)
+                spec = self.spec[key]
+                tokens, num_new, features, num_host, tokens_host = _join(entries, spec)
+                entries = [(tokens, num_new, {} if spec is None else {spec: features}, num_host, tokens_host)]
+                joined.append(entries[0])  # alive until the loop ends: pick() knows entries by id
             self.queue[key] = [pick(e) for e in entries]
             self.tokens[key] = sum(max(e[3], default=0) for e in self.queue[key])
         for key, (ids, lens, root, hidden, cap, host) in self.starts.items():
