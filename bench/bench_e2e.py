@@ -14,6 +14,12 @@ at T=0 whether the output equals HF's greedy output token for token; for the aut
 chosen most often. Rows are timed in rounds (every row once per round, ``--repeats`` rounds) and each
 row keeps its fastest round, so slow drifts of a shared machine hit all rows alike.
 
+Table 1b (``--batch N``): the prompts (the GSM8K ones first, then the MT-Bench ones) decoded as one ragged
+batch of N (``--prompts`` per benchmark defaults to N / 2 here), every row's tokens/s against taps
+autoregressive decoding of the same batch (HF ``generate`` is not run; a second autoregressive decoder, the
+control row, shows the measurement's noise); rows in interleaved rounds, each row's median and fastest round; whether each row's output equals autoregressive decoding token for token
+(at T=0); for the auto rows the draft shapes chosen most often.
+
 Table 2: where a taps step's time goes (``generate(profile=True)``), ms per step and phase.
 
 Table 3 (``--overhead``): pure host overhead with models whose compute is negligible (hidden 64, vocab 512,
@@ -103,7 +109,7 @@ def shipped_tables(args, device, dtype) -> None:
     drafters = {d: models.load_drafter(args.family, d, target, draft_vocab=args.draft_vocab) for d in ("math", "chat")}
     prompts = []
     for bench in ("gsm8k", "mt_bench"):
-        for ex in load_eval_prompts(bench)[:args.prompts]:
+        for ex in load_eval_prompts(bench)[:args.prompts or 3]:
             prompts.append(tok.encode_chat(ex.messages, add_generation_prompt=True))
     settings = {k: v for k, v in dict(depth=args.depth, top_k=args.top_k, budget=args.budget).items()
                 if v is not None}
@@ -203,6 +209,86 @@ def shipped_tables(args, device, dtype) -> None:
                           "forwards, expand = the expansion around them, glue = the rest of the loop)")
 
 
+def batch_table(args, device, dtype) -> None:
+    """Table 1b: one ragged batch of every prompt, every row against taps autoregressive (see the module
+    docstring)."""
+    import statistics
+
+    from taps import PromptLookupDrafter, SpeculativeDecoder, Tuner, models
+    from taps.data import load_eval_prompts
+
+    target, tok = models.load_target(dtype=dtype)
+    target.to(device)
+    drafters = {d: models.load_drafter(args.family, d, target, draft_vocab=args.draft_vocab) for d in ("math", "chat")}
+    per = args.prompts or (args.batch + 1) // 2
+    prompts = []
+    for bench in ("gsm8k", "mt_bench"):
+        for ex in load_eval_prompts(bench)[:per]:
+            prompts.append(tok.encode_chat(ex.messages, add_generation_prompt=True))
+    prompts = prompts[:args.batch]
+    settings = {k: v for k, v in dict(depth=args.depth, top_k=args.top_k, budget=args.budget).items()
+                if v is not None}
+    clock = time.process_time if args.clock == "process" else time.perf_counter
+    lookup_kw = {} if args.lookup_depth is None else dict(depth=args.lookup_depth)
+    # a second autoregressive decoder: its ratio to the first is the noise of the measurement
+    decoders = {"autoregressive": SpeculativeDecoder(target, [], strategy="autoregressive"),
+                "autoregressive (control)": SpeculativeDecoder(target, [], strategy="autoregressive")}
+    for row in args.rows:
+        strategy, names = ROW_SPECS[row]
+        if not names:
+            continue
+        for auto in (False, True) if args.auto else (False,):
+            if not auto and args.batch_auto_only:
+                continue
+            kw = dict(settings, tuner=Tuner(timer=clock)) if auto else settings
+            dec = SpeculativeDecoder(target, [PromptLookupDrafter(**lookup_kw) if n == "lookup" else drafters[n]
+                                              for n in names], strategy=strategy, **kw)
+            decoders[f"{row} auto" if auto else row] = dec
+    print(f"device {device}, {torch.get_num_threads()} thread(s), {str(dtype).replace('torch.', '')}; "
+          f"shipped target + {args.family} drafters; one ragged batch of {len(prompts)} prompts (prompt lengths "
+          f"{[len(p) for p in prompts]}), {args.new_tokens} new tokens; draft vocabulary {args.draft_vocab or 'full'}")
+    for temperature in args.temperatures:
+        def run(dec, profile=False):
+            return dec.generate(prompts, max_new_tokens=args.new_tokens, temperature=temperature,
+                                eos_token_id=tok.eos_id, seed=args.seed, profile=profile)
+        for dec in decoders.values():  # warm-up (a tuner calibrates here)
+            run(dec)
+        times = {n: [] for n in decoders}
+        outputs = {}
+        for _ in range(args.repeats):
+            for name, dec in decoders.items():
+                _sync()
+                t0 = clock()
+                out = run(dec)
+                _sync()
+                times[name].append(clock() - t0)
+                outputs[name] = out
+        ref = outputs["autoregressive"].tokens
+        tokens = {n: sum(len(t) for t in o.tokens) for n, o in outputs.items()}
+        base_med = tokens["autoregressive"] / statistics.median(times["autoregressive"])
+        base_best = tokens["autoregressive"] / min(times["autoregressive"])
+        rows = []
+        for name, out in outputs.items():
+            med = tokens[name] / statistics.median(times[name])
+            best = tokens[name] / min(times[name])
+            # the ratio of each round to the autoregressive run of the same round, median over rounds
+            paired = statistics.median(times["autoregressive"][r] / times[name][r] * tokens[name] / tokens["autoregressive"]
+                                       for r in range(args.repeats))
+            hist: Dict[str, int] = dict(out.summary.get("shape_histogram", {}))
+            total = sum(hist.values())
+            shapes = "-" if not total else ", ".join(f"{k} {v / total:.0%}" for k, v in
+                                                      sorted(hist.items(), key=lambda kv: -kv[1])[:3])
+            same = "-"
+            if temperature == 0:
+                same = "yes" if out.tokens == ref else f"NO ({sum(a != b for a, b in zip(out.tokens, ref))} differ)"
+            rows.append([name, f"{med:.0f}", f"{med / base_med:.3f}x", f"{best / base_best:.3f}x", f"{paired:.3f}x",
+                         f"{out.summary.get('tau', 0):.2f}", out.steps, same, shapes])
+        print_table(["row", "tokens/s (median)", "vs AR (medians)", "vs AR (fastest)", "vs AR (paired rounds)",
+                     "tau", "steps", "= AR", "auto: top shapes"], rows,
+                    title=f"Ragged batch of {len(prompts)}, T={temperature:g} ({args.repeats} interleaved rounds; "
+                          f"{args.clock} time)")
+
+
 def overhead_table(args, device) -> None:
     import transformers
 
@@ -271,7 +357,8 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--family", default="hass")
     ap.add_argument("--rows", nargs="+", default=list(ROWS), choices=ROWS)
-    ap.add_argument("--prompts", type=int, default=3, help="prompts per benchmark (GSM8K, MT-Bench)")
+    ap.add_argument("--prompts", type=int, default=None,
+                    help="prompts per benchmark (GSM8K, MT-Bench); default 3, with --batch N: N / 2")
     ap.add_argument("--new-tokens", type=int, default=96)
     ap.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 1.0])
     ap.add_argument("--repeats", type=int, default=2)
@@ -289,6 +376,10 @@ def main() -> None:
     ap.add_argument("--budget", type=int, default=None)
     ap.add_argument("--no-auto", dest="auto", action="store_false",
                     help="no auto rows (budget='auto': a tuner choosing each step's draft)")
+    ap.add_argument("--batch", type=int, default=0,
+                    help="N > 0: the ragged-batch table instead (GSM8K then MT-Bench prompts as one batch of N, "
+                         "every row against taps autoregressive)")
+    ap.add_argument("--batch-auto-only", action="store_true", help="batch table: the auto rows only")
     ap.add_argument("--profile", action="store_true", help="also the per-phase table")
     ap.add_argument("--overhead", action="store_true", help="also the pure-overhead table")
     ap.add_argument("--overhead-only", action="store_true")
@@ -300,7 +391,9 @@ def main() -> None:
     from taps.models import resolve_dtype
 
     dtype = resolve_dtype(args.dtype, device)
-    if not args.overhead_only:
+    if args.batch > 0:
+        batch_table(args, device, dtype)
+    elif not args.overhead_only:
         shipped_tables(args, device, dtype)
     if args.overhead or args.overhead_only:
         overhead_table(args, device)

@@ -55,6 +55,15 @@ def test_bench_e2e_shipped_models_and_overhead():
     assert any(r.strip().startswith("taps merged") for r in overhead)
 
 
+def test_bench_e2e_ragged_batch():
+    out = run_bench("bench_e2e.py", "--batch", "4", "--rows", "merged-budget", "lookup", "--new-tokens", "8",
+                    "--repeats", "1", "--temperatures", "0", "--dtype", "fp32", "--clock", "process")
+    rows = table_rows(out, "Ragged batch of 4, T=0")
+    # autoregressive, its control, and each row fixed and auto; every output equal to autoregressive decoding
+    assert len(rows) == 6 and all(" yes " in r for r in rows), rows
+    assert sum(" auto " in r for r in rows) == 2
+
+
 @pytest.mark.parametrize("vocab", [[], ["--draft-vocab", "100"]], ids=["full-vocab", "draft-vocab"])
 def test_bench_e2e_synthetic_tiny_shape(vocab):
     """Every row equals HF greedy; the oracle head is accepted when uncorrupted, never when fully corrupted,

@@ -214,8 +214,8 @@ def test_acceptance_model():
 
 
 def test_probes_back_off():
-    """A kind that is never the best is tried again at doubling intervals."""
-    tuner = Tuner(_cheap())
+    """A kind that is never the best is tried again at doubling intervals (with credit for every probe)."""
+    tuner = Tuner(_cheap(), explore=1.0)
     bad = Shape((0,), 3, 8)
     probes = [i for i in range(200) if tuner.choose([(NONE, 1.0, 1.0, 1.0), (bad, 0.1, 1.0, 4.0)]).drafters]
     # a kind that could not win even with every draft accepted is never tried
@@ -223,6 +223,48 @@ def test_probes_back_off():
     assert not any(hopeless.choose([(NONE, 1.0, 1.0, 1.0), (bad, 0.1, 5.0, 4.0)]).drafters for _ in range(50))
     gaps = [b - a for a, b in zip(probes, probes[1:])]
     assert probes[0] == 0 and gaps == sorted(gaps) and gaps[-1] >= 64 and len(probes) <= 9
+
+
+def test_probes_lose_at_most_their_share():
+    """Probes spend an exploration credit (at first what max_probe_interval steps add) that grows by
+    `explore` times the best shape's predicted seconds per step: a probe predicted to lose 0.9 s against
+    1 s steps runs about every 0.9 / explore steps, however soon its back-off would allow it, and one
+    predicted to lose nothing runs whenever due. A kind's first try is free."""
+    bad = Shape((0,), 3, 8)
+    for explore in (0.0, 0.05, 0.2):
+        tuner = Tuner(_cheap(), explore=explore)
+        probes = [i for i in range(400) if tuner.choose([(NONE, 1.0, 1.0, 1.0), (bad, 0.1, 1.0, 4.0)]).drafters]
+        assert probes[0] == 0
+        assert (len(probes) - 1) * 0.9 <= explore * (400 + tuner.max_probe_interval) + 1e-9, (explore, probes)
+        assert explore == 0.0 or len(probes) > 1, explore
+    free = Tuner(_cheap(), explore=0.0)
+    even = Shape((0,), 3, 8)  # as many tokens per second as a plain step, within the margin
+    assert free.choose([(NONE, 1.0, 1.0, 1.0), (even, 1.02, 1.0, 4.0)]) == even
+
+
+def test_no_plan_while_no_probe_is_affordable():
+    """While no draft is best and no probe is both due and covered by the credit, plan() answers no
+    draft without evaluating the candidates again (the steps' credit still adds up); drafters that
+    never get a token accepted are probed a few times, the cheap shapes first."""
+    class Counting(Tuner):
+        def __init__(self, **kw):
+            super().__init__(FixedCosts(lambda n, b: 1e-3 + 1e-4 * n, lambda g, d, b: 5e-4 * d), **kw)
+            self.chosen = 0
+
+        def choose(self, options):
+            self.chosen += 1
+            return super().choose(options)
+
+    tuner = Counting(explore=0.02)
+    tuner.begin(8, False)
+    probes = []
+    for i in range(300):
+        shape = tuner.plan([(0,), (1,)], lambda g, d: d, [0, 0], list(range(8)), 8, 3, 16)
+        if shape.drafters:
+            probes.append(shape)
+        tuner.observe(shape, [0] * 8, shape.depth, shape.budget, 8, 1e-3, {}, [])
+    kinds = 3 * 4  # drafter sets and budgets, each tried once for free (those that could win)
+    assert 2 <= len(probes) <= kinds + 12 and tuner.chosen <= 3 * len(probes) + 6, (probes, tuner.chosen)
 
 
 def test_join_pending_steps():
@@ -348,3 +390,55 @@ def test_a_useless_drafter_is_probed_at_few_budgets():
     alone = _probes_of_a_useless_drafter(())
     several = _probes_of_a_useless_drafter((2, 4, 8))
     assert alone <= 12 and several <= alone + 4, (alone, several)
+
+
+def test_batch_sizes_near_a_calibrated_one_are_scaled_not_calibrated():
+    """A batch size within a factor CostModel.reach of a calibrated one needs no calibration: it is
+    predicted linearly in the batch size between calibrated ones, else in proportion from the nearest."""
+    costs = CostModel()
+    costs.set_forward(8, [(1, 8.0), (16, 32.0)])
+    costs.set_draft((0,), 8, (1, 2.0), (3, 6.0))
+    assert not costs.needs_forward(4) and not costs.needs_forward(16) and costs.needs_forward(3)
+    assert not costs.needs_draft((0,), 5) and costs.needs_draft((0,), 2) and costs.needs_draft((1,), 8)
+    assert costs.forward(16, 4) == pytest.approx(16.0) and costs.draft((0,), 3, 4) == pytest.approx(3.0)
+    costs.set_forward(2, [(1, 4.0), (16, 10.0)])
+    assert costs.forward(1, 5) == pytest.approx(6.0)  # halfway between batches 2 and 8
+    assert costs.forward(16, 1) == pytest.approx(5.0)
+
+
+def test_no_calibration_at_a_batch_size_near_a_calibrated_one():
+    m = em.greedy_models()
+    dec = SpeculativeDecoder(m["target"], [m["eagle"]], strategy="single", depth=3, top_k=3,
+                             tuner=Tuner(CostModel()))
+    prompts = [m["seqs"][i, :6].tolist() for i in range(4)]
+    dec.generate(prompts, max_new_tokens=4)
+    dec.generate(prompts[:3], max_new_tokens=4)
+    assert set(dec.tuner.costs.forward_points) == {4}
+    dec.generate(prompts[:1], max_new_tokens=4)
+    assert set(dec.tuner.costs.forward_points) == {1, 4}
+
+
+def test_dropping_requests_joins_the_queued_steps_once():
+    """A drop re-indexes one joined entry per group, not every queued step, with the same tokens and
+    features for the requests kept."""
+    from types import SimpleNamespace
+
+    from taps.decoder import _Pending
+
+    groups = [SimpleNamespace(target_features="final"), SimpleNamespace(target_features=None)]
+    pending = _Pending(groups, {}, lambda g: None)
+    steps = [(torch.tensor([[5, 6], [7, -1], [8, 9]]), torch.tensor([2, 1, 2]), [2, 1, 2]),
+             (torch.tensor([[1], [2], [3]]), torch.tensor([1, 1, 1]), [1, 1, 1])]
+    for i, (tokens, num, host) in enumerate(steps):
+        feats = torch.arange(tokens.numel(), dtype=torch.float32).view(*tokens.shape, 1) + 10 * i
+        pending.add(tokens, num, {"final": feats}, host, [row[:n] for row, n in zip(tokens.tolist(), host)])
+    want = _join(pending.queue[id(groups[0])], "final")
+    keep = [2, 0]
+    pending.select_requests(keep, torch.tensor(keep))
+    for g in groups:
+        assert len(pending.queue[id(g)]) == 1
+    tokens, num, feats, host, tokens_host = _join(pending.queue[id(groups[0])], "final")
+    assert tokens_host == [want[4][b] for b in keep] and host == [want[3][b] for b in keep]
+    assert torch.equal(tokens, want[0][keep]) and torch.equal(feats, want[2][keep])
+    assert _join(pending.queue[id(groups[1])], None)[4] == tokens_host
+    assert pending.count(groups[0]) == max(host)

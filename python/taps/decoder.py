@@ -494,14 +494,16 @@ class SpeculativeDecoder:
             return
         width = max([len(t) for t in record.tokens] + [1])
         new_tokens = ver.tokens[:, :width]
-        idx = path[:, :width].clamp_min(0)
+        idx = None
         features = {}
         for g in groups:
             spec = g.target_features
             if spec is not None and spec not in features:
                 feats = self.forward.features(fwd, spec)
-                features[spec] = feats if feats.shape[1] == 1 else \
-                    feats.gather(1, idx.unsqueeze(-1).expand(-1, -1, feats.shape[-1]))
+                if feats.shape[1] > 1:  # a tree's: the accepted path's rows
+                    idx = path[:, :width].clamp_min(0) if idx is None else idx
+                    feats = feats.gather(1, idx.unsqueeze(-1).expand(-1, -1, feats.shape[-1]))
+                features[spec] = feats
         counts = [len(t) for t in record.tokens]
         if state.pending is not None:
             state.pending.add(new_tokens, num_new, features, counts, record.tokens)
@@ -513,6 +515,7 @@ class SpeculativeDecoder:
                 forward_seconds: float, seconds: float) -> None:
         """Per-request statistics and emission, and the tuner's observation."""
         observed: List[Optional[int]] = [None] * state.batch
+        label = None if plan.shape is None else plan.shape.label
         for b, request in enumerate(state.requests):
             new = record.tokens[b]
             request.length += len(new)
@@ -521,8 +524,8 @@ class SpeculativeDecoder:
             observed[b] = record.accepted[b]
             stats = request.stats
             stats.record(record.accepted[b], self.depth, nodes=record.nodes[b])
-            if plan.shape is not None:
-                stats.draft_shapes.append(plan.shape.label)
+            if label is not None:
+                stats.draft_shapes.append(label)
             if record.by_drafter is not None:
                 for t, c in enumerate(record.by_drafter[b]):
                     stats.drafter_accepted[t] += c
@@ -606,7 +609,8 @@ class SpeculativeDecoder:
 
     # -- the tuner's cost measurements -----------------------------------------------------------------
     def _calibrate(self, state: "DecodeState") -> None:
-        """Measure what the tuner's cost model lacks for this batch size: the target's tree forward with
+        """Measure what the tuner's cost model lacks for this batch size (nothing when a calibrated batch
+        size within a factor ``CostModel.reach`` stands for it): the target's tree forward with
         verification per node count (scratch trees written past every request's committed cache, with
         coins of a private generator: nothing is committed); the first batch size on the whole node grid,
         later ones (requests joining and leaving a running batch meet many) on four node counts, in a
@@ -815,6 +819,7 @@ class _Pending:
                  timer: Callable[[], float] = time.perf_counter):
         self.queue: Dict[int, list] = {id(g): [] for g in groups}
         self.tokens: Dict[int, int] = {id(g): 0 for g in groups}
+        self.spec: Dict[int, object] = {id(g): g.target_features for g in groups}
         self.starts, self.on_start, self.timer = starts, on_start, timer
 
     def add(self, tokens: Tensor, num_new: Tensor, features: Dict, num_host: List[int], tokens_host) -> None:
@@ -834,9 +839,9 @@ class _Pending:
     def replace(self, old: Sequence[DraftGroup], new: Sequence[Optional[DraftGroup]]) -> None:
         """Groups replaced by their subsets (None: dropped)."""
         for a, b in zip(old, new):
-            queue, count = self.queue.pop(id(a)), self.tokens.pop(id(a))
+            queue, count, spec = self.queue.pop(id(a)), self.tokens.pop(id(a)), self.spec.pop(id(a))
             if b is not None:
-                self.queue[id(b)], self.tokens[id(b)] = queue, count
+                self.queue[id(b)], self.tokens[id(b)], self.spec[id(b)] = queue, count, spec
 
     def started(self, group: DraftGroup) -> bool:
         return id(group) not in self.starts
@@ -853,7 +858,13 @@ class _Pending:
                                      {k: f.index_select(0, index) for k, f in features.items()},
                                      [num_host[b] for b in keep], [tokens_host[b] for b in keep])
             return picked[id(entry)]
+        joined = []
         for key, entries in self.queue.items():
+            if len(entries) > 1:  # one entry to re-index, not one per step missed (a drop per finished request)
+                spec = self.spec[key]
+                tokens, num_new, features, num_host, tokens_host = _join(entries, spec)
+                entries = [(tokens, num_new, {} if spec is None else {spec: features}, num_host, tokens_host)]
+                joined.append(entries[0])  # alive until the loop ends: pick() knows entries by id
             self.queue[key] = [pick(e) for e in entries]
             self.tokens[key] = sum(max(e[3], default=0) for e in self.queue[key])
         for key, (ids, lens, root, hidden, cap, host) in self.starts.items():

@@ -23,10 +23,12 @@ much each part costs depends on the machine (ISA, dtype, threads, batch, a GPU o
   time; the largest wins. Candidates: no draft (a plain one-token step), and for every allowed set of
   drafter groups, every depth 1 .. the decoder's and every node budget of ``budgets`` below the
   decoder's, and its own. Each kind not chosen is probed now and then at its full depth (every depth
-  observed at once), with exponential back-off, and only while it could win with its rates at an upper
+  observed at once), with exponential back-off, only while it could win with its rates at an upper
   confidence bound (each raised by 1 / sqrt(1 + trials); a kind's chance to reach each depth at most that
-  of an observed wider kind of the same drafters, whose tree holds its best nodes), so useless drafters
-  cost a vanishing share of the steps.
+  of an observed wider kind of the same drafters, whose tree holds its best nodes), and only as far as an
+  exploration credit covers its predicted loss (the credit grows by a share ``explore`` of each step's
+  predicted time), so probes lose about that share at most, however many kinds there are and whatever a
+  tree costs at the batch size, and useless drafters cost a vanishing share of the steps.
 
 Verification is unchanged whatever is chosen, so the output distribution is the target's own. Drafter
 groups that do not draft in a step are not updated either: the tokens they missed are appended in one
@@ -88,6 +90,25 @@ def _interpolate(points: Sequence[Tuple[int, float]], x: float) -> float:
     return y1 + (y1 - y0) * (x - x1) / (x1 - x0)
 
 
+def _within(batches, batch: int, reach: float) -> bool:
+    """Whether some batch size of `batches` is within a factor `reach` of `batch`."""
+    return any(b <= batch * reach and batch <= b * reach for b in batches)
+
+
+def _across(batches, batch: int, at: Callable[[int], float]) -> float:
+    """``at(batch)`` when `batch` is among the calibrated `batches`; else linear in the batch size between
+    the calibrated ones around it, or in proportion to it from the nearest (0 without any)."""
+    if batch in batches:
+        return at(batch)
+    below = max((b for b in batches if b < batch), default=None)
+    above = min((b for b in batches if b > batch), default=None)
+    if below is not None and above is not None:
+        low, high = at(below), at(above)
+        return low + (high - low) * (batch - below) / (above - below)
+    near = below if below is not None else above
+    return 0.0 if near is None else at(near) * batch / near
+
+
 def node_grid(max_nodes: int) -> List[int]:
     """Node counts the target forward is timed at: 1, 2, 3, 4, 6, 8, 12, 16, ... up to max_nodes."""
     grid, n = [1, 2, 3], 4
@@ -104,12 +125,19 @@ class CostModel:
     decoder calibrates what is missing when a generation starts (:meth:`needs`, :meth:`set_forward`,
     :meth:`set_draft`) and reports every step's measured parts (:meth:`observe`).
 
+    A batch size that was not calibrated is predicted from the calibrated ones (linear in the batch
+    size between the two around it, else in proportion to the batch size from the nearest) and corrected
+    online like any other; the decoder calibrates a new batch size only when no calibrated one is within
+    a factor ``reach`` of it (requests joining and leaving a running batch meet every size).
+
     Args:
         alpha: weight of the newest measurement in the online averages.
+        reach: how far (a factor) a calibrated batch size stands for others.
     """
 
-    def __init__(self, alpha: float = 0.1):
+    def __init__(self, alpha: float = 0.1, reach: float = 2.0):
         self.alpha = alpha
+        self.reach = reach
         self.forward_points: Dict[int, List[Tuple[int, float]]] = {}
         self.draft_points: Dict[Tuple[tuple, int], Tuple[int, float, int, float]] = {}
         self.update_fit: Dict[Tuple[tuple, int], List[float]] = {}
@@ -119,10 +147,13 @@ class CostModel:
 
     # -- calibration -------------------------------------------------------------------------------
     def needs_forward(self, batch: int) -> bool:
-        return batch not in self.forward_points
+        """Whether the target's forward lacks a calibrated batch size within a factor ``reach`` of
+        `batch` (one that is near enough stands for it, scaled: :meth:`forward`)."""
+        return not _within(self.forward_points, batch, self.reach)
 
     def needs_draft(self, group: tuple, batch: int) -> bool:
-        return (group, batch) not in self.draft_points
+        """The same for a drafter group's expansion."""
+        return not _within([b for g, b in self.draft_points if g == group], batch, self.reach)
 
     def set_forward(self, batch: int, points: Sequence[Tuple[int, float]]) -> None:
         """Measured (nodes, seconds) of the target's tree forward with verification at this batch (made
@@ -144,21 +175,21 @@ class CostModel:
     def forward(self, nodes: float, batch: int) -> float:
         """The target's tree forward and verification over `nodes` real nodes per request."""
         points = self.forward_points.get(batch)
-        if points is None:  # scale the nearest calibrated batch
-            if not self.forward_points:
-                return 0.0
-            near = min(self.forward_points, key=lambda b: abs(b - batch))
-            points = [(n, t * batch / near) for n, t in self.forward_points[near]]
-        return _interpolate(points, nodes) * self.scale.get(("forward", batch, round(nodes)), 1.0)
+        if points is not None:
+            seconds = _interpolate(points, nodes)
+        else:
+            seconds = _across(self.forward_points, batch, lambda b: _interpolate(self.forward_points[b], nodes))
+        return seconds * self.scale.get(("forward", batch, round(nodes)), 1.0)
 
     def draft(self, group: tuple, depth: int, batch: int) -> float:
         """Group's expansion of `depth` levels."""
-        pts = self.draft_points.get((group, batch))
-        if pts is None:
-            return 0.0
-        d0, t0, d1, t1 = pts
-        slope = (t1 - t0) / (d1 - d0) if d1 > d0 else 0.0
-        return max(t0 + slope * (depth - d0), 0.0) * self.scale.get(("draft", group, depth, batch), 1.0)
+        def at(b):
+            d0, t0, d1, t1 = self.draft_points[(group, b)]
+            slope = (t1 - t0) / (d1 - d0) if d1 > d0 else 0.0
+            return max(t0 + slope * (depth - d0), 0.0)
+        seconds = at(batch) if (group, batch) in self.draft_points else \
+            _across([b for g, b in self.draft_points if g == group], batch, at)
+        return seconds * self.scale.get(("draft", group, depth, batch), 1.0)
 
     def _fit_update(self, key: tuple, tokens: int, seconds: float) -> None:
         """Least squares of seconds = a + b * tokens over the measured appends, older ones forgotten
@@ -182,7 +213,10 @@ class CostModel:
         if tokens <= 0:
             return 0.0
         fit = self.update_fit.get((group, batch))
-        return 0.0 if fit is None else max(fit[0] + fit[1] * tokens, 0.0)
+        if fit is not None:
+            return max(fit[0] + fit[1] * tokens, 0.0)
+        return max(_across([b for g, b in self.update_fit if g == group], batch,
+                           lambda b: self.update_fit[(group, b)][0] + self.update_fit[(group, b)][1] * tokens), 0.0)
 
     def rest(self, key: tuple) -> float:
         """The residual of a draft kind (tree building, compaction, the loop's own work)."""
@@ -284,7 +318,7 @@ class AcceptanceModel:
         self.pooled_weight, self.decay = pooled_weight, decay
         self.pooled: Dict[tuple, _Counts] = {}
         self.requests: List[Dict[tuple, _Counts]] = []
-        self._memo: Dict[tuple, float] = {}
+        self._memo: Dict[tuple, dict] = {}  # per kind: what an observation of it changes
 
     def reset(self, batch: int) -> None:
         """Start a batch of requests (the pooled counts stay)."""
@@ -324,29 +358,43 @@ class AcceptanceModel:
         Each P(accepted >= d) is at most that of any observed kind of the same drafters with a larger node
         budget (whose tree holds this one's best nodes: what it did not accept, this one would not have
         either), so that the widest tree's steps speak for the narrower kinds too."""
-        memo = (key, b, cap, optimistic)
-        value = self._memo.get(memo)
-        if value is None:
-            reach = self._reach(key, b, cap, optimistic)
-            drafters, budget = key
-            for other in self.pooled if budget is not None else ():
-                if other[0] == drafters and other[1] is not None and other[1] > budget:
-                    reach = [min(p, q) for p, q in zip(reach, self._reach(other, b, cap, optimistic))]
-            value = sum(reach)
-            self._memo[memo] = value
-        return value
+        if cap <= 0:
+            return 0.0
+        reach = self._reach(key, b, cap, optimistic)[:cap]
+        drafters, budget = key
+        for other in self.pooled if budget is not None else ():
+            if other[0] == drafters and other[1] is not None and other[1] > budget:
+                reach = [min(p, q) for p, q in zip(reach, self._reach(other, b, cap, optimistic))]
+        return sum(reach)
 
     def _reach(self, key: tuple, b: int, cap: int, optimistic: bool) -> List[float]:
-        """P(accepted >= d) of request b for d = 1 .. cap from kind `key`'s own rates (at their upper
-        confidence bound when ``optimistic``)."""
-        out, p = [], 1.0
-        for d in range(1, cap + 1):
-            rate = self.rate(key, b, d)
-            if optimistic:
-                rate = min(1.0, rate + (1.0 + self.trials(key, b, d)) ** -0.5)
-            p *= rate
-            out.append(p)
-        return out
+        """P(accepted >= d) of request b for d = 1 .. cap (or more) from kind `key`'s own rates (at their
+        upper confidence bound when ``optimistic``): one list for every cap, shared by the requests with
+        no counts of their own for the kind (their rates are the pooled ones)."""
+        own = b < len(self.requests) and key in self.requests[b]
+        memo = ("reach", b if own else -1, optimistic)
+        kind = self._memo.setdefault(key, {})
+        reach = kind.get(memo)
+        if reach is None or len(reach) < cap:
+            reach, p = [], 1.0
+            for d in range(1, cap + 1):
+                rate = self.rate(key, b, d)
+                if optimistic:
+                    rate = min(1.0, rate + (1.0 + self.trials(key, b, d)) ** -0.5)
+                p *= rate
+                reach.append(p)
+            kind[memo] = reach
+        return reach
+
+    def total(self, key: tuple, rows: Tuple[int, ...], cap: int, optimistic: bool = False) -> float:
+        """E[accepted + 1] summed over the requests `rows` (kept until an observation of a kind of the same
+        drafters)."""
+        memo = (rows, cap, optimistic)
+        kind = self._memo.setdefault(key, {})
+        value = kind.get(memo)
+        if value is None:
+            value = kind[memo] = sum(1.0 + self.expected(key, b, cap, optimistic) for b in rows)
+        return value
 
     def observe(self, key: tuple, accepted: Sequence[Optional[int]], cap: int) -> None:
         """One step of kind `key` with nominal depth `cap`: accepted[b] draft tokens (None: request b
@@ -358,8 +406,9 @@ class AcceptanceModel:
                 continue
             pooled.add(a, cap)
             self.requests[b].setdefault(key, _Counts()).add(a, cap)
-        # the values of narrower kinds of these drafters are bounded by this kind's
-        self._memo = {m: v for m, v in self._memo.items() if m[0][0] != key[0]}
+        # the values of the narrower kinds of these drafters are bounded by this kind's
+        for other in [k for k in self._memo if k[0] == key[0]]:
+            del self._memo[other]
 
 
 class Tuner:
@@ -375,6 +424,7 @@ class Tuner:
         max_probe_interval: steps between probes of a kind that is not chosen, at most.
         margin: how much more tokens per second (a fraction) a draft must promise than a plain step (the
             predictions' own error; drafting on a tie would lose by it).
+        explore: the share of the predicted time probes of kinds not chosen may lose (see :meth:`choose`).
         calibrate: measure the missing costs when a generation starts (False: only online).
         calibration_budget: seconds of timed calls per measured point of the calibration (at least one
             call): a target whose forward takes longer is timed fewer times (see :func:`time_call`).
@@ -384,7 +434,7 @@ class Tuner:
 
     def __init__(self, costs: Optional[CostModel] = None, acceptance: Optional[AcceptanceModel] = None, *,
                  budgets: Sequence[int] = (2, 4, 8), max_probe_interval: int = 256, margin: float = 0.05,
-                 calibrate: bool = True, calibration_budget: float = 0.05,
+                 explore: float = 0.02, calibrate: bool = True, calibration_budget: float = 0.05,
                  timer: Callable[[], float] = time.perf_counter):
         self.costs = costs
         self.acceptance = acceptance or AcceptanceModel()
@@ -407,6 +457,9 @@ class Tuner:
         self._plan_memo = None
         self._version = 0  # counts observations of drafts (the plan's cached part depends on them)
         self._plain_until = 0  # while no draft is best: the clock of the next probe that could win
+        self.explore = float(explore)
+        self._credit: Optional[float] = None  # seconds the probes may still lose (see choose)
+        self._accrual = 0.0  # the credit one step adds
 
     # -- the candidate set ---------------------------------------------------------------------------
     def kinds(self, groups: Sequence[Tuple[int, ...]], single: bool) -> List[Tuple[Tuple[int, ...], ...]]:
@@ -433,39 +486,72 @@ class Tuner:
         """E[accepted + 1] summed over the active requests."""
         if not shape.drafters:
             return float(len(active))
-        return sum(1.0 + self.acceptance.expected(shape.key, b, cap) for b in active)
+        return self.acceptance.total(shape.key, tuple(active), cap)
 
     def choose(self, options: Sequence[Tuple[Shape, float, float, float]]) -> Shape:
         """The shape to run from (shape, value, predicted seconds, an optimistic value: its acceptance
-        rates at an upper confidence bound) options (the first is no draft): the best value per second, unless a kind not
-        chosen (no draft included) is due for a probe and could beat it with every draft accepted (then
-        its deepest such shape: every depth observed at once; the widest such kind); a probed kind's
-        interval doubles, and the narrower kinds of its drafters wait as long."""
+        rates at an upper confidence bound) options (the first is no draft): the best value per second,
+        unless a kind not chosen (no draft included) is due for a probe, could beat it with its optimistic
+        value, and its predicted loss is covered by the exploration credit (then its deepest such shape:
+        every depth observed at once; of the widest such kind); a probed kind's interval doubles, and the
+        narrower kinds of its drafters wait as long (its outcome bounds theirs).
+
+        A kind's first try is free; the credit starts at what ``max_probe_interval`` steps add and holds
+        at most that; it grows by ``explore`` times the best shape's predicted seconds every step, and a
+        later probe spends its predicted loss: the seconds it takes beyond what the best shape would take for the
+        tokens it is expected to give. So probes cost about that share of the time whatever they cost
+        each (a tree over a batch of 8 costs several plain steps, one over a single request little more
+        than one)."""
+        margin = 1.0 + self.margin
         best_shape, best_value, best_seconds, _ = max(
-            options, key=lambda o: o[1] / max(o[2], 1e-9) * (1.0 if o[0].drafters else 1.0 + self.margin))
-        best, rate = best_shape, best_value / max(best_seconds, 1e-9)
+            options, key=lambda o: o[1] / max(o[2], 1e-9) * (1.0 if o[0].drafters else margin))
+        rate = best_value / max(best_seconds, 1e-9)
         self.clock += 1
-        self._probe[best.key] = (self.clock + 1, 1)
-        due: Dict[tuple, Shape] = {}
-        hopeful = [self._probe.get(o[0].key, (0, 1))[0] for o in options if o[0].key != best.key and o[3] > rate * o[2]]
-        self._plain_until = min(hopeful, default=self.clock + self.max_probe_interval) if not best.drafters else 0
-        for shape, _, seconds, upper in options:
-            if shape.key != best.key and upper > rate * seconds and self._probe.get(shape.key, (0, 1))[0] <= self.clock:
-                old = due.get(shape.key)
-                if old is None or (shape.depth, shape.budget) > (old.depth, old.budget):
-                    due[shape.key] = shape
+        clock, probe = self.clock, self._probe
+        best_key = best_shape.key
+        probe[best_key] = (clock + 1, 1)
+        self._accrual = self.explore * best_seconds
+        # the credit starts full (a new tuner may try the kinds at once), and holds at most what
+        # max_probe_interval steps add
+        top = self._accrual * self.max_probe_interval
+        self._credit = top if self._credit is None else min(self._credit + self._accrual, top)
+        credit, accrual = self._credit, self._accrual
+        due: Dict[tuple, Tuple[Shape, float]] = {}
+        ready = clock + self.max_probe_interval  # the first step some kind could be probed at
+        for shape, value, seconds, upper in options:
+            if upper <= rate * seconds:
+                continue
+            key = (shape.drafters, shape.budget)
+            if key == best_key:
+                continue
+            # a kind's first try is free (a new tuner tries every kind that could win once)
+            tried = key in probe
+            loss = 0.0 if not tried else max(seconds - value / rate, 0.0) if rate > 0 else seconds
+            at = probe.get(key, (0, 1))[0]
+            if loss > credit:
+                at = max(at, clock + (int((loss - credit) / accrual) + 1 if accrual > 0 else self.max_probe_interval))
+            elif at <= clock:
+                old = due.get(key)
+                if old is None or (shape.depth, shape.budget) > (old[0].depth, old[0].budget):
+                    due[key] = (shape, loss)
+            ready = min(ready, at)
+        self._plain_until = ready if not best_shape.drafters else 0
         if not due:
-            return best
+            return best_shape
         # the widest due kind first (of the drafters due longest): its tree holds the narrower kinds' best
         # nodes, so its outcome bounds theirs (AcceptanceModel.expected), and it counts as their probe too
-        key = max(due, key=lambda k: (k[1], -self._probe.get(k, (0, 1))[0]))
-        interval = min(self._probe.get(key, (0, 1))[1] * 2, self.max_probe_interval)
+        key = max(due, key=lambda k: (k[1], -probe.get(k, (0, 1))[0]))
+        shape, loss = due[key]
+        self._credit -= loss
+        interval = min(probe.get(key, (0, 1))[1] * 2, self.max_probe_interval)
+        probe[key] = (clock + interval, interval)
         for other in {o[0].key for o in options}:
-            if other[0] == key[0] and other[1] <= key[1] and other != best.key:
-                next_step, old = self._probe.get(other, (0, 1))
-                if next_step < self.clock + interval:
-                    self._probe[other] = (self.clock + interval, max(old, interval))
-        return due[key]
+            if other[0] == key[0] and other[1] < key[1] and other != best_key:
+                at, old = probe.get(other, (0, 1))
+                if at < clock + interval:
+                    probe[other] = (clock + interval, max(old, interval))
+        self._plain_until = 0
+        return shape
 
     # -- the decoder's calls ------------------------------------------------------------------------------
     def begin(self, batch: int, sampling: bool) -> None:
@@ -499,33 +585,43 @@ class Tuner:
             # no draft was best and nothing a draft's value depends on changed since, while what drafting
             # would cost only grew (its pending appends): no draft again, until a probe is due
             self.clock += 1
+            self._credit = min(self._credit + self._accrual, self._accrual * self.max_probe_interval)
             return NONE
         if self._plan_memo is None or self._plan_memo[0] != memo:
             # what only an observation of a draft changes (plain steps leave it as it is)
             base = []
             position = {g: i for i, g in enumerate(groups)}
-            for shape, members in self._shapes(groups, depth, budget, single):
-                cap = min(shape.budget - 1, max(caps(position[g], shape.depth) for g in members))
-                nodes = self._nodes.get((shape.key, shape.depth, shape.budget), shape.budget)
-                seconds = costs.forward(nodes, batch) + costs.rest(shape.key)
-                seconds += sum(costs.draft(g, shape.depth, batch) for g in members)
-                upper = sum(1.0 + self.acceptance.expected(shape.key, b, cap, optimistic=True) for b in active)
-                base.append((shape, self.value(shape, active, cap), seconds, upper,
-                             [(g, position[g]) for g in members]))
+            rows, acceptance = tuple(active), self.acceptance
+            # the parts shapes share, each computed once: a group's depth cap and expansion per depth
+            cap_of = {(g, d): caps(position[g], d) for g in groups for d in range(1, depth + 1)}
+            draft_of = {(g, d): costs.draft(g, d, batch) for g in groups for d in range(1, depth + 1)}
+            for shape, members, key, index in self._shapes(groups, depth, budget, single):
+                d = shape.depth
+                cap = min(shape.budget - 1, max(cap_of[g, d] for g in members))
+                nodes = self._nodes.get((key, d, shape.budget), shape.budget)
+                seconds = costs.forward(nodes, batch) + costs.rest(key) + sum(draft_of[g, d] for g in members)
+                base.append((shape, acceptance.total(key, rows, cap), seconds,
+                             acceptance.total(key, rows, cap, optimistic=True), index))
             self._plan_memo = (memo, base)
         options = [(NONE, self.value(NONE, active, 0), costs.forward(1, batch) + costs.rest(NONE.key), len(active))]
         update = [costs.update(g, pending[i], batch) for i, g in enumerate(groups)]
+        appends: Dict[tuple, float] = {}  # per set of drafting groups (their positions)
         for shape, value, seconds, upper, members in self._plan_memo[1]:
-            options.append((shape, value, seconds + sum(update[i] for _, i in members), upper))
+            extra = appends.get(members)
+            if extra is None:
+                extra = appends[members] = sum(update[i] for i in members)
+            options.append((shape, value, seconds + extra, upper))
         return self.choose(options)
 
     def _shapes(self, groups, depth, budget, single):
         memo = (groups, depth, budget, single)
         if self._shape_memo is None or self._shape_memo[0] != memo:
             out = []
+            position = {g: i for i, g in enumerate(groups)}
             for members in self.kinds(groups, single):
+                index = tuple(position[g] for g in members)
                 for shape in self.candidates([members], depth, budget):
-                    out.append((shape, members))
+                    out.append((shape, members, shape.key, index))
             self._shape_memo = (memo, out)
         return self._shape_memo[1]
 
