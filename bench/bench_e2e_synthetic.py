@@ -67,7 +67,10 @@ class _OracleGroup(EagleGroup):
         oracle = self.drafters[0].oracle
         self.prompt = prompt_lens.to(self.fc.weight.device).repeat(self.groups)
         self.continuation = oracle["tokens"].to(self.fc.weight.device).repeat(self.groups, 1)
-        self.corrupt, self.gen = oracle["corrupt"], oracle["generator"]
+        # the same corruption draws in every generation (the rounds of a row do the same work, so the
+        # fastest is the least disturbed, not the luckiest)
+        self.corrupt = oracle["corrupt"]
+        self.gen = torch.Generator(device=self.fc.weight.device).manual_seed(oracle["seed"])
         # logits come over the draft vocabulary (token_map: its target ids) when it is reduced
         self.to_draft = None
         if self.token_map is not None:
@@ -204,8 +207,7 @@ def main() -> None:
         for auto in (() if args.no_fixed else (False,)) + (() if args.no_auto else (True,)):
             torch.manual_seed(3)  # the same head whatever the runs before drew from the global generator
             drafter = OracleDrafter(head_cfg)
-            drafter.oracle = {"tokens": continuation, "corrupt": p,
-                              "generator": torch.Generator(device=device).manual_seed(2)}
+            drafter.oracle = {"tokens": continuation, "corrupt": p, "seed": 2}
             if vocab is not None:
                 drafter.set_draft_vocab(vocab)
             dec = SpeculativeDecoder(target, [drafter], strategy="single", depth=args.depth, top_k=args.top_k,
