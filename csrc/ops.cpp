@@ -170,4 +170,6 @@ TORCH_LIBRARY(taps_ops, m) {
   m.def("_cpu_host_isa() -> str", &taps::cpu::cpu_host_isa_op);
   m.def("_set_cpu_isa(str level) -> str", &taps::cpu::set_cpu_isa_op);
   m.def("_cpu_features() -> str[]", &taps::cpu::cpu_features_op);
+  // _cpu_peak_flops(level): FLOP/s of one core's fp32 multiply-adds at that level, measured (a few ms).
+  m.def("_cpu_peak_flops(str level) -> float", &taps::cpu::cpu_peak_flops_op);
 }
