@@ -9,9 +9,11 @@ same device.
 
 CPU: one taps column per instruction-set level (``--isa``, see bench/common.py), SDPA and the reference
 measured once, and per level the floor: the larger of the FLOPs (4 * B * Hq * N * S * D) at the level's
-peak (threads x ``--ghz`` x FLOP per cycle: 8 scalar, 32 AVX2 (two 8-lane FMAs), 64 AVX-512 and AMX; the
-kernels compute in fp32, bf16 widened, except bf16 at amx with TAPS_ATTN_BF16_AMX=1, whose tile products
-can beat this floor) and the K/V bytes at ``--gbps``; "% floor" is floor / taps time.
+peak (threads x one core's fp32 multiply-add rate at that level, measured at start by a throughput loop of
+the level's vectors and printed in the first line; with ``--ghz``, threads x GHz x FLOP per cycle: 8
+scalar, 32 AVX2 (two 8-lane FMAs), 64 AVX-512 and AMX; the kernels compute in fp32, bf16 widened, except
+bf16 at amx with TAPS_ATTN_BF16_AMX=1, whose tile products can beat this floor) and the K/V bytes at
+``--gbps``; "% floor" is floor / taps time.
 The first rows are the shipped target's attention (B 1, Hq 8, Hkv 4, D 32, a 16-node tree after ~200
 cached keys), fp32 and bf16.
 
@@ -35,8 +37,8 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import (add_isa_argument, fmt_time, isa_levels, machine_line, op_levels, per_isa,  # noqa: E402
-                    print_table)
+from common import (add_isa_argument, fmt_time, isa_levels, machine_line, op_levels, peak_flops,  # noqa: E402
+                    per_isa, print_table)
 
 import taps_ops  # noqa: E402
 from taps_ops.reference import tree_attention_dense_mask, tree_attention_ref  # noqa: E402
@@ -111,6 +113,20 @@ def max_ghz() -> float:
     return max(mhz) / 1e3 if mhz else 2.0
 
 
+def level_peaks(levels, ghz) -> tuple[dict, str]:
+    """FLOP/s of one core at each level and how they were found: at ``ghz`` GHz (when given) by the
+    FLOP-per-cycle table, else measured (common.peak_flops), the /proc/cpuinfo clock for a library that
+    cannot measure."""
+    measured = {} if ghz else peak_flops(levels)
+    if measured:
+        rates = ", ".join(f"{lv} {measured[lv] / 1e9:.0f}" for lv in levels)
+        return measured, f"fp32 peak per core, measured: {rates} GFLOP/s"
+    ghz = ghz or max_ghz()
+    return ({lv: ghz * 1e9 * FLOP_PER_CYCLE[lv] for lv in levels},
+            f"fp32 peak per core: {ghz:.2f} GHz x FLOP/cycle of the level "
+            f"({', '.join(f'{lv} {FLOP_PER_CYCLE[lv]}' for lv in levels)})")
+
+
 def case(batch, heads_q, heads_kv, num_nodes, head_dim, cache_len, dtype, repeats, device, reference=True,
          levels=()):
     """SDPA, the reference and taps timed on one shape; on the CPU taps once per level in `levels` (a list
@@ -141,8 +157,8 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="small sizes only")
     ap.add_argument("--threads", type=int, default=0, help="torch.set_num_threads (0: torch's default)")
     ap.add_argument("--no-reference", action="store_true", help="skip the plain-PyTorch reference column")
-    ap.add_argument("--ghz", type=float, default=max_ghz(), help="core clock for the CPU floor (default: the "
-                    "highest 'cpu MHz' in /proc/cpuinfo)")
+    ap.add_argument("--ghz", type=float, default=None, help="core clock for the CPU floor, times the level's "
+                    "FLOP per cycle (default: each level's multiply-add rate measured at start)")
     ap.add_argument("--gbps", type=float, default=20.0, help="memory bandwidth for the CPU floor (default 20 GB/s, "
                     "one core of the development CPU)")
     add_isa_argument(ap)
@@ -174,8 +190,9 @@ def main() -> None:
     if args.quick:
         shapes, gpu_shapes = shapes[:3], gpu_shapes[:2]
     devices = ["cpu"] + (["cuda"] if torch.cuda.is_available() and taps_ops.has_cuda_kernels() else [])
+    peaks, peak_note = level_peaks(levels, args.ghz)
     print(f"tree_attention | {machine_line()} | CPU capability {torch.backends.cpu.get_cpu_capability()}, "
-          f"median of {args.repeats}")
+          f"median of {args.repeats} | {peak_note}")
     threads = torch.get_num_threads()
     cpu_rows = []
     for (b, hq, hkv, n, d, s, dt) in shapes:
@@ -183,15 +200,14 @@ def main() -> None:
         flops = 4 * b * hq * n * s * d
         cells = []
         for level, t in zip(levels, row["taps"]):
-            floor = max(flops / (threads * args.ghz * 1e9 * FLOP_PER_CYCLE[level]), kv_bytes / (args.gbps * 1e9))
+            floor = max(flops / (threads * peaks[level]), kv_bytes / (args.gbps * 1e9))
             cells += [fmt_time(t), f"{row['sdpa'] / t:.2f}x", fmt_time(floor), f"{100 * floor / t:.0f}%"]
         cpu_rows.append([b, hq, hkv, n, d, s, str(dt)[6:], fmt_time(row["sdpa"]),
                          fmt_time(row["ref"]) if row["ref"] else "-", *cells])
     print_table(["B", "Hq", "Hkv", "N", "D", "S", "dtype", "sdpa", "ref",
                  *[h for lv in levels for h in (f"taps {lv}", "x sdpa", "floor", "% floor")]], cpu_rows,
                 title=f"CPU, {threads} thread(s): taps at instruction-set level {', '.join(levels)}")
-    print(f"floor = max(FLOPs at threads x {args.ghz:.2f} GHz x FLOP/cycle of the level "
-          f"({', '.join(f'{lv} {FLOP_PER_CYCLE[lv]}' for lv in levels)}), K/V bytes at {args.gbps:g} GB/s)")
+    print(f"floor = max(FLOPs at threads x the level's peak ({peak_note}), K/V bytes at {args.gbps:g} GB/s)")
     if "cuda" not in devices:
         return
     ceiling = copy_bandwidth(args.repeats)

@@ -93,6 +93,17 @@ def machine_line() -> str:
     return ", ".join(parts) + " | " + taps_ops.cpu_info()["summary"]
 
 
+def peak_flops(levels: Sequence[str]) -> dict:
+    """FLOP/s of one core's fp32 multiply-adds at each level, measured by the library (a few ms a level: a
+    throughput loop of the level's vectors, at the clock the core runs now); {} with a library built without
+    the measurement."""
+    import taps_ops  # noqa: F401  (loads the library)
+
+    if not hasattr(torch.ops.taps_ops, "_cpu_peak_flops"):
+        return {}
+    return {lv: torch.ops.taps_ops._cpu_peak_flops(lv) for lv in levels}
+
+
 def add_isa_argument(ap) -> None:
     """The --isa option of the op benchmarks (read it with isa_levels)."""
     ap.add_argument("--isa", default=None, metavar="LEVELS",

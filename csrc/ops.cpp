@@ -8,14 +8,93 @@
 // bad input gives unspecified results. The CPU kernels of build_tree, merge_trees, tree_attention and
 // compact_kv check always (no sync to save, and their loops rely on the checks).
 #include <Python.h>
+#include <ATen/PythonTorchFunctionTLS.h>
+#include <ATen/core/LegacyTypeDispatch.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/core/grad_mode.h>
+#include <c10/core/impl/LocalDispatchKeySet.h>
+#include <torch/csrc/Exceptions.h>
+#include <torch/csrc/autograd/python_variable.h>
 #include <torch/library.h>
+
+#include <cmath>
+#include <optional>
 
 #include "cpu/cpu_isa.h"
 
+namespace {
+
+// taps_ops._C.tree_attention(q, k, v, tree_mask, kv_lens, scale, validate, tree_nodes): the op through the
+// dispatcher's typed call, for the Python wrapper's common case (plain tensors, scale a float or None, no
+// torch-function mode), without the generic path's schema parsing and boxing (about 2 us a call). The
+// dispatch keys still run (profiler, dispatch modes, each backend's checks), except that inputs without
+// gradients outside any mode skip the autograd keys, as torch's autograd fallback (boxed, about 1 us)
+// would by redispatching below them. Any other argument returns NotImplemented, and the wrapper takes
+// torch.ops, which handles (or rejects) it.
+PyObject* tree_attention_py(PyObject* /*self*/, PyObject* const* args, Py_ssize_t nargs) {
+  HANDLE_TH_ERRORS
+  if (nargs != 8) {
+    PyErr_SetString(PyExc_TypeError, "taps_ops._C.tree_attention takes 8 positional arguments");
+    return nullptr;
+  }
+  for (int i = 0; i < 5; ++i) {
+    if (!THPVariable_CheckExact(args[i])) Py_RETURN_NOTIMPLEMENTED;
+  }
+  PyObject *scale_arg = args[5], *validate_arg = args[6], *nodes_arg = args[7];
+  if (at::impl::torch_function_mode_enabled() || (scale_arg != Py_None && !PyFloat_CheckExact(scale_arg)) ||
+      !PyBool_Check(validate_arg) || (nodes_arg != Py_None && !PyLong_CheckExact(nodes_arg)))
+    Py_RETURN_NOTIMPLEMENTED;
+  std::optional<int64_t> tree_nodes;
+  if (nodes_arg != Py_None) {
+    const long long nodes = PyLong_AsLongLong(nodes_arg);
+    if (nodes == -1 && PyErr_Occurred()) return nullptr;
+    tree_nodes = nodes;
+  }
+  const at::Tensor& q = THPVariable_Unpack(args[0]);
+  // the wrapper's default, 1 / sqrt(D) in double (q is 4-d or the op's checks reject it anyway)
+  const double scale = scale_arg != Py_None ? PyFloat_AS_DOUBLE(scale_arg)
+                       : q.dim() > 0        ? 1.0 / std::sqrt(static_cast<double>(q.size(-1)))
+                                            : 1.0;
+  static const auto op =
+      c10::Dispatcher::singleton()
+          .findSchemaOrThrow("taps_ops::tree_attention", "")
+          .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                            const at::Tensor&, double, bool, std::optional<int64_t>)>();
+  const at::Tensor &k = THPVariable_Unpack(args[1]), &v = THPVariable_Unpack(args[2]);
+  const at::Tensor &tree_mask = THPVariable_Unpack(args[3]), &kv_lens = THPVariable_Unpack(args[4]);
+  const bool grad = at::GradMode::is_enabled() && (q.requires_grad() || k.requires_grad() || v.requires_grad() ||
+                                                   tree_mask.requires_grad() || kv_lens.requires_grad());
+  // no mode or transform has added keys to the thread's included set (BackendSelect, ADInplaceOrView: always)
+  const bool below_autograd =
+      !grad && (c10::impl::tls_local_dispatch_key_set().included_ - c10::default_included_set).empty();
+  at::Tensor out;
+  {
+    // the GIL released around the op, as torch.ops does
+    struct ReleaseGil {
+      PyThreadState* state = PyEval_SaveThread();
+      ~ReleaseGil() { PyEval_RestoreThread(state); }
+    } release;
+    std::optional<at::AutoDispatchBelowAutograd> below;
+    if (below_autograd) below.emplace();
+    out = op.call(q, k, v, tree_mask, kv_lens, scale, validate_arg == Py_True, tree_nodes);
+  }
+  return THPVariable_Wrap(std::move(out));
+  END_HANDLE_TH_ERRORS
+}
+
+PyMethodDef module_methods[] = {
+    {"tree_attention", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(tree_attention_py)),
+     METH_FASTCALL, "tree_attention through the dispatcher's typed call (see taps_ops.tree_attention)"},
+    {nullptr, nullptr, 0, nullptr},
+};
+
+}  // namespace
+
 extern "C" {
-// `import taps_ops._C` loads this shared library, whose static initialisers register the ops.
+// `import taps_ops._C` loads this shared library, whose static initialisers register the ops; the module's
+// one function is the wrapper's fast entry to tree_attention.
 PyObject* PyInit__C(void) {
-  static struct PyModuleDef module_def = {PyModuleDef_HEAD_INIT, "_C", nullptr, -1, nullptr};
+  static struct PyModuleDef module_def = {PyModuleDef_HEAD_INIT, "_C", nullptr, -1, module_methods};
   return PyModule_Create(&module_def);
 }
 }
@@ -91,4 +170,6 @@ TORCH_LIBRARY(taps_ops, m) {
   m.def("_cpu_host_isa() -> str", &taps::cpu::cpu_host_isa_op);
   m.def("_set_cpu_isa(str level) -> str", &taps::cpu::set_cpu_isa_op);
   m.def("_cpu_features() -> str[]", &taps::cpu::cpu_features_op);
+  // _cpu_peak_flops(level): FLOP/s of one core's fp32 multiply-adds at that level, measured (a few ms).
+  m.def("_cpu_peak_flops(str level) -> float", &taps::cpu::cpu_peak_flops_op);
 }

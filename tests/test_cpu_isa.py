@@ -75,6 +75,20 @@ def test_set_cpu_isa_errors(at_level):
     assert taps_ops.cpu_info()["isa"] in RUNNABLE
 
 
+def test_peak_flops_measured_at_each_level():
+    """The benchmarks' measured peak: one core's fp32 multiply-add rate, wider vectors at least as fast
+    (within the noise of a shared machine), levels above the host's and unknown ones refused."""
+    rates = {lv: torch.ops.taps_ops._cpu_peak_flops(lv) for lv in RUNNABLE}
+    assert all(r > 1e8 for r in rates.values()), rates
+    if "avx2" in rates:
+        assert rates["avx2"] > 0.5 * rates["scalar"], rates
+    with pytest.raises(ValueError, match="must be one of|not an instruction-set level"):
+        torch.ops.taps_ops._cpu_peak_flops("avx1024")
+    if HOST != LEVELS[-1]:
+        with pytest.raises(ValueError, match="runs at most"):
+            torch.ops.taps_ops._cpu_peak_flops(LEVELS[LEVELS.index(HOST) + 1])
+
+
 def _import_with(level: str) -> subprocess.CompletedProcess:
     env = dict(os.environ, TAPS_CPU_ISA=level)
     return subprocess.run([sys.executable, "-c", "import taps_ops; print(taps_ops.cpu_info()['isa'])"],

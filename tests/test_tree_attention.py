@@ -304,6 +304,69 @@ def test_bad_inputs(device, change, message):
     with pytest.raises(ValueError, match=message):
         torch.ops.taps_ops.tree_attention.default(args["q"], args["k"], args["v"], args["tree_mask"],
                                                   args["kv_lens"], 0.125)
+    for scale in (0.125, None):  # the wrapper's fast entry raises the same errors
+        with pytest.raises(ValueError, match="taps_ops: tree_attention: .*" + message):
+            taps_ops.tree_attention(args["q"], args["k"], args["v"], args["tree_mask"], args["kv_lens"], scale)
+
+
+@pytest.mark.parametrize("scale,kwargs", [(None, {}), (0.3, {}), (1, {}), (torch.tensor(0.3), {}),
+                                          (0.3, dict(validate=False)), (None, dict(tree_nodes=9)),
+                                          (None, dict(tree_nodes=torch.tensor(9)))])
+def test_wrapper_same_as_torch_ops(scale, kwargs):
+    """taps_ops.tree_attention takes a fast entry for plain tensors and a float / default scale, torch.ops
+    for anything else: the same results either way."""
+    q, k, v, mask, kv_lens = make_inputs(2, 4, 2, 7, 32, 40, torch.float32, "cpu", ragged=False)
+    out = taps_ops.tree_attention(q, k, v, mask, kv_lens, scale, **kwargs)
+    nodes = kwargs.get("tree_nodes")
+    want = torch.ops.taps_ops.tree_attention.default(
+        q, k, v, mask, kv_lens, float(scale) if scale is not None else 1 / math.sqrt(32),
+        kwargs.get("validate", True), None if nodes is None else int(nodes))
+    assert torch.equal(out, want)
+
+
+def test_wrapper_keeps_modes_autograd_and_profiler():
+    """The fast entry still dispatches: torch-function and dispatch modes, subclasses, the autograd
+    fallback (inputs that need gradients) and the profiler see the op as through torch.ops."""
+    from torch.overrides import TorchFunctionMode
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    q, k, v, mask, kv_lens = make_inputs(1, 2, 1, 3, 16, 10, torch.float32, "cpu")
+    seen = []
+
+    class FunctionMode(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            seen.append(("function", func))
+            return func(*args, **(kwargs or {}))
+
+    class DispatchMode(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            seen.append(("dispatch", func))
+            return func(*args, **(kwargs or {}))
+
+    want = taps_ops.tree_attention(q, k, v, mask, kv_lens)
+    op = torch.ops.taps_ops.tree_attention.default
+    for mode in (FunctionMode, DispatchMode):
+        seen.clear()
+        with mode():
+            assert torch.equal(taps_ops.tree_attention(q, k, v, mask, kv_lens), want)
+        assert (mode is FunctionMode and ("function", op) in seen) or ("dispatch", op) in seen
+
+    class Sub(torch.Tensor):
+        pass
+
+    assert torch.equal(taps_ops.tree_attention(q.as_subclass(Sub), k, v, mask, kv_lens), want)
+
+    qg = q.clone().requires_grad_()
+    with pytest.warns(UserWarning, match="autograd kernel was not registered"):
+        out = taps_ops.tree_attention(qg, k, v, mask, kv_lens)
+        assert out.requires_grad and out.grad_fn is not None  # the autograd fallback's node, as with torch.ops
+        out.sum().backward()
+    with torch.no_grad():
+        assert taps_ops.tree_attention(qg, k, v, mask, kv_lens).grad_fn is None
+
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        taps_ops.tree_attention(q, k, v, mask, kv_lens)
+    assert any(e.name == "taps_ops::tree_attention" for e in prof.events())
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")

@@ -2,6 +2,7 @@
 // bindings (torch-side; no data access, so no device sync).
 #pragma once
 #include <ATen/ATen.h>
+#include <c10/util/MaybeOwned.h>
 
 #include <cmath>
 #include <optional>
@@ -51,49 +52,55 @@ inline int64_t check_tree_attention_inputs(const at::Tensor& q_in, const at::Ten
 }
 
 // One call's tensors: q, k, v with contiguous features, tree_mask and kv_lens contiguous, the output
-// allocated; with params() the core's view of them.
+// allocated; with params() the core's view of them. Inputs already in that layout are borrowed (the caller's
+// tensors outlive the call), not copied: a copy's reference count change takes the GIL when Python owns the
+// tensor, a few hundred ns a tensor.
 struct TreeAttentionCall {
-  at::Tensor q, k, v, tree_mask, kv_lens, out;  // out [B, Hq, N, D] in q's dtype
+  c10::MaybeOwned<at::Tensor> q, k, v, tree_mask, kv_lens;
+  at::Tensor out;                               // out [B, Hq, N, D] in q's dtype
   at::Tensor part_acc, part_max, part_sum;      // partial results of the key splits (splits > 1)
 
   static TreeAttentionCall prepare(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                    const at::Tensor& tree_mask, const at::Tensor& kv_lens) {
-    auto feature_contiguous = [](const at::Tensor& t) { return t.stride(3) == 1 ? t : t.contiguous(); };
+    auto feature_contiguous = [](const at::Tensor& t) {
+      return t.stride(3) == 1 ? c10::MaybeOwned<at::Tensor>::borrowed(t)
+                              : c10::MaybeOwned<at::Tensor>::owned(t.contiguous());
+    };
     TreeAttentionCall c;
     c.q = feature_contiguous(q);
     c.k = feature_contiguous(k);
     c.v = feature_contiguous(v);
-    c.tree_mask = tree_mask.contiguous();
-    c.kv_lens = kv_lens.contiguous();
-    c.out = at::empty(q.sizes(), c.q.options());
+    c.tree_mask = tree_mask.expect_contiguous();
+    c.kv_lens = kv_lens.expect_contiguous();
+    c.out = at::empty(q.sizes(), c.q->options());
     return c;
   }
 
   // The core's Params for `splits` key splits, allocating the partial results when splits > 1 (their
   // layout: attention::partial_row). split_keys and block_rows are left 0 for the backend to set.
   attention::Params params(double scale, int64_t splits, int64_t tree_nodes) {
-    const int64_t batch = q.size(0), heads_q = q.size(1), num_nodes = q.size(2), head_dim = q.size(3);
+    const int64_t batch = q->size(0), heads_q = q->size(1), num_nodes = q->size(2), head_dim = q->size(3);
     if (splits > 1) {
-      const auto f32 = q.options().dtype(at::kFloat);
+      const auto f32 = q->options().dtype(at::kFloat);
       part_acc = at::empty({splits, batch, heads_q, num_nodes, head_dim}, f32);
       part_max = at::empty({splits, batch, heads_q, num_nodes}, f32);
       part_sum = at::empty({splits, batch, heads_q, num_nodes}, f32);
     }
     attention::Params p{};
-    p.q = q.data_ptr();
-    p.k = k.data_ptr();
-    p.v = v.data_ptr();
-    p.tree_mask = tree_mask.data_ptr<int64_t>();
-    p.kv_lens = kv_lens.data_ptr<int64_t>();
+    p.q = q->data_ptr();
+    p.k = k->data_ptr();
+    p.v = v->data_ptr();
+    p.tree_mask = tree_mask->data_ptr<int64_t>();
+    p.kv_lens = kv_lens->data_ptr<int64_t>();
     p.out = out.data_ptr();
     p.part_acc = splits > 1 ? part_acc.data_ptr<float>() : nullptr;
     p.part_max = splits > 1 ? part_max.data_ptr<float>() : nullptr;
     p.part_sum = splits > 1 ? part_sum.data_ptr<float>() : nullptr;
-    p.q_stride_b = q.stride(0), p.q_stride_h = q.stride(1), p.q_stride_n = q.stride(2);
-    p.k_stride_b = k.stride(0), p.k_stride_h = k.stride(1), p.k_stride_s = k.stride(2);
-    p.v_stride_b = v.stride(0), p.v_stride_h = v.stride(1), p.v_stride_s = v.stride(2);
-    p.batch = batch, p.heads_q = heads_q, p.heads_kv = k.size(1), p.num_nodes = num_nodes, p.head_dim = head_dim;
-    p.cache_len = k.size(2), p.mask_words = tree_mask.size(2), p.tree_nodes = tree_nodes;
+    p.q_stride_b = q->stride(0), p.q_stride_h = q->stride(1), p.q_stride_n = q->stride(2);
+    p.k_stride_b = k->stride(0), p.k_stride_h = k->stride(1), p.k_stride_s = k->stride(2);
+    p.v_stride_b = v->stride(0), p.v_stride_h = v->stride(1), p.v_stride_s = v->stride(2);
+    p.batch = batch, p.heads_q = heads_q, p.heads_kv = k->size(1), p.num_nodes = num_nodes, p.head_dim = head_dim;
+    p.cache_len = k->size(2), p.mask_words = tree_mask->size(2), p.tree_nodes = tree_nodes;
     p.splits = splits;
     p.scale = static_cast<float>(scale);
     return p;

@@ -4,9 +4,15 @@
 
 #include <c10/util/Exception.h>
 
+#include <algorithm>
 #include <atomic>
+#include <chrono>
 #include <cstdlib>
 #include <mutex>
+
+#if defined(TAPS_CPU_X86)
+#include <immintrin.h>
+#endif
 
 namespace taps::cpu {
 namespace {
@@ -96,10 +102,82 @@ std::vector<std::string> host_features() {
   return out;
 }
 
+namespace {
+
+// kIters rounds of A independent chains a = step(a), summed by add: A chains cover the latency of two pipes.
+constexpr int64_t kIters = 100000;
+constexpr int kChains = 12;
+template <class F, class Step, class Add>
+__attribute__((always_inline)) inline F chains(F start, Step step, Add add) {
+  F a[kChains];
+  for (int i = 0; i < kChains; ++i) a[i] = start;
+  for (int64_t it = 0; it < kIters; ++it)
+    for (int i = 0; i < kChains; ++i) a[i] = step(a[i]);
+  for (int i = 1; i < kChains; ++i) a[0] = add(a[0], a[i]);
+  return a[0];
+}
+// Each level's loop: a = a * m + c the way its kernels multiply and add (fused at avx2 and above, a
+// multiply then an add at the baseline). Returns the FLOPs done (2 per lane and step); *sink keeps the
+// result alive. Target regions (not attributes), chains inlined: the lambdas take the region's instruction set.
+#if defined(TAPS_CPU_X86)
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx2,fma")
+double fma_loop_avx512(float* sink) {
+  const __m512 m = _mm512_set1_ps(0.999999f), c = _mm512_set1_ps(1e-7f);
+  *sink = _mm512_reduce_add_ps(chains(_mm512_set1_ps(1.0f), [&](__m512 a) { return _mm512_fmadd_ps(a, m, c); },
+                                      [](__m512 a, __m512 b) { return _mm512_add_ps(a, b); }));
+  return 2.0 * 16 * kChains * kIters;
+}
+#pragma GCC pop_options
+#pragma GCC push_options
+#pragma GCC target("avx2,fma")
+double fma_loop_avx2(float* sink) {
+  const __m256 m = _mm256_set1_ps(0.999999f), c = _mm256_set1_ps(1e-7f);
+  *sink = _mm256_cvtss_f32(chains(_mm256_set1_ps(1.0f), [&](__m256 a) { return _mm256_fmadd_ps(a, m, c); },
+                                  [](__m256 a, __m256 b) { return _mm256_add_ps(a, b); }));
+  return 2.0 * 8 * kChains * kIters;
+}
+#pragma GCC pop_options
+double mul_add_loop_sse2(float* sink) {
+  const __m128 m = _mm_set1_ps(0.999999f), c = _mm_set1_ps(1e-7f);
+  *sink = _mm_cvtss_f32(chains(_mm_set1_ps(1.0f), [&](__m128 a) { return _mm_add_ps(_mm_mul_ps(a, m), c); },
+                               [](__m128 a, __m128 b) { return _mm_add_ps(a, b); }));
+  return 2.0 * 4 * kChains * kIters;
+}
+#endif
+
+}  // namespace
+
+double peak_flops(Isa level) {
+  checked_cap(level, "cpu_peak_flops");
+  float sink = 0.0f;
+  double best = 0.0;
+  for (int round = 0; round < 20; ++round) {  // the first rounds wake the vector units up; the best counts
+    const auto start = std::chrono::steady_clock::now();
+    double flops = 0.0;
+#if defined(TAPS_CPU_X86)
+    if (static_cast<int>(level) >= static_cast<int>(Isa::kAvx512)) flops = fma_loop_avx512(&sink);
+    else if (level == Isa::kAvx2) flops = fma_loop_avx2(&sink);
+    else flops = mul_add_loop_sse2(&sink);
+#else
+    volatile float a = 1.0f;  // no vector code to measure: one scalar multiply-add chain
+    for (int64_t it = 0; it < kIters; ++it) a = a * 0.999999f + 1e-7f;
+    sink = a;
+    flops = 2.0 * kIters;
+#endif
+    const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    best = std::max(best, flops / std::max(seconds, 1e-9));
+  }
+  static volatile float kept;
+  kept = sink;  // the loops' results are used
+  return best;
+}
+
 // The ops behind taps_ops.cpu_info / set_cpu_isa (no tensors: registered as catch-all kernels in ops.cpp).
 std::string cpu_isa_op() { return isa_name(isa()); }
 std::string cpu_host_isa_op() { return isa_name(host_isa()); }
 std::string set_cpu_isa_op(std::string level) { return isa_name(set_isa(parse_isa(level, "set_cpu_isa"))); }
 std::vector<std::string> cpu_features_op() { return host_features(); }
+double cpu_peak_flops_op(std::string level) { return peak_flops(parse_isa(level, "cpu_peak_flops")); }
 
 }  // namespace taps::cpu

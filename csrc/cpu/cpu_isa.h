@@ -41,14 +41,19 @@ Isa isa();
 Isa set_isa(Isa level);
 const char* isa_name(Isa level);
 Isa parse_isa(const std::string& name, const char* what);  // c10::ValueError for unknown names
+// FLOP/s of one core's fp32 multiply-adds at `level` (<= host_isa(), else c10::ValueError), measured (a few
+// ms): vectors of the level's width, fused at avx2 and above, a multiply and an add at the baseline.
+double peak_flops(Isa level);
 // The CPU features the kernels look at, by name ("avx2", "fma", ..., "avx512_bf16", "amx_bf16").
 std::vector<std::string> host_features();
 
-// The ops behind taps_ops.cpu_info() and taps_ops.set_cpu_isa() (schemas in csrc/ops.cpp).
+// The ops behind taps_ops.cpu_info(), taps_ops.set_cpu_isa() and the benchmarks' measured peak (schemas in
+// csrc/ops.cpp).
 std::string cpu_isa_op();
 std::string cpu_host_isa_op();
 std::string set_cpu_isa_op(std::string level);
 std::vector<std::string> cpu_features_op();
+double cpu_peak_flops_op(std::string level);
 
 inline bool at_least(Isa level) { return static_cast<int>(isa()) >= static_cast<int>(level); }
 

@@ -443,7 +443,7 @@ at::Tensor tree_attention_cpu(const at::Tensor& q, const at::Tensor& k, const at
   const int64_t tree = check_tree_attention_inputs(q, k, v, tree_mask, kv_lens, scale, tree_nodes);
   const int64_t batch = q.size(0), heads_kv = k.size(1), cache_len = k.size(2);
   TreeAttentionCall call = TreeAttentionCall::prepare(q, k, v, tree_mask, kv_lens);
-  const int64_t* lens = call.kv_lens.data_ptr<int64_t>();
+  const int64_t* lens = call.kv_lens->data_ptr<int64_t>();
   for (int64_t b = 0; b < batch; ++b) {
     TORCH_CHECK_VALUE(lens[b] >= tree && lens[b] <= cache_len, "taps_ops: tree_attention: kv_lens[", b, "] = ",
                 lens[b], " must be in [T, S] = [", tree, ", ", cache_len, "] (T: tree nodes)");
@@ -455,7 +455,7 @@ at::Tensor tree_attention_cpu(const at::Tensor& q, const at::Tensor& k, const at
   const int64_t splits = attention::plan_splits(batch * heads_kv, 4 * at::get_num_threads(), max_len,
                                                 std::numeric_limits<int64_t>::max());
   const attention::Params p = call.params(scale, splits, tree);
-  switch (call.q.scalar_type()) {
+  switch (call.q->scalar_type()) {
     case at::kFloat: attention::cpu::run<float>(p); break;
     case at::kBFloat16: attention::cpu::run<c10::BFloat16>(p); break;
     default: attention::cpu::run<c10::Half>(p); break;

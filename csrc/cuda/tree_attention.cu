@@ -55,7 +55,7 @@ at::Tensor tree_attention_cuda(const at::Tensor& q_in, const at::Tensor& k_in, c
   TreeAttentionCall call = TreeAttentionCall::prepare(q_in, k_in, v_in, tree_mask_in, kv_lens_in);
   if (validate && batch > 0) {  // the one device sync of this op (see the file comment)
     check_validate_allowed("tree_attention");
-    const at::Tensor& kv_lens = call.kv_lens;
+    const at::Tensor& kv_lens = *call.kv_lens;
     const bool bad = at::logical_or(kv_lens < tree, kv_lens > cache_len).any().item<bool>();
     TORCH_CHECK_VALUE(!bad, "taps_ops: tree_attention: every kv_lens[b] must be in [T, S] = [", tree, ", ",
                       cache_len, "] (T: tree nodes), got ", kv_lens.cpu());
@@ -70,8 +70,8 @@ at::Tensor tree_attention_cuda(const at::Tensor& q_in, const at::Tensor& k_in, c
     return reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0 && (t.stride(0) * bytes) % 16 == 0 &&
            (t.stride(1) * bytes) % 16 == 0 && (t.stride(2) * bytes) % 16 == 0;
   };
-  const bool mma_ok = call.q.scalar_type() != at::kFloat && props->major >= 8 && rows_aligned(call.q) &&
-                      rows_aligned(call.k) && rows_aligned(call.v);
+  const bool mma_ok = call.q->scalar_type() != at::kFloat && props->major >= 8 && rows_aligned(*call.q) &&
+                      rows_aligned(*call.k) && rows_aligned(*call.v);
   const attention::AttentionPlan plan = attention::plan_tree_attention(
       batch, heads_kv, (heads_q / heads_kv) * num_nodes, cache_len, head_dim, mma_ok, props->multiProcessorCount,
       static_cast<int64_t>(props->sharedMemPerBlockOptin));
@@ -79,7 +79,7 @@ at::Tensor tree_attention_cuda(const at::Tensor& q_in, const at::Tensor& k_in, c
                  c10::str("Hkv x row blocks = ", heads_kv * plan.row_blocks));
   const attention::Params p = call.params(scale, plan.splits, tree);
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
-  switch (call.q.scalar_type()) {
+  switch (call.q->scalar_type()) {
     case at::kFloat: dispatch_head_dim<float>(p, plan, stream); break;
     case at::kBFloat16: dispatch_head_dim<__nv_bfloat16>(p, plan, stream); break;
     default: dispatch_head_dim<__half>(p, plan, stream); break;

@@ -37,17 +37,24 @@ import torch
 from torch import Tensor
 
 
-def _load_library() -> None:
+def _load_library():
     # TAPS_OPS_LIBRARY points at a shared library built elsewhere (development builds); the
-    # installed package carries its own `_C` extension.
+    # installed package carries its own `_C` extension. Either way the library is also the `_C` module
+    # (returned), whose functions are fast entries to some ops.
     path = os.environ.get("TAPS_OPS_LIBRARY")
     if path:
         torch.ops.load_library(path)
-    else:
-        from . import _C  # noqa: F401
+        import importlib.util
+        spec = importlib.util.spec_from_file_location(f"{__name__}._C", path)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        return module
+    from . import _C
+    return _C
 
 
-_load_library()
+# tree_attention's entry without torch.ops' argument parsing (None in a library built without it)
+_tree_attention_fast = getattr(_load_library(), "tree_attention", None)
 
 __all__ = [
     "VerifyOutput", "Tree", "MergedTree", "verify_tree", "build_tree", "merge_trees",
@@ -377,6 +384,12 @@ def tree_attention(
 
     CUDA: head dims 64, 80, 96, 128, 256; checking kv_lens costs one device sync.
     """
+    if _tree_attention_fast is not None and not torch.compiler.is_compiling():
+        # the common case (plain tensors, float or default scale) through the dispatcher's typed call;
+        # NotImplemented for anything else, which torch.ops below parses (or rejects)
+        out = _tree_attention_fast(q, k, v, tree_mask, kv_lens, scale, validate, tree_nodes)
+        if out is not NotImplemented:
+            return out
     if scale is None:
         scale = 1.0 / math.sqrt(q.shape[-1])
     return torch.ops.taps_ops.tree_attention.default(q, k, v, tree_mask, kv_lens, float(scale), validate,
