@@ -672,24 +672,19 @@ def time_call(fn: Callable[[], object], repeats: int = 2, sync: Optional[Callabl
     longer than budget / repeats, fewer calls (a calibration of a large model then costs a few forwards, not
     tens; the step timers correct the costs afterwards). The untimed call sets the pace when there is one.
     """
-    first = None
-    if warmup:
+    def once() -> float:
         if sync is not None:
             sync()
         t0 = timer()
         fn()
         if sync is not None:
             sync()
-        first = timer() - t0
+        return timer() - t0
+
+    first = once() if warmup else None
     best = float("inf")
     for i in range(max(int(repeats), 1)):
         if budget is not None and i > 0 and (i + 1) * min(best, first if first is not None else best) > budget:
             break
-        if sync is not None:
-            sync()
-        t0 = timer()
-        fn()
-        if sync is not None:
-            sync()
-        best = min(best, timer() - t0)
+        best = min(best, once())
     return best
