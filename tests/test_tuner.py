@@ -442,3 +442,30 @@ def test_dropping_requests_joins_the_queued_steps_once():
     assert torch.equal(tokens, want[0][keep]) and torch.equal(feats, want[2][keep])
     assert _join(pending.queue[id(groups[1])], None)[4] == tokens_host
     assert pending.count(groups[0]) == max(host)
+
+
+def test_idle_groups_are_left_out_of_the_plan():
+    """A group with nothing to propose this step (a prompt lookup without a match) is in no candidate
+    kind, probes included; the other groups still are."""
+    tuner = Tuner(_cheap(draft=1e-5, forward=1e-3))
+    tuner.begin(1, False)
+    for _ in range(60):
+        shape = tuner.plan([(0,), (1,)], lambda g, d: d, [0, 0], [0], 1, 3, 8, idle=(1,))
+        assert 1 not in shape.drafters
+    assert tuner.plan([(0,), (1,)], lambda g, d: d, [0, 0], [0], 1, 3, 8, idle=(0, 1)) == NONE
+
+
+def test_prompt_lookup_drafts_only_with_a_match():
+    """With drafting priced as free, a prompt-lookup decoder still runs a plain step whenever the context
+    has no earlier occurrence of its last n-gram (no tree of the root alone), and drafts when it has one;
+    its output is the target's greedy output."""
+    m = em.greedy_models()
+    prompt = [5, 17, 42, 8, 61, 3, 5, 17, 42, 8, 61, 3, 5, 17]
+    ref = SpeculativeDecoder(m["target"], [], strategy="autoregressive").generate([prompt], max_new_tokens=40)
+    dec = SpeculativeDecoder(m["target"], [PromptLookupDrafter()], strategy="single", depth=3, top_k=1,
+                             budget=4, tuner=Tuner(_cheap(draft=1e-6, forward=1e-3)))
+    out = dec.generate([prompt], max_new_tokens=40)
+    assert out.tokens[0] == ref.tokens[0]
+    stats = out.stats[0]
+    drafted = [n for s, n in zip(stats.draft_shapes, stats.tree_nodes) if s != "none"]
+    assert drafted and min(drafted) > 1, (stats.draft_shapes, stats.tree_nodes)

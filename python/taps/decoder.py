@@ -386,16 +386,23 @@ class SpeculativeDecoder:
             return _Plan(None, state.groups, self.depth)
         groups = state.groups
         active = [b for b, r in enumerate(state.requests) if not r.done]
+        # groups whose draft runs no model (prompt lookup) catch up now and say whether they have anything
+        # to propose: one without a match for any request is left out of this step's plan (its match
+        # rate is then that of the steps it could draft, and a step without a match drafts nothing)
+        free = [g for g in groups if g.free_draft]
+        updates = state.pending.catch_up(free) if free else []
+        idle = tuple(i for i, g in enumerate(groups) if g.free_draft and not any(g.has_draft(b) for b in active))
         shape = self.tuner.plan([tuple(g.members) for g in groups], lambda i, d: groups[i].tree_depth(d, self.top_k),
                                 [state.pending.count(g) for g in groups], active, state.batch, self.depth,
-                                self.budget)
-        return _Plan(shape, [g for g in groups if set(g.members) <= set(shape.drafters)], shape.depth)
+                                self.budget, idle=idle)
+        return _Plan(shape, [g for g in groups if set(g.members) <= set(shape.drafters)], shape.depth,
+                     updates=updates)
 
     def _draft(self, state: "DecodeState", plan: "_Plan") -> Optional[Candidates]:
         """The drafting groups' candidates (a group behind on appends catches up first), stacked in the
         groups' member order; None when no group drafts."""
         if state.pending is not None:
-            plan.updates = state.pending.catch_up(plan.drafting)
+            plan.updates = plan.updates + state.pending.catch_up(plan.drafting)
         drafted = []
         for g in plan.drafting:
             t0 = self._now()

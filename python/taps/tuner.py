@@ -30,6 +30,9 @@ much each part costs depends on the machine (ISA, dtype, threads, batch, a GPU o
   predicted time), so probes lose about that share at most, however many kinds there are and whatever a
   tree costs at the batch size, and useless drafters cost a vanishing share of the steps.
 
+A group whose draft runs no model (prompt lookup) is asked before each plan whether it has anything to
+propose, and left out of the step's kinds when it has not (``plan(idle=)``).
+
 Verification is unchanged whatever is chosen, so the output distribution is the target's own. Drafter
 groups that do not draft in a step are not updated either: the tokens they missed are appended in one
 call the next time they draft (that append is part of that step's predicted cost).
@@ -565,7 +568,8 @@ class Tuner:
         self._plan_memo = None
 
     def plan(self, groups: Sequence[Tuple[int, ...]], caps: Callable[[int, int], int], pending: Sequence[int],
-             active: Sequence[int], batch: int, depth: int, budget: int, single: bool = False) -> Shape:
+             active: Sequence[int], batch: int, depth: int, budget: int, single: bool = False,
+             idle: Sequence[int] = ()) -> Shape:
         """This step's draft.
 
         Args:
@@ -577,10 +581,13 @@ class Tuner:
             batch: rows of the step (finished requests included).
             depth, budget: the decoder's depth and node budget (the largest shape).
             single: whether the strategy needs every group at once.
+            idle: positions of groups that have nothing to propose this step (a prompt lookup without a
+                match): no kind with one of them is a candidate (unless ``single``).
         """
         costs = self.costs
         groups = tuple(groups)
-        memo = (groups, depth, budget, single, tuple(active), batch, self._version)
+        idle = frozenset(idle) if not single else frozenset()
+        memo = (groups, depth, budget, single, tuple(active), batch, self._version, idle)
         if self._plain_until > self.clock + 1 and self._plan_memo is not None and self._plan_memo[0] == memo:
             # no draft was best and nothing a draft's value depends on changed since, while what drafting
             # would cost only grew (its pending appends): no draft again, until a probe is due
@@ -596,6 +603,8 @@ class Tuner:
             cap_of = {(g, d): caps(position[g], d) for g in groups for d in range(1, depth + 1)}
             draft_of = {(g, d): costs.draft(g, d, batch) for g in groups for d in range(1, depth + 1)}
             for shape, members, key, index in self._shapes(groups, depth, budget, single):
+                if idle and not idle.isdisjoint(index):
+                    continue
                 d = shape.depth
                 cap = min(shape.budget - 1, max(cap_of[g, d] for g in members))
                 nodes = self._nodes.get((key, d, shape.budget), shape.budget)

@@ -256,6 +256,8 @@ class DraftGroup:
     lean_attention = False
     #: appends of up to this many tokens per row attend through a causal NodeMask (tree_attention)
     node_mask_append_limit = 256
+    #: drafting runs no model (prompt lookup): the tuner asks :meth:`has_draft` before it plans a step
+    free_draft = False
 
     def __init__(self, drafters: Sequence[Drafter]):
         self.drafters = list(drafters)
@@ -271,6 +273,11 @@ class DraftGroup:
     @property
     def batch(self) -> int:
         return len(self.host_lengths)
+
+    def has_draft(self, b: int) -> bool:
+        """Whether a draft now would propose anything for request b (a group with ``free_draft`` tells
+        before drafting; the others always may)."""
+        return True
 
     @property
     def lengths(self) -> Tensor:

@@ -105,6 +105,8 @@ class PromptLookupDrafter(Drafter):
 class LookupGroup(DraftGroup):
     """The prompt-lookup drafter's state: each request's tokens and an index of their n-grams (host)."""
 
+    free_draft = True
+
     def __init__(self, drafter: PromptLookupDrafter):
         super().__init__([drafter])
         self.d = drafter
@@ -155,6 +157,15 @@ class LookupGroup(DraftGroup):
                 if len(out) >= top_k:
                     return out
         return out
+
+    def has_draft(self, b: int) -> bool:
+        """Whether request b's last n-gram (of any length tried) occurred before in its context."""
+        hist, index = self.history[b], self.index[b]
+        end = len(hist)
+        for n in range(self.d.max_ngram, self.d.min_ngram - 1, -1):
+            if end >= n and any(pos < end for pos in index.get(tuple(hist[end - n:]), ())):
+                return True
+        return False
 
     def draft(self, depth: int, top_k: int, profiler=None, with_entropy: bool = True) -> DraftCandidates:
         batch = len(self.history)
