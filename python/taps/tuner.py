@@ -112,6 +112,17 @@ def _across(batches, batch: int, at: Callable[[int], float]) -> float:
     return 0.0 if near is None else at(near) * batch / near
 
 
+def _batches_of(table: dict, group: tuple) -> List[int]:
+    """The batch sizes `group` has entries for in a table keyed by (group, batch)."""
+    return [b for g, b in table if g == group]
+
+
+def _group_across(table: dict, group: tuple, batch: int, at: Callable[[int], float]) -> float:
+    """:func:`_across` over the batch sizes a (group, batch)-keyed table holds for `group` (``at(batch)``
+    directly when it holds this one)."""
+    return at(batch) if (group, batch) in table else _across(_batches_of(table, group), batch, at)
+
+
 def node_grid(max_nodes: int) -> List[int]:
     """Node counts the target forward is timed at: 1, 2, 3, 4, 6, 8, 12, 16, ... up to max_nodes."""
     grid, n = [1, 2, 3], 4
@@ -156,7 +167,7 @@ class CostModel:
 
     def needs_draft(self, group: tuple, batch: int) -> bool:
         """The same for a drafter group's expansion."""
-        return not _within([b for g, b in self.draft_points if g == group], batch, self.reach)
+        return not _within(_batches_of(self.draft_points, group), batch, self.reach)
 
     def set_forward(self, batch: int, points: Sequence[Tuple[int, float]]) -> None:
         """Measured (nodes, seconds) of the target's tree forward with verification at this batch (made
@@ -190,9 +201,7 @@ class CostModel:
             d0, t0, d1, t1 = self.draft_points[(group, b)]
             slope = (t1 - t0) / (d1 - d0) if d1 > d0 else 0.0
             return max(t0 + slope * (depth - d0), 0.0)
-        seconds = at(batch) if (group, batch) in self.draft_points else \
-            _across([b for g, b in self.draft_points if g == group], batch, at)
-        return seconds * self.scale.get(("draft", group, depth, batch), 1.0)
+        return _group_across(self.draft_points, group, batch, at) * self.scale.get(("draft", group, depth, batch), 1.0)
 
     def _fit_update(self, key: tuple, tokens: int, seconds: float) -> None:
         """Least squares of seconds = a + b * tokens over the measured appends, older ones forgotten
@@ -215,11 +224,10 @@ class CostModel:
         """Group's append of `tokens` tokens per request (0: nothing to append)."""
         if tokens <= 0:
             return 0.0
-        fit = self.update_fit.get((group, batch))
-        if fit is not None:
-            return max(fit[0] + fit[1] * tokens, 0.0)
-        return max(_across([b for g, b in self.update_fit if g == group], batch,
-                           lambda b: self.update_fit[(group, b)][0] + self.update_fit[(group, b)][1] * tokens), 0.0)
+        def at(b):
+            a, slope = self.update_fit[(group, b)]
+            return a + slope * tokens
+        return max(_group_across(self.update_fit, group, batch, at), 0.0)
 
     def rest(self, key: tuple) -> float:
         """The residual of a draft kind (tree building, compaction, the loop's own work)."""
