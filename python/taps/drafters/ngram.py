@@ -159,13 +159,9 @@ class LookupGroup(DraftGroup):
         return out
 
     def has_draft(self, b: int) -> bool:
-        """Whether request b's last n-gram (of any length tried) occurred before in its context."""
-        hist, index = self.history[b], self.index[b]
-        end = len(hist)
-        for n in range(self.d.max_ngram, self.d.min_ngram - 1, -1):
-            if end >= n and any(pos < end for pos in index.get(tuple(hist[end - n:]), ())):
-                return True
-        return False
+        """Whether request b's last n-gram (of any length tried) occurred before in its context (the
+        search of :meth:`continuations`, stopped at the first match)."""
+        return bool(self.continuations(b, 1, 1))
 
     def draft(self, depth: int, top_k: int, profiler=None, with_entropy: bool = True) -> DraftCandidates:
         batch = len(self.history)
