@@ -681,13 +681,12 @@ def shared_costs(key: tuple) -> CostModel:
 
 
 def time_call(fn: Callable[[], object], repeats: int = 2, sync: Optional[Callable[[], None]] = None,
-              timer: Callable[[], float] = time.perf_counter, budget: Optional[float] = None,
-              warmup: bool = True) -> float:
-    """Fewest seconds of `repeats` calls of fn, after one untimed call when `warmup`.
+              timer: Callable[[], float] = time.perf_counter, budget: Optional[float] = None) -> float:
+    """Fewest seconds of `repeats` calls of fn, after one untimed call.
 
     budget: seconds the timed calls may take together, at least one call: with a model whose forward takes
     longer than budget / repeats, fewer calls (a calibration of a large model then costs a few forwards, not
-    tens; the step timers correct the costs afterwards). The untimed call sets the pace when there is one.
+    tens; the step timers correct the costs afterwards). The untimed call sets the pace.
     """
     def once() -> float:
         if sync is not None:
@@ -698,10 +697,10 @@ def time_call(fn: Callable[[], object], repeats: int = 2, sync: Optional[Callabl
             sync()
         return timer() - t0
 
-    first = once() if warmup else None
+    first = once()
     best = float("inf")
     for i in range(max(int(repeats), 1)):
-        if budget is not None and i > 0 and (i + 1) * min(best, first if first is not None else best) > budget:
+        if budget is not None and i > 0 and (i + 1) * min(best, first) > budget:
             break
         best = min(best, once())
     return best
