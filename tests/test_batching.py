@@ -267,3 +267,53 @@ def test_folded_start_drafts_as_start_and_appends(names):
     for a, b in zip(*drafts):
         assert torch.equal(a.tokens, b.tokens) and torch.equal(a.parents, b.parents)
         torch.testing.assert_close(a.scores, b.scores, rtol=1e-4, atol=1e-4)
+
+
+def test_plain_steps_coast_until_the_batch_changes():
+    """Where no draft pays, the decoder repeats the tuner's plain step without planning (a run of plain
+    steps costs what autoregressive steps do), and plans again at the first step after requests join,
+    finish or leave; every request still gets its greedy output."""
+    m = em.greedy_models()
+
+    class Counting(Tuner):
+        calls = 0
+
+        def plan(self, *args, **kw):
+            self.calls += 1
+            return super().plan(*args, **kw)
+
+    # drafting costs ten target forwards a level: no draft is ever best (the first tries are free)
+    tuner = Counting(FixedCosts(lambda n, b: 1e-3, lambda g, d, b: 1e-2 * d, lambda g, t, b: 1e-5))
+    dec = SpeculativeDecoder(m["target"], _drafters(("eagle",)), strategy="single", depth=3, top_k=3, budget=8,
+                             tuner=tuner)
+    steps = []  # per decoder step: the unfinished requests, whether the tuner planned
+    decoder_step = dec.step
+
+    def step(state):
+        before = tuner.calls
+        running = tuple(r.key for r in state.requests if not r.done)
+        decoder_step(state)
+        steps.append((running, tuner.calls > before))
+    dec.step = step
+    new = [40, 12, 30, 25]
+    arrivals = {0: [(i, PROMPTS[i], SamplingParams(max_new_tokens=new[i])) for i in (0, 1)],
+                9: [(2, PROMPTS[2], SamplingParams(max_new_tokens=new[2]))],
+                20: [(3, PROMPTS[3], SamplingParams(max_new_tokens=new[3]))]}
+    tokens, reasons, _ = _run(ContinuousBatch(dec, max_batch=4), arrivals)
+    for i in range(4):
+        assert tokens[i] == _greedy(i, new[i]) and reasons[i] == "length", f"request {i}"
+    # a step that runs other requests than the step before (some joined, finished or left) plans
+    changed = [i for i in range(1, len(steps)) if steps[i][0] != steps[i - 1][0]]
+    assert len(changed) >= 5, steps
+    for i in changed:
+        assert steps[i][1], (i, steps[i - 1:i + 1])
+    planned = sum(p for _, p in steps)
+    assert planned <= len(steps) // 2, (planned, len(steps))
+    # generate(): a request that finishes stays in the batch as a finished row; the next step plans
+    ref0, ref1 = _greedy(0, 30), _greedy(1, 30)
+    eos = next(t for t in ref1[3:] if t not in ref0)
+    steps.clear()
+    out = dec.generate([PROMPTS[0], PROMPTS[1]], max_new_tokens=30, eos_token_id=eos)
+    assert out.tokens == [ref0, ref1[:ref1.index(eos) + 1]]
+    changed = [i for i in range(1, len(steps)) if steps[i][0] != steps[i - 1][0]]
+    assert len(changed) == 1 and steps[changed[0]][1], steps

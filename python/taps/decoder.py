@@ -50,7 +50,7 @@ from .kv import pack_bits
 from .lean import stack_key
 from .stats import Profiler, RequestStats, summarize
 from .strategies import Candidates, Combined, Strategy, make_strategy, root_tree, strategy_class
-from .tuner import Shape, Tuner, identity, node_grid, shared_costs, time_call
+from .tuner import NONE, Shape, Tuner, identity, node_grid, shared_costs, time_call
 
 __all__ = ["SpeculativeDecoder", "GenerateOutput", "DecodeState", "RequestState", "check_same_tokenizer",
            "check_max_new_tokens", "DEFAULT_SETTINGS"]
@@ -379,11 +379,19 @@ class SpeculativeDecoder:
         if state.pending is not None:
             state.pending.replace(old, groups)
         state.groups = [g for g in groups if g is not None]
+        state.epoch += 1
 
     def _plan(self, state: "DecodeState") -> "_Plan":
         """The step's draft: the fixed settings, or the tuner's choice of drafters, depth and budget."""
-        if self.tuner is None:
+        tuner = self.tuner
+        if tuner is None:
             return _Plan(None, state.groups, self.depth)
+        if state.coast is not None and state.coast[0] is tuner._plan_memo and state.coast[1:] == (
+                state.epoch, tuner._version) and tuner.coast():
+            # the last plan chose no draft and nothing it depends on changed: no draft again, without
+            # the plan's bookkeeping (a run of plain steps costs what autoregressive steps do)
+            return _Plan(NONE, [], 0)
+        state.coast = None
         groups = state.groups
         active = [b for b, r in enumerate(state.requests) if not r.done]
         # groups whose draft runs no model (prompt lookup) catch up now and say whether they have anything
@@ -395,8 +403,12 @@ class SpeculativeDecoder:
         shape = self.tuner.plan([tuple(g.members) for g in groups], lambda i, d: groups[i].tree_depth(d, self.top_k),
                                 [state.pending.count(g) for g in groups], active, state.batch, self.depth,
                                 self.budget, idle=idle)
-        return _Plan(shape, [g for g in groups if set(g.members) <= set(shape.drafters)], shape.depth,
-                     updates=updates)
+        if not shape.drafters:  # a plain step (most steps where no draft pays: kept lean)
+            if not free:  # (a group drafting for free is asked again every step)
+                state.coast = (tuner._plan_memo, state.epoch, tuner._version)
+            return _Plan(shape, [], 0, updates=updates)
+        chosen = set(shape.drafters)
+        return _Plan(shape, [g for g in groups if chosen.issuperset(g.members)], shape.depth, updates=updates)
 
     def _draft(self, state: "DecodeState", plan: "_Plan") -> Optional[Candidates]:
         """The drafting groups' candidates (a group behind on appends catches up first), stacked in the
@@ -539,7 +551,7 @@ class SpeculativeDecoder:
             if record.route is not None:
                 stats.route_decisions.append(record.route[b])
             state.emit(request, new)
-        if plan.shape is not None:
+        if plan.shape is not None and self.tuner.observes(plan.shape):
             # the columns the forward ran: a batch's trees are as wide as its widest (trimmed on the CPU)
             tuner, nodes = self.tuner, tree.tokens.shape[1]
             cap = max([g.tree_depth(plan.depth, self.top_k) for g in plan.drafting], default=0)
@@ -557,6 +569,7 @@ class SpeculativeDecoder:
         arguments); one that has appends what it missed, and the group of the new requests starts now and
         joins it."""
         pending = state.pending
+        state.epoch += 1
         state.cache.append_requests(other.cache)
         state.root = torch.cat([state.root, other.root])
         for g, h in zip(state.groups, other.groups):
@@ -581,6 +594,7 @@ class SpeculativeDecoder:
         if keep == list(range(state.batch)):
             return
         index = torch.tensor(keep, dtype=torch.int64, device=state.root.device)
+        state.epoch += 1
         if state.pending is not None:
             state.pending.select_requests(keep, index)
         state.cache.select_requests(index)
@@ -739,6 +753,10 @@ class DecodeState:
         #: groups of drafters the strategy stops drafting with are dropped (False where requests join later)
         self.can_drop = True
         self.sampling = _samples(sample)
+        #: counts the changes a tuner's plan depends on (requests finishing, joining or leaving, groups
+        #: dropped); coast: (the tuner's cached plan, epoch, its version) after a plan of no draft
+        self.epoch = 0
+        self.coast: Optional[tuple] = None
 
     @property
     def batch(self) -> int:
@@ -763,6 +781,8 @@ class DecodeState:
 
     def emit(self, request: RequestState, new: Sequence[int]) -> None:
         kept = request.emit(new)
+        if request.done:
+            self.epoch += 1
         if kept and self.on_tokens is not None:
             self.on_tokens(request, kept)
 

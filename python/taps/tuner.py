@@ -471,6 +471,8 @@ class Tuner:
         self.explore = float(explore)
         self._credit: Optional[float] = None  # seconds the probes may still lose (see choose)
         self._accrual = 0.0  # the credit one step adds
+        #: while plain steps run with no probe near, one in this many is observed (see observes)
+        self.plain_sample = 4
 
     # -- the candidate set ---------------------------------------------------------------------------
     def kinds(self, groups: Sequence[Tuple[int, ...]], single: bool) -> List[Tuple[Tuple[int, ...], ...]]:
@@ -596,11 +598,9 @@ class Tuner:
         groups = tuple(groups)
         idle = frozenset(idle) if not single else frozenset()
         memo = (groups, depth, budget, single, tuple(active), batch, self._version, idle)
-        if self._plain_until > self.clock + 1 and self._plan_memo is not None and self._plan_memo[0] == memo:
+        if self._plan_memo is not None and self._plan_memo[0] == memo and self.coast():
             # no draft was best and nothing a draft's value depends on changed since, while what drafting
             # would cost only grew (its pending appends): no draft again, until a probe is due
-            self.clock += 1
-            self._credit = min(self._credit + self._accrual, self._accrual * self.max_probe_interval)
             return NONE
         if self._plan_memo is None or self._plan_memo[0] != memo:
             # what only an observation of a draft changes (plain steps leave it as it is)
@@ -630,6 +630,16 @@ class Tuner:
             options.append((shape, value, seconds + extra, upper))
         return self.choose(options)
 
+    def coast(self) -> bool:
+        """Another step of no draft without planning, where the caller knows nothing :meth:`plan`'s
+        cached part depends on changed since it last returned no draft from it: True (and the step
+        counted) unless a probe could come due at the next step (then the caller plans)."""
+        if self._plain_until > self.clock + 1 and self._plan_memo is not None:
+            self.clock += 1
+            self._credit = min(self._credit + self._accrual, self._accrual * self.max_probe_interval)
+            return True
+        return False
+
     def _shapes(self, groups, depth, budget, single):
         memo = (groups, depth, budget, single)
         if self._shape_memo is None or self._shape_memo[0] != memo:
@@ -641,6 +651,15 @@ class Tuner:
                     out.append((shape, members, shape.key, index))
             self._shape_memo = (memo, out)
         return self._shape_memo[1]
+
+    def observes(self, shape: Shape) -> bool:
+        """Whether the decoder should time and report (:meth:`observe`) a step of `shape`: every draft; a
+        plain step while no draft is close to being tried one in :attr:`plain_sample` (those steps only
+        keep the plain step's cost current, and a long run of them would pay the bookkeeping each step),
+        else every one."""
+        if shape.drafters or self._plain_until <= self.clock + 1:
+            return True
+        return self.clock % self.plain_sample == 0
 
     def observe(self, shape: Shape, accepted: Sequence[Optional[int]], cap: int, nodes: float, batch: int,
                 total: float, parts: Dict[tuple, Tuple[float, float]], updates) -> None:
