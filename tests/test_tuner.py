@@ -454,6 +454,20 @@ def test_idle_groups_are_left_out_of_the_plan():
     assert tuner.plan([(0,), (1,)], lambda g, d: d, [0, 0], [0], 1, 3, 8, idle=(0, 1)) == NONE
 
 
+def test_a_group_with_a_match_again_is_planned_for():
+    """Plain steps while the only group is idle (no draft could run: the tuner coasts), then the group has
+    something to propose again: the next plan considers it at once (a drafter that pays drafts)."""
+    tuner = Tuner(_cheap(draft=1e-5, forward=1e-3))
+    tuner.begin(1, False)
+    plan = lambda idle: tuner.plan([(0,)], lambda g, d: d, [0], [0], 1, 3, 8, idle=idle)  # noqa: E731
+    for _ in range(3):  # drafts are tried (the first tries are free) and observed to pay
+        shape = plan(())
+        tuner.observe(shape, [shape.depth], shape.depth, shape.budget, 1, 1e-3, {}, [])
+    for _ in range(20):
+        assert plan((0,)) == NONE
+    assert plan(()).drafters == (0,)
+
+
 def test_prompt_lookup_drafts_only_with_a_match():
     """With drafting priced as free, a prompt-lookup decoder still runs a plain step whenever the context
     has no earlier occurrence of its last n-gram (no tree of the root alone), and drafts when it has one;

@@ -466,6 +466,7 @@ class Tuner:
         self._nodes: Dict[tuple, float] = {}
         self._shape_memo = None
         self._plan_memo = None
+        self._plan_idle: frozenset = frozenset()  # the idle groups of the last plan
         self._version = 0  # counts observations of drafts (the plan's cached part depends on them)
         self._plain_until = 0  # while no draft is best: the clock of the next probe that could win
         self.explore = float(explore)
@@ -597,13 +598,15 @@ class Tuner:
         costs = self.costs
         groups = tuple(groups)
         idle = frozenset(idle) if not single else frozenset()
-        memo = (groups, depth, budget, single, tuple(active), batch, self._version, idle)
-        if self._plan_memo is not None and self._plan_memo[0] == memo and self.coast():
+        memo = (groups, depth, budget, single, tuple(active), batch, self._version)
+        if self._plan_memo is not None and self._plan_memo[0] == memo and idle == self._plan_idle and self.coast():
             # no draft was best and nothing a draft's value depends on changed since, while what drafting
             # would cost only grew (its pending appends): no draft again, until a probe is due
             return NONE
+        self._plan_idle = idle
         if self._plan_memo is None or self._plan_memo[0] != memo:
-            # what only an observation of a draft changes (plain steps leave it as it is)
+            # what only an observation of a draft changes (plain steps leave it as it is), for every shape
+            # (those of idle groups are left out below: a prompt lookup's match comes and goes)
             base = []
             position = {g: i for i, g in enumerate(groups)}
             rows, acceptance = tuple(active), self.acceptance
@@ -611,8 +614,6 @@ class Tuner:
             cap_of = {(g, d): caps(position[g], d) for g in groups for d in range(1, depth + 1)}
             draft_of = {(g, d): costs.draft(g, d, batch) for g in groups for d in range(1, depth + 1)}
             for shape, members, key, index in self._shapes(groups, depth, budget, single):
-                if idle and not idle.isdisjoint(index):
-                    continue
                 d = shape.depth
                 cap = min(shape.budget - 1, max(cap_of[g, d] for g in members))
                 nodes = self._nodes.get((key, d, shape.budget), shape.budget)
@@ -624,6 +625,8 @@ class Tuner:
         update = [costs.update(g, pending[i], batch) for i, g in enumerate(groups)]
         appends: Dict[tuple, float] = {}  # per set of drafting groups (their positions)
         for shape, value, seconds, upper, members in self._plan_memo[1]:
+            if idle and not idle.isdisjoint(members):
+                continue
             extra = appends.get(members)
             if extra is None:
                 extra = appends[members] = sum(update[i] for i in members)
