@@ -468,6 +468,34 @@ def test_a_group_with_a_match_again_is_planned_for():
     assert plan(()).drafters == (0,)
 
 
+def test_coasting_goes_on_while_fewer_groups_can_draft():
+    """No draft was best with every group able to draft: steps where some group has nothing to propose
+    repeat that answer without choosing again, and the coast token is given only after such a plan."""
+    class Counting(Tuner):
+        chosen = 0
+
+        def choose(self, options):
+            self.chosen += 1
+            return super().choose(options)
+
+    tuner = Counting(_cheap(draft=1e-2, forward=1e-3))  # a level costs ten forwards: no draft pays
+    tuner.begin(1, False)
+    plan = lambda idle: tuner.plan([(0,), (1,)], lambda g, d: d, [0, 0], [0], 1, 3, 8, idle=idle)  # noqa: E731
+    for _ in range(40):  # past the free first tries
+        shape = plan(())
+        tuner.observe(shape, [0], shape.depth, shape.budget, 1, 1e-3, {}, [])
+    assert plan(()) == NONE and tuner.coast_token() is not None
+    before = tuner.chosen
+    for idle in [(0,), (1,), (0, 1), ()] * 5:
+        assert plan(idle) == NONE
+    assert tuner.chosen == before
+    plan((1,))
+    assert tuner.coast_token() is not None  # a coasting step keeps the token of the plan it repeats
+    tuner.begin(1, False)  # a new generation: its first plan (a group idle) gives no token
+    plan((1,))
+    assert tuner.coast_token() is None
+
+
 def test_prompt_lookup_drafts_only_with_a_match():
     """With drafting priced as free, a prompt-lookup decoder still runs a plain step whenever the context
     has no earlier occurrence of its last n-gram (no tree of the root alone), and drafts when it has one;

@@ -386,10 +386,10 @@ class SpeculativeDecoder:
         tuner = self.tuner
         if tuner is None:
             return _Plan(None, state.groups, self.depth)
-        if state.coast is not None and state.coast[0] is tuner._plan_memo and state.coast[1:] == (
-                state.epoch, tuner._version) and tuner.coast():
-            # the last plan chose no draft and nothing it depends on changed: no draft again, without
-            # the plan's bookkeeping (a run of plain steps costs what autoregressive steps do)
+        if state.coast is not None and state.coast[1] == state.epoch and tuner.coast(state.coast[0]):
+            # the last plan chose no draft with every group able to draft, and no request joined,
+            # finished or left since: no draft again, without the plan's bookkeeping (a run of plain steps
+            # costs what autoregressive steps do)
             return _Plan(NONE, [], 0)
         state.coast = None
         groups = state.groups
@@ -404,8 +404,9 @@ class SpeculativeDecoder:
                                 [state.pending.count(g) for g in groups], active, state.batch, self.depth,
                                 self.budget, idle=idle)
         if not shape.drafters:  # a plain step (most steps where no draft pays: kept lean)
-            if not free:  # (a group drafting for free is asked again every step)
-                state.coast = (tuner._plan_memo, state.epoch, tuner._version)
+            token = tuner.coast_token()
+            if token is not None:
+                state.coast = (token, state.epoch)
             return _Plan(shape, [], 0, updates=updates)
         chosen = set(shape.drafters)
         return _Plan(shape, [g for g in groups if chosen.issuperset(g.members)], shape.depth, updates=updates)
@@ -754,7 +755,7 @@ class DecodeState:
         self.can_drop = True
         self.sampling = _samples(sample)
         #: counts the changes a tuner's plan depends on (requests finishing, joining or leaving, groups
-        #: dropped); coast: (the tuner's cached plan, epoch, its version) after a plan of no draft
+        #: dropped); coast: (the tuner's coast token, epoch) after a plan of no draft
         self.epoch = 0
         self.coast: Optional[tuple] = None
 

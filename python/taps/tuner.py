@@ -466,7 +466,7 @@ class Tuner:
         self._nodes: Dict[tuple, float] = {}
         self._shape_memo = None
         self._plan_memo = None
-        self._plan_idle: frozenset = frozenset()  # the idle groups of the last plan
+        self._plan_idle: frozenset = frozenset()  # the idle groups of the last plan that chose
         self._version = 0  # counts observations of drafts (the plan's cached part depends on them)
         self._plain_until = 0  # while no draft is best: the clock of the next probe that could win
         self.explore = float(explore)
@@ -599,9 +599,10 @@ class Tuner:
         groups = tuple(groups)
         idle = frozenset(idle) if not single else frozenset()
         memo = (groups, depth, budget, single, tuple(active), batch, self._version)
-        if self._plan_memo is not None and self._plan_memo[0] == memo and idle == self._plan_idle and self.coast():
+        if self._plan_memo is not None and self._plan_memo[0] == memo and idle >= self._plan_idle and self.coast():
             # no draft was best and nothing a draft's value depends on changed since, while what drafting
-            # would cost only grew (its pending appends): no draft again, until a probe is due
+            # would cost only grew (its pending appends) and no group idle then has something now: no draft
+            # again, until a probe is due
             return NONE
         self._plan_idle = idle
         if self._plan_memo is None or self._plan_memo[0] != memo:
@@ -633,10 +634,20 @@ class Tuner:
             options.append((shape, value, seconds + extra, upper))
         return self.choose(options)
 
-    def coast(self) -> bool:
-        """Another step of no draft without planning, where the caller knows nothing :meth:`plan`'s
-        cached part depends on changed since it last returned no draft from it: True (and the step
-        counted) unless a probe could come due at the next step (then the caller plans)."""
+    def coast_token(self) -> Optional[tuple]:
+        """Right after :meth:`plan` returned no draft with no group idle: what :meth:`coast` takes to
+        repeat that answer (None otherwise: with a group idle, it could have something next step)."""
+        if self._plan_idle or self._plan_memo is None:
+            return None
+        return (self._plan_memo, self._version)
+
+    def coast(self, token: Optional[tuple] = None) -> bool:
+        """Another step of no draft without planning, where the caller knows that nothing :meth:`plan`'s
+        arguments said changed since it returned no draft (the requests, the groups) and holds its
+        :meth:`coast_token`: True (and the step counted) unless the tuner learned something since (a
+        draft observed) or a probe could come due at the next step (then the caller plans)."""
+        if token is not None and (token[0] is not self._plan_memo or token[1] != self._version):
+            return False
         if self._plain_until > self.clock + 1 and self._plan_memo is not None:
             self.clock += 1
             self._credit = min(self._credit + self._accrual, self._accrual * self.max_probe_interval)
