@@ -213,6 +213,31 @@ def test_acceptance_model():
     assert acc.expected(((2,), 4), 0, 3, optimistic=True) == pytest.approx(3.0)
 
 
+def test_reach_is_the_product_of_the_rates():
+    """P(accepted >= d) (computed in one pass over the counts) is the product of rate() up to d, each
+    raised by 1 / sqrt(1 + trials()) when optimistic, for requests with and without counts of their own."""
+    rng = random.Random(0)
+    keys = [((0,), 16), ((0,), 4), ((0, 1), 8)]
+    for _ in range(50):
+        m = AcceptanceModel()
+        m.reset(3)
+        for _ in range(rng.randrange(0, 30)):
+            m.observe(rng.choice(keys), [rng.choice([None, 0, 1, 2, 3, 5, 7]) for _ in range(3)], rng.randrange(1, 9))
+        for key in keys:
+            for b in range(4):  # b = 3: a request the model has no row for
+                for optimistic in (False, True):
+                    cap = rng.randrange(1, 12)
+                    want, p = [], 1.0
+                    for d in range(1, cap + 1):
+                        rate = m.rate(key, b, d)
+                        if optimistic:
+                            rate = min(1.0, rate + (1.0 + m.trials(key, b, d)) ** -0.5)
+                        p *= rate
+                        want.append(p)
+                    m._memo.clear()
+                    assert m._reach(key, b, cap, optimistic)[:cap] == pytest.approx(want, rel=1e-12, abs=0)
+
+
 def test_probes_back_off():
     """A kind that is never the best is tried again at doubling intervals (with credit for every probe)."""
     tuner = Tuner(_cheap(), explore=1.0)

@@ -387,11 +387,19 @@ class AcceptanceModel:
         kind = self._memo.setdefault(key, {})
         reach = kind.get(memo)
         if reach is None or len(reach) < cap:
+            # rate() and trials() of every depth, in one pass over the counts
+            pooled = self.pooled.get(key)
+            mine = self.requests[b].get(key) if own else None
+            pt, ph = (pooled.trials, pooled.hits) if pooled is not None else ((), ())
+            ot, oh = (mine.trials, mine.hits) if mine is not None else ((), ())
+            w0, r0, w1 = self.prior_weight, self.prior_weight * self.prior_rate, self.pooled_weight
             reach, p = [], 1.0
-            for d in range(1, cap + 1):
-                rate = self.rate(key, b, d)
+            for i in range(cap):
+                t0, h0 = (pt[i], ph[i]) if i < len(pt) else (0.0, 0.0)
+                t1, h1 = (ot[i], oh[i]) if i < len(ot) else (0.0, 0.0)
+                rate = (h1 + w1 * (h0 + r0) / (t0 + w0)) / (t1 + w1)
                 if optimistic:
-                    rate = min(1.0, rate + (1.0 + self.trials(key, b, d)) ** -0.5)
+                    rate = min(1.0, rate + (1.0 + t0 + t1) ** -0.5)
                 p *= rate
                 reach.append(p)
             kind[memo] = reach
