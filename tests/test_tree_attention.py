@@ -169,11 +169,12 @@ def test_head_dims(device, head_dim):
 # CPU fast path (cpu/tree_attention_fast.h): G * N query rows per KV head in micro-kernel row blocks of 6
 # (a remainder of 1-3 rows split 7 = 4 + 3, 8 = 4 + 4, 9 = 5 + 4), 64-key tiles whose score columns stop at
 # the first whole vector past the last key, masks only on tiles that reach the tree or the keys' end,
-# the next tile's K / V prefetched (contiguous rows or rows further apart than D).
+# the next tile's K / V prefetched (contiguous rows or rows further apart than D); a last tile of 24 keys
+# (AVX2: score columns in a block of 16 and one of 8).
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("heads_q,heads_kv,num_nodes", [(1, 1, 1), (2, 2, 7), (1, 1, 8), (3, 1, 3), (1, 1, 13),
                                                         (4, 2, 16), (1, 1, 33)])
-@pytest.mark.parametrize("head_dim,cache_len", [(8, 65), (24, 200), (40, 64), (64, 130)])
+@pytest.mark.parametrize("head_dim,cache_len", [(8, 65), (24, 200), (40, 64), (64, 130), (40, 88)])
 def test_fast_path_row_blocks_and_ragged_tiles(dtype, heads_q, heads_kv, num_nodes, head_dim, cache_len):
     batch = 3
     cache_len = max(cache_len, num_nodes)
