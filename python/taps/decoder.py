@@ -404,7 +404,9 @@ class SpeculativeDecoder:
                                 [state.pending.count(g) for g in groups], active, state.batch, self.depth,
                                 self.budget, idle=idle)
         if not shape.drafters:  # a plain step (most steps where no draft pays: kept lean)
-            token = tuner.coast_token()
+            # (not with a group that drafts for free: it catches up and is asked for a match every step,
+            # so that it drafts as soon as one is worth it, without a queue of appends to price first)
+            token = tuner.coast_token() if not free else None
             if token is not None:
                 state.coast = (token, state.epoch)
             return _Plan(shape, [], 0, updates=updates)
