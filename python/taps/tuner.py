@@ -33,6 +33,11 @@ much each part costs depends on the machine (ISA, dtype, threads, batch, a GPU o
 A group whose draft runs no model (prompt lookup) is asked before each plan whether it has anything to
 propose, and left out of the step's kinds when it has not (``plan(idle=)``).
 
+While no draft is best, a step costs what a plain autoregressive step does: the decoder repeats the
+answer without planning (:meth:`Tuner.coast`) until its requests change, a draft is observed or a probe
+could come due, and one such step in :attr:`Tuner.plain_sample` is timed for the cost model
+(:meth:`Tuner.observes`).
+
 Verification is unchanged whatever is chosen, so the output distribution is the target's own. Drafter
 groups that do not draft in a step are not updated either: the tokens they missed are appended in one
 call the next time they draft (that append is part of that step's predicted cost).
