@@ -515,7 +515,7 @@ class SpeculativeDecoder:
         if not groups:
             return
         width = max([len(t) for t in record.tokens] + [1])
-        new_tokens = ver.tokens[:, :width]
+        new_tokens = ver.tokens if ver.tokens.shape[1] == width else ver.tokens[:, :width]  # (a plain step: as is)
         idx = None
         features = {}
         for g in groups:
