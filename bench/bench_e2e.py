@@ -12,7 +12,9 @@ a ``taps.Tuner`` (the "auto" rows, as ``budget="auto"`` with the tuner timing on
 ``--clock``: it chooses each step's draft, down to none, within those settings), each as a ratio to HF ``generate`` and to taps autoregressive; tau; verified nodes per step;
 at T=0 whether the output equals HF's greedy output token for token; for the auto rows the draft shapes
 chosen most often. Rows are timed in rounds (every row once per round, ``--repeats`` rounds) and each
-row keeps its fastest round, so slow drifts of a shared machine hit all rows alike.
+row keeps its fastest round, so slow drifts of a shared machine hit all rows alike. A second taps
+autoregressive decoder (the control row) does the same work as the first: its ratio to it is the run's
+noise.
 
 Table 1b (``--batch N``): the prompts (the GSM8K ones first, then the MT-Bench ones) decoded as one ragged
 batch of N (``--prompts`` per benchmark defaults to N / 2 here), every row's tokens/s against taps
@@ -129,6 +131,9 @@ def shipped_tables(args, device, dtype) -> None:
             name = f"{row} auto" if auto else row
             decoders[name] = dec
             runners[f"taps {name}"] = TapsRunner(dec, tok.eos_id)
+            if row == "autoregressive":  # a second one: its ratio to the first is the run's noise
+                runners["taps autoregressive (control)"] = TapsRunner(
+                    SpeculativeDecoder(target, [], strategy="autoregressive", **settings), tok.eos_id)
     first = next(iter(decoders.values()), None)
     print(f"device {device}, {torch.get_num_threads()} thread(s), {str(dtype).replace('torch.', '')}; "
           f"shipped target + {args.family} drafters; {len(prompts)} prompts (GSM8K, MT-Bench), "

@@ -46,10 +46,12 @@ def test_bench_e2e_shipped_models_and_overhead():
                     "--new-tokens", "8", "--repeats", "1", "--temperatures", "0", "1", "--profile", "--overhead",
                     "--overhead-tokens", "8", "--dtype", "fp32")
     t0 = table_rows(out, "Shipped models, T=0")
-    taps = [r for r in t0 if r.strip().startswith("taps")]  # each row with drafters also as an auto row
-    assert len(taps) == 5 and all(" yes " in r for r in taps), t0
+    # each row with drafters also as an auto row; autoregressive twice (the control row: the run's noise)
+    taps = [r for r in t0 if r.strip().startswith("taps")]
+    assert len(taps) == 6 and all(" yes " in r for r in taps), t0
     assert sum(" auto " in r for r in taps) == 2 and all(sum(c.endswith("x") for c in r.split()) == 2 for r in taps), t0
-    assert len(table_rows(out, "Shipped models, T=1")) == 7
+    assert sum("taps autoregressive (control)" in r for r in taps) == 1, t0
+    assert len(table_rows(out, "Shipped models, T=1")) == 8
     assert len(table_rows(out, "Where a taps step's time goes")) == 5
     overhead = table_rows(out, "Pure host overhead")
     assert any(r.strip().startswith("taps merged") for r in overhead)
