@@ -87,7 +87,7 @@ def _build(cands: Candidates, num_nodes: int, root: Tensor):
     t, b, m = cands.scores.shape
     tree = taps_ops.build_tree(cands.scores.reshape(t * b, m), cands.tokens.reshape(t * b, m),
                                cands.parents.reshape(t * b, m), num_nodes,
-                               root_tokens=root.repeat(t) if t > 1 else root, validate=root.device.type == "cpu")
+                               root_tokens=torch.cat([root] * t) if t > 1 else root, validate=root.device.type == "cpu")
     return type(tree)(*(f.view(t, b, *f.shape[1:]) for f in tree))
 
 
