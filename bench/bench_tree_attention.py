@@ -5,7 +5,9 @@
 Columns: SDPA (torch.nn.functional.scaled_dot_product_attention, dense bool mask [B, 1, N, S],
 enable_gqa=True), the float64-free reference (taps_ops.reference.tree_attention_ref in the input dtype,
 small sizes only), taps; median of `repeats` timed runs each. Speedups are SDPA time / taps time on the
-same device.
+same device; on the CPU SDPA and taps (at each level) run in alternation, one call each per round, and
+"x sdpa" is the median of the rounds' ratios, so that a machine whose speed drifts (a shared one) moves
+both sides of each ratio alike.
 
 CPU: one taps column per instruction-set level (``--isa``, see bench/common.py), SDPA and the reference
 measured once, and per level the floor: the larger of the FLOPs (4 * B * Hq * N * S * D) at the level's
@@ -37,8 +39,8 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import (add_isa_argument, fmt_time, isa_levels, machine_line, op_levels, peak_flops,  # noqa: E402
-                    per_isa, print_table)
+from common import (add_isa_argument, cpu_isa, fmt_time, isa_levels, machine_line, op_levels,  # noqa: E402
+                    peak_flops, print_table)
 
 import taps_ops  # noqa: E402
 from taps_ops.reference import tree_attention_dense_mask, tree_attention_ref  # noqa: E402
@@ -81,6 +83,29 @@ def timed(fn, repeats: int, cuda: bool) -> float:
             fn()
             times.append(time.perf_counter() - t0)
     return statistics.median(times)
+
+
+def alternating(reference, fn, levels, repeats: int):
+    """CPU: `reference` and `fn` at each instruction-set level in `levels` called in turn, one call each per
+    round, after one warm-up call each: (reference's median seconds, [fn's median per level], [median over
+    the rounds of reference / fn per level])."""
+    def once(f) -> float:
+        t0 = time.perf_counter()
+        f()
+        return time.perf_counter() - t0
+
+    reference()
+    for level in levels:
+        with cpu_isa(level):
+            fn()
+    ref_times, times = [], [[] for _ in levels]
+    for _ in range(repeats):
+        ref_times.append(once(reference))
+        for i, level in enumerate(levels):
+            with cpu_isa(level):
+                times[i].append(once(fn))
+    ratios = [statistics.median(r / t for r, t in zip(ref_times, ts)) for ts in times]
+    return statistics.median(ref_times), [statistics.median(ts) for ts in times], ratios
 
 
 def copy_bandwidth(repeats: int) -> float:
@@ -139,13 +164,17 @@ def case(batch, heads_q, heads_kv, num_nodes, head_dim, cache_len, dtype, repeat
     tree_mask = random_tree_mask(batch, num_nodes, device)
     dense = tree_attention_dense_mask(tree_mask, kv_lens, cache_len)[:, None]
     row = {}
-    row["sdpa"] = timed(lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=dense, enable_gqa=True),
-                        repeats, cuda)
+    sdpa = lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=dense, enable_gqa=True)  # noqa: E731
+    taps_call = lambda: taps_ops.tree_attention(q, k, v, tree_mask, kv_lens)  # noqa: E731
+    if cuda:
+        row["sdpa"] = timed(sdpa, repeats, cuda)
+    else:
+        row["sdpa"], row["taps"], row["x_sdpa"] = alternating(sdpa, taps_call, levels, repeats)
     small = reference and batch * heads_q * num_nodes * cache_len <= 2_000_000
     row["ref"] = timed(lambda: tree_attention_ref(q, k, v, tree_mask, kv_lens, dtype=dtype), repeats, cuda) \
         if small else None
-    taps = lambda: timed(lambda: taps_ops.tree_attention(q, k, v, tree_mask, kv_lens), repeats, cuda)  # noqa: E731
-    row["taps"] = taps() if cuda else per_isa(levels, taps)
+    if cuda:
+        row["taps"] = timed(taps_call, repeats, cuda)
     row["flashinfer"] = flashinfer_time(q, k, v, dense, repeats) if cuda and batch == 1 else None
     kv_bytes = 2 * batch * heads_kv * cache_len * head_dim * k.element_size()
     return row, kv_bytes
@@ -192,16 +221,16 @@ def main() -> None:
     devices = ["cpu"] + (["cuda"] if torch.cuda.is_available() and taps_ops.has_cuda_kernels() else [])
     peaks, peak_note = level_peaks(levels, args.ghz)
     print(f"tree_attention | {machine_line()} | CPU capability {torch.backends.cpu.get_cpu_capability()}, "
-          f"median of {args.repeats} | {peak_note}")
+          f"median of {args.repeats} (CPU: SDPA and taps alternating; x sdpa: the median round's ratio) | {peak_note}")
     threads = torch.get_num_threads()
     cpu_rows = []
     for (b, hq, hkv, n, d, s, dt) in shapes:
         row, kv_bytes = case(b, hq, hkv, n, d, s, dt, args.repeats, "cpu", not args.no_reference, levels)
         flops = 4 * b * hq * n * s * d
         cells = []
-        for level, t in zip(levels, row["taps"]):
+        for level, t, x in zip(levels, row["taps"], row["x_sdpa"]):
             floor = max(flops / (threads * peaks[level]), kv_bytes / (args.gbps * 1e9))
-            cells += [fmt_time(t), f"{row['sdpa'] / t:.2f}x", fmt_time(floor), f"{100 * floor / t:.0f}%"]
+            cells += [fmt_time(t), f"{x:.2f}x", fmt_time(floor), f"{100 * floor / t:.0f}%"]
         cpu_rows.append([b, hq, hkv, n, d, s, str(dt)[6:], fmt_time(row["sdpa"]),
                          fmt_time(row["ref"]) if row["ref"] else "-", *cells])
     print_table(["B", "Hq", "Hkv", "N", "D", "S", "dtype", "sdpa", "ref",
