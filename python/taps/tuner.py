@@ -353,20 +353,27 @@ class AcceptanceModel:
 
     def rate(self, key: tuple, b: int, d: int) -> float:
         """P(accepted >= d | accepted >= d - 1) for request b."""
-        pooled = self.pooled.get(key)
-        pt, ph = (pooled.trials[d - 1], pooled.hits[d - 1]) if pooled and d <= len(pooled.trials) else (0.0, 0.0)
-        prior = (ph + self.prior_weight * self.prior_rate) / (pt + self.prior_weight)
-        own = self.requests[b].get(key) if b < len(self.requests) else None
-        ot, oh = (own.trials[d - 1], own.hits[d - 1]) if own and d <= len(own.trials) else (0.0, 0.0)
-        return (oh + self.pooled_weight * prior) / (ot + self.pooled_weight)
+        return self._depths(key, b, d)[d - 1][0]
 
     def trials(self, key: tuple, b: int, d: int) -> float:
         """Trials at depth d counted for request b (its own and the pooled ones)."""
-        total = 0.0
-        for counts in (self.pooled.get(key), self.requests[b].get(key) if b < len(self.requests) else None):
-            if counts is not None and d <= len(counts.trials):
-                total += counts.trials[d - 1]
-        return total
+        return self._depths(key, b, d)[d - 1][1]
+
+    def _depths(self, key: tuple, b: int, cap: int) -> List[Tuple[float, float]]:
+        """(rate, trials) of request b at depths 1 .. cap, in one pass over the counts: the request's own
+        counts with the pooled rate as a prior of ``pooled_weight`` trials, the pooled rate drawn towards
+        ``prior_rate`` with ``prior_weight``."""
+        pooled = self.pooled.get(key)
+        own = self.requests[b].get(key) if b < len(self.requests) else None
+        pt, ph = (pooled.trials, pooled.hits) if pooled is not None else ((), ())
+        ot, oh = (own.trials, own.hits) if own is not None else ((), ())
+        out = []
+        for i in range(cap):
+            t0, h0 = (pt[i], ph[i]) if i < len(pt) else (0.0, 0.0)
+            t1, h1 = (ot[i], oh[i]) if i < len(ot) else (0.0, 0.0)
+            prior = (h0 + self.prior_weight * self.prior_rate) / (t0 + self.prior_weight)
+            out.append(((h1 + self.pooled_weight * prior) / (t1 + self.pooled_weight), t0 + t1))
+        return out
 
     def expected(self, key: tuple, b: int, cap: int, optimistic: bool = False) -> float:
         """E[accepted] of request b for a tree of depth `cap`; ``optimistic``: with every rate raised by
@@ -392,19 +399,10 @@ class AcceptanceModel:
         kind = self._memo.setdefault(key, {})
         reach = kind.get(memo)
         if reach is None or len(reach) < cap:
-            # rate() and trials() of every depth, in one pass over the counts
-            pooled = self.pooled.get(key)
-            mine = self.requests[b].get(key) if own else None
-            pt, ph = (pooled.trials, pooled.hits) if pooled is not None else ((), ())
-            ot, oh = (mine.trials, mine.hits) if mine is not None else ((), ())
-            w0, r0, w1 = self.prior_weight, self.prior_weight * self.prior_rate, self.pooled_weight
             reach, p = [], 1.0
-            for i in range(cap):
-                t0, h0 = (pt[i], ph[i]) if i < len(pt) else (0.0, 0.0)
-                t1, h1 = (ot[i], oh[i]) if i < len(ot) else (0.0, 0.0)
-                rate = (h1 + w1 * (h0 + r0) / (t0 + w0)) / (t1 + w1)
+            for rate, trials in self._depths(key, b, cap):
                 if optimistic:
-                    rate = min(1.0, rate + (1.0 + t0 + t1) ** -0.5)
+                    rate = min(1.0, rate + (1.0 + trials) ** -0.5)
                 p *= rate
                 reach.append(p)
             kind[memo] = reach
