@@ -400,9 +400,9 @@ class SpeculativeDecoder:
         free = [g for g in groups if g.free_draft]
         updates = state.pending.catch_up(free) if free else []
         idle = tuple(i for i, g in enumerate(groups) if g.free_draft and not any(g.has_draft(b) for b in active))
-        shape = self.tuner.plan([tuple(g.members) for g in groups], lambda i, d: groups[i].tree_depth(d, self.top_k),
-                                [state.pending.count(g) for g in groups], active, state.batch, self.depth,
-                                self.budget, idle=idle)
+        shape = tuner.plan([tuple(g.members) for g in groups], lambda i, d: groups[i].tree_depth(d, self.top_k),
+                           [state.pending.count(g) for g in groups], active, state.batch, self.depth, self.budget,
+                           idle=idle)
         if not shape.drafters:  # a plain step (most steps where no draft pays: kept lean)
             # (not with a group that drafts for free: it catches up and is asked for a match every step,
             # so that it drafts as soon as one is worth it, without a queue of appends to price first)

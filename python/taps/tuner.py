@@ -659,7 +659,7 @@ class Tuner:
         draft observed) or a probe could come due at the next step (then the caller plans)."""
         if token is not None and (token[0] is not self._plan_memo or token[1] != self._version):
             return False
-        if self._plain_until > self.clock + 1 and self._plan_memo is not None:
+        if not self._probe_near() and self._plan_memo is not None:
             self.clock += 1
             self._credit = min(self._credit + self._accrual, self._accrual * self.max_probe_interval)
             return True
@@ -682,9 +682,13 @@ class Tuner:
         plain step while no draft is close to being tried one in :attr:`plain_sample` (those steps only
         keep the plain step's cost current, and a long run of them would pay the bookkeeping each step),
         else every one."""
-        if shape.drafters or self._plain_until <= self.clock + 1:
+        if shape.drafters or self._probe_near():
             return True
         return self.clock % self.plain_sample == 0
+
+    def _probe_near(self) -> bool:
+        """Whether a draft was chosen last, or a probe could come due at the next step."""
+        return self._plain_until <= self.clock + 1
 
     def observe(self, shape: Shape, accepted: Sequence[Optional[int]], cap: int, nodes: float, batch: int,
                 total: float, parts: Dict[tuple, Tuple[float, float]], updates) -> None:
