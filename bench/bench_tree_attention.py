@@ -167,14 +167,12 @@ def case(batch, heads_q, heads_kv, num_nodes, head_dim, cache_len, dtype, repeat
     sdpa = lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=dense, enable_gqa=True)  # noqa: E731
     taps_call = lambda: taps_ops.tree_attention(q, k, v, tree_mask, kv_lens)  # noqa: E731
     if cuda:
-        row["sdpa"] = timed(sdpa, repeats, cuda)
+        row["sdpa"], row["taps"] = timed(sdpa, repeats, cuda), timed(taps_call, repeats, cuda)
     else:
         row["sdpa"], row["taps"], row["x_sdpa"] = alternating(sdpa, taps_call, levels, repeats)
     small = reference and batch * heads_q * num_nodes * cache_len <= 2_000_000
     row["ref"] = timed(lambda: tree_attention_ref(q, k, v, tree_mask, kv_lens, dtype=dtype), repeats, cuda) \
         if small else None
-    if cuda:
-        row["taps"] = timed(taps_call, repeats, cuda)
     row["flashinfer"] = flashinfer_time(q, k, v, dense, repeats) if cuda and batch == 1 else None
     kv_bytes = 2 * batch * heads_kv * cache_len * head_dim * k.element_size()
     return row, kv_bytes
