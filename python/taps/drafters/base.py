@@ -282,7 +282,7 @@ class DraftGroup:
     @property
     def lengths(self) -> Tensor:
         """[G * B] committed entries per row."""
-        return torch.cat([self.lengths_b] * self.groups) if self.groups > 1 else self.lengths_b
+        return self._rows(self.lengths_b)
 
     @property
     def scratch_start(self) -> int:
