@@ -167,28 +167,35 @@ class LookupGroup(DraftGroup):
         batch = len(self.history)
         k = min(int(top_k), max(self.d.vocab_size, 1))
         m = num_candidates(depth, k)
-        scores = torch.full((batch, m), float("-inf"))
-        tokens = torch.full((batch, m), -1, dtype=torch.int64)
-        parents = torch.full((batch, m), -1, dtype=torch.int64)
         step = math.log(self.d.confidence)
         chain = depth if self.sampling or self.d.depth is None else self.d.depth
+        # rows built on the host as lists, one tensor each at the end (a tensor write per node costs
+        # microseconds each, more than the search)
+        pad = [float("-inf")] * m, [-1] * m
+        scores, tokens, parents = [], [], []
         for b in range(batch):
             trie: Dict[Tuple[int, int], int] = {}  # (parent candidate, token) -> candidate
-            used = 0
+            s_row, t_row, p_row = [], [], []
             for rank, cont in enumerate(self.continuations(b, chain, k)):
                 parent = -1
                 for i, t in enumerate(cont):
                     node = trie.get((parent, t))
                     if node is None:
-                        if used >= m:
+                        if len(t_row) >= m:
                             break
-                        node = trie[(parent, t)] = used
-                        tokens[b, used], parents[b, used] = t, parent
-                        scores[b, used] = step * (i + 1) - 0.01 * rank
-                        used += 1
+                        node = trie[(parent, t)] = len(t_row)
+                        t_row.append(t)
+                        p_row.append(parent)
+                        s_row.append(step * (i + 1) - 0.01 * rank)
                     parent = node
+            used = len(t_row)
+            scores.append(s_row + pad[0][used:])
+            tokens.append(t_row + pad[1][used:])
+            parents.append(p_row + pad[1][used:])
         device = self.lengths_b.device
-        return DraftCandidates(scores.to(device), tokens.to(device), parents.to(device),
+        return DraftCandidates(torch.tensor(scores, dtype=torch.float32, device=device).view(batch, m),
+                               torch.tensor(tokens, dtype=torch.int64, device=device).view(batch, m),
+                               torch.tensor(parents, dtype=torch.int64, device=device).view(batch, m),
                                torch.zeros(batch, device=device))
 
     def tree_depth(self, depth: int, top_k: int) -> int:
