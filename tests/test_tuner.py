@@ -521,6 +521,66 @@ def test_coasting_goes_on_while_fewer_groups_can_draft():
     assert tuner.coast_token() is None
 
 
+def test_prompt_lookup_that_does_not_pay_coasts():
+    """Where prompt lookup has matches but its trees never pay (each node costs ten forwards), the decoder
+    repeats the plain step without planning or searching for matches (its appends queue until it next
+    plans), and the output is the target's greedy output."""
+    m = em.greedy_models()
+    prompt = [5, 17, 42, 8, 61, 3, 5, 17, 42, 8, 61, 3, 5, 17]
+    ref = SpeculativeDecoder(m["target"], [], strategy="autoregressive").generate([prompt], max_new_tokens=60)
+
+    class Counting(Tuner):
+        calls = 0
+
+        def plan(self, *args, **kw):
+            self.calls += 1
+            return super().plan(*args, **kw)
+
+    tuner = Counting(FixedCosts(lambda n, b: 1e-3 + 1e-2 * (n - 1), lambda g, d, b: 1e-6))
+    dec = SpeculativeDecoder(m["target"], [PromptLookupDrafter()], strategy="single", depth=3, top_k=1, budget=4,
+                             tuner=tuner)
+    out = dec.generate([prompt], max_new_tokens=60)
+    assert out.tokens[0] == ref.tokens[0]
+    shapes = out.stats[0].draft_shapes
+    assert shapes.count("none") >= len(shapes) - 4, shapes  # the first tries, then plain steps
+    assert tuner.calls <= len(shapes) // 2, (tuner.calls, len(shapes))
+
+
+def test_values_are_refreshed_within_refresh_steps():
+    """While drafts are observed every step, a plan prices the candidates again once in ``refresh``
+    steps (their values then hold every observation so far), not every step; a plain step is not
+    repeated without planning from values that miss an observation."""
+    with pytest.raises(ValueError, match="refresh"):
+        Tuner(_cheap(), refresh=0)
+    for refresh in (1, 3):
+        tuner = Tuner(_cheap(draft=1e-5, forward=1e-3), refresh=refresh)
+        tuner.begin(1, False)
+        priced, plans = [], []
+        total = tuner.acceptance.total
+        tuner.acceptance.total = lambda *a, **k: (priced.append(len(plans)), total(*a, **k))[1]
+        for _ in range(30):
+            shape = tuner.plan([(0,)], lambda g, d: d, [0], [0], 1, 3, 8)
+            plans.append(shape)
+            tuner.observe(shape, [shape.depth], shape.depth, shape.budget, 1, 1e-3, {}, [])  # all accepted
+        assert all(s.drafters for s in plans[-20:])
+        steps = sorted(set(priced))
+        assert [b - a for a, b in zip(steps, steps[1:])] == [refresh] * (len(steps) - 1), (refresh, steps)
+        assert steps[-1] >= len(plans) - refresh
+    # no draft is best; a draft observed since the values were priced: that plain step is not repeated
+    tuner = Tuner(_cheap(draft=1e-2, forward=1e-3), refresh=4)  # a level costs ten forwards
+    tuner.begin(1, False)
+    for _ in range(40):
+        shape = tuner.plan([(0,)], lambda g, d: d, [0], [0], 1, 3, 8)
+        tuner.observe(shape, [0], shape.depth, shape.budget, 1, 1e-3, {}, [])
+    assert tuner.plan([(0,)], lambda g, d: d, [0], [0], 1, 3, 8) == NONE and tuner.coast_token() is not None
+    probe = Shape((0,), 3, 8)
+    tuner.observe(probe, [0], 3, 8, 1, 1e-3, {}, [])
+    assert tuner.plan([(0,)], lambda g, d: d, [0], [0], 1, 3, 8) == NONE  # priced again (long ago)
+    tuner.observe(probe, [0], 3, 8, 1, 1e-3, {}, [])
+    assert tuner.plan([(0,)], lambda g, d: d, [0], [0], 1, 3, 8) == NONE  # from values a step old
+    assert tuner.coast_token() is None
+
+
 def test_prompt_lookup_drafts_only_with_a_match():
     """With drafting priced as free, a prompt-lookup decoder still runs a plain step whenever the context
     has no earlier occurrence of its last n-gram (no tree of the root alone), and drafts when it has one;

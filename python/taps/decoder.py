@@ -404,9 +404,11 @@ class SpeculativeDecoder:
                            [state.pending.count(g) for g in groups], active, state.batch, self.depth, self.budget,
                            idle=idle)
         if not shape.drafters:  # a plain step (most steps where no draft pays: kept lean)
-            # (not with a group that drafts for free: it catches up and is asked for a match every step,
-            # so that it drafts as soon as one is worth it, without a queue of appends to price first)
-            token = tuner.coast_token() if not free else None
+            # repeated without planning only after a plan where every group could draft (a prompt lookup
+            # had a match) and none paid: then a match is no reason to plan again either, until a probe
+            # could come due; a free group's queued appends are caught up above before the next plan,
+            # so they are never priced into it
+            token = tuner.coast_token()
             if token is not None:
                 state.coast = (token, state.epoch)
             return _Plan(shape, [], 0, updates=updates)

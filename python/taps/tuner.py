@@ -335,6 +335,9 @@ class AcceptanceModel:
         self.pooled: Dict[tuple, _Counts] = {}
         self.requests: List[Dict[tuple, _Counts]] = []
         self._memo: Dict[tuple, dict] = {}  # per kind: what an observation of it changes
+        #: the depth every per-kind list is computed to at least (the tuner sets the decoder's depth: a
+        #: plan asks for every depth of a kind, and each list is then computed once, not once per depth)
+        self.horizon = 1
 
     def reset(self, batch: int) -> None:
         """Start a batch of requests (the pooled counts stay)."""
@@ -383,12 +386,24 @@ class AcceptanceModel:
         either), so that the widest tree's steps speak for the narrower kinds too."""
         if cap <= 0:
             return 0.0
-        reach = self._reach(key, b, cap, optimistic)[:cap]
-        drafters, budget = key
-        for other in self.pooled if budget is not None else ():
-            if other[0] == drafters and other[1] is not None and other[1] > budget:
-                reach = [min(p, q) for p, q in zip(reach, self._reach(other, b, cap, optimistic))]
-        return sum(reach)
+        return self._bounded(key, b, cap, optimistic)[cap - 1]
+
+    def _bounded(self, key: tuple, b: int, cap: int, optimistic: bool) -> List[float]:
+        """E[accepted] of request b for the depths 1 .. cap (or more): the running sums of P(accepted >=
+        d), each bounded by the wider observed kinds' (see :meth:`expected`); computed once per kind and
+        request until an observation of the kind's drafters (a plan asks for every depth of a kind)."""
+        memo = ("bounded", b, optimistic)
+        kind = self._memo.setdefault(key, {})
+        sums = kind.get(memo)
+        if sums is None or len(sums) < cap:
+            cap = max(cap, self.horizon)
+            reach = self._reach(key, b, cap, optimistic)[:cap]
+            drafters, budget = key
+            for other in self.pooled if budget is not None else ():
+                if other[0] == drafters and other[1] is not None and other[1] > budget:
+                    reach = [min(p, q) for p, q in zip(reach, self._reach(other, b, cap, optimistic))]
+            sums = kind[memo] = list(itertools.accumulate(reach))
+        return sums
 
     def _reach(self, key: tuple, b: int, cap: int, optimistic: bool) -> List[float]:
         """P(accepted >= d) of request b for d = 1 .. cap (or more) from kind `key`'s own rates (at their
@@ -399,8 +414,12 @@ class AcceptanceModel:
         kind = self._memo.setdefault(key, {})
         reach = kind.get(memo)
         if reach is None or len(reach) < cap:
+            cap = max(cap, self.horizon)
+            depths = kind.get(("depths", memo[1]))
+            if depths is None or len(depths) < cap:
+                depths = kind[("depths", memo[1])] = self._depths(key, b, cap)
             reach, p = [], 1.0
-            for rate, trials in self._depths(key, b, cap):
+            for rate, trials in depths:
                 if optimistic:
                     rate = min(1.0, rate + (1.0 + trials) ** -0.5)
                 p *= rate
@@ -452,12 +471,15 @@ class Tuner:
             call): a target whose forward takes longer is timed fewer times (see :func:`time_call`).
         timer: the clock of every measurement (default ``time.perf_counter``, wall time; on a CPU shared
             with other jobs and one thread, ``time.process_time`` leaves their load out).
+        refresh: steps between recomputations of the candidates' values after observed drafts, at least
+            (1: every step that follows one; a plan of no draft is repeated without planning only from
+            values that hold every observation).
     """
 
     def __init__(self, costs: Optional[CostModel] = None, acceptance: Optional[AcceptanceModel] = None, *,
                  budgets: Sequence[int] = (2, 4, 8), max_probe_interval: int = 256, margin: float = 0.05,
                  explore: float = 0.02, calibrate: bool = True, calibration_budget: float = 0.05,
-                 timer: Callable[[], float] = time.perf_counter):
+                 timer: Callable[[], float] = time.perf_counter, refresh: int = 4):
         self.costs = costs
         self.acceptance = acceptance or AcceptanceModel()
         #: an acceptance model per verification mode (greedy, sampled): their rates differ
@@ -469,6 +491,8 @@ class Tuner:
         if not calibration_budget > 0:
             raise ValueError(f"Tuner: calibration_budget must be > 0 seconds, got {calibration_budget!r}")
         self.calibration_budget = float(calibration_budget)
+        if int(refresh) < 1:
+            raise ValueError(f"Tuner: refresh must be >= 1 step, got {refresh!r}")
         self.timer = timer
         self.clock = 0
         self._probe: Dict[tuple, Tuple[int, int]] = {}  # kind -> (next step, interval)
@@ -485,6 +509,10 @@ class Tuner:
         self._accrual = 0.0  # the credit one step adds
         #: while plain steps run with no probe near, one in this many is observed (see observes)
         self.plain_sample = 4
+        #: a plan recomputes the candidates' values after observed drafts at most once in this many steps
+        #: (each recomputation prices every candidate again: most of a plan's cost, paid on most steps
+        #: where a drafter is chosen; a value a few steps old moves by a few observations' worth)
+        self.refresh = int(refresh)
 
     # -- the candidate set ---------------------------------------------------------------------------
     def kinds(self, groups: Sequence[Tuple[int, ...]], single: bool) -> List[Tuple[Tuple[int, ...], ...]]:
@@ -609,14 +637,17 @@ class Tuner:
         costs = self.costs
         groups = tuple(groups)
         idle = frozenset(idle) if not single else frozenset()
-        memo = (groups, depth, budget, single, tuple(active), batch, self._version)
-        if self._plan_memo is not None and self._plan_memo[0] == memo and idle >= self._plan_idle and self.coast():
+        self.acceptance.horizon = depth
+        memo = (groups, depth, budget, single, tuple(active), batch)
+        cached = self._plan_memo
+        if cached is not None and cached[0] == memo and cached[2] == self._version and idle >= self._plan_idle \
+                and self.coast():
             # no draft was best and nothing a draft's value depends on changed since, while what drafting
             # would cost only grew (its pending appends) and no group idle then has something now: no draft
             # again, until a probe is due
             return NONE
         self._plan_idle = idle
-        if self._plan_memo is None or self._plan_memo[0] != memo:
+        if cached is None or cached[0] != memo or (cached[2] != self._version and self.clock - cached[3] >= self.refresh):
             # what only an observation of a draft changes (plain steps leave it as it is), for every shape
             # (those of idle groups are left out below: a prompt lookup's match comes and goes)
             base = []
@@ -632,7 +663,7 @@ class Tuner:
                 seconds = costs.forward(nodes, batch) + costs.rest(key) + sum(draft_of[g, d] for g in members)
                 base.append((shape, acceptance.total(key, rows, cap), seconds,
                              acceptance.total(key, rows, cap, optimistic=True), index))
-            self._plan_memo = (memo, base)
+            self._plan_memo = (memo, base, self._version, self.clock)
         options = [(NONE, self.value(NONE, active, 0), costs.forward(1, batch) + costs.rest(NONE.key), len(active))]
         update = [costs.update(g, pending[i], batch) for i, g in enumerate(groups)]
         appends: Dict[tuple, float] = {}  # per set of drafting groups (their positions)
@@ -648,7 +679,7 @@ class Tuner:
     def coast_token(self) -> Optional[tuple]:
         """Right after :meth:`plan` returned no draft with no group idle: what :meth:`coast` takes to
         repeat that answer (None otherwise: with a group idle, it could have something next step)."""
-        if self._plan_idle or self._plan_memo is None:
+        if self._plan_idle or self._plan_memo is None or self._plan_memo[2] != self._version:
             return None
         return (self._plan_memo, self._version)
 
