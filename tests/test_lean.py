@@ -242,3 +242,26 @@ def test_forwards_of_one_target_share_its_packed_weights():
     del first, second, hf_path, old
     gc.collect()
     assert shared() is None
+
+
+@pytest.mark.parametrize("layout", ["packed", "plain", "transposed"])
+def test_every_head_layout_gives_the_same_product(layout, monkeypatch):
+    """A large float32 head keeps the layout timed fastest on the machine (Linear.pack(choose_layout=True));
+    whichever it is, the product is F.linear's up to float rounding, for 1-, 2- and 3-D inputs, with and
+    without a bias; the layout is chosen only among the candidates the weight has."""
+    from taps import lean
+
+    torch.manual_seed(0)
+    weight, bias = torch.randn(lean.LAYOUT_MIN_ROWS + 7, 48), torch.randn(lean.LAYOUT_MIN_ROWS + 7)
+    assert lean.fastest_layout(weight, None, None, repeats=1) in ("plain", "transposed")
+    monkeypatch.setattr(lean, "fastest_layout", lambda w, b, p, repeats=3: layout)
+    for b in (None, bias):
+        head = lean.Linear(weight, b).pack(choose_layout=True)
+        assert (head.transposed is not None) == (layout == "transposed")
+        assert layout != "plain" or head.packed is None
+        with torch.no_grad():
+            for shape in ((48,), (5, 48), (2, 9, 48)):
+                x = torch.randn(shape)
+                torch.testing.assert_close(head(x), torch.nn.functional.linear(x, weight, b), rtol=1e-5, atol=1e-4)
+    small = lean.Linear(torch.randn(64, 48)).pack(choose_layout=True)  # below LAYOUT_MIN_ROWS: as before
+    assert small.transposed is None

@@ -46,7 +46,7 @@ class _Packed:
     def __init__(self, model: nn.Module, key: tuple, lean: bool):
         self.model, self.key = model, key  # the model: its id names this entry for as long as it lives
         out = model.get_output_embeddings()
-        self.head = Linear(out.weight, out.bias).pack()
+        self.head = Linear(out.weight, out.bias).pack(choose_layout=True)
         self.lean = LeanCausalLM(model).pack() if lean else None
 
 

@@ -32,6 +32,7 @@ says why a model cannot take the lean path; the engine then uses :mod:`taps.hf` 
 
 from __future__ import annotations
 
+import time
 from typing import Callable, List, Optional, Sequence, Tuple, Union
 
 import torch
@@ -77,11 +78,12 @@ class Linear:
         biases: matching bias(es) or None.
     """
 
-    __slots__ = ("weight", "bias", "stacked", "packed", "widened")
+    __slots__ = ("weight", "bias", "stacked", "packed", "widened", "transposed")
 
     def __init__(self, weights, biases=None):
         self.packed = None
         self.widened = False
+        self.transposed: Optional[Tensor] = None  # [in, out] contiguous: products as x @ W^T laid out NN
         if isinstance(weights, (list, tuple)):
             if len(weights) == 1:
                 weights, biases = weights[0], (biases[0] if biases is not None else None)
@@ -112,14 +114,19 @@ class Linear:
             fused.bias = torch.cat(biases, dim=-1).contiguous()
         return fused
 
-    def pack(self) -> "Linear":
+    def pack(self, choose_layout: bool = False) -> "Linear":
         """On the CPU, keep a copy of the weight in oneDNN's blocked layout (:func:`pack_weight`), so that
         calls skip re-laying it out (inference only: the packed path is used with autograd off).
 
         On a CPU without hardware bf16 / fp16 matrix products (``taps_ops.native_half_matmul``), a weight of
         that dtype is widened to float32 (exact) and kept so: each call then widens x, multiplies in float32
         and rounds the result to x's dtype, as the emulated half-precision kernels would (they accumulate
-        in float32 too) at the float32 kernels' speed instead of several times slower."""
+        in float32 too) at the float32 kernels' speed instead of several times slower.
+
+        ``choose_layout`` (a large float32 head called from Python: a tree's rows at once): the weight's
+        layouts are timed on this machine at 1 and 8 rows (the packed copy, the [out, in] weight as it is,
+        and an [in, out] transposed copy) and the fastest kept (:func:`fastest_layout`): which BLAS kernel
+        a few rows get differs between CPUs and instruction sets by up to 2x."""
         if (self.weight.device.type == "cpu" and self.weight.dtype in (torch.bfloat16, torch.float16)
                 and not taps_ops.native_half_matmul(self.weight.dtype)):
             self.weight = self.weight.detach().float()
@@ -127,6 +134,13 @@ class Linear:
             self.widened = True
         if not self.stacked:
             self.packed = pack_weight(self.weight)
+            if choose_layout and self.weight.device.type == "cpu" and self.weight.dtype == torch.float32 \
+                    and self.weight.shape[0] >= LAYOUT_MIN_ROWS:
+                layout = fastest_layout(self.weight, self.bias, self.packed)
+                if layout != "packed":
+                    self.packed = None
+                if layout == "transposed":
+                    self.transposed = self.weight.detach().t().contiguous()
         return self
 
     def __call__(self, x: Tensor) -> Tensor:
@@ -136,12 +150,49 @@ class Linear:
 
     def _product(self, x: Tensor) -> Tensor:
         if not self.stacked:
+            if self.transposed is not None and not torch.is_grad_enabled():
+                rows = x.reshape(-1, x.shape[-1])
+                y = torch.addmm(self.bias, rows, self.transposed) if self.bias is not None else torch.mm(rows, self.transposed)
+                return y.view(*x.shape[:-1], y.shape[-1])
             if self.packed is not None and not torch.is_grad_enabled():
                 return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
             return F.linear(x, self.weight, self.bias)
         if self.bias is not None:
             return torch.baddbmm(self.bias, x, self.weight)
         return torch.bmm(x, self.weight)
+
+
+#: float32 weights of at least this many output rows called with ``Linear.pack(choose_layout=True)`` (heads)
+#: have their layout timed at load (a few milliseconds for a 32,000-row head)
+LAYOUT_MIN_ROWS = 4096
+
+
+def fastest_layout(weight: Tensor, bias: Optional[Tensor], packed: Optional[Tensor], repeats: int = 3) -> str:
+    """Which layout of a float32 CPU weight [out, in] multiplies fastest on this machine: ``"packed"``
+    (oneDNN's blocked copy, when there is one), ``"plain"`` (``F.linear`` over [out, in]) or
+    ``"transposed"`` (``mm`` over an [in, out] copy): the least summed time of a 1-row and an 8-row product
+    (a plain step's and a tree's), each the fastest of ``repeats`` calls after one untimed call. The layouts
+    give the same products up to float rounding."""
+    t = weight.detach().t().contiguous()
+    candidates = {"plain": lambda x: F.linear(x, weight, bias),
+                  "transposed": lambda x: torch.addmm(bias, x, t) if bias is not None else torch.mm(x, t)}
+    if packed is not None:
+        candidates["packed"] = lambda x: torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+    seconds = dict.fromkeys(candidates, 0.0)
+    with torch.no_grad():
+        for rows in (1, 8):
+            x = torch.randn(rows, weight.shape[1], dtype=weight.dtype)
+            best = dict.fromkeys(candidates, float("inf"))
+            for name, fn in candidates.items():
+                fn(x)
+            for _ in range(repeats):  # the layouts alternate, so that a burst of load hits them alike
+                for name, fn in candidates.items():
+                    t0 = time.perf_counter()
+                    fn(x)
+                    best[name] = min(best[name], time.perf_counter() - t0)
+            for name in candidates:
+                seconds[name] += best[name]
+    return min(seconds, key=seconds.get)
 
 
 def pack_weight(weight: Tensor) -> Optional[Tensor]:
