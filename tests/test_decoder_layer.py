@@ -77,6 +77,14 @@ def _check_equal(results):
     assert torch.equal(ka, kb) and torch.equal(va, vb)
 
 
+@pytest.fixture(params=[False, True], ids=["plain", "stacked"])
+def layout(request, monkeypatch):
+    """A single float32 projection as the [out, in] weight or stacked [1, in, out] (LayerWeights.pack
+    keeps the one timed faster on the machine: Linear.stack_if_faster); both layouts tested everywhere."""
+    monkeypatch.setattr(lean, "faster_stacked", lambda shape, repeats=3: request.param)
+    return request.param
+
+
 CASES = [
     # arch, groups, dtype, no input norm, config extras
     ("llama", 1, torch.float32, False, {}),
@@ -97,6 +105,7 @@ CASES = [
 @pytest.mark.parametrize("arch,groups,dtype,no_in_norm,extra", CASES)
 @pytest.mark.parametrize("rows,tokens,tree_nodes,prefix", [(1, 1, 1, 5), (3, 5, 7, 11), (2, 4, 4, 0)])
 @torch.no_grad()
+@pytest.mark.usefixtures("layout")
 def test_op_equals_the_python_layer_bit_for_bit(arch, groups, dtype, no_in_norm, extra, rows, tokens, tree_nodes,
                                                 prefix):
     models = _layers(arch, groups, dtype, **extra)
@@ -127,6 +136,7 @@ def test_op_equals_the_python_layer_bit_for_bit(arch, groups, dtype, no_in_norm,
 @pytest.mark.parametrize("arch,groups,dtype", [("llama", 1, torch.float32), ("qwen2", 1, torch.bfloat16),
                                                 ("llama", 2, torch.bfloat16), ("llama", 3, torch.float32)])
 @torch.no_grad()
+@pytest.mark.usefixtures("layout")
 def test_ragged_rows_op_equals_the_python_layer(arch, groups, dtype):
     """write_positions: each row's new K/V at its own columns (a scatter), its tree the last tree_nodes keys
     of its own kv_lens; bit for bit the Python body with the same TreeAttend."""
@@ -157,6 +167,7 @@ def test_ragged_rows_op_equals_the_python_layer(arch, groups, dtype):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("groups", [1, 2])
 @torch.no_grad()
+@pytest.mark.usefixtures("layout")
 def test_eagle3_layer_op_equals_the_python_layer(dtype, groups):
     hidden = 32
     models = _layers("llama", groups, dtype, hidden_size=hidden, num_attention_heads=4, head_dim=8)
@@ -244,7 +255,9 @@ BAD = {
 
 
 @pytest.mark.parametrize("case", sorted(BAD))
-def test_bad_inputs_raise_clear_errors(case):
+def test_bad_inputs_raise_clear_errors(case, monkeypatch):
+    # the cases cut [out, in] weights: the plain layout (the stacked one is the "stacked weight" cases)
+    monkeypatch.setattr(lean, "faster_stacked", lambda shape, repeats=3: False)
     args = _valid_call()
     with torch.no_grad():
         _call(args)                      # the valid call works

@@ -143,6 +143,18 @@ class Linear:
                     self.transposed = self.weight.detach().t().contiguous()
         return self
 
+    def stack_if_faster(self) -> "Linear":
+        """A plain float32 CPU weight [out, in] (not oneDNN-packed) kept instead as one stacked group [1, in,
+        out] (x [1, R, in] then multiplies it by ``bmm``, in the Python body and in
+        ``taps_ops.decoder_layer`` alike) where that is faster on this machine (:func:`faster_stacked`,
+        timed once per shape): inputs must then be [1, R, in]. Decoder layers' projections."""
+        if (not self.stacked and self.packed is None and self.weight.device.type == "cpu"
+                and self.weight.dtype == torch.float32 and faster_stacked(tuple(self.weight.shape))):
+            self.weight = self.weight.detach().t().contiguous().unsqueeze(0)
+            self.bias = None if self.bias is None else self.bias.detach().reshape(1, 1, -1).contiguous()
+            self.stacked = True
+        return self
+
     def __call__(self, x: Tensor) -> Tensor:
         if self.widened and x.dtype != torch.float32:
             return self._product(x.float()).to(x.dtype)
@@ -193,6 +205,40 @@ def fastest_layout(weight: Tensor, bias: Optional[Tensor], packed: Optional[Tens
             for name in candidates:
                 seconds[name] += best[name]
     return min(seconds, key=seconds.get)
+
+
+_STACKED_FASTER: dict = {}
+
+
+def faster_stacked(shape: Tuple[int, int], repeats: int = 3) -> bool:
+    """Whether a float32 [out, in] projection of x [1, R, in] runs faster on this machine as ``bmm`` over
+    the weight stacked [1, in, out] than as ``mm`` over the rows and the [out, in] weight transposed (what
+    ``F.linear`` and ``taps_ops.decoder_layer`` run for a plain weight): the least summed time of 1 and 8
+    rows, each the fastest of ``repeats`` calls after one untimed call, on random weights of that shape;
+    measured once per shape and process (a few milliseconds)."""
+    known = _STACKED_FASTER.get(shape)
+    if known is not None:
+        return known
+    out, inner = shape
+    weight = torch.randn(out, inner)
+    stacked = weight.t().contiguous().unsqueeze(0)
+    candidates = {False: lambda x: torch.mm(x[0], weight.t()), True: lambda x: torch.bmm(x, stacked)}
+    seconds = dict.fromkeys(candidates, 0.0)
+    with torch.no_grad():
+        for rows in (1, 8):
+            x = torch.randn(1, rows, inner)
+            best = dict.fromkeys(candidates, float("inf"))
+            for fn in candidates.values():
+                fn(x)
+            for _ in range(repeats):
+                for key, fn in candidates.items():
+                    t0 = time.perf_counter()
+                    fn(x)
+                    best[key] = min(best[key], time.perf_counter() - t0)
+            for key in candidates:
+                seconds[key] += best[key]
+    _STACKED_FASTER[shape] = answer = seconds[True] < seconds[False]
+    return answer
 
 
 def pack_weight(weight: Tensor) -> Optional[Tensor]:
@@ -295,6 +341,9 @@ class LayerWeights:
             self.gate_up = Linear.concat([self.gate, self.up]).pack()
         for lin in (self.q, self.k, self.v, self.o, self.gate, self.up, self.down):
             lin.pack()
+        for lin in (self.qkv, self.o, self.gate_up, self.down):
+            if lin is not None:
+                lin.stack_if_faster()
         self.op_args = None
         dtype = self.post_norm.rows.dtype
         # the op takes widened float32 projections (Linear.pack) beside half-precision norms, as the Python body
