@@ -179,54 +179,12 @@ class Linear:
 LAYOUT_MIN_ROWS = 4096
 
 
-def fastest_layout(weight: Tensor, bias: Optional[Tensor], packed: Optional[Tensor], repeats: int = 3) -> str:
-    """Which layout of a float32 CPU weight [out, in] multiplies fastest on this machine: ``"packed"``
-    (oneDNN's blocked copy, when there is one), ``"plain"`` (``F.linear`` over [out, in]) or
-    ``"transposed"`` (``mm`` over an [in, out] copy): the least summed time of a 1-row and an 8-row product
-    (a plain step's and a tree's), each the fastest of ``repeats`` calls after one untimed call. The layouts
-    give the same products up to float rounding."""
-    t = weight.detach().t().contiguous()
-    candidates = {"plain": lambda x: F.linear(x, weight, bias),
-                  "transposed": lambda x: torch.addmm(bias, x, t) if bias is not None else torch.mm(x, t)}
-    if packed is not None:
-        candidates["packed"] = lambda x: torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+def _timed(candidates: dict, inputs: Sequence[Tensor], repeats: int) -> dict:
+    """Seconds per candidate function: summed over `inputs`, each the fastest of ``repeats`` calls after
+    one untimed call, the candidates alternating (a burst of load hits them alike)."""
     seconds = dict.fromkeys(candidates, 0.0)
     with torch.no_grad():
-        for rows in (1, 8):
-            x = torch.randn(rows, weight.shape[1], dtype=weight.dtype)
-            best = dict.fromkeys(candidates, float("inf"))
-            for name, fn in candidates.items():
-                fn(x)
-            for _ in range(repeats):  # the layouts alternate, so that a burst of load hits them alike
-                for name, fn in candidates.items():
-                    t0 = time.perf_counter()
-                    fn(x)
-                    best[name] = min(best[name], time.perf_counter() - t0)
-            for name in candidates:
-                seconds[name] += best[name]
-    return min(seconds, key=seconds.get)
-
-
-_STACKED_FASTER: dict = {}
-
-
-def faster_stacked(shape: Tuple[int, int], repeats: int = 3) -> bool:
-    """Whether a float32 [out, in] projection of x [1, R, in] runs faster on this machine as ``bmm`` over
-    the weight stacked [1, in, out] than as ``mm`` over the rows and the [out, in] weight transposed (what
-    ``F.linear`` and ``taps_ops.decoder_layer`` run for a plain weight): the least summed time of 1 and 8
-    rows, each the fastest of ``repeats`` calls after one untimed call, on random weights of that shape;
-    measured once per shape and process (a few milliseconds)."""
-    known = _STACKED_FASTER.get(shape)
-    if known is not None:
-        return known
-    out, inner = shape
-    weight = torch.randn(out, inner)
-    stacked = weight.t().contiguous().unsqueeze(0)
-    candidates = {False: lambda x: torch.mm(x[0], weight.t()), True: lambda x: torch.bmm(x, stacked)}
-    seconds = dict.fromkeys(candidates, 0.0)
-    with torch.no_grad():
-        for rows in (1, 8):
-            x = torch.randn(1, rows, inner)
+        for x in inputs:
             best = dict.fromkeys(candidates, float("inf"))
             for fn in candidates.values():
                 fn(x)
@@ -237,8 +195,40 @@ def faster_stacked(shape: Tuple[int, int], repeats: int = 3) -> bool:
                     best[key] = min(best[key], time.perf_counter() - t0)
             for key in candidates:
                 seconds[key] += best[key]
-    _STACKED_FASTER[shape] = answer = seconds[True] < seconds[False]
-    return answer
+    return seconds
+
+
+def fastest_layout(weight: Tensor, bias: Optional[Tensor], packed: Optional[Tensor], repeats: int = 3) -> str:
+    """Which layout of a float32 CPU weight [out, in] multiplies fastest on this machine: ``"packed"``
+    (oneDNN's blocked copy, when there is one), ``"plain"`` (``F.linear`` over [out, in]) or
+    ``"transposed"`` (``mm`` over an [in, out] copy): the least summed time of a 1-row and an 8-row product
+    (a plain step's and a tree's). The layouts give the same products up to float rounding."""
+    t = weight.detach().t().contiguous()
+    candidates = {"plain": lambda x: F.linear(x, weight, bias),
+                  "transposed": lambda x: torch.addmm(bias, x, t) if bias is not None else torch.mm(x, t)}
+    if packed is not None:
+        candidates["packed"] = lambda x: torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+    seconds = _timed(candidates, [torch.randn(rows, weight.shape[1], dtype=weight.dtype) for rows in (1, 8)], repeats)
+    return min(seconds, key=seconds.get)
+
+
+_STACKED_FASTER: dict = {}
+
+
+def faster_stacked(shape: Tuple[int, int], repeats: int = 3) -> bool:
+    """Whether a float32 [out, in] projection of x [1, R, in] runs faster on this machine as ``bmm`` over
+    the weight stacked [1, in, out] than as ``mm`` over the rows and the [out, in] weight transposed (what
+    ``F.linear`` and ``taps_ops.decoder_layer`` run for a plain weight): the least summed time of 1 and 8
+    rows on random weights of that shape; measured once per shape and process (a few milliseconds)."""
+    known = _STACKED_FASTER.get(shape)
+    if known is None:
+        out, inner = shape
+        weight = torch.randn(out, inner)
+        stacked = weight.t().contiguous().unsqueeze(0)
+        seconds = _timed({False: lambda x: torch.mm(x[0], weight.t()), True: lambda x: torch.bmm(x, stacked)},
+                         [torch.randn(1, rows, inner) for rows in (1, 8)], repeats)
+        known = _STACKED_FASTER[shape] = seconds[True] < seconds[False]
+    return known
 
 
 def pack_weight(weight: Tensor) -> Optional[Tensor]:
