@@ -100,7 +100,6 @@ struct S {
   using F = __m512;
   using I = __m512i;
   static constexpr int L = 16, kMaxNV = 4;
-  static constexpr bool kColumnStrips = false;
   static F load(const float* p) { return _mm512_loadu_ps(p); }
   static void store(float* p, F x) { _mm512_storeu_ps(p, x); }
   static F set1(float x) { return _mm512_set1_ps(x); }
@@ -195,7 +194,6 @@ struct S {
   using F = __m256;
   using I = __m256i;
   static constexpr int L = 8, kMaxNV = 2;
-  static constexpr bool kColumnStrips = true;
   static F load(const float* p) { return _mm256_loadu_ps(p); }
   static void store(float* p, F x) { _mm256_storeu_ps(p, x); }
   static F set1(float x) { return _mm256_set1_ps(x); }
@@ -292,7 +290,6 @@ struct S {
   using F = __m128;
   using I = __m128i;
   static constexpr int L = 4, kMaxNV = 2;
-  static constexpr bool kColumnStrips = false;
   static F load(const float* p) { return _mm_loadu_ps(p); }
   static void store(float* p, F x) { _mm_storeu_ps(p, x); }
   static F set1(float x) { return _mm_set1_ps(x); }

@@ -16,10 +16,8 @@
 // scale * log2(e) once per work item, so a tile of prefix keys needs no pass but the row max; only tiles
 // that reach the tree nodes or the end of the keys are masked. A tile's score columns stop at the first
 // whole vector past its last key. Rows go through both products in micro-kernel row blocks, so that one
-// block's softmax work runs beside the next block's products; with S::kColumnStrips (AVX2) each product runs
-// instead a column strip of its right-hand matrix (K^T or V) at a time over all the row blocks (the strip
-// read from L1 by every block), the probabilities one pass before P * V. The next tile's K and V rows are
-// prefetched into L2 while one is computed.
+// block's softmax work runs beside the next block's products. The next tile's K and V rows are prefetched
+// into L2 while one is computed.
 // fp32: a register-blocked micro-GEMM (6 rows x kMaxNV vectors: AVX-512 6 x 64 with 24 accumulators,
 // AVX2 6 x 16 with 12; V read in place). bf16 / fp16: the same fp32 micro-GEMMs, q, K and V widened to
 // fp32 as they are read (exact), so the arithmetic is the fp32 path's (P stays fp32, as in the Vec kernel).
@@ -122,36 +120,31 @@ __attribute__((always_inline)) inline void row_blocks(int64_t M, Block&& block) 
   }
 }
 
-// The row blocks of one column block of L NV columns; after_block(m, mr, last) after each micro-kernel
-// block of rows [m, m + mr) (last: this is the last column block).
+// The row blocks of one column block of L NV columns; after_block() runs after each (prefetches).
 template <int NV, class AfterBlock>
 __attribute__((always_inline)) inline void gemm_cols(int64_t M, int64_t K, const float* A, int64_t lda, const float* B,
                                                      int64_t ldb, float* C, int64_t ldc, bool add, const float* c_scale,
-                                                     bool last, AfterBlock& after_block) {
+                                                     AfterBlock& after_block) {
   row_blocks(M, [&](int64_t m, int64_t mr) __attribute__((always_inline)) {
     micro_gemm_rows<NV>(mr, K, A + m * lda, lda, B, ldb, C + m * ldc, ldc, add, c_scale ? c_scale + m : nullptr);
-    after_block(m, mr, last);
+    after_block();
   });
 }
 
 // C[M][N] (+)= A[M][K] * B[K][N], fp32, N a multiple of L; with `add` and c_scale, C's rows are first
-// multiplied by c_scale[0 .. M). Column blocks outside, row blocks inside: a strip of B (K rows x L kMaxNV
-// floats) is read by all row blocks in turn, while A's rows are read once per strip (a new cache line of
-// a row every L k steps, against one of B every k step). after_block(m, mr, last) after each micro-kernel
-// block (last: in the last column block, where rows [m, m + mr) of C are complete).
+// multiplied by c_scale[0 .. M). after_block() after each micro-kernel block.
 template <class AfterBlock>
 __attribute__((always_inline)) inline void gemm_f32(int64_t M, int64_t N, int64_t K, const float* A, int64_t lda,
                                                     const float* B, int64_t ldb, float* C, int64_t ldc, bool add,
                                                     const float* c_scale, AfterBlock&& after_block) {
   constexpr int kNV = S::kMaxNV;
-  const bool narrow = N % (kNV * L) != 0;  // a last column block of fewer vectors
   int64_t n = 0;
   for (; n + kNV * L <= N; n += kNV * L)
-    gemm_cols<kNV>(M, K, A, lda, B + n, ldb, C + n, ldc, add, c_scale, !narrow && n + kNV * L == N, after_block);
+    gemm_cols<kNV>(M, K, A, lda, B + n, ldb, C + n, ldc, add, c_scale, after_block);
   switch ((N - n) / L) {
-    case 3: if constexpr (kNV > 3) gemm_cols<3>(M, K, A, lda, B + n, ldb, C + n, ldc, add, c_scale, true, after_block); break;
-    case 2: if constexpr (kNV > 2) gemm_cols<2>(M, K, A, lda, B + n, ldb, C + n, ldc, add, c_scale, true, after_block); break;
-    case 1: gemm_cols<1>(M, K, A, lda, B + n, ldb, C + n, ldc, add, c_scale, true, after_block); break;
+    case 3: if constexpr (kNV > 3) gemm_cols<3>(M, K, A, lda, B + n, ldb, C + n, ldc, add, c_scale, after_block); break;
+    case 2: if constexpr (kNV > 2) gemm_cols<2>(M, K, A, lda, B + n, ldb, C + n, ldc, add, c_scale, after_block); break;
+    case 1: gemm_cols<1>(M, K, A, lda, B + n, ldb, C + n, ldc, add, c_scale, after_block); break;
     default: break;
   }
 }
@@ -318,7 +311,7 @@ void attend_fast(const Params& p, int64_t b, int64_t hkv, int64_t key_begin, int
   const F score_scale = S::set1(B ? log2_scale : 1.0f), ninf = S::set1(neg_inf);
   const int64_t row_bytes = D * static_cast<int64_t>(sizeof(T));
   TilePrefetch<T> prefetch;
-  const auto prefetch_step = [&](int64_t, int64_t, bool) __attribute__((always_inline)) { prefetch.step(); };
+  const auto prefetch_step = [&] { prefetch.step(); };
 
   for (int64_t t0 = key_begin; t0 < key_end; t0 += Tk) {
     const int64_t tl = std::min(Tk, key_end - t0);
@@ -420,13 +413,6 @@ void attend_fast(const Params& p, int64_t b, int64_t hkv, int64_t key_begin, int
           prefetch.step();
           tile_max(rr);
         }
-      } else if constexpr (S::kColumnStrips) {
-        gemm_f32(rb, cols, D, &sc.qf[r0 * D], D, reinterpret_cast<const float*>(sc.kt.data()), Tk, Sc, Tk, false,
-                 nullptr, [&](int64_t m, int64_t mr, bool last) __attribute__((always_inline)) {
-                   prefetch.step();
-                   if (last)
-                     for (int64_t rr = m; rr < m + mr; ++rr) tile_max(rr);
-                 });
       } else {
         row_blocks(rb, [&](int64_t m, int64_t mr) __attribute__((always_inline)) {
           gemm_f32(mr, cols, D, &sc.qf[(r0 + m) * D], D, reinterpret_cast<const float*>(sc.kt.data()), Tk,
@@ -458,9 +444,6 @@ void attend_fast(const Params& p, int64_t b, int64_t hkv, int64_t key_begin, int
         at::native::cpublas::brgemm(rb, D, pv_k, Tk, D, D, true, sc.ph.data(),
                                     reinterpret_cast<const c10::BFloat16*>(sc.vp.data()), &sc.acc[r0 * D], true);
 #endif
-      } else if constexpr (S::kColumnStrips) {
-        for (int64_t rr = 0; rr < rb; ++rr) probabilities(rr);
-        gemm_f32(rb, D, pv_k, Sc, Tk, v_rows, v_ld, &sc.acc[r0 * D], D, true, sc.alpha.data(), prefetch_step);
       } else {
         row_blocks(rb, [&](int64_t m, int64_t mr) __attribute__((always_inline)) {
           for (int64_t rr = m; rr < m + mr; ++rr) probabilities(rr);
