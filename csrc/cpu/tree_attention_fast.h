@@ -528,11 +528,14 @@ void attend_keys(const Params& p, int64_t b, int64_t hkv, int64_t key_begin, int
     if (tail) {  // lane l of row vector v: row v L + l sees key t0 + j
       for (int64_t i = 0; i < N; ++i)
         sc.vis[i] = tile_visibility(span, p.tree_mask + (b * N + i) * p.mask_words, p.mask_words, t0);
-      std::fill(sc.lanes.begin(), sc.lanes.end(), 0u);
-      for (int64_t r = 0, i = 0; r < rows; ++r, i = i + 1 == N ? 0 : i + 1) {
-        const uint64_t word = sc.vis[i];
-        uint32_t* lane = &sc.lanes[r / L];
-        for (int64_t j = 0; j < tl; ++j) lane[j * RV] |= static_cast<uint32_t>((word >> j) & 1) << (r % L);
+      for (int64_t v = 0; v < RV; ++v) {
+        uint64_t word[L];  // the keys row v L + l sees (none for the padding)
+        for (int64_t l = 0, r = v * L; l < L; ++l, ++r) word[l] = r < rows ? sc.vis[r % N] : 0;
+        for (int64_t j = 0; j < tl; ++j) {
+          uint32_t bits = 0;
+          for (int l = 0; l < L; ++l) bits |= static_cast<uint32_t>((word[l] >> j) & 1) << l;
+          sc.lanes[j * RV + v] = bits;
+        }
       }
     }
     // kKeyRowChunk rows at a time, so that their scores (tile x chunk) stay in L1 for the P * V product
@@ -542,16 +545,20 @@ void attend_keys(const Params& p, int64_t b, int64_t hkv, int64_t key_begin, int
       gemm_f32(tl, rc, D, k_rows, k_ld, &sc.qt[r0], Rp, St, rc, false, nullptr, prefetch_step);
       for (int64_t v = r0 / L; v < (r0 + rc) / L; ++v) {  // the online softmax, L rows at a time
         float* s = St + (v * L - r0);
-        F mx = ninf;
+        F m4[4] = {ninf, ninf, ninf, ninf};  // four chains: the max's latency, not its throughput
         if (tail) {
           for (int64_t j = 0; j < tl; ++j) {
             const F x = S::masked_scale(S::load(s + j * rc), sc.lanes[j * RV + v], one, ninf);
             S::store(s + j * rc, x);
-            mx = S::max(mx, x);
+            m4[j & 3] = S::max(m4[j & 3], x);
           }
         } else {
-          for (int64_t j = 0; j < tl; ++j) mx = S::max(mx, S::load(s + j * rc));
+          int64_t j = 0;
+          for (; j + 4 <= tl; j += 4)
+            for (int c = 0; c < 4; ++c) m4[c] = S::max(m4[c], S::load(s + (j + c) * rc));
+          for (; j < tl; ++j) m4[0] = S::max(m4[0], S::load(s + j * rc));
         }
+        const F mx = S::max(S::max(m4[0], m4[1]), S::max(m4[2], m4[3]));
         const F old_max = S::load(&sc.row_max[v * L]);
         const F new_max = S::max(old_max, mx);
         // 2^(old - new): 0 when the old state is empty (old = -inf; also new = -inf, where the NaN of
@@ -561,13 +568,13 @@ void attend_keys(const Params& p, int64_t b, int64_t hkv, int64_t key_begin, int
         S::store(&sc.row_max[v * L], new_max);
         // rows with nothing visible yet (new = -inf): p = 2^(-inf - lowest) = 0, the state stays empty
         const F nm = S::max(new_max, S::set1(std::numeric_limits<float>::lowest()));
-        F sum = S::zero();
+        F sum[2] = {S::zero(), S::zero()};
         for (int64_t j = 0; j < tl; ++j) {
           const F e = exp2_nonpos(S::sub(S::load(s + j * rc), nm));
-          sum = S::add(sum, e);
+          sum[j & 1] = S::add(sum[j & 1], e);
           S::store(s + j * rc, e);
         }
-        S::store(&sc.row_sum[v * L], S::add(S::mul(S::load(&sc.row_sum[v * L]), alpha), sum));
+        S::store(&sc.row_sum[v * L], S::add(S::mul(S::load(&sc.row_sum[v * L]), alpha), S::add(sum[0], sum[1])));
       }
       const int64_t real = std::min(rc, rows - r0);  // the chunk's rows short of the padding
       gemm_f32<true>(real, D, tl, St, rc, v_rows, v_ld, &sc.acc[r0 * D], D, true, &sc.alpha[r0], prefetch_step);
