@@ -128,7 +128,8 @@ __attribute__((always_inline)) inline void gemm_cols(int64_t M, int64_t K, const
                                                      int64_t ldb, float* C, int64_t ldc, bool add, const float* c_scale,
                                                      AfterBlock& after_block) {
   row_blocks(M, [&](int64_t m, int64_t mr) __attribute__((always_inline)) {
-    micro_gemm_rows<NV, kAT>(mr, K, A + (kAT ? m : m * lda), lda, B, ldb, C + m * ldc, ldc, add, c_scale ? c_scale + m : nullptr);
+    micro_gemm_rows<NV, kAT>(mr, K, A + (kAT ? m : m * lda), lda, B, ldb, C + m * ldc, ldc, add,
+                             c_scale ? c_scale + m : nullptr);
     after_block();
   });
 }
@@ -145,8 +146,12 @@ __attribute__((always_inline)) inline void gemm_f32(int64_t M, int64_t N, int64_
   for (; n + kNV * L <= N; n += kNV * L)
     gemm_cols<kNV, kAT>(M, K, A, lda, B + n, ldb, C + n, ldc, add, c_scale, after_block);
   switch ((N - n) / L) {
-    case 3: if constexpr (kNV > 3) gemm_cols<3, kAT>(M, K, A, lda, B + n, ldb, C + n, ldc, add, c_scale, after_block); break;
-    case 2: if constexpr (kNV > 2) gemm_cols<2, kAT>(M, K, A, lda, B + n, ldb, C + n, ldc, add, c_scale, after_block); break;
+    case 3:
+      if constexpr (kNV > 3) gemm_cols<3, kAT>(M, K, A, lda, B + n, ldb, C + n, ldc, add, c_scale, after_block);
+      break;
+    case 2:
+      if constexpr (kNV > 2) gemm_cols<2, kAT>(M, K, A, lda, B + n, ldb, C + n, ldc, add, c_scale, after_block);
+      break;
     case 1: gemm_cols<1, kAT>(M, K, A, lda, B + n, ldb, C + n, ldc, add, c_scale, after_block); break;
     default: break;
   }
@@ -514,7 +519,8 @@ void attend_keys(const Params& p, int64_t b, int64_t hkv, int64_t key_begin, int
     const T* k_tile = kb + t0 * p.k_stride_s;
     const T* v_tile = vb + t0 * p.v_stride_s;
     prefetch.start(k_tile + Tk * p.k_stride_s, p.k_stride_s, v_tile + Tk * p.v_stride_s, p.v_stride_s,
-                   std::clamp<int64_t>(key_end - t0 - Tk, 0, Tk), row_bytes, gemm_blocks(tl, Rp) + gemm_blocks(rows, D));
+                   std::clamp<int64_t>(key_end - t0 - Tk, 0, Tk), row_bytes,
+                   gemm_blocks(tl, Rp) + gemm_blocks(rows, D));
     const float *k_rows, *v_rows;
     int64_t k_ld, v_ld;
     if constexpr (kWiden) {
