@@ -167,7 +167,9 @@ def _random_tree_mask(batch, nodes):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("head_dim", [8, 24, 36, 64, 80])  # 8, 24: AVX2 fast path only; 36: Vec kernels
-@pytest.mark.parametrize("shape", [(2, 4, 2, 5, 131), (1, 3, 1, 70, 300), (3, 6, 3, 1, 65)])
+# rows a KV head (G N): 10, 210, 2, 64 (AVX2: the last that takes attend_keys, the tree across two tiles), 66
+@pytest.mark.parametrize("shape", [(2, 4, 2, 5, 131), (1, 3, 1, 70, 300), (3, 6, 3, 1, 65), (2, 2, 2, 64, 200),
+                                   (1, 2, 1, 33, 150)])
 def test_tree_attention_matches_reference_at_every_level(at_level, dtype, head_dim, shape):
     batch, hq, hkv, nodes, cache = shape
     q = torch.randn(batch, hq, nodes, head_dim, dtype=dtype)

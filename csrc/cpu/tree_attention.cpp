@@ -23,7 +23,9 @@
 //   lanes, multiply and add) for the x86-64 baseline: the same
 //   work items, tiles and online softmax, with both tile products as row-major micro-GEMMs (6 x 64 on
 //   AVX-512, 6 x 16 on AVX2; bf16 and fp16 widened to fp32 as they are read), for D % 16 (AVX-512) or D % 8
-//   (AVX2) == 0; opt-in, TAPS_ATTN_BF16_AMX=1, bf16 on at::native::cpublas::brgemm where it runs on AMX.
+//   (AVX2) == 0; at AVX2 a KV head of at most 64 query rows takes the scores transposed (keys as the
+//   micro-kernel's rows, attend_keys); opt-in, TAPS_ATTN_BF16_AMX=1, bf16 on at::native::cpublas::brgemm
+//   where it runs on AMX.
 #include <ATen/ATen.h>
 #include <ATen/NumericUtils.h>
 #include <ATen/Parallel.h>
@@ -100,6 +102,7 @@ struct S {
   using F = __m512;
   using I = __m512i;
   static constexpr int L = 16, kMaxNV = 4;
+  static constexpr bool kKeysAsRows = false;  // attend_keys (cpu/tree_attention_fast.h) never taken
   static F load(const float* p) { return _mm512_loadu_ps(p); }
   static void store(float* p, F x) { _mm512_storeu_ps(p, x); }
   static F set1(float x) { return _mm512_set1_ps(x); }
@@ -194,6 +197,7 @@ struct S {
   using F = __m256;
   using I = __m256i;
   static constexpr int L = 8, kMaxNV = 2;
+  static constexpr bool kKeysAsRows = true;  // attend_keys for KV heads of up to 64 query rows
   static F load(const float* p) { return _mm256_loadu_ps(p); }
   static void store(float* p, F x) { _mm256_storeu_ps(p, x); }
   static F set1(float x) { return _mm256_set1_ps(x); }
@@ -290,6 +294,7 @@ struct S {
   using F = __m128;
   using I = __m128i;
   static constexpr int L = 4, kMaxNV = 2;
+  static constexpr bool kKeysAsRows = false;  // attend_keys (cpu/tree_attention_fast.h) never taken
   static F load(const float* p) { return _mm_loadu_ps(p); }
   static void store(float* p, F x) { _mm_storeu_ps(p, x); }
   static F set1(float x) { return _mm_set1_ps(x); }
