@@ -253,8 +253,8 @@ def test_every_head_layout_gives_the_same_product(layout, monkeypatch):
 
     torch.manual_seed(0)
     weight, bias = torch.randn(lean.LAYOUT_MIN_ROWS + 7, 48), torch.randn(lean.LAYOUT_MIN_ROWS + 7)
-    assert lean.fastest_layout(weight, None, None, repeats=1) in ("plain", "transposed")
-    monkeypatch.setattr(lean, "fastest_layout", lambda w, b, p, repeats=3: layout)
+    assert lean.fastest_layout(weight, None, None, weight.t().contiguous(), repeats=1) in ("plain", "transposed")
+    monkeypatch.setattr(lean, "fastest_layout", lambda w, b, p, t, repeats=3: layout)
     for b in (None, bias):
         head = lean.Linear(weight, b).pack(choose_layout=True)
         assert (head.transposed is not None) == (layout == "transposed")

@@ -136,11 +136,12 @@ class Linear:
             self.packed = pack_weight(self.weight)
             if choose_layout and self.weight.device.type == "cpu" and self.weight.dtype == torch.float32 \
                     and self.weight.shape[0] >= LAYOUT_MIN_ROWS:
-                layout = fastest_layout(self.weight, self.bias, self.packed)
+                transposed = self.weight.detach().t().contiguous()
+                layout = fastest_layout(self.weight, self.bias, self.packed, transposed)
                 if layout != "packed":
                     self.packed = None
                 if layout == "transposed":
-                    self.transposed = self.weight.detach().t().contiguous()
+                    self.transposed = transposed
         return self
 
     def stack_if_faster(self) -> "Linear":
@@ -163,8 +164,7 @@ class Linear:
     def _product(self, x: Tensor) -> Tensor:
         if not self.stacked:
             if self.transposed is not None and not torch.is_grad_enabled():
-                rows = x.reshape(-1, x.shape[-1])
-                y = torch.addmm(self.bias, rows, self.transposed) if self.bias is not None else torch.mm(rows, self.transposed)
+                y = _mm_rows(x.reshape(-1, x.shape[-1]), self.transposed, self.bias)
                 return y.view(*x.shape[:-1], y.shape[-1])
             if self.packed is not None and not torch.is_grad_enabled():
                 return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
@@ -198,14 +198,19 @@ def _timed(candidates: dict, inputs: Sequence[Tensor], repeats: int) -> dict:
     return seconds
 
 
-def fastest_layout(weight: Tensor, bias: Optional[Tensor], packed: Optional[Tensor], repeats: int = 3) -> str:
+def _mm_rows(rows: Tensor, transposed: Tensor, bias: Optional[Tensor]) -> Tensor:
+    """rows [R, in] times a weight kept transposed [in, out], plus bias."""
+    return torch.addmm(bias, rows, transposed) if bias is not None else torch.mm(rows, transposed)
+
+
+def fastest_layout(weight: Tensor, bias: Optional[Tensor], packed: Optional[Tensor], transposed: Tensor,
+                   repeats: int = 3) -> str:
     """Which layout of a float32 CPU weight [out, in] multiplies fastest on this machine: ``"packed"``
     (oneDNN's blocked copy, when there is one), ``"plain"`` (``F.linear`` over [out, in]) or
-    ``"transposed"`` (``mm`` over an [in, out] copy): the least summed time of a 1-row and an 8-row product
-    (a plain step's and a tree's). The layouts give the same products up to float rounding."""
-    t = weight.detach().t().contiguous()
-    candidates = {"plain": lambda x: F.linear(x, weight, bias),
-                  "transposed": lambda x: torch.addmm(bias, x, t) if bias is not None else torch.mm(x, t)}
+    ``"transposed"`` (``mm`` over `transposed`, its [in, out] copy): the least summed time of a 1-row and
+    an 8-row product (a plain step's and a tree's). The layouts give the same products up to float
+    rounding."""
+    candidates = {"plain": lambda x: F.linear(x, weight, bias), "transposed": lambda x: _mm_rows(x, transposed, bias)}
     if packed is not None:
         candidates["packed"] = lambda x: torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
     seconds = _timed(candidates, [torch.randn(rows, weight.shape[1], dtype=weight.dtype) for rows in (1, 8)], repeats)
