@@ -171,7 +171,7 @@ class LookupGroup(DraftGroup):
         chain = depth if self.sampling or self.d.depth is None else self.d.depth
         # rows built on the host as lists, one tensor each at the end (a tensor write per node costs
         # microseconds each, more than the search)
-        pad = [float("-inf")] * m, [-1] * m
+        no_score, no_node = [float("-inf")] * m, [-1] * m  # the padding of a row's unused slots
         scores, tokens, parents = [], [], []
         for b in range(batch):
             trie: Dict[Tuple[int, int], int] = {}  # (parent candidate, token) -> candidate
@@ -189,9 +189,9 @@ class LookupGroup(DraftGroup):
                         s_row.append(step * (i + 1) - 0.01 * rank)
                     parent = node
             used = len(t_row)
-            scores.append(s_row + pad[0][used:])
-            tokens.append(t_row + pad[1][used:])
-            parents.append(p_row + pad[1][used:])
+            scores.append(s_row + no_score[used:])
+            tokens.append(t_row + no_node[used:])
+            parents.append(p_row + no_node[used:])
         device = self.lengths_b.device
         return DraftCandidates(torch.tensor(scores, dtype=torch.float32, device=device).view(batch, m),
                                torch.tensor(tokens, dtype=torch.int64, device=device).view(batch, m),
