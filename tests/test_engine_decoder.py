@@ -70,6 +70,10 @@ def test_greedy_equals_target(strategy, batch, lean):
     # every strategy gets drafts accepted (1.4 to 2.3 here; unrelated drafters give 1.0 to 1.1)
     assert out.summary["tau"] > 1.3, f"{strategy}: tau {out.summary['tau']:.2f}"
     assert sum(sum(s.drafter_accepted) for s in out.stats) > 0
+    if len(dec.drafters) == 1:  # every accepted draft token is the one drafter's (counted from the path)
+        assert all(s.drafter_accepted == [sum(s.accepted)] for s in out.stats), strategy
+    else:  # a node several drafters proposed counts for each
+        assert all(sum(s.drafter_accepted) >= sum(s.accepted) for s in out.stats), strategy
     cap = len(dec.drafters) * (dec.budget - 1) + 1 if strategy == "merged" else dec.budget
     assert all(1 < n <= cap for s in out.stats for n in s.tree_nodes), strategy
     if strategy.startswith("route"):

@@ -265,3 +265,21 @@ def test_every_head_layout_gives_the_same_product(layout, monkeypatch):
                 torch.testing.assert_close(head(x), torch.nn.functional.linear(x, weight, b), rtol=1e-5, atol=1e-4)
     small = lean.Linear(torch.randn(64, 48)).pack(choose_layout=True)  # below LAYOUT_MIN_ROWS: as before
     assert small.transposed is None
+
+
+def test_timed_rounds_within_the_budget():
+    """The layout timer runs at least `repeats` rounds per input after one untimed call, more while its
+    time budget lasts, and at most `most`."""
+    from taps import lean
+
+    calls = {"a": 0, "b": 0}
+
+    def counter(key):
+        def run(x):
+            calls[key] += 1
+        return run
+    seconds = lean._timed({k: counter(k) for k in calls}, [torch.zeros(1), torch.zeros(2)], repeats=2)
+    assert calls == {"a": 6, "b": 6} and set(seconds) == {"a", "b"}
+    calls.update(a=0, b=0)
+    lean._timed({k: counter(k) for k in calls}, [torch.zeros(1)], repeats=2, budget=60.0, most=7)
+    assert calls == {"a": 8, "b": 8}

@@ -351,12 +351,12 @@ class SpeculativeDecoder:
             with prof.section("draft"):
                 drafted = self._draft(state, plan)
             with prof.section("tree"):
-                tree = self._tree(state, plan, drafted)
+                tree, nodes = self._tree(state, plan, drafted)
             t0 = self._now()
             fwd, ver = self._verify(state, tree)
             with prof.section("compact"):
                 path, num_new = self._commit(state, ver)
-            record = self._read_back(state, tree, ver, path, drafted is not None)
+            record = self._read_back(state, tree, ver, path, drafted is not None, nodes)
             forward_seconds = self._now() - t0
             with prof.section("draft_update"):
                 self._advance_drafters(state, plan, fwd, ver, path, num_new, record)
@@ -437,16 +437,21 @@ class SpeculativeDecoder:
                             .view(len(order), state.batch, *drafted[0][i].shape[1:])
                             for i, f in enumerate(fields)), order)
 
-    def _tree(self, state: "DecodeState", plan: "_Plan", cands: Optional[Candidates]) -> Combined:
-        """The tree to verify: the strategy's combination of the candidates (the root alone without)."""
+    def _tree(self, state: "DecodeState", plan: "_Plan", cands: Optional[Candidates]) -> Tuple[Combined, Optional[List[int]]]:
+        """The tree to verify: the strategy's combination of the candidates (the root alone without); and
+        on the CPU each request's real nodes (root included; None elsewhere: a host read is a sync there)."""
+        batch = state.root.shape[0]
         if cands is not None:
             with self.strategy.step_budget(None if plan.shape is None else plan.shape.budget):
                 tree = self.strategy.combine(cands, state.root)
         else:
             tree = self.strategy.combine(None, state.root) if not state.groups else root_tree(state.root)
-        if state.root.device.type == "cpu":  # (a host read: free on the CPU, a sync elsewhere)
-            tree = _trim(tree)
-        return tree
+        if tree.tokens.shape[1] == 1:  # the root alone (a plain step): nothing to count or trim
+            return tree, [1] * batch
+        if state.root.device.type != "cpu":
+            return tree, None
+        nodes = (tree.tokens >= 0).sum(1).tolist()  # (a host read: free on the CPU)
+        return _trim(tree, max(nodes)), nodes
 
     def _verify(self, state: "DecodeState", tree: Combined) -> Tuple[hf.ForwardOutput, taps_ops.VerifyOutput]:
         """The target's forward over the trees and ``taps_ops.verify_tree`` of what it predicts."""
@@ -479,32 +484,40 @@ class SpeculativeDecoder:
         return path, num_new
 
     def _read_back(self, state: "DecodeState", tree: Combined, ver: taps_ops.VerifyOutput, path: Tensor,
-                   drafted: bool) -> "_HostRecord":
+                   drafted: bool, nodes: Optional[List[int]] = None) -> "_HostRecord":
         """What the host needs of the step, in one device-to-host copy: each request's emitted tokens, its
-        accepted count, the tree's real nodes, the accepted tokens each drafter had proposed (also given
-        to the strategy) and the routing choice."""
+        accepted count, the tree's real nodes (unless `nodes` gives them), the accepted tokens each drafter
+        had proposed (also given to the strategy) and the routing choice."""
         num_drafters = len(self.drafters)
-        parts = [ver.tokens, ver.num_accepted.unsqueeze(1), (tree.tokens >= 0).sum(1, keepdim=True)]
+        parts = [ver.tokens, ver.num_accepted.unsqueeze(1)]
+        if nodes is None:
+            parts.append((tree.tokens >= 0).sum(1, keepdim=True))
         by_drafter = num_drafters > 0 and drafted
         if by_drafter:
             on_path = path[:, 1:]
-            src = tree.source.gather(1, on_path.clamp_min(0)).masked_fill(on_path < 0, 0)
-            bits = torch.arange(num_drafters, device=src.device)
-            counts = ((src.unsqueeze(-1) >> bits) & 1).sum(1)  # [B, T]
+            if num_drafters == 1:  # every draft node is the one drafter's: its count is the path's length
+                counts = (on_path >= 0).sum(1, keepdim=True)
+            else:
+                src = tree.source.gather(1, on_path.clamp_min(0)).masked_fill(on_path < 0, 0)
+                bits = torch.arange(num_drafters, device=src.device)
+                counts = ((src.unsqueeze(-1) >> bits) & 1).sum(1)  # [B, T]
             self.strategy.observe(counts)
             parts.append(counts)
         if tree.choice is not None:
             parts.append(tree.choice.unsqueeze(1))
         host = torch.cat(parts, 1).tolist()
         n = ver.tokens.shape[1]
-        record = _HostRecord([], [], [], [] if by_drafter else None, [] if tree.choice is not None else None)
+        first = n + 2 if nodes is None else n + 1  # the first per-drafter count
+        record = _HostRecord([], [], [] if nodes is None else nodes, [] if by_drafter else None,
+                             [] if tree.choice is not None else None)
         for row, request in zip(host, state.requests):
             a = 0 if request.done else row[n]
             record.accepted.append(a)
             record.tokens.append([] if request.done else row[:a + 1])
-            record.nodes.append(row[n + 1])
+            if nodes is None:
+                record.nodes.append(row[n + 1])
             if by_drafter:
-                record.by_drafter.append(row[n + 2:n + 2 + num_drafters])
+                record.by_drafter.append(row[first:first + num_drafters])
             if record.route is not None:
                 record.route.append(row[-1])
         return record
@@ -997,12 +1010,14 @@ def _scratch_tree(root: Tensor, nodes: int, top_k: int) -> Combined:
                     expand(torch.tensor(depth)), expand(pack_bits(anc)), torch.zeros_like(root).view(batch, 1), None)
 
 
-def _trim(tree: Combined) -> Combined:
-    """The tree without its padding columns past the largest real node count of the batch (padding nodes
-    come after every real node; a merged tree is padded to room for the whole union, which the drafters'
-    overlap rarely fills), so that the target forward and the verification read only those."""
+def _trim(tree: Combined, real: Optional[int] = None) -> Combined:
+    """The tree without its padding columns past the largest real node count of the batch (`real`, counted
+    here when not given; padding nodes come after every real node; a merged tree is padded to room for the
+    whole union, which the drafters' overlap rarely fills), so that the target forward and the
+    verification read only those."""
     num = tree.tokens.shape[1]
-    real = int((tree.tokens >= 0).sum(1).max())
+    if real is None:
+        real = int((tree.tokens >= 0).sum(1).max())
     if real >= num:
         return tree
     words = (real + 63) // 64

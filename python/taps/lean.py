@@ -179,20 +179,26 @@ class Linear:
 LAYOUT_MIN_ROWS = 4096
 
 
-def _timed(candidates: dict, inputs: Sequence[Tensor], repeats: int) -> dict:
-    """Seconds per candidate function: summed over `inputs`, each the fastest of ``repeats`` calls after
-    one untimed call, the candidates alternating (a burst of load hits them alike)."""
+def _timed(candidates: dict, inputs: Sequence[Tensor], repeats: int, budget: float = 0.0,
+           most: int = 25) -> dict:
+    """Seconds per candidate function: summed over `inputs`, each the fastest of its calls after one
+    untimed call, the candidates alternating (a burst of load hits them alike): ``repeats`` rounds, and
+    more (up to ``most``) while the rounds of that input have taken less than ``budget`` seconds (a small
+    weight's calls take microseconds, and a burst of load that spans three of them flips the choice; a
+    large weight's take long enough to be timed three times only)."""
     seconds = dict.fromkeys(candidates, 0.0)
     with torch.no_grad():
         for x in inputs:
             best = dict.fromkeys(candidates, float("inf"))
             for fn in candidates.values():
                 fn(x)
-            for _ in range(repeats):
+            start, rounds = time.perf_counter(), 0
+            while rounds < repeats or (rounds < most and time.perf_counter() - start < budget):
                 for key, fn in candidates.items():
                     t0 = time.perf_counter()
                     fn(x)
                     best[key] = min(best[key], time.perf_counter() - t0)
+                rounds += 1
             for key in candidates:
                 seconds[key] += best[key]
     return seconds
@@ -208,12 +214,15 @@ def fastest_layout(weight: Tensor, bias: Optional[Tensor], packed: Optional[Tens
     """Which layout of a float32 CPU weight [out, in] multiplies fastest on this machine: ``"packed"``
     (oneDNN's blocked copy, when there is one), ``"plain"`` (``F.linear`` over [out, in]) or
     ``"transposed"`` (``mm`` over `transposed`, its [in, out] copy): the least summed time of a 1-row and
-    an 8-row product (a plain step's and a tree's). The layouts give the same products up to float
-    rounding."""
+    an 8-row product (a plain step's and a tree's), each the fastest of at least ``repeats`` calls and of
+    as many more as 20 ms of calls per row count hold (up to 25: a burst of load over three calls of a
+    small head chose a layout 1.4x slower at 8 rows in one process of ten). The layouts give the same
+    products up to float rounding."""
     candidates = {"plain": lambda x: F.linear(x, weight, bias), "transposed": lambda x: _mm_rows(x, transposed, bias)}
     if packed is not None:
         candidates["packed"] = lambda x: torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
-    seconds = _timed(candidates, [torch.randn(rows, weight.shape[1], dtype=weight.dtype) for rows in (1, 8)], repeats)
+    seconds = _timed(candidates, [torch.randn(rows, weight.shape[1], dtype=weight.dtype) for rows in (1, 8)], repeats,
+                     budget=0.02)
     return min(seconds, key=seconds.get)
 
 
@@ -231,7 +240,7 @@ def faster_stacked(shape: Tuple[int, int], repeats: int = 3) -> bool:
         weight = torch.randn(out, inner)
         stacked = weight.t().contiguous().unsqueeze(0)
         seconds = _timed({False: lambda x: torch.mm(x[0], weight.t()), True: lambda x: torch.bmm(x, stacked)},
-                         [torch.randn(1, rows, inner) for rows in (1, 8)], repeats)
+                         [torch.randn(1, rows, inner) for rows in (1, 8)], repeats, budget=0.005)
         known = _STACKED_FASTER[shape] = seconds[True] < seconds[False]
     return known
 

@@ -81,14 +81,15 @@ def tree_confidence(tree) -> Tensor:
     return conf / real.sum(-1).clamp_min(1)
 
 
-def _build(cands: Candidates, num_nodes: int, root: Tensor):
-    """One build_tree over every drafter's candidates: Tree fields [T, B, num_nodes]. The engine's own
-    candidates need no data checks (and on CUDA they would cost a device sync)."""
+def _build(cands: Candidates, num_nodes: int, root: Tensor, stacked: bool = True):
+    """One build_tree over every drafter's candidates: Tree fields [T, B, num_nodes] (``stacked``), or
+    [T * B, num_nodes]. The engine's own candidates need no data checks (and on CUDA they would cost a
+    device sync)."""
     t, b, m = cands.scores.shape
     tree = taps_ops.build_tree(cands.scores.reshape(t * b, m), cands.tokens.reshape(t * b, m),
                                cands.parents.reshape(t * b, m), num_nodes,
                                root_tokens=torch.cat([root] * t) if t > 1 else root, validate=root.device.type == "cpu")
-    return type(tree)(*(f.view(t, b, *f.shape[1:]) for f in tree))
+    return type(tree)(*(f.view(t, b, *f.shape[1:]) for f in tree)) if stacked else tree
 
 
 def _draft_nodes(tokens: Tensor) -> Tensor:
@@ -257,11 +258,10 @@ class Single(Strategy):
         super().__init__(name, num_drafters, budget, **options)
 
     def _combine(self, cands, root):
-        tree = _build(cands, self.budget, root)
+        tree = _build(cands, self.budget, root, stacked=False)  # one drafter: [B, N] as they are
         t = cands.drafters[0]
-        tokens = tree.tokens[0]
-        return Combined(tokens, tree.parents[0], tree.depth[0], tree.tree_mask[0],
-                        _draft_nodes(tokens).long() << t, None)
+        source = (tree.candidate_index >= 0).long()  # the draft nodes (the root's and padding's index is -1)
+        return Combined(tree.tokens, tree.parents, tree.depth, tree.tree_mask, source << t if t else source, None)
 
 
 @register_strategy("average")
