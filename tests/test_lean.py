@@ -283,3 +283,27 @@ def test_timed_rounds_within_the_budget():
     calls.update(a=0, b=0)
     lean._timed({k: counter(k) for k in calls}, [torch.zeros(1)], repeats=2, budget=60.0, most=7)
     assert calls == {"a": 8, "b": 8}
+
+
+def test_faster_stacked_is_timed_once_per_shape_and_thread_count(monkeypatch):
+    """`faster_stacked` keeps its answer per (shape, threads): asked again, it does not time again; with
+    another thread count (another BLAS kernel), it does."""
+    from taps import lean
+
+    timed = []
+
+    def fake(candidates, inputs, repeats, **kwargs):
+        timed.append(torch.get_num_threads())
+        return {True: 1.0, False: 2.0}
+    monkeypatch.setattr(lean, "_timed", fake)
+    monkeypatch.setattr(lean, "_STACKED_FASTER", {})
+    threads = torch.get_num_threads()
+    try:
+        assert lean.faster_stacked((24, 16)) and lean.faster_stacked((24, 16))
+        assert timed == [threads]
+        other = 2 if threads == 1 else 1
+        torch.set_num_threads(other)
+        assert lean.faster_stacked((24, 16))
+        assert timed == [threads, other]
+    finally:
+        torch.set_num_threads(threads)

@@ -148,7 +148,7 @@ class Linear:
         """A plain float32 CPU weight [out, in] (not oneDNN-packed) kept instead as one stacked group [1, in,
         out] (x [1, R, in] then multiplies it by ``bmm``, in the Python body and in
         ``taps_ops.decoder_layer`` alike) where that is faster on this machine (:func:`faster_stacked`,
-        timed once per shape): inputs must then be [1, R, in]. Decoder layers' projections."""
+        timed once per shape and thread count): inputs must then be [1, R, in]. Decoder layers' projections."""
         if (not self.stacked and self.packed is None and self.weight.device.type == "cpu"
                 and self.weight.dtype == torch.float32 and faster_stacked(tuple(self.weight.shape))):
             self.weight = self.weight.detach().t().contiguous().unsqueeze(0)
@@ -233,15 +233,17 @@ def faster_stacked(shape: Tuple[int, int], repeats: int = 3) -> bool:
     """Whether a float32 [out, in] projection of x [1, R, in] runs faster on this machine as ``bmm`` over
     the weight stacked [1, in, out] than as ``mm`` over the rows and the [out, in] weight transposed (what
     ``F.linear`` and ``taps_ops.decoder_layer`` run for a plain weight): the least summed time of 1 and 8
-    rows on random weights of that shape; measured once per shape and process (a few milliseconds)."""
-    known = _STACKED_FASTER.get(shape)
+    rows on random weights of that shape; measured once per shape and thread count in a process (a few
+    milliseconds; which BLAS kernel runs depends on the threads too)."""
+    key = (tuple(shape), torch.get_num_threads())
+    known = _STACKED_FASTER.get(key)
     if known is None:
         out, inner = shape
         weight = torch.randn(out, inner)
         stacked = weight.t().contiguous().unsqueeze(0)
         seconds = _timed({False: lambda x: torch.mm(x[0], weight.t()), True: lambda x: torch.bmm(x, stacked)},
                          [torch.randn(1, rows, inner) for rows in (1, 8)], repeats, budget=0.005)
-        known = _STACKED_FASTER[shape] = seconds[True] < seconds[False]
+        known = _STACKED_FASTER[key] = seconds[True] < seconds[False]
     return known
 
 
