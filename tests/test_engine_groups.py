@@ -202,6 +202,62 @@ def test_prompt_lookup_in_every_combining_strategy():
         PromptLookupDrafter(max_ngram=1, min_ngram=2)
 
 
+def test_prompt_lookup_alone_keeps_its_first_continuation_deep():
+    """Verified on its own (the decoder sets DraftGroup.alone), prompt lookup scores each lower-ranked
+    continuation log(runner_up) lower, so a node budget keeps the first continuation deep; merged with
+    other drafters' candidates it keeps the continuations level by level."""
+    import math
+
+    import taps_ops
+    from taps import PromptLookupDrafter
+    target = _llama(seed=1)
+    d = PromptLookupDrafter(max_ngram=2, min_ngram=1, confidence=0.5, depth=5, runner_up=0.05)
+    d.bind(target)
+    #        0  1  2  3  4  5  6  7   root 9
+    prompt = [7, 8, 9, 4, 7, 8, 5, 6, 7]
+    d.start(torch.tensor([prompt]), torch.tensor([len(prompt)]), torch.tensor([8]), None, 64)
+    # continuations: 5 6 7 8 (rank 0, to the context's end), then 9 4 7 8 5 (rank 1)
+    level = d.draft(3, 2)
+    d._group.alone = True
+    deep = d.draft(3, 2)
+    assert deep.tokens.tolist() == level.tokens.tolist() and deep.parents.tolist() == level.parents.tolist()
+    assert level.tokens[0, :9].tolist() == [5, 6, 7, 8, 9, 4, 7, 8, 5]
+    assert deep.scores[0, 1].item() == pytest.approx(2 * math.log(0.5))                 # rank 0, depth 2
+    assert deep.scores[0, 4].item() == pytest.approx(math.log(0.5) + math.log(0.05))    # rank 1, depth 1
+    kept = []
+    for cand in (level, deep):  # a budget of 6 nodes: the root and 5 candidates
+        tree = taps_ops.build_tree(cand.scores, cand.tokens, cand.parents, 6, root_tokens=torch.tensor([7]))
+        kept.append((sorted(tree.tokens[0, 1:].tolist()), int(tree.depth.max())))
+    assert kept[0] == (sorted([5, 6, 7, 9, 4]), 3)   # two levels of both, and a third of the first
+    assert kept[1] == (sorted([5, 6, 7, 8, 9]), 4)   # the first continuation whole, then the next's first
+    with pytest.raises(ValueError, match="runner_up"):
+        PromptLookupDrafter(runner_up=0.0)
+
+
+def test_decoder_tells_groups_whether_they_draft_alone(monkeypatch):
+    """DraftGroup.alone is True for a step whose only drafter is the group's, False when other drafters
+    draft beside it (the lossless output is the same either way: test_prompt_lookup_in_every_combining_strategy)."""
+    from taps import PromptLookupDrafter
+    from taps.drafters.ngram import LookupGroup
+    seen = []
+    draft = LookupGroup.draft
+
+    def spy(self, *args, **kwargs):
+        seen.append(self.alone)
+        return draft(self, *args, **kwargs)
+
+    monkeypatch.setattr(LookupGroup, "draft", spy)
+    target = _llama(seed=1)
+    prompts = [p * 2 for p in PROMPTS]
+    SpeculativeDecoder(target, [PromptLookupDrafter()], strategy="single", depth=3, top_k=3,
+                       budget=8).generate(prompts, max_new_tokens=4)
+    assert seen and all(seen)
+    seen.clear()
+    SpeculativeDecoder(target, [_eagle(target, 9), PromptLookupDrafter()], strategy="merged", depth=3, top_k=3,
+                       budget=8).generate(prompts, max_new_tokens=4)
+    assert seen and not any(seen)
+
+
 def test_decoder_tells_groups_whether_it_samples(monkeypatch):
     """The decoder sets DraftGroup.sampling for a generation (prompt lookup keeps the decoder's depth under
     sampling): False when greedy, True when any request samples."""

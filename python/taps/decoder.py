@@ -421,7 +421,9 @@ class SpeculativeDecoder:
         if state.pending is not None:
             plan.updates = plan.updates + state.pending.catch_up(plan.drafting)
         drafted = []
+        alone = len(plan.drafting) == 1 and len(plan.drafting[0].members) == 1
         for g in plan.drafting:
+            g.alone = alone
             t0 = self._now()
             drafted.append(g.draft(plan.depth, self.top_k, state.prof, self.strategy.needs_entropy))
             if plan.shape is not None:

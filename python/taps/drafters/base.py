@@ -247,11 +247,14 @@ class DraftGroup:
     one [B] tensor (``lengths_b``) with a host copy (``host_lengths``; the decoding loop passes the
     accepted counts it already has on the host, so no step needs a device sync for them).
     ``sampling`` (set by the decoder for a generation) says whether verification samples (a temperature
-    above 0), for drafters whose proposals suit greedy and sampled verification differently.
+    above 0), for drafters whose proposals suit greedy and sampled verification differently. ``alone``
+    (set by the decoder before each draft) says whether this group's candidates make the step's tree on
+    their own (one drafter drafts), not merged with or ranked against other drafters'.
     """
 
     needs_hidden = False
     sampling = False
+    alone = False
     #: attention runs through taps.kv.cache_attend, which takes taps.kv.NodeMask masks as well
     lean_attention = False
     #: appends of up to this many tokens per row attend through a causal NodeMask (tree_attention)
