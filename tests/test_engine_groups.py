@@ -234,40 +234,18 @@ def test_prompt_lookup_alone_keeps_its_first_continuation_deep():
         PromptLookupDrafter(runner_up=0.0)
 
 
-def test_decoder_tells_groups_whether_they_draft_alone(monkeypatch):
-    """DraftGroup.alone is True for a step whose only drafter is the group's, False when other drafters
-    draft beside it (the lossless output is the same either way: test_prompt_lookup_in_every_combining_strategy)."""
-    from taps import PromptLookupDrafter
-    from taps.drafters.ngram import LookupGroup
-    seen = []
-    draft = LookupGroup.draft
-
-    def spy(self, *args, **kwargs):
-        seen.append(self.alone)
-        return draft(self, *args, **kwargs)
-
-    monkeypatch.setattr(LookupGroup, "draft", spy)
-    target = _llama(seed=1)
-    prompts = [p * 2 for p in PROMPTS]
-    SpeculativeDecoder(target, [PromptLookupDrafter()], strategy="single", depth=3, top_k=3,
-                       budget=8).generate(prompts, max_new_tokens=4)
-    assert seen and all(seen)
-    seen.clear()
-    SpeculativeDecoder(target, [_eagle(target, 9), PromptLookupDrafter()], strategy="merged", depth=3, top_k=3,
-                       budget=8).generate(prompts, max_new_tokens=4)
-    assert seen and not any(seen)
-
-
-def test_decoder_tells_groups_whether_it_samples(monkeypatch):
+def test_decoder_tells_groups_how_they_draft(monkeypatch):
     """The decoder sets DraftGroup.sampling for a generation (prompt lookup keeps the decoder's depth under
-    sampling): False when greedy, True when any request samples."""
+    sampling): False when greedy, True when any request samples; and DraftGroup.alone before each draft:
+    True for a step whose only drafter is the group's, False when other drafters draft beside it (the
+    lossless output is the same either way: test_prompt_lookup_in_every_combining_strategy)."""
     from taps import PromptLookupDrafter
     from taps.drafters.ngram import LookupGroup
     seen = []
     draft = LookupGroup.draft
 
     def spy(self, *args, **kwargs):
-        seen.append(self.sampling)
+        seen.append((self.sampling, self.alone))
         return draft(self, *args, **kwargs)
 
     monkeypatch.setattr(LookupGroup, "draft", spy)
@@ -275,10 +253,14 @@ def test_decoder_tells_groups_whether_it_samples(monkeypatch):
     dec = SpeculativeDecoder(target, [PromptLookupDrafter()], strategy="single", depth=3, top_k=3, budget=8)
     prompts = [p * 2 for p in PROMPTS]
     dec.generate(prompts, max_new_tokens=4)
-    assert seen and not any(seen)
+    assert seen and set(seen) == {(False, True)}
     seen.clear()
     dec.generate(prompts, max_new_tokens=4, temperature=torch.tensor([0.0, 1.0]), seed=0)
-    assert seen and all(seen)
+    assert seen and set(seen) == {(True, True)}
+    seen.clear()
+    SpeculativeDecoder(target, [_eagle(target, 9), PromptLookupDrafter()], strategy="merged", depth=3, top_k=3,
+                       budget=8).generate(prompts, max_new_tokens=4)
+    assert seen and set(seen) == {(False, False)}
 
 
 # ---------------------------------------------------------------------------------------------------
