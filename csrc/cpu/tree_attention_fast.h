@@ -476,7 +476,7 @@ void attend_fast(const Params& p, int64_t b, int64_t hkv, int64_t key_begin, int
 // online softmax runs L rows a lane (a row's max and sum over the tile's keys without horizontal
 // reductions). Tail tiles take each key's visible rows as lane bits. bf16 / fp16: K and V rows widened
 // to fp32 once per tile.
-constexpr int64_t kKeyRowChunk = 64;  // attend_keys: query rows a pass (a multiple of every L)
+constexpr int64_t kKeyRowChunk = 64;  // attend_keys: the most query rows of a KV head (a multiple of every L)
 
 template <class T>
 void attend_keys(const Params& p, int64_t b, int64_t hkv, int64_t key_begin, int64_t key_end, const TreeSpan& span,
@@ -486,7 +486,7 @@ void attend_keys(const Params& p, int64_t b, int64_t hkv, int64_t key_begin, int
   constexpr int64_t Tk = fast_tile(false);
   static_assert(Tk <= 64, "one mask word per tile");
   const int64_t Rp = (rows + L - 1) / L * L, RV = Rp / L;  // rows padded to whole vectors
-  const int64_t Rc = std::min(Rp, kKeyRowChunk);
+  TORCH_INTERNAL_ASSERT(Rp <= kKeyRowChunk, "attend_keys: more query rows than kKeyRowChunk");
   const float neg_inf = -std::numeric_limits<float>::infinity();
   const float log2_scale = p.scale * kLog2e;
   sc.acc.resize(rows * D);
@@ -494,7 +494,7 @@ void attend_keys(const Params& p, int64_t b, int64_t hkv, int64_t key_begin, int
   sc.row_max.assign(Rp, neg_inf);
   sc.row_sum.assign(Rp, 0.0f);
   sc.alpha.resize(Rp);
-  sc.s.resize(Tk * Rc);
+  sc.s.resize(Tk * Rp);
   sc.qt.assign(D * Rp, 0.0f);
   sc.vis.resize(N);
   sc.lanes.resize(Tk * RV);
@@ -544,25 +544,24 @@ void attend_keys(const Params& p, int64_t b, int64_t hkv, int64_t key_begin, int
         }
       }
     }
-    // kKeyRowChunk rows at a time, so that their scores (tile x chunk) stay in L1 for the P * V product
-    for (int64_t r0 = 0; r0 < Rp; r0 += Rc) {
-      const int64_t rc = std::min(Rc, Rp - r0);
-      float* St = sc.s.data();  // [tl][rc]
-      gemm_f32(tl, rc, D, k_rows, k_ld, &sc.qt[r0], Rp, St, rc, false, nullptr, prefetch_step);
-      for (int64_t v = r0 / L; v < (r0 + rc) / L; ++v) {  // the online softmax, L rows at a time
-        float* s = St + (v * L - r0);
+    // every row at once: at most kKeyRowChunk, so that their scores (tile x rows) stay in L1 for P * V
+    {
+      float* St = sc.s.data();  // [tl][Rp]
+      gemm_f32(tl, Rp, D, k_rows, k_ld, sc.qt.data(), Rp, St, Rp, false, nullptr, prefetch_step);
+      for (int64_t v = 0; v < RV; ++v) {  // the online softmax, L rows at a time
+        float* s = St + v * L;
         F m4[4] = {ninf, ninf, ninf, ninf};  // four chains: the max's latency, not its throughput
         if (tail) {
           for (int64_t j = 0; j < tl; ++j) {
-            const F x = S::masked_scale(S::load(s + j * rc), sc.lanes[j * RV + v], one, ninf);
-            S::store(s + j * rc, x);
+            const F x = S::masked_scale(S::load(s + j * Rp), sc.lanes[j * RV + v], one, ninf);
+            S::store(s + j * Rp, x);
             m4[j & 3] = S::max(m4[j & 3], x);
           }
         } else {
           int64_t j = 0;
           for (; j + 4 <= tl; j += 4)
-            for (int c = 0; c < 4; ++c) m4[c] = S::max(m4[c], S::load(s + (j + c) * rc));
-          for (; j < tl; ++j) m4[0] = S::max(m4[0], S::load(s + j * rc));
+            for (int c = 0; c < 4; ++c) m4[c] = S::max(m4[c], S::load(s + (j + c) * Rp));
+          for (; j < tl; ++j) m4[0] = S::max(m4[0], S::load(s + j * Rp));
         }
         const F mx = S::max(S::max(m4[0], m4[1]), S::max(m4[2], m4[3]));
         const F old_max = S::load(&sc.row_max[v * L]);
@@ -576,14 +575,14 @@ void attend_keys(const Params& p, int64_t b, int64_t hkv, int64_t key_begin, int
         const F nm = S::max(new_max, S::set1(std::numeric_limits<float>::lowest()));
         F sum[2] = {S::zero(), S::zero()};
         for (int64_t j = 0; j < tl; ++j) {
-          const F e = exp2_nonpos(S::sub(S::load(s + j * rc), nm));
+          const F e = exp2_nonpos(S::sub(S::load(s + j * Rp), nm));
           sum[j & 1] = S::add(sum[j & 1], e);
-          S::store(s + j * rc, e);
+          S::store(s + j * Rp, e);
         }
         S::store(&sc.row_sum[v * L], S::add(S::mul(S::load(&sc.row_sum[v * L]), alpha), S::add(sum[0], sum[1])));
       }
-      const int64_t real = std::min(rc, rows - r0);  // the chunk's rows short of the padding
-      gemm_f32<true>(real, D, tl, St, rc, v_rows, v_ld, &sc.acc[r0 * D], D, true, &sc.alpha[r0], prefetch_step);
+      // the rows short of the padding
+      gemm_f32<true>(rows, D, tl, St, Rp, v_rows, v_ld, sc.acc.data(), D, true, sc.alpha.data(), prefetch_step);
     }
     prefetch.finish();
   }
