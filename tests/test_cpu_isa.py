@@ -234,7 +234,7 @@ def test_verify_tree_agrees_at_every_level(at_level, dtype):
 # ---- the op suites under each lower level ---------------------------------------------------------------
 
 OP_SUITES = ["test_tree_attention.py", "test_verify_tree.py", "test_rms_norm.py", "test_rope.py",
-             "test_expand_level.py", "test_decoder_layer.py", "test_lean.py"]
+             "test_expand_level.py", "test_decoder_layer.py", "test_lean.py", "test_panel_linear.py"]
 # the scalar level: the suites of the ops whose scalar code differs in more than vector width (the
 # elementwise ops' bits are compared across every level above)
 SCALAR_SUITES = ["test_tree_attention.py", "test_verify_tree.py", "test_decoder_layer.py"]

@@ -77,11 +77,13 @@ def _check_equal(results):
     assert torch.equal(ka, kb) and torch.equal(va, vb)
 
 
-@pytest.fixture(params=[False, True], ids=["plain", "stacked"])
+@pytest.fixture(params=["plain", "stacked", "panels"])
 def layout(request, monkeypatch):
-    """A single float32 projection as the [out, in] weight or stacked [1, in, out] (LayerWeights.pack
-    keeps the one timed faster on the machine: Linear.stack_if_faster); both layouts tested everywhere."""
-    monkeypatch.setattr(lean, "faster_stacked", lambda shape, repeats=3: request.param)
+    """A single float32 projection as the [out, in] weight, stacked [1, in, out] or taps' panels
+    (LayerWeights.pack keeps the one timed fastest on the machine: Linear.choose_small_layout); every layout
+    tested everywhere (panels where the projection's shape allows them)."""
+    monkeypatch.setattr(lean, "small_layout", lambda shape, panels=True, repeats=3:
+                        request.param if (request.param != "panels" or panels) else "plain")
     return request.param
 
 
@@ -105,9 +107,8 @@ CASES = [
 @pytest.mark.parametrize("arch,groups,dtype,no_in_norm,extra", CASES)
 @pytest.mark.parametrize("rows,tokens,tree_nodes,prefix", [(1, 1, 1, 5), (3, 5, 7, 11), (2, 4, 4, 0)])
 @torch.no_grad()
-@pytest.mark.usefixtures("layout")
 def test_op_equals_the_python_layer_bit_for_bit(arch, groups, dtype, no_in_norm, extra, rows, tokens, tree_nodes,
-                                                prefix):
+                                                prefix, layout):
     models = _layers(arch, groups, dtype, **extra)
     w = LayerWeights([m.model.layers[0] for m in models])
     if no_in_norm:
@@ -117,6 +118,9 @@ def test_op_equals_the_python_layer_bit_for_bit(arch, groups, dtype, no_in_norm,
     w.post_norm.eps = 0.05
     w.pack()
     assert w.op_args is not None
+    projections = (w.qkv, w.o, w.gate_up, w.down)
+    fp32_single = groups == 1 and all(p.weight.dtype == torch.float32 for p in projections)
+    assert all((p.panels is not None) == (layout == "panels" and fp32_single) for p in projections)
     x, keys, values, bits, kv_lens, start = _inputs(w, groups, rows, tokens, tree_nodes, prefix, dtype)
     if prefix == 0:   # no prefix: every query sees at least itself (its node, the last `tokens` of the tree)
         itself = torch.eye(tokens, tree_nodes, dtype=torch.bool).roll(tree_nodes - tokens, 1)
@@ -257,7 +261,7 @@ BAD = {
 @pytest.mark.parametrize("case", sorted(BAD))
 def test_bad_inputs_raise_clear_errors(case, monkeypatch):
     # the cases cut [out, in] weights: the plain layout (the stacked one is the "stacked weight" cases)
-    monkeypatch.setattr(lean, "faster_stacked", lambda shape, repeats=3: False)
+    monkeypatch.setattr(lean, "small_layout", lambda shape, panels=True, repeats=3: "plain")
     args = _valid_call()
     with torch.no_grad():
         _call(args)                      # the valid call works

@@ -244,7 +244,7 @@ def test_forwards_of_one_target_share_its_packed_weights():
     assert shared() is None
 
 
-@pytest.mark.parametrize("layout", ["packed", "plain", "transposed"])
+@pytest.mark.parametrize("layout", ["packed", "plain", "transposed", "panels"])
 def test_every_head_layout_gives_the_same_product(layout, monkeypatch):
     """A large float32 head keeps the layout timed fastest on the machine (Linear.pack(choose_layout=True));
     whichever it is, the product is F.linear's up to float rounding, for 1-, 2- and 3-D inputs, with and
@@ -252,12 +252,16 @@ def test_every_head_layout_gives_the_same_product(layout, monkeypatch):
     from taps import lean
 
     torch.manual_seed(0)
-    weight, bias = torch.randn(lean.LAYOUT_MIN_ROWS + 7, 48), torch.randn(lean.LAYOUT_MIN_ROWS + 7)
+    weight, bias = torch.randn(lean.LAYOUT_MIN_ROWS + 16, 48), torch.randn(lean.LAYOUT_MIN_ROWS + 16)
     assert lean.fastest_layout(weight, None, None, weight.t().contiguous(), repeats=1) in ("plain", "transposed")
-    monkeypatch.setattr(lean, "fastest_layout", lambda w, b, p, t, repeats=3: layout)
+    panels = taps_ops.pack_panels(weight)
+    assert lean.fastest_layout(weight, None, None, weight.t().contiguous(), panels, repeats=1) in (
+        "plain", "transposed", "panels")
+    monkeypatch.setattr(lean, "fastest_layout", lambda w, b, p, t, pan=None, repeats=3: layout)
     for b in (None, bias):
         head = lean.Linear(weight, b).pack(choose_layout=True)
         assert (head.transposed is not None) == (layout == "transposed")
+        assert (head.panels is not None) == (layout == "panels")
         assert layout != "plain" or head.packed is None
         with torch.no_grad():
             for shape in ((48,), (5, 48), (2, 9, 48)):
@@ -285,25 +289,48 @@ def test_timed_rounds_within_the_budget():
     assert calls == {"a": 8, "b": 8}
 
 
-def test_faster_stacked_is_timed_once_per_shape_and_thread_count(monkeypatch):
-    """`faster_stacked` keeps its answer per (shape, threads): asked again, it does not time again; with
-    another thread count (another BLAS kernel), it does."""
+def test_small_layout_is_timed_once_per_shape_and_thread_count(monkeypatch):
+    """`small_layout` keeps its answer per (shape, panels allowed, threads): asked again, it does not time
+    again; with another thread count (another BLAS kernel), it does; panels are a candidate only where
+    allowed."""
     from taps import lean
 
     timed = []
 
     def fake(candidates, inputs, repeats, **kwargs):
-        timed.append(torch.get_num_threads())
-        return {True: 1.0, False: 2.0}
+        timed.append((torch.get_num_threads(), tuple(sorted(candidates))))
+        return {key: {"plain": 2.0, "stacked": 1.0, "panels": 0.5}[key] for key in candidates}
     monkeypatch.setattr(lean, "_timed", fake)
-    monkeypatch.setattr(lean, "_STACKED_FASTER", {})
+    monkeypatch.setattr(lean, "_SMALL_LAYOUT", {})
     threads = torch.get_num_threads()
     try:
-        assert lean.faster_stacked((24, 16)) and lean.faster_stacked((24, 16))
-        assert timed == [threads]
+        assert lean.small_layout((32, 16)) == "panels" and lean.small_layout((32, 16)) == "panels"
+        assert timed == [(threads, ("panels", "plain", "stacked"))]
+        assert lean.small_layout((32, 16), panels=False) == "stacked"
         other = 2 if threads == 1 else 1
         torch.set_num_threads(other)
-        assert lean.faster_stacked((24, 16))
-        assert timed == [threads, other]
+        assert lean.small_layout((32, 16)) == "panels"
+        assert timed == [(threads, ("panels", "plain", "stacked")), (threads, ("plain", "stacked")),
+                         (other, ("panels", "plain", "stacked"))]
     finally:
         torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("layout", ["plain", "stacked", "panels"])
+def test_every_small_layout_gives_the_same_product(layout, monkeypatch):
+    """A layer projection keeps the layout timed fastest (Linear.choose_small_layout); each gives F.linear's
+    product up to float rounding, with and without a bias; panels only where the shape allows them."""
+    from taps import lean
+
+    monkeypatch.setattr(lean, "small_layout", lambda shape, panels=True, repeats=3:
+                        layout if (layout != "panels" or panels) else "plain")
+    torch.manual_seed(0)
+    for out in (48, 40, 16):
+        weight, bias = torch.randn(out, 24), torch.randn(out)
+        for b in (None, bias):
+            lin = lean.Linear(weight, b).pack().choose_small_layout()
+            assert lin.stacked == (layout == "stacked")
+            assert (lin.panels is not None) == (layout == "panels" and out in (48,))
+            x = torch.randn(1, 5, 24)
+            with torch.no_grad():
+                torch.testing.assert_close(lin(x), torch.nn.functional.linear(x, weight, b), rtol=1e-5, atol=1e-5)

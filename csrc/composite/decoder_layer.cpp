@@ -29,7 +29,8 @@ namespace {
 enum Slot : int64_t {
   kInNorm = 0,    // [H] / [G, H] or None (EAGLE-1/2's first layer has no input norm)
   kHiddenNorm,    // EAGLE-3 only: the norm of the residual stream x beside the embedding's input norm
-  kQkvW,          // fused q/k/v projection: [out, in] (F.linear), oneDNN-packed [out, in], or [G, in, out]
+  kQkvW,          // fused q/k/v projection: [out, in] (F.linear), oneDNN-packed [out, in], [G, in, out], or
+                  // panels [out / 16, in, 16] (taps_ops.pack_panels; G = 1 only, out / 16 > 1)
   kQkvB,
   kOW,
   kOB,
@@ -53,13 +54,29 @@ at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& w, const OptTens
   return op.call(x, w, b, "none", c10::List<std::optional<at::Scalar>>(), c10::string_view(""));
 }
 
-// taps.lean.Linear.__call__ with autograd off: packed, stacked ([G, in, out]: bmm) or plain; a float32
+at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& w, const OptTensor& b) {
+  static auto op = c10::Dispatcher::singleton()
+                       .findSchemaOrThrow("taps_ops::panel_linear", "")
+                       .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const OptTensor&)>();
+  return op.call(x, w, b);
+}
+
+// A 3-D weight is taps' panels [out / 16, in, 16] when x has G = 1 and the weight more than one panel of 16,
+// else stacked [G, in, out] (its first size must then be x's G). With G = 1 and one panel the two readings
+// are the same product; taps.lean keeps panels only for weights of two panels or more, so this reading is
+// the Python body's.
+bool is_panels(const at::Tensor& w, int64_t groups) {
+  return w.dim() == 3 && !w.is_mkldnn() && groups == 1 && w.size(0) > 1 && w.size(2) == 16;
+}
+
+// taps.lean.Linear.__call__ with autograd off: panels, packed, stacked ([G, in, out]: bmm) or plain; a float32
 // weight with half-precision x is a widened one (Linear.pack on a CPU without native bf16 / fp16 products):
 // x widened, the float32 product, the result rounded to x's dtype.
 at::Tensor project(const at::Tensor& x, const at::Tensor& w, const OptTensor& b) {
   if (w.scalar_type() == at::kFloat && x.scalar_type() != at::kFloat)
     return project(x.to(at::kFloat), w, b).to(x.scalar_type());
   if (w.is_mkldnn()) return packed_linear(x, w, b);
+  if (is_panels(w, x.size(0))) return panel_linear(x, w, b);
   if (w.dim() == 3) return b.has_value() ? at::baddbmm(*b, x, w) : at::bmm(x, w);
   if (x.dim() == 3 && x.is_contiguous()) {
     // what at::linear does for a contiguous 3-D input (addmm / mm over the flattened rows: the same BLAS
@@ -101,21 +118,33 @@ at::Tensor required(const c10::List<OptTensor>& weights, Slot slot, const char* 
   return *t;
 }
 
-int64_t linear_out(const at::Tensor& w) { return w.dim() == 3 ? w.size(2) : w.size(0); }
-int64_t linear_in(const at::Tensor& w) { return w.size(1); }  // [out, in] and [G, in, out] alike
+int64_t linear_out(const at::Tensor& w, int64_t groups) {
+  if (is_panels(w, groups)) return w.size(0) * w.size(2);
+  return w.dim() == 3 ? w.size(2) : w.size(0);
+}
+int64_t linear_in(const at::Tensor& w) { return w.size(1); }  // [out, in], [G, in, out] and panels alike
 
 void check_linear(const at::Tensor& w, const OptTensor& b, const at::Tensor& x, int64_t groups, int64_t in,
                   int64_t out, const char* name) {
   TORCH_CHECK_VALUE(w.dim() == 2 || (w.dim() == 3 && !w.is_mkldnn()), "taps_ops: decoder_layer: ", name,
-              " weight must be [out, in] (plain or oneDNN-packed) or stacked [G, in, out], got shape ", w.sizes());
-  if (w.dim() == 3) {
+              " weight must be [out, in] (plain or oneDNN-packed), stacked [G, in, out] or panels [out / 16, in, 16], "
+              "got shape ", w.sizes());
+  if (is_panels(w, groups)) {
+    TORCH_CHECK_VALUE(w.scalar_type() == at::kFloat, "taps_ops: decoder_layer: ", name, " of shape ", w.sizes(),
+                " for x of G = 1 reads as panels [out / 16, in, 16] (taps_ops.pack_panels), which must be float32, "
+                "got ", w.scalar_type());
+    TORCH_CHECK_VALUE(!b.has_value() || !b->defined() || b->dim() == 1, "taps_ops: decoder_layer: ", name,
+                " bias of a panel weight must be [out], got shape ", b->sizes());
+    TORCH_CHECK_VALUE(w.device().is_cpu(), "taps_ops: decoder_layer: ", name, " panels are a CPU layout, got them on ",
+                w.device());
+  } else if (w.dim() == 3) {
     TORCH_CHECK_VALUE(w.size(0) == groups, "taps_ops: decoder_layer: ", name, " is stacked for ", w.size(0),
                 " groups but x [G, R * T, H] has G = ", groups);
   } else {
     TORCH_CHECK_VALUE(groups == 1, "taps_ops: decoder_layer: x has G = ", groups, " weight groups but ", name,
                 " is a single [out, in] weight; stack it [G, in, out]");
   }
-  TORCH_CHECK_VALUE(linear_in(w) == in && linear_out(w) == out, "taps_ops: decoder_layer: ", name,
+  TORCH_CHECK_VALUE(linear_in(w) == in && linear_out(w, groups) == out, "taps_ops: decoder_layer: ", name,
               " weight must map ", in, " to ", out, " features, got shape ", w.sizes());
   TORCH_CHECK_VALUE(w.scalar_type() == x.scalar_type() || w.scalar_type() == at::kFloat, "taps_ops: decoder_layer: ", name,
               " weight has dtype ", w.scalar_type(), " but x has ", x.scalar_type(),
@@ -126,7 +155,7 @@ void check_linear(const at::Tensor& w, const OptTensor& b, const at::Tensor& x, 
                 " bias must hold ", out, " features per group, got shape ", b->sizes());
     TORCH_CHECK_VALUE(b->scalar_type() == w.scalar_type(), "taps_ops: decoder_layer: ", name, " bias has dtype ",
                 b->scalar_type(), " but its weight has ", w.scalar_type(), "; they must match");
-    if (w.dim() == 3) {
+    if (w.dim() == 3 && !is_panels(w, groups)) {
       TORCH_CHECK_VALUE(b->dim() == 3 && b->size(0) == groups && b->size(1) == 1, "taps_ops: decoder_layer: ", name,
                   " bias of a stacked weight must be [G, 1, out], got shape ", b->sizes());
     }
@@ -218,7 +247,7 @@ at::Tensor decoder_layer(const at::Tensor& x, const OptTensor& emb_in, const c10
   const at::Tensor down_w = required(weights, kDownW, "down");
   const OptTensor qkv_b = opt(weights, kQkvB), o_b = opt(weights, kOB), gate_up_b = opt(weights, kGateUpB),
                   down_b = opt(weights, kDownB);
-  const int64_t inter2 = linear_out(gate_up_w);
+  const int64_t inter2 = linear_out(gate_up_w, groups);
   TORCH_CHECK_VALUE(inter2 % 2 == 0, "taps_ops: decoder_layer: gate_up must have an even number of outputs (gate, up), "
               "got ", inter2);
   check_linear(qkv_w, qkv_b, x, groups, in_width, qkv_out, "qkv");

@@ -32,6 +32,7 @@ says why a model cannot take the lean path; the engine then uses :mod:`taps.hf` 
 
 from __future__ import annotations
 
+import os
 import time
 from typing import Callable, List, Optional, Sequence, Tuple, Union
 
@@ -78,12 +79,13 @@ class Linear:
         biases: matching bias(es) or None.
     """
 
-    __slots__ = ("weight", "bias", "stacked", "packed", "widened", "transposed")
+    __slots__ = ("weight", "bias", "stacked", "packed", "widened", "transposed", "panels")
 
     def __init__(self, weights, biases=None):
         self.packed = None
         self.widened = False
         self.transposed: Optional[Tensor] = None  # [in, out] contiguous: products as x @ W^T laid out NN
+        self.panels: Optional[Tensor] = None      # taps_ops.pack_panels copy: products by taps_ops.panel_linear
         if isinstance(weights, (list, tuple)):
             if len(weights) == 1:
                 weights, biases = weights[0], (biases[0] if biases is not None else None)
@@ -125,8 +127,9 @@ class Linear:
 
         ``choose_layout`` (a large float32 head called from Python: a tree's rows at once): the weight's
         layouts are timed on this machine at 1 and 8 rows (the packed copy, the [out, in] weight as it is,
-        and an [in, out] transposed copy) and the fastest kept (:func:`fastest_layout`): which BLAS kernel
-        a few rows get differs between CPUs and instruction sets by up to 2x."""
+        an [in, out] transposed copy and taps' own panels, :func:`taps_ops.panel_linear`) and the fastest
+        kept (:func:`fastest_layout`): which BLAS kernel a few rows get differs between CPUs and instruction
+        sets by up to 2x."""
         if (self.weight.device.type == "cpu" and self.weight.dtype in (torch.bfloat16, torch.float16)
                 and not taps_ops.native_half_matmul(self.weight.dtype)):
             self.weight = self.weight.detach().float()
@@ -137,24 +140,39 @@ class Linear:
             if choose_layout and self.weight.device.type == "cpu" and self.weight.dtype == torch.float32 \
                     and self.weight.shape[0] >= LAYOUT_MIN_ROWS:
                 transposed = self.weight.detach().t().contiguous()
-                layout = fastest_layout(self.weight, self.bias, self.packed, transposed)
+                panels = _panels(self.weight, self.bias)
+                layout = fastest_layout(self.weight, self.bias, self.packed, transposed, panels)
                 if layout != "packed":
                     self.packed = None
                 if layout == "transposed":
                     self.transposed = transposed
+                if layout == "panels":
+                    self.panels = panels
         return self
 
-    def stack_if_faster(self) -> "Linear":
-        """A plain float32 CPU weight [out, in] (not oneDNN-packed) kept instead as one stacked group [1, in,
-        out] (x [1, R, in] then multiplies it by ``bmm``, in the Python body and in
-        ``taps_ops.decoder_layer`` alike) where that is faster on this machine (:func:`faster_stacked`,
-        timed once per shape and thread count): inputs must then be [1, R, in]. Decoder layers' projections."""
+    def choose_small_layout(self) -> "Linear":
+        """A plain float32 CPU weight [out, in] (not oneDNN-packed; decoder layers' projections) kept in the
+        layout that multiplies fastest on this machine (:func:`small_layout`, timed once per shape and thread
+        count): as it is (``mm`` over the rows and the weight transposed, what ``F.linear`` and
+        ``taps_ops.decoder_layer`` run for it), stacked as one group [1, in, out] (x [1, R, in] then
+        multiplies it by ``bmm``: inputs must be [1, R, in]) or as taps' panels (``taps_ops.panel_linear``,
+        in the Python body and in ``taps_ops.decoder_layer`` alike)."""
         if (not self.stacked and self.packed is None and self.weight.device.type == "cpu"
-                and self.weight.dtype == torch.float32 and faster_stacked(tuple(self.weight.shape))):
-            self.weight = self.weight.detach().t().contiguous().unsqueeze(0)
-            self.bias = None if self.bias is None else self.bias.detach().reshape(1, 1, -1).contiguous()
-            self.stacked = True
+                and self.weight.dtype == torch.float32):
+            layout = small_layout(tuple(self.weight.shape), panels_fit(self.weight, self.bias))
+            if layout == "stacked":
+                self.weight = self.weight.detach().t().contiguous().unsqueeze(0)
+                self.bias = None if self.bias is None else self.bias.detach().reshape(1, 1, -1).contiguous()
+                self.stacked = True
+            elif layout == "panels":
+                self.panels = _panels(self.weight, self.bias)
         return self
+
+    def op_weight(self) -> Tensor:
+        """The weight as ``taps_ops.decoder_layer`` takes it: panels, oneDNN-packed, stacked or plain."""
+        if self.panels is not None:
+            return self.panels
+        return self.packed if self.packed is not None else self.weight
 
     def __call__(self, x: Tensor) -> Tensor:
         if self.widened and x.dtype != torch.float32:
@@ -163,6 +181,8 @@ class Linear:
 
     def _product(self, x: Tensor) -> Tensor:
         if not self.stacked:
+            if self.panels is not None and not torch.is_grad_enabled():
+                return _panel_linear(x, self.panels, self.bias)
             if self.transposed is not None and not torch.is_grad_enabled():
                 y = _mm_rows(x.reshape(-1, x.shape[-1]), self.transposed, self.bias)
                 return y.view(*x.shape[:-1], y.shape[-1])
@@ -209,11 +229,35 @@ def _mm_rows(rows: Tensor, transposed: Tensor, bias: Optional[Tensor]) -> Tensor
     return torch.addmm(bias, rows, transposed) if bias is not None else torch.mm(rows, transposed)
 
 
+#: Whether taps' panels (taps_ops.panel_linear) are among the layouts timed at load; ``TAPS_PANELS=0`` leaves
+#: them out (to compare against the BLAS layouts alone).
+PANELS = os.environ.get("TAPS_PANELS", "1") != "0"
+
+
+def panels_fit(weight: Tensor, bias: Optional[Tensor]) -> bool:
+    """Whether a weight [out, in] can be kept as taps' panels: float32 on the CPU, out a multiple of
+    ``taps_ops.PANEL_WIDTH`` and at least two panels (taps_ops.decoder_layer tells a [P, in, 16] panel
+    weight from a stacked [1, in, out] one by P > 1), a float32 bias [out] or none; and
+    :data:`PANELS`."""
+    return (PANELS and weight.device.type == "cpu" and weight.dtype == torch.float32 and weight.dim() == 2
+            and weight.shape[0] % taps_ops.PANEL_WIDTH == 0 and weight.shape[0] >= 2 * taps_ops.PANEL_WIDTH
+            and (bias is None or (bias.dtype == torch.float32 and bias.dim() == 1)))
+
+
+# taps_ops.panel_linear without its Python wrapper (1 us of a 5 us call at decoding's sizes)
+_panel_linear = torch.ops.taps_ops.panel_linear.default
+
+
+def _panels(weight: Tensor, bias: Optional[Tensor]) -> Optional[Tensor]:
+    return taps_ops.pack_panels(weight.detach()) if panels_fit(weight, bias) else None
+
+
 def fastest_layout(weight: Tensor, bias: Optional[Tensor], packed: Optional[Tensor], transposed: Tensor,
-                   repeats: int = 3) -> str:
+                   panels: Optional[Tensor] = None, repeats: int = 3) -> str:
     """Which layout of a float32 CPU weight [out, in] multiplies fastest on this machine: ``"packed"``
-    (oneDNN's blocked copy, when there is one), ``"plain"`` (``F.linear`` over [out, in]) or
-    ``"transposed"`` (``mm`` over `transposed`, its [in, out] copy): the least summed time of a 1-row and
+    (oneDNN's blocked copy, when there is one), ``"plain"`` (``F.linear`` over [out, in]),
+    ``"transposed"`` (``mm`` over `transposed`, its [in, out] copy) or ``"panels"``
+    (``taps_ops.panel_linear`` over `panels`, when there are some): the least summed time of a 1-row and
     an 8-row product (a plain step's and a tree's), each the fastest of at least ``repeats`` calls and of
     as many more as 20 ms of calls per row count hold (up to 25: a burst of load over three calls of a
     small head chose a layout 1.4x slower at 8 rows in one process of ten). The layouts give the same
@@ -221,29 +265,36 @@ def fastest_layout(weight: Tensor, bias: Optional[Tensor], packed: Optional[Tens
     candidates = {"plain": lambda x: F.linear(x, weight, bias), "transposed": lambda x: _mm_rows(x, transposed, bias)}
     if packed is not None:
         candidates["packed"] = lambda x: torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+    if panels is not None:
+        candidates["panels"] = lambda x: _panel_linear(x, panels, bias)
     seconds = _timed(candidates, [torch.randn(rows, weight.shape[1], dtype=weight.dtype) for rows in (1, 8)], repeats,
                      budget=0.02)
     return min(seconds, key=seconds.get)
 
 
-_STACKED_FASTER: dict = {}
+_SMALL_LAYOUT: dict = {}
 
 
-def faster_stacked(shape: Tuple[int, int], repeats: int = 3) -> bool:
-    """Whether a float32 [out, in] projection of x [1, R, in] runs faster on this machine as ``bmm`` over
-    the weight stacked [1, in, out] than as ``mm`` over the rows and the [out, in] weight transposed (what
-    ``F.linear`` and ``taps_ops.decoder_layer`` run for a plain weight): the least summed time of 1 and 8
-    rows on random weights of that shape; measured once per shape and thread count in a process (a few
-    milliseconds; which BLAS kernel runs depends on the threads too)."""
-    key = (tuple(shape), torch.get_num_threads())
-    known = _STACKED_FASTER.get(key)
+def small_layout(shape: Tuple[int, int], panels: bool = True, repeats: int = 3) -> str:
+    """Which layout of a float32 [out, in] projection of x [1, R, in] multiplies fastest on this machine:
+    ``"plain"`` (``mm`` over the rows and the [out, in] weight transposed: what ``F.linear`` and
+    ``taps_ops.decoder_layer`` run for a plain weight), ``"stacked"`` (``bmm`` over the weight stacked
+    [1, in, out]) or, where `panels` allows, ``"panels"`` (``taps_ops.panel_linear``): the least summed
+    time of 1 and 8 rows on random weights of that shape, each the fastest of at least ``repeats`` calls
+    and of as many as 5 ms of calls hold; measured once per shape, candidates and thread count in a
+    process (a few milliseconds; which BLAS kernel runs depends on the threads too)."""
+    key = (tuple(shape), panels, torch.get_num_threads())
+    known = _SMALL_LAYOUT.get(key)
     if known is None:
         out, inner = shape
         weight = torch.randn(out, inner)
         stacked = weight.t().contiguous().unsqueeze(0)
-        seconds = _timed({False: lambda x: torch.mm(x[0], weight.t()), True: lambda x: torch.bmm(x, stacked)},
-                         [torch.randn(1, rows, inner) for rows in (1, 8)], repeats, budget=0.005)
-        known = _STACKED_FASTER[key] = seconds[True] < seconds[False]
+        candidates = {"plain": lambda x: torch.mm(x[0], weight.t()), "stacked": lambda x: torch.bmm(x, stacked)}
+        if panels:
+            packed = taps_ops.pack_panels(weight)
+            candidates["panels"] = lambda x: _panel_linear(x, packed, None)
+        seconds = _timed(candidates, [torch.randn(1, rows, inner) for rows in (1, 8)], repeats, budget=0.005)
+        known = _SMALL_LAYOUT[key] = min(seconds, key=seconds.get)
     return known
 
 
@@ -349,7 +400,7 @@ class LayerWeights:
             lin.pack()
         for lin in (self.qkv, self.o, self.gate_up, self.down):
             if lin is not None:
-                lin.stack_if_faster()
+                lin.choose_small_layout()
         self.op_args = None
         dtype = self.post_norm.rows.dtype
         # the op takes widened float32 projections (Linear.pack) beside half-precision norms, as the Python body
@@ -360,10 +411,10 @@ class LayerWeights:
             fused_rope = dtype == torch.float32 or (self.heads + self.kv_heads) * self.head_dim <= _FUSED_ROPE_HALF_WIDTH
             weights = [self.in_norm.rows if self.in_norm is not None else None, None]
             for lin in (self.qkv, self.o):
-                weights += [lin.packed if lin.packed is not None else lin.weight, lin.bias]
+                weights += [lin.op_weight(), lin.bias]
             weights.append(self.post_norm.rows)
             for lin in (self.gate_up, self.down):
-                weights += [lin.packed if lin.packed is not None else lin.weight, lin.bias]
+                weights += [lin.op_weight(), lin.bias]
             eps = [self.in_norm.eps if self.in_norm is not None else 0.0, 0.0, self.post_norm.eps]
             self.op_args = (weights, eps, [self.heads, self.kv_heads, self.head_dim, int(fused_rope)])
         return self

@@ -11,6 +11,8 @@ Public API (shapes in brackets; B requests, N tree nodes, V vocabulary):
 - :func:`rope_`      rotary position embedding in place, in one pass, for the lean forwards
 - :func:`expand_level` one level of an EAGLE-2 draft expansion (top-k children, scores, next frontier)
 - :func:`decoder_layer` a whole Llama decoder layer of the lean forwards in one call
+- :func:`pack_panels`, :func:`panel_linear`: ``x W^T + b`` for a few rows of x over a float32 weight kept
+  as panels (CPU), the same bits at every ISA level and row count
 - :func:`cpu_info`, :func:`set_cpu_isa`, :func:`native_half_matmul`: the CPU kernels' instruction-set level
   (scalar, avx2, avx512, amx; chosen at load from the CPU, ``TAPS_CPU_ISA`` caps it)
 
@@ -58,7 +60,7 @@ _tree_attention_fast = getattr(_load_library(), "tree_attention", None)
 
 __all__ = [
     "VerifyOutput", "Tree", "MergedTree", "verify_tree", "build_tree", "merge_trees",
-    "tree_attention", "compact_kv", "rms_norm", "rope_", "ExpandLevel", "expand_level", "decoder_layer",
+    "tree_attention", "compact_kv", "rms_norm", "rope_", "pack_panels", "panel_linear", "PANEL_WIDTH", "ExpandLevel", "expand_level", "decoder_layer",
     "has_cuda_kernels", "cpu_info", "set_cpu_isa", "native_half_matmul", "CPU_ISA_LEVELS",
 ]
 
@@ -124,6 +126,7 @@ _OP_MAX_ISA = {
     "rms_norm": "avx512",         # row loops for AVX2 (no FMA: the same bits at every level); bf16 rows with
     "rope_": "avx512",            # explicit AVX2 / AVX-512 (+ AVX512-BF16 rounding) vectors
     "expand_level": "avx2",
+    "panel_linear": "avx512",     # register-blocked FMA kernels AVX-512 / AVX2 + FMA / scalar std::fma (same bits)
     "build_tree": "scalar",       # scalar tree logic (no vector path to choose)
     "merge_trees": "scalar",
     "compact_kv": "scalar",       # memcpy
@@ -434,6 +437,56 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     never run on a GPU so far.
     """
     return torch.ops.taps_ops.rms_norm.default(x, weight, float(eps))
+
+
+#: Outputs per panel of :func:`pack_panels`.
+PANEL_WIDTH = 16
+
+
+def pack_panels(weight: Tensor) -> Tensor:
+    """A float32 linear weight [out, in] as the panels :func:`panel_linear` reads: [out / 16, in, 16], panel
+    p holding outputs 16p .. 16p + 15 with the 16 weights of each input next to each other (a copy; out
+    must be a multiple of 16, in any value). Panels lie an odd number of 64-byte lines apart (one line of
+    padding after each when in is even), so the few panels a kernel block streams at once never share L1
+    cache sets. Detached: for inference."""
+    if not isinstance(weight, Tensor) or weight.dim() != 2:
+        raise ValueError(f"taps_ops: pack_panels: weight must be a 2-D tensor [out, in], got "
+                         f"{tuple(weight.shape) if isinstance(weight, Tensor) else type(weight).__name__}")
+    if weight.dtype != torch.float32:
+        raise ValueError(f"taps_ops: pack_panels: weight must be float32, got {weight.dtype}")
+    out, inner = weight.shape
+    if out % PANEL_WIDTH != 0:
+        raise ValueError(f"taps_ops: pack_panels: out = {out} features must be a multiple of {PANEL_WIDTH}")
+    count = out // PANEL_WIDTH
+    stride = (inner + (1 - inner % 2)) * PANEL_WIDTH
+    buffer = weight.new_zeros(count * stride)
+    panels = buffer.as_strided((count, inner, PANEL_WIDTH), (stride, PANEL_WIDTH, 1))
+    panels.copy_(weight.detach().reshape(count, PANEL_WIDTH, inner).transpose(1, 2))
+    return panels
+
+
+def panel_linear(x: Tensor, panels: Tensor, bias: Optional[Tensor] = None) -> Tensor:
+    """``x W^T + bias`` over a float32 weight W [out, in] kept as :func:`pack_panels` (CPU).
+
+    Made for a few rows (a decoding step's token, a draft tree's nodes): each weight element is read once
+    per block of up to 8 rows (AVX-512; 6 at AVX2) and multiplied into all of them, where BLAS kernels
+    tuned for large products take 1.5-2.5x a single row's time at 2-16 rows (bench/RESULTS.md). Any row
+    count works (output blocks stay in L2 while the row blocks pass over them).
+
+    Each output is ``sum_i x[r, i] * W[o, i]`` accumulated in float32 from i = 0 up, one fused multiply-add
+    per term, then ``+ bias[o]``: the same bits at every ISA level (:func:`set_cpu_isa`), row count, row
+    position and thread count, so a row's result never depends on the other rows of the call. It differs
+    from ``F.linear`` by float rounding only.
+
+    Args:
+        x: [..., in] float32 (a copy is made when not contiguous).
+        panels: [out / 16, in, 16] float32 with strides (>= in * 16, 16, 1) (:func:`pack_panels`).
+        bias: [out] float32 or None.
+
+    Returns:
+        [..., out] float32, contiguous. No autograd (inference).
+    """
+    return torch.ops.taps_ops.panel_linear.default(x, panels, bias)
 
 
 def rope_(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:

@@ -47,6 +47,11 @@ def _rms_norm_fake(x, weight, eps):
     return torch.empty_like(x, memory_format=torch.contiguous_format)
 
 
+@torch.library.register_fake("taps_ops::panel_linear")
+def _panel_linear_fake(x, panels, bias=None):
+    return x.new_empty((*x.shape[:-1], panels.shape[0] * panels.shape[2]))
+
+
 @torch.library.register_fake("taps_ops::rope_")
 def _rope_fake(x, cos, sin):
     return None

@@ -486,6 +486,15 @@ def compact_kv_ref(caches: List[Tensor], path: Tensor, prefix_lens: Tensor) -> L
     return out
 
 
+def panel_linear_ref(x: Tensor, panels: Tensor, bias: Optional[Tensor] = None) -> Tensor:
+    """``x W^T + bias`` in float64 (returned as float64: the reference the float32 kernel is within rounding
+    of), W [out, in] read back from panels [out / 16, in, 16] (:func:`taps_ops.pack_panels`)."""
+    count, inner, width = panels.shape
+    weight = panels.permute(0, 2, 1).reshape(count * width, inner).double()
+    y = x.double() @ weight.t()
+    return y if bias is None else y + bias.double()
+
+
 def rms_norm_ref(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     """Hugging Face's Llama RMSNorm, ``weight * (x.float() * rsqrt(mean(x.float()^2) + eps)).to(x.dtype)``,
     for weight [H] or [G, H] (x's rows in G consecutive blocks, as in :func:`taps_ops.rms_norm`)."""

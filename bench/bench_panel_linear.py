@@ -1,0 +1,105 @@
+"""Microbenchmark of taps_ops.panel_linear (x W^T over a weight kept as taps' panels) against torch's float32
+products of a few rows, on the CPU.
+
+    PYTHONPATH=python python bench/bench_panel_linear.py [--rows 1,2,4,8,16,32] [--isa LEVELS] [--quick]
+
+Rows of the table: the shipped target's projections and head (hidden 256, intermediate 768, vocabulary
+8192) and one Llama-7B-sized projection, each at a decoding step's and a draft tree's row counts. Columns:
+torch's fastest of ``F.linear`` over the [out, in] weight and ``mm`` over an [in, out] copy (the BLAS forms
+taps.lean times at load), taps at each instruction-set level (``--isa``, bench/common.py), the ratio, and the
+floor: the larger of reading the weight once at ``--gbps`` (default 25 GB/s, one core of the development
+CPU reading from DRAM; a weight that fits the L2 cache reads faster, so small weights can beat it) and the
+multiply-adds at the level's measured fp32 peak. Every time is the fastest of ``--rounds`` rounds of
+calls, torch and taps alternating (a burst of load hits them alike).
+
+torch runs at the process's own level: to compare on an AVX2-only machine from an AVX-512 one, set
+``ATEN_CPU_CAPABILITY=avx2 MKL_ENABLE_INSTRUCTIONS=AVX2 ONEDNN_MAX_CPU_ISA=AVX2 TAPS_CPU_ISA=avx2``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import add_isa_argument, cpu_isa, isa_levels, machine_line, op_levels, peak_flops  # noqa: E402
+
+import taps_ops  # noqa: E402
+
+SHAPES = [  # name, out, in
+    ("target qkv", 512, 256), ("target o", 256, 256), ("target gate_up", 1536, 256), ("target down", 256, 768),
+    ("target head", 8192, 256), ("7B q / o", 4096, 4096),
+]
+
+
+def best_time(fn, calls: int) -> float:
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    return (time.perf_counter() - t0) / calls
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--rows", default="1,2,4,8,16,32")
+    ap.add_argument("--rounds", type=int, default=7)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--gbps", type=float, default=25.0, help="memory bandwidth for the floor column")
+    ap.add_argument("--quick", action="store_true", help="the shipped target's shapes at 1, 4 and 16 rows")
+    add_isa_argument(ap)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    torch.set_grad_enabled(False)
+    levels = op_levels(isa_levels(args.isa), "panel_linear")
+    rows_list = [1, 4, 16] if args.quick else [int(r) for r in args.rows.split(",")]
+    shapes = SHAPES[:5] if args.quick else SHAPES
+    peaks = peak_flops(levels)
+    print(f"{machine_line()} | threads {torch.get_num_threads()}, fastest of {args.rounds} rounds")
+    print(f"taps columns: panel_linear at level {', '.join(levels)}; fp32 peak per level (measured): "
+          + ", ".join(f"{lv} {peaks[lv] / 1e9:.0f} GFLOP/s" for lv in levels if lv in peaks))
+    head = f"{'weight':>15} {'out x in':>11} {'rows':>4} {'torch us':>9} " + " ".join(
+        f"{'taps ' + lv + ' us':>15} {'x torch':>7} {'floor us':>8}" for lv in levels)
+    print(head)
+    print("-" * len(head))
+    gen = torch.Generator().manual_seed(0)
+    for name, out, inner in shapes:
+        weight = torch.randn(out, inner, generator=gen)
+        transposed = weight.t().contiguous()
+        panels = taps_ops.pack_panels(weight)
+        weight_bytes = out * inner * 4
+        calls = max(3, min(200, int(2e8 / (out * inner * 4))))
+        for rows in rows_list:
+            x = torch.randn(rows, inner, generator=gen)
+            forms = {"linear": lambda: F.linear(x, weight), "mm": lambda: torch.mm(x, transposed)}
+            for lv in levels:
+                forms[lv] = (lambda lv=lv: _at(lv, lambda: taps_ops.panel_linear(x, panels)))
+            best = dict.fromkeys(forms, float("inf"))
+            for fn in forms.values():
+                fn()
+            for _ in range(args.rounds):
+                for key, fn in forms.items():
+                    if key in levels:
+                        with cpu_isa(key):
+                            best[key] = min(best[key], best_time(lambda: taps_ops.panel_linear(x, panels), calls))
+                    else:
+                        best[key] = min(best[key], best_time(fn, calls))
+            t_torch = min(best["linear"], best["mm"])
+            cells = []
+            for lv in levels:
+                floor = max(weight_bytes / (args.gbps * 1e9), 2 * rows * out * inner / peaks.get(lv, float("inf")))
+                cells.append(f"{best[lv] * 1e6:15.1f} {t_torch / best[lv]:6.2f}x {floor * 1e6:8.1f}")
+            print(f"{name:>15} {f'{out}x{inner}':>11} {rows:4} {t_torch * 1e6:9.1f} " + " ".join(cells), flush=True)
+
+
+def _at(level, fn):
+    with cpu_isa(level):
+        return fn()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,178 @@
+// panel_linear, CPU: y = x W^T + b for a few rows of x (a decoding step's tokens, a draft tree's nodes) over a
+// float32 weight kept as panels (taps_ops.pack_panels), with a fixed summation order (the same bits at every
+// instruction-set level, row count and thread count).
+//
+// Why an op: BLAS libraries tune their float32 GEMMs for many rows. At 2-16 rows and decoding's shapes the
+// ones measured on the development CPUs take 1.5-2.5x the time of one row (bench/RESULTS.md, "A few rows
+// for the price of one"), while the floor is max(reading the weight once, the rows' multiply-adds): a tree
+// of a few nodes should cost a plain step's weight traffic. Here each weight element is loaded once per
+// row block (up to 8 rows at AVX-512, 6 at AVX2) and multiplied into every row of the block from registers.
+//
+// Work: rows x out x in multiply-adds; bytes: out x in x 4 of weight once per row block per L2-sized
+// output block (panels stay in L2 across the row blocks), rows x (in + out) x 4 of activations.
+// Parallel over output blocks (at::parallel_for); each output's sum is one thread's, in one order.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+
+#include "checks/checks.h"
+#include "cpu/cpu_isa.h"
+
+namespace taps {
+namespace panel_cpu {
+
+constexpr int64_t kPanelWidth = 16;              // outputs per panel (taps_ops.pack_panels)
+constexpr int64_t kBlockBytes = 192 * 1024;      // weight bytes per output block: stays in L2 across row blocks
+constexpr int64_t kBlockPanels = 8;              // output blocks are whole multiples of this many panels
+
+struct Problem {
+  const float* x;       // [rows, in] contiguous
+  const float* panels;  // [out / 16, in, 16], panel p at panels + p * panel_stride
+  const float* bias;    // [out] or nullptr
+  float* y;             // [rows, out] contiguous
+  int64_t rows, in, out, panel_stride;
+};
+
+}  // namespace panel_cpu
+
+#if defined(TAPS_CPU_X86)
+#include <immintrin.h>
+
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma")
+namespace panel_cpu::avx512 {
+struct S {
+  using F = __m512;
+  static constexpr int L = 16;
+  // rows x vectors of sums: 1-2 x 8, 3-6 x 4, 7-8 x 2 (at most 24 of the 32 registers)
+  static constexpr int kMaxRows = 8;
+  static constexpr int vecs(int rows) { return rows <= 2 ? 8 : rows <= 6 ? 4 : 2; }
+  static F load(const float* p) { return _mm512_loadu_ps(p); }
+  static void store(float* p, F x) { _mm512_storeu_ps(p, x); }
+  static F set1(float x) { return _mm512_set1_ps(x); }
+  static F zero() { return _mm512_setzero_ps(); }
+  static F add(F a, F b) { return _mm512_add_ps(a, b); }
+  static F fmadd(F a, F b, F c) { return _mm512_fmadd_ps(a, b, c); }
+};
+#include "cpu/panel_linear_kernel.h"
+}  // namespace panel_cpu::avx512
+#pragma GCC pop_options
+
+#pragma GCC push_options
+#pragma GCC target("avx2,fma")
+namespace panel_cpu::avx2 {
+struct S {
+  using F = __m256;
+  static constexpr int L = 8;
+  // rows x vectors of sums: 1 x 8, 2-3 x 4, 4-6 x 2 (at most 12 of the 16 registers)
+  static constexpr int kMaxRows = 6;
+  static constexpr int vecs(int rows) { return rows == 1 ? 8 : rows <= 3 ? 4 : 2; }
+  static F load(const float* p) { return _mm256_loadu_ps(p); }
+  static void store(float* p, F x) { _mm256_storeu_ps(p, x); }
+  static F set1(float x) { return _mm256_set1_ps(x); }
+  static F zero() { return _mm256_setzero_ps(); }
+  static F add(F a, F b) { return _mm256_add_ps(a, b); }
+  static F fmadd(F a, F b, F c) { return _mm256_fmadd_ps(a, b, c); }
+};
+#include "cpu/panel_linear_kernel.h"
+}  // namespace panel_cpu::avx2
+#pragma GCC pop_options
+#endif  // TAPS_CPU_X86
+
+// The portable level: one float per "vector", std::fma (a single rounding, as the vector levels' fused
+// multiply-adds), so its bits are theirs.
+namespace panel_cpu::generic {
+struct S {
+  using F = float;
+  static constexpr int L = 1;
+  static constexpr int kMaxRows = 4;
+  static constexpr int vecs(int rows) { return rows <= 2 ? 8 : 4; }
+  static F load(const float* p) { return *p; }
+  static void store(float* p, F x) { *p = x; }
+  static F set1(float x) { return x; }
+  static F zero() { return 0.0f; }
+  static F add(F a, F b) { return a + b; }
+  static F fmadd(F a, F b, F c) { return std::fma(a, b, c); }
+};
+#include "cpu/panel_linear_kernel.h"
+}  // namespace panel_cpu::generic
+
+namespace {
+
+at::Tensor panel_linear_cpu(const at::Tensor& x_in, const at::Tensor& panels, const std::optional<at::Tensor>& bias) {
+  TORCH_CHECK_VALUE(x_in.defined() && panels.defined(), "taps_ops: panel_linear: x and panels must be defined");
+  TORCH_CHECK_VALUE(panels.dim() == 3 && panels.size(2) == panel_cpu::kPanelWidth,
+                    "taps_ops: panel_linear: panels must be [out / 16, in, 16] (taps_ops.pack_panels), got shape ",
+                    panels.sizes());
+  TORCH_CHECK_VALUE(panels.scalar_type() == at::kFloat && x_in.scalar_type() == at::kFloat,
+                    "taps_ops: panel_linear: x and panels must be float32, got ", x_in.scalar_type(), " and ",
+                    panels.scalar_type());
+  TORCH_CHECK_VALUE(panels.device().is_cpu() && !panels.is_mkldnn(),
+                    "taps_ops: panel_linear: panels must be a dense CPU tensor, got ", panels.device());
+  check_same_device(panels, x_in, "panels", "panel_linear: x");
+  TORCH_CHECK_VALUE(panels.stride(2) == 1 && panels.stride(1) == panel_cpu::kPanelWidth &&
+                        panels.stride(0) >= panels.size(1) * panel_cpu::kPanelWidth,
+                    "taps_ops: panel_linear: panels must have strides (>= in * 16, 16, 1) (taps_ops.pack_panels), got ",
+                    panels.strides());
+  TORCH_CHECK_VALUE(x_in.dim() >= 1, "taps_ops: panel_linear: x [..., in] must have at least 1 dimension, got a scalar");
+  const int64_t in = panels.size(1), out = panels.size(0) * panel_cpu::kPanelWidth;
+  TORCH_CHECK_VALUE(x_in.size(-1) == in, "taps_ops: panel_linear: x's last dimension must be in = ", in,
+                    " (panels [out / 16, in, 16] of shape ", panels.sizes(), "), got x of shape ", x_in.sizes());
+  const float* bias_ptr = nullptr;
+  at::Tensor b;
+  if (bias.has_value() && bias->defined()) {
+    TORCH_CHECK_VALUE(bias->scalar_type() == at::kFloat, "taps_ops: panel_linear: bias must be float32, got ",
+                      bias->scalar_type());
+    check_same_device(panels, *bias, "panels", "panel_linear: bias");
+    TORCH_CHECK_VALUE(bias->dim() == 1 && bias->size(0) == out, "taps_ops: panel_linear: bias must be [out] = [", out,
+                      "], got shape ", bias->sizes());
+    b = bias->contiguous();
+    bias_ptr = b.data_ptr<float>();
+  }
+  std::vector<int64_t> shape(x_in.sizes().begin(), x_in.sizes().end());
+  shape.back() = out;
+  at::Tensor y = at::empty(shape, x_in.options().memory_format(at::MemoryFormat::Contiguous));
+  const int64_t rows = in > 0 ? x_in.numel() / in : y.numel() / std::max<int64_t>(out, 1);
+  if (rows == 0 || out == 0) return y;
+  if (in == 0) {  // empty sums
+    if (bias_ptr != nullptr) y.copy_(b.expand_as(y)); else y.zero_();
+    return y;
+  }
+  const at::Tensor x = x_in.contiguous();
+  const panel_cpu::Problem p{x.data_ptr<float>(), panels.data_ptr<float>(), bias_ptr, y.data_ptr<float>(), rows, in, out,
+                            panels.stride(0)};
+  const int64_t num_panels = panels.size(0);
+  // output blocks of about kBlockBytes of weight, in whole groups of kBlockPanels panels (every kernel
+  // configuration's vectors divide such a group: no output of a full group goes through the one-vector tail)
+  const int64_t group = panel_cpu::kBlockPanels;
+  const int64_t block = std::max<int64_t>(1, panel_cpu::kBlockBytes / (in * panel_cpu::kPanelWidth * 4 * group)) * group;
+  const int64_t blocks = (num_panels + block - 1) / block;
+  const cpu::Isa level = cpu::isa();
+  at::parallel_for(0, blocks, 1, [&](int64_t lo, int64_t hi) {
+    for (int64_t blk = lo; blk < hi; ++blk) {
+      const int64_t p_lo = blk * block, p_hi = std::min(num_panels, p_lo + block);
+#if defined(TAPS_CPU_X86)
+      if (static_cast<int>(level) >= static_cast<int>(cpu::Isa::kAvx512)) {
+        panel_cpu::avx512::panel::run(p, p_lo, p_hi);
+        continue;
+      }
+      if (level == cpu::Isa::kAvx2) {
+        panel_cpu::avx2::panel::run(p, p_lo, p_hi);
+        continue;
+      }
+#endif
+      panel_cpu::generic::panel::run(p, p_lo, p_hi);
+    }
+  });
+  return y;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(taps_ops, CPU, m) { m.impl("panel_linear", &panel_linear_cpu); }
+
+}  // namespace taps

@@ -1,0 +1,178 @@
+"""taps_ops.pack_panels / panel_linear: x W^T + b over a float32 weight kept as panels (CPU).
+
+- Agrees with a float64 product within float32 rounding on random inputs of odd sizes (rows 1-33 across
+  every row-block size and remainder; outputs across every vector-block tail; any in), with and without a
+  bias, for 1-, 2- and 3-D x, non-contiguous x and the empty cases.
+- The contract's bits: the same at every ISA level this CPU runs, for a row alone or among others (any
+  row count and position) and for any thread count.
+- Bad inputs raise ValueError starting "taps_ops: panel_linear:" / "taps_ops: pack_panels:", fuzzed.
+"""
+
+import random
+
+import pytest
+import torch
+
+import taps_ops
+from taps_ops.reference import panel_linear_ref
+
+LEVELS = taps_ops.CPU_ISA_LEVELS
+RUNNABLE = LEVELS[: LEVELS.index(taps_ops.cpu_info()["host_isa"]) + 1]
+
+
+@pytest.fixture
+def restore_level():
+    before = taps_ops.cpu_info()["isa"]
+    yield
+    taps_ops.set_cpu_isa(before)
+
+
+def _close(y, ref, inner):
+    # float32 accumulation of `inner` terms: a few ulps of the sum of |terms| per step
+    torch.testing.assert_close(y.double(), ref, rtol=1e-5, atol=2e-6 * max(inner, 1) ** 0.5 * 4)
+
+
+@pytest.mark.parametrize("out,inner", [(16, 1), (32, 7), (48, 257), (64, 64), (112, 33), (256, 256), (400, 130),
+                                       (1024, 96)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_matches_the_float64_product(out, inner, bias):
+    gen = torch.Generator().manual_seed(out * 1000 + inner)
+    weight = torch.randn(out, inner, generator=gen)
+    b = torch.randn(out, generator=gen) if bias else None
+    panels = taps_ops.pack_panels(weight)
+    assert panels.shape == (out // 16, inner, 16)
+    assert torch.equal(panels.permute(0, 2, 1).reshape(out, inner), weight)
+    for rows in (1, 2, 3, 4, 5, 6, 7, 8, 9, 11, 13, 16, 17, 33):
+        x = torch.randn(rows, inner, generator=gen)
+        y = taps_ops.panel_linear(x, panels, b)
+        assert y.shape == (rows, out) and y.dtype == torch.float32 and y.is_contiguous()
+        _close(y, panel_linear_ref(x, panels, b), inner)
+
+
+def test_shapes_layouts_and_empty_inputs():
+    torch.manual_seed(1)
+    weight, bias = torch.randn(48, 20), torch.randn(48)
+    panels = taps_ops.pack_panels(weight)
+    x = torch.randn(3, 5, 20)
+    y = taps_ops.panel_linear(x, panels, bias)
+    assert y.shape == (3, 5, 48)
+    _close(y, torch.nn.functional.linear(x.double(), weight.double(), bias.double()), 20)
+    assert torch.equal(taps_ops.panel_linear(x[0, 2], panels, bias), y[0, 2])          # 1-D x
+    strided = torch.randn(5, 40)[:, ::2]                                                 # non-contiguous x
+    assert torch.equal(taps_ops.panel_linear(strided, panels, bias), taps_ops.panel_linear(strided.contiguous(), panels, bias))
+    assert taps_ops.panel_linear(torch.randn(0, 20), panels, bias).shape == (0, 48)
+    empty = taps_ops.pack_panels(torch.randn(32, 0))
+    assert torch.equal(taps_ops.panel_linear(torch.randn(4, 0), empty), torch.zeros(4, 32))
+    b = torch.randn(32)
+    assert torch.equal(taps_ops.panel_linear(torch.randn(4, 0), empty, b), b.expand(4, 32))
+
+
+@pytest.mark.parametrize("inner", [1, 63, 256, 768])
+def test_panels_are_padded_to_an_odd_line_stride(inner):
+    panels = taps_ops.pack_panels(torch.randn(64, inner))
+    lines = panels.stride(0) * 4 // 64
+    assert panels.stride(0) * 4 % 64 == 0 and lines % 2 == 1 and panels.stride(0) >= inner * 16
+
+
+def test_the_same_bits_at_every_level_row_count_position_and_thread_count(restore_level):
+    """The contract: each output's sum runs in one order, so its bits depend on its own row only."""
+    gen = torch.Generator().manual_seed(7)
+    weight, bias = torch.randn(272, 129, generator=gen), torch.randn(272, generator=gen)
+    panels = taps_ops.pack_panels(weight)
+    x = torch.randn(23, 129, generator=gen)
+    results = {}
+    for level in RUNNABLE:
+        taps_ops.set_cpu_isa(level)
+        results[level] = taps_ops.panel_linear(x, panels, bias)
+        for rows in (1, 2, 3, 5, 8, 13):
+            for start in (0, 23 - rows, 4):
+                part = taps_ops.panel_linear(x[start:start + rows], panels, bias)
+                assert torch.equal(part, results[level][start:start + rows]), (level, rows, start)
+    first = results[RUNNABLE[0]]
+    for level, y in results.items():
+        assert torch.equal(y, first), level
+    threads = torch.get_num_threads()
+    try:
+        for n in (1, 2, 3):
+            torch.set_num_threads(n)
+            assert torch.equal(taps_ops.panel_linear(x, panels, bias), first)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_every_level_agrees_with_the_reference(restore_level):
+    gen = torch.Generator().manual_seed(3)
+    weight = torch.randn(96, 45, generator=gen)
+    panels = taps_ops.pack_panels(weight)
+    x = torch.randn(10, 45, generator=gen)
+    for level in RUNNABLE:
+        taps_ops.set_cpu_isa(level)
+        _close(taps_ops.panel_linear(x, panels), panel_linear_ref(x, panels), 45)
+
+
+def _valid():
+    return dict(x=torch.randn(3, 24), panels=taps_ops.pack_panels(torch.randn(32, 24)), bias=torch.randn(32))
+
+
+BAD = {
+    "x float64": (lambda a: a.update(x=a["x"].double()), "must be float32"),
+    "x bf16": (lambda a: a.update(x=a["x"].bfloat16()), "must be float32"),
+    "x scalar": (lambda a: a.update(x=torch.tensor(1.0)), "at least 1 dimension"),
+    "x width": (lambda a: a.update(x=torch.randn(3, 23)), "last dimension must be in = 24"),
+    "panels 2-D": (lambda a: a.update(panels=torch.randn(32, 24)), "panels must be [out / 16, in, 16]"),
+    "panels width": (lambda a: a.update(panels=torch.randn(2, 24, 8)), "panels must be [out / 16, in, 16]"),
+    "panels dtype": (lambda a: a.update(panels=a["panels"].double()), "must be float32"),
+    "panels strides": (lambda a: a.update(panels=torch.randn(2, 16, 24).transpose(1, 2)), "strides"),
+    "panels overlap": (lambda a: a.update(panels=torch.randn(24 * 16 + 16).as_strided((2, 24, 16), (16, 16, 1))),
+                       "strides"),
+    "bias shape": (lambda a: a.update(bias=torch.randn(31)), "bias must be [out] = [32]"),
+    "bias 2-D": (lambda a: a.update(bias=torch.randn(1, 32)), "bias must be [out] = [32]"),
+    "bias dtype": (lambda a: a.update(bias=a["bias"].double()), "bias must be float32"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD))
+def test_bad_inputs_raise_clear_errors(case):
+    args = _valid()
+    taps_ops.panel_linear(**args)
+    mutate, message = BAD[case]
+    mutate(args)
+    with pytest.raises(ValueError, match="taps_ops: panel_linear: .*" + message.replace("[", r"\[").replace("]", r"\]")
+                       .replace("(", r"\(").replace(")", r"\)")):
+        taps_ops.panel_linear(**args)
+
+
+def test_fuzzed_bad_inputs_raise_value_errors_never_crash():
+    """Random mutations of a valid call: every one either works (and agrees with the reference) or raises
+    a clear ValueError; none crashes or reads out of bounds."""
+    rng = random.Random(0)
+    for _ in range(300):
+        out, inner, rows = 16 * rng.randint(1, 5), rng.randint(0, 40), rng.randint(0, 6)
+        x = torch.randn(rows, inner + rng.choice([0, 0, 0, 1, -1]) if inner > 0 else 0)
+        panels = taps_ops.pack_panels(torch.randn(out, inner))
+        if rng.random() < 0.2:
+            panels = panels[:, :, : rng.choice([8, 15])]
+        if rng.random() < 0.1:
+            panels = panels.contiguous().view(-1)
+        bias = rng.choice([None, torch.randn(out), torch.randn(out + 16), torch.randn(out).half()])
+        try:
+            y = taps_ops.panel_linear(x, panels, bias)
+        except ValueError as e:
+            assert str(e).startswith("taps_ops: panel_linear:"), str(e)
+            continue
+        _close(y, panel_linear_ref(x, panels, bias), inner)
+
+
+@pytest.mark.parametrize("case", ["2-D", "out", "dtype"])
+def test_pack_panels_rejects_what_it_cannot_lay_out(case):
+    weight = {"2-D": torch.randn(2, 16, 4), "out": torch.randn(40, 8), "dtype": torch.randn(32, 8).double()}[case]
+    with pytest.raises(ValueError, match="taps_ops: pack_panels:"):
+        taps_ops.pack_panels(weight)
+
+
+def test_fake_tensor_shape():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    args = _valid()
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        y = torch.ops.taps_ops.panel_linear(torch.empty(2, 7, 24), args["panels"], None)
+    assert y.shape == (2, 7, 32)
