@@ -82,8 +82,9 @@ def layout(request, monkeypatch):
     """A single float32 projection as the [out, in] weight, stacked [1, in, out] or taps' panels
     (LayerWeights.pack keeps the one timed fastest on the machine: Linear.choose_small_layout); every layout
     tested everywhere (panels where the projection's shape allows them)."""
-    monkeypatch.setattr(lean, "small_layout", lambda shape, panels=True, repeats=3:
-                        request.param if (request.param != "panels" or panels) else "plain")
+    monkeypatch.setattr(lean, "small_layout", lambda shape, panels=True, repeats=3, stacked=True:
+                        request.param if (request.param != "panels" or panels) and (request.param != "stacked" or stacked)
+                        else "plain")
     return request.param
 
 
@@ -261,7 +262,7 @@ BAD = {
 @pytest.mark.parametrize("case", sorted(BAD))
 def test_bad_inputs_raise_clear_errors(case, monkeypatch):
     # the cases cut [out, in] weights: the plain layout (the stacked one is the "stacked weight" cases)
-    monkeypatch.setattr(lean, "small_layout", lambda shape, panels=True, repeats=3: "plain")
+    monkeypatch.setattr(lean, "small_layout", lambda shape, panels=True, repeats=3, stacked=True: "plain")
     args = _valid_call()
     with torch.no_grad():
         _call(args)                      # the valid call works

@@ -322,8 +322,8 @@ def test_every_small_layout_gives_the_same_product(layout, monkeypatch):
     product up to float rounding, with and without a bias; panels only where the shape allows them."""
     from taps import lean
 
-    monkeypatch.setattr(lean, "small_layout", lambda shape, panels=True, repeats=3:
-                        layout if (layout != "panels" or panels) else "plain")
+    monkeypatch.setattr(lean, "small_layout", lambda shape, panels=True, repeats=3, stacked=True:
+                        layout if (layout != "panels" or panels) and (layout != "stacked" or stacked) else "plain")
     torch.manual_seed(0)
     for out in (48, 40, 16):
         weight, bias = torch.randn(out, 24), torch.randn(out)
@@ -334,3 +334,8 @@ def test_every_small_layout_gives_the_same_product(layout, monkeypatch):
             x = torch.randn(1, 5, 24)
             with torch.no_grad():
                 torch.testing.assert_close(lin(x), torch.nn.functional.linear(x, weight, b), rtol=1e-5, atol=1e-5)
+            head = lean.Linear(weight, b).pack().choose_small_layout(stacked=False)   # a head: any input shape
+            assert not head.stacked and (head.panels is not None) == (layout == "panels" and out in (48,))
+            x = torch.randn(3, 2, 24)
+            with torch.no_grad():
+                torch.testing.assert_close(head(x), torch.nn.functional.linear(x, weight, b), rtol=1e-5, atol=1e-5)

@@ -150,16 +150,17 @@ class Linear:
                     self.panels = panels
         return self
 
-    def choose_small_layout(self) -> "Linear":
-        """A plain float32 CPU weight [out, in] (not oneDNN-packed; decoder layers' projections) kept in the
-        layout that multiplies fastest on this machine (:func:`small_layout`, timed once per shape and thread
-        count): as it is (``mm`` over the rows and the weight transposed, what ``F.linear`` and
-        ``taps_ops.decoder_layer`` run for it), stacked as one group [1, in, out] (x [1, R, in] then
-        multiplies it by ``bmm``: inputs must be [1, R, in]) or as taps' panels (``taps_ops.panel_linear``,
-        in the Python body and in ``taps_ops.decoder_layer`` alike)."""
-        if (not self.stacked and self.packed is None and self.weight.device.type == "cpu"
+    def choose_small_layout(self, stacked: bool = True) -> "Linear":
+        """A plain float32 CPU weight [out, in] (not oneDNN-packed: decoder layers' projections, drafters'
+        input projections and heads) kept in the layout that multiplies fastest on this machine
+        (:func:`small_layout`, timed once per shape and thread count): as it is (``mm`` over the rows and the
+        weight transposed, what ``F.linear`` and ``taps_ops.decoder_layer`` run for it), where `stacked`
+        allows (inputs always [1, R, in]) stacked as one group [1, in, out] (x then multiplies it by ``bmm``),
+        or as taps' panels (``taps_ops.panel_linear``, in the Python body and in ``taps_ops.decoder_layer``
+        alike)."""
+        if (not self.stacked and self.packed is None and self.panels is None and self.weight.device.type == "cpu"
                 and self.weight.dtype == torch.float32):
-            layout = small_layout(tuple(self.weight.shape), panels_fit(self.weight, self.bias))
+            layout = small_layout(tuple(self.weight.shape), panels_fit(self.weight, self.bias), stacked=stacked)
             if layout == "stacked":
                 self.weight = self.weight.detach().t().contiguous().unsqueeze(0)
                 self.bias = None if self.bias is None else self.bias.detach().reshape(1, 1, -1).contiguous()
@@ -275,21 +276,23 @@ def fastest_layout(weight: Tensor, bias: Optional[Tensor], packed: Optional[Tens
 _SMALL_LAYOUT: dict = {}
 
 
-def small_layout(shape: Tuple[int, int], panels: bool = True, repeats: int = 3) -> str:
+def small_layout(shape: Tuple[int, int], panels: bool = True, repeats: int = 3, stacked: bool = True) -> str:
     """Which layout of a float32 [out, in] projection of x [1, R, in] multiplies fastest on this machine:
     ``"plain"`` (``mm`` over the rows and the [out, in] weight transposed: what ``F.linear`` and
-    ``taps_ops.decoder_layer`` run for a plain weight), ``"stacked"`` (``bmm`` over the weight stacked
-    [1, in, out]) or, where `panels` allows, ``"panels"`` (``taps_ops.panel_linear``): the least summed
-    time of 1 and 8 rows on random weights of that shape, each the fastest of at least ``repeats`` calls
-    and of as many as 5 ms of calls hold; measured once per shape, candidates and thread count in a
-    process (a few milliseconds; which BLAS kernel runs depends on the threads too)."""
-    key = (tuple(shape), panels, torch.get_num_threads())
+    ``taps_ops.decoder_layer`` run for a plain weight), where `stacked` allows ``"stacked"`` (``bmm`` over
+    the weight stacked [1, in, out]) and where `panels` allows ``"panels"`` (``taps_ops.panel_linear``): the
+    least summed time of 1 and 8 rows on random weights of that shape, each the fastest of at least
+    ``repeats`` calls and of as many as 5 ms of calls hold; measured once per shape, candidates and thread
+    count in a process (a few milliseconds; which BLAS kernel runs depends on the threads too)."""
+    key = (tuple(shape), panels, stacked, torch.get_num_threads())
     known = _SMALL_LAYOUT.get(key)
     if known is None:
         out, inner = shape
         weight = torch.randn(out, inner)
-        stacked = weight.t().contiguous().unsqueeze(0)
-        candidates = {"plain": lambda x: torch.mm(x[0], weight.t()), "stacked": lambda x: torch.bmm(x, stacked)}
+        as_stacked = weight.t().contiguous().unsqueeze(0)
+        candidates = {"plain": lambda x: torch.mm(x[0], weight.t())}
+        if stacked:
+            candidates["stacked"] = lambda x: torch.bmm(x, as_stacked)
         if panels:
             packed = taps_ops.pack_panels(weight)
             candidates["panels"] = lambda x: _panel_linear(x, packed, None)
@@ -630,7 +633,7 @@ class LeanCausalLM:
         """Pre-pack the projections and the head for the CPU (inference; see :func:`pack_weight`)."""
         for w in self.layers:
             w.pack()
-        self.head.pack()
+        self.head.pack().choose_small_layout(stacked=False)
         return self
 
     def sources(self) -> List[Tensor]:

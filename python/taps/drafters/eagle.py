@@ -245,11 +245,11 @@ class EagleGroup(FeatureHeadGroup):
         super().__init__(drafters)
         first = drafters[0]
         first._require_bound()
-        self.fc = Linear([d.fc.weight for d in drafters], [d.fc.bias for d in drafters]).pack()
+        self.fc = Linear([d.fc.weight for d in drafters], [d.fc.bias for d in drafters]).pack().choose_small_layout()
         self.layers = [LayerWeights([d.layers[i] for d in drafters]).pack() for i in range(len(first.layers))]
         self.embed_weight = first.embedding_weight()
         head = first.lm_head()
-        self.head = head_rows(head.weight, head.bias, first.draft_vocab).pack()
+        self.head = head_rows(head.weight, head.bias, first.draft_vocab).pack().choose_small_layout(stacked=False)
         if first.draft_vocab is not None:
             self.token_map = first.draft_vocab.to(head.weight.device)
         self.dtype = first.fc.weight.dtype

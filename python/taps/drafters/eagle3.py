@@ -141,9 +141,9 @@ class Eagle3Weights:
 
     def pack(self) -> "Eagle3Weights":
         """Pre-pack the projections for the CPU (inference only, :meth:`taps.lean.Linear.pack`)."""
-        self.fc.pack()
+        self.fc.pack().choose_small_layout()
         self.layer.pack()
-        self.head.pack()
+        self.head.pack().choose_small_layout(stacked=False)
         return self
 
     def hidden(self, emb: Tensor, h: Tensor, fused: bool, cos: Tensor, sin: Tensor, attend: Attend, rows: int,

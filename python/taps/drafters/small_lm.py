@@ -96,7 +96,8 @@ class _LeanLMGroup(DraftGroup):
         if vocab is not None:
             if self.groups > 1:
                 raise ValueError("ModelDrafter: a reduced draft vocabulary is supported for one drafter at a time")
-            self.lean.head = head_rows(self.lean.head.weight, self.lean.head.bias, vocab).pack()
+            self.lean.head = head_rows(self.lean.head.weight, self.lean.head.bias, vocab).pack().choose_small_layout(
+                stacked=False)
             self.token_map = vocab.to(self.lean.head.weight.device)
 
     def _run(self, ids: Tensor, positions: Tensor, attend) -> Tensor:
