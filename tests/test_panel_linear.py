@@ -163,6 +163,14 @@ def test_fuzzed_bad_inputs_raise_value_errors_never_crash():
         _close(y, panel_linear_ref(x, panels, bias), inner)
 
 
+def test_other_devices_raise_a_clear_error():
+    args = _valid()
+    for name in ("x", "panels", "bias"):
+        moved = dict(args, **{name: args[name].to("meta")})
+        with pytest.raises(ValueError, match=f"taps_ops: panel_linear: a CPU op, got {name} on meta"):
+            taps_ops.panel_linear(**moved)
+
+
 @pytest.mark.parametrize("case", ["2-D", "out", "dtype"])
 def test_pack_panels_rejects_what_it_cannot_lay_out(case):
     weight = {"2-D": torch.randn(2, 16, 4), "out": torch.randn(40, 8), "dtype": torch.randn(32, 8).double()}[case]

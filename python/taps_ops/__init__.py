@@ -484,8 +484,12 @@ def panel_linear(x: Tensor, panels: Tensor, bias: Optional[Tensor] = None) -> Te
         bias: [out] float32 or None.
 
     Returns:
-        [..., out] float32, contiguous. No autograd (inference).
+        [..., out] float32, contiguous. No autograd (inference). CPU only (GPUs have cuBLAS for this);
+        tensors elsewhere raise ValueError.
     """
+    for name, t in (("x", x), ("panels", panels), ("bias", bias)):
+        if isinstance(t, Tensor) and t.device.type != "cpu":
+            raise ValueError(f"taps_ops: panel_linear: a CPU op, got {name} on {t.device}")
     return torch.ops.taps_ops.panel_linear.default(x, panels, bias)
 
 
