@@ -92,7 +92,7 @@ def main() -> None:
             cells = []
             for lv in levels:
                 floor = max(weight_bytes / (args.gbps * 1e9), 2 * rows * out * inner / peaks.get(lv, float("inf")))
-                cells.append(f"{best[lv] * 1e6:15.1f} {t_torch / best[lv]:6.2f}x {floor * 1e6:8.1f}")
+                cells.append(f"{best[lv] * 1e6:15.1f} {t_torch / best[lv]:6.3f}x {floor * 1e6:8.1f}")
             print(f"{name:>15} {f'{out}x{inner}':>11} {rows:4} {t_torch * 1e6:9.1f} " + " ".join(cells), flush=True)
 
 

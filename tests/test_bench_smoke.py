@@ -153,3 +153,28 @@ def test_tree_op_benches_run(script, args, title, rows):
     for ln in data:
         ratios = [float(c[:-1]) for c in ln.split() if c.endswith("x") and c[:-1].replace(".", "").isdigit()]
         assert ratios and all(r > 0 for r in ratios), ln
+
+
+def test_panel_linear_bench_runs():
+    """bench_panel_linear.py: one line per shape and row count, a taps column with a positive ratio per level
+    (the scalar level asked for beside the host's)."""
+    import taps_ops
+
+    levels = ["scalar"] + (["avx2"] if taps_ops.cpu_info()["host_isa"] != "scalar" else [])
+    out = run_bench("bench_panel_linear.py", "--quick", "--rounds", "1", "--isa", ",".join(levels))
+    header = next(ln for ln in out.splitlines() if ln.strip().startswith("weight"))
+    for lv in levels:
+        assert f"taps {lv} us" in header, out
+    lines = [ln for ln in out.splitlines() if ln.strip().startswith("target ")]
+    assert len(lines) == 15, out
+    for ln in lines:
+        ratios = [float(c[:-1]) for c in ln.split() if c.endswith("x") and c[:-1].replace(".", "").isdigit()]
+        assert len(ratios) == len(levels) and all(r > 0 for r in ratios), ln
+
+
+def test_panels_e2e_bench_runs():
+    out = run_bench("bench_panels_e2e.py", "--rows", "ar,lookup", "--rounds", "1", "--prompts", "1",
+                    "--new-tokens", "8")
+    lines = [ln.split() for ln in out.splitlines() if ln.strip().startswith(("ar ", "lookup "))]
+    assert [ln[0] for ln in lines] == ["ar", "lookup"], out
+    assert all(float(v) > 0 for ln in lines for v in ln[1:]), out
