@@ -271,6 +271,29 @@ def test_every_head_layout_gives_the_same_product(layout, monkeypatch):
     assert small.transposed is None
 
 
+def test_a_large_head_is_timed_on_its_first_rows_only(monkeypatch):
+    """A head beyond LAYOUT_PROBE_BYTES has its layouts timed on its first rows (whole panels), and only the
+    chosen layout is then built for the whole weight."""
+    from taps import lean
+
+    seen = []
+
+    def fake(weight, bias, packed, transposed, panels=None, repeats=3):
+        seen.append((tuple(weight.shape), None if bias is None else tuple(bias.shape), tuple(transposed.shape),
+                     None if panels is None else tuple(panels.shape)))
+        return "panels"
+    monkeypatch.setattr(lean, "fastest_layout", fake)
+    monkeypatch.setattr(lean, "LAYOUT_PROBE_BYTES", 4 * 24 * 5000)     # 5000 rows of 24 floats
+    weight, bias = torch.randn(lean.LAYOUT_MIN_ROWS + 2000, 24), torch.randn(lean.LAYOUT_MIN_ROWS + 2000)
+    head = lean.Linear(weight, bias).pack(choose_layout=True)
+    rows = 5000 - 5000 % 16
+    assert seen == [((rows, 24), (rows,), (24, rows), (rows // 16, 24, 16))]
+    assert head.panels.shape == ((lean.LAYOUT_MIN_ROWS + 2000) // 16, 24, 16) and head.packed is None
+    with torch.no_grad():
+        x = torch.randn(3, 24)
+        torch.testing.assert_close(head(x), torch.nn.functional.linear(x, weight, bias), rtol=1e-5, atol=1e-4)
+
+
 def test_timed_rounds_within_the_budget():
     """The layout timer runs at least `repeats` rounds per input after one untimed call, more while its
     time budget lasts, and at most `most`."""

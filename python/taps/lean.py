@@ -136,19 +136,29 @@ class Linear:
             self.bias = None if self.bias is None else self.bias.detach().float()
             self.widened = True
         if not self.stacked:
-            self.packed = pack_weight(self.weight)
             if choose_layout and self.weight.device.type == "cpu" and self.weight.dtype == torch.float32 \
                     and self.weight.shape[0] >= LAYOUT_MIN_ROWS:
-                transposed = self.weight.detach().t().contiguous()
-                panels = _panels(self.weight, self.bias)
-                layout = fastest_layout(self.weight, self.bias, self.packed, transposed, panels)
-                if layout != "packed":
-                    self.packed = None
+                layout = self._timed_layout()
+                self.packed = pack_weight(self.weight) if layout == "packed" else None
                 if layout == "transposed":
-                    self.transposed = transposed
+                    self.transposed = self.weight.detach().t().contiguous()
                 if layout == "panels":
-                    self.panels = panels
+                    self.panels = _panels(self.weight, self.bias)
+            else:
+                self.packed = pack_weight(self.weight)
         return self
+
+    def _timed_layout(self) -> str:
+        """:func:`fastest_layout` of this float32 head, timed on its first rows (all of them up to
+        ``LAYOUT_PROBE_BYTES``: a 128,256 x 4,096 head would otherwise hold four 2 GB copies at once while
+        the layouts are timed); only the chosen layout is then built for the whole weight."""
+        out, inner = self.weight.shape
+        rows = min(out, max(LAYOUT_MIN_ROWS, LAYOUT_PROBE_BYTES // (4 * max(inner, 1))))
+        if rows < out:
+            rows -= rows % taps_ops.PANEL_WIDTH      # whole panels (LAYOUT_MIN_ROWS is a multiple of 16)
+        weight = self.weight.detach()[:rows]
+        bias = None if self.bias is None else self.bias.detach()[:rows]
+        return fastest_layout(weight, bias, pack_weight(weight), weight.t().contiguous(), _panels(weight, bias))
 
     def choose_small_layout(self, stacked: bool = True) -> "Linear":
         """A plain float32 CPU weight [out, in] (not oneDNN-packed: decoder layers' projections, drafters'
@@ -198,6 +208,8 @@ class Linear:
 #: float32 weights of at least this many output rows called with ``Linear.pack(choose_layout=True)`` (heads)
 #: have their layout timed at load (a few milliseconds for a 32,000-row head)
 LAYOUT_MIN_ROWS = 4096
+#: the most weight bytes a head's layouts are timed on (its first rows; see ``Linear._timed_layout``)
+LAYOUT_PROBE_BYTES = 64 << 20
 
 
 def _timed(candidates: dict, inputs: Sequence[Tensor], repeats: int, budget: float = 0.0,
