@@ -294,6 +294,25 @@ def test_a_large_head_is_timed_on_its_first_rows_only(monkeypatch):
         torch.testing.assert_close(head(x), torch.nn.functional.linear(x, weight, bias), rtol=1e-5, atol=1e-4)
 
 
+@pytest.mark.parametrize("layout", ["packed", "transposed", "panels"])
+def test_a_head_timed_whole_keeps_the_copy_it_timed(layout, monkeypatch):
+    """A head within LAYOUT_PROBE_BYTES is timed whole: the chosen layout's copy is the one timed, not built
+    a second time."""
+    from taps import lean
+
+    timed = {}
+
+    def fake(weight, bias, packed, transposed, panels=None, repeats=3):
+        timed.update(packed=packed, transposed=transposed, panels=panels)
+        return layout
+    monkeypatch.setattr(lean, "fastest_layout", fake)
+    weight = torch.randn(lean.LAYOUT_MIN_ROWS + 16, 24)
+    head = lean.Linear(weight).pack(choose_layout=True)
+    kept = {"packed": head.packed, "transposed": head.transposed, "panels": head.panels}
+    assert kept[layout] is not None and kept[layout] is timed[layout]
+    assert all(v is None for k, v in kept.items() if k != layout)
+
+
 def test_timed_rounds_within_the_budget():
     """The layout timer runs at least `repeats` rounds per input after one untimed call, more while its
     time budget lasts, and at most `most`."""

@@ -1,6 +1,6 @@
 // panel_linear, CPU: the register-blocked kernel, written once over a vector traits type `S` and compiled
 // once per instruction set inside its target region of csrc/cpu/panel_linear.cpp (namespaces
-// taps::panel::avx512, ::avx2 and ::generic); included once per region, with no includes of its own.
+// taps::panel_cpu::avx512, ::avx2 and ::generic); included once per region, with no includes of its own.
 // S: F (S::L floats), load / store / set1 / zero / add / fmadd (fmadd(a, b, c) = a * b + c rounded once).
 // Register blocks: S::kMaxRows rows at most (6 or 8), S::vecs(rows) output vectors for a block of that many rows
 // (each must divide kBlockPanels panels' vectors, so that full output blocks take no one-vector tail).
@@ -9,7 +9,7 @@
 // fused multiply-add per term. Every level does the same operations on each output in the same order, so
 // the result is the same bits at every level, for any row count, row block and thread count.
 // The weight is read as panels (taps_ops.pack_panels): panel p = outputs 16p .. 16p + 15, [in][16], so the
-// vectors of a block read consecutive cache lines of up to kVecs / (16 / L) panels as i advances.
+// vectors of a block read consecutive cache lines of up to S::vecs(rows) / (16 / L) panels as i advances.
 namespace panel {
 
 using F = S::F;

@@ -138,27 +138,32 @@ class Linear:
         if not self.stacked:
             if choose_layout and self.weight.device.type == "cpu" and self.weight.dtype == torch.float32 \
                     and self.weight.shape[0] >= LAYOUT_MIN_ROWS:
-                layout = self._timed_layout()
-                self.packed = pack_weight(self.weight) if layout == "packed" else None
+                layout, copies = self._timed_layout()
+                if layout == "packed":
+                    self.packed = copies["packed"] if copies else pack_weight(self.weight)
                 if layout == "transposed":
-                    self.transposed = self.weight.detach().t().contiguous()
+                    self.transposed = copies["transposed"] if copies else self.weight.detach().t().contiguous()
                 if layout == "panels":
-                    self.panels = _panels(self.weight, self.bias)
+                    self.panels = copies["panels"] if copies else _panels(self.weight, self.bias)
             else:
                 self.packed = pack_weight(self.weight)
         return self
 
-    def _timed_layout(self) -> str:
+    def _timed_layout(self) -> Tuple[str, Optional[dict]]:
         """:func:`fastest_layout` of this float32 head, timed on its first rows (all of them up to
         ``LAYOUT_PROBE_BYTES``: a 128,256 x 4,096 head would otherwise hold four 2 GB copies at once while
-        the layouts are timed); only the chosen layout is then built for the whole weight."""
+        the layouts are timed); only the chosen layout is then built for the whole weight. Returns the
+        layout and, when the rows timed were all of them, the copies timed (by layout name), which the
+        caller keeps instead of building them again."""
         out, inner = self.weight.shape
         rows = min(out, max(LAYOUT_MIN_ROWS, LAYOUT_PROBE_BYTES // (4 * max(inner, 1))))
         if rows < out:
             rows -= rows % taps_ops.PANEL_WIDTH      # whole panels (LAYOUT_MIN_ROWS is a multiple of 16)
         weight = self.weight.detach()[:rows]
         bias = None if self.bias is None else self.bias.detach()[:rows]
-        return fastest_layout(weight, bias, pack_weight(weight), weight.t().contiguous(), _panels(weight, bias))
+        copies = dict(packed=pack_weight(weight), transposed=weight.t().contiguous(), panels=_panels(weight, bias))
+        layout = fastest_layout(weight, bias, copies["packed"], copies["transposed"], copies["panels"])
+        return layout, (copies if rows == out else None)
 
     def choose_small_layout(self, stacked: bool = True) -> "Linear":
         """A plain float32 CPU weight [out, in] (not oneDNN-packed: decoder layers' projections, drafters'
