@@ -153,6 +153,19 @@ def wait_idle(url: str, timeout: float = 15.0) -> dict:
         time.sleep(0.05)
 
 
+def step_totals(url: str):
+    """(seconds, count) of the server's decoding steps so far, from ``GET /metrics`` (``taps_step_seconds``)."""
+    import httpx
+
+    text = httpx.get(f"{url}/metrics", timeout=10).text
+    values = {}
+    for line in text.splitlines():
+        for key in ("taps_step_seconds_sum", "taps_step_seconds_count"):
+            if line.startswith(key + " "):
+                values[key] = float(line.split()[1])
+    return values.get("taps_step_seconds_sum", 0.0), values.get("taps_step_seconds_count", 0.0)
+
+
 def percentile(values: List[float], q: float) -> float:
     if not values:
         return float("nan")
@@ -236,9 +249,14 @@ def main(argv=None) -> int:
                 warm = Load(prompts[:args.warmup], temperatures, min(args.max_tokens, 16), 0, 0, seed, load.taps)
                 asyncio.run(run_load(url, model, warm, args.concurrency))
                 wait_idle(url)
+            before = step_totals(url)
             results, wall = asyncio.run(run_load(url, model, load, args.concurrency))
             health = wait_idle(url)
+            after = step_totals(url)
             s = summaries[name] = summarize(results, wall)
+            s["steps"] = after[1] - before[1]
+            s["step_ms"] = 1e3 * (after[0] - before[0]) / max(s["steps"], 1)
+            s["busy"] = (after[0] - before[0]) / wall if wall > 0 else 0.0
             if s["errors"]:
                 failures.append(f"{name}: {len(s['errors'])} error(s), first: {s['errors'][0]}")
             if s["lost"]:
@@ -249,16 +267,18 @@ def main(argv=None) -> int:
         for name, s in summaries.items():
             rows.append([name, f"{s['finished']}/{s['cancelled']}", s["tokens"], f"{s['wall']:.2f}",
                          f"{s['throughput']:.1f}", f"{s['p50']:.3f}", f"{s['p99']:.3f}", f"{s['ttft50']:.3f}",
-                         f"{s['ttft99']:.3f}", f"{s['tau']:.2f}"])
+                         f"{s['ttft99']:.3f}", f"{s['tau']:.2f}", int(s["steps"]), f"{s['step_ms']:.2f}",
+                         f"{100 * s['busy']:.0f}%"])
         a, b = summaries["taps"], summaries["autoregressive"]
 
         def ratio(x, y):
             return f"{x / y:.2f}x" if y else "-"
 
         rows.append(["taps / AR", "", "", "", ratio(a["throughput"], b["throughput"]), ratio(a["p50"], b["p50"]),
-                     ratio(a["p99"], b["p99"]), ratio(a["ttft50"], b["ttft50"]), ratio(a["ttft99"], b["ttft99"]), ""])
+                     ratio(a["p99"], b["p99"]), ratio(a["ttft50"], b["ttft50"]), ratio(a["ttft99"], b["ttft99"]), "",
+                     ratio(a["steps"], b["steps"]), ratio(a["step_ms"], b["step_ms"]), ""])
         print_table(["load", "done/cancelled", "tokens", "wall s", "tokens/s", "p50 s", "p99 s", "TTFT p50 s",
-                     "TTFT p99 s", "tau"], rows, title="taps serve under load (latency and TTFT of finished requests)")
+                     "TTFT p99 s", "tau", "steps", "step ms", "busy"], rows, title="taps serve under load (latency and TTFT of finished requests)")
         if failures:
             print("bench_serve: FAILED: " + "; ".join(failures), file=sys.stderr)
             return 1

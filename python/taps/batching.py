@@ -231,7 +231,7 @@ class ContinuousBatch:
                 g.release()
             self.state = None
             return
-        self.decoder.drop(state, keep)
+        self.decoder.drop(state, _fill_holes(keep))
 
     def _admit(self) -> None:
         room = self.max_batch - self.num_running
@@ -259,6 +259,18 @@ class ContinuousBatch:
         else:
             dec.join(self.state, state)
 
+
+def _fill_holes(keep: List[int]) -> List[int]:
+    """The positions `keep` (increasing) in the order that moves fewest rows: a kept request stays where it
+    is, and the last ones take the places of those that left (each per-request tensor then copies one row
+    per request that left, not every row after it)."""
+    size = len(keep)
+    kept = set(keep)
+    order = list(range(size))
+    holes = [i for i in order if i not in kept]
+    for hole, src in zip(holes, [b for b in keep if b >= size]):
+        order[hole] = src
+    return order
 
 def _sample_settings(params: Sequence[SamplingParams], device: torch.device) -> dict:
     """temperature / top_k / top_p of requests: one scalar each when they agree, else [B] tensors."""

@@ -77,6 +77,9 @@ class _TreeKVLayer(CacheLayerMixin):
     def __init__(self, state: _SharedState, keys: Tensor, values: Tensor):
         super().__init__()
         self._state = state
+        #: keys / values are views of the first B rows of these (rows past B: left by requests that finished,
+        #: taken by those that join; see TreeKVCache.select_requests / append_requests)
+        self.storage = {"keys": keys, "values": values}
         self.keys = keys
         self.values = values
         self.device = keys.device
@@ -118,8 +121,8 @@ class _TreeKVLayer(CacheLayerMixin):
     get_max_cache_shape = get_max_length  # the transformers 4.x name
 
     def reset(self) -> None:
-        self.keys.zero_()
-        self.values.zero_()
+        self.storage["keys"].zero_()
+        self.storage["values"].zero_()
         self._state.lengths.zero_()
 
 
@@ -166,25 +169,52 @@ class TreeKVCache(Cache):
         return self._state.lengths
 
     def select_requests(self, index: Tensor) -> None:
-        """Keep only the requests `index` ([B'] int64 positions, in that order), in place."""
+        """Keep only the requests `index` ([B'] int64 positions, in that order), in place.
+
+        The K/V tensors are views of the first B rows of storage that keeps its rows when requests leave
+        (a request that joins later takes them, see :meth:`append_requests`); only the rows whose position
+        changes are copied (one per request that left when the last rows fill the holes, as
+        :class:`taps.batching.ContinuousBatch` orders them)."""
         index = index.to(self.lengths.device)
+        kept = index.shape[0]
+        moved = [i for i, src in enumerate(index.tolist()) if src != i]
+        if moved:
+            dst = torch.tensor(moved, dtype=torch.int64, device=index.device)
+            src = index.index_select(0, dst)
         for layer in self.layers:
-            layer.keys = layer.keys.index_select(0, index)
-            layer.values = layer.values.index_select(0, index)
+            for name in ("keys", "values"):
+                store = layer.storage[name]
+                if moved:  # every source row is read before any row is written
+                    store.index_copy_(0, dst, store.index_select(0, src))
+                setattr(layer, name, store[:kept])
         self._state.lengths = self._state.lengths.index_select(0, index)
-        self._state.rows = torch.arange(index.shape[0], device=index.device).unsqueeze(1)
+        self._state.rows = torch.arange(kept, device=index.device).unsqueeze(1)
 
     def append_requests(self, other: "TreeKVCache") -> None:
         """Add the requests of `other` (a cache of the same model) after this cache's, in place; the cache
-        then holds the larger of the two capacities."""
-        max_len = max(self.max_len, other.max_len)
+        then holds at least the larger of the two capacities.
+
+        The new rows go to storage rows that requests have left when there are enough (nothing else is
+        copied); otherwise the storage grows to exactly the rows needed, and by at least a quarter of its
+        positions when `other` holds more (so that a run of ever longer prompts copies the cache a few
+        times, not once per request)."""
+        batch, extra = self.lengths.shape[0], other.lengths.shape[0]
+        rows_cap = self.layers[0].storage["keys"].shape[0] if self.layers else 0
+        max_len = self.max_len
+        grow = other.max_len > max_len
+        if grow:
+            max_len = max(other.max_len, max_len + (max_len + 3) // 4)
         for mine, theirs in zip(self.layers, other.layers):
             for name in ("keys", "values"):
-                a, b = getattr(mine, name), getattr(theirs, name)
-                joined = a.new_zeros((a.shape[0] + b.shape[0], a.shape[1], max_len, a.shape[3]))
-                joined[:a.shape[0], :, :a.shape[2]] = a
-                joined[a.shape[0]:, :, :b.shape[2]] = b
-                setattr(mine, name, joined)
+                store, b = mine.storage[name], getattr(theirs, name)
+                if grow or batch + extra > rows_cap:
+                    new = store.new_zeros((batch + extra, store.shape[1], max_len, store.shape[3]))
+                    new[:batch, :, :store.shape[2]] = store[:batch]
+                    store = mine.storage[name] = new
+                else:
+                    store[batch:batch + extra, :, b.shape[2]:].zero_()
+                store[batch:batch + extra, :, :b.shape[2]] = b
+                setattr(mine, name, store[:batch + extra])
         self._state.lengths = torch.cat([self._state.lengths, other.lengths.to(self._state.lengths.device)])
         self._state.rows = torch.arange(self._state.lengths.shape[0], device=self._state.lengths.device).unsqueeze(1)
         self.max_len = max_len
