@@ -1,7 +1,7 @@
 """Microbenchmark of taps_ops.panel_linear (x W^T over a weight kept as taps' panels) against torch's float32
 products of a few rows, on the CPU.
 
-    PYTHONPATH=python python bench/bench_panel_linear.py [--rows 1,2,4,8,16,32] [--isa LEVELS] [--quick]
+    PYTHONPATH=python python bench/bench_panel_linear.py [--rows 1,2,4,8,16,32] [--isa LEVELS] [--quick] [--bf16]
 
 Rows of the table: the shipped target's projections and head (hidden 256, intermediate 768, vocabulary
 8192) and one Llama-7B-sized projection, each at a decoding step's and a draft tree's row counts. Columns:
@@ -11,6 +11,11 @@ floor: the larger of reading the weight once at ``--gbps`` (default 25 GB/s, one
 CPU reading from DRAM; a weight that fits the L2 cache reads faster, so small weights can beat it) and the
 multiply-adds at the level's measured fp32 peak. Every time is the fastest of ``--rounds`` rounds of
 calls, torch and taps alternating (a burst of load hits them alike).
+
+``--bf16``: taps' panels in bfloat16 (the weight rounded; widened to float32 as read, half the bytes), against
+the same float32 torch products: what a bfloat16 model gets on a CPU without bf16 products, where torch's
+alternative is the widened float32 weight (taps.lean keeps the faster, timed at load). The floor then counts
+2 bytes a weight.
 
 torch runs at the process's own level: to compare on an AVX2-only machine from an AVX-512 one, set
 ``ATEN_CPU_CAPABILITY=avx2 MKL_ENABLE_INSTRUCTIONS=AVX2 ONEDNN_MAX_CPU_ISA=AVX2 TAPS_CPU_ISA=avx2``.
@@ -51,6 +56,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--gbps", type=float, default=25.0, help="memory bandwidth for the floor column")
     ap.add_argument("--quick", action="store_true", help="the shipped target's shapes at 1, 4 and 16 rows")
+    ap.add_argument("--bf16", action="store_true", help="taps' panels in bfloat16 (the weight rounded)")
     add_isa_argument(ap)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -60,7 +66,8 @@ def main() -> None:
     shapes = SHAPES[:5] if args.quick else SHAPES
     peaks = peak_flops(levels)
     print(f"{machine_line()} | threads {torch.get_num_threads()}, fastest of {args.rounds} rounds")
-    print(f"taps columns: panel_linear at level {', '.join(levels)}; fp32 peak per level (measured): "
+    print(f"taps columns: panel_linear ({'bfloat16' if args.bf16 else 'float32'} panels) at level "
+          f"{', '.join(levels)}; fp32 peak per level (measured): "
           + ", ".join(f"{lv} {peaks[lv] / 1e9:.0f} GFLOP/s" for lv in levels if lv in peaks))
     head = f"{'weight':>15} {'out x in':>11} {'rows':>4} {'torch us':>9} " + " ".join(
         f"{'taps ' + lv + ' us':>15} {'x torch':>7} {'floor us':>8}" for lv in levels)
@@ -70,8 +77,8 @@ def main() -> None:
     for name, out, inner in shapes:
         weight = torch.randn(out, inner, generator=gen)
         transposed = weight.t().contiguous()
-        panels = taps_ops.pack_panels(weight)
-        weight_bytes = out * inner * 4
+        panels = taps_ops.pack_panels(weight, torch.bfloat16 if args.bf16 else None)
+        weight_bytes = out * inner * panels.element_size()
         calls = max(3, min(200, int(2e8 / (out * inner * 4))))
         for rows in rows_list:
             x = torch.randn(rows, inner, generator=gen)

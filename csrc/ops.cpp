@@ -163,10 +163,11 @@ TORCH_LIBRARY(taps_ops, m) {
       "decoder_layer(Tensor x, Tensor? emb, Tensor?[] weights, float[] eps, int[] dims, Tensor cos, Tensor sin, "
       "Tensor(a!) keys, Tensor(b!) values, int write_start, Tensor tree_mask, Tensor kv_lens, int? tree_nodes, "
       "float scale, Tensor? write_positions=None) -> Tensor");
-  // x [..., in] f32 times a float32 weight [out, in] kept as panels [out / 16, in, 16] (panel p holds outputs
-  // 16p .. 16p + 15, taps_ops.pack_panels), plus bias [out] f32 or None -> [..., out] f32. Each output's sum
-  // runs from i = 0 up in float32, one fused multiply-add per term: the same bits at every ISA level, row
-  // count and thread count. CPU only (cpu/panel_linear.cpp); no data checks, so no validate flag.
+  // x [..., in] f32 times a float32 or bfloat16 weight [out, in] kept as panels [out / 16, in, 16] (panel p holds
+  // outputs 16p .. 16p + 15, taps_ops.pack_panels), plus bias [out] f32 or None -> [..., out] f32. Each output's
+  // sum runs from i = 0 up in float32 (bf16 weights widened as read), one fused multiply-add per term: the same
+  // bits at every ISA level, row count and thread count. CPU only (cpu/panel_linear.cpp); no data checks, so no
+  // validate flag.
   m.def("panel_linear(Tensor x, Tensor panels, Tensor? bias=None) -> Tensor");
   // The CPU kernels' instruction-set level (cpu/cpu_isa.h): scalar, avx2, avx512 or amx. _cpu_isa: the one in
   // force; _cpu_host_isa: the best this CPU runs; _set_cpu_isa(level): cap the kernels there (<= the host's),

@@ -155,14 +155,17 @@ def test_tree_op_benches_run(script, args, title, rows):
         assert ratios and all(r > 0 for r in ratios), ln
 
 
-def test_panel_linear_bench_runs():
+@pytest.mark.parametrize("half", [False, True])
+def test_panel_linear_bench_runs(half):
     """bench_panel_linear.py: one line per shape and row count, a taps column with a positive ratio per level
     asked for (AVX2 where the CPU has it: the scalar level's std::fma calls take seconds here, and
-    tests/test_panel_linear.py covers that level)."""
+    tests/test_panel_linear.py covers that level); float32 or bfloat16 panels."""
     import taps_ops
 
     levels = ["avx2"] if taps_ops.cpu_info()["host_isa"] != "scalar" else ["scalar"]
-    out = run_bench("bench_panel_linear.py", "--quick", "--rounds", "1", "--isa", ",".join(levels))
+    out = run_bench("bench_panel_linear.py", "--quick", "--rounds", "1", "--isa", ",".join(levels),
+                    *(["--bf16"] if half else []))
+    assert ("bfloat16 panels" if half else "float32 panels") in out, out
     header = next(ln for ln in out.splitlines() if ln.strip().startswith("weight"))
     for lv in levels:
         assert f"taps {lv} us" in header, out
@@ -179,3 +182,13 @@ def test_panels_e2e_bench_runs():
     lines = [ln.split() for ln in out.splitlines() if ln.strip().startswith(("ar ", "lookup "))]
     assert [ln[0] for ln in lines] == ["ar", "lookup"], out
     assert all(float(v) > 0 for ln in lines for v in ln[1:]), out
+
+
+def test_batching_bench_runs():
+    """bench_batching.py: the load on ContinuousBatch, a row per decoder with its ratio to taps
+    autoregressive, the time breakdown and the tree widths of the speculative row."""
+    out = run_bench("bench_batching.py", "--requests", "4", "--max-batch", "2", "--max-tokens", "6", "--rounds", "1",
+                    "--warmup", "0", "--strategy", "single", "--drafters", "lookup")
+    rows = [ln.split() for ln in out.splitlines() if ln.strip().startswith(("taps autoregressive", "control", "single"))]
+    assert len(rows) >= 3 and all(r[-1].endswith("x") for r in rows[:3]), out
+    assert "where the time went" in out and "tree widths verified" in out, out

@@ -77,14 +77,20 @@ def _check_equal(results):
     assert torch.equal(ka, kb) and torch.equal(va, vb)
 
 
-@pytest.fixture(params=["plain", "stacked", "panels"])
+@pytest.fixture(params=["plain", "stacked", "panels", "panels_bf16"])
 def layout(request, monkeypatch):
     """A single float32 projection as the [out, in] weight, stacked [1, in, out] or taps' panels
     (LayerWeights.pack keeps the one timed fastest on the machine: Linear.choose_small_layout); every layout
-    tested everywhere (panels where the projection's shape allows them)."""
-    monkeypatch.setattr(lean, "small_layout", lambda shape, panels=True, repeats=3, stacked=True:
-                        request.param if (request.param != "panels" or panels) and (request.param != "stacked" or stacked)
-                        else "plain")
+    tested everywhere (panels where the projection's shape allows them). "panels_bf16": bfloat16 weights
+    widened as on a CPU without bf16 products, kept as bfloat16 panels (float32 weights: float32 panels)."""
+    def choose(shape, panels=True, repeats=3, stacked=True, bf16=False):
+        want = "panels" if request.param == "panels_bf16" and not bf16 else request.param
+        if (want.startswith("panels") and not panels) or (want == "stacked" and not stacked):
+            return "plain"
+        return want
+    monkeypatch.setattr(lean, "small_layout", choose)
+    if request.param == "panels_bf16":
+        monkeypatch.setattr(taps_ops, "native_half_matmul", lambda dtype: False)
     return request.param
 
 
@@ -121,7 +127,9 @@ def test_op_equals_the_python_layer_bit_for_bit(arch, groups, dtype, no_in_norm,
     assert w.op_args is not None
     projections = (w.qkv, w.o, w.gate_up, w.down)
     fp32_single = groups == 1 and all(p.weight.dtype == torch.float32 for p in projections)
-    assert all((p.panels is not None) == (layout == "panels" and fp32_single) for p in projections)
+    assert all((p.panels is not None) == (layout.startswith("panels") and fp32_single) for p in projections)
+    if layout == "panels_bf16" and groups == 1:   # widened bfloat16 weights as bfloat16 panels
+        assert all(p.panels.dtype == dtype for p in projections)
     x, keys, values, bits, kv_lens, start = _inputs(w, groups, rows, tokens, tree_nodes, prefix, dtype)
     if prefix == 0:   # no prefix: every query sees at least itself (its node, the last `tokens` of the tree)
         itself = torch.eye(tokens, tree_nodes, dtype=torch.bool).roll(tree_nodes - tokens, 1)
@@ -262,7 +270,7 @@ BAD = {
 @pytest.mark.parametrize("case", sorted(BAD))
 def test_bad_inputs_raise_clear_errors(case, monkeypatch):
     # the cases cut [out, in] weights: the plain layout (the stacked one is the "stacked weight" cases)
-    monkeypatch.setattr(lean, "small_layout", lambda shape, panels=True, repeats=3, stacked=True: "plain")
+    monkeypatch.setattr(lean, "small_layout", lambda shape, panels=True, repeats=3, stacked=True, bf16=False: "plain")
     args = _valid_call()
     with torch.no_grad():
         _call(args)                      # the valid call works

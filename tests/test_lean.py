@@ -257,7 +257,7 @@ def test_every_head_layout_gives_the_same_product(layout, monkeypatch):
     panels = taps_ops.pack_panels(weight)
     assert lean.fastest_layout(weight, None, None, weight.t().contiguous(), panels, repeats=1) in (
         "plain", "transposed", "panels")
-    monkeypatch.setattr(lean, "fastest_layout", lambda w, b, p, t, pan=None, repeats=3: layout)
+    monkeypatch.setattr(lean, "fastest_layout", lambda w, b, p, t, pan=None, repeats=3, **kwargs: layout)
     for b in (None, bias):
         head = lean.Linear(weight, b).pack(choose_layout=True)
         assert (head.transposed is not None) == (layout == "transposed")
@@ -278,7 +278,7 @@ def test_a_large_head_is_timed_on_its_first_rows_only(monkeypatch):
 
     seen = []
 
-    def fake(weight, bias, packed, transposed, panels=None, repeats=3):
+    def fake(weight, bias, packed, transposed, panels=None, repeats=3, **kwargs):
         seen.append((tuple(weight.shape), None if bias is None else tuple(bias.shape), tuple(transposed.shape),
                      None if panels is None else tuple(panels.shape)))
         return "panels"
@@ -302,7 +302,7 @@ def test_a_head_timed_whole_keeps_the_copy_it_timed(layout, monkeypatch):
 
     timed = {}
 
-    def fake(weight, bias, packed, transposed, panels=None, repeats=3):
+    def fake(weight, bias, packed, transposed, panels=None, repeats=3, **kwargs):
         timed.update(packed=packed, transposed=transposed, panels=panels)
         return layout
     monkeypatch.setattr(lean, "fastest_layout", fake)
@@ -364,7 +364,7 @@ def test_every_small_layout_gives_the_same_product(layout, monkeypatch):
     product up to float rounding, with and without a bias; panels only where the shape allows them."""
     from taps import lean
 
-    monkeypatch.setattr(lean, "small_layout", lambda shape, panels=True, repeats=3, stacked=True:
+    monkeypatch.setattr(lean, "small_layout", lambda shape, panels=True, repeats=3, stacked=True, bf16=False:
                         layout if (layout != "panels" or panels) and (layout != "stacked" or stacked) else "plain")
     torch.manual_seed(0)
     for out in (48, 40, 16):
@@ -381,3 +381,37 @@ def test_every_small_layout_gives_the_same_product(layout, monkeypatch):
             x = torch.randn(3, 2, 24)
             with torch.no_grad():
                 torch.testing.assert_close(head(x), torch.nn.functional.linear(x, weight, b), rtol=1e-5, atol=1e-5)
+
+
+def test_a_widened_bf16_weight_may_be_kept_as_bf16_panels(monkeypatch):
+    """On a CPU without bf16 products, a bfloat16 weight is widened (Linear.pack); bfloat16 panels hold its
+    values exactly, so that layout (a candidate of small_layout / fastest_layout only for such weights) gives
+    the float32 panels' products bit for bit from half the bytes."""
+    from taps import lean
+
+    monkeypatch.setattr(taps_ops, "native_half_matmul", lambda dtype: False)
+    offered = []
+
+    def fake(candidates, inputs, repeats, **kwargs):
+        offered.append(tuple(sorted(candidates)))
+        return {key: 0.5 if key == "panels_bf16" else 1.0 for key in candidates}
+    monkeypatch.setattr(lean, "_timed", fake)
+    monkeypatch.setattr(lean, "_SMALL_LAYOUT", {})
+    torch.manual_seed(0)
+    weight, bias = torch.randn(48, 24).bfloat16(), torch.randn(48).bfloat16()
+    for b in (None, bias):
+        lin = lean.Linear(weight, b).pack().choose_small_layout()
+        assert lin.widened and lin.panels.dtype == torch.bfloat16
+        head = lean.Linear(torch.randn(lean.LAYOUT_MIN_ROWS, 24).bfloat16(), None).pack(choose_layout=True)
+        assert head.panels.dtype == torch.bfloat16
+        wide = taps_ops.pack_panels(weight.float())
+        x = torch.randn(2, 5, 24).bfloat16()
+        with torch.no_grad():
+            expected = taps_ops.panel_linear(x.float(), wide, None if b is None else b.float()).bfloat16()
+            assert torch.equal(lin(x), expected)
+    assert ("panels", "panels_bf16", "plain", "stacked") in offered
+    assert ("packed", "panels", "panels_bf16", "plain", "transposed") in offered or \
+        ("panels", "panels_bf16", "plain", "transposed") in offered
+    offered.clear()
+    lean.Linear(torch.randn(48, 24)).pack().choose_small_layout()   # float32 weights: no bf16 candidate
+    assert offered and all("panels_bf16" not in c for c in offered)

@@ -67,11 +67,36 @@ def test_shapes_layouts_and_empty_inputs():
     assert torch.equal(taps_ops.panel_linear(torch.randn(4, 0), empty, b), b.expand(4, 32))
 
 
-@pytest.mark.parametrize("inner", [1, 63, 256, 768])
-def test_panels_are_padded_to_an_odd_line_stride(inner):
-    panels = taps_ops.pack_panels(torch.randn(64, inner))
-    lines = panels.stride(0) * 4 // 64
-    assert panels.stride(0) * 4 % 64 == 0 and lines % 2 == 1 and panels.stride(0) >= inner * 16
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("inner", [1, 2, 63, 64, 256, 768])
+def test_panels_are_padded_to_an_odd_line_stride(inner, dtype):
+    panels = taps_ops.pack_panels(torch.randn(64, inner), dtype)
+    size = panels.element_size()
+    lines = panels.stride(0) * size // 64
+    assert panels.dtype == dtype and panels.stride(0) * size % 64 == 0 and lines % 2 == 1
+    assert panels.stride(0) >= inner * 16
+
+
+@pytest.mark.parametrize("shape", [(16, 1), (32, 7), (48, 64), (272, 129), (1024, 256)])
+def test_bf16_panels_are_float32_panels_of_the_same_values(shape, restore_level):
+    """bfloat16 panels are widened as read: the bits of float32 panels holding the (rounded) weight, at every
+    level, row count and position; packed from a float32 weight (rounded to nearest even) or a bfloat16 one."""
+    gen = torch.Generator().manual_seed(shape[1])
+    weight, bias = torch.randn(*shape, generator=gen), torch.randn(shape[0], generator=gen)
+    half = taps_ops.pack_panels(weight, torch.bfloat16)
+    assert torch.equal(half, taps_ops.pack_panels(weight.bfloat16()))
+    wide = taps_ops.pack_panels(weight.bfloat16().float())
+    x = torch.randn(19, shape[1], generator=gen)
+    first = None
+    for level in RUNNABLE:
+        taps_ops.set_cpu_isa(level)
+        y = taps_ops.panel_linear(x, half, bias)
+        assert torch.equal(y, taps_ops.panel_linear(x, wide, bias)), level
+        for rows, start in ((1, 0), (3, 7), (8, 11)):
+            assert torch.equal(taps_ops.panel_linear(x[start:start + rows], half, bias), y[start:start + rows])
+        first = y if first is None else first
+        assert torch.equal(y, first), level
+        _close(y, panel_linear_ref(x, half, bias), shape[1])
 
 
 def test_the_same_bits_at_every_level_row_count_position_and_thread_count(restore_level):
@@ -121,7 +146,10 @@ BAD = {
     "x width": (lambda a: a.update(x=torch.randn(3, 23)), "last dimension must be in = 24"),
     "panels 2-D": (lambda a: a.update(panels=torch.randn(32, 24)), "panels must be [out / 16, in, 16]"),
     "panels width": (lambda a: a.update(panels=torch.randn(2, 24, 8)), "panels must be [out / 16, in, 16]"),
-    "panels dtype": (lambda a: a.update(panels=a["panels"].double()), "must be float32"),
+    "panels dtype": (lambda a: a.update(panels=a["panels"].double()), "panels float32 or bfloat16"),
+    "panels fp16": (lambda a: a.update(panels=a["panels"].half()), "panels float32 or bfloat16"),
+    "x bf16, bf16 panels": (lambda a: a.update(x=a["x"].bfloat16(), panels=a["panels"].bfloat16()), "must be float32"),
+    "bias bf16": (lambda a: a.update(bias=a["bias"].bfloat16()), "bias must be float32"),
     "panels strides": (lambda a: a.update(panels=torch.randn(2, 16, 24).transpose(1, 2)), "strides"),
     "panels overlap": (lambda a: a.update(panels=torch.randn(24 * 16 + 16).as_strided((2, 24, 16), (16, 16, 1))),
                        "strides"),
@@ -149,7 +177,7 @@ def test_fuzzed_bad_inputs_raise_value_errors_never_crash():
     for _ in range(300):
         out, inner, rows = 16 * rng.randint(1, 5), rng.randint(0, 40), rng.randint(0, 6)
         x = torch.randn(rows, inner + rng.choice([0, 0, 0, 1, -1]) if inner > 0 else 0)
-        panels = taps_ops.pack_panels(torch.randn(out, inner))
+        panels = taps_ops.pack_panels(torch.randn(out, inner), rng.choice([None, torch.bfloat16]))
         if rng.random() < 0.2:
             panels = panels[:, :, : rng.choice([8, 15])]
         if rng.random() < 0.1:
@@ -171,11 +199,12 @@ def test_other_devices_raise_a_clear_error():
             taps_ops.panel_linear(**moved)
 
 
-@pytest.mark.parametrize("case", ["2-D", "out", "dtype"])
+@pytest.mark.parametrize("case", ["2-D", "out", "dtype", "fp16", "to fp16"])
 def test_pack_panels_rejects_what_it_cannot_lay_out(case):
-    weight = {"2-D": torch.randn(2, 16, 4), "out": torch.randn(40, 8), "dtype": torch.randn(32, 8).double()}[case]
+    weight = {"2-D": torch.randn(2, 16, 4), "out": torch.randn(40, 8), "dtype": torch.randn(32, 8).double(),
+              "fp16": torch.randn(32, 8).half()}.get(case, torch.randn(32, 8))
     with pytest.raises(ValueError, match="taps_ops: pack_panels:"):
-        taps_ops.pack_panels(weight)
+        taps_ops.pack_panels(weight, torch.float16 if case == "to fp16" else None)
 
 
 def test_fake_tensor_shape():

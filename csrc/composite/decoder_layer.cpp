@@ -30,7 +30,7 @@ enum Slot : int64_t {
   kInNorm = 0,    // [H] / [G, H] or None (EAGLE-1/2's first layer has no input norm)
   kHiddenNorm,    // EAGLE-3 only: the norm of the residual stream x beside the embedding's input norm
   kQkvW,          // fused q/k/v projection: [out, in] (F.linear), oneDNN-packed [out, in], [G, in, out], or
-                  // panels [out / 16, in, 16] (taps_ops.pack_panels; G = 1 only, out / 16 > 1)
+                  // panels [out / 16, in, 16] f32 / bf16 (taps_ops.pack_panels; G = 1 only, out / 16 > 1)
   kQkvB,
   kOW,
   kOB,
@@ -71,12 +71,14 @@ bool is_panels(const at::Tensor& w, int64_t groups) {
 
 // taps.lean.Linear.__call__ with autograd off: panels, packed, stacked ([G, in, out]: bmm) or plain; a float32
 // weight with half-precision x is a widened one (Linear.pack on a CPU without native bf16 / fp16 products):
-// x widened, the float32 product, the result rounded to x's dtype.
+// x widened, the float32 product, the result rounded to x's dtype. Panels (float32 or bfloat16) take
+// half-precision x the same way.
 at::Tensor project(const at::Tensor& x, const at::Tensor& w, const OptTensor& b) {
+  if (is_panels(w, x.size(0)))
+    return x.scalar_type() == at::kFloat ? panel_linear(x, w, b) : panel_linear(x.to(at::kFloat), w, b).to(x.scalar_type());
   if (w.scalar_type() == at::kFloat && x.scalar_type() != at::kFloat)
     return project(x.to(at::kFloat), w, b).to(x.scalar_type());
   if (w.is_mkldnn()) return packed_linear(x, w, b);
-  if (is_panels(w, x.size(0))) return panel_linear(x, w, b);
   if (w.dim() == 3) return b.has_value() ? at::baddbmm(*b, x, w) : at::bmm(x, w);
   if (x.dim() == 3 && x.is_contiguous()) {
     // what at::linear does for a contiguous 3-D input (addmm / mm over the flattened rows: the same BLAS
@@ -130,9 +132,9 @@ void check_linear(const at::Tensor& w, const OptTensor& b, const at::Tensor& x, 
               " weight must be [out, in] (plain or oneDNN-packed), stacked [G, in, out] or panels [out / 16, in, 16], "
               "got shape ", w.sizes());
   if (is_panels(w, groups)) {
-    TORCH_CHECK_VALUE(w.scalar_type() == at::kFloat, "taps_ops: decoder_layer: ", name, " of shape ", w.sizes(),
-                " for x of G = 1 reads as panels [out / 16, in, 16] (taps_ops.pack_panels), which must be float32, "
-                "got ", w.scalar_type());
+    TORCH_CHECK_VALUE(w.scalar_type() == at::kFloat || w.scalar_type() == at::kBFloat16, "taps_ops: decoder_layer: ",
+                name, " of shape ", w.sizes(), " for x of G = 1 reads as panels [out / 16, in, 16] (taps_ops.pack_panels), "
+                "which must be float32 or bfloat16, got ", w.scalar_type());
     TORCH_CHECK_VALUE(!b.has_value() || !b->defined() || b->dim() == 1, "taps_ops: decoder_layer: ", name,
                 " bias of a panel weight must be [out], got shape ", b->sizes());
     TORCH_CHECK_VALUE(w.device().is_cpu(), "taps_ops: decoder_layer: ", name, " panels are a CPU layout, got them on ",
@@ -146,15 +148,18 @@ void check_linear(const at::Tensor& w, const OptTensor& b, const at::Tensor& x, 
   }
   TORCH_CHECK_VALUE(linear_in(w) == in && linear_out(w, groups) == out, "taps_ops: decoder_layer: ", name,
               " weight must map ", in, " to ", out, " features, got shape ", w.sizes());
-  TORCH_CHECK_VALUE(w.scalar_type() == x.scalar_type() || w.scalar_type() == at::kFloat, "taps_ops: decoder_layer: ", name,
-              " weight has dtype ", w.scalar_type(), " but x has ", x.scalar_type(),
+  const bool panels = is_panels(w, groups);
+  TORCH_CHECK_VALUE(panels || w.scalar_type() == x.scalar_type() || w.scalar_type() == at::kFloat,
+              "taps_ops: decoder_layer: ", name, " weight has dtype ", w.scalar_type(), " but x has ", x.scalar_type(),
               "; they must match (or the weight be a widened float32 one)");
   if (!w.is_mkldnn()) check_same_device(x, w, "x", name);
   if (b.has_value() && b->defined()) {
     TORCH_CHECK_VALUE(b->numel() == groups * out && b->size(-1) == out, "taps_ops: decoder_layer: ", name,
                 " bias must hold ", out, " features per group, got shape ", b->sizes());
-    TORCH_CHECK_VALUE(b->scalar_type() == w.scalar_type(), "taps_ops: decoder_layer: ", name, " bias has dtype ",
-                b->scalar_type(), " but its weight has ", w.scalar_type(), "; they must match");
+    const at::ScalarType bias_type = panels ? at::kFloat : w.scalar_type();  // panel_linear adds a float32 bias
+    TORCH_CHECK_VALUE(b->scalar_type() == bias_type, "taps_ops: decoder_layer: ", name, " bias has dtype ",
+                b->scalar_type(), " but its weight (", panels ? "panels" : "plain", ", ", w.scalar_type(), ") needs ",
+                bias_type);
     if (w.dim() == 3 && !is_panels(w, groups)) {
       TORCH_CHECK_VALUE(b->dim() == 3 && b->size(0) == groups && b->size(1) == 1, "taps_ops: decoder_layer: ", name,
                   " bias of a stacked weight must be [G, 1, out], got shape ", b->sizes());

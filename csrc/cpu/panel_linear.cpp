@@ -1,6 +1,7 @@
 // panel_linear, CPU: y = x W^T + b for a few rows of x (a decoding step's tokens, a draft tree's nodes) over a
-// float32 weight kept as panels (taps_ops.pack_panels), with a fixed summation order (the same bits at every
-// instruction-set level, row count and thread count).
+// float32 or bfloat16 weight kept as panels (taps_ops.pack_panels), with a fixed summation order (the same bits
+// at every instruction-set level, row count and thread count). bfloat16 panels are widened to float32 as they
+// are read (exact; no bf16 instructions needed): half the weight bytes, the arithmetic of float32.
 //
 // Why an op: BLAS libraries tune their float32 GEMMs for many rows. At 2-16 rows and decoding's shapes the
 // ones measured on the development CPUs take 1.5-2.5x the time of one row (bench/RESULTS.md, "A few rows
@@ -8,7 +9,7 @@
 // of a few nodes should cost a plain step's weight traffic. Here each weight element is loaded once per
 // row block (up to 8 rows at AVX-512, 6 at AVX2) and multiplied into every row of the block from registers.
 //
-// Work: rows x out x in multiply-adds; bytes: out x in x 4 of weight once per row block per L2-sized
+// Work: rows x out x in multiply-adds; bytes: out x in x 4 (2: bfloat16) of weight once per row block per L2-sized
 // output block (panels stay in L2 across the row blocks), rows x (in + out) x 4 of activations.
 // Parallel over output blocks (at::parallel_for); each output's sum is one thread's, in one order.
 #include <ATen/ATen.h>
@@ -18,6 +19,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 
 #include "checks/checks.h"
 #include "cpu/cpu_isa.h"
@@ -31,10 +33,11 @@ constexpr int64_t kBlockPanels = 8;              // output blocks are whole mult
 
 struct Problem {
   const float* x;       // [rows, in] contiguous
-  const float* panels;  // [out / 16, in, 16], panel p at panels + p * panel_stride
+  const void* panels;   // [out / 16, in, 16] float32 or bfloat16 (bf16), panel p at panels + p * panel_stride elements
   const float* bias;    // [out] or nullptr
   float* y;             // [rows, out] contiguous
   int64_t rows, in, out, panel_stride;
+  bool bf16;
 };
 
 }  // namespace panel_cpu
@@ -52,6 +55,9 @@ struct S {
   static constexpr int kMaxRows = 8;
   static constexpr int vecs(int rows) { return rows <= 2 ? 8 : rows <= 6 ? 4 : 2; }
   static F load(const float* p) { return _mm512_loadu_ps(p); }
+  static F load(const uint16_t* p) {  // 16 bfloat16 widened: their bits in the high half of each float
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16));
+  }
   static void store(float* p, F x) { _mm512_storeu_ps(p, x); }
   static F set1(float x) { return _mm512_set1_ps(x); }
   static F zero() { return _mm512_setzero_ps(); }
@@ -72,6 +78,9 @@ struct S {
   static constexpr int kMaxRows = 6;
   static constexpr int vecs(int rows) { return rows == 1 ? 8 : rows <= 3 ? 4 : 2; }
   static F load(const float* p) { return _mm256_loadu_ps(p); }
+  static F load(const uint16_t* p) {  // 8 bfloat16 widened
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p)), 16));
+  }
   static void store(float* p, F x) { _mm256_storeu_ps(p, x); }
   static F set1(float x) { return _mm256_set1_ps(x); }
   static F zero() { return _mm256_setzero_ps(); }
@@ -92,6 +101,12 @@ struct S {
   static constexpr int kMaxRows = 4;
   static constexpr int vecs(int rows) { return rows <= 2 ? 8 : 4; }
   static F load(const float* p) { return *p; }
+  static F load(const uint16_t* p) {
+    const uint32_t bits = static_cast<uint32_t>(*p) << 16;
+    float f;
+    std::memcpy(&f, &bits, sizeof f);
+    return f;
+  }
   static void store(float* p, F x) { *p = x; }
   static F set1(float x) { return x; }
   static F zero() { return 0.0f; }
@@ -108,9 +123,10 @@ at::Tensor panel_linear_cpu(const at::Tensor& x_in, const at::Tensor& panels, co
   TORCH_CHECK_VALUE(panels.dim() == 3 && panels.size(2) == panel_cpu::kPanelWidth,
                     "taps_ops: panel_linear: panels must be [out / 16, in, 16] (taps_ops.pack_panels), got shape ",
                     panels.sizes());
-  TORCH_CHECK_VALUE(panels.scalar_type() == at::kFloat && x_in.scalar_type() == at::kFloat,
-                    "taps_ops: panel_linear: x and panels must be float32, got ", x_in.scalar_type(), " and ",
-                    panels.scalar_type());
+  TORCH_CHECK_VALUE((panels.scalar_type() == at::kFloat || panels.scalar_type() == at::kBFloat16) &&
+                        x_in.scalar_type() == at::kFloat,
+                    "taps_ops: panel_linear: x must be float32 and panels float32 or bfloat16, got ",
+                    x_in.scalar_type(), " and ", panels.scalar_type());
   TORCH_CHECK_VALUE(panels.device().is_cpu() && !panels.is_mkldnn(),
                     "taps_ops: panel_linear: panels must be a dense CPU tensor, got ", panels.device());
   check_same_device(panels, x_in, "panels", "panel_linear: x");
@@ -143,13 +159,16 @@ at::Tensor panel_linear_cpu(const at::Tensor& x_in, const at::Tensor& panels, co
     return y;
   }
   const at::Tensor x = x_in.contiguous();
-  const panel_cpu::Problem p{x.data_ptr<float>(), panels.data_ptr<float>(), bias_ptr, y.data_ptr<float>(), rows, in, out,
-                            panels.stride(0)};
+  const bool bf16 = panels.scalar_type() == at::kBFloat16;
+  const panel_cpu::Problem p{x.data_ptr<float>(), panels.data_ptr(), bias_ptr, y.data_ptr<float>(), rows, in, out,
+                            panels.stride(0), bf16};
   const int64_t num_panels = panels.size(0);
   // output blocks of about kBlockBytes of weight, in whole groups of kBlockPanels panels (every kernel
   // configuration's vectors divide such a group: no output of a full group goes through the one-vector tail)
   const int64_t group = panel_cpu::kBlockPanels;
-  const int64_t block = std::max<int64_t>(1, panel_cpu::kBlockBytes / (in * panel_cpu::kPanelWidth * 4 * group)) * group;
+  const int64_t element = bf16 ? 2 : 4;
+  const int64_t block =
+      std::max<int64_t>(1, panel_cpu::kBlockBytes / (in * panel_cpu::kPanelWidth * element * group)) * group;
   const int64_t blocks = (num_panels + block - 1) / block;
   const cpu::Isa level = cpu::isa();
   at::parallel_for(0, blocks, 1, [&](int64_t lo, int64_t hi) {

@@ -1,13 +1,15 @@
 // panel_linear, CPU: the register-blocked kernel, written once over a vector traits type `S` and compiled
 // once per instruction set inside its target region of csrc/cpu/panel_linear.cpp (namespaces
 // taps::panel_cpu::avx512, ::avx2 and ::generic); included once per region, with no includes of its own.
-// S: F (S::L floats), load / store / set1 / zero / add / fmadd (fmadd(a, b, c) = a * b + c rounded once).
+// S: F (S::L floats), load / store / set1 / zero / add / fmadd (fmadd(a, b, c) = a * b + c rounded once); load
+// also reads S::L bfloat16 (uint16_t bits) widened to float32, exactly (the weight type WT: float or uint16_t).
 // Register blocks: S::kMaxRows rows at most (6 or 8), S::vecs(rows) output vectors for a block of that many rows
 // (each must divide kBlockPanels panels' vectors, so that full output blocks take no one-vector tail).
 //
 // y[r][o] = (sum over i of x[r][i] * W[o][i]) + bias[o], the sum accumulated in float32 from i = 0 up, one
 // fused multiply-add per term. Every level does the same operations on each output in the same order, so
-// the result is the same bits at every level, for any row count, row block and thread count.
+// the result is the same bits at every level, for any row count, row block and thread count; bfloat16
+// panels give the bits of float32 panels holding the same (widened) values.
 // The weight is read as panels (taps_ops.pack_panels): panel p = outputs 16p .. 16p + 15, [in][16], so the
 // vectors of a block read consecutive cache lines of up to S::vecs(rows) / (16 / L) panels as i advances.
 namespace panel {
@@ -17,10 +19,10 @@ constexpr int L = S::L;
 constexpr int64_t kVecsPerPanel = kPanelWidth / L;
 
 // Rows x[0 .. RB) times output vectors v0 .. v0 + KV (each of L outputs).
-template <int RB, int KV>
-inline void block(const float* x, int64_t ldx, const float* panels, int64_t stride, int64_t in, float* y, int64_t ldy,
+template <typename WT, int RB, int KV>
+inline void block(const float* x, int64_t ldx, const WT* panels, int64_t stride, int64_t in, float* y, int64_t ldy,
                   const float* bias, int64_t v0) {
-  const float* w[KV];
+  const WT* w[KV];
 #pragma GCC unroll 8
   for (int v = 0; v < KV; ++v)
     w[v] = panels + ((v0 + v) / kVecsPerPanel) * stride + ((v0 + v) % kVecsPerPanel) * L;
@@ -51,44 +53,48 @@ inline void block(const float* x, int64_t ldx, const float* panels, int64_t stri
 }
 
 // Rows x[0 .. RB) times the output vectors [v_lo, v_hi): KV at a time, the rest one by one.
-template <int RB, int KV>
-inline void row_block(const float* x, int64_t ldx, const float* panels, int64_t stride, int64_t in, float* y,
+template <typename WT, int RB, int KV>
+inline void row_block(const float* x, int64_t ldx, const WT* panels, int64_t stride, int64_t in, float* y,
                       int64_t ldy, const float* bias, int64_t v_lo, int64_t v_hi) {
   int64_t v = v_lo;
-  for (; v + KV <= v_hi; v += KV) block<RB, KV>(x, ldx, panels, stride, in, y, ldy, bias, v);
-  for (; v < v_hi; ++v) block<RB, 1>(x, ldx, panels, stride, in, y, ldy, bias, v);
+  for (; v + KV <= v_hi; v += KV) block<WT, RB, KV>(x, ldx, panels, stride, in, y, ldy, bias, v);
+  for (; v < v_hi; ++v) block<WT, RB, 1>(x, ldx, panels, stride, in, y, ldy, bias, v);
 }
 
 // Rows x[0 .. RB) times the output vectors [v_lo, v_hi) with RB's register block (RB <= S::kMaxRows).
-template <int RB>
+template <typename WT, int RB>
 inline void rows_block(const Problem& p, int64_t r, int64_t v_lo, int64_t v_hi) {
-  row_block<RB, S::vecs(RB)>(p.x + r * p.in, p.in, p.panels, p.panel_stride, p.in, p.y + r * p.out, p.out, p.bias,
-                             v_lo, v_hi);
+  row_block<WT, RB, S::vecs(RB)>(p.x + r * p.in, p.in, static_cast<const WT*>(p.panels), p.panel_stride, p.in,
+                                 p.y + r * p.out, p.out, p.bias, v_lo, v_hi);
 }
 
 // Every row of x times the output vectors [v_lo, v_hi) (a block that stays in L2 while the row blocks
 // pass over it): blocks of S::kMaxRows rows, then one block of the rest, so that up to kMaxRows rows
 // read the weight once.
+template <typename WT>
 inline void rows_times_block(const Problem& p, int64_t v_lo, int64_t v_hi) {
   for (int64_t r = 0; r < p.rows;) {
     const int64_t rb = std::min<int64_t>(S::kMaxRows, p.rows - r);
     switch (rb) {
-      case 1: rows_block<1>(p, r, v_lo, v_hi); break;
-      case 2: rows_block<2>(p, r, v_lo, v_hi); break;
-      case 3: rows_block<3>(p, r, v_lo, v_hi); break;
-      case 4: rows_block<4>(p, r, v_lo, v_hi); break;
-      case 5: rows_block<5>(p, r, v_lo, v_hi); break;
-      case 6: rows_block<6>(p, r, v_lo, v_hi); break;
-      case 7: if constexpr (S::kMaxRows >= 7) rows_block<7>(p, r, v_lo, v_hi); break;
-      default: if constexpr (S::kMaxRows >= 8) rows_block<8>(p, r, v_lo, v_hi); break;
+      case 1: rows_block<WT, 1>(p, r, v_lo, v_hi); break;
+      case 2: rows_block<WT, 2>(p, r, v_lo, v_hi); break;
+      case 3: rows_block<WT, 3>(p, r, v_lo, v_hi); break;
+      case 4: rows_block<WT, 4>(p, r, v_lo, v_hi); break;
+      case 5: rows_block<WT, 5>(p, r, v_lo, v_hi); break;
+      case 6: rows_block<WT, 6>(p, r, v_lo, v_hi); break;
+      case 7: if constexpr (S::kMaxRows >= 7) rows_block<WT, 7>(p, r, v_lo, v_hi); break;
+      default: if constexpr (S::kMaxRows >= 8) rows_block<WT, 8>(p, r, v_lo, v_hi); break;
     }
     r += rb;
   }
 }
 
-// Every row of x times the output panels [panel_lo, panel_hi).
+// Every row of x times the output panels [panel_lo, panel_hi) (float32 or bfloat16 panels, p.bf16).
 inline void run(const Problem& p, int64_t panel_lo, int64_t panel_hi) {
-  rows_times_block(p, panel_lo * kVecsPerPanel, panel_hi * kVecsPerPanel);
+  if (p.bf16)
+    rows_times_block<uint16_t>(p, panel_lo * kVecsPerPanel, panel_hi * kVecsPerPanel);
+  else
+    rows_times_block<float>(p, panel_lo * kVecsPerPanel, panel_hi * kVecsPerPanel);
 }
 
 }  // namespace panel

@@ -79,11 +79,12 @@ class Linear:
         biases: matching bias(es) or None.
     """
 
-    __slots__ = ("weight", "bias", "stacked", "packed", "widened", "transposed", "panels")
+    __slots__ = ("weight", "bias", "stacked", "packed", "widened", "half", "transposed", "panels")
 
     def __init__(self, weights, biases=None):
         self.packed = None
         self.widened = False
+        self.half: Optional[torch.dtype] = None   # a widened weight's own dtype (its values are exact in it)
         self.transposed: Optional[Tensor] = None  # [in, out] contiguous: products as x @ W^T laid out NN
         self.panels: Optional[Tensor] = None      # taps_ops.pack_panels copy: products by taps_ops.panel_linear
         if isinstance(weights, (list, tuple)):
@@ -132,6 +133,7 @@ class Linear:
         sets by up to 2x."""
         if (self.weight.device.type == "cpu" and self.weight.dtype in (torch.bfloat16, torch.float16)
                 and not taps_ops.native_half_matmul(self.weight.dtype)):
+            self.half = self.weight.dtype
             self.weight = self.weight.detach().float()
             self.bias = None if self.bias is None else self.bias.detach().float()
             self.widened = True
@@ -143,8 +145,9 @@ class Linear:
                     self.packed = copies["packed"] if copies else pack_weight(self.weight)
                 if layout == "transposed":
                     self.transposed = copies["transposed"] if copies else self.weight.detach().t().contiguous()
-                if layout == "panels":
-                    self.panels = copies["panels"] if copies else _panels(self.weight, self.bias)
+                if layout in ("panels", "panels_bf16"):
+                    self.panels = copies[layout] if copies else _panels(
+                        self.weight, self.bias, torch.bfloat16 if layout == "panels_bf16" else None)
             else:
                 self.packed = pack_weight(self.weight)
         return self
@@ -161,8 +164,10 @@ class Linear:
             rows -= rows % taps_ops.PANEL_WIDTH      # whole panels (LAYOUT_MIN_ROWS is a multiple of 16)
         weight = self.weight.detach()[:rows]
         bias = None if self.bias is None else self.bias.detach()[:rows]
-        copies = dict(packed=pack_weight(weight), transposed=weight.t().contiguous(), panels=_panels(weight, bias))
-        layout = fastest_layout(weight, bias, copies["packed"], copies["transposed"], copies["panels"])
+        copies = dict(packed=pack_weight(weight), transposed=weight.t().contiguous(), panels=_panels(weight, bias),
+                      panels_bf16=_panels(weight, bias, torch.bfloat16) if self.half == torch.bfloat16 else None)
+        layout = fastest_layout(weight, bias, copies["packed"], copies["transposed"], copies["panels"],
+                                panels_bf16=copies["panels_bf16"])
         return layout, (copies if rows == out else None)
 
     def choose_small_layout(self, stacked: bool = True) -> "Linear":
@@ -172,16 +177,19 @@ class Linear:
         weight transposed, what ``F.linear`` and ``taps_ops.decoder_layer`` run for it), where `stacked`
         allows (inputs always [1, R, in]) stacked as one group [1, in, out] (x then multiplies it by ``bmm``),
         or as taps' panels (``taps_ops.panel_linear``, in the Python body and in ``taps_ops.decoder_layer``
-        alike)."""
+        alike); a widened bfloat16 weight (:meth:`pack`) also as bfloat16 panels, which hold its values
+        exactly in half the bytes (the same products as float32 panels, bit for bit)."""
         if (not self.stacked and self.packed is None and self.panels is None and self.weight.device.type == "cpu"
                 and self.weight.dtype == torch.float32):
-            layout = small_layout(tuple(self.weight.shape), panels_fit(self.weight, self.bias), stacked=stacked)
+            fit = panels_fit(self.weight, self.bias)
+            layout = small_layout(tuple(self.weight.shape), fit, stacked=stacked,
+                                  bf16=fit and self.half == torch.bfloat16)
             if layout == "stacked":
                 self.weight = self.weight.detach().t().contiguous().unsqueeze(0)
                 self.bias = None if self.bias is None else self.bias.detach().reshape(1, 1, -1).contiguous()
                 self.stacked = True
-            elif layout == "panels":
-                self.panels = _panels(self.weight, self.bias)
+            elif layout in ("panels", "panels_bf16"):
+                self.panels = _panels(self.weight, self.bias, torch.bfloat16 if layout == "panels_bf16" else None)
         return self
 
     def op_weight(self) -> Tensor:
@@ -266,16 +274,21 @@ def panels_fit(weight: Tensor, bias: Optional[Tensor]) -> bool:
 _panel_linear = torch.ops.taps_ops.panel_linear.default
 
 
-def _panels(weight: Tensor, bias: Optional[Tensor]) -> Optional[Tensor]:
-    return taps_ops.pack_panels(weight.detach()) if panels_fit(weight, bias) else None
+def _panels(weight: Tensor, bias: Optional[Tensor], dtype: Optional[torch.dtype] = None) -> Optional[Tensor]:
+    """The weight as panels (`dtype`: float32 by default; bfloat16 only for a widened bfloat16 weight, whose
+    values it holds exactly), or None where :func:`panels_fit` says no."""
+    if dtype is not None and dtype != torch.bfloat16:
+        return None
+    return taps_ops.pack_panels(weight.detach(), dtype) if panels_fit(weight, bias) else None
 
 
 def fastest_layout(weight: Tensor, bias: Optional[Tensor], packed: Optional[Tensor], transposed: Tensor,
-                   panels: Optional[Tensor] = None, repeats: int = 3) -> str:
+                   panels: Optional[Tensor] = None, repeats: int = 3, panels_bf16: Optional[Tensor] = None) -> str:
     """Which layout of a float32 CPU weight [out, in] multiplies fastest on this machine: ``"packed"``
     (oneDNN's blocked copy, when there is one), ``"plain"`` (``F.linear`` over [out, in]),
-    ``"transposed"`` (``mm`` over `transposed`, its [in, out] copy) or ``"panels"``
-    (``taps_ops.panel_linear`` over `panels`, when there are some): the least summed time of a 1-row and
+    ``"transposed"`` (``mm`` over `transposed`, its [in, out] copy), ``"panels"`` (``taps_ops.panel_linear``
+    over `panels`, when there are some) or ``"panels_bf16"`` (over `panels_bf16`: bfloat16 panels of a
+    widened bfloat16 weight, the same values): the least summed time of a 1-row and
     an 8-row product (a plain step's and a tree's), each the fastest of at least ``repeats`` calls and of
     as many more as 20 ms of calls per row count hold (up to 25: a burst of load over three calls of a
     small head chose a layout 1.4x slower at 8 rows in one process of ten). The layouts give the same
@@ -285,6 +298,8 @@ def fastest_layout(weight: Tensor, bias: Optional[Tensor], packed: Optional[Tens
         candidates["packed"] = lambda x: torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
     if panels is not None:
         candidates["panels"] = lambda x: _panel_linear(x, panels, bias)
+    if panels_bf16 is not None:
+        candidates["panels_bf16"] = lambda x: _panel_linear(x, panels_bf16, bias)
     seconds = _timed(candidates, [torch.randn(rows, weight.shape[1], dtype=weight.dtype) for rows in (1, 8)], repeats,
                      budget=0.02)
     return min(seconds, key=seconds.get)
@@ -293,15 +308,17 @@ def fastest_layout(weight: Tensor, bias: Optional[Tensor], packed: Optional[Tens
 _SMALL_LAYOUT: dict = {}
 
 
-def small_layout(shape: Tuple[int, int], panels: bool = True, repeats: int = 3, stacked: bool = True) -> str:
+def small_layout(shape: Tuple[int, int], panels: bool = True, repeats: int = 3, stacked: bool = True,
+                 bf16: bool = False) -> str:
     """Which layout of a float32 [out, in] projection of x [1, R, in] multiplies fastest on this machine:
     ``"plain"`` (``mm`` over the rows and the [out, in] weight transposed: what ``F.linear`` and
     ``taps_ops.decoder_layer`` run for a plain weight), where `stacked` allows ``"stacked"`` (``bmm`` over
-    the weight stacked [1, in, out]) and where `panels` allows ``"panels"`` (``taps_ops.panel_linear``): the
+    the weight stacked [1, in, out]), where `panels` allows ``"panels"`` (``taps_ops.panel_linear``) and where
+    `bf16` allows (a widened bfloat16 weight) ``"panels_bf16"`` (its values as bfloat16 panels): the
     least summed time of 1 and 8 rows on random weights of that shape, each the fastest of at least
     ``repeats`` calls and of as many as 5 ms of calls hold; measured once per shape, candidates and thread
     count in a process (a few milliseconds; which BLAS kernel runs depends on the threads too)."""
-    key = (tuple(shape), panels, stacked, torch.get_num_threads())
+    key = (tuple(shape), panels, stacked, bf16, torch.get_num_threads())
     known = _SMALL_LAYOUT.get(key)
     if known is None:
         out, inner = shape
@@ -313,6 +330,9 @@ def small_layout(shape: Tuple[int, int], panels: bool = True, repeats: int = 3, 
         if panels:
             packed = taps_ops.pack_panels(weight)
             candidates["panels"] = lambda x: _panel_linear(x, packed, None)
+        if bf16:
+            half = taps_ops.pack_panels(weight, torch.bfloat16)
+            candidates["panels_bf16"] = lambda x: _panel_linear(x, half, None)
         seconds = _timed(candidates, [torch.randn(1, rows, inner) for rows in (1, 8)], repeats, budget=0.005)
         known = _SMALL_LAYOUT[key] = min(seconds, key=seconds.get)
     return known

@@ -11,7 +11,7 @@ Public API (shapes in brackets; B requests, N tree nodes, V vocabulary):
 - :func:`rope_`      rotary position embedding in place, in one pass, for the lean forwards
 - :func:`expand_level` one level of an EAGLE-2 draft expansion (top-k children, scores, next frontier)
 - :func:`decoder_layer` a whole Llama decoder layer of the lean forwards in one call
-- :func:`pack_panels`, :func:`panel_linear`: ``x W^T + b`` for a few rows of x over a float32 weight kept
+- :func:`pack_panels`, :func:`panel_linear`: ``x W^T + b`` for a few rows of x over a float32 or bfloat16 weight kept
   as panels (CPU), the same bits at every ISA level and row count
 - :func:`cpu_info`, :func:`set_cpu_isa`, :func:`native_half_matmul`: the CPU kernels' instruction-set level
   (scalar, avx2, avx512, amx; chosen at load from the CPU, ``TAPS_CPU_ISA`` caps it)
@@ -443,30 +443,42 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
 PANEL_WIDTH = 16
 
 
-def pack_panels(weight: Tensor) -> Tensor:
-    """A float32 linear weight [out, in] as the panels :func:`panel_linear` reads: [out / 16, in, 16], panel
-    p holding outputs 16p .. 16p + 15 with the 16 weights of each input next to each other (a copy; out
-    must be a multiple of 16, in any value). Panels lie an odd number of 64-byte lines apart (one line of
-    padding after each when in is even), so the few panels a kernel block streams at once never share L1
-    cache sets. Detached: for inference."""
+def pack_panels(weight: Tensor, dtype: Optional[torch.dtype] = None) -> Tensor:
+    """A linear weight [out, in] as the panels :func:`panel_linear` reads: [out / 16, in, 16], panel p holding
+    outputs 16p .. 16p + 15 with the 16 weights of each input next to each other (a copy; out must be a
+    multiple of 16, in any value). Panels lie an odd number of 64-byte lines apart (padding after each), so
+    the few panels a kernel block streams at once never share L1 cache sets. Detached: for inference.
+
+    Args:
+        weight: [out, in] float32 or bfloat16.
+        dtype: the panels' dtype, float32 or bfloat16 (default: the weight's). A float32 weight packed as
+            bfloat16 is rounded to nearest even: half the bytes a product reads, for weights whose values
+            may change (a drafter's: verification keeps decoding exact whatever it proposes), never for
+            weights a result must match.
+    """
     if not isinstance(weight, Tensor) or weight.dim() != 2:
         raise ValueError(f"taps_ops: pack_panels: weight must be a 2-D tensor [out, in], got "
                          f"{tuple(weight.shape) if isinstance(weight, Tensor) else type(weight).__name__}")
-    if weight.dtype != torch.float32:
-        raise ValueError(f"taps_ops: pack_panels: weight must be float32, got {weight.dtype}")
+    if weight.dtype not in (torch.float32, torch.bfloat16):
+        raise ValueError(f"taps_ops: pack_panels: weight must be float32 or bfloat16, got {weight.dtype}")
+    dtype = weight.dtype if dtype is None else dtype
+    if dtype not in (torch.float32, torch.bfloat16):
+        raise ValueError(f"taps_ops: pack_panels: dtype must be torch.float32 or torch.bfloat16, got {dtype}")
     out, inner = weight.shape
     if out % PANEL_WIDTH != 0:
         raise ValueError(f"taps_ops: pack_panels: out = {out} features must be a multiple of {PANEL_WIDTH}")
     count = out // PANEL_WIDTH
-    stride = (inner + (1 - inner % 2)) * PANEL_WIDTH
-    buffer = weight.new_zeros(count * stride)
+    per_line = 64 // torch.empty((), dtype=dtype).element_size()          # elements per 64-byte line
+    lines = -(-inner * PANEL_WIDTH // per_line)
+    stride = (lines + (1 - lines % 2)) * per_line                         # an odd number of lines
+    buffer = weight.new_zeros(count * stride, dtype=dtype)
     panels = buffer.as_strided((count, inner, PANEL_WIDTH), (stride, PANEL_WIDTH, 1))
     panels.copy_(weight.detach().reshape(count, PANEL_WIDTH, inner).transpose(1, 2))
     return panels
 
 
 def panel_linear(x: Tensor, panels: Tensor, bias: Optional[Tensor] = None) -> Tensor:
-    """``x W^T + bias`` over a float32 weight W [out, in] kept as :func:`pack_panels` (CPU).
+    """``x W^T + bias`` over a float32 or bfloat16 weight W [out, in] kept as :func:`pack_panels` (CPU).
 
     Made for a few rows (a decoding step's token, a draft tree's nodes): each weight element is read once
     per block of up to 8 rows (AVX-512; 6 at AVX2) and multiplied into all of them, where BLAS kernels
@@ -476,11 +488,12 @@ def panel_linear(x: Tensor, panels: Tensor, bias: Optional[Tensor] = None) -> Te
     Each output is ``sum_i x[r, i] * W[o, i]`` accumulated in float32 from i = 0 up, one fused multiply-add
     per term, then ``+ bias[o]``: the same bits at every ISA level (:func:`set_cpu_isa`), row count, row
     position and thread count, so a row's result never depends on the other rows of the call. It differs
-    from ``F.linear`` by float rounding only.
+    from ``F.linear`` by float rounding only. bfloat16 panels are widened to float32 as they are read (no
+    bf16 instructions: any level): the bits of float32 panels of the same values, from half the bytes.
 
     Args:
         x: [..., in] float32 (a copy is made when not contiguous).
-        panels: [out / 16, in, 16] float32 with strides (>= in * 16, 16, 1) (:func:`pack_panels`).
+        panels: [out / 16, in, 16] float32 or bfloat16 with strides (>= in * 16, 16, 1) (:func:`pack_panels`).
         bias: [out] float32 or None.
 
     Returns:
