@@ -1,7 +1,7 @@
 """End to end, taps' panel products (taps_ops.panel_linear) against the BLAS layouts alone, in one process.
 
     PYTHONPATH=python python bench/bench_panels_e2e.py [--rows ar,chat,mb,lookup,lookup_auto,mbl_auto]
-                                                        [--rounds 3] [--prompts 3]
+                                                        [--rounds 3] [--prompts 3] [--compare panels|dtype]
 
 Two copies of the shipped target (fp32), one packed with panels among the layouts ``taps.lean`` times at
 load ("P") and one without (``taps.lean.PANELS = False``, as ``TAPS_PANELS=0``: "N"); every row is built on
@@ -10,7 +10,12 @@ autoregressive), ``chat``, ``mb`` (merged-budget of math and chat), ``lookup``, 
 (``taps.Tuner`` on the process clock), ``mbl_auto`` (merged-budget of math, chat and lookup). Rows are
 interleaved per prompt (GSM8K and MT-Bench prompts with the chat template, 96 new tokens, T=0), each keeping
 its fastest round. Prints tokens/s of both sides, their ratio and each side's ratio to its own taps
-autoregressive row. Set the ISA switches (``TAPS_CPU_ISA=avx2 ATEN_CPU_CAPABILITY=avx2
+autoregressive row.
+
+``--compare dtype``: the two sides are the shipped target in bfloat16 ("bf16") and in float32 ("fp32"), both
+with panels among the layouts: on a CPU without bf16 products (or under the ISA switches below) the bf16
+side's projections are widened and may be kept as bfloat16 panels, the question being whether its rows are at
+least as fast as the float32 ones. Set the ISA switches (``TAPS_CPU_ISA=avx2 ATEN_CPU_CAPABILITY=avx2
 ONEDNN_MAX_CPU_ISA=AVX2 MKL_ENABLE_INSTRUCTIONS=AVX2``) to run it as an AVX2-only CPU would.
 """
 
@@ -43,6 +48,8 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--prompts", type=int, default=3, help="per benchmark (GSM8K, MT-Bench)")
     ap.add_argument("--new-tokens", type=int, default=96)
+    ap.add_argument("--compare", default="panels", choices=("panels", "dtype"),
+                    help="panels: fp32 with panels (P) against without (N); dtype: bf16 against fp32, both with panels")
     args = ap.parse_args()
     rows = [r for r in args.rows.split(",") if r]
     unknown = [r for r in rows if r not in SPECS]
@@ -50,14 +57,18 @@ def main() -> None:
         raise SystemExit(f"--rows: unknown {unknown} (rows: {', '.join(SPECS)})")
     torch.set_num_threads(1)
     clock = time.process_time
-    with_panels, tok = models.load_target(dtype=torch.float32)
-    without = copy.deepcopy(with_panels)
+    first, tok = models.load_target(dtype=torch.float32)
+    if args.compare == "panels":
+        sides = [("P", first, True), ("N", copy.deepcopy(first), False)]
+    else:
+        sides = [("bf16", models.load_target(dtype=torch.bfloat16)[0], True), ("fp32", first, True)]
+    a, b = sides[0][0], sides[1][0]
     prompts = [tok.encode_chat(ex.messages, add_generation_prompt=True)
                for bench in ("gsm8k", "mt_bench") for ex in load_eval_prompts(bench)[:args.prompts]]
     decoders = {}
     try:
-        for side, target in (("P", with_panels), ("N", without)):
-            lean.PANELS = side == "P"
+        for side, target, panels in sides:
+            lean.PANELS = panels
             for row in rows:
                 strategy, names = SPECS[row]
                 drafters = [PromptLookupDrafter() if n == "lookup" else models.load_drafter("hass", n, target, draft_vocab=1024)
@@ -79,13 +90,15 @@ def main() -> None:
                 tokens[key, i] = len(out.tokens[0])
     tps = {key: sum(tokens[key, i] for i in range(len(prompts))) / sum(best[key, i] for i in range(len(prompts)))
            for key in decoders}
-    print(f"{machine_line()} | 1 thread, fp32, T=0, {len(prompts)} prompts x {args.new_tokens} tokens, "
+    dtype = "fp32" if args.compare == "panels" else "bf16 and fp32"
+    print(f"{machine_line()} | 1 thread, {dtype}, T=0, {len(prompts)} prompts x {args.new_tokens} tokens, "
           f"fastest of {args.rounds} rounds (process time)")
-    print(f"{'row':>12} {'P tok/s':>8} {'N tok/s':>8} {'P / N':>6} {'P vs P ar':>9} {'N vs N ar':>9}")
+    print(f"{'row':>12} {a + ' tok/s':>10} {b + ' tok/s':>10} {a + ' / ' + b:>11} {a + ' vs ' + a + ' ar':>12} "
+          f"{b + ' vs ' + b + ' ar':>12}")
     for row in rows:
-        line = f"{row:>12} {tps['P', row]:8.0f} {tps['N', row]:8.0f} {tps['P', row] / tps['N', row]:6.2f}"
+        line = f"{row:>12} {tps[a, row]:10.0f} {tps[b, row]:10.0f} {tps[a, row] / tps[b, row]:11.2f}"
         if "ar" in rows:
-            line += f" {tps['P', row] / tps['P', 'ar']:9.2f} {tps['N', row] / tps['N', 'ar']:9.2f}"
+            line += f" {tps[a, row] / tps[a, 'ar']:12.2f} {tps[b, row] / tps[b, 'ar']:12.2f}"
         print(line)
 
 

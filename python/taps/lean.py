@@ -165,7 +165,8 @@ class Linear:
         weight = self.weight.detach()[:rows]
         bias = None if self.bias is None else self.bias.detach()[:rows]
         copies = dict(packed=pack_weight(weight), transposed=weight.t().contiguous(), panels=_panels(weight, bias),
-                      panels_bf16=_panels(weight, bias, torch.bfloat16) if self.half == torch.bfloat16 else None)
+                      panels_bf16=_panels(weight, bias, torch.bfloat16)
+                      if self.half == torch.bfloat16 and PANELS_BF16 else None)
         layout = fastest_layout(weight, bias, copies["packed"], copies["transposed"], copies["panels"],
                                 panels_bf16=copies["panels_bf16"])
         return layout, (copies if rows == out else None)
@@ -183,7 +184,7 @@ class Linear:
                 and self.weight.dtype == torch.float32):
             fit = panels_fit(self.weight, self.bias)
             layout = small_layout(tuple(self.weight.shape), fit, stacked=stacked,
-                                  bf16=fit and self.half == torch.bfloat16)
+                                  bf16=fit and self.half == torch.bfloat16 and PANELS_BF16)
             if layout == "stacked":
                 self.weight = self.weight.detach().t().contiguous().unsqueeze(0)
                 self.bias = None if self.bias is None else self.bias.detach().reshape(1, 1, -1).contiguous()
@@ -258,6 +259,9 @@ def _mm_rows(rows: Tensor, transposed: Tensor, bias: Optional[Tensor]) -> Tensor
 #: Whether taps' panels (taps_ops.panel_linear) are among the layouts timed at load; ``TAPS_PANELS=0`` leaves
 #: them out (to compare against the BLAS layouts alone).
 PANELS = os.environ.get("TAPS_PANELS", "1") != "0"
+#: Whether a widened bfloat16 weight also times bfloat16 panels of its values; ``TAPS_PANELS_BF16=0`` leaves them
+#: out (float32 panels of the widened weight stay a candidate).
+PANELS_BF16 = os.environ.get("TAPS_PANELS_BF16", "1") != "0"
 
 
 def panels_fit(weight: Tensor, bias: Optional[Tensor]) -> bool:
