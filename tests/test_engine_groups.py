@@ -181,6 +181,22 @@ def test_prompt_lookup_candidates_literal():
         PromptLookupDrafter(depth=0)
 
 
+def test_prompt_lookup_leaves_single_token_matches_out_by_default():
+    """min_ngram defaults to 2 (max_ngram when that is 1): a context whose last token occurred before but not
+    its last two has no draft; with min_ngram=1 it drafts what followed the token."""
+    from taps import PromptLookupDrafter
+    target = _llama(seed=1)
+    assert PromptLookupDrafter().min_ngram == 2 and PromptLookupDrafter(max_ngram=1).min_ngram == 1
+    prompt = [3, 9, 4, 5, 2]                                   # root 9: (2, 9) never seen, 9 seen at 1
+    for min_ngram, drafts in ((None, False), (1, True)):
+        d = PromptLookupDrafter(min_ngram=min_ngram, depth=3)
+        d.bind(target)
+        d.start(torch.tensor([prompt]), torch.tensor([len(prompt)]), torch.tensor([9]), None, 64)
+        assert d._group.has_draft(0) == drafts
+        tokens = d.draft(3, 1).tokens[0].tolist()
+        assert tokens[:3] == ([4, 5, 2] if drafts else [-1, -1, -1])
+
+
 def test_prompt_lookup_in_every_combining_strategy():
     from taps import PromptLookupDrafter
     target = _llama(seed=1)

@@ -238,6 +238,7 @@ def _spec_from_dict(raw: Any, where: str, base: Optional[Path] = None) -> Drafte
     for key, value in raw.items():
         _check_int(value, f"{where} {key}", 0 if key == "draft_vocab" else 1)
     if kind == "lookup" and raw.get("min_ngram", 1) > raw.get("max_ngram", max(3, raw.get("min_ngram", 1))):
+        # (an unset min_ngram is min(2, max_ngram): PromptLookupDrafter's default)
         raise ValueError(f"{where}: min_ngram must be <= max_ngram")
     return DrafterSpec(kind, path, raw)
 
