@@ -30,7 +30,8 @@ enum Slot : int64_t {
   kInNorm = 0,    // [H] / [G, H] or None (EAGLE-1/2's first layer has no input norm)
   kHiddenNorm,    // EAGLE-3 only: the norm of the residual stream x beside the embedding's input norm
   kQkvW,          // fused q/k/v projection: [out, in] (F.linear), oneDNN-packed [out, in], [G, in, out], or
-                  // panels [out / 16, in, 16] f32 / bf16 (taps_ops.pack_panels; G = 1 only, out / 16 > 1)
+                  // panels [out / 16, in, 16] f32 / [out / 16, in / 2, 16, 2] bf16 (taps_ops.pack_panels;
+                  // G = 1 only, out / 16 > 1)
   kQkvB,
   kOW,
   kOB,
@@ -65,8 +66,11 @@ at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& w, const OptTenso
 // else stacked [G, in, out] (its first size must then be x's G). With G = 1 and one panel the two readings
 // are the same product; taps.lean keeps panels only for weights of two panels or more, so this reading is
 // the Python body's.
+// float32 panels [out / 16, in, 16] or bfloat16 ones [out / 16, in / 2, 16, 2] (taps_ops.pack_panels)
 bool is_panels(const at::Tensor& w, int64_t groups) {
-  return w.dim() == 3 && !w.is_mkldnn() && groups == 1 && w.size(0) > 1 && w.size(2) == 16;
+  if (w.is_mkldnn() || groups != 1) return false;
+  if (w.dim() == 4) return w.scalar_type() == at::kBFloat16 && w.size(0) > 1 && w.size(2) == 16 && w.size(3) == 2;
+  return w.dim() == 3 && w.size(0) > 1 && w.size(2) == 16;
 }
 
 // taps.lean.Linear.__call__ with autograd off: panels, packed, stacked ([G, in, out]: bmm) or plain; a float32
@@ -124,11 +128,13 @@ int64_t linear_out(const at::Tensor& w, int64_t groups) {
   if (is_panels(w, groups)) return w.size(0) * w.size(2);
   return w.dim() == 3 ? w.size(2) : w.size(0);
 }
-int64_t linear_in(const at::Tensor& w) { return w.size(1); }  // [out, in], [G, in, out] and panels alike
+// [out, in], [G, in, out] and float32 panels alike; bfloat16 panels hold inputs in pairs (the lean path packs
+// them for an even in only)
+int64_t linear_in(const at::Tensor& w) { return w.dim() == 4 ? 2 * w.size(1) : w.size(1); }
 
 void check_linear(const at::Tensor& w, const OptTensor& b, const at::Tensor& x, int64_t groups, int64_t in,
                   int64_t out, const char* name) {
-  TORCH_CHECK_VALUE(w.dim() == 2 || (w.dim() == 3 && !w.is_mkldnn()), "taps_ops: decoder_layer: ", name,
+  TORCH_CHECK_VALUE(w.dim() == 2 || (w.dim() == 3 && !w.is_mkldnn()) || is_panels(w, groups), "taps_ops: decoder_layer: ", name,
               " weight must be [out, in] (plain or oneDNN-packed), stacked [G, in, out] or panels [out / 16, in, 16], "
               "got shape ", w.sizes());
   if (is_panels(w, groups)) {

@@ -33,7 +33,8 @@ constexpr int64_t kBlockPanels = 8;              // output blocks are whole mult
 
 struct Problem {
   const float* x;       // [rows, in] contiguous
-  const void* panels;   // [out / 16, in, 16] float32 or bfloat16 (bf16), panel p at panels + p * panel_stride elements
+  const void* panels;   // [out / 16, in, 16] float32, or bfloat16 (bf16) [out / 16, ceil(in / 2), 16, 2]; panel p at
+                        // panels + p * panel_stride elements
   const float* bias;    // [out] or nullptr
   float* y;             // [rows, out] contiguous
   int64_t rows, in, out, panel_stride;
@@ -54,9 +55,12 @@ struct S {
   // rows x vectors of sums: 1-2 x 8, 3-6 x 4, 7-8 x 2 (at most 24 of the 32 registers)
   static constexpr int kMaxRows = 8;
   static constexpr int vecs(int rows) { return rows <= 2 ? 8 : rows <= 6 ? 4 : 2; }
+  static constexpr bool kPairsAtOnce = true;  // bf16 panels: a pair's two halves at once (measured faster here)
   static F load(const float* p) { return _mm512_loadu_ps(p); }
-  static F load(const uint16_t* p) {  // 16 bfloat16 widened: their bits in the high half of each float
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16));
+  // 16 lanes of two bfloat16 each; a bfloat16 is the high half of a float's bits
+  static F load_low(const uint16_t* p) { return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_loadu_si512(p), 16)); }
+  static F load_high(const uint16_t* p) {
+    return _mm512_castsi512_ps(_mm512_and_si512(_mm512_loadu_si512(p), _mm512_set1_epi32(static_cast<int>(0xFFFF0000u))));
   }
   static void store(float* p, F x) { _mm512_storeu_ps(p, x); }
   static F set1(float x) { return _mm512_set1_ps(x); }
@@ -77,9 +81,15 @@ struct S {
   // rows x vectors of sums: 1 x 8, 2-3 x 4, 4-6 x 2 (at most 12 of the 16 registers)
   static constexpr int kMaxRows = 6;
   static constexpr int vecs(int rows) { return rows == 1 ? 8 : rows <= 3 ? 4 : 2; }
+  static constexpr bool kPairsAtOnce = false;  // 16 registers: one half at a time keeps float32's register count
   static F load(const float* p) { return _mm256_loadu_ps(p); }
-  static F load(const uint16_t* p) {  // 8 bfloat16 widened
-    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p)), 16));
+  // 8 lanes of two bfloat16 each
+  static F load_low(const uint16_t* p) {
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)), 16));
+  }
+  static F load_high(const uint16_t* p) {
+    return _mm256_castsi256_ps(_mm256_and_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)),
+                                                _mm256_set1_epi32(static_cast<int>(0xFFFF0000u))));
   }
   static void store(float* p, F x) { _mm256_storeu_ps(p, x); }
   static F set1(float x) { return _mm256_set1_ps(x); }
@@ -100,9 +110,12 @@ struct S {
   static constexpr int L = 1;
   static constexpr int kMaxRows = 4;
   static constexpr int vecs(int rows) { return rows <= 2 ? 8 : 4; }
+  static constexpr bool kPairsAtOnce = false;
   static F load(const float* p) { return *p; }
-  static F load(const uint16_t* p) {
-    const uint32_t bits = static_cast<uint32_t>(*p) << 16;
+  static F load_low(const uint16_t* p) { return widen(p[0]); }   // the lane's low half: the first bfloat16
+  static F load_high(const uint16_t* p) { return widen(p[1]); }
+  static F widen(uint16_t h) {
+    const uint32_t bits = static_cast<uint32_t>(h) << 16;
     float f;
     std::memcpy(&f, &bits, sizeof f);
     return f;
@@ -120,24 +133,40 @@ namespace {
 
 at::Tensor panel_linear_cpu(const at::Tensor& x_in, const at::Tensor& panels, const std::optional<at::Tensor>& bias) {
   TORCH_CHECK_VALUE(x_in.defined() && panels.defined(), "taps_ops: panel_linear: x and panels must be defined");
-  TORCH_CHECK_VALUE(panels.dim() == 3 && panels.size(2) == panel_cpu::kPanelWidth,
-                    "taps_ops: panel_linear: panels must be [out / 16, in, 16] (taps_ops.pack_panels), got shape ",
-                    panels.sizes());
-  TORCH_CHECK_VALUE((panels.scalar_type() == at::kFloat || panels.scalar_type() == at::kBFloat16) &&
-                        x_in.scalar_type() == at::kFloat,
+  const bool bf16 = panels.scalar_type() == at::kBFloat16;
+  TORCH_CHECK_VALUE((panels.scalar_type() == at::kFloat || bf16) && x_in.scalar_type() == at::kFloat,
                     "taps_ops: panel_linear: x must be float32 and panels float32 or bfloat16, got ",
                     x_in.scalar_type(), " and ", panels.scalar_type());
   TORCH_CHECK_VALUE(panels.device().is_cpu() && !panels.is_mkldnn(),
                     "taps_ops: panel_linear: panels must be a dense CPU tensor, got ", panels.device());
   check_same_device(panels, x_in, "panels", "panel_linear: x");
-  TORCH_CHECK_VALUE(panels.stride(2) == 1 && panels.stride(1) == panel_cpu::kPanelWidth &&
-                        panels.stride(0) >= panels.size(1) * panel_cpu::kPanelWidth,
-                    "taps_ops: panel_linear: panels must have strides (>= in * 16, 16, 1) (taps_ops.pack_panels), got ",
-                    panels.strides());
   TORCH_CHECK_VALUE(x_in.dim() >= 1, "taps_ops: panel_linear: x [..., in] must have at least 1 dimension, got a scalar");
-  const int64_t in = panels.size(1), out = panels.size(0) * panel_cpu::kPanelWidth;
-  TORCH_CHECK_VALUE(x_in.size(-1) == in, "taps_ops: panel_linear: x's last dimension must be in = ", in,
-                    " (panels [out / 16, in, 16] of shape ", panels.sizes(), "), got x of shape ", x_in.sizes());
+  int64_t in = 0;
+  if (!bf16) {
+    TORCH_CHECK_VALUE(panels.dim() == 3 && panels.size(2) == panel_cpu::kPanelWidth,
+                      "taps_ops: panel_linear: float32 panels must be [out / 16, in, 16] (taps_ops.pack_panels), got "
+                      "shape ", panels.sizes());
+    TORCH_CHECK_VALUE(panels.stride(2) == 1 && panels.stride(1) == panel_cpu::kPanelWidth &&
+                          panels.stride(0) >= panels.size(1) * panel_cpu::kPanelWidth,
+                      "taps_ops: panel_linear: panels must have strides (>= in * 16, 16, 1) (taps_ops.pack_panels), "
+                      "got ", panels.strides());
+    in = panels.size(1);
+    TORCH_CHECK_VALUE(x_in.size(-1) == in, "taps_ops: panel_linear: x's last dimension must be in = ", in,
+                      " (panels [out / 16, in, 16] of shape ", panels.sizes(), "), got x of shape ", x_in.sizes());
+  } else {
+    TORCH_CHECK_VALUE(panels.dim() == 4 && panels.size(2) == panel_cpu::kPanelWidth && panels.size(3) == 2,
+                      "taps_ops: panel_linear: bfloat16 panels must be [out / 16, ceil(in / 2), 16, 2] "
+                      "(taps_ops.pack_panels), got shape ", panels.sizes());
+    TORCH_CHECK_VALUE(panels.stride(3) == 1 && panels.stride(2) == 2 && panels.stride(1) == 2 * panel_cpu::kPanelWidth &&
+                          panels.stride(0) >= panels.size(1) * 2 * panel_cpu::kPanelWidth,
+                      "taps_ops: panel_linear: bfloat16 panels must have strides (>= ceil(in / 2) * 32, 32, 2, 1) "
+                      "(taps_ops.pack_panels), got ", panels.strides());
+    in = x_in.size(-1);
+    TORCH_CHECK_VALUE((in + 1) / 2 == panels.size(1), "taps_ops: panel_linear: x's last dimension must be in with "
+                      "ceil(in / 2) = ", panels.size(1), " (bfloat16 panels of shape ", panels.sizes(),
+                      "), got x of shape ", x_in.sizes());
+  }
+  const int64_t out = panels.size(0) * panel_cpu::kPanelWidth;
   const float* bias_ptr = nullptr;
   at::Tensor b;
   if (bias.has_value() && bias->defined()) {
@@ -159,7 +188,6 @@ at::Tensor panel_linear_cpu(const at::Tensor& x_in, const at::Tensor& panels, co
     return y;
   }
   const at::Tensor x = x_in.contiguous();
-  const bool bf16 = panels.scalar_type() == at::kBFloat16;
   const panel_cpu::Problem p{x.data_ptr<float>(), panels.data_ptr(), bias_ptr, y.data_ptr<float>(), rows, in, out,
                             panels.stride(0), bf16};
   const int64_t num_panels = panels.size(0);

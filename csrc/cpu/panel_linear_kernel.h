@@ -1,8 +1,9 @@
 // panel_linear, CPU: the register-blocked kernel, written once over a vector traits type `S` and compiled
 // once per instruction set inside its target region of csrc/cpu/panel_linear.cpp (namespaces
 // taps::panel_cpu::avx512, ::avx2 and ::generic); included once per region, with no includes of its own.
-// S: F (S::L floats), load / store / set1 / zero / add / fmadd (fmadd(a, b, c) = a * b + c rounded once); load
-// also reads S::L bfloat16 (uint16_t bits) widened to float32, exactly (the weight type WT: float or uint16_t).
+// S: F (S::L floats), load / store / set1 / zero / add / fmadd (fmadd(a, b, c) = a * b + c rounded once);
+// load_low / load_high(p) read S::L 32-bit lanes of two bfloat16 each (bfloat16 panels) and widen the low /
+// the high halves to float32, exactly (the weight type WT: float, or uint16_t for bfloat16 panels).
 // Register blocks: S::kMaxRows rows at most (6 or 8), S::vecs(rows) output vectors for a block of that many rows
 // (each must divide kBlockPanels panels' vectors, so that full output blocks take no one-vector tail).
 //
@@ -18,11 +19,24 @@ using F = S::F;
 constexpr int L = S::L;
 constexpr int64_t kVecsPerPanel = kPanelWidth / L;
 
-// Rows x[0 .. RB) times output vectors v0 .. v0 + KV (each of L outputs).
-template <typename WT, int RB, int KV>
-inline void block(const float* x, int64_t ldx, const WT* panels, int64_t stride, int64_t in, float* y, int64_t ldy,
+// The sums of a block (+ bias) stored to y.
+template <int RB, int KV>
+inline void finish(F (&acc)[RB][KV], float* y, int64_t ldy, const float* bias, int64_t v0) {
+#pragma GCC unroll 8
+  for (int r = 0; r < RB; ++r)
+#pragma GCC unroll 8
+    for (int v = 0; v < KV; ++v) {
+      F out = acc[r][v];
+      if (bias != nullptr) out = S::add(out, S::load(bias + (v0 + v) * L));
+      S::store(y + r * ldy + (v0 + v) * L, out);
+    }
+}
+
+// Rows x[0 .. RB) times output vectors v0 .. v0 + KV (each of L outputs), float32 panels.
+template <int RB, int KV>
+inline void block(const float* x, int64_t ldx, const float* panels, int64_t stride, int64_t in, float* y, int64_t ldy,
                   const float* bias, int64_t v0) {
-  const WT* w[KV];
+  const float* w[KV];
 #pragma GCC unroll 8
   for (int v = 0; v < KV; ++v)
     w[v] = panels + ((v0 + v) / kVecsPerPanel) * stride + ((v0 + v) % kVecsPerPanel) * L;
@@ -42,14 +56,81 @@ inline void block(const float* x, int64_t ldx, const WT* panels, int64_t stride,
       for (int v = 0; v < KV; ++v) acc[r][v] = S::fmadd(a, b[v], acc[r][v]);
     }
   }
+  finish<RB, KV>(acc, y, ldy, bias, v0);
+}
+
+// The same over bfloat16 panels [P, in / 2, 16, 2] (inputs in pairs, each output's two weights in one 32-bit
+// lane): input 2j's weights are the lanes shifted up by 16 bits, input 2j + 1's the lanes with the low 16
+// bits masked off (one operation per vector, exact widening), then the same FMAs in the same order as
+// float32 panels (so the same bits for either loop below, S::kPairsAtOnce). An odd `in` reads the low half
+// of its last pair only (x has no input `in`).
+template <int RB, int KV>
+inline void block(const float* x, int64_t ldx, const uint16_t* panels, int64_t stride, int64_t in, float* y,
+                  int64_t ldy, const float* bias, int64_t v0) {
+  const uint16_t* w[KV];
+#pragma GCC unroll 8
+  for (int v = 0; v < KV; ++v)
+    w[v] = panels + ((v0 + v) / kVecsPerPanel) * stride + ((v0 + v) % kVecsPerPanel) * L * 2;
+  F acc[RB][KV];
 #pragma GCC unroll 8
   for (int r = 0; r < RB; ++r)
 #pragma GCC unroll 8
-    for (int v = 0; v < KV; ++v) {
-      F out = acc[r][v];
-      if (bias != nullptr) out = S::add(out, S::load(bias + (v0 + v) * L));
-      S::store(y + r * ldy + (v0 + v) * L, out);
+    for (int v = 0; v < KV; ++v) acc[r][v] = S::zero();
+  if constexpr (S::kPairsAtOnce) {
+    // both halves of a pair's vectors from one load each (2 * KV weight registers: AVX-512's 32 hold them)
+    const int64_t pairs = in / 2;
+    for (int64_t j = 0; j < pairs; ++j) {
+      F lo[KV], hi[KV];
+#pragma GCC unroll 8
+      for (int v = 0; v < KV; ++v) {
+        lo[v] = S::load_low(w[v] + j * 2 * kPanelWidth);
+        hi[v] = S::load_high(w[v] + j * 2 * kPanelWidth);
+      }
+#pragma GCC unroll 8
+      for (int r = 0; r < RB; ++r) {
+        const F a = S::set1(x[r * ldx + 2 * j]);
+#pragma GCC unroll 8
+        for (int v = 0; v < KV; ++v) acc[r][v] = S::fmadd(a, lo[v], acc[r][v]);
+      }
+#pragma GCC unroll 8
+      for (int r = 0; r < RB; ++r) {
+        const F a = S::set1(x[r * ldx + 2 * j + 1]);
+#pragma GCC unroll 8
+        for (int v = 0; v < KV; ++v) acc[r][v] = S::fmadd(a, hi[v], acc[r][v]);
+      }
     }
+    if (in % 2 != 0) {
+      F lo[KV];
+#pragma GCC unroll 8
+      for (int v = 0; v < KV; ++v) lo[v] = S::load_low(w[v] + pairs * 2 * kPanelWidth);
+#pragma GCC unroll 8
+      for (int r = 0; r < RB; ++r) {
+        const F a = S::set1(x[r * ldx + in - 1]);
+#pragma GCC unroll 8
+        for (int v = 0; v < KV; ++v) acc[r][v] = S::fmadd(a, lo[v], acc[r][v]);
+      }
+    }
+  } else {
+    // one half at a time, the line loaded twice (the second load hits L1): the registers of float32 panels
+    for (int64_t i = 0; i < in; ++i) {
+      const int64_t pair = (i / 2) * 2 * kPanelWidth;
+      F b[KV];
+      if (i % 2 == 0) {
+#pragma GCC unroll 8
+        for (int v = 0; v < KV; ++v) b[v] = S::load_low(w[v] + pair);
+      } else {
+#pragma GCC unroll 8
+        for (int v = 0; v < KV; ++v) b[v] = S::load_high(w[v] + pair);
+      }
+#pragma GCC unroll 8
+      for (int r = 0; r < RB; ++r) {
+        const F a = S::set1(x[r * ldx + i]);
+#pragma GCC unroll 8
+        for (int v = 0; v < KV; ++v) acc[r][v] = S::fmadd(a, b[v], acc[r][v]);
+      }
+    }
+  }
+  finish<RB, KV>(acc, y, ldy, bias, v0);
 }
 
 // Rows x[0 .. RB) times the output vectors [v_lo, v_hi): KV at a time, the rest one by one.
@@ -57,8 +138,8 @@ template <typename WT, int RB, int KV>
 inline void row_block(const float* x, int64_t ldx, const WT* panels, int64_t stride, int64_t in, float* y,
                       int64_t ldy, const float* bias, int64_t v_lo, int64_t v_hi) {
   int64_t v = v_lo;
-  for (; v + KV <= v_hi; v += KV) block<WT, RB, KV>(x, ldx, panels, stride, in, y, ldy, bias, v);
-  for (; v < v_hi; ++v) block<WT, RB, 1>(x, ldx, panels, stride, in, y, ldy, bias, v);
+  for (; v + KV <= v_hi; v += KV) block<RB, KV>(x, ldx, panels, stride, in, y, ldy, bias, v);
+  for (; v < v_hi; ++v) block<RB, 1>(x, ldx, panels, stride, in, y, ldy, bias, v);
 }
 
 // Rows x[0 .. RB) times the output vectors [v_lo, v_hi) with RB's register block (RB <= S::kMaxRows).

@@ -184,7 +184,8 @@ class Linear:
                 and self.weight.dtype == torch.float32):
             fit = panels_fit(self.weight, self.bias)
             layout = small_layout(tuple(self.weight.shape), fit, stacked=stacked,
-                                  bf16=fit and self.half == torch.bfloat16 and PANELS_BF16)
+                                  bf16=fit and self.half == torch.bfloat16 and PANELS_BF16
+                                  and self.weight.shape[1] % 2 == 0)
             if layout == "stacked":
                 self.weight = self.weight.detach().t().contiguous().unsqueeze(0)
                 self.bias = None if self.bias is None else self.bias.detach().reshape(1, 1, -1).contiguous()
@@ -281,7 +282,7 @@ _panel_linear = torch.ops.taps_ops.panel_linear.default
 def _panels(weight: Tensor, bias: Optional[Tensor], dtype: Optional[torch.dtype] = None) -> Optional[Tensor]:
     """The weight as panels (`dtype`: float32 by default; bfloat16 only for a widened bfloat16 weight, whose
     values it holds exactly), or None where :func:`panels_fit` says no."""
-    if dtype is not None and dtype != torch.bfloat16:
+    if dtype is not None and (dtype != torch.bfloat16 or weight.shape[-1] % 2):  # bf16 panels pair the inputs
         return None
     return taps_ops.pack_panels(weight.detach(), dtype) if panels_fit(weight, bias) else None
 

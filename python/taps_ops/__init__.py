@@ -444,10 +444,13 @@ PANEL_WIDTH = 16
 
 
 def pack_panels(weight: Tensor, dtype: Optional[torch.dtype] = None) -> Tensor:
-    """A linear weight [out, in] as the panels :func:`panel_linear` reads: [out / 16, in, 16], panel p holding
-    outputs 16p .. 16p + 15 with the 16 weights of each input next to each other (a copy; out must be a
-    multiple of 16, in any value). Panels lie an odd number of 64-byte lines apart (padding after each), so
-    the few panels a kernel block streams at once never share L1 cache sets. Detached: for inference.
+    """A linear weight [out, in] as the panels :func:`panel_linear` reads, panel p holding outputs
+    16p .. 16p + 15 (a copy; out must be a multiple of 16, in any value): float32 panels are [out / 16, in, 16],
+    the 16 weights of each input next to each other; bfloat16 ones are [out / 16, ceil(in / 2), 16, 2], the
+    inputs in pairs (element [p, j, o, h] is W[16p + o, 2j + h], zero past in), so that each 32-bit lane holds
+    one output's two weights and widens by a shift and a mask. Panels lie an odd number of 64-byte lines
+    apart (padding after each), so the few panels a kernel block streams at once never share L1 cache sets.
+    Detached: for inference.
 
     Args:
         weight: [out, in] float32 or bfloat16.
@@ -468,12 +471,20 @@ def pack_panels(weight: Tensor, dtype: Optional[torch.dtype] = None) -> Tensor:
     if out % PANEL_WIDTH != 0:
         raise ValueError(f"taps_ops: pack_panels: out = {out} features must be a multiple of {PANEL_WIDTH}")
     count = out // PANEL_WIDTH
-    per_line = 64 // torch.empty((), dtype=dtype).element_size()          # elements per 64-byte line
-    lines = -(-inner * PANEL_WIDTH // per_line)
-    stride = (lines + (1 - lines % 2)) * per_line                         # an odd number of lines
+    if dtype == torch.float32:   # [count, in, 16]: one 64-byte line per input
+        stride = (inner + (1 - inner % 2)) * PANEL_WIDTH
+        buffer = weight.new_zeros(count * stride, dtype=dtype)
+        panels = buffer.as_strided((count, inner, PANEL_WIDTH), (stride, PANEL_WIDTH, 1))
+        panels.copy_(weight.detach().reshape(count, PANEL_WIDTH, inner).transpose(1, 2))
+        return panels
+    pairs = (inner + 1) // 2     # bfloat16 [count, pairs, 16, 2]: one 64-byte line per pair of inputs
+    stride = (pairs + (1 - pairs % 2)) * 2 * PANEL_WIDTH
     buffer = weight.new_zeros(count * stride, dtype=dtype)
-    panels = buffer.as_strided((count, inner, PANEL_WIDTH), (stride, PANEL_WIDTH, 1))
-    panels.copy_(weight.detach().reshape(count, PANEL_WIDTH, inner).transpose(1, 2))
+    panels = buffer.as_strided((count, pairs, PANEL_WIDTH, 2), (stride, 2 * PANEL_WIDTH, 2, 1))
+    padded = weight.detach()
+    if inner % 2:
+        padded = torch.cat([padded, padded.new_zeros(out, 1)], 1)
+    panels.copy_(padded.reshape(count, PANEL_WIDTH, pairs, 2).transpose(1, 2))
     return panels
 
 
@@ -493,7 +504,8 @@ def panel_linear(x: Tensor, panels: Tensor, bias: Optional[Tensor] = None) -> Te
 
     Args:
         x: [..., in] float32 (a copy is made when not contiguous).
-        panels: [out / 16, in, 16] float32 or bfloat16 with strides (>= in * 16, 16, 1) (:func:`pack_panels`).
+        panels: float32 [out / 16, in, 16] with strides (>= in * 16, 16, 1), or bfloat16 [out / 16, ceil(in / 2),
+            16, 2] with strides (>= ceil(in / 2) * 32, 32, 2, 1) (:func:`pack_panels`).
         bias: [out] float32 or None.
 
     Returns:

@@ -488,9 +488,14 @@ def compact_kv_ref(caches: List[Tensor], path: Tensor, prefix_lens: Tensor) -> L
 
 def panel_linear_ref(x: Tensor, panels: Tensor, bias: Optional[Tensor] = None) -> Tensor:
     """``x W^T + bias`` in float64 (returned as float64: the reference the float32 kernel is within rounding
-    of), W [out, in] read back from panels [out / 16, in, 16] (:func:`taps_ops.pack_panels`)."""
-    count, inner, width = panels.shape
-    weight = panels.permute(0, 2, 1).reshape(count * width, inner).double()
+    of), W [out, in] read back from panels (:func:`taps_ops.pack_panels`): float32 [out / 16, in, 16] or
+    bfloat16 [out / 16, ceil(in / 2), 16, 2] (in = x's last dimension)."""
+    if panels.dim() == 4:
+        count, pairs, width, _ = panels.shape
+        weight = panels.permute(0, 2, 1, 3).reshape(count * width, 2 * pairs)[:, :x.shape[-1]].double()
+    else:
+        count, inner, width = panels.shape
+        weight = panels.permute(0, 2, 1).reshape(count * width, inner).double()
     y = x.double() @ weight.t()
     return y if bias is None else y + bias.double()
 
