@@ -505,7 +505,8 @@ def panel_linear(x: Tensor, panels: Tensor, bias: Optional[Tensor] = None) -> Te
     Args:
         x: [..., in] float32 (a copy is made when not contiguous).
         panels: float32 [out / 16, in, 16] with strides (>= in * 16, 16, 1), or bfloat16 [out / 16, ceil(in / 2),
-            16, 2] with strides (>= ceil(in / 2) * 32, 32, 2, 1) (:func:`pack_panels`).
+            16, 2] with strides (>= ceil(in / 2) * 32, 32, 2, 1) (:func:`pack_panels`); x's last dimension then
+            any in with ceil(in / 2) = panels.shape[1].
         bias: [out] float32 or None.
 
     Returns:
