@@ -19,6 +19,17 @@ using F = S::F;
 constexpr int L = S::L;
 constexpr int64_t kVecsPerPanel = kPanelWidth / L;
 
+// acc[r][v] += x[r][i] * b[v] for the block's rows: one weight vector multiplied into every row from registers.
+template <int RB, int KV>
+inline void rank1(F (&acc)[RB][KV], const float* x, int64_t ldx, int64_t i, const F (&b)[KV]) {
+#pragma GCC unroll 8
+  for (int r = 0; r < RB; ++r) {
+    const F a = S::set1(x[r * ldx + i]);
+#pragma GCC unroll 8
+    for (int v = 0; v < KV; ++v) acc[r][v] = S::fmadd(a, b[v], acc[r][v]);
+  }
+}
+
 // The sums of a block (+ bias) stored to y.
 template <int RB, int KV>
 inline void finish(F (&acc)[RB][KV], float* y, int64_t ldy, const float* bias, int64_t v0) {
@@ -49,12 +60,7 @@ inline void block(const float* x, int64_t ldx, const float* panels, int64_t stri
     F b[KV];
 #pragma GCC unroll 8
     for (int v = 0; v < KV; ++v) b[v] = S::load(w[v] + i * kPanelWidth);
-#pragma GCC unroll 8
-    for (int r = 0; r < RB; ++r) {
-      const F a = S::set1(x[r * ldx + i]);
-#pragma GCC unroll 8
-      for (int v = 0; v < KV; ++v) acc[r][v] = S::fmadd(a, b[v], acc[r][v]);
-    }
+    rank1<RB, KV>(acc, x, ldx, i, b);
   }
   finish<RB, KV>(acc, y, ldy, bias, v0);
 }
@@ -86,29 +92,14 @@ inline void block(const float* x, int64_t ldx, const uint16_t* panels, int64_t s
         lo[v] = S::load_low(w[v] + j * 2 * kPanelWidth);
         hi[v] = S::load_high(w[v] + j * 2 * kPanelWidth);
       }
-#pragma GCC unroll 8
-      for (int r = 0; r < RB; ++r) {
-        const F a = S::set1(x[r * ldx + 2 * j]);
-#pragma GCC unroll 8
-        for (int v = 0; v < KV; ++v) acc[r][v] = S::fmadd(a, lo[v], acc[r][v]);
-      }
-#pragma GCC unroll 8
-      for (int r = 0; r < RB; ++r) {
-        const F a = S::set1(x[r * ldx + 2 * j + 1]);
-#pragma GCC unroll 8
-        for (int v = 0; v < KV; ++v) acc[r][v] = S::fmadd(a, hi[v], acc[r][v]);
-      }
+      rank1<RB, KV>(acc, x, ldx, 2 * j, lo);
+      rank1<RB, KV>(acc, x, ldx, 2 * j + 1, hi);
     }
     if (in % 2 != 0) {
       F lo[KV];
 #pragma GCC unroll 8
       for (int v = 0; v < KV; ++v) lo[v] = S::load_low(w[v] + pairs * 2 * kPanelWidth);
-#pragma GCC unroll 8
-      for (int r = 0; r < RB; ++r) {
-        const F a = S::set1(x[r * ldx + in - 1]);
-#pragma GCC unroll 8
-        for (int v = 0; v < KV; ++v) acc[r][v] = S::fmadd(a, lo[v], acc[r][v]);
-      }
+      rank1<RB, KV>(acc, x, ldx, in - 1, lo);
     }
   } else {
     // one half at a time, the line loaded twice (the second load hits L1): the registers of float32 panels
@@ -122,12 +113,7 @@ inline void block(const float* x, int64_t ldx, const uint16_t* panels, int64_t s
 #pragma GCC unroll 8
         for (int v = 0; v < KV; ++v) b[v] = S::load_high(w[v] + pair);
       }
-#pragma GCC unroll 8
-      for (int r = 0; r < RB; ++r) {
-        const F a = S::set1(x[r * ldx + i]);
-#pragma GCC unroll 8
-        for (int v = 0; v < KV; ++v) acc[r][v] = S::fmadd(a, b[v], acc[r][v]);
-      }
+      rank1<RB, KV>(acc, x, ldx, i, b);
     }
   }
   finish<RB, KV>(acc, y, ldy, bias, v0);

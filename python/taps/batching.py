@@ -272,6 +272,7 @@ def _fill_holes(keep: List[int]) -> List[int]:
         order[hole] = src
     return order
 
+
 def _sample_settings(params: Sequence[SamplingParams], device: torch.device) -> dict:
     """temperature / top_k / top_p of requests: one scalar each when they agree, else [B] tensors."""
     out = {}

@@ -177,7 +177,8 @@ class TreeKVCache(Cache):
         :class:`taps.batching.ContinuousBatch` orders them)."""
         index = index.to(self.lengths.device)
         kept = index.shape[0]
-        moved = [i for i, src in enumerate(index.tolist()) if src != i]
+        on_host = index.device.type == "cpu"   # (elsewhere the positions are not read back: one gather, no sync)
+        moved = [i for i, src in enumerate(index.tolist()) if src != i] if on_host else None
         if moved:
             dst = torch.tensor(moved, dtype=torch.int64, device=index.device)
             src = index.index_select(0, dst)
@@ -186,6 +187,8 @@ class TreeKVCache(Cache):
                 store = layer.storage[name]
                 if moved:  # every source row is read before any row is written
                     store.index_copy_(0, dst, store.index_select(0, src))
+                elif not on_host:
+                    store[:kept] = store.index_select(0, index)
                 setattr(layer, name, store[:kept])
         self._state.lengths = self._state.lengths.index_select(0, index)
         self._state.rows = torch.arange(kept, device=index.device).unsqueeze(1)
