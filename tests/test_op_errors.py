@@ -82,3 +82,14 @@ def test_reference_is_an_attribute_of_the_package():
     code = "import taps_ops; print(taps_ops.reference.verify_tree_ref.__name__)"
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert run.returncode == 0 and run.stdout.strip() == "verify_tree_ref", run.stderr
+
+
+def test_a_library_built_from_older_sources_is_named_at_import(monkeypatch):
+    """A compiled library that lacks an op this package calls (an in-place build not redone after an
+    update) fails at import with its path, the missing ops and how to rebuild, not later with the
+    dispatcher's "operator does not exist"; the library loaded here has every op."""
+    taps_ops._check_library("loaded", "fix")
+    monkeypatch.setattr(taps_ops, "_OPS", taps_ops._OPS + ("no_such_op",))
+    with pytest.raises(ImportError, match=r"/x/_C\.so was built from older sources: it lacks the op\(s\) no_such_op; "
+                                          r"rebuild"):
+        taps_ops._check_library("/x/_C.so", "rebuild it")

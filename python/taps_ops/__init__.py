@@ -50,9 +50,25 @@ def _load_library():
         spec = importlib.util.spec_from_file_location(f"{__name__}._C", path)
         module = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(module)
+        _check_library(path, "unset TAPS_OPS_LIBRARY or rebuild it: TAPS_CPU_ONLY=1 python tools/dev_build.py")
         return module
     from . import _C
+    _check_library(getattr(_C, "__file__", "taps_ops._C"), "rebuild it: pip install . (or ./run setup)")
     return _C
+
+
+#: the ops this package's Python side calls; a library built from older sources lacks some
+_OPS = ("verify_tree", "build_tree", "merge_trees", "tree_attention", "compact_kv", "rms_norm", "rope_",
+        "expand_level", "decoder_layer", "panel_linear", "_cpu_isa", "_set_cpu_isa", "_cpu_features")
+
+
+def _check_library(path: str, fix: str) -> None:
+    """ImportError naming the library and the missing ops when the loaded library predates these sources
+    (an in-place build not redone after an update), instead of a failure far from the cause."""
+    missing = [name for name in _OPS if not hasattr(torch.ops.taps_ops, name)]
+    if missing:
+        raise ImportError(f"taps_ops: the compiled library {path} was built from older sources: it lacks the "
+                          f"op(s) {', '.join(missing)}; {fix}")
 
 
 # tree_attention's entry without torch.ops' argument parsing (None in a library built without it)
