@@ -26,7 +26,9 @@ Table 2: where a taps step's time goes (``generate(profile=True)``), ms per step
 
 Table 3 (``--overhead``): pure host overhead with models whose compute is negligible (hidden 64, vocab 512,
 4 target layers, 1-layer drafters): ms per decoding step of HF ``generate`` (per token) and of a taps step
-per strategy (depth 5, top_k 8, budget 32 unless given), as a ratio to one HF step; the fastest of
+per strategy (depth 5, top_k 8, budget 32 unless given), as a ratio to one HF step and to one taps
+autoregressive step, and of tuned decoders whose costs make every draft lose (so that every step is a plain
+step: what remains beyond autoregressive decoding is the controller's own overhead); the fastest of
 ``--overhead-rounds`` rounds, each running HF and every strategy once (interleaved against load bursts).
 """
 
@@ -297,7 +299,8 @@ def batch_table(args, device, dtype) -> None:
 def overhead_table(args, device) -> None:
     import transformers
 
-    from taps import EagleDrafter, ModelDrafter, SpeculativeDecoder
+    from taps import EagleDrafter, ModelDrafter, PromptLookupDrafter, SpeculativeDecoder, Tuner
+    from taps.tuner import FixedCosts
 
     cfg = transformers.LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
                                    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
@@ -330,6 +333,15 @@ def overhead_table(args, device) -> None:
              ("route-confidence", eagles), ("merged", [ModelDrafter(m) for m in lms])]
     decoders = [SpeculativeDecoder(target, ds, strategy=name, depth=depth, top_k=top_k, budget=budget)
                 for name, ds in cases]
+    # the tuned decoder's plain steps: a tuner whose costs make every draft lose (a drafter level costs a
+    # second), so it runs no draft at all; what such a step costs beyond an autoregressive one is the
+    # controller's own overhead, which a run where no draft pays pays on every step
+    never = lambda: Tuner(FixedCosts(lambda n, b: 1e-3 * n, lambda g, d, b: 1.0), timer=clock)  # noqa: E731
+    for name, ds in (("single", [PromptLookupDrafter()]), ("single", eagles[:1]),
+                     ("merged-budget", eagles + [PromptLookupDrafter()])):
+        cases.append((name + " auto, no draft pays", ds))
+        decoders.append(SpeculativeDecoder(target, ds, strategy=name, depth=depth, top_k=top_k, budget=budget,
+                                           tuner=never()))
     hf_target.generate(ids, **hf_kw)  # warm-up
     for dec in decoders:
         dec.generate(prompt, max_new_tokens=8)
@@ -344,11 +356,12 @@ def overhead_table(args, device) -> None:
             out = dec.generate(prompt, max_new_tokens=new)
             _sync()
             best[i] = min(best[i], (clock() - t0) / out.steps)
-    rows = [["HF generate (per token)", "-", f"{hf * 1e3:.2f}", "1.00"]]
+    rows = [["HF generate (per token)", "-", f"{hf * 1e3:.2f}", "1.00", "-"]]
     for (name, ds), t in zip(cases, best):
-        kind = "-" if not ds else ("eagle" if isinstance(ds[0], EagleDrafter) else "LM")
-        rows.append([f"taps {name}", f"{len(ds)} x {kind}", f"{t * 1e3:.2f}", f"{t / hf:.2f}"])
-    print_table(["row", "drafters", "ms/step", "HF steps"], rows,
+        kinds = [{EagleDrafter: "eagle", PromptLookupDrafter: "lookup"}.get(type(d), "LM") for d in ds]
+        drafters = "-" if not ds else " + ".join(f"{kinds.count(k)} x {k}" for k in dict.fromkeys(kinds))
+        rows.append([f"taps {name}", drafters, f"{t * 1e3:.2f}", f"{t / hf:.2f}", f"{t / best[0]:.2f}"])
+    print_table(["row", "drafters", "ms/step", "HF steps", "taps AR steps"], rows,
                 title=f"Pure host overhead per decoding step (hidden 64, vocab 512, 4 target layers, 1-layer "
                       f"drafters; depth {depth}, top_k {top_k}, budget {budget}; taps ms/step includes prefill "
                       f"amortised over {new} tokens; fastest of {args.overhead_rounds} interleaved rounds)")

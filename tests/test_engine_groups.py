@@ -197,6 +197,42 @@ def test_prompt_lookup_leaves_single_token_matches_out_by_default():
         assert tokens[:3] == ([4, 5, 2] if drafts else [-1, -1, -1])
 
 
+def test_prompt_lookup_knows_whether_it_has_a_match_without_searching():
+    """has_draft is kept by each append (a flag per request, read every plain step of a tuned decoder):
+    it equals whether the search of continuations() finds anything, for every n-gram range, through
+    appends of several tokens, requests dropped and requests joined; the lengths tensor, built when read,
+    follows the host lengths."""
+    from taps import PromptLookupDrafter
+    target = _llama(seed=1)
+    gen = torch.Generator().manual_seed(0)
+    answers = set()
+    for max_ngram, min_ngram in ((1, 1), (3, None), (3, 1), (4, 3)):
+        d = PromptLookupDrafter(max_ngram=max_ngram, min_ngram=min_ngram, depth=3)
+        d.bind(target)
+        group = PromptLookupDrafter.make_group([d])
+
+        def check(g):
+            assert [g.has_draft(b) for b in range(g.batch)] == [bool(g.continuations(b, 1, 1)) for b in range(g.batch)]
+            assert g.lengths_b.tolist() == g.host_lengths == [len(h) for h in g.history]
+            answers.update(g.matched)
+
+        ids = torch.randint(0, 6, (3, 9), generator=gen)
+        group.start(ids, torch.tensor([9, 4, 1]), torch.randint(0, 6, (3,), generator=gen), None, 64)
+        check(group)
+        for step in range(40):
+            num_new = torch.randint(0, 4, (3,), generator=gen)
+            group.advance(torch.randint(0, 6, (3, 3), generator=gen), num_new, None, num_new.tolist())
+            check(group)
+            if step == 20:
+                group.select_requests([2, 0])
+                check(group)
+                extra = group.spawn()
+                extra.start(torch.randint(0, 6, (1, 5), generator=gen), torch.tensor([5]), torch.tensor([1]), None, 64)
+                group.append_requests(extra)
+                check(group)
+    assert answers == {False, True}
+
+
 def test_prompt_lookup_in_every_combining_strategy():
     from taps import PromptLookupDrafter
     target = _llama(seed=1)

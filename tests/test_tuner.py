@@ -495,7 +495,8 @@ def test_a_group_with_a_match_again_is_planned_for():
 
 def test_coasting_goes_on_while_fewer_groups_can_draft():
     """No draft was best with every group able to draft: steps where some group has nothing to propose
-    repeat that answer without choosing again, and the coast token is given only after such a plan."""
+    repeat that answer without choosing again; a plan with a group idle gives a coast token that holds
+    only while that group stays idle."""
     class Counting(Tuner):
         chosen = 0
 
@@ -515,16 +516,24 @@ def test_coasting_goes_on_while_fewer_groups_can_draft():
         assert plan(idle) == NONE
     assert tuner.chosen == before
     plan((1,))
-    assert tuner.coast_token() is not None  # a coasting step keeps the token of the plan it repeats
-    tuner.begin(1, False)  # a new generation: its first plan (a group idle) gives no token
+    token = tuner.coast_token()  # a coasting step keeps the token of the plan it repeats
+    assert token is not None and token.idle == frozenset()
+    tuner.begin(1, False)  # a new generation: its first plan with group 1 idle
     plan((1,))
-    assert tuner.coast_token() is None
+    token = tuner.coast_token()
+    assert token is not None and token.idle == frozenset({1})
+    # the answer is repeated while group 1 stays idle (whatever else is), not once it has a match
+    assert not tuner.coast(token, ()) and not tuner.coast(token, (0,))
+    before = tuner.chosen
+    assert tuner.coast(token, (1,)) and tuner.coast(token, (0, 1))
+    assert tuner.chosen == before
 
 
 def test_prompt_lookup_that_does_not_pay_coasts():
     """Where prompt lookup has matches but its trees never pay (each node costs ten forwards), the decoder
-    repeats the plain step without planning or searching for matches (its appends queue until it next
-    plans), and the output is the target's greedy output."""
+    repeats the plain step without planning or searching for matches (the lookup is appended to every
+    step and keeps a flag per request of whether it has a match), and the output is the target's greedy
+    output."""
     m = em.greedy_models()
     prompt = [5, 17, 42, 8, 61, 3, 5, 17, 42, 8, 61, 3, 5, 17]
     ref = SpeculativeDecoder(m["target"], [], strategy="autoregressive").generate([prompt], max_new_tokens=60)

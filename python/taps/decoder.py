@@ -386,34 +386,40 @@ class SpeculativeDecoder:
         tuner = self.tuner
         if tuner is None:
             return _Plan(None, state.groups, self.depth)
-        if state.coast is not None and state.coast[1] == state.epoch and tuner.coast(state.coast[0]):
-            # the last plan chose no draft with every group able to draft, and no request joined,
-            # finished or left since: no draft again, without the plan's bookkeeping (a run of plain steps
-            # costs what autoregressive steps do)
-            return _Plan(NONE, [], 0)
-        state.coast = None
         groups = state.groups
-        active = [b for b, r in enumerate(state.requests) if not r.done]
-        # groups whose draft runs no model (prompt lookup) catch up now and say whether they have anything
-        # to propose: one without a match for any request is left out of this step's plan (its match
-        # rate is then that of the steps it could draft, and a step without a match drafts nothing)
+        if state.coast is not None and state.coast[1] == state.epoch:
+            # the last plan chose no draft, and no request joined, finished or left since: no draft again
+            # without the plan's bookkeeping while the groups idle then (a prompt lookup without a match)
+            # still are (a run of plain steps costs what autoregressive steps do; a free group is kept
+            # current every step, so asking it is a lookup of a flag per request)
+            token = state.coast[0]
+            if tuner.coast(token, self._idle(groups, state.active()) if token.idle else ()):
+                return _Plan(NONE, [], 0)
+        state.coast = None
+        active = state.active()
+        # groups whose draft runs no model (prompt lookup) catch up now (once started they are kept
+        # current) and say whether they have anything to propose: one without a match for any request is
+        # left out of this step's plan (its match rate is then that of the steps it could draft, and a
+        # step without a match drafts nothing)
         free = [g for g in groups if g.free_draft]
         updates = state.pending.catch_up(free) if free else []
-        idle = tuple(i for i, g in enumerate(groups) if g.free_draft and not any(g.has_draft(b) for b in active))
+        idle = self._idle(groups, active)
         shape = tuner.plan([tuple(g.members) for g in groups], lambda i, d: groups[i].tree_depth(d, self.top_k),
                            [state.pending.count(g) for g in groups], active, state.batch, self.depth, self.budget,
                            idle=idle)
         if not shape.drafters:  # a plain step (most steps where no draft pays: kept lean)
-            # repeated without planning only after a plan where every group could draft (a prompt lookup
-            # had a match) and none paid: then a match is no reason to plan again either, until a probe
-            # could come due; a free group's queued appends are caught up above before the next plan,
-            # so they are never priced into it
+            # repeated without planning until a probe could come due, while the groups idle now stay idle
             token = tuner.coast_token()
             if token is not None:
                 state.coast = (token, state.epoch)
             return _Plan(shape, [], 0, updates=updates)
         chosen = set(shape.drafters)
         return _Plan(shape, [g for g in groups if chosen.issuperset(g.members)], shape.depth, updates=updates)
+
+    @staticmethod
+    def _idle(groups: Sequence[DraftGroup], active: Sequence[int]) -> Tuple[int, ...]:
+        """Positions of the free groups (prompt lookup) with nothing to propose for any active request."""
+        return tuple(i for i, g in enumerate(groups) if g.free_draft and not any(g.has_draft(b) for b in active))
 
     def _draft(self, state: "DecodeState", plan: "_Plan") -> Optional[Candidates]:
         """The drafting groups' candidates (a group behind on appends catches up first), stacked in the
@@ -786,6 +792,10 @@ class DecodeState:
     def host_lengths(self) -> List[int]:
         return [r.length for r in self.requests]
 
+    def active(self) -> List[int]:
+        """Positions of the requests still generating."""
+        return [b for b, r in enumerate(self.requests) if not r.done]
+
     @property
     def finished(self) -> bool:
         return all(r.done for r in self.requests)
@@ -868,12 +878,21 @@ class _Pending:
         self.tokens: Dict[int, int] = {id(g): 0 for g in groups}
         self.spec: Dict[int, object] = {id(g): g.target_features for g in groups}
         self.starts, self.on_start, self.timer = starts, on_start, timer
+        #: started groups whose draft runs no model: appended to at once, never queued
+        self.free: Dict[int, DraftGroup] = {}
 
     def add(self, tokens: Tensor, num_new: Tensor, features: Dict, num_host: List[int], tokens_host) -> None:
         """One step's accepted tokens and bonus [B, K] (num_new [B] real), features {spec: [B, K, H]}."""
         entry = (tokens, num_new, features, num_host, tokens_host)
         most = max(num_host)
         for key in self.queue:
+            group = self.free.get(key)
+            if group is not None and not self.queue[key]:
+                # a started group whose draft runs no model (prompt lookup) is kept current: its append is
+                # host bookkeeping of a few microseconds, and the decoder asks it every plain step whether
+                # it has anything to propose
+                group.advance(tokens, num_new, None, num_host, tokens_host)
+                continue
             self.queue[key].append(entry)
             self.tokens[key] += most
 
@@ -887,8 +906,11 @@ class _Pending:
         """Groups replaced by their subsets (None: dropped)."""
         for a, b in zip(old, new):
             queue, count, spec = self.queue.pop(id(a)), self.tokens.pop(id(a)), self.spec.pop(id(a))
+            free = self.free.pop(id(a), None)
             if b is not None:
                 self.queue[id(b)], self.tokens[id(b)], self.spec[id(b)] = queue, count, spec
+                if free is not None:
+                    self.free[id(b)] = b
 
     def started(self, group: DraftGroup) -> bool:
         return id(group) not in self.starts
@@ -966,6 +988,8 @@ class _Pending:
             if args is not None:
                 g.start(*args)
                 self.on_start(g)
+                if g.free_draft:
+                    self.free[id(g)] = g
             entries = self.queue[id(g)]
             if not entries:
                 continue

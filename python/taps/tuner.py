@@ -56,6 +56,15 @@ from typing import Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple
 __all__ = ["Shape", "CostModel", "FixedCosts", "AcceptanceModel", "Tuner", "NONE"]
 
 
+class CoastToken(NamedTuple):
+    """What :meth:`Tuner.coast` takes to repeat a plan of no draft: the plan's memo and the tuner's
+    version then, and the positions of the groups idle at that plan (they must still be idle)."""
+
+    memo: tuple
+    version: int
+    idle: frozenset
+
+
 class Shape(NamedTuple):
     """One step's draft: which drafters draft (their indices in the decoder, () = no draft), the
     expansion depth and the node budget of the tree (root included)."""
@@ -676,19 +685,23 @@ class Tuner:
             options.append((shape, value, seconds + extra, upper))
         return self.choose(options)
 
-    def coast_token(self) -> Optional[tuple]:
-        """Right after :meth:`plan` returned no draft with no group idle: what :meth:`coast` takes to
-        repeat that answer (None otherwise: with a group idle, it could have something next step)."""
-        if self._plan_idle or self._plan_memo is None or self._plan_memo[2] != self._version:
+    def coast_token(self) -> Optional["CoastToken"]:
+        """Right after :meth:`plan` returned no draft: what :meth:`coast` takes to repeat that answer
+        (None otherwise), with the positions of the groups that were idle then (``idle``): the answer holds
+        while each of them still has nothing to propose (a group that has a match now could change it)."""
+        if self._plan_memo is None or self._plan_memo[2] != self._version:
             return None
-        return (self._plan_memo, self._version)
+        return CoastToken(self._plan_memo, self._version, self._plan_idle)
 
-    def coast(self, token: Optional[tuple] = None) -> bool:
+    def coast(self, token: Optional["CoastToken"] = None, idle: Sequence[int] = ()) -> bool:
         """Another step of no draft without planning, where the caller knows that nothing :meth:`plan`'s
         arguments said changed since it returned no draft (the requests, the groups) and holds its
         :meth:`coast_token`: True (and the step counted) unless the tuner learned something since (a
-        draft observed) or a probe could come due at the next step (then the caller plans)."""
-        if token is not None and (token[0] is not self._plan_memo or token[1] != self._version):
+        draft observed), a group idle at that plan is not idle now (``idle``: the groups idle now, asked
+        only when ``token.idle`` is not empty), or a probe could come due at the next step (then the
+        caller plans)."""
+        if token is not None and (token.memo is not self._plan_memo or token.version != self._version
+                                  or (token.idle and not token.idle.issubset(idle))):
             return False
         if not self._probe_near() and self._plan_memo is not None:
             self.clock += 1

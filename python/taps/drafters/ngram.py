@@ -128,24 +128,51 @@ class LookupGroup(DraftGroup):
     free_draft = True
 
     def __init__(self, drafter: PromptLookupDrafter):
+        self._lengths: Optional[Tensor] = None
+        self._lengths_current = True
+        self._lengths_device = torch.device("cpu")
         super().__init__([drafter])
         self.d = drafter
         self.history: List[List[int]] = []
         self.index: List[Dict[Tuple[int, ...], List[int]]] = []  # n-gram -> end positions, oldest first
+        #: per request: whether its context's last n-gram (of a length tried) occurred before (has_draft)
+        self.matched: List[bool] = []
+
+    # The [B] lengths tensor is built from the host lengths when it is read (a draft, a change of the
+    # requests), not at every append: the decoder appends to this group every step, plain ones included.
+    @property
+    def lengths_b(self) -> Optional[Tensor]:
+        if not self._lengths_current:
+            self._lengths = torch.tensor(self.host_lengths, dtype=torch.int64, device=self._lengths_device)
+            self._lengths_current = True
+        return self._lengths
+
+    @lengths_b.setter
+    def lengths_b(self, value: Optional[Tensor]) -> None:
+        self._lengths, self._lengths_current = value, True
+        if value is not None:
+            self._lengths_device = value.device
 
     def _add(self, b: int, new: Sequence[int]) -> None:
         hist, index = self.history[b], self.index[b]
+        lo, hi = self.d.min_ngram, self.d.max_ngram + 1
+        matched = False
         for t in new:
             hist.append(int(t))
             end = len(hist)
-            for n in range(self.d.min_ngram, self.d.max_ngram + 1):
-                if end >= n:
-                    index.setdefault(tuple(hist[end - n:]), []).append(end)
+            matched = False
+            for n in range(lo, min(hi, end + 1)):
+                ends = index.setdefault(tuple(hist[end - n:]), [])
+                matched = matched or bool(ends)  # an earlier occurrence: continuations() finds it
+                ends.append(end)
+        if new:
+            self.matched[b] = matched
 
     def start(self, input_ids, prompt_lens, root, hidden, max_len, prompt_lens_host=None):
         ids, lens, roots = input_ids.tolist(), prompt_lens.tolist(), root.tolist()
         self.history = [[] for _ in ids]
         self.index = [{} for _ in ids]
+        self.matched = [False] * len(ids)
         for b, (row, n, r) in enumerate(zip(ids, lens, roots)):
             self._add(b, row[:n] + [r])
         self.host_lengths = [len(h) for h in self.history]
@@ -155,9 +182,10 @@ class LookupGroup(DraftGroup):
         rows = tokens_host if tokens_host is not None else tokens.tolist()
         counts = num_new_host if num_new_host is not None else num_new.tolist()
         for b, (row, n) in enumerate(zip(rows, counts)):
-            self._add(b, row[:int(n)])
+            if n:
+                self._add(b, row[:int(n)])
         self.host_lengths = [len(h) for h in self.history]
-        self.lengths_b += num_new.to(self.lengths_b.device)
+        self._lengths_current = self._lengths is None
 
     def continuations(self, b: int, depth: int, top_k: int) -> List[List[int]]:
         """Up to top_k continuations of up to `depth` tokens after request b's context, most recent
@@ -179,9 +207,9 @@ class LookupGroup(DraftGroup):
         return out
 
     def has_draft(self, b: int) -> bool:
-        """Whether request b's last n-gram (of any length tried) occurred before in its context (the
-        search of :meth:`continuations`, stopped at the first match)."""
-        return bool(self.continuations(b, 1, 1))
+        """Whether request b's last n-gram (of any length tried) occurred before in its context: whether
+        :meth:`continuations` finds anything (kept by each append, so asking costs nothing)."""
+        return self.matched[b]
 
     def draft(self, depth: int, top_k: int, profiler=None, with_entropy: bool = True) -> DraftCandidates:
         batch = len(self.history)
@@ -220,7 +248,7 @@ class LookupGroup(DraftGroup):
             parents.fromlist(p_row)
             parents.extend(no_node[used:])
         nodes.extend(parents)
-        device = self.lengths_b.device
+        device = self._lengths_device
         both = torch.frombuffer(nodes, dtype=torch.int64).view(2, batch, m).to(device)
         return DraftCandidates(torch.frombuffer(scores, dtype=torch.float32).view(batch, m).to(device),
                                both[0], both[1], torch.zeros(batch, device=device))
@@ -234,14 +262,16 @@ class LookupGroup(DraftGroup):
 
     def release(self) -> None:
         super().release()
-        self.history, self.index = [], []
+        self.history, self.index, self.matched = [], [], []
 
     def _select_state(self, keep, index, rows):
         super()._select_state(keep, index, rows)
         self.history = [self.history[b] for b in keep]
         self.index = [self.index[b] for b in keep]
+        self.matched = [self.matched[b] for b in keep]
 
     def _join_state(self, other):
         super()._join_state(other)
         self.history = self.history + other.history
         self.index = self.index + other.index
+        self.matched = self.matched + other.matched
