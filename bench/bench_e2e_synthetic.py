@@ -243,6 +243,26 @@ def main() -> None:
                       top or "-", f"{out.summary['tau']:.2f}", same])
     print_table(["row", "corrupt p", "tokens/s", "vs HF generate", "vs taps AR", "warm-up", "auto: shapes", "tau",
                  "= HF greedy"], table, title="End to end, synthetic target, controlled acceptance")
+    # what the tuner measured (and corrected online) on this machine: why it chose what it chose
+    for name, p, dec in rows[1:]:
+        if dec is not None and dec.tuner is not None:
+            print(f"{name}, p = {p}: {cost_summary(dec.tuner.costs, batch=1, ar_seconds=best[1] / args.new_tokens)}")
+
+
+def cost_summary(costs, batch: int, ar_seconds: float) -> str:
+    """One line of a tuner's cost model at a batch size: the target's tree forward per node count, each
+    drafter group's expansion per depth and its append of one token, in ms and as multiples of the
+    measured autoregressive step (``ar_seconds``)."""
+    ms = lambda s: f"{s * 1e3:.1f} ms ({s / ar_seconds:.2f})"  # noqa: E731
+    points = costs.forward_points.get(batch, [])
+    parts = ["forward " + ", ".join(f"{n} nodes {ms(costs.forward(n, batch))}" for n, _ in points)]
+    for group, b in costs.draft_points:
+        if b == batch:
+            d0, _, d1, _ = costs.draft_points[(group, b)]
+            parts.append(f"drafters {group}: " + ", ".join(f"depth {d} {ms(costs.draft(group, d, batch))}"
+                                                          for d in sorted({d0, d1}))
+                         + f", append of 1 token {ms(costs.update(group, 1, batch))}")
+    return "; ".join(parts) + " (x the autoregressive step)"
 
 
 if __name__ == "__main__":

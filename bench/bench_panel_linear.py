@@ -2,6 +2,7 @@
 products of a few rows, on the CPU.
 
     PYTHONPATH=python python bench/bench_panel_linear.py [--rows 1,2,4,8,16,32] [--isa LEVELS] [--quick] [--bf16]
+    PYTHONPATH=python python bench/bench_panel_linear.py --cold [--rows 1,4,8,16] [--bf16]
 
 Rows of the table: the shipped target's projections and head (hidden 256, intermediate 768, vocabulary
 8192) and one Llama-7B-sized projection, each at a decoding step's and a draft tree's row counts. Columns:
@@ -16,6 +17,12 @@ calls, torch and taps alternating (a burst of load hits them alike).
 the same float32 torch products: what a bfloat16 model gets on a CPU without bf16 products, where torch's
 alternative is the widened float32 weight (taps.lean keeps the faster, timed at load). The floor then counts
 2 bytes a weight.
+
+``--cold``: weights read from memory, as a large model's layers are in a decoding step: each product cycles over
+enough copies of its weight (``--cold-mib`` together) that no cache holds the one it reads; the shapes of a
+0.5B Llama's layers (hidden 1280, MLP 3584) and the shipped head; columns: torch, taps with its software
+prefetches off and by default (``taps_ops._set_panel_prefetch``: 24 cache lines ahead for weights of >= 4 MiB
+with panels of >= 32 KiB), and the ratios.
 
 torch runs at the process's own level: to compare on an AVX2-only machine from an AVX-512 one, set
 ``ATEN_CPU_CAPABILITY=avx2 MKL_ENABLE_INSTRUCTIONS=AVX2 ONEDNN_MAX_CPU_ISA=AVX2 TAPS_CPU_ISA=avx2``.
@@ -57,10 +64,15 @@ def main() -> None:
     ap.add_argument("--gbps", type=float, default=25.0, help="memory bandwidth for the floor column")
     ap.add_argument("--quick", action="store_true", help="the shipped target's shapes at 1, 4 and 16 rows")
     ap.add_argument("--bf16", action="store_true", help="taps' panels in bfloat16 (the weight rounded)")
+    ap.add_argument("--cold", action="store_true", help="weights read from memory (see above)")
+    ap.add_argument("--cold-mib", type=int, default=256, help="--cold: MiB of copies per weight")
     add_isa_argument(ap)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     torch.set_grad_enabled(False)
+    if args.cold:
+        cold_table(args)
+        return
     levels = op_levels(isa_levels(args.isa), "panel_linear")
     rows_list = [1, 4, 16] if args.quick else [int(r) for r in args.rows.split(",")]
     shapes = SHAPES[:5] if args.quick else SHAPES
@@ -101,6 +113,61 @@ def main() -> None:
                 floor = max(weight_bytes / (args.gbps * 1e9), 2 * rows * out * inner / peaks.get(lv, float("inf")))
                 cells.append(f"{best[lv] * 1e6:15.1f} {t_torch / best[lv]:6.3f}x {floor * 1e6:8.1f}")
             print(f"{name:>15} {f'{out}x{inner}':>11} {rows:4} {t_torch * 1e6:9.1f} " + " ".join(cells), flush=True)
+
+
+COLD_SHAPES = [  # name, out, in
+    ("0.5B qkv", 1792, 1280), ("0.5B o", 1280, 1280), ("0.5B gate_up", 7168, 1280), ("0.5B down", 1280, 3584),
+    ("target head", 8192, 256),
+]
+
+
+def cold_table(args) -> None:
+    """Products over weights read from memory (``--cold``): torch's fastest BLAS form, taps without and with its
+    software prefetches; every form once per round on the same cycle of copies, the fastest round kept."""
+    rows_list = [1, 4, 16] if args.quick else [int(r) for r in args.rows.split(",")]
+    shapes = COLD_SHAPES[1:3] + COLD_SHAPES[4:] if args.quick else COLD_SHAPES
+    dtype = torch.bfloat16 if args.bf16 else None
+    print(f"{machine_line()} | threads {torch.get_num_threads()}, fastest of {args.rounds} rounds; taps kernels at "
+          f"{taps_ops.cpu_info()['isa']}, {'bfloat16' if args.bf16 else 'float32'} panels; weights read from memory "
+          f"(each product cycles over {args.cold_mib} MiB of copies)")
+    head = (f"{'weight':>13} {'out x in':>10} {'rows':>4} {'torch us':>9} {'taps us':>8} {'prefetch us':>11} "
+            f"{'prefetch / off':>14} {'x torch':>7} {'GB/s':>6}")
+    print(head)
+    print("-" * len(head))
+    gen = torch.Generator().manual_seed(0)
+    before = torch.ops.taps_ops._set_panel_prefetch(-1)
+    try:
+        for name, out, inner in shapes:
+            copies = max(2, min(64, (args.cold_mib << 20) // (out * inner * 4)))
+            weights = [torch.randn(out, inner, generator=gen) for _ in range(copies)]
+            transposed = [w.t().contiguous() for w in weights]
+            panels = [taps_ops.pack_panels(w, dtype) for w in weights]
+            weight_bytes = out * inner * panels[0].element_size()
+            for rows in rows_list:
+                x = torch.randn(rows, inner, generator=gen)
+
+                def cycle(fn, setting=None):
+                    if setting is not None:
+                        torch.ops.taps_ops._set_panel_prefetch(setting)
+                    t0 = time.perf_counter()
+                    for i in range(copies):
+                        fn(i)
+                    return (time.perf_counter() - t0) / copies
+                forms = {"linear": lambda: cycle(lambda i: F.linear(x, weights[i])),
+                         "mm": lambda: cycle(lambda i: torch.mm(x, transposed[i])),
+                         "off": lambda: cycle(lambda i: taps_ops.panel_linear(x, panels[i]), 0),
+                         "on": lambda: cycle(lambda i: taps_ops.panel_linear(x, panels[i]), -1)}
+                best = dict.fromkeys(forms, float("inf"))
+                for _ in range(args.rounds):
+                    for key, fn in forms.items():
+                        best[key] = min(best[key], fn())
+                t_torch = min(best["linear"], best["mm"])
+                print(f"{name:>13} {f'{out}x{inner}':>10} {rows:4} {t_torch * 1e6:9.1f} {best['off'] * 1e6:8.1f} "
+                      f"{best['on'] * 1e6:11.1f} {best['on'] / best['off']:13.3f}x {t_torch / best['on']:6.3f}x "
+                      f"{weight_bytes / best['on'] / 1e9:6.1f}", flush=True)
+            del weights, transposed, panels
+    finally:
+        torch.ops.taps_ops._set_panel_prefetch(before)
 
 
 def _at(level, fn):

@@ -178,4 +178,7 @@ TORCH_LIBRARY(taps_ops, m) {
   m.def("_cpu_features() -> str[]", &taps::cpu::cpu_features_op);
   // _cpu_peak_flops(level): FLOP/s of one core's fp32 multiply-adds at that level, measured (a few ms).
   m.def("_cpu_peak_flops(str level) -> float", &taps::cpu::cpu_peak_flops_op);
+  // _set_panel_prefetch(lines): panel_linear's software prefetch distance (-1: by the weight's size, the
+  // default; 0: never; N: always N cache lines); returns the previous setting (cpu/panel_linear.cpp).
+  m.def("_set_panel_prefetch(int lines) -> int", &taps::set_panel_prefetch_op);
 }

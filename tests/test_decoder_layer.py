@@ -83,7 +83,7 @@ def layout(request, monkeypatch):
     (LayerWeights.pack keeps the one timed fastest on the machine: Linear.choose_small_layout); every layout
     tested everywhere (panels where the projection's shape allows them). "panels_bf16": bfloat16 weights
     widened as on a CPU without bf16 products, kept as bfloat16 panels (float32 weights: float32 panels)."""
-    def choose(shape, panels=True, repeats=3, stacked=True, bf16=False):
+    def choose(shape, panels=True, repeats=3, stacked=True, bf16=False, packed=False):
         want = "panels" if request.param == "panels_bf16" and not bf16 else request.param
         if (want.startswith("panels") and not panels) or (want == "stacked" and not stacked):
             return "plain"
@@ -270,7 +270,7 @@ BAD = {
 @pytest.mark.parametrize("case", sorted(BAD))
 def test_bad_inputs_raise_clear_errors(case, monkeypatch):
     # the cases cut [out, in] weights: the plain layout (the stacked one is the "stacked weight" cases)
-    monkeypatch.setattr(lean, "small_layout", lambda shape, panels=True, repeats=3, stacked=True, bf16=False: "plain")
+    monkeypatch.setattr(lean, "small_layout", lambda shape, panels=True, repeats=3, stacked=True, bf16=False, packed=False: "plain")
     args = _valid_call()
     with torch.no_grad():
         _call(args)                      # the valid call works

@@ -364,7 +364,7 @@ def test_every_small_layout_gives_the_same_product(layout, monkeypatch):
     product up to float rounding, with and without a bias; panels only where the shape allows them."""
     from taps import lean
 
-    monkeypatch.setattr(lean, "small_layout", lambda shape, panels=True, repeats=3, stacked=True, bf16=False:
+    monkeypatch.setattr(lean, "small_layout", lambda shape, panels=True, repeats=3, stacked=True, bf16=False, packed=False:
                         layout if (layout != "panels" or panels) and (layout != "stacked" or stacked) else "plain")
     torch.manual_seed(0)
     for out in (48, 40, 16):
@@ -415,3 +415,37 @@ def test_a_widened_bf16_weight_may_be_kept_as_bf16_panels(monkeypatch):
     offered.clear()
     lean.Linear(torch.randn(48, 24)).pack().choose_small_layout()   # float32 weights: no bf16 candidate
     assert offered and all("panels_bf16" not in c for c in offered)
+
+
+def test_a_large_layer_projection_times_its_onednn_copy_beside_panels(monkeypatch):
+    """A float32 projection of >= 4096 rows gets a oneDNN-packed copy (pack_weight); in a decoder layer
+    (choose_small_layout(packed=True)) that copy is one more timed candidate, dropped when another layout
+    is faster (a large model's MLP read from memory: panels), kept when it is the fastest; a head
+    (packed=False) keeps it untimed."""
+    from taps import lean
+
+    if lean.pack_weight(torch.randn(4096, 32)) is None:
+        pytest.skip("oneDNN packing is not available here")
+    offered, fastest = [], ["panels"]
+
+    def fake(candidates, inputs, repeats, **kwargs):
+        offered.append(tuple(sorted(candidates)))
+        return {key: 0.5 if key == fastest[0] else 1.0 for key in candidates}
+    monkeypatch.setattr(lean, "_timed", fake)
+    monkeypatch.setattr(lean, "_SMALL_LAYOUT", {})
+    torch.manual_seed(0)
+    weight = torch.randn(4096, 32)
+    x = torch.randn(1, 3, 32)
+    for winner in ("panels", "packed", "plain"):
+        fastest[0] = winner
+        monkeypatch.setattr(lean, "_SMALL_LAYOUT", {})
+        lin = lean.Linear(weight).pack()
+        assert lin.packed is not None
+        lin.choose_small_layout(packed=True)
+        assert offered[-1] == ("packed", "panels", "plain", "stacked")
+        assert (lin.packed is not None) == (winner == "packed") and (lin.panels is not None) == (winner == "panels")
+        with torch.no_grad():
+            torch.testing.assert_close(lin(x), torch.nn.functional.linear(x, weight), rtol=1e-4, atol=1e-4)
+    offered.clear()
+    head = lean.Linear(weight).pack().choose_small_layout(stacked=False)
+    assert not offered and head.packed is not None

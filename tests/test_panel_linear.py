@@ -125,6 +125,31 @@ def test_the_same_bits_at_every_level_row_count_position_and_thread_count(restor
         torch.set_num_threads(threads)
 
 
+def test_prefetches_change_no_bit(restore_level):
+    """Software prefetches (by default for weights of >= 4 MiB with panels of >= 32 KiB: this one, both
+    dtypes) are hints: the same bits with them off, by the rule and forced at several distances, at every
+    level and row count; the setting is validated and restored."""
+    gen = torch.Generator().manual_seed(5)
+    weight, bias = torch.randn(2064, 1026, generator=gen), torch.randn(2064, generator=gen)
+    x = torch.randn(19, 1026, generator=gen)
+    before = torch.ops.taps_ops._set_panel_prefetch(-1)
+    try:
+        for dtype in (None, torch.bfloat16):
+            panels = taps_ops.pack_panels(weight, dtype)
+            for level in RUNNABLE:
+                taps_ops.set_cpu_isa(level)
+                torch.ops.taps_ops._set_panel_prefetch(0)
+                plain = taps_ops.panel_linear(x, panels, bias)
+                for setting in (-1, 1, 24, 1000):
+                    assert torch.ops.taps_ops._set_panel_prefetch(setting) in (0, -1, 1, 24)
+                    for rows in (1, 5, 8, 19):
+                        assert torch.equal(taps_ops.panel_linear(x[:rows], panels, bias), plain[:rows]), (level, setting)
+        with pytest.raises(ValueError, match="_set_panel_prefetch: lines must be -1"):
+            torch.ops.taps_ops._set_panel_prefetch(-2)
+    finally:
+        torch.ops.taps_ops._set_panel_prefetch(before)
+
+
 def test_every_level_agrees_with_the_reference(restore_level):
     gen = torch.Generator().manual_seed(3)
     weight = torch.randn(96, 45, generator=gen)

@@ -58,3 +58,8 @@ double cpu_peak_flops_op(std::string level);
 inline bool at_least(Isa level) { return static_cast<int>(isa()) >= static_cast<int>(level); }
 
 }  // namespace taps::cpu
+
+namespace taps {
+// panel_linear's software prefetch setting (cpu/panel_linear.cpp; the op _set_panel_prefetch): returns the old one
+int64_t set_panel_prefetch_op(int64_t lines);
+}  // namespace taps

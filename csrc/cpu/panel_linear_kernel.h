@@ -30,6 +30,19 @@ inline void rank1(F (&acc)[RB][KV], const float* x, int64_t ldx, int64_t i, cons
   }
 }
 
+// A software prefetch (into L2) of each of the block's weight streams `offset` elements past its read: the
+// first row block over an output block reads the panels from memory, a line per stream per step, and the
+// hardware prefetchers alone keep too few lines in flight for the rows' multiply-adds to run under the
+// reads (a hint: no fault past the end, no change to any result).
+template <int KV, typename WT>
+inline void prefetch(const WT* const (&w)[KV], int64_t offset) {
+#pragma GCC unroll 8
+  for (int v = 0; v < KV; ++v) {
+    if (L == kPanelWidth || (v % kVecsPerPanel) == 0)  // one per cache line (AVX2: two vectors share a line)
+      __builtin_prefetch(w[v] + offset, 0, kPrefetchLocality);
+  }
+}
+
 // The sums of a block (+ bias) stored to y.
 template <int RB, int KV>
 inline void finish(F (&acc)[RB][KV], float* y, int64_t ldy, const float* bias, int64_t v0) {
@@ -44,9 +57,9 @@ inline void finish(F (&acc)[RB][KV], float* y, int64_t ldy, const float* bias, i
 }
 
 // Rows x[0 .. RB) times output vectors v0 .. v0 + KV (each of L outputs), float32 panels.
-template <int RB, int KV>
+template <int RB, int KV, bool PF>
 inline void block(const float* x, int64_t ldx, const float* panels, int64_t stride, int64_t in, float* y, int64_t ldy,
-                  const float* bias, int64_t v0) {
+                  const float* bias, int64_t v0, int64_t shift) {
   const float* w[KV];
 #pragma GCC unroll 8
   for (int v = 0; v < KV; ++v)
@@ -58,6 +71,7 @@ inline void block(const float* x, int64_t ldx, const float* panels, int64_t stri
     for (int v = 0; v < KV; ++v) acc[r][v] = S::zero();
   for (int64_t i = 0; i < in; ++i) {
     F b[KV];
+    if constexpr (PF) prefetch<KV>(w, i * kPanelWidth + shift);
 #pragma GCC unroll 8
     for (int v = 0; v < KV; ++v) b[v] = S::load(w[v] + i * kPanelWidth);
     rank1<RB, KV>(acc, x, ldx, i, b);
@@ -70,9 +84,9 @@ inline void block(const float* x, int64_t ldx, const float* panels, int64_t stri
 // bits masked off (one operation per vector, exact widening), then the same FMAs in the same order as
 // float32 panels (so the same bits for either loop below, S::kPairsAtOnce). An odd `in` reads the low half
 // of its last pair only (x has no input `in`).
-template <int RB, int KV>
+template <int RB, int KV, bool PF>
 inline void block(const float* x, int64_t ldx, const uint16_t* panels, int64_t stride, int64_t in, float* y,
-                  int64_t ldy, const float* bias, int64_t v0) {
+                  int64_t ldy, const float* bias, int64_t v0, int64_t shift) {
   const uint16_t* w[KV];
 #pragma GCC unroll 8
   for (int v = 0; v < KV; ++v)
@@ -87,6 +101,7 @@ inline void block(const float* x, int64_t ldx, const uint16_t* panels, int64_t s
     const int64_t pairs = in / 2;
     for (int64_t j = 0; j < pairs; ++j) {
       F lo[KV], hi[KV];
+      if constexpr (PF) prefetch<KV>(w, j * 2 * kPanelWidth + shift);
 #pragma GCC unroll 8
       for (int v = 0; v < KV; ++v) {
         lo[v] = S::load_low(w[v] + j * 2 * kPanelWidth);
@@ -106,6 +121,9 @@ inline void block(const float* x, int64_t ldx, const uint16_t* panels, int64_t s
     for (int64_t i = 0; i < in; ++i) {
       const int64_t pair = (i / 2) * 2 * kPanelWidth;
       F b[KV];
+      if constexpr (PF) {
+        if (i % 2 == 0) prefetch<KV>(w, pair + shift);
+      }
       if (i % 2 == 0) {
 #pragma GCC unroll 8
         for (int v = 0; v < KV; ++v) b[v] = S::load_low(w[v] + pair);
@@ -120,37 +138,45 @@ inline void block(const float* x, int64_t ldx, const uint16_t* panels, int64_t s
 }
 
 // Rows x[0 .. RB) times the output vectors [v_lo, v_hi): KV at a time, the rest one by one.
-template <typename WT, int RB, int KV>
+template <typename WT, int RB, int KV, bool PF>
 inline void row_block(const float* x, int64_t ldx, const WT* panels, int64_t stride, int64_t in, float* y,
-                      int64_t ldy, const float* bias, int64_t v_lo, int64_t v_hi) {
+                      int64_t ldy, const float* bias, int64_t v_lo, int64_t v_hi, int64_t shift) {
   int64_t v = v_lo;
-  for (; v + KV <= v_hi; v += KV) block<RB, KV>(x, ldx, panels, stride, in, y, ldy, bias, v);
-  for (; v < v_hi; ++v) block<RB, 1>(x, ldx, panels, stride, in, y, ldy, bias, v);
+  for (; v + KV <= v_hi; v += KV) block<RB, KV, PF>(x, ldx, panels, stride, in, y, ldy, bias, v, shift);
+  for (; v < v_hi; ++v) block<RB, 1, PF>(x, ldx, panels, stride, in, y, ldy, bias, v, shift);
 }
 
 // Rows x[0 .. RB) times the output vectors [v_lo, v_hi) with RB's register block (RB <= S::kMaxRows).
+// With a prefetch shift (elements of WT past each weight stream's read; 0: none) or without.
 template <typename WT, int RB>
-inline void rows_block(const Problem& p, int64_t r, int64_t v_lo, int64_t v_hi) {
-  row_block<WT, RB, S::vecs(RB)>(p.x + r * p.in, p.in, static_cast<const WT*>(p.panels), p.panel_stride, p.in,
-                                 p.y + r * p.out, p.out, p.bias, v_lo, v_hi);
+inline void rows_block(const Problem& p, int64_t r, int64_t v_lo, int64_t v_hi, int64_t shift) {
+  if (shift > 0)
+    row_block<WT, RB, S::vecs(RB), true>(p.x + r * p.in, p.in, static_cast<const WT*>(p.panels), p.panel_stride, p.in,
+                                         p.y + r * p.out, p.out, p.bias, v_lo, v_hi, shift);
+  else
+    row_block<WT, RB, S::vecs(RB), false>(p.x + r * p.in, p.in, static_cast<const WT*>(p.panels), p.panel_stride,
+                                          p.in, p.y + r * p.out, p.out, p.bias, v_lo, v_hi, 0);
 }
 
 // Every row of x times the output vectors [v_lo, v_hi) (a block that stays in L2 while the row blocks
 // pass over it): blocks of S::kMaxRows rows, then one block of the rest, so that up to kMaxRows rows
-// read the weight once.
+// read the weight once. The first row block reads the block's panels from memory: with p.ahead > 0 it
+// prefetches each weight stream p.ahead cache lines past its read.
 template <typename WT>
 inline void rows_times_block(const Problem& p, int64_t v_lo, int64_t v_hi) {
+  constexpr int64_t kLine = 64 / sizeof(WT);  // elements of a cache line: one step of a stream
   for (int64_t r = 0; r < p.rows;) {
     const int64_t rb = std::min<int64_t>(S::kMaxRows, p.rows - r);
+    const int64_t shift = r == 0 ? p.ahead * kLine : 0;
     switch (rb) {
-      case 1: rows_block<WT, 1>(p, r, v_lo, v_hi); break;
-      case 2: rows_block<WT, 2>(p, r, v_lo, v_hi); break;
-      case 3: rows_block<WT, 3>(p, r, v_lo, v_hi); break;
-      case 4: rows_block<WT, 4>(p, r, v_lo, v_hi); break;
-      case 5: rows_block<WT, 5>(p, r, v_lo, v_hi); break;
-      case 6: rows_block<WT, 6>(p, r, v_lo, v_hi); break;
-      case 7: if constexpr (S::kMaxRows >= 7) rows_block<WT, 7>(p, r, v_lo, v_hi); break;
-      default: if constexpr (S::kMaxRows >= 8) rows_block<WT, 8>(p, r, v_lo, v_hi); break;
+      case 1: rows_block<WT, 1>(p, r, v_lo, v_hi, shift); break;
+      case 2: rows_block<WT, 2>(p, r, v_lo, v_hi, shift); break;
+      case 3: rows_block<WT, 3>(p, r, v_lo, v_hi, shift); break;
+      case 4: rows_block<WT, 4>(p, r, v_lo, v_hi, shift); break;
+      case 5: rows_block<WT, 5>(p, r, v_lo, v_hi, shift); break;
+      case 6: rows_block<WT, 6>(p, r, v_lo, v_hi, shift); break;
+      case 7: if constexpr (S::kMaxRows >= 7) rows_block<WT, 7>(p, r, v_lo, v_hi, shift); break;
+      default: if constexpr (S::kMaxRows >= 8) rows_block<WT, 8>(p, r, v_lo, v_hi, shift); break;
     }
     r += rb;
   }

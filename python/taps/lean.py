@@ -171,7 +171,7 @@ class Linear:
                                 panels_bf16=copies["panels_bf16"])
         return layout, (copies if rows == out else None)
 
-    def choose_small_layout(self, stacked: bool = True) -> "Linear":
+    def choose_small_layout(self, stacked: bool = True, packed: bool = False) -> "Linear":
         """A plain float32 CPU weight [out, in] (not oneDNN-packed: decoder layers' projections, drafters'
         input projections and heads) kept in the layout that multiplies fastest on this machine
         (:func:`small_layout`, timed once per shape and thread count): as it is (``mm`` over the rows and the
@@ -179,13 +179,19 @@ class Linear:
         allows (inputs always [1, R, in]) stacked as one group [1, in, out] (x then multiplies it by ``bmm``),
         or as taps' panels (``taps_ops.panel_linear``, in the Python body and in ``taps_ops.decoder_layer``
         alike); a widened bfloat16 weight (:meth:`pack`) also as bfloat16 panels, which hold its values
-        exactly in half the bytes (the same products as float32 panels, bit for bit)."""
-        if (not self.stacked and self.packed is None and self.panels is None and self.weight.device.type == "cpu"
-                and self.weight.dtype == torch.float32):
+        exactly in half the bytes (the same products as float32 panels, bit for bit). With `packed`, a weight
+        that :meth:`pack` gave a oneDNN-packed copy (float32, >= 4096 rows: a large decoder layer's MLP
+        projections) has that copy timed beside the others and dropped unless it is the fastest (without, such
+        a weight keeps it untimed, as heads do)."""
+        if (not self.stacked and self.panels is None and self.weight.device.type == "cpu"
+                and self.weight.dtype == torch.float32 and (self.packed is None or packed)):
             fit = panels_fit(self.weight, self.bias)
+            # a float32 weight of >= 4096 rows has a oneDNN-packed copy (pack_weight): one more candidate
             layout = small_layout(tuple(self.weight.shape), fit, stacked=stacked,
                                   bf16=fit and self.half == torch.bfloat16 and PANELS_BF16
-                                  and self.weight.shape[1] % 2 == 0)
+                                  and self.weight.shape[1] % 2 == 0, packed=self.packed is not None)
+            if layout != "packed":
+                self.packed = None
             if layout == "stacked":
                 self.weight = self.weight.detach().t().contiguous().unsqueeze(0)
                 self.bias = None if self.bias is None else self.bias.detach().reshape(1, 1, -1).contiguous()
@@ -314,30 +320,38 @@ _SMALL_LAYOUT: dict = {}
 
 
 def small_layout(shape: Tuple[int, int], panels: bool = True, repeats: int = 3, stacked: bool = True,
-                 bf16: bool = False) -> str:
+                 bf16: bool = False, packed: bool = False) -> str:
     """Which layout of a float32 [out, in] projection of x [1, R, in] multiplies fastest on this machine:
     ``"plain"`` (``mm`` over the rows and the [out, in] weight transposed: what ``F.linear`` and
     ``taps_ops.decoder_layer`` run for a plain weight), where `stacked` allows ``"stacked"`` (``bmm`` over
     the weight stacked [1, in, out]), where `panels` allows ``"panels"`` (``taps_ops.panel_linear``) and where
-    `bf16` allows (a widened bfloat16 weight) ``"panels_bf16"`` (its values as bfloat16 panels): the
+    `bf16` allows (a widened bfloat16 weight) ``"panels_bf16"`` (its values as bfloat16 panels) and where
+    `packed` allows ``"packed"`` (oneDNN's blocked copy, :func:`pack_weight`: float32 weights of >= 4096 rows): the
     least summed time of 1 and 8 rows on random weights of that shape, each the fastest of at least
     ``repeats`` calls and of as many as 5 ms of calls hold; measured once per shape, candidates and thread
     count in a process (a few milliseconds; which BLAS kernel runs depends on the threads too)."""
-    key = (tuple(shape), panels, stacked, bf16, torch.get_num_threads())
+    key = (tuple(shape), panels, stacked, bf16, packed, torch.get_num_threads())
     known = _SMALL_LAYOUT.get(key)
     if known is None:
         out, inner = shape
+        # at most LAYOUT_PROBE_BYTES of rows (whole panels): a large model's MLP projection would otherwise
+        # hold several copies of hundreds of megabytes while it is timed
+        out = min(out, max(2 * taps_ops.PANEL_WIDTH, LAYOUT_PROBE_BYTES // (4 * max(inner, 1)) // taps_ops.PANEL_WIDTH
+                           * taps_ops.PANEL_WIDTH))
         weight = torch.randn(out, inner)
         as_stacked = weight.t().contiguous().unsqueeze(0)
         candidates = {"plain": lambda x: torch.mm(x[0], weight.t())}
         if stacked:
             candidates["stacked"] = lambda x: torch.bmm(x, as_stacked)
         if panels:
-            packed = taps_ops.pack_panels(weight)
-            candidates["panels"] = lambda x: _panel_linear(x, packed, None)
+            full = taps_ops.pack_panels(weight)
+            candidates["panels"] = lambda x: _panel_linear(x, full, None)
         if bf16:
             half = taps_ops.pack_panels(weight, torch.bfloat16)
             candidates["panels_bf16"] = lambda x: _panel_linear(x, half, None)
+        blocked = pack_weight(weight) if packed else None
+        if blocked is not None:
+            candidates["packed"] = lambda x: torch.ops.mkldnn._linear_pointwise(x, blocked, None, "none", [], "")
         seconds = _timed(candidates, [torch.randn(1, rows, inner) for rows in (1, 8)], repeats, budget=0.005)
         known = _SMALL_LAYOUT[key] = min(seconds, key=seconds.get)
     return known
@@ -445,7 +459,7 @@ class LayerWeights:
             lin.pack()
         for lin in (self.qkv, self.o, self.gate_up, self.down):
             if lin is not None:
-                lin.choose_small_layout()
+                lin.choose_small_layout(packed=True)
         self.op_args = None
         dtype = self.post_norm.rows.dtype
         # the op takes widened float32 projections (Linear.pack) beside half-precision norms, as the Python body
