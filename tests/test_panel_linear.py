@@ -142,7 +142,7 @@ def test_prefetches_change_no_bit(restore_level):
                 plain = taps_ops.panel_linear(x, panels, bias)
                 for setting in (-1, 1, 24, 1000):
                     assert torch.ops.taps_ops._set_panel_prefetch(setting) in (0, -1, 1, 24)
-                    for rows in (1, 5, 8, 19):
+                    for rows in (1, 5, 8, 9, 12, 16, 19):
                         assert torch.equal(taps_ops.panel_linear(x[:rows], panels, bias), plain[:rows]), (level, setting)
         with pytest.raises(ValueError, match="_set_panel_prefetch: lines must be -1"):
             torch.ops.taps_ops._set_panel_prefetch(-2)
