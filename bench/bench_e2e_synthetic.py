@@ -244,6 +244,7 @@ def main() -> None:
     print_table(["row", "corrupt p", "tokens/s", "vs HF generate", "vs taps AR", "warm-up", "auto: shapes", "tau",
                  "= HF greedy"], table, title="End to end, synthetic target, controlled acceptance")
     # what the tuner measured (and corrected online) on this machine: why it chose what it chose
+    print("\nThe tuners' measured costs (batch 1)")
     for name, p, dec in rows[1:]:
         if dec is not None and dec.tuner is not None:
             print(f"{name}, p = {p}: {cost_summary(dec.tuner.costs, batch=1, ar_seconds=best[1] / args.new_tokens)}")

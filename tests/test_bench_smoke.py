@@ -79,6 +79,8 @@ def test_bench_e2e_synthetic_tiny_shape(vocab):
     tau = [float(r.split()[-2]) for r in fixed]
     assert tau[0] > 3.0 and tau[1] == 1.0, rows  # the uncorrupted oracle is accepted, the corrupted never
     assert len(auto) == 2 and float(auto[1].split()[-2]) == 1.0, rows
+    costs = out.split("The tuners' measured costs (batch 1)")[1].strip().splitlines()
+    assert len(costs) == 2 and all("forward 1 nodes" in c for c in costs) and "append of 1 token" in costs[0], out
 
 
 def test_bench_drafter_runs():
