@@ -50,9 +50,8 @@ struct Problem {
 // long (streams long enough to run ahead in). Measured on an Intel Xeon (bench/RESULTS.md): 10-25% faster at
 // 4-16 rows (AVX-512 and AVX2, float32 and bfloat16) on a 0.5B model's layers (1280 x 1792 .. 3584 x 1280)
 // read from memory; 3-14% slower at 1-4 rows on an 8192 x 256 head (16 KiB panels) and on weights that stay
-// in L2, which the rule leaves out. The
-// setting: -1 by that rule (default), 0 never, N > 0 always N lines; TAPS_PANEL_PREFETCH sets it at load,
-// the op _set_panel_prefetch later.
+// in L2, which the rule leaves out. The setting: -1 by that rule (default), 0 never, N > 0 always N lines;
+// TAPS_PANEL_PREFETCH sets it at load, the op _set_panel_prefetch later.
 constexpr int64_t kPrefetchLines = 24;
 constexpr int64_t kPrefetchMinBytes = int64_t{4} << 20;
 constexpr int64_t kPrefetchMinPanel = 32 * 1024;

@@ -43,6 +43,24 @@ inline void prefetch(const WT* const (&w)[KV], int64_t offset) {
   }
 }
 
+// The block's weight streams: output vector v0 + v's lanes in its panel (a lane is 4 bytes: one float32 weight,
+// or one output's pair of bfloat16 weights).
+template <int KV, typename WT>
+inline void streams(const WT* (&w)[KV], const WT* panels, int64_t stride, int64_t v0) {
+  constexpr int64_t kPerLane = 4 / sizeof(WT);
+#pragma GCC unroll 8
+  for (int v = 0; v < KV; ++v)
+    w[v] = panels + ((v0 + v) / kVecsPerPanel) * stride + ((v0 + v) % kVecsPerPanel) * L * kPerLane;
+}
+
+template <int RB, int KV>
+inline void zero(F (&acc)[RB][KV]) {
+#pragma GCC unroll 8
+  for (int r = 0; r < RB; ++r)
+#pragma GCC unroll 8
+    for (int v = 0; v < KV; ++v) acc[r][v] = S::zero();
+}
+
 // The sums of a block (+ bias) stored to y.
 template <int RB, int KV>
 inline void finish(F (&acc)[RB][KV], float* y, int64_t ldy, const float* bias, int64_t v0) {
@@ -61,14 +79,9 @@ template <int RB, int KV, bool PF>
 inline void block(const float* x, int64_t ldx, const float* panels, int64_t stride, int64_t in, float* y, int64_t ldy,
                   const float* bias, int64_t v0, int64_t shift) {
   const float* w[KV];
-#pragma GCC unroll 8
-  for (int v = 0; v < KV; ++v)
-    w[v] = panels + ((v0 + v) / kVecsPerPanel) * stride + ((v0 + v) % kVecsPerPanel) * L;
+  streams<KV>(w, panels, stride, v0);
   F acc[RB][KV];
-#pragma GCC unroll 8
-  for (int r = 0; r < RB; ++r)
-#pragma GCC unroll 8
-    for (int v = 0; v < KV; ++v) acc[r][v] = S::zero();
+  zero(acc);
   for (int64_t i = 0; i < in; ++i) {
     F b[KV];
     if constexpr (PF) prefetch<KV>(w, i * kPanelWidth + shift);
@@ -88,14 +101,9 @@ template <int RB, int KV, bool PF>
 inline void block(const float* x, int64_t ldx, const uint16_t* panels, int64_t stride, int64_t in, float* y,
                   int64_t ldy, const float* bias, int64_t v0, int64_t shift) {
   const uint16_t* w[KV];
-#pragma GCC unroll 8
-  for (int v = 0; v < KV; ++v)
-    w[v] = panels + ((v0 + v) / kVecsPerPanel) * stride + ((v0 + v) % kVecsPerPanel) * L * 2;
+  streams<KV>(w, panels, stride, v0);
   F acc[RB][KV];
-#pragma GCC unroll 8
-  for (int r = 0; r < RB; ++r)
-#pragma GCC unroll 8
-    for (int v = 0; v < KV; ++v) acc[r][v] = S::zero();
+  zero(acc);
   if constexpr (S::kPairsAtOnce) {
     // both halves of a pair's vectors from one load each (2 * KV weight registers: AVX-512's 32 hold them)
     const int64_t pairs = in / 2;
@@ -121,10 +129,8 @@ inline void block(const float* x, int64_t ldx, const uint16_t* panels, int64_t s
     for (int64_t i = 0; i < in; ++i) {
       const int64_t pair = (i / 2) * 2 * kPanelWidth;
       F b[KV];
-      if constexpr (PF) {
-        if (i % 2 == 0) prefetch<KV>(w, pair + shift);
-      }
       if (i % 2 == 0) {
+        if constexpr (PF) prefetch<KV>(w, pair + shift);  // once per line
 #pragma GCC unroll 8
         for (int v = 0; v < KV; ++v) b[v] = S::load_low(w[v] + pair);
       } else {

@@ -165,8 +165,7 @@ class Linear:
         weight = self.weight.detach()[:rows]
         bias = None if self.bias is None else self.bias.detach()[:rows]
         copies = dict(packed=pack_weight(weight), transposed=weight.t().contiguous(), panels=_panels(weight, bias),
-                      panels_bf16=_panels(weight, bias, torch.bfloat16)
-                      if self.half == torch.bfloat16 and PANELS_BF16 else None)
+                      panels_bf16=_panels(weight, bias, torch.bfloat16) if self._offers_bf16_panels() else None)
         layout = fastest_layout(weight, bias, copies["packed"], copies["transposed"], copies["panels"],
                                 panels_bf16=copies["panels_bf16"])
         return layout, (copies if rows == out else None)
@@ -187,9 +186,8 @@ class Linear:
                 and self.weight.dtype == torch.float32 and (self.packed is None or packed)):
             fit = panels_fit(self.weight, self.bias)
             # a float32 weight of >= 4096 rows has a oneDNN-packed copy (pack_weight): one more candidate
-            layout = small_layout(tuple(self.weight.shape), fit, stacked=stacked,
-                                  bf16=fit and self.half == torch.bfloat16 and PANELS_BF16
-                                  and self.weight.shape[1] % 2 == 0, packed=self.packed is not None)
+            layout = small_layout(tuple(self.weight.shape), fit, stacked=stacked, bf16=fit and self._offers_bf16_panels(),
+                                  packed=self.packed is not None)
             if layout != "packed":
                 self.packed = None
             if layout == "stacked":
@@ -199,6 +197,11 @@ class Linear:
             elif layout in ("panels", "panels_bf16"):
                 self.panels = _panels(self.weight, self.bias, torch.bfloat16 if layout == "panels_bf16" else None)
         return self
+
+    def _offers_bf16_panels(self) -> bool:
+        """Whether bfloat16 panels are a layout of this weight: a widened bfloat16 one (its values exact in
+        bf16), an even number of inputs (bf16 panels pair them), and :data:`PANELS_BF16`."""
+        return self.half == torch.bfloat16 and PANELS_BF16 and self.weight.shape[-1] % 2 == 0
 
     def op_weight(self) -> Tensor:
         """The weight as ``taps_ops.decoder_layer`` takes it: panels, oneDNN-packed, stacked or plain."""

@@ -59,7 +59,8 @@ def _load_library():
 
 #: the ops this package's Python side calls; a library built from older sources lacks some
 _OPS = ("verify_tree", "build_tree", "merge_trees", "tree_attention", "compact_kv", "rms_norm", "rope_",
-        "expand_level", "decoder_layer", "panel_linear", "_cpu_isa", "_set_cpu_isa", "_cpu_features")
+        "expand_level", "decoder_layer", "panel_linear", "_cpu_isa", "_set_cpu_isa", "_cpu_features",
+        "_set_panel_prefetch")
 
 
 def _check_library(path: str, fix: str) -> None:

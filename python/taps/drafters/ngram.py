@@ -156,7 +156,6 @@ class LookupGroup(DraftGroup):
     def _add(self, b: int, new: Sequence[int]) -> None:
         hist, index = self.history[b], self.index[b]
         lo, hi = self.d.min_ngram, self.d.max_ngram + 1
-        matched = False
         for t in new:
             hist.append(int(t))
             end = len(hist)
