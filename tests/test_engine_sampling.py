@@ -145,3 +145,63 @@ def test_seed_and_generator_reproducible():
     assert run(generator=gen) != first  # the generator moved on
     # the Hugging Face target path draws the same tokens from the same coins
     assert run(lean=False, seed=5) == first
+
+
+SAMPLED_CASES = [
+    # (drafter, temperature, top_k, top_p, lean)
+    ("copy", 1.0, 0, 1.0, None),
+    ("eagle", 1.0, 0, 0.9, None),
+    ("eagle", 0.7, 5, 1.0, False),
+    ("other", 1.3, 0, 1.0, None),
+    ("eagle2", 1.0, 4, 0.8, None),
+]
+
+
+@pytest.mark.parametrize("name,temperature,top_k,top_p,lean", SAMPLED_CASES,
+                         ids=[f"{c[0]}-T{c[1]}-k{c[2]}-p{c[3]}-lean{c[4]}" for c in SAMPLED_CASES])
+def test_sampled_drafts_sample_the_target(name, temperature, top_k, top_p, lean):
+    """Sampled chains (every request samples, one drafter drafts: ``sampled_drafts``) verified by recursive
+    rejection sampling follow the target's distribution."""
+    m = em.sampling_models()
+    dec = SpeculativeDecoder(m["target"], _drafters((name,)), strategy="single", depth=3, top_k=2, budget=7,
+                             lean=lean, sampled_drafts=True)
+    out = dec.generate([PROMPT] * SAMPLES, max_new_tokens=STEPS, temperature=temperature, top_k=top_k, top_p=top_p,
+                       seed=4321)
+    assert out.summary["tau"] > 1.3, f"tau {out.summary['tau']:.2f}: acceptance is hardly exercised"
+    assert_samples_follow(out.tokens, PROMPT, temperature, top_k, top_p)
+
+
+def test_sampled_drafts_of_the_target_itself_are_all_accepted():
+    """A drafter with the target's own distribution: each of its draws is accepted (with probability
+    min(1, p / q) = 1), so a step of two 3-deep chains emits 4 tokens; its top-k tree is accepted only as far
+    as the target's mass on the children carries it."""
+    m = em.sampling_models()
+    steps = {}
+    for sampled in (True, False):
+        dec = SpeculativeDecoder(m["target"], _drafters(("copy",)), strategy="single", depth=3, top_k=2, budget=7,
+                                 sampled_drafts=sampled)
+        out = dec.generate([PROMPT] * 32, max_new_tokens=33, temperature=1.0, seed=3)
+        steps[sampled] = [len(s.accepted) for s in out.stats]
+    assert max(steps[True]) <= 9 and sum(steps[True]) / len(steps[True]) < 8.2, steps[True]  # 1 + 8 steps of 4
+    assert sum(steps[False]) > 1.3 * sum(steps[True])
+
+
+def test_sampled_drafts_only_where_every_request_samples():
+    """A batch with a greedy request verifies top-k trees: the greedy request's output is the target's
+    greedy output, the sampled ones still follow the target."""
+    m = em.sampling_models()
+    dec = SpeculativeDecoder(m["target"], _drafters(("eagle",)), strategy="single", depth=3, top_k=2, budget=7,
+                             sampled_drafts=True)
+    temps = torch.tensor([1.0] * SAMPLES + [0.0])
+    out = dec.generate([PROMPT] * (SAMPLES + 1), max_new_tokens=STEPS, temperature=temps, seed=8)
+    assert out.tokens[-1] == em.greedy_reference(m["target"], PROMPT, STEPS)
+    assert_samples_follow(out.tokens[:-1], PROMPT, 1.0, 0, 1.0)
+
+
+def test_sampled_drafts_reproducible_under_a_seed():
+    m = em.sampling_models()
+    dec = SpeculativeDecoder(m["target"], _drafters(("eagle",)), strategy="single", depth=3, top_k=2, budget=7)
+    run = lambda seed: dec.generate([PROMPT, [7, 2, 2, 19]] * 50, max_new_tokens=6, temperature=1.0,  # noqa: E731
+                                    seed=seed).tokens
+    first = run(5)
+    assert run(5) == first and run(6) != first

@@ -85,6 +85,22 @@ def test_forced_shapes_sample_the_target():
     assert_samples_follow(out.tokens, PROMPT, 1.0, 0, 1.0, what="tuned: ")
 
 
+def test_forced_shapes_of_sampled_drafts_sample_the_target():
+    """Sampled chains (one drafter, every request sampling) of the shapes a tuner picks at random: each
+    shape's width and depth from its budget, the target's distribution whatever they are."""
+    m = em.sampling_models()
+    tuner = Cycling()
+    dec = SpeculativeDecoder(m["target"], [m["eagle"]], strategy="single", depth=3, top_k=3, budget=10, tuner=tuner)
+    tokens, taus = [], []
+    for seed in range(4):  # a batch takes about two steps (two shapes): four batches
+        out = dec.generate([PROMPT] * 500, max_new_tokens=STEPS, temperature=1.0, seed=78 + seed)
+        tokens += out.tokens
+        taus.append(out.summary["tau"])
+    assert min(taus) > 1.2, f"acceptance hardly exercised: {taus}"
+    assert len({s.label for s in tuner.seen if s.drafters}) >= 4, {s.label for s in tuner.seen}
+    assert_samples_follow(tokens, PROMPT, 1.0, 0, 1.0, what="tuned, sampled: ")
+
+
 def test_no_draft_when_the_drafter_is_useless():
     """A drafter that proposes only tokens the target never produces here, real costs measured on this
     machine: after a few probes, plain steps."""

@@ -44,12 +44,12 @@ import taps_ops
 
 from . import hf
 from .drafters import DraftGroup, Drafter, make_groups, target_vocab_size
-from .expansion import scratch_positions
+from .expansion import DraftSampler, scratch_positions, target_probs
 from .forward import TargetForward
 from .kv import pack_bits
 from .lean import stack_key
 from .stats import Profiler, RequestStats, summarize
-from .strategies import Candidates, Combined, Strategy, make_strategy, root_tree, strategy_class
+from .strategies import Candidates, Combined, Strategy, make_strategy, root_tree, sampled_tree, strategy_class
 from .tuner import NONE, Shape, Tuner, identity, node_grid, shared_costs, time_call
 
 __all__ = ["SpeculativeDecoder", "GenerateOutput", "DecodeState", "RequestState", "check_same_tokenizer",
@@ -114,12 +114,21 @@ class SpeculativeDecoder:
         tuner: a :class:`taps.tuner.Tuner` that chooses each step's drafters, depth and node budget
             (within depth / budget), or no draft at all, by measured costs and running acceptance; None:
             the fixed settings every step. Ignored without drafters.
+        sampled_drafts: when every request samples (temperature > 0) and one model drafter drafts a step,
+            draw its tree instead of taking its top-k (:func:`taps.expansion.expand_sampled`: ``top_k``
+            independent draws from its distribution at the root, each continued by one draw per level, so
+            ``min(top_k, (budget - 1) // depth)`` chains; every draw kept) and verify it by recursive
+            rejection sampling (``taps_ops.verify_tree(draft_probs=...)``): lossless as the top-k tree is,
+            and a draw is accepted with probability about 1 - TV(target, drafter), where a top-k child
+            only carries the target's mass of those k tokens (much less at a high temperature). Not for
+            prompt lookup (no distribution), merged steps of several drafters, or the routing strategies
+            (they rank trees by their draws). False: always top-k trees.
     """
 
     def __init__(self, target: nn.Module, drafters: Sequence[Drafter] = (), strategy: str = "single", *,
                  depth: Optional[int] = None, top_k: Optional[int] = None, budget: Union[int, str, None] = None,
                  tokenizer=None, route_steps: int = 3, adaptive_prior: float = 1.0, lean: Optional[bool] = None,
-                 tuner: Optional[Tuner] = None):
+                 tuner: Optional[Tuner] = None, sampled_drafts: bool = True):
         strategy_cls = strategy_class(strategy)  # ValueError for an unknown name
         if isinstance(drafters, Drafter):
             drafters = [drafters]
@@ -158,6 +167,8 @@ class SpeculativeDecoder:
         self._groups: Optional[Tuple[tuple, List[DraftGroup]]] = None
         #: chooses each step's draft (None: the fixed settings)
         self.tuner: Optional[Tuner] = tuner if drafters else None
+        #: sampled trees where every request samples and one model drafter drafts (see the class docstring)
+        self.sampled_drafts = bool(sampled_drafts)
 
     @property
     def device(self) -> torch.device:
@@ -334,7 +345,7 @@ class SpeculativeDecoder:
                                      self.tuner.timer)
             if fresh:
                 with prof.section("calibrate"):
-                    self.tuner.begin(batch, state.sampling)
+                    self.tuner.begin(batch, self._mode(state))
                     self._calibrate(state)
         return state
 
@@ -353,7 +364,7 @@ class SpeculativeDecoder:
             with prof.section("tree"):
                 tree, nodes = self._tree(state, plan, drafted)
             t0 = self._now()
-            fwd, ver = self._verify(state, tree)
+            fwd, ver = self._verify(state, tree, plan)
             with prof.section("compact"):
                 path, num_new = self._commit(state, ver)
             record = self._read_back(state, tree, ver, path, drafted is not None, nodes)
@@ -361,6 +372,13 @@ class SpeculativeDecoder:
             with prof.section("draft_update"):
                 self._advance_drafters(state, plan, fwd, ver, path, num_new, record)
             self._record(state, plan, tree, record, forward_seconds, self._now() - start)
+
+    def _mode(self, state: "DecodeState"):
+        """The tuner's acceptance mode of this batch: greedy (False), sampled verification of top-k trees
+        (True), or of sampled trees where one drafter drafts ("drawn")."""
+        if state.all_sample and self.sampled_drafts:
+            return "drawn"
+        return state.sampling
 
     def _now(self) -> float:
         return self.tuner.timer() if self.tuner is not None else time.perf_counter()
@@ -428,10 +446,19 @@ class SpeculativeDecoder:
             plan.updates = plan.updates + state.pending.catch_up(plan.drafting)
         drafted = []
         alone = len(plan.drafting) == 1 and len(plan.drafting[0].members) == 1
+        sampled = (alone and self.sampled_drafts and state.all_sample and self.strategy.takes_sampled
+                   and not plan.drafting[0].free_draft)
         for g in plan.drafting:
             g.alone = alone
             t0 = self._now()
-            drafted.append(g.draft(plan.depth, self.top_k, state.prof, self.strategy.needs_entropy))
+            if sampled:
+                budget = self.budget if plan.shape is None else plan.shape.budget
+                width = max(1, min(self.top_k, (budget - 1) // max(plan.depth, 1)))
+                draft = g.draft_sampled(plan.depth, width, state.sampler(), state.prof)
+                plan.draft_probs = (draft.probs, g.token_map)
+                drafted.append(draft.candidates)
+            else:
+                drafted.append(g.draft(plan.depth, self.top_k, state.prof, self.strategy.needs_entropy))
             if plan.shape is not None:
                 members = tuple(g.members)
                 plan.parts[("draft", members, plan.depth, state.batch)] = (
@@ -449,7 +476,9 @@ class SpeculativeDecoder:
         """The tree to verify: the strategy's combination of the candidates (the root alone without); and
         on the CPU each request's real nodes (root included; None elsewhere: a host read is a sync there)."""
         batch = state.root.shape[0]
-        if cands is not None:
+        if cands is not None and plan.draft_probs is not None:  # sampled: every draw, in order
+            tree = sampled_tree(cands, state.root)
+        elif cands is not None:
             with self.strategy.step_budget(None if plan.shape is None else plan.shape.budget):
                 tree = self.strategy.combine(cands, state.root)
         else:
@@ -461,17 +490,24 @@ class SpeculativeDecoder:
         nodes = (tree.tokens >= 0).sum(1).tolist()  # (a host read: free on the CPU)
         return _trim(tree, max(nodes)), nodes
 
-    def _verify(self, state: "DecodeState", tree: Combined) -> Tuple[hf.ForwardOutput, taps_ops.VerifyOutput]:
-        """The target's forward over the trees and ``taps_ops.verify_tree`` of what it predicts."""
+    def _verify(self, state: "DecodeState", tree: Combined, plan: Optional["_Plan"] = None
+                ) -> Tuple[hf.ForwardOutput, taps_ops.VerifyOutput]:
+        """The target's forward over the trees and ``taps_ops.verify_tree`` of what it predicts (with the
+        distributions a sampled draft drew from: recursive rejection sampling)."""
         with state.prof.section("target_forward"):
             lengths = state.host_lengths
             longest = max(lengths)
             fwd = self.forward.tree(state.cache, tree.tokens, tree.tree_mask, tree.depth, longest,
                                     capture_layers=state.capture, uniform=min(lengths) == longest)
         with state.prof.section("verify"):
+            extra = {}
+            if plan is not None and plan.draft_probs is not None:
+                probs, token_map = plan.draft_probs
+                extra["draft_probs"] = target_probs(probs[:, :tree.tokens.shape[1]], token_map,
+                                                    self.forward.head.weight.shape[0])
             ver = self.forward.verify(fwd.hidden_states, tree.tokens, tree.parents, tree.tree_mask,
                                       lazy=self.lazy_head, uniforms=state.coins(tree.tokens.shape[1], state.coin_width),
-                                      generator=state.generator, **state.sample)
+                                      generator=state.generator, **state.sample, **extra)
         return fwd, ver
 
     def _commit(self, state: "DecodeState", ver: taps_ops.VerifyOutput) -> Tuple[Tensor, Tensor]:
@@ -642,13 +678,15 @@ class SpeculativeDecoder:
         sampling = _samples(state.sample)
         for g in state.groups:
             g.sampling = sampling
+        old = self._mode(state)
+        state.sampling, state.all_sample = sampling, _all_sample(state.sample)
         if self.tuner is None:
             return
-        if sampling != state.sampling:
-            self.tuner.begin(state.batch, sampling)
+        mode = self._mode(state)
+        if mode != old:
+            self.tuner.begin(state.batch, mode)
         elif added:
             self.tuner.acceptance.add_requests(added)
-        state.sampling = sampling
         self._calibrate(state)
         for g in state.groups:
             if state.pending.started(g):
@@ -779,6 +817,8 @@ class DecodeState:
         #: groups of drafters the strategy stops drafting with are dropped (False where requests join later)
         self.can_drop = True
         self.sampling = _samples(sample)
+        #: every request samples (a temperature above 0 for each): drafts may be sampled
+        self.all_sample = _all_sample(sample)
         #: counts the changes a tuner's plan depends on (requests finishing, joining or leaving, groups
         #: dropped); coast: (the tuner's coast token, epoch) after a plan of no draft
         self.epoch = 0
@@ -809,6 +849,14 @@ class DecodeState:
         device = self.requests[0].coins.device
         return torch.stack([torch.rand(draw, generator=r.coins, device=device) for r in self.requests])[:, :width]
 
+    def sampler(self) -> DraftSampler:
+        """How a sampled draft draws, with the target's sampling settings: from each request's own
+        generator when every request has one (its draws then do not depend on its neighbours'), else
+        from the batch's."""
+        own = None if not self.requests or any(r.coins is None for r in self.requests) else [r.coins for r in self.requests]
+        return DraftSampler(self.sample["temperature"], self.sample["top_k"], self.sample["top_p"],
+                            generator=self.generator, generators=own)
+
     def emit(self, request: RequestState, new: Sequence[int]) -> None:
         kept = request.emit(new)
         if request.done:
@@ -827,6 +875,8 @@ class _Plan:
     depth: int
     parts: Dict[tuple, Tuple[float, float]] = field(default_factory=dict)
     updates: list = field(default_factory=list)
+    #: a sampled draft's (probs [B, 1 + M, V'], token_map): see SpeculativeDecoder(sampled_drafts=)
+    draft_probs: Optional[tuple] = None
 
 
 class _HostRecord(NamedTuple):
@@ -844,6 +894,11 @@ class _HostRecord(NamedTuple):
 def _samples(sample: dict) -> bool:
     """Whether verification with these settings samples (a temperature above 0 for some request)."""
     return bool(torch.as_tensor(sample["temperature"]).gt(0).any())
+
+
+def _all_sample(sample: dict) -> bool:
+    """Whether every request samples (a temperature above 0 for each)."""
+    return bool(torch.as_tensor(sample["temperature"]).gt(0).all())
 
 
 def _select_sample(sample: dict, index: Tensor, batch: int) -> dict:

@@ -25,7 +25,7 @@ Shapes: R rows, K = top_k, M = K + (depth - 1) * K * K candidates.
 from __future__ import annotations
 
 import contextlib
-from typing import Dict, NamedTuple, Tuple
+from typing import Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor
@@ -33,7 +33,8 @@ from torch import Tensor
 import taps_ops
 from taps.kv import NodeMask, pack_bits
 
-__all__ = ["DraftCandidates", "expand", "num_candidates", "scratch_positions"]
+__all__ = ["DraftCandidates", "DraftSampler", "SampledDraft", "expand", "expand_sampled", "num_candidates",
+           "scratch_positions", "target_probs"]
 
 
 class DraftCandidates(NamedTuple):
@@ -95,20 +96,40 @@ def expand(unit, depth: int, top_k: int, profiler=None, with_entropy: bool = Tru
         DraftCandidates(scores [R, M] float32 cumulative log-probs, tokens [R, M] target ids, parents
         [R, M] (-1 = child of the root, else the index of an earlier candidate), entropy [R]).
     """
-    root_logits = unit.root_logits
-    rows, vocab = root_logits.shape
-    device = root_logits.device
+    k = min(int(top_k), unit.root_logits.shape[1])
     token_map = unit.token_map
-    k = min(int(top_k), vocab)
-    # The root level: its top k children are the first frontier (taps_ops.expand_level: top-k by
-    # log-softmax, cumulative scores, tokens through the draft vocabulary, parents, next frontier).
-    lv = taps_ops.expand_level(root_logits.unsqueeze(1), torch.zeros(rows, 1, device=device),
-                               torch.full((rows, 1), -1, dtype=torch.int64, device=device), k,
-                               k if depth > 1 else 0, 0, token_map, with_entropy=with_entropy)
-    entropy_sum, entropy_count = lv.entropy, 1
+    entropy = []
+
+    # Every level (the root's first) is one taps_ops.expand_level call: top-k by log-softmax, cumulative
+    # scores, tokens through the draft vocabulary, parents, the next frontier (the best k children).
+    def level(logits, front_scores, front_cands, offset, last):
+        lv = taps_ops.expand_level(logits, front_scores, front_cands, k, 0 if last else k, offset, token_map,
+                                   with_entropy=with_entropy)
+        entropy.append((lv.entropy, logits.shape[1]))
+        return lv
+
+    scores, tokens, parents = _grow(unit, depth, k, level, profiler)
+    if with_entropy:
+        mean = sum(e for e, _ in entropy) / sum(n for _, n in entropy)
+    else:
+        mean = entropy[0][0]  # (zeros)
+    return DraftCandidates(scores, tokens, parents, mean)
+
+
+def _grow(unit, depth: int, k: int, level, profiler=None) -> Tuple[Tensor, Tensor, Tensor]:
+    """The expansion's frontier loop, whatever picks the children: ``level(logits [R, F, V'], front_scores
+    [R, F], front_cands [R, F], offset, last) -> ExpandLevel`` (F = 1 at the root, then k; C children in all,
+    candidates offset .. offset + C - 1; the next frontier of k nodes unless `last`). Between levels the
+    drafter runs once on the frontier (scratch entries, each node attending to the committed prefix and its
+    own ancestors). Returns the candidates' scores, tokens and parents [R, M]."""
+    root_logits = unit.root_logits
+    rows = root_logits.shape[0]
+    device = root_logits.device
+    lv = level(root_logits.unsqueeze(1), torch.zeros(rows, 1, device=device),
+               torch.full((rows, 1), -1, dtype=torch.int64, device=device), 0, depth == 1)
     scores, tokens, parents = [lv.scores], [lv.tokens], [lv.parents]
     parent_slot = torch.full((rows, k), -1, dtype=torch.int64, device=device)
-    offset = k
+    offset = lv.scores.shape[1]
     node_masks = depth > 1 and bool(getattr(unit, "node_masks", False))
     if depth > 1:
         lengths = unit.lengths
@@ -129,29 +150,139 @@ def expand(unit, depth: int, top_k: int, profiler=None, with_entropy: bool = Tru
         prefix = (torch.arange(start, device=device) < lengths.unsqueeze(1)).unsqueeze(1).expand(rows, k, start)
         eye = torch.eye(k, dtype=torch.bool, device=device).expand(rows, k, k)
         mask = torch.cat([prefix, eye], dim=-1)
-    for level in range(1, depth):
-        if level > 1:
+    for depth_level in range(1, depth):
+        if depth_level > 1:
             parent_slot = lv.next_slots
             if node_masks:
-                bits = bits[row, parent_slot] | own[level - 1]
+                bits = bits[row, parent_slot] | own[depth_level - 1]
             else:
                 mask = torch.cat([prefix, mask[row, parent_slot, start:], eye], dim=-1)
         if node_masks:
-            level_mask = NodeMask(bits, torch.full((rows,), start + level * k, dtype=torch.int64, device=device),
-                                  level * k)
+            level_mask = NodeMask(bits, torch.full((rows,), start + depth_level * k, dtype=torch.int64, device=device),
+                                  depth_level * k)
         else:
             level_mask = mask.unsqueeze(1)
         with _section(profiler, "draft_forward"):
-            logits = unit.forward_nodes(lv.next_tokens, parent_slot, start + (level - 1) * k,
-                                        rope_root + (level - 1), level_mask, level)
-        lv = taps_ops.expand_level(logits, lv.next_scores, lv.next_cands, k, k if level + 1 < depth else 0,
-                                   offset, token_map, with_entropy=with_entropy)
-        if with_entropy:
-            entropy_sum = entropy_sum + lv.entropy
-        entropy_count += k
+            logits = unit.forward_nodes(lv.next_tokens, parent_slot, start + (depth_level - 1) * k,
+                                        rope_root + (depth_level - 1), level_mask, depth_level)
+        lv = level(logits, lv.next_scores, lv.next_cands, offset, depth_level + 1 == depth)
         scores.append(lv.scores)
         tokens.append(lv.tokens)
         parents.append(lv.parents)
-        offset += k * k
-    return DraftCandidates(torch.cat(scores, 1), torch.cat(tokens, 1), torch.cat(parents, 1),
-                           entropy_sum / entropy_count if with_entropy else entropy_sum)  # (zeros without)
+        offset += lv.scores.shape[1]
+    return torch.cat(scores, 1), torch.cat(tokens, 1), torch.cat(parents, 1)
+
+
+class DraftSampler:
+    """How a sampled expansion (:func:`expand_sampled`) draws children: from q = softmax(logits / T) of the
+    drafter, truncated as the target's sampling truncates (top-k, then top-p), each child an independent
+    draw.
+
+    Args:
+        temperature: a Python float > 0 or a [R] tensor (> 0), one per row.
+        top_k, top_p: as ``taps_ops.verify_tree`` takes them (scalars or [R] tensors; 0 / 1 = off).
+        generator: the random source of every row (None: torch's default one).
+        generators: one generator per row instead (a request's own: its draws do not depend on its
+            neighbours').
+    """
+
+    def __init__(self, temperature, top_k=0, top_p=1.0, generator: Optional[torch.Generator] = None,
+                 generators: Optional[Sequence[torch.Generator]] = None):
+        self.temperature, self.top_k, self.top_p = temperature, top_k, top_p
+        self.generator, self.generators = generator, generators
+
+    @staticmethod
+    def _per_row(value, rows: int, device, dtype) -> Tensor:
+        t = torch.as_tensor(value, device=device, dtype=dtype)
+        return t.reshape(1).expand(rows) if t.dim() == 0 else t
+
+    def dist(self, logits: Tensor) -> Tensor:
+        """q [R, F, V'] float32 from the drafter's logits [R, F, V']."""
+        rows, device = logits.shape[0], logits.device
+        temp = self._per_row(self.temperature, rows, device, torch.float32).view(rows, 1, 1)
+        scaled = logits.float() / temp
+        top_k = self._per_row(self.top_k, rows, device, torch.int64)
+        top_p = self._per_row(self.top_p, rows, device, torch.float32)
+        vocab = scaled.shape[-1]
+        if bool(((top_k > 0) & (top_k < vocab)).any()):
+            kth = scaled.topk(int(top_k.clamp(0, vocab).max()), dim=-1).values             # [R, F, kmax]
+            idx = (top_k.clamp(1, vocab) - 1).view(rows, 1, 1).expand(rows, scaled.shape[1], 1)
+            cut = kth.gather(-1, idx.clamp_max(kth.shape[-1] - 1))
+            cut = torch.where((top_k > 0).view(rows, 1, 1), cut, torch.full_like(cut, float("-inf")))
+            scaled = scaled.masked_fill(scaled < cut, float("-inf"))
+        q = torch.softmax(scaled, dim=-1)
+        if bool((top_p < 1).any()):
+            sorted_q, order = q.sort(dim=-1, descending=True)
+            before = sorted_q.cumsum(-1) - sorted_q                     # the mass of the more likely tokens
+            drop = before >= top_p.view(rows, 1, 1)
+            q = q.masked_fill(torch.zeros_like(drop).scatter(-1, order, drop), 0.0)
+            q = q / q.sum(-1, keepdim=True)
+        return q
+
+    def draw(self, q: Tensor, count: int) -> Tensor:
+        """[R, F, count] independent draws (with replacement) from each row of q [R, F, V']."""
+        rows, front, vocab = q.shape
+        if self.generators is None:
+            return torch.multinomial(q.reshape(rows * front, vocab), count, replacement=True,
+                                     generator=self.generator).view(rows, front, count)
+        return torch.stack([torch.multinomial(q[r], count, replacement=True, generator=g)
+                            for r, g in enumerate(self.generators)])
+
+
+class SampledDraft(NamedTuple):
+    """A sampled expansion's candidates and the distributions their children were drawn from.
+
+    candidates: :class:`DraftCandidates` [R, M] (M = width * depth), level by level, each level's in the
+    order drawn; probs: [R, 1 + M, V'] float32, row 0 the root's q, row 1 + m the q candidate m's children were
+    drawn from (zeros for the last level's candidates, which have none); V' is the draft vocabulary."""
+
+    candidates: DraftCandidates
+    probs: Tensor
+
+
+@torch.no_grad()
+def expand_sampled(unit, depth: int, width: int, sampler: DraftSampler, profiler=None) -> SampledDraft:
+    """Sampled chains after each row's root: `width` independent draws from the root's q, then under each of
+    them one draw per level from the drafter's q at that node, to `depth` levels (M = width * depth
+    candidates). Every draw is kept, in the order drawn (duplicates included), and how many children a node
+    gets never depends on what they are: so each node's children are independent draws from its row of
+    ``probs``, which is what ``taps_ops.verify_tree``'s recursive rejection sampling (``draft_probs``)
+    needs to be lossless. Scores are the cumulative draft log-probs (for statistics; a tree of these
+    candidates keeps them all, in this order: :func:`taps.strategies.sampled_tree`)."""
+    k = max(1, min(int(width), unit.root_logits.shape[1]))
+    token_map = unit.token_map
+    probs: List[Tensor] = []
+
+    def level(logits, front_scores, front_cands, offset, last):
+        rows, front, _ = logits.shape
+        q = sampler.dist(logits)
+        probs.append(q)
+        count = k if front == 1 else 1                                  # the root: k draws; then chains
+        draws = sampler.draw(q, count)                                  # [R, F, c] draft ids
+        scores = (front_scores.unsqueeze(2) + q.gather(2, draws).log()).reshape(rows, front * count)
+        ids = draws.reshape(rows, front * count)
+        tokens = ids if token_map is None else token_map[ids]
+        parents = front_cands.unsqueeze(2).expand(rows, front, count).reshape(rows, front * count)
+        n = front * count
+        slots = torch.arange(n, device=logits.device).expand(rows, n) // count
+        cands = offset + torch.arange(n, device=logits.device).expand(rows, n)
+        zeros = scores.new_zeros(rows)
+        if last:
+            empty = tokens[:, :0]
+            return taps_ops.ExpandLevel(scores, tokens, parents, zeros, scores[:, :0], empty, empty, empty)
+        return taps_ops.ExpandLevel(scores, tokens, parents, zeros, scores, tokens, slots, cands)
+
+    scores, tokens, parents = _grow(unit, depth, k, level, profiler)
+    rows, vocab = unit.root_logits.shape
+    probs.append(probs[-1].new_zeros((rows, k, vocab)))                # the leaves draw nothing
+    return SampledDraft(DraftCandidates(scores, tokens, parents, scores.new_zeros(rows)), torch.cat(probs, 1))
+
+
+def target_probs(probs: Tensor, token_map: Optional[Tensor], vocab: int) -> Tensor:
+    """Draft-vocabulary rows [..., V'] as target-vocabulary rows [..., vocab] (zeros off the draft
+    vocabulary); as they are without a token_map."""
+    if token_map is None:
+        return probs
+    out = probs.new_zeros((*probs.shape[:-1], vocab))
+    out[..., token_map] = probs
+    return out

@@ -40,7 +40,7 @@ import taps_ops
 from .expansion import DraftCandidates
 
 __all__ = ["STRATEGIES", "Candidates", "Combined", "Strategy", "make_strategy", "register_strategy", "strategy_class",
-           "strategy_names", "tree_confidence", "allocate_budget", "reserve_nodes", "root_tree"]
+           "strategy_names", "tree_confidence", "allocate_budget", "reserve_nodes", "root_tree", "sampled_tree"]
 
 
 class Candidates(NamedTuple):
@@ -90,6 +90,21 @@ def _build(cands: Candidates, num_nodes: int, root: Tensor, stacked: bool = True
                                cands.parents.reshape(t * b, m), num_nodes,
                                root_tokens=torch.cat([root] * t) if t > 1 else root, validate=root.device.type == "cpu")
     return type(tree)(*(f.view(t, b, *f.shape[1:]) for f in tree)) if stacked else tree
+
+
+def sampled_tree(cands: Candidates, root: Tensor) -> Combined:
+    """The tree of one drafter's sampled candidates (:func:`taps.expansion.expand_sampled`, stacked [1, B,
+    M]): every candidate kept, node 1 + m = candidate m, so siblings stay in the order they were drawn (what
+    recursive rejection sampling needs: a tree that kept or ordered draws by their probability would
+    verify a biased sample). One ``build_tree`` with scores falling with the candidate index does it."""
+    t, b, m = cands.scores.shape
+    if t != 1:
+        raise ValueError(f"sampled_tree: the candidates of one drafter, got {t}")
+    order = -torch.arange(m, dtype=torch.float32, device=root.device).expand(b, m)
+    tree = taps_ops.build_tree(order, cands.tokens[0], cands.parents[0], m + 1, root_tokens=root,
+                               validate=root.device.type == "cpu")
+    source = (tree.candidate_index >= 0).long() << cands.drafters[0]
+    return Combined(tree.tokens, tree.parents, tree.depth, tree.tree_mask, source, None)
 
 
 def _draft_nodes(tokens: Tensor) -> Tensor:
@@ -171,6 +186,10 @@ class Strategy:
 
     #: whether combine reads the candidates' entropy (the expansion computes it only then)
     needs_entropy = False
+    #: whether a step where one drafter drafts may verify its sampled candidates whole
+    #: (:func:`sampled_tree`) instead of combining them: true where combining one drafter's candidates
+    #: changes no state of the strategy's (the routing strategies' signals would be left out)
+    takes_sampled = True
     min_drafters, max_drafters = 1, 63
 
     @classmethod
@@ -284,6 +303,8 @@ class Average(Single):
 class Route(Strategy):
     """Per request, the tree of the drafter with the best signal (confidence, or low entropy); the
     ``-prompt`` variants decide once per request after ``route_steps`` steps."""
+
+    takes_sampled = False
 
     def __init__(self, name, num_drafters, budget, **options):
         super().__init__(name, num_drafters, budget, **options)

@@ -616,9 +616,10 @@ class Tuner:
         return shape
 
     # -- the decoder's calls ------------------------------------------------------------------------------
-    def begin(self, batch: int, sampling: bool) -> None:
-        """A generation of `batch` requests starts; ``sampling``: verification samples (temperature > 0),
-        whose acceptance is kept apart from greedy verification's."""
+    def begin(self, batch: int, sampling) -> None:
+        """A generation of `batch` requests starts; ``sampling``: the verification mode, whose acceptance is
+        kept apart from the others': False (greedy), True (sampling, temperature > 0), or any other
+        hashable name (the decoder's ``"drawn"``: sampled trees, see ``SpeculativeDecoder(sampled_drafts=)``)."""
         if sampling not in self._modes:
             self._modes[sampling] = copy.deepcopy(self._modes[False])
             self._modes[sampling].pooled.clear()

@@ -43,7 +43,7 @@ from typing import Dict, Hashable, List, Optional, Sequence, Tuple
 import torch
 from torch import Tensor, nn
 
-from ..expansion import DraftCandidates, expand
+from ..expansion import DraftCandidates, DraftSampler, SampledDraft, expand, expand_sampled
 from ..kv import NodeMask, cache_attend, causal_append, causal_bits
 from ..lean import Linear, Positions
 
@@ -373,6 +373,12 @@ class DraftGroup:
     def draft(self, depth: int, top_k: int, profiler=None, with_entropy: bool = True) -> DraftCandidates:
         """EAGLE-2 candidates of every drafter, rows group-major ([G * B, M])."""
         return expand(self, depth, top_k, profiler, with_entropy)
+
+    def draft_sampled(self, depth: int, width: int, sampler: DraftSampler, profiler=None) -> SampledDraft:
+        """Sampled chains of the group's one drafter (:func:`taps.expansion.expand_sampled`)."""
+        if self.groups != 1:
+            raise ValueError(f"a sampled draft is one drafter's; this group drafts with {self.groups}")
+        return expand_sampled(self, depth, width, sampler, profiler)
 
     def tree_depth(self, depth: int, top_k: int) -> int:
         """The deepest node :meth:`draft` ``(depth, top_k)`` can propose (the expansion's depth)."""
