@@ -129,7 +129,8 @@ def shipped_tables(args, device, dtype) -> None:
             # the tuner measures with the benchmark's clock (process time leaves other jobs' load out)
             kw = dict(settings, tuner=Tuner(timer=clock)) if auto else settings
             dec = SpeculativeDecoder(target, [PromptLookupDrafter(**lookup_kw) if n == "lookup" else drafters[n]
-                                              for n in names], strategy=strategy, **kw)
+                                              for n in names], strategy=strategy, sampled_drafts=args.sampled_drafts,
+                                    **kw)
             name = f"{row} auto" if auto else row
             decoders[name] = dec
             runners[f"taps {name}"] = TapsRunner(dec, tok.eos_id)
@@ -249,7 +250,8 @@ def batch_table(args, device, dtype) -> None:
                 continue
             kw = dict(settings, tuner=Tuner(timer=clock)) if auto else settings
             dec = SpeculativeDecoder(target, [PromptLookupDrafter(**lookup_kw) if n == "lookup" else drafters[n]
-                                              for n in names], strategy=strategy, **kw)
+                                              for n in names], strategy=strategy, sampled_drafts=args.sampled_drafts,
+                                    **kw)
             decoders[f"{row} auto" if auto else row] = dec
     print(f"device {device}, {torch.get_num_threads()} thread(s), {str(dtype).replace('torch.', '')}; "
           f"shipped target + {args.family} drafters; one ragged batch of {len(prompts)} prompts (prompt lengths "
@@ -392,6 +394,9 @@ def main() -> None:
                     help="tokens per prompt-lookup continuation (default: the drafter's own default)")
     ap.add_argument("--top-k", type=int, default=None)
     ap.add_argument("--budget", type=int, default=None)
+    ap.add_argument("--sampled-drafts", default="auto", choices=("auto", "on", "off"),
+                    help="SpeculativeDecoder(sampled_drafts=): at T > 0 one drafter's tree drawn from its "
+                         "distribution (on), top-k (off), or the tuner's choice (auto; fixed rows: top-k)")
     ap.add_argument("--no-auto", dest="auto", action="store_false",
                     help="no auto rows (budget='auto': a tuner choosing each step's draft)")
     ap.add_argument("--batch", type=int, default=0,
@@ -404,6 +409,7 @@ def main() -> None:
     ap.add_argument("--overhead-tokens", type=int, default=64)
     ap.add_argument("--overhead-rounds", type=int, default=5, help="rounds of the overhead table (fastest kept)")
     args = ap.parse_args()
+    args.sampled_drafts = {"auto": "auto", "on": True, "off": False}[args.sampled_drafts]
     torch.set_num_threads(args.threads)
     device = torch.device(args.device)
     from taps.models import resolve_dtype

@@ -200,7 +200,8 @@ def test_sampled_drafts_only_where_every_request_samples():
 
 def test_sampled_drafts_reproducible_under_a_seed():
     m = em.sampling_models()
-    dec = SpeculativeDecoder(m["target"], _drafters(("eagle",)), strategy="single", depth=3, top_k=2, budget=7)
+    dec = SpeculativeDecoder(m["target"], _drafters(("eagle",)), strategy="single", depth=3, top_k=2, budget=7,
+                             sampled_drafts=True)
     run = lambda seed: dec.generate([PROMPT, [7, 2, 2, 19]] * 50, max_new_tokens=6, temperature=1.0,  # noqa: E731
                                     seed=seed).tokens
     first = run(5)

@@ -86,8 +86,8 @@ def test_forced_shapes_sample_the_target():
 
 
 def test_forced_shapes_of_sampled_drafts_sample_the_target():
-    """Sampled chains (one drafter, every request sampling) of the shapes a tuner picks at random: each
-    shape's width and depth from its budget, the target's distribution whatever they are."""
+    """Drawn and top-k trees (one drafter, every request sampling) of the shapes a tuner picks at random (a
+    drawn shape's width and depth from its budget): the target's distribution whatever they are."""
     m = em.sampling_models()
     tuner = Cycling()
     dec = SpeculativeDecoder(m["target"], [m["eagle"]], strategy="single", depth=3, top_k=3, budget=10, tuner=tuner)
@@ -97,8 +97,23 @@ def test_forced_shapes_of_sampled_drafts_sample_the_target():
         tokens += out.tokens
         taus.append(out.summary["tau"])
     assert min(taus) > 1.2, f"acceptance hardly exercised: {taus}"
-    assert len({s.label for s in tuner.seen if s.drafters}) >= 4, {s.label for s in tuner.seen}
+    labels = {s.label for s in tuner.seen if s.drafters}
+    assert len(labels) >= 4 and any(s.drawn for s in tuner.seen) and any(not s.drawn for s in tuner.seen), labels
     assert_samples_follow(tokens, PROMPT, 1.0, 0, 1.0, what="tuned, sampled: ")
+
+
+def test_drawn_trees_where_they_accept_more():
+    """The target as its own drafter at T = 1, drafts cheap: its drawn chains are accepted whole, its top-k
+    trees only as far as the children's mass carries, so the tuner drafts drawn trees on most steps."""
+    m = em.sampling_models()
+    dec = SpeculativeDecoder(m["target"], [ModelDrafter(m["target"])], strategy="single", depth=3, top_k=2, budget=7,
+                             tuner=Tuner(_cheap(draft=1e-5, forward=1e-3)))
+    for seed in range(3):
+        out = dec.generate([PROMPT] * 4, max_new_tokens=40, temperature=1.0, seed=seed)
+    hist = out.summary["shape_histogram"]
+    drawn = sum(v for k, v in hist.items() if k.endswith(" drawn"))
+    assert drawn >= 0.7 * sum(hist.values()), hist
+    assert out.summary["tau"] > 3.0
 
 
 def test_no_draft_when_the_drafter_is_useless():

@@ -114,21 +114,24 @@ class SpeculativeDecoder:
         tuner: a :class:`taps.tuner.Tuner` that chooses each step's drafters, depth and node budget
             (within depth / budget), or no draft at all, by measured costs and running acceptance; None:
             the fixed settings every step. Ignored without drafters.
-        sampled_drafts: when every request samples (temperature > 0) and one model drafter drafts a step,
-            draw its tree instead of taking its top-k (:func:`taps.expansion.expand_sampled`: ``top_k``
-            independent draws from its distribution at the root, each continued by one draw per level, so
-            ``min(top_k, (budget - 1) // depth)`` chains; every draw kept) and verify it by recursive
-            rejection sampling (``taps_ops.verify_tree(draft_probs=...)``): lossless as the top-k tree is,
-            and a draw is accepted with probability about 1 - TV(target, drafter), where a top-k child
-            only carries the target's mass of those k tokens (much less at a high temperature). Not for
-            prompt lookup (no distribution), merged steps of several drafters, or the routing strategies
-            (they rank trees by their draws). False: always top-k trees.
+        sampled_drafts: where every request samples (temperature > 0) and one model drafter drafts a step,
+            its tree may be *drawn* instead of taken as its top-k (:func:`taps.expansion.expand_sampled`:
+            ``min(top_k, (budget - 1) // depth)`` independent draws from its distribution at the root, each
+            continued by one draw per level; every draw kept) and verified by recursive rejection sampling
+            (``taps_ops.verify_tree(draft_probs=...)``). Lossless as the top-k tree is; a draw is accepted
+            with probability 1 - TV(target, drafter) at its node, where top-k children carry the target's
+            mass on those k tokens only: drawn trees accept more at high temperatures (shipped drafters,
+            T = 1: tau 1.6 -> 2.4-2.7), top-k trees at low ones (T = 0.3-0.5). ``"auto"`` (default): a
+            tuner weighs the drawn shapes beside the top-k ones by their measured acceptance; with fixed
+            settings, top-k trees. True: drawn wherever allowed. False: never. Not for prompt lookup (no
+            distribution), steps where several drafters draft, or the routing strategies (they rank trees
+            by their draws).
     """
 
     def __init__(self, target: nn.Module, drafters: Sequence[Drafter] = (), strategy: str = "single", *,
                  depth: Optional[int] = None, top_k: Optional[int] = None, budget: Union[int, str, None] = None,
                  tokenizer=None, route_steps: int = 3, adaptive_prior: float = 1.0, lean: Optional[bool] = None,
-                 tuner: Optional[Tuner] = None, sampled_drafts: bool = True):
+                 tuner: Optional[Tuner] = None, sampled_drafts: Union[bool, str] = "auto"):
         strategy_cls = strategy_class(strategy)  # ValueError for an unknown name
         if isinstance(drafters, Drafter):
             drafters = [drafters]
@@ -167,8 +170,10 @@ class SpeculativeDecoder:
         self._groups: Optional[Tuple[tuple, List[DraftGroup]]] = None
         #: chooses each step's draft (None: the fixed settings)
         self.tuner: Optional[Tuner] = tuner if drafters else None
-        #: sampled trees where every request samples and one model drafter drafts (see the class docstring)
-        self.sampled_drafts = bool(sampled_drafts)
+        if sampled_drafts not in (True, False, "auto"):
+            raise ValueError(f"sampled_drafts must be True, False or 'auto', got {sampled_drafts!r}")
+        #: drawn trees where every request samples and one model drafter drafts (see the class docstring)
+        self.sampled_drafts = sampled_drafts
 
     @property
     def device(self) -> torch.device:
@@ -345,7 +350,7 @@ class SpeculativeDecoder:
                                      self.tuner.timer)
             if fresh:
                 with prof.section("calibrate"):
-                    self.tuner.begin(batch, self._mode(state))
+                    self.tuner.begin(batch, state.sampling)
                     self._calibrate(state)
         return state
 
@@ -364,7 +369,7 @@ class SpeculativeDecoder:
             with prof.section("tree"):
                 tree, nodes = self._tree(state, plan, drafted)
             t0 = self._now()
-            fwd, ver = self._verify(state, tree, plan)
+            fwd, ver = self._verify(state, tree)
             with prof.section("compact"):
                 path, num_new = self._commit(state, ver)
             record = self._read_back(state, tree, ver, path, drafted is not None, nodes)
@@ -373,12 +378,10 @@ class SpeculativeDecoder:
                 self._advance_drafters(state, plan, fwd, ver, path, num_new, record)
             self._record(state, plan, tree, record, forward_seconds, self._now() - start)
 
-    def _mode(self, state: "DecodeState"):
-        """The tuner's acceptance mode of this batch: greedy (False), sampled verification of top-k trees
-        (True), or of sampled trees where one drafter drafts ("drawn")."""
-        if state.all_sample and self.sampled_drafts:
-            return "drawn"
-        return state.sampling
+    def _may_draw(self, state: "DecodeState", group: DraftGroup) -> bool:
+        """Whether a step where `group` (of one drafter) drafts alone may draw its tree."""
+        return (self.sampled_drafts is not False and state.all_sample and self.strategy.takes_sampled
+                and not group.free_draft and len(group.members) == 1)
 
     def _now(self) -> float:
         return self.tuner.timer() if self.tuner is not None else time.perf_counter()
@@ -422,9 +425,10 @@ class SpeculativeDecoder:
         free = [g for g in groups if g.free_draft]
         updates = state.pending.catch_up(free) if free else []
         idle = self._idle(groups, active)
+        drawn = tuple(i for i, g in enumerate(groups) if self._may_draw(state, g))
         shape = tuner.plan([tuple(g.members) for g in groups], lambda i, d: groups[i].tree_depth(d, self.top_k),
                            [state.pending.count(g) for g in groups], active, state.batch, self.depth, self.budget,
-                           idle=idle)
+                           idle=idle, drawn=drawn, drawn_only=self.sampled_drafts is True)
         if not shape.drafters:  # a plain step (most steps where no draft pays: kept lean)
             # repeated without planning until a probe could come due, while the groups idle now stay idle
             token = tuner.coast_token()
@@ -445,9 +449,12 @@ class SpeculativeDecoder:
         if state.pending is not None:
             plan.updates = plan.updates + state.pending.catch_up(plan.drafting)
         drafted = []
+        state.draft_probs = None
         alone = len(plan.drafting) == 1 and len(plan.drafting[0].members) == 1
-        sampled = (alone and self.sampled_drafts and state.all_sample and self.strategy.takes_sampled
-                   and not plan.drafting[0].free_draft)
+        if plan.shape is not None:
+            sampled = plan.shape.drawn
+        else:
+            sampled = alone and self.sampled_drafts is True and self._may_draw(state, plan.drafting[0])
         for g in plan.drafting:
             g.alone = alone
             t0 = self._now()
@@ -455,7 +462,7 @@ class SpeculativeDecoder:
                 budget = self.budget if plan.shape is None else plan.shape.budget
                 width = max(1, min(self.top_k, (budget - 1) // max(plan.depth, 1)))
                 draft = g.draft_sampled(plan.depth, width, state.sampler(), state.prof)
-                plan.draft_probs = (draft.probs, g.token_map)
+                state.draft_probs = (draft.probs, g.token_map)
                 drafted.append(draft.candidates)
             else:
                 drafted.append(g.draft(plan.depth, self.top_k, state.prof, self.strategy.needs_entropy))
@@ -476,7 +483,7 @@ class SpeculativeDecoder:
         """The tree to verify: the strategy's combination of the candidates (the root alone without); and
         on the CPU each request's real nodes (root included; None elsewhere: a host read is a sync there)."""
         batch = state.root.shape[0]
-        if cands is not None and plan.draft_probs is not None:  # sampled: every draw, in order
+        if cands is not None and state.draft_probs is not None:  # drawn: every draw, in order
             tree = sampled_tree(cands, state.root)
         elif cands is not None:
             with self.strategy.step_budget(None if plan.shape is None else plan.shape.budget):
@@ -490,8 +497,7 @@ class SpeculativeDecoder:
         nodes = (tree.tokens >= 0).sum(1).tolist()  # (a host read: free on the CPU)
         return _trim(tree, max(nodes)), nodes
 
-    def _verify(self, state: "DecodeState", tree: Combined, plan: Optional["_Plan"] = None
-                ) -> Tuple[hf.ForwardOutput, taps_ops.VerifyOutput]:
+    def _verify(self, state: "DecodeState", tree: Combined) -> Tuple[hf.ForwardOutput, taps_ops.VerifyOutput]:
         """The target's forward over the trees and ``taps_ops.verify_tree`` of what it predicts (with the
         distributions a sampled draft drew from: recursive rejection sampling)."""
         with state.prof.section("target_forward"):
@@ -501,8 +507,8 @@ class SpeculativeDecoder:
                                     capture_layers=state.capture, uniform=min(lengths) == longest)
         with state.prof.section("verify"):
             extra = {}
-            if plan is not None and plan.draft_probs is not None:
-                probs, token_map = plan.draft_probs
+            if state.draft_probs is not None:  # this step's drawn tree
+                probs, token_map = state.draft_probs
                 extra["draft_probs"] = target_probs(probs[:, :tree.tokens.shape[1]], token_map,
                                                     self.forward.head.weight.shape[0])
             ver = self.forward.verify(fwd.hidden_states, tree.tokens, tree.parents, tree.tree_mask,
@@ -678,13 +684,12 @@ class SpeculativeDecoder:
         sampling = _samples(state.sample)
         for g in state.groups:
             g.sampling = sampling
-        old = self._mode(state)
-        state.sampling, state.all_sample = sampling, _all_sample(state.sample)
+        state.all_sample = _all_sample(state.sample)
         if self.tuner is None:
+            state.sampling = sampling
             return
-        mode = self._mode(state)
-        if mode != old:
-            self.tuner.begin(state.batch, mode)
+        if sampling != state.sampling:
+            self.tuner.begin(state.batch, sampling)
         elif added:
             self.tuner.acceptance.add_requests(added)
         self._calibrate(state)
@@ -817,8 +822,11 @@ class DecodeState:
         #: groups of drafters the strategy stops drafting with are dropped (False where requests join later)
         self.can_drop = True
         self.sampling = _samples(sample)
-        #: every request samples (a temperature above 0 for each): drafts may be sampled
+        #: every request samples (a temperature above 0 for each): drafts may be drawn
         self.all_sample = _all_sample(sample)
+        #: this step's drawn tree: (the distributions it was drawn from [B, 1 + M, V'], the drafter's
+        #: token_map), None for a top-k tree (SpeculativeDecoder(sampled_drafts=))
+        self.draft_probs: Optional[tuple] = None
         #: counts the changes a tuner's plan depends on (requests finishing, joining or leaving, groups
         #: dropped); coast: (the tuner's coast token, epoch) after a plan of no draft
         self.epoch = 0
@@ -875,8 +883,6 @@ class _Plan:
     depth: int
     parts: Dict[tuple, Tuple[float, float]] = field(default_factory=dict)
     updates: list = field(default_factory=list)
-    #: a sampled draft's (probs [B, 1 + M, V'], token_map): see SpeculativeDecoder(sampled_drafts=)
-    draft_probs: Optional[tuple] = None
 
 
 class _HostRecord(NamedTuple):

@@ -53,7 +53,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 
-__all__ = ["Shape", "CostModel", "FixedCosts", "AcceptanceModel", "Tuner", "NONE"]
+__all__ = ["Shape", "CostModel", "FixedCosts", "AcceptanceModel", "Tuner", "NONE", "DRAWN"]
 
 
 class CoastToken(NamedTuple):
@@ -67,25 +67,35 @@ class CoastToken(NamedTuple):
 
 class Shape(NamedTuple):
     """One step's draft: which drafters draft (their indices in the decoder, () = no draft), the
-    expansion depth and the node budget of the tree (root included)."""
+    expansion depth and the node budget of the tree (root included); ``drawn``: one drafter's tree drawn
+    from its distribution and verified by rejection sampling (``SpeculativeDecoder(sampled_drafts=)``)
+    instead of its top-k tree."""
 
     drafters: Tuple[int, ...]
     depth: int
     budget: int
+    drawn: bool = False
 
     @property
     def key(self) -> tuple:
         """The draft kind the acceptance model and the cost residuals are kept for: the drafters and
         the node budget (at one budget, a shallower expansion's tree is about the deeper one's cut at
-        that depth: the best nodes by score are the same, so the per-depth rates carry over)."""
-        return (self.drafters, self.budget)
+        that depth: the best nodes by score are the same, so the per-depth rates carry over). A drawn
+        kind's drafters end with :data:`DRAWN` (kept apart from the top-k kinds, beside its own wider
+        budgets)."""
+        return (self.drafters + (DRAWN,) if self.drawn else self.drafters, self.budget)
 
     @property
     def label(self) -> str:
-        """Short name, e.g. ``none`` or ``0+1 d3 n16`` (drafters 0 and 1, depth 3, 16 nodes)."""
+        """Short name, e.g. ``none``, ``0+1 d3 n16`` (drafters 0 and 1, depth 3, 16 nodes) or ``0 d3 n13
+        drawn``."""
         if not self.drafters:
             return "none"
-        return "+".join(map(str, self.drafters)) + f" d{self.depth} n{self.budget}"
+        return "+".join(map(str, self.drafters)) + f" d{self.depth} n{self.budget}" + (" drawn" if self.drawn else "")
+
+
+#: ends the drafters of a drawn kind's key (:attr:`Shape.key`)
+DRAWN = -1
 
 
 #: the plain one-token step
@@ -583,7 +593,7 @@ class Tuner:
         for shape, value, seconds, upper in options:
             if upper <= rate * seconds:
                 continue
-            key = (shape.drafters, shape.budget)
+            key = shape.key
             if key == best_key:
                 continue
             # a kind's first try is free (a new tuner tries every kind that could win once)
@@ -608,7 +618,7 @@ class Tuner:
         interval = min(probe.get(key, (0, 1))[1] * 2, self.max_probe_interval)
         probe[key] = (clock + interval, interval)
         for other in {o[0].key for o in options}:
-            if other[0] == key[0] and other[1] < key[1] and other != best_key:
+            if other[0] == key[0] and other[1] < key[1] and other != best_key:  # (drawn kinds apart: key[0])
                 at, old = probe.get(other, (0, 1))
                 if at < clock + interval:
                     probe[other] = (clock + interval, max(old, interval))
@@ -616,10 +626,9 @@ class Tuner:
         return shape
 
     # -- the decoder's calls ------------------------------------------------------------------------------
-    def begin(self, batch: int, sampling) -> None:
-        """A generation of `batch` requests starts; ``sampling``: the verification mode, whose acceptance is
-        kept apart from the others': False (greedy), True (sampling, temperature > 0), or any other
-        hashable name (the decoder's ``"drawn"``: sampled trees, see ``SpeculativeDecoder(sampled_drafts=)``)."""
+    def begin(self, batch: int, sampling: bool) -> None:
+        """A generation of `batch` requests starts; ``sampling``: verification samples (temperature > 0),
+        whose acceptance is kept apart from greedy verification's."""
         if sampling not in self._modes:
             self._modes[sampling] = copy.deepcopy(self._modes[False])
             self._modes[sampling].pooled.clear()
@@ -629,7 +638,7 @@ class Tuner:
 
     def plan(self, groups: Sequence[Tuple[int, ...]], caps: Callable[[int, int], int], pending: Sequence[int],
              active: Sequence[int], batch: int, depth: int, budget: int, single: bool = False,
-             idle: Sequence[int] = ()) -> Shape:
+             idle: Sequence[int] = (), drawn: Sequence[int] = (), drawn_only: bool = False) -> Shape:
         """This step's draft.
 
         Args:
@@ -643,12 +652,15 @@ class Tuner:
             single: whether the strategy needs every group at once.
             idle: positions of groups that have nothing to propose this step (a prompt lookup without a
                 match): no kind with one of them is a candidate (unless ``single``).
+            drawn: positions of groups of one drafter each whose kinds may be drawn too (:attr:`Shape.drawn`:
+                every request samples); ``drawn_only``: those groups' kinds are drawn only.
         """
         costs = self.costs
         groups = tuple(groups)
         idle = frozenset(idle) if not single else frozenset()
         self.acceptance.horizon = depth
-        memo = (groups, depth, budget, single, tuple(active), batch)
+        drawn = frozenset(drawn)
+        memo = (groups, depth, budget, single, tuple(active), batch, drawn, drawn_only)
         cached = self._plan_memo
         if cached is not None and cached[0] == memo and cached[2] == self._version and idle >= self._plan_idle \
                 and self.coast():
@@ -666,7 +678,7 @@ class Tuner:
             # the parts shapes share, each computed once: a group's depth cap and expansion per depth
             cap_of = {(g, d): caps(position[g], d) for g in groups for d in range(1, depth + 1)}
             draft_of = {(g, d): costs.draft(g, d, batch) for g in groups for d in range(1, depth + 1)}
-            for shape, members, key, index in self._shapes(groups, depth, budget, single):
+            for shape, members, key, index in self._shapes(groups, depth, budget, single, drawn, drawn_only):
                 d = shape.depth
                 cap = min(shape.budget - 1, max(cap_of[g, d] for g in members))
                 nodes = self._nodes.get((key, d, shape.budget), shape.budget)
@@ -710,15 +722,19 @@ class Tuner:
             return True
         return False
 
-    def _shapes(self, groups, depth, budget, single):
-        memo = (groups, depth, budget, single)
+    def _shapes(self, groups, depth, budget, single, drawn=frozenset(), drawn_only=False):
+        memo = (groups, depth, budget, single, drawn, drawn_only)
         if self._shape_memo is None or self._shape_memo[0] != memo:
             out = []
             position = {g: i for i, g in enumerate(groups)}
             for members in self.kinds(groups, single):
                 index = tuple(position[g] for g in members)
                 for shape in self.candidates([members], depth, budget):
-                    out.append((shape, members, shape.key, index))
+                    if not (drawn_only and len(index) == 1 and index[0] in drawn):
+                        out.append((shape, members, shape.key, index))
+                    if len(index) == 1 and index[0] in drawn:  # the same shape drawn
+                        shape = shape._replace(drawn=True)
+                        out.append((shape, members, shape.key, index))
             self._shape_memo = (memo, out)
         return self._shape_memo[1]
 
