@@ -215,6 +215,8 @@ def _decoder(model: torch.nn.Module) -> torch.nn.Module:
 def check_capture_layers(model, layers: Sequence[int]) -> None:
     """ValueError unless every index is a decoder layer of `model` (0 <= i < num_hidden_layers: its input)
     or num_hidden_layers (the final normalised hidden state, as ``output_hidden_states`` numbers it)."""
+    if not layers:  # (every forward asks; reading the config costs about 20 us)
+        return
     text = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
     n = int(text.num_hidden_layers)
     bad = [i for i in layers if not 0 <= int(i) <= n]
