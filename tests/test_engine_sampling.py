@@ -186,6 +186,23 @@ def test_sampled_drafts_of_the_target_itself_are_all_accepted():
     assert sum(steps[False]) > 1.3 * sum(steps[True])
 
 
+def test_sampled_drafts_in_a_ragged_batch():
+    """Drawn trees over a batch of three prompts of different lengths (the expansion's dense masks, each
+    row's scratch entries after its own prefix), each prompt with its own temperature / top-k / top-p."""
+    m = em.sampling_models()
+    groups = [([3, 9, 1, 30], 0.7, 5, 1.0), ([7, 2, 2, 19, 4, 11, 8], 1.3, 0, 0.8), ([25, 6], 1.0, 3, 0.9)]
+    order = [g for _ in range(1500) for g in range(3)]
+    column = lambda i, dtype: torch.tensor([groups[g][i] for g in order], dtype=dtype)  # noqa: E731
+    dec = SpeculativeDecoder(m["target"], _drafters(("eagle",)), strategy="single", depth=3, top_k=2, budget=7,
+                             sampled_drafts=True)
+    out = dec.generate([groups[g][0] for g in order], max_new_tokens=STEPS, temperature=column(1, torch.float32),
+                       top_k=column(2, torch.int64), top_p=column(3, torch.float32), seed=98)
+    assert out.summary["tau"] > 1.3
+    for g, (prompt, temperature, top_k, top_p) in enumerate(groups):
+        rows = [out.tokens[i] for i, h in enumerate(order) if h == g]
+        assert_samples_follow(rows, prompt, temperature, top_k, top_p, what=f"prompt {g}: ")
+
+
 def test_sampled_drafts_only_where_every_request_samples():
     """A batch with a greedy request verifies top-k trees: the greedy request's output is the target's
     greedy output, the sampled ones still follow the target."""

@@ -1,0 +1,94 @@
+"""The parts of drawn trees (taps.expansion.DraftSampler, expand_sampled; taps.strategies.sampled_tree).
+
+The end-to-end losslessness of drawn trees is tested in test_engine_sampling.py (chi-square against the
+target's exact distribution); here: the distribution a drafter's children are drawn from is the target's
+sampling rule applied to the drafter's logits, the draws follow it, a row's draws come from its own generator,
+and the tree keeps every draw in the order drawn.
+"""
+
+import numpy as np
+import pytest
+import torch
+
+from sampling_checks import assert_distribution, spec_probs
+from taps.expansion import DraftCandidates, DraftSampler, expand_sampled, target_probs
+from taps.strategies import Candidates, sampled_tree
+
+
+@pytest.mark.parametrize("temperature,top_k,top_p", [(1.0, 0, 1.0), (0.7, 5, 1.0), (1.3, 0, 0.8), (0.5, 7, 0.9)])
+def test_q_is_the_sampling_rule_on_the_drafters_logits(temperature, top_k, top_p):
+    gen = torch.Generator().manual_seed(1)
+    logits = torch.randn(3, 2, 40, generator=gen) * 3
+    q = DraftSampler(temperature, top_k, top_p).dist(logits)
+    for r in range(3):
+        for f in range(2):
+            np.testing.assert_allclose(q[r, f].double().numpy(), spec_probs(logits[r, f], temperature, top_k, top_p),
+                                       atol=2e-6)
+
+
+def test_per_row_settings():
+    logits = torch.randn(2, 1, 30, generator=torch.Generator().manual_seed(2)) * 2
+    q = DraftSampler(torch.tensor([0.6, 1.4]), torch.tensor([4, 0]), torch.tensor([1.0, 0.7])).dist(logits)
+    np.testing.assert_allclose(q[0, 0].double().numpy(), spec_probs(logits[0, 0], 0.6, 4, 1.0), atol=2e-6)
+    np.testing.assert_allclose(q[1, 0].double().numpy(), spec_probs(logits[1, 0], 1.4, 0, 0.7), atol=2e-6)
+
+
+def test_draws_follow_q():
+    logits = torch.randn(1, 1, 12, generator=torch.Generator().manual_seed(3))
+    sampler = DraftSampler(1.0, generator=torch.Generator().manual_seed(4))
+    q = sampler.dist(logits)
+    draws = sampler.draw(q.expand(1, 1, 12).contiguous(), 20000)
+    assert draws.shape == (1, 1, 20000)
+    assert_distribution(draws.flatten().numpy(), q[0, 0].double().numpy())
+
+
+def test_a_rows_draws_come_from_its_own_generator():
+    q = torch.softmax(torch.randn(2, 3, 50, generator=torch.Generator().manual_seed(5)), -1)
+
+    def draws(seed0, seed1):
+        gens = [torch.Generator().manual_seed(seed0), torch.Generator().manual_seed(seed1)]
+        return DraftSampler(1.0, generators=gens).draw(q, 4)
+
+    a, b = draws(10, 11), draws(12, 11)
+    assert torch.equal(a[1], b[1]) and not torch.equal(a[0], b[0])
+
+
+class _Oracle:
+    """A drafting unit for depth-1 expansions: fixed root logits and a token map."""
+
+    def __init__(self, logits, token_map=None):
+        self.root_logits, self.token_map = logits, token_map
+
+
+def test_a_depth_one_draw_keeps_every_draw_in_order_with_its_row():
+    logits = torch.randn(2, 6, generator=torch.Generator().manual_seed(6))
+    token_map = torch.tensor([40, 3, 17, 8, 22, 9])
+    sampler = DraftSampler(1.0, generator=torch.Generator().manual_seed(7))
+    draft = expand_sampled(_Oracle(logits, token_map), 1, 5, sampler)
+    c = draft.candidates
+    assert c.tokens.shape == (2, 5) and bool((c.parents == -1).all())
+    ids = [[token_map.tolist().index(t) for t in row] for row in c.tokens.tolist()]  # back to draft ids
+    q = torch.softmax(logits, -1)
+    np.testing.assert_allclose(draft.probs[:, 0].numpy(), q.numpy(), atol=1e-6)          # the root's row
+    assert bool((draft.probs[:, 1:] == 0).all())                                           # leaves draw nothing
+    np.testing.assert_allclose(c.scores.numpy(), np.log(q.gather(1, torch.tensor(ids)).numpy()), atol=1e-5)
+    full = target_probs(draft.probs, token_map, 50)
+    assert full.shape == (2, 6, 50)
+    np.testing.assert_allclose(full[:, 0, token_map].numpy(), q.numpy(), atol=1e-6)
+    assert float(full[:, 0].sum(-1).sub(1).abs().max()) < 1e-5
+
+
+def test_the_tree_keeps_every_draw_in_draw_order():
+    """Candidates level by level (two chains of two, a duplicate pair at the root): node 1 + m is
+    candidate m, whatever the scores say; parents and depths follow."""
+    tokens = torch.tensor([[5, 5, 7, 2]])
+    parents = torch.tensor([[-1, -1, 0, 1]])
+    scores = torch.tensor([[-3.0, -0.5, -0.1, -4.0]])  # not in draw order: the tree must not sort by them
+    cands = Candidates(scores.unsqueeze(0), tokens.unsqueeze(0), parents.unsqueeze(0), torch.zeros(1, 1), (2,))
+    tree = sampled_tree(cands, torch.tensor([11]))
+    assert tree.tokens.tolist() == [[11, 5, 5, 7, 2]]
+    assert tree.parents.tolist() == [[-1, 0, 0, 1, 2]]
+    assert tree.depth.tolist() == [[0, 1, 1, 2, 2]]
+    assert tree.source.tolist() == [[0, 4, 4, 4, 4]]  # drafter 2's bit
+    with pytest.raises(ValueError, match="one drafter"):
+        sampled_tree(Candidates(*(f.expand(2, *f.shape[1:]) for f in cands[:4]), (0, 1)), torch.tensor([11]))
