@@ -90,5 +90,7 @@ def test_the_tree_keeps_every_draw_in_draw_order():
     assert tree.parents.tolist() == [[-1, 0, 0, 1, 2]]
     assert tree.depth.tolist() == [[0, 1, 1, 2, 2]]
     assert tree.source.tolist() == [[0, 4, 4, 4, 4]]  # drafter 2's bit
-    with pytest.raises(ValueError, match="one drafter"):
+    both = sampled_tree(cands._replace(drafters=(0, 3)), torch.tensor([11]))  # drawn from two heads' mean
+    assert both.source.tolist() == [[0, 9, 9, 9, 9]]
+    with pytest.raises(ValueError, match="one slab"):
         sampled_tree(Candidates(*(f.expand(2, *f.shape[1:]) for f in cands[:4]), (0, 1)), torch.tensor([11]))

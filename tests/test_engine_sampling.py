@@ -171,6 +171,22 @@ def test_sampled_drafts_sample_the_target(name, temperature, top_k, top_p, lean)
     assert_samples_follow(out.tokens, PROMPT, temperature, top_k, top_p)
 
 
+@pytest.mark.parametrize("strategy", ["merged", "merged-budget", "adaptive"])
+def test_drawn_from_the_mean_of_two_heads_samples_the_target(strategy):
+    """Two EAGLE heads of one shape (one batched group): the merging strategies' tree at T > 0 drawn from the
+    mean of the two heads' distributions, both heads running on the same chains; every node is both heads'
+    (source bits), and the output follows the target."""
+    m = em.sampling_models()
+    dec = SpeculativeDecoder(m["target"], _drafters(("eagle", "eagle2")), strategy=strategy, depth=3, top_k=2,
+                             budget=7, sampled_drafts=True)
+    assert len(dec.new_groups()) == 1
+    out = dec.generate([PROMPT] * SAMPLES, max_new_tokens=STEPS, temperature=1.0, top_p=0.95, seed=31)
+    assert out.summary["tau"] > 1.3
+    a, b = zip(*(s.drafter_accepted for s in out.stats))
+    assert a == b and sum(a) > 0  # every accepted node was drawn from both
+    assert_samples_follow(out.tokens, PROMPT, 1.0, 0, 0.95)
+
+
 def test_sampled_drafts_of_the_target_itself_are_all_accepted():
     """A drafter with the target's own distribution: each of its draws is accepted (with probability
     min(1, p / q) = 1), so a step of two 3-deep chains emits 4 tokens; its top-k tree is accepted only as far

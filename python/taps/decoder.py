@@ -114,18 +114,19 @@ class SpeculativeDecoder:
         tuner: a :class:`taps.tuner.Tuner` that chooses each step's drafters, depth and node budget
             (within depth / budget), or no draft at all, by measured costs and running acceptance; None:
             the fixed settings every step. Ignored without drafters.
-        sampled_drafts: where every request samples (temperature > 0) and one model drafter drafts a step,
-            its tree may be *drawn* instead of taken as its top-k (:func:`taps.expansion.expand_sampled`:
-            ``min(top_k, (budget - 1) // depth)`` independent draws from its distribution at the root, each
-            continued by one draw per level; every draw kept) and verified by recursive rejection sampling
-            (``taps_ops.verify_tree(draft_probs=...)``). Lossless as the top-k tree is; a draw is accepted
+        sampled_drafts: where every request samples (temperature > 0) and one drafter group drafts a step
+            (one model drafter, or drafters of one shape batched together, e.g. two EAGLE heads of a target:
+            then the mean of their distributions), its tree may be *drawn* instead of taken as top-k
+            (:func:`taps.expansion.expand_sampled`: ``min(top_k, (budget - 1) // depth)`` independent draws
+            at the root, each continued by one draw per level; every draw kept) and verified by recursive
+            rejection sampling (``taps_ops.verify_tree(draft_probs=...)``). Lossless as the top-k tree is; a draw is accepted
             with probability 1 - TV(target, drafter) at its node, where top-k children carry the target's
             mass on those k tokens only: drawn trees accept more at high temperatures (shipped drafters,
             T = 1: tau 1.6 -> 2.4-2.7), top-k trees at low ones (T = 0.3-0.5). ``"auto"`` (default): a
             tuner weighs the drawn shapes beside the top-k ones by their measured acceptance; with fixed
             settings, top-k trees. True: drawn wherever allowed. False: never. Not for prompt lookup (no
-            distribution), steps where several drafters draft, or the routing strategies (they rank trees
-            by their draws).
+            distribution), steps where drafters of different groups draft (their trees would be merged), or
+            the routing strategies (they rank trees by their draws).
     """
 
     def __init__(self, target: nn.Module, drafters: Sequence[Drafter] = (), strategy: str = "single", *,
@@ -172,7 +173,7 @@ class SpeculativeDecoder:
         self.tuner: Optional[Tuner] = tuner if drafters else None
         if sampled_drafts not in (True, False, "auto"):
             raise ValueError(f"sampled_drafts must be True, False or 'auto', got {sampled_drafts!r}")
-        #: drawn trees where every request samples and one model drafter drafts (see the class docstring)
+        #: drawn trees where every request samples and one drafter group drafts (see the class docstring)
         self.sampled_drafts = sampled_drafts
 
     @property
@@ -379,9 +380,10 @@ class SpeculativeDecoder:
             self._record(state, plan, tree, record, forward_seconds, self._now() - start)
 
     def _may_draw(self, state: "DecodeState", group: DraftGroup) -> bool:
-        """Whether a step where `group` (of one drafter) drafts alone may draw its tree."""
+        """Whether a step where `group` drafts alone (one drafter, or several of one shape batched: their
+        mean distribution) may draw its tree."""
         return (self.sampled_drafts is not False and state.all_sample and self.strategy.takes_sampled
-                and not group.free_draft and len(group.members) == 1)
+                and not group.free_draft)
 
     def _now(self) -> float:
         return self.tuner.timer() if self.tuner is not None else time.perf_counter()
@@ -454,7 +456,8 @@ class SpeculativeDecoder:
         if plan.shape is not None:
             sampled = plan.shape.drawn
         else:
-            sampled = alone and self.sampled_drafts is True and self._may_draw(state, plan.drafting[0])
+            sampled = (len(plan.drafting) == 1 and self.sampled_drafts is True
+                       and self._may_draw(state, plan.drafting[0]))
         for g in plan.drafting:
             g.alone = alone
             t0 = self._now()
@@ -473,6 +476,8 @@ class SpeculativeDecoder:
         if not drafted:
             return None
         order = tuple(t for g in plan.drafting for t in g.members)
+        if sampled:  # one slab [1, B, M], drawn from the group's drafter or the mean of its drafters'
+            return Candidates(*(f.unsqueeze(0) for f in drafted[0]), order)
         fields = ("scores", "tokens", "parents", "entropy")
         return Candidates(*((torch.cat([getattr(c, f) for c in drafted]) if len(drafted) > 1
                              else getattr(drafted[0], f))  # one group: no copy

@@ -241,41 +241,53 @@ class SampledDraft(NamedTuple):
 
 
 @torch.no_grad()
-def expand_sampled(unit, depth: int, width: int, sampler: DraftSampler, profiler=None) -> SampledDraft:
-    """Sampled chains after each row's root: `width` independent draws from the root's q, then under each of
-    them one draw per level from the drafter's q at that node, to `depth` levels (M = width * depth
-    candidates). Every draw is kept, in the order drawn (duplicates included), and how many children a node
-    gets never depends on what they are: so each node's children are independent draws from its row of
-    ``probs``, which is what ``taps_ops.verify_tree``'s recursive rejection sampling (``draft_probs``)
-    needs to be lossless. Scores are the cumulative draft log-probs (for statistics; a tree of these
-    candidates keeps them all, in this order: :func:`taps.strategies.sampled_tree`)."""
-    k = max(1, min(int(width), unit.root_logits.shape[1]))
+def expand_sampled(unit, depth: int, width: int, sampler: DraftSampler, profiler=None,
+                   groups: int = 1) -> SampledDraft:
+    """Sampled chains after each request's root: `width` independent draws from the root's q, then under each
+    of them one draw per level from q at that node, to `depth` levels (M = width * depth candidates). Every
+    draw is kept, in the order drawn (duplicates included), and how many children a node gets never depends
+    on what they are: so each node's children are independent draws from its row of ``probs``, which is what
+    ``taps_ops.verify_tree``'s recursive rejection sampling (``draft_probs``) needs to be lossless. Scores are
+    the cumulative draft log-probs (for statistics; a tree of these candidates keeps them all, in this
+    order: :func:`taps.strategies.sampled_tree`).
+
+    ``groups`` = G > 1: the unit is G drafters over B requests (rows group-major, one draft vocabulary) and q
+    is the mean of their distributions at the node: each level's draws are fed to all G (every drafter
+    runs on the same chains), and the result is per request ([B, M], probs [B, 1 + M, V'])."""
+    rows, vocab = unit.root_logits.shape
+    batch = rows // groups
+    k = max(1, min(int(width), vocab))
     token_map = unit.token_map
     probs: List[Tensor] = []
 
     def level(logits, front_scores, front_cands, offset, last):
-        rows, front, _ = logits.shape
-        q = sampler.dist(logits)
+        front = logits.shape[1]
+        # the mixture of the G drafters' distributions (the sampler's per-request settings on each)
+        q = sum(sampler.dist(logits[g * batch:(g + 1) * batch]) for g in range(groups)) / groups
         probs.append(q)
         count = k if front == 1 else 1                                  # the root: k draws; then chains
-        draws = sampler.draw(q, count)                                  # [R, F, c] draft ids
-        scores = (front_scores.unsqueeze(2) + q.gather(2, draws).log()).reshape(rows, front * count)
-        ids = draws.reshape(rows, front * count)
-        tokens = ids if token_map is None else token_map[ids]
-        parents = front_cands.unsqueeze(2).expand(rows, front, count).reshape(rows, front * count)
+        draws = sampler.draw(q, count)                                  # [B, F, c] draft ids
+        front_scores, front_cands = front_scores[:batch], front_cands[:batch]
         n = front * count
-        slots = torch.arange(n, device=logits.device).expand(rows, n) // count
-        cands = offset + torch.arange(n, device=logits.device).expand(rows, n)
+        scores = (front_scores.unsqueeze(2) + q.gather(2, draws).log()).reshape(batch, n)
+        ids = draws.reshape(batch, n)
+        tokens = ids if token_map is None else token_map[ids]
+        parents = front_cands.unsqueeze(2).expand(batch, front, count).reshape(batch, n)
+        slots = torch.arange(n, device=logits.device).expand(batch, n) // count
+        cands = offset + torch.arange(n, device=logits.device).expand(batch, n)
+        every = (lambda t: t) if groups == 1 else (lambda t: torch.cat([t] * groups))  # noqa: E731
         zeros = scores.new_zeros(rows)
+        scores, tokens, parents = every(scores), every(tokens), every(parents)
         if last:
             empty = tokens[:, :0]
             return taps_ops.ExpandLevel(scores, tokens, parents, zeros, scores[:, :0], empty, empty, empty)
-        return taps_ops.ExpandLevel(scores, tokens, parents, zeros, scores, tokens, slots, cands)
+        return taps_ops.ExpandLevel(scores, tokens, parents, zeros, scores, tokens, every(slots), every(cands))
 
     scores, tokens, parents = _grow(unit, depth, k, level, profiler)
-    rows, vocab = unit.root_logits.shape
-    probs.append(probs[-1].new_zeros((rows, k, vocab)))                # the leaves draw nothing
-    return SampledDraft(DraftCandidates(scores, tokens, parents, scores.new_zeros(rows)), torch.cat(probs, 1))
+    probs.append(probs[-1].new_zeros((batch, k, vocab)))                # the leaves draw nothing
+    first = slice(0, batch)
+    return SampledDraft(DraftCandidates(scores[first], tokens[first], parents[first], scores.new_zeros(batch)),
+                        torch.cat(probs, 1))
 
 
 def target_probs(probs: Tensor, token_map: Optional[Tensor], vocab: int) -> Tensor:

@@ -93,17 +93,19 @@ def _build(cands: Candidates, num_nodes: int, root: Tensor, stacked: bool = True
 
 
 def sampled_tree(cands: Candidates, root: Tensor) -> Combined:
-    """The tree of one drafter's sampled candidates (:func:`taps.expansion.expand_sampled`, stacked [1, B,
-    M]): every candidate kept, node 1 + m = candidate m, so siblings stay in the order they were drawn (what
+    """The tree of drawn candidates (:func:`taps.expansion.expand_sampled`, one slab [1, B, M], drawn from
+    the drafter ``cands.drafters`` or from the mean of theirs: each node's source holds all their bits):
+    every candidate kept, node 1 + m = candidate m, so siblings stay in the order they were drawn (what
     recursive rejection sampling needs: a tree that kept or ordered draws by their probability would
     verify a biased sample). One ``build_tree`` with scores falling with the candidate index does it."""
     t, b, m = cands.scores.shape
     if t != 1:
-        raise ValueError(f"sampled_tree: the candidates of one drafter, got {t}")
+        raise ValueError(f"sampled_tree: one slab of drawn candidates, got {t}")
     order = -torch.arange(m, dtype=torch.float32, device=root.device).expand(b, m)
     tree = taps_ops.build_tree(order, cands.tokens[0], cands.parents[0], m + 1, root_tokens=root,
                                validate=root.device.type == "cpu")
-    source = (tree.candidate_index >= 0).long() << cands.drafters[0]
+    bits = sum(1 << d for d in set(cands.drafters))
+    source = (tree.candidate_index >= 0).long() * bits
     return Combined(tree.tokens, tree.parents, tree.depth, tree.tree_mask, source, None)
 
 

@@ -67,9 +67,9 @@ class CoastToken(NamedTuple):
 
 class Shape(NamedTuple):
     """One step's draft: which drafters draft (their indices in the decoder, () = no draft), the
-    expansion depth and the node budget of the tree (root included); ``drawn``: one drafter's tree drawn
-    from its distribution and verified by rejection sampling (``SpeculativeDecoder(sampled_drafts=)``)
-    instead of its top-k tree."""
+    expansion depth and the node budget of the tree (root included); ``drawn``: the tree drawn from the
+    drafters' (mean) distribution and verified by rejection sampling (``SpeculativeDecoder(sampled_drafts=)``)
+    instead of their top-k tree."""
 
     drafters: Tuple[int, ...]
     depth: int
@@ -652,8 +652,8 @@ class Tuner:
             single: whether the strategy needs every group at once.
             idle: positions of groups that have nothing to propose this step (a prompt lookup without a
                 match): no kind with one of them is a candidate (unless ``single``).
-            drawn: positions of groups of one drafter each whose kinds may be drawn too (:attr:`Shape.drawn`:
-                every request samples); ``drawn_only``: those groups' kinds are drawn only.
+            drawn: positions of groups whose kinds of that group alone may be drawn too (:attr:`Shape.drawn`:
+                every request samples); ``drawn_only``: those kinds are drawn only.
         """
         costs = self.costs
         groups = tuple(groups)

@@ -375,10 +375,9 @@ class DraftGroup:
         return expand(self, depth, top_k, profiler, with_entropy)
 
     def draft_sampled(self, depth: int, width: int, sampler: DraftSampler, profiler=None) -> SampledDraft:
-        """Sampled chains of the group's one drafter (:func:`taps.expansion.expand_sampled`)."""
-        if self.groups != 1:
-            raise ValueError(f"a sampled draft is one drafter's; this group drafts with {self.groups}")
-        return expand_sampled(self, depth, width, sampler, profiler)
+        """Chains drawn from the group's drafter, or from the mean of its G drafters' distributions
+        (:func:`taps.expansion.expand_sampled`): [B, M] candidates."""
+        return expand_sampled(self, depth, width, sampler, profiler, groups=self.groups)
 
     def tree_depth(self, depth: int, top_k: int) -> int:
         """The deepest node :meth:`draft` ``(depth, top_k)`` can propose (the expansion's depth)."""
