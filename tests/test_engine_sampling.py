@@ -239,3 +239,9 @@ def test_sampled_drafts_reproducible_under_a_seed():
                                     seed=seed).tokens
     first = run(5)
     assert run(5) == first and run(6) != first
+
+
+def test_sampled_drafts_setting_is_checked():
+    m = em.sampling_models()
+    with pytest.raises(ValueError, match="sampled_drafts must be True, False or 'auto'"):
+        SpeculativeDecoder(m["target"], _drafters(("eagle",)), strategy="single", sampled_drafts="yes")
