@@ -44,7 +44,7 @@ if wanted test && afford 200 "pytest"; then
   step "pytest (the op tests, CUDA included; CI runs the rest)"
   timeout 180 "$PY" -m pytest -q --maxfail=25 -p no:cacheprovider tests/test_verify_tree.py tests/test_build_tree.py \
     tests/test_merge_trees.py tests/test_tree_attention.py tests/test_compact_kv.py tests/test_hf_hook.py \
-    tests/test_rms_norm.py tests/test_rope.py tests/test_expand_level.py \
+    tests/test_rms_norm.py tests/test_rope.py tests/test_expand_level.py tests/test_drawn_trees.py \
     >"$OUT/pytest.txt" 2>&1
   echo "pytest rc=$?: $(tail -n 1 "$OUT/pytest.txt")" | tee -a "$summary"
   grep -E "^(FAILED|ERROR)" "$OUT/pytest.txt" | head -n 25 >>"$summary"

@@ -14,6 +14,8 @@ from sampling_checks import assert_distribution, spec_probs
 from taps.expansion import DraftCandidates, DraftSampler, expand_sampled, target_probs
 from taps.strategies import Candidates, sampled_tree
 
+import taps_ops
+
 
 @pytest.mark.parametrize("temperature,top_k,top_p", [(1.0, 0, 1.0), (0.7, 5, 1.0), (1.3, 0, 0.8), (0.5, 7, 0.9)])
 def test_q_is_the_sampling_rule_on_the_drafters_logits(temperature, top_k, top_p):
@@ -33,21 +35,21 @@ def test_per_row_settings():
     np.testing.assert_allclose(q[1, 0].double().numpy(), spec_probs(logits[1, 0], 1.4, 0, 0.7), atol=2e-6)
 
 
-def test_draws_follow_q():
-    logits = torch.randn(1, 1, 12, generator=torch.Generator().manual_seed(3))
-    sampler = DraftSampler(1.0, generator=torch.Generator().manual_seed(4))
+def test_draws_follow_q(device):
+    logits = torch.randn(1, 1, 12, generator=torch.Generator().manual_seed(3)).to(device)
+    sampler = DraftSampler(1.0, generator=torch.Generator(device=device).manual_seed(4))
     q = sampler.dist(logits)
     draws = sampler.draw(q.expand(1, 1, 12).contiguous(), 20000)
-    assert draws.shape == (1, 1, 20000)
-    assert_distribution(draws.flatten().numpy(), q[0, 0].double().numpy())
+    assert draws.shape == (1, 1, 20000) and draws.device.type == device
+    assert_distribution(draws.flatten().cpu().numpy(), q[0, 0].double().cpu().numpy())
 
 
-def test_a_rows_draws_come_from_its_own_generator():
-    q = torch.softmax(torch.randn(2, 3, 50, generator=torch.Generator().manual_seed(5)), -1)
+def test_a_rows_draws_come_from_its_own_generator(device):
+    q = torch.softmax(torch.randn(2, 3, 50, generator=torch.Generator().manual_seed(5)), -1).to(device)
 
     def draws(seed0, seed1):
-        gens = [torch.Generator().manual_seed(seed0), torch.Generator().manual_seed(seed1)]
-        return DraftSampler(1.0, generators=gens).draw(q, 4)
+        gens = [torch.Generator(device=device).manual_seed(seed0), torch.Generator(device=device).manual_seed(seed1)]
+        return DraftSampler(torch.tensor([1.0, 0.8], device=device), generators=gens).draw(q, 4)
 
     a, b = draws(10, 11), draws(12, 11)
     assert torch.equal(a[1], b[1]) and not torch.equal(a[0], b[0])
@@ -94,3 +96,21 @@ def test_the_tree_keeps_every_draw_in_draw_order():
     assert both.source.tolist() == [[0, 9, 9, 9, 9]]
     with pytest.raises(ValueError, match="one slab"):
         sampled_tree(Candidates(*(f.expand(2, *f.shape[1:]) for f in cands[:4]), (0, 1)), torch.tensor([11]))
+
+
+def test_a_draw_from_the_targets_own_distribution_is_accepted(device):
+    """Chains drawn from q = the target's p at the root: recursive rejection sampling (``verify_tree`` with
+    ``draft_probs``) accepts the first draw (min(1, p / q) = 1), and the walk then continues at its node."""
+    gen = torch.Generator().manual_seed(8)
+    batch, vocab, width = 4, 60, 3
+    logits = (torch.randn(batch, vocab, generator=gen) * 2).to(device)
+    draft = expand_sampled(_Oracle(logits), 1, width, DraftSampler(0.9, generator=torch.Generator(device=device)
+                                                                   .manual_seed(9)))
+    tree = sampled_tree(Candidates(*(f.unsqueeze(0) for f in draft.candidates), (0,)),
+                        torch.zeros(batch, dtype=torch.int64, device=device))
+    rows = torch.randn(batch, 1 + width, vocab, generator=gen).to(device)
+    rows[:, 0] = logits                                               # the target's row at the root is q's
+    out = taps_ops.verify_tree(rows, tree.tokens, tree.parents, temperature=0.9, draft_probs=draft.probs,
+                               generator=torch.Generator(device=device).manual_seed(10))
+    assert out.num_accepted.tolist() == [1] * batch
+    assert out.tokens[:, 0].tolist() == tree.tokens[:, 1].tolist()   # the first draw, whatever it is
