@@ -102,6 +102,28 @@ def test_forced_shapes_of_sampled_drafts_sample_the_target():
     assert_samples_follow(tokens, PROMPT, 1.0, 0, 1.0, what="tuned, sampled: ")
 
 
+class _WideRoot(Tuner):
+    """Always the drawn depth-1 shape of the largest budget."""
+
+    def __init__(self):
+        super().__init__(FixedCosts(lambda n, b: 1e-3, lambda g, d, b: 1e-3))
+
+    def choose(self, options):
+        return max((o[0] for o in options if o[0].drawn and o[0].depth == 1), key=lambda s: s.budget)
+
+
+def test_a_depth_one_drawn_tree_spends_the_whole_budget():
+    """A drawn depth-1 shape (no scratch columns) holds budget - 1 root draws, more than top_k, and the
+    output follows the target."""
+    m = em.sampling_models()
+    dec = SpeculativeDecoder(m["target"], [m["eagle"]], strategy="single", depth=3, top_k=2, budget=7,
+                             tuner=_WideRoot())
+    out = dec.generate([PROMPT] * 2000, max_new_tokens=STEPS, temperature=1.0, seed=12)
+    assert {n for s in out.stats for n in s.tree_nodes} == {7}
+    assert out.summary["tau"] > 1.3
+    assert_samples_follow(out.tokens, PROMPT, 1.0, 0, 1.0, what="wide root: ")
+
+
 def test_drawn_trees_where_they_accept_more():
     """The target as its own drafter at T = 1, drafts cheap: its drawn chains are accepted whole, its top-k
     trees only as far as the children's mass carries, so the tuner drafts drawn trees on most steps."""

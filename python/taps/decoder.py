@@ -117,8 +117,8 @@ class SpeculativeDecoder:
         sampled_drafts: where every request samples (temperature > 0) and one drafter group drafts a step
             (one model drafter, or drafters of one shape batched together, e.g. two EAGLE heads of a target:
             then the mean of their distributions), its tree may be *drawn* instead of taken as top-k
-            (:func:`taps.expansion.expand_sampled`: ``min(top_k, (budget - 1) // depth)`` independent draws
-            at the root, each continued by one draw per level; every draw kept) and verified by recursive
+            (:func:`taps.expansion.expand_sampled`: ``(budget - 1) // depth`` independent draws at the root,
+            at most top_k below depth 1, each continued by one draw per level; every draw kept) and verified by recursive
             rejection sampling (``taps_ops.verify_tree(draft_probs=...)``). Lossless as the top-k tree is; a draw is accepted
             with probability 1 - TV(target, drafter) at its node, where top-k children carry the target's
             mass on those k tokens only: drawn trees accept more at high temperatures (shipped drafters,
@@ -463,7 +463,9 @@ class SpeculativeDecoder:
             t0 = self._now()
             if sampled:
                 budget = self.budget if plan.shape is None else plan.shape.budget
-                width = max(1, min(self.top_k, (budget - 1) // max(plan.depth, 1)))
+                width = max(1, (budget - 1) // max(plan.depth, 1))
+                if plan.depth > 1:  # the expansion's scratch columns hold top_k nodes a level
+                    width = min(width, self.top_k)
                 draft = g.draft_sampled(plan.depth, width, state.sampler(), state.prof)
                 state.draft_probs = (draft.probs, g.token_map)
                 drafted.append(draft.candidates)
