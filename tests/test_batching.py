@@ -269,6 +269,31 @@ def test_folded_start_drafts_as_start_and_appends(names):
         torch.testing.assert_close(a.scores, b.scores, rtol=1e-4, atol=1e-4)
 
 
+def test_the_tuner_starts_a_sampling_mode_once():
+    """Sampled requests joining a greedy batch switch the tuner to its sampling mode once (the next one to
+    join is added to that mode's requests: a second switch would reset their acceptance), and back to
+    greedy once when they have left."""
+    m = em.greedy_models()
+
+    class Counting(Tuner):
+        def __init__(self):
+            super().__init__(FixedCosts(lambda n, b: 1e-3, lambda g, d, b: 1e-2 * d, lambda g, t, b: 1e-5))
+            self.modes = []
+
+        def begin(self, batch, sampling):
+            self.modes.append(sampling)
+            super().begin(batch, sampling)
+
+    tuner = Counting()
+    dec = SpeculativeDecoder(m["target"], _drafters(("eagle",)), strategy="single", depth=3, top_k=3, budget=8,
+                             tuner=tuner)
+    arrivals = {0: [(0, PROMPTS[0], SamplingParams(max_new_tokens=30))],
+                3: [(1, PROMPTS[1], SamplingParams(max_new_tokens=10, temperature=1.0, seed=1))],
+                6: [(2, PROMPTS[2], SamplingParams(max_new_tokens=10, temperature=0.8, seed=2))]}
+    _run(ContinuousBatch(dec, max_batch=4), arrivals)
+    assert tuner.modes == [False, True, False], tuner.modes
+
+
 def test_plain_steps_coast_until_the_batch_changes():
     """Where no draft pays, the decoder repeats the tuner's plain step without planning (a run of plain
     steps costs what autoregressive steps do), and plans again at the first step after requests join,

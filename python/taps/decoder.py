@@ -691,11 +691,10 @@ class SpeculativeDecoder:
         sampling = _samples(state.sample)
         for g in state.groups:
             g.sampling = sampling
-        state.all_sample = _all_sample(state.sample)
+        changed, state.sampling, state.all_sample = sampling != state.sampling, sampling, _all_sample(state.sample)
         if self.tuner is None:
-            state.sampling = sampling
             return
-        if sampling != state.sampling:
+        if changed:
             self.tuner.begin(state.batch, sampling)
         elif added:
             self.tuner.acceptance.add_requests(added)
