@@ -729,10 +729,11 @@ class Tuner:
             position = {g: i for i, g in enumerate(groups)}
             for members in self.kinds(groups, single):
                 index = tuple(position[g] for g in members)
+                may_draw = len(index) == 1 and index[0] in drawn  # one group alone: its shapes drawn too
                 for shape in self.candidates([members], depth, budget):
-                    if not (drawn_only and len(index) == 1 and index[0] in drawn):
+                    if not (may_draw and drawn_only):
                         out.append((shape, members, shape.key, index))
-                    if len(index) == 1 and index[0] in drawn:  # the same shape drawn
+                    if may_draw:
                         shape = shape._replace(drawn=True)
                         out.append((shape, members, shape.key, index))
             self._shape_memo = (memo, out)
