@@ -206,3 +206,12 @@ def test_batching_bench_runs():
     rows = [ln.split() for ln in out.splitlines() if ln.strip().startswith(("taps autoregressive", "control", "single"))]
     assert len(rows) >= 3 and all(r[-1].endswith("x") for r in rows[:3]), out
     assert "where the time went" in out and "tree widths verified" in out, out
+
+
+def test_tuner_simulation_bench_runs():
+    out = run_bench("bench_tuner_sim.py", "--rates", "0", "0.7", "--tokens", "24", "--seeds", "2")
+    rows = table_rows(out, "Tuner against simulated drafts")
+    assert len(rows) == 2 and all(r.split()[2].endswith("x") for r in rows), rows
+    out = run_bench("bench_tuner_sim.py", "--rates", "0.5", "--tokens", "16", "--seeds", "1", "--no-candidates",
+                    "--forward", "1:1,16:2", "--explore", "0.05")
+    assert len(table_rows(out, "Tuner against simulated drafts")) == 1

@@ -657,3 +657,45 @@ def test_prompt_lookup_drafts_only_with_a_match():
     stats = out.stats[0]
     drafted = [n for s, n in zip(stats.draft_shapes, stats.tree_nodes) if s != "none"]
     assert drafted and min(drafted) > 1, (stats.draft_shapes, stats.tree_nodes)
+
+
+def test_a_shape_not_run_yet_is_priced_at_the_nodes_its_expansion_can_fill():
+    """plan(candidates=): a top-k shape not run yet is predicted at min(budget, 1 + its groups' candidates)
+    nodes (a depth-1 draft of top_k 4 under a budget of 16 is a 5-node tree, not a 16-node one), a drawn one
+    and every shape without `candidates` at its budget; once run, at the nodes it ran."""
+    def seconds(tuner, shape):
+        return next(s for sh, _, s, _, _ in tuner._plan_memo[1] if sh == shape)
+
+    forward = lambda n, b: 1e-3 * n  # noqa: E731
+    top4 = lambda g, d: 4 + (d - 1) * 16  # noqa: E731  (an EAGLE expansion with top_k 4)
+    d1, d2 = Shape((0, 1), 1, 16), Shape((0, 1), 2, 16)
+    for candidates, want_d1 in ((None, 16), (top4, 9)):  # two groups: 1 + 4 + 4 nodes at depth 1
+        tuner = Tuner(FixedCosts(forward, lambda g, d, b: 0.0))
+        tuner.begin(1, True)
+        tuner.plan([(0,), (1,)], lambda g, d: d, [0, 0], [0], 1, 3, 16, drawn=(0,), candidates=candidates)
+        assert seconds(tuner, d1) == pytest.approx(want_d1 * 1e-3)
+        assert seconds(tuner, d2) == pytest.approx(16e-3)  # 1 + 2 x 20 candidates: the budget
+        drawn = Shape((0,), 1, 16, drawn=True)  # a drawn depth-1 shape spends its whole budget
+        assert seconds(tuner, drawn) == pytest.approx(16e-3)
+        alone = Shape((0,), 1, 4)
+        assert seconds(tuner, alone) == pytest.approx(4e-3)  # the budget is below 1 + 4
+    tuner.observe(d1, [0], 1, 7, 1, 0.0, {}, [])  # it ran 7 nodes (e.g. a merged tree's duplicates)
+    tuner._plan_memo = None
+    tuner.plan([(0,), (1,)], lambda g, d: d, [0, 0], [0], 1, 3, 16, drawn=(0,), candidates=top4)
+    assert seconds(tuner, d1) == pytest.approx(7e-3)
+
+
+def test_the_decoder_tells_the_tuner_its_expansions_candidates():
+    """A decoder prices its drafters' depth-1 shapes at 1 + top_k nodes before running them."""
+    m = em.greedy_models()
+    seen = []
+
+    class Spy(Tuner):
+        def plan(self, *args, **kwargs):
+            seen.append(kwargs.get("candidates"))
+            return super().plan(*args, **kwargs)
+
+    dec = SpeculativeDecoder(m["target"], [ModelDrafter(m["other"])], strategy="single", depth=3, top_k=3,
+                             tuner=Spy(_cheap()))
+    dec.generate(torch.tensor([PROMPT]), max_new_tokens=4)
+    assert seen and all(c is not None and c(0, 1) == 3 and c(0, 2) == 3 + 9 for c in seen)

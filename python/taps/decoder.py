@@ -44,7 +44,7 @@ import taps_ops
 
 from . import hf
 from .drafters import DraftGroup, Drafter, make_groups, target_vocab_size
-from .expansion import DraftSampler, scratch_positions, target_probs
+from .expansion import DraftSampler, num_candidates, scratch_positions, target_probs
 from .forward import TargetForward
 from .kv import pack_bits
 from .lean import stack_key
@@ -430,7 +430,8 @@ class SpeculativeDecoder:
         drawn = tuple(i for i, g in enumerate(groups) if self._may_draw(state, g))
         shape = tuner.plan([tuple(g.members) for g in groups], lambda i, d: groups[i].tree_depth(d, self.top_k),
                            [state.pending.count(g) for g in groups], active, state.batch, self.depth, self.budget,
-                           idle=idle, drawn=drawn, drawn_only=self.sampled_drafts is True)
+                           idle=idle, drawn=drawn, drawn_only=self.sampled_drafts is True,
+                           candidates=lambda i, d: num_candidates(d, self.top_k))
         if not shape.drafters:  # a plain step (most steps where no draft pays: kept lean)
             # repeated without planning until a probe could come due, while the groups idle now stay idle
             token = tuner.coast_token()

@@ -638,7 +638,8 @@ class Tuner:
 
     def plan(self, groups: Sequence[Tuple[int, ...]], caps: Callable[[int, int], int], pending: Sequence[int],
              active: Sequence[int], batch: int, depth: int, budget: int, single: bool = False,
-             idle: Sequence[int] = (), drawn: Sequence[int] = (), drawn_only: bool = False) -> Shape:
+             idle: Sequence[int] = (), drawn: Sequence[int] = (), drawn_only: bool = False,
+             candidates: Optional[Callable[[int, int], int]] = None) -> Shape:
         """This step's draft.
 
         Args:
@@ -654,6 +655,11 @@ class Tuner:
                 match): no kind with one of them is a candidate (unless ``single``).
             drawn: positions of groups whose kinds of that group alone may be drawn too (:attr:`Shape.drawn`:
                 every request samples); ``drawn_only``: those kinds are drawn only.
+            candidates: ``candidates(group position, depth)``: the most nodes below the root that group's
+                top-k draft of `depth` levels proposes (an EAGLE expansion: top_k + (depth - 1) top_k^2). A
+                top-k shape not yet run is predicted at its budget's nodes or, when fewer, at its groups'
+                candidates plus the root (a depth-1 draft of top_k 4 under a budget of 16 is a 5-node tree);
+                once run, at the nodes it ran. Without it, at its budget's nodes.
         """
         costs = self.costs
         groups = tuple(groups)
@@ -678,10 +684,16 @@ class Tuner:
             # the parts shapes share, each computed once: a group's depth cap and expansion per depth
             cap_of = {(g, d): caps(position[g], d) for g in groups for d in range(1, depth + 1)}
             draft_of = {(g, d): costs.draft(g, d, batch) for g in groups for d in range(1, depth + 1)}
+            most = None if candidates is None else {(g, d): candidates(position[g], d) for g in groups
+                                                    for d in range(1, depth + 1)}
             for shape, members, key, index in self._shapes(groups, depth, budget, single, drawn, drawn_only):
                 d = shape.depth
                 cap = min(shape.budget - 1, max(cap_of[g, d] for g in members))
-                nodes = self._nodes.get((key, d, shape.budget), shape.budget)
+                nodes = self._nodes.get((key, d, shape.budget))
+                if nodes is None:  # not run yet: its budget, or the most its groups' top-k drafts propose
+                    nodes = shape.budget
+                    if most is not None and not shape.drawn:
+                        nodes = min(nodes, 1 + sum(most[g, d] for g in members))
                 seconds = costs.forward(nodes, batch) + costs.rest(key) + sum(draft_of[g, d] for g in members)
                 base.append((shape, acceptance.total(key, rows, cap), seconds,
                              acceptance.total(key, rows, cap, optimistic=True), index))
