@@ -699,3 +699,53 @@ def test_the_decoder_tells_the_tuner_its_expansions_candidates():
                              tuner=Spy(_cheap()))
     dec.generate(torch.tensor([PROMPT]), max_new_tokens=4)
     assert seen and all(c is not None and c(0, 1) == 3 and c(0, 2) == 3 + 9 for c in seen)
+
+
+def test_probes_go_no_deeper_than_the_drafters_were_ever_accepted_plus_two():
+    """Once tried, a kind's probes go at most two levels past the deepest level any kind of its drafters was
+    accepted at, and to depth 1 while none ever was: a useless drafter is probed with its cheapest tree (the
+    first drafts, chosen on the prior's rates before plain steps win, are not probes: at full depth)."""
+    acc = AcceptanceModel()
+    acc.reset(1)
+    key, wide = ((0,), 8), ((0,), 16)
+    assert acc.probe_depth(key) > 100  # nothing observed: no limit
+    acc.observe(wide, [0], 4)
+    assert acc.probe_depth(key) == 1 and acc.probe_depth(((1,), 8)) > 100
+    acc.observe(key, [1], 4)
+    assert acc.probe_depth(wide) == 3
+
+    # trees of 1 + 4 d nodes; cheap ones for the drafter never accepted, and ones of 2.4x a plain step for
+    # the drafter accepted once a step: every draft of it loses, while a deep one that is all accepted would win
+    cheap = _cheap(draft=1e-5, forward=1e-3, per_node=1e-5)
+    dear = FixedCosts(lambda n, b: 1e-3 if n <= 1 else 2.4e-3 + 1e-5 * n, lambda g, d, b: 1e-5 * d)
+    for accepted, want, costs in ((0, {1}, cheap), (1, {1, 2, 3}, dear)):
+        tuner = Tuner(costs, budgets=())
+        tuner.begin(1, False)
+        depths = []  # 0: a plain step
+        for _ in range(300):
+            shape = tuner.plan([(0,)], lambda g, d: d, [0], [0], 1, 4, 16, candidates=lambda g, d: 4 * d)
+            depths.append(shape.depth)
+            if shape.drafters:
+                tuner.observe(shape, [min(accepted, shape.depth)], shape.depth, 1 + 4 * shape.depth, 1, 1e-3, {}, [])
+        probes = depths[depths.index(0):]
+        assert depths[0] >= 3 and sum(d > 0 for d in probes) > 2 and set(probes) <= want | {0}, (accepted, depths)
+
+
+def test_a_probe_that_beats_the_best_choice_starts_its_back_off_over():
+    """A probe whose tokens beat what the step's best choice would have made in its time may run again at the
+    next step (its kind's interval starts over); one that falls short doubles the interval as before."""
+    for accepted, want_gap in ((3, 1), (1, 2)):
+        tuner = Tuner(_cheap(), explore=1.0)
+        tuner.begin(1, False)
+        bad = Shape((0,), 3, 8)
+        # predicted poor, optimistic 4 tokens in 3 plain steps' time: 4 tokens beat them, 2 do not
+        options = [(NONE, 1.0, 1.0, 1.0), (bad, 0.1, 3.0, 4.0)]
+        steps = []
+        for step in range(12):
+            shape = tuner.choose(options)
+            if shape.drafters:
+                steps.append(step)
+                tuner.observe(shape, [accepted], 3, 8, 1, 3.0, {}, [])
+        gaps = [b - a for a, b in zip(steps, steps[1:])]
+        assert steps[0] == 0 and gaps and gaps[0] == want_gap, (accepted, steps)
+        assert all(g == 1 for g in gaps) if want_gap == 1 else gaps == sorted(gaps) and gaps[-1] > 2, steps
