@@ -9,11 +9,10 @@ plans every step of a decoding of one request, and a simulation answers. Costs a
 tree of n nodes (``--forward``, points interpolated linearly; the default is what the tuner calibrated for
 ``bench_e2e_synthetic.py --shape llama-0.5b`` on the development CPU, Intel Xeon with AVX-512, fp32, 1
 thread, 2026-12-03), each drafter level (``--draft``) and each token the drafter appends (``--update``).
-Trees: a draft of depth d and budget n holds as many nodes as an EAGLE expansion fills, min(n, 1 + top_k +
-(d - 1) top_k^2). Acceptance: the drafter's top-1 candidate is the target's token with probability ``a``
-(``--rates``) at every level, and a level is passed with probability 1 - (1 - a)^w, where w = min(top_k,
-(nodes - 1) // d) is the children the accepted parent has there (nodes on other branches are spent in
-vain). The tuner is told the expansion's candidate count, as the decoder tells it (``Tuner.plan(candidates=)``;
+Drafts: a calibrated drafter whose top-1 candidate is the target's token with probability ``a``
+(``--rates``) at every node and its rank-j candidate with a (1 - a)^(j - 1); a draft of depth d and budget
+n holds what an EAGLE-2 expansion keeps, min(n, 1 + top_k + (d - 1) top_k^2) nodes: the likeliest paths of
+ranks (see ``Drafts``), and accepts the target's path as far as the tree holds it. The tuner is told the expansion's candidate count, as the decoder tells it (``Tuner.plan(candidates=)``;
 ``--no-candidates``: it is not, and predicts a shape it has not run at its budget's nodes). The tuner's rows run
 ``--seeds`` decodings of ``--tokens`` tokens each with a new tuner, so their first steps are its learning.
 
@@ -65,10 +64,17 @@ def interpolate(points: Sequence[Tuple[float, float]], x: float) -> float:
 
 
 class Drafts:
-    """The simulated drafts: tree shape, cost and acceptance of a (depth, budget) draft."""
+    """The simulated drafts: tree, cost and acceptance of a (depth, budget) draft for a top-1 rate ``a``.
+
+    The drafter is calibrated: the target's next token is the drafter's rank-j candidate with probability
+    q_j = a (1 - a)^(j - 1) at every node, whatever came before. A draft of depth d and budget n is what an
+    EAGLE-2 expansion keeps: the n - 1 paths of ranks (each rank <= top_k, at most d long) of the highest
+    probability (the product of their q's; a path's prefixes are likelier, so the set is a tree). A draft
+    accepts the target's path as far as the tree holds it."""
 
     def __init__(self, forward, draft: float, update: float, top_k: int):
         self.forward, self.draft, self.update, self.top_k = forward, draft, update, top_k
+        self._trees: Dict[Tuple[float, int, int], Tuple[frozenset, float]] = {}
 
     def candidates(self, depth: int) -> int:
         return self.top_k + (depth - 1) * self.top_k ** 2
@@ -76,12 +82,32 @@ class Drafts:
     def nodes(self, depth: int, budget: int) -> int:
         return min(budget, 1 + self.candidates(depth))
 
-    def width(self, depth: int, budget: int) -> int:
-        return max(1, min(self.top_k, (self.nodes(depth, budget) - 1) // depth))
+    def tree(self, a: float, depth: int, budget: int) -> Tuple[frozenset, float]:
+        """The draft's nodes (rank paths) and its expected accepted tokens."""
+        key = (a, depth, budget)
+        if key not in self._trees:
+            q = [a * (1.0 - a) ** j for j in range(self.top_k)]
+            paths, frontier = [], [((), 1.0)]
+            for _ in range(depth):  # every path of ranks <= top_k, at most `depth` long (ties: shallower, earlier)
+                frontier = [(p + (j,), w * q[j]) for p, w in frontier for j in range(self.top_k)]
+                paths += frontier
+            order = sorted(range(len(paths)), key=lambda i: (-paths[i][1], len(paths[i][0]), i))
+            kept = [paths[i] for i in order[:self.nodes(depth, budget) - 1]]
+            self._trees[key] = (frozenset(p for p, _ in kept), sum(w for _, w in kept))
+        return self._trees[key]
 
-    def level(self, a: float, depth: int, budget: int) -> float:
-        """P(a level is passed)."""
-        return 1.0 - (1.0 - a) ** self.width(depth, budget)
+    def accept(self, a: float, depth: int, budget: int, rng: random.Random) -> int:
+        """Draft tokens one step accepts."""
+        nodes, _ = self.tree(a, depth, budget)
+        path = ()
+        while len(path) < depth:
+            rank = 0  # the target token's rank under the drafter: geometric
+            while rng.random() >= a and rank <= self.top_k:
+                rank += 1
+            if path + (rank,) not in nodes:
+                break
+            path += (rank,)
+        return len(path)
 
     def cost(self, depth: int, budget: int, tokens: float) -> float:
         """Plain steps of a draft step that yields `tokens` tokens (its drafter appends them next step)."""
@@ -93,8 +119,7 @@ class Drafts:
         best = (1.0 / interpolate(self.forward, 1), "none")
         for n in sorted({b for b in budgets if b < budget} | {budget}):
             for d in range(1, min(depth, n - 1) + 1):
-                p = self.level(a, d, n)
-                tokens = 1.0 + sum(p ** i for i in range(1, d + 1))
+                tokens = 1.0 + self.tree(a, d, n)[1]
                 best = max(best, (tokens / self.cost(d, n, tokens), f"d{d} n{n}"))
         return best
 
@@ -119,9 +144,7 @@ def simulate(drafts: Drafts, a: float, tokens: int, seed: int, depth: int, budge
             seconds += interpolate(drafts.forward, 1)
             continue
         d, n = shape.depth, shape.budget
-        passed, p = 0, drafts.level(a, d, n)
-        while passed < d and rng.random() < p:
-            passed += 1
+        passed = drafts.accept(a, d, n, rng)
         tuner.observe(shape, [passed], d, drafts.nodes(d, n), 1, 0.0, {}, [])
         made += passed + 1
         seconds += drafts.cost(d, n, passed + 1)

@@ -447,6 +447,23 @@ def test_a_wide_kind_bounds_the_narrower_ones():
     assert acc.expected(narrow, 0, 3) <= acc.expected(wide, 0, 3) + 1e-12 < acc.expected(other, 0, 3)
 
 
+def test_a_narrow_kind_bounds_the_wider_ones_from_below():
+    """Once a narrow tree of some drafters is accepted, a wider budget of the same drafters (its tree holds
+    the narrow one's nodes) is estimated at least as high, before it has run; its upper confidence bound
+    stays its own; kinds of other drafters and narrower budgets are not raised by it."""
+    acc = AcceptanceModel()
+    acc.reset(1)
+    narrow, wide, other, narrower = ((0,), 4), ((0,), 16), ((1,), 16), ((0,), 2)
+    prior = acc.expected(wide, 0, 3)
+    upper = acc.expected(wide, 0, 3, optimistic=True)
+    for _ in range(6):
+        acc.observe(narrow, [3], 3)
+    assert acc.expected(wide, 0, 3) == pytest.approx(acc.expected(narrow, 0, 3)) and acc.expected(wide, 0, 3) > prior + 0.5
+    assert acc.expected(wide, 0, 3, optimistic=True) == pytest.approx(max(upper, acc.expected(narrow, 0, 3)))
+    assert acc.expected(other, 0, 3) == pytest.approx(prior)
+    assert acc.expected(narrower, 0, 3) == pytest.approx(prior)
+
+
 def _probes_of_a_useless_drafter(budgets, steps=300):
     """Steps a tuner drafts, out of `steps`, with one drafter that is never accepted (fixed costs: a
     draft that is always accepted would win)."""

@@ -27,7 +27,8 @@ much each part costs depends on the machine (ISA, dtype, threads, batch, a GPU o
   a drafter never accepted is probed at depth 1, its cheapest tree), with exponential back-off (started
   over by a probe that beat the choice of its step), only while it could win with its rates at an upper
   confidence bound (each raised by 1 / sqrt(1 + trials); a kind's chance to reach each depth at most that
-  of an observed wider kind of the same drafters, whose tree holds its best nodes), and only as far as an
+  of an observed wider kind of the same drafters, whose tree holds its best nodes, and its estimate at
+  least that of an observed narrower one), and only as far as an
   exploration credit covers its predicted loss (the credit grows by a share ``explore`` of each step's
   predicted time), so probes lose about that share at most, however many kinds there are and whatever a
   tree costs at the batch size, and useless drafters cost a vanishing share of the steps.
@@ -404,14 +405,16 @@ class AcceptanceModel:
         1 / sqrt(1 + its trials) (an upper confidence bound: what a kind could still turn out to give).
         Each P(accepted >= d) is at most that of any observed kind of the same drafters with a larger node
         budget (whose tree holds this one's best nodes: what it did not accept, this one would not have
-        either), so that the widest tree's steps speak for the narrower kinds too."""
+        either), so that the widest tree's steps speak for the narrower kinds too; and at least the estimate
+        (not the optimistic one) of any observed narrower kind (what it accepted, this tree would have too),
+        so that a narrow tree's steps speak for the wider kinds."""
         if cap <= 0:
             return 0.0
         return self._bounded(key, b, cap, optimistic)[cap - 1]
 
     def _bounded(self, key: tuple, b: int, cap: int, optimistic: bool) -> List[float]:
         """E[accepted] of request b for the depths 1 .. cap (or more): the running sums of P(accepted >=
-        d), each bounded by the wider observed kinds' (see :meth:`expected`); computed once per kind and
+        d), each bounded by the wider and the narrower observed kinds' (see :meth:`expected`); computed once per kind and
         request until an observation of the kind's drafters (a plan asks for every depth of a kind)."""
         memo = ("bounded", b, optimistic)
         kind = self._memo.setdefault(key, {})
@@ -420,9 +423,14 @@ class AcceptanceModel:
             cap = max(cap, self.horizon)
             reach = self._reach(key, b, cap, optimistic)[:cap]
             drafters, budget = key
+            narrower = []
             for other in self.pooled if budget is not None else ():
                 if other[0] == drafters and other[1] is not None and other[1] > budget:
                     reach = [min(p, q) for p, q in zip(reach, self._reach(other, b, cap, optimistic))]
+                elif other[0] == drafters and other[1] is not None and other[1] < budget:
+                    narrower.append(other)
+            for other in narrower:
+                reach = [max(p, q) for p, q in zip(reach, self._reach(other, b, cap, False))]
             sums = kind[memo] = list(itertools.accumulate(reach))
         return sums
 
