@@ -10,7 +10,8 @@ tree of n nodes (``--forward``, points interpolated linearly; the default is wha
 ``bench_e2e_synthetic.py --shape llama-0.5b`` on the development CPU, Intel Xeon with AVX-512, fp32, 1
 thread, 2026-12-03), each drafter level (``--draft``) and each token the drafter appends (``--update``).
 Drafts: a calibrated drafter whose top-1 candidate is the target's token with probability ``a``
-(``--rates``) at every node and its rank-j candidate with a (1 - a)^(j - 1); a draft of depth d and budget
+(``--rates``) at every node and its rank-j candidate with a (1 - a)^(j - 1) (times ``--others``: 0 models
+``bench_e2e_synthetic.py``'s oracle, whose other candidates are random); a draft of depth d and budget
 n holds what an EAGLE-2 expansion keeps, min(n, 1 + top_k + (d - 1) top_k^2) nodes: the likeliest paths of
 ranks (see ``Drafts``), and accepts the target's path as far as the tree holds it. The tuner is told the expansion's candidate count, as the decoder tells it (``Tuner.plan(candidates=)``;
 ``--no-candidates``: it is not, and predicts a shape it has not run at its budget's nodes). The tuner's rows run
@@ -72,8 +73,9 @@ class Drafts:
     probability (the product of their q's; a path's prefixes are likelier, so the set is a tree). A draft
     accepts the target's path as far as the tree holds it."""
 
-    def __init__(self, forward, draft: float, update: float, top_k: int):
+    def __init__(self, forward, draft: float, update: float, top_k: int, others: float = 1.0):
         self.forward, self.draft, self.update, self.top_k = forward, draft, update, top_k
+        self.others = others  # the share of the calibrated q_j (j >= 2) the lower ranks hold
         self._trees: Dict[Tuple[float, int, int], Tuple[frozenset, float]] = {}
 
     def candidates(self, depth: int) -> int:
@@ -86,7 +88,7 @@ class Drafts:
         """The draft's nodes (rank paths) and its expected accepted tokens."""
         key = (a, depth, budget)
         if key not in self._trees:
-            q = [a * (1.0 - a) ** j for j in range(self.top_k)]
+            q = self.ranks(a)
             paths, frontier = [], [((), 1.0)]
             for _ in range(depth):  # every path of ranks <= top_k, at most `depth` long (ties: shallower, earlier)
                 frontier = [(p + (j,), w * q[j]) for p, w in frontier for j in range(self.top_k)]
@@ -96,13 +98,19 @@ class Drafts:
             self._trees[key] = (frozenset(p for p, _ in kept), sum(w for _, w in kept))
         return self._trees[key]
 
+    def ranks(self, a: float) -> List[float]:
+        """P(the target's token is the drafter's rank-j candidate), j = 1 .. top_k."""
+        return [a] + [self.others * a * (1.0 - a) ** j for j in range(1, self.top_k)]
+
     def accept(self, a: float, depth: int, budget: int, rng: random.Random) -> int:
         """Draft tokens one step accepts."""
         nodes, _ = self.tree(a, depth, budget)
+        q = self.ranks(a)
         path = ()
         while len(path) < depth:
-            rank = 0  # the target token's rank under the drafter: geometric
-            while rng.random() >= a and rank <= self.top_k:
+            u, rank = rng.random(), 0  # the target token's rank under the drafter (top_k: none of them)
+            while rank < self.top_k and u >= q[rank]:
+                u -= q[rank]
                 rank += 1
             if path + (rank,) not in nodes:
                 break
@@ -159,6 +167,9 @@ def main() -> None:
     ap.add_argument("--update", type=float, default=0.02, help="plain steps per token the drafter appends")
     ap.add_argument("--rates", type=float, nargs="+", default=[0.0, 0.3, 0.5, 0.7, 0.85],
                     help="top-1 acceptance a per level")
+    ap.add_argument("--others", type=float, default=1.0,
+                    help="the lower ranks' share of a calibrated drafter's probabilities (1: q_j = a (1 - a)^(j - 1); "
+                         "0: only the top-1 candidate is ever the target's, as bench_e2e_synthetic.py's oracle)")
     ap.add_argument("--tokens", type=int, nargs="+", default=[48, 400])
     ap.add_argument("--seeds", type=int, default=20)
     ap.add_argument("--depth", type=int, default=4)
@@ -178,13 +189,15 @@ def main() -> None:
         ap.error("--rates must lie in [0, 1]")
     if args.depth < 1 or args.top_k < 1 or args.budget < 2 or args.seeds < 1 or any(t < 1 for t in args.tokens):
         ap.error("need --depth, --top-k, --seeds, --tokens >= 1 and --budget >= 2")
-    drafts = Drafts(parse_points(args.forward), args.draft, args.update, args.top_k)
+    if not 0.0 <= args.others <= 1.0:
+        ap.error("--others must lie in [0, 1]")
+    drafts = Drafts(parse_points(args.forward), args.draft, args.update, args.top_k, args.others)
     tuner_kw: Dict[str, object] = {"budgets": tuple(args.budgets)}
     for name in ("explore", "max_probe_interval", "margin"):
         if getattr(args, name) is not None:
             tuner_kw[name] = getattr(args, name)
     print(f"forward (plain steps by nodes): {args.forward}; drafter {args.draft} a level, {args.update} a token "
-          f"appended; depth {args.depth}, top_k {args.top_k}, budget {args.budget}, budgets {args.budgets}; "
+          f"appended; lower ranks' share {args.others:g}; depth {args.depth}, top_k {args.top_k}, budget {args.budget}, budgets {args.budgets}; "
           f"{args.seeds} seeds, a new tuner each" + ("; the tuner is not told the candidate counts" if args.no_candidates else ""))
     rows = []
     for a in args.rates:

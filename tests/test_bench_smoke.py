@@ -213,5 +213,5 @@ def test_tuner_simulation_bench_runs():
     rows = table_rows(out, "Tuner against simulated drafts")
     assert len(rows) == 2 and all(r.split()[2].endswith("x") for r in rows), rows
     out = run_bench("bench_tuner_sim.py", "--rates", "0.5", "--tokens", "16", "--seeds", "1", "--no-candidates",
-                    "--forward", "1:1,16:2", "--explore", "0.05")
+                    "--forward", "1:1,16:2", "--explore", "0.05", "--others", "0")
     assert len(table_rows(out, "Tuner against simulated drafts")) == 1

@@ -746,23 +746,3 @@ def test_probes_go_no_deeper_than_the_drafters_were_ever_accepted_plus_two():
                 tuner.observe(shape, [min(accepted, shape.depth)], shape.depth, 1 + 4 * shape.depth, 1, 1e-3, {}, [])
         probes = depths[depths.index(0):]
         assert depths[0] >= 3 and sum(d > 0 for d in probes) > 2 and set(probes) <= want | {0}, (accepted, depths)
-
-
-def test_a_probe_that_beats_the_best_choice_starts_its_back_off_over():
-    """A probe whose tokens beat what the step's best choice would have made in its time may run again at the
-    next step (its kind's interval starts over); one that falls short doubles the interval as before."""
-    for accepted, want_gap in ((3, 1), (1, 2)):
-        tuner = Tuner(_cheap(), explore=1.0)
-        tuner.begin(1, False)
-        bad = Shape((0,), 3, 8)
-        # predicted poor, optimistic 4 tokens in 3 plain steps' time: 4 tokens beat them, 2 do not
-        options = [(NONE, 1.0, 1.0, 1.0), (bad, 0.1, 3.0, 4.0)]
-        steps = []
-        for step in range(12):
-            shape = tuner.choose(options)
-            if shape.drafters:
-                steps.append(step)
-                tuner.observe(shape, [accepted], 3, 8, 1, 3.0, {}, [])
-        gaps = [b - a for a, b in zip(steps, steps[1:])]
-        assert steps[0] == 0 and gaps and gaps[0] == want_gap, (accepted, steps)
-        assert all(g == 1 for g in gaps) if want_gap == 1 else gaps == sorted(gaps) and gaps[-1] > 2, steps

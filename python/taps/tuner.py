@@ -24,8 +24,7 @@ much each part costs depends on the machine (ISA, dtype, threads, batch, a GPU o
   drafter groups, every depth 1 .. the decoder's and every node budget of ``budgets`` below the
   decoder's, and its own. Each kind not chosen is probed now and then at its full depth (every depth
   observed at once; once tried, at most two levels past the deepest its drafters were ever accepted at, so
-  a drafter never accepted is probed at depth 1, its cheapest tree), with exponential back-off (started
-  over by a probe that beat the choice of its step), only while it could win with its rates at an upper
+  a drafter never accepted is probed at depth 1, its cheapest tree), with exponential back-off, only while it could win with its rates at an upper
   confidence bound (each raised by 1 / sqrt(1 + trials); a kind's chance to reach each depth at most that
   of an observed wider kind of the same drafters, whose tree holds its best nodes, and its estimate at
   least that of an observed narrower one), and only as far as an
@@ -553,8 +552,6 @@ class Tuner:
         self.explore = float(explore)
         self._credit: Optional[float] = None  # seconds the probes may still lose (see choose)
         self._accrual = 0.0  # the credit one step adds
-        #: the probe this step runs: (shape, its predicted seconds, the best choice's tokens per second)
-        self._probing: Optional[Tuple[Shape, float, float]] = None
         #: while plain steps run with no probe near, one in this many is observed (see observes)
         self.plain_sample = 4
         #: a plan recomputes the candidates' values after observed drafts at most once in this many steps
@@ -595,8 +592,7 @@ class Tuner:
         unless a kind not chosen (no draft included) is due for a probe, could beat it with its optimistic
         value, and its predicted loss is covered by the exploration credit (then its deepest such shape:
         every depth observed at once, once tried no deeper than :meth:`AcceptanceModel.probe_depth`; of
-        the widest such kind); a probed kind's interval doubles (and starts over from one step when the
-        probe yields more tokens than the best choice would have in its time: see :meth:`observe`), and the
+        the widest such kind); a probed kind's interval doubles, and the
         narrower kinds of its drafters wait as long (its outcome bounds theirs).
 
         A kind's first try is free; the credit starts at what ``max_probe_interval`` steps add and holds
@@ -606,7 +602,6 @@ class Tuner:
         each (a tree over a batch of 8 costs several plain steps, one over a single request little more
         than one)."""
         margin = 1.0 + self.margin
-        self._probing = None
         best_shape, best_value, best_seconds, _ = max(
             options, key=lambda o: o[1] / max(o[2], 1e-9) * (1.0 if o[0].drafters else margin))
         rate = best_value / max(best_seconds, 1e-9)
@@ -621,7 +616,6 @@ class Tuner:
         self._credit = top if self._credit is None else min(self._credit + self._accrual, top)
         credit, accrual = self._credit, self._accrual
         due: Dict[tuple, Tuple[Shape, float]] = {}
-        seconds_of: Dict[tuple, float] = {}
         ready = clock + self.max_probe_interval  # the first step some kind could be probed at
         for shape, value, seconds, upper in options:
             if upper <= rate * seconds:
@@ -641,7 +635,6 @@ class Tuner:
                 old = due.get(key)
                 if old is None or (shape.depth, shape.budget) > (old[0].depth, old[0].budget):
                     due[key] = (shape, loss)
-                    seconds_of[key] = seconds
             ready = min(ready, at)
         self._plain_until = ready if not best_shape.drafters else 0
         if not due:
@@ -653,7 +646,6 @@ class Tuner:
         self._credit -= loss
         interval = min(probe.get(key, (0, 1))[1] * 2, self.max_probe_interval)
         probe[key] = (clock + interval, interval)
-        self._probing = (shape, seconds_of[key], rate)
         for other in {o[0].key for o in options}:
             if other[0] == key[0] and other[1] < key[1] and other != best_key:  # (drawn kinds apart: key[0])
                 at, old = probe.get(other, (0, 1))
@@ -806,16 +798,9 @@ class Tuner:
         """What a step of `shape` gave: accepted draft tokens per request (None: finished before it),
         the nominal tree depth, the nodes per request the forward ran, the step's seconds, its timed parts
         ({part: (measured, predicted)}) and group updates ((drafters, tokens, seconds))."""
-        probing, self._probing = self._probing, None
         if shape.drafters:
             self._version += 1
             self.acceptance.observe(shape.key, accepted, cap)
-            if probing is not None and probing[0] == shape:
-                # a probe that beat the best choice's rate: its kind may be probed again at once (its
-                # interval starts over), so that a kind unlucky at first is not left waiting ever longer
-                _, seconds, rate = probing
-                if sum(a + 1 for a in accepted if a is not None) > rate * seconds:
-                    self._probe[shape.key] = (self.clock + 1, 1)
             memo = (shape.key, shape.depth, shape.budget)
             self._nodes[memo] = _ema(self._nodes.get(memo), nodes, 0.2)
         predicted = sum(p for _, p in parts.values()) + sum(self.costs.update(g, t, batch) for g, t, _ in updates)
