@@ -746,3 +746,33 @@ def test_probes_go_no_deeper_than_the_drafters_were_ever_accepted_plus_two():
                 tuner.observe(shape, [min(accepted, shape.depth)], shape.depth, 1 + 4 * shape.depth, 1, 1e-3, {}, [])
         probes = depths[depths.index(0):]
         assert depths[0] >= 3 and sum(d > 0 for d in probes) > 2 and set(probes) <= want | {0}, (accepted, depths)
+
+
+def test_a_draft_is_never_predicted_cheaper_than_a_plain_step():
+    """Each node count's online scale moves on its own (a burst of load on plain steps lifts the 1-node one):
+    the predicted forward never decreases with the node count, and the tuner never prices a draft below a
+    plain step, so a drafter that is never accepted is not run on every step for looking cheap."""
+    costs = CostModel()
+    costs.set_forward(1, [(1, 1.0), (2, 1.2), (4, 1.5), (8, 2.0)])
+    costs.scale[("forward", 1, 1)] = 1.6  # plain steps measured during a burst of load
+    assert costs.forward(1, 1) == pytest.approx(1.6) and costs.forward(2, 1) == pytest.approx(1.6)
+    assert costs.forward(4, 1) == pytest.approx(1.6) and costs.forward(8, 1) == pytest.approx(2.0)
+    assert costs.forward(3, 2) >= costs.forward(1, 2)  # a batch size not calibrated: the same rule
+
+    class Seen(Tuner):
+        def choose(self, options):
+            self.options = options
+            return super().choose(options)
+
+    # a tree's forward predicted at half a plain one's (stale scales), drafting free
+    tuner = Seen(FixedCosts(lambda n, b: 1e-3 if n <= 1 else 0.5e-3, lambda g, d, b: 0.0))
+    tuner.begin(1, False)
+    drafted = 0
+    for _ in range(200):
+        shape = tuner.plan([(0,)], lambda g, d: d, [0], [0], 1, 3, 16)
+        plain = tuner.options[0][2]
+        assert all(seconds >= plain for _, _, seconds, _ in tuner.options)
+        if shape.drafters:
+            drafted += 1
+            tuner.observe(shape, [0], shape.depth, shape.budget, 1, 1e-3, {}, [])
+    assert drafted < 40, drafted  # (priced below a plain step, it ran on all 200)

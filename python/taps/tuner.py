@@ -213,7 +213,19 @@ class CostModel:
 
     # -- predictions --------------------------------------------------------------------------------
     def forward(self, nodes: float, batch: int) -> float:
-        """The target's tree forward and verification over `nodes` real nodes per request."""
+        """The target's tree forward and verification over `nodes` real nodes per request: at least what
+        fewer nodes are predicted to cost (each node count's online scale moves on its own, and a count
+        seldom run keeps a scale from another moment of the machine; a tree never costs less than a smaller
+        one, nor a draft's forward less than a plain step's)."""
+        grid = self.forward_points.get(batch) or next(iter(self.forward_points.values()), ())
+        seconds = self._forward(nodes, batch)
+        for n, _ in grid:
+            if n >= nodes:
+                break
+            seconds = max(seconds, self._forward(n, batch))
+        return seconds
+
+    def _forward(self, nodes: float, batch: int) -> float:
         points = self.forward_points.get(batch)
         if points is not None:
             seconds = _interpolate(points, nodes)
@@ -727,7 +739,8 @@ class Tuner:
                 base.append((shape, acceptance.total(key, rows, cap), seconds,
                              acceptance.total(key, rows, cap, optimistic=True), index))
             self._plan_memo = (memo, base, self._version, self.clock)
-        options = [(NONE, self.value(NONE, active, 0), costs.forward(1, batch) + costs.rest(NONE.key), len(active))]
+        plain = costs.forward(1, batch) + costs.rest(NONE.key)
+        options = [(NONE, self.value(NONE, active, 0), plain, len(active))]
         update = [costs.update(g, pending[i], batch) for i, g in enumerate(groups)]
         appends: Dict[tuple, float] = {}  # per set of drafting groups (their positions)
         for shape, value, seconds, upper, members in self._plan_memo[1]:
@@ -736,7 +749,9 @@ class Tuner:
             extra = appends.get(members)
             if extra is None:
                 extra = appends[members] = sum(update[i] for i in members)
-            options.append((shape, value, seconds + extra, upper))
+            # a draft step does all a plain step does and more: never predicted to cost less (each part's
+            # online correction moves on its own, and a burst of load on a plain step can lift it past them)
+            options.append((shape, value, max(seconds, plain) + extra, upper))
         return self.choose(options)
 
     def coast_token(self) -> Optional["CoastToken"]:
