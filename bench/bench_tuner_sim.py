@@ -13,9 +13,10 @@ Drafts: a calibrated drafter whose top-1 candidate is the target's token with pr
 (``--rates``) at every node and its rank-j candidate with a (1 - a)^(j - 1) (times ``--others``: 0 models
 ``bench_e2e_synthetic.py``'s oracle, whose other candidates are random); a draft of depth d and budget
 n holds what an EAGLE-2 expansion keeps, min(n, 1 + top_k + (d - 1) top_k^2) nodes: the likeliest paths of
-ranks (see ``Drafts``), and accepts the target's path as far as the tree holds it. The tuner is told the expansion's candidate count, as the decoder tells it (``Tuner.plan(candidates=)``;
-``--no-candidates``: it is not, and predicts a shape it has not run at its budget's nodes). The tuner's rows run
-``--seeds`` decodings of ``--tokens`` tokens each with a new tuner, so their first steps are its learning.
+ranks (see ``Drafts``), and accepts the target's path as far as the tree holds it. The tuner is told the
+expansion's candidate count, as the decoder tells it (``Tuner.plan(candidates=)``; ``--no-candidates``: it
+is not, and predicts a shape it has not run at its budget's nodes). The tuner's rows run ``--seeds``
+decodings of ``--tokens`` tokens each with a new tuner, so their first steps are its learning.
 
 Columns: tokens per plain step's time (the ratio to taps autoregressive decoding), the mean and the worst
 over seeds; the best fixed shape's expected ratio (what a user who knew ``a`` would set) and the tuner's
@@ -197,8 +198,9 @@ def main() -> None:
         if getattr(args, name) is not None:
             tuner_kw[name] = getattr(args, name)
     print(f"forward (plain steps by nodes): {args.forward}; drafter {args.draft} a level, {args.update} a token "
-          f"appended; lower ranks' share {args.others:g}; depth {args.depth}, top_k {args.top_k}, budget {args.budget}, budgets {args.budgets}; "
-          f"{args.seeds} seeds, a new tuner each" + ("; the tuner is not told the candidate counts" if args.no_candidates else ""))
+          f"appended; lower ranks' share {args.others:g}; depth {args.depth}, top_k {args.top_k}, budget "
+          f"{args.budget}, budgets {args.budgets}; {args.seeds} seeds, a new tuner each"
+          + ("; the tuner is not told the candidate counts" if args.no_candidates else ""))
     rows = []
     for a in args.rates:
         oracle, oracle_shape = drafts.best_fixed(a, args.depth, args.budget, args.budgets)

@@ -24,10 +24,10 @@ much each part costs depends on the machine (ISA, dtype, threads, batch, a GPU o
   drafter groups, every depth 1 .. the decoder's and every node budget of ``budgets`` below the
   decoder's, and its own. Each kind not chosen is probed now and then at its full depth (every depth
   observed at once; once tried, at most two levels past the deepest its drafters were ever accepted at, so
-  a drafter never accepted is probed at depth 1, its cheapest tree), with exponential back-off, only while it could win with its rates at an upper
-  confidence bound (each raised by 1 / sqrt(1 + trials); a kind's chance to reach each depth at most that
-  of an observed wider kind of the same drafters, whose tree holds its best nodes, and its estimate at
-  least that of an observed narrower one), and only as far as an
+  a drafter never accepted is probed at depth 1, its cheapest tree), with exponential back-off, only while
+  it could win with its rates at an upper confidence bound (each raised by 1 / sqrt(1 + trials); a kind's
+  chance to reach each depth at most that of an observed wider kind of the same drafters, whose tree holds
+  its best nodes, and its estimate at least that of an observed narrower one), and only as far as an
   exploration credit covers its predicted loss (the credit grows by a share ``explore`` of each step's
   predicted time), so probes lose about that share at most, however many kinds there are and whatever a
   tree costs at the batch size, and useless drafters cost a vanishing share of the steps.
@@ -425,8 +425,9 @@ class AcceptanceModel:
 
     def _bounded(self, key: tuple, b: int, cap: int, optimistic: bool) -> List[float]:
         """E[accepted] of request b for the depths 1 .. cap (or more): the running sums of P(accepted >=
-        d), each bounded by the wider and the narrower observed kinds' (see :meth:`expected`); computed once per kind and
-        request until an observation of the kind's drafters (a plan asks for every depth of a kind)."""
+        d), each bounded by the wider and the narrower observed kinds' (see :meth:`expected`); computed once
+        per kind and request until an observation of the kind's drafters (a plan asks for every depth of a
+        kind)."""
         memo = ("bounded", b, optimistic)
         kind = self._memo.setdefault(key, {})
         sums = kind.get(memo)
@@ -604,8 +605,8 @@ class Tuner:
         unless a kind not chosen (no draft included) is due for a probe, could beat it with its optimistic
         value, and its predicted loss is covered by the exploration credit (then its deepest such shape:
         every depth observed at once, once tried no deeper than :meth:`AcceptanceModel.probe_depth`; of
-        the widest such kind); a probed kind's interval doubles, and the
-        narrower kinds of its drafters wait as long (its outcome bounds theirs).
+        the widest such kind); a probed kind's interval doubles, and the narrower kinds of its drafters
+        wait as long (its outcome bounds theirs).
 
         A kind's first try is free; the credit starts at what ``max_probe_interval`` steps add and holds
         at most that; it grows by ``explore`` times the best shape's predicted seconds every step, and a
