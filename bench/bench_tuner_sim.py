@@ -22,7 +22,8 @@ Columns: tokens per plain step's time (the ratio to taps autoregressive decoding
 over seeds; the best fixed shape's expected ratio (what a user who knew ``a`` would set) and the tuner's
 mean as a share of it; the share of plain steps and the shapes chosen most. Everything is deterministic
 (seeded): a change to the tuner can be compared here without the noise of a shared machine, before it is
-measured end to end.
+measured end to end. ``--switch N``: the drafter alternates between rate ``a`` and useless every N tokens (a
+conversation that leaves the drafter's topic and comes back), how fast the tuner follows.
 """
 
 from __future__ import annotations
@@ -134,8 +135,9 @@ class Drafts:
 
 
 def simulate(drafts: Drafts, a: float, tokens: int, seed: int, depth: int, budget: int, tuner_kw: dict,
-             tell_candidates: bool = True):
-    """One decoding of `tokens` tokens with a new tuner: (tokens per plain step's time, shape labels)."""
+             tell_candidates: bool = True, switch: int = 0):
+    """One decoding of `tokens` tokens with a new tuner: (tokens per plain step's time, shape labels);
+    ``switch`` > 0: the drafter's rate alternates between `a` and 0 every `switch` tokens."""
     from taps.tuner import FixedCosts, Tuner
 
     rng = random.Random(seed)
@@ -153,7 +155,7 @@ def simulate(drafts: Drafts, a: float, tokens: int, seed: int, depth: int, budge
             seconds += interpolate(drafts.forward, 1)
             continue
         d, n = shape.depth, shape.budget
-        passed = drafts.accept(a, d, n, rng)
+        passed = drafts.accept(a if not switch or (made // switch) % 2 == 0 else 0.0, d, n, rng)
         tuner.observe(shape, [passed], d, drafts.nodes(d, n), 1, 0.0, {}, [])
         made += passed + 1
         seconds += drafts.cost(d, n, passed + 1)
@@ -180,6 +182,9 @@ def main() -> None:
     ap.add_argument("--explore", type=float, default=None, help="Tuner(explore=) (default: the tuner's)")
     ap.add_argument("--max-probe-interval", type=int, default=None, help="Tuner(max_probe_interval=)")
     ap.add_argument("--margin", type=float, default=None, help="Tuner(margin=)")
+    ap.add_argument("--switch", type=int, default=0,
+                    help="N > 0: the drafter's rate alternates between a and 0 every N tokens (a drafter that knows one "
+                         "topic of a conversation and not the next); the best fixed shape is then left out")
     ap.add_argument("--no-candidates", action="store_true",
                     help="do not tell the tuner the expansion's candidate count (Tuner.plan(candidates=None))")
     args = ap.parse_args()
@@ -188,6 +193,8 @@ def main() -> None:
             ap.error(f"--{name} must be >= 0")
     if any(not 0.0 <= a <= 1.0 for a in args.rates):
         ap.error("--rates must lie in [0, 1]")
+    if args.switch < 0:
+        ap.error("--switch must be >= 0")
     if args.depth < 1 or args.top_k < 1 or args.budget < 2 or args.seeds < 1 or any(t < 1 for t in args.tokens):
         ap.error("need --depth, --top-k, --seeds, --tokens >= 1 and --budget >= 2")
     if not 0.0 <= args.others <= 1.0:
@@ -208,14 +215,16 @@ def main() -> None:
             ratios, labels = [], Counter()
             for seed in range(args.seeds):
                 ratio, shapes = simulate(drafts, a, tokens, seed, args.depth, args.budget, tuner_kw,
-                                         tell_candidates=not args.no_candidates)
+                                         tell_candidates=not args.no_candidates, switch=args.switch)
                 ratios.append(ratio)
                 labels.update(shapes)
             steps = sum(labels.values())
             mean = statistics.mean(ratios)
             top = ", ".join(f"{k} {v / steps:.0%}" for k, v in labels.most_common(3))
-            rows.append([f"{a:g}", tokens, f"{mean:.3f}x", f"{min(ratios):.3f}x", f"{oracle:.3f}x ({oracle_shape})",
-                         f"{mean / oracle:.0%}", f"{labels['none'] / steps:.0%}", top])
+            best = "-" if args.switch else f"{oracle:.3f}x ({oracle_shape})"
+            rows.append([f"{a:g}" + (f" / 0 every {args.switch}" if args.switch else ""), tokens, f"{mean:.3f}x",
+                         f"{min(ratios):.3f}x", best, "-" if args.switch else f"{mean / oracle:.0%}",
+                         f"{labels['none'] / steps:.0%}", top])
     print_table(["a (top-1)", "tokens", "tuner vs AR (mean)", "worst seed", "best fixed shape", "tuner / best",
                  "plain steps", "shapes chosen most"], rows, title="Tuner against simulated drafts")
 

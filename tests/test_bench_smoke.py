@@ -215,3 +215,5 @@ def test_tuner_simulation_bench_runs():
     out = run_bench("bench_tuner_sim.py", "--rates", "0.5", "--tokens", "16", "--seeds", "1", "--no-candidates",
                     "--forward", "1:1,16:2", "--explore", "0.05", "--others", "0")
     assert len(table_rows(out, "Tuner against simulated drafts")) == 1
+    out = run_bench("bench_tuner_sim.py", "--rates", "0.8", "--tokens", "40", "--seeds", "1", "--switch", "10")
+    assert "0.8 / 0 every 10" in table_rows(out, "Tuner against simulated drafts")[0]
