@@ -465,6 +465,36 @@ def test_a_narrow_kind_bounds_the_wider_ones_from_below():
     assert acc.expected(narrower, 0, 3) == pytest.approx(prior)
 
 
+def test_a_narrow_kind_is_a_floor_only_when_observed_after_the_wider_one():
+    """A narrower kind's estimate floors a wider one's only when it was observed since the wider one was: a
+    drafter that was good on the last topic (its narrow trees accepted) and fails now (its wide trees not)
+    is not held up by the old narrow steps."""
+    acc = AcceptanceModel()
+    acc.reset(1)
+    narrow, wide = ((0,), 4), ((0,), 16)
+    for _ in range(6):
+        acc.observe(narrow, [3], 3)
+    floored = acc.expected(wide, 0, 3)
+    for _ in range(6):
+        acc.observe(wide, [0], 3)
+    own = acc.expected(wide, 0, 3)
+    assert own < 0.5 < floored, (own, floored)
+    acc.observe(narrow, [3], 3)
+    assert acc.expected(wide, 0, 3) == pytest.approx(acc.expected(narrow, 0, 3))
+
+
+def test_a_requests_own_counts_follow_its_recent_steps():
+    """A request's own counts decay (own_decay a step of the kind): after 40 accepted steps and then 40 rejected
+    ones its rate is near the recent one, not the average of all 80."""
+    for own_decay, low in ((0.95, True), (1.0, False)):
+        acc = AcceptanceModel(own_decay=own_decay)
+        acc.reset(1)
+        key = ((0,), 4)
+        for accepted in [1] * 40 + [0] * 40:
+            acc.observe(key, [accepted], 1)
+        assert (acc.rate(key, 0, 1) < 0.25) == low, (own_decay, acc.rate(key, 0, 1))
+
+
 def _probes_of_a_useless_drafter(budgets, steps=300):
     """Steps a tuner drafts, out of `steps`, with one drafter that is never accepted (fixed costs: a
     draft that is always accepted would win)."""

@@ -14,8 +14,9 @@ much each part costs depends on the machine (ISA, dtype, threads, batch, a GPU o
   step's own timers (an exponential average of measured over predicted per part, the residual the
   difference). :class:`FixedCosts` injects fixed costs instead (tests, or a model measured elsewhere).
 - **Acceptance model** (:class:`AcceptanceModel`): per draft kind (which drafters draft, and the node
-  budget) and per depth d, the rate P(accepted >= d | accepted >= d - 1), counted per request and
-  pooled over the decoder's past requests (decayed), the pooled rate acting as the request's prior
+  budget) and per depth d, the rate P(accepted >= d | accepted >= d - 1), counted per request (decayed:
+  0.95 a step of the kind) and pooled over the decoder's past requests (decayed: 0.98), the pooled rate acting
+  as the request's prior
   (itself drawn towards ``prior_rate``). Counting to the kind's nominal depth folds prompt lookup's match
   rate into its depth-1 rate (a step without a match is a miss at depth 1).
 - **Objective**: for every candidate, E[accepted + 1] summed over the active requests (E[accepted] =
@@ -26,8 +27,8 @@ much each part costs depends on the machine (ISA, dtype, threads, batch, a GPU o
   observed at once; once tried, at most two levels past the deepest its drafters were ever accepted at, so
   a drafter never accepted is probed at depth 1, its cheapest tree), with exponential back-off, only while
   it could win with its rates at an upper confidence bound (each raised by 1 / sqrt(1 + trials); a kind's
-  chance to reach each depth at most that of an observed wider kind of the same drafters, whose tree holds
-  its best nodes, and its estimate at least that of an observed narrower one), and only as far as an
+  chance to reach each depth at most that of a wider kind of the same drafters observed since, whose tree
+  holds its best nodes, and its estimate at least that of a narrower one observed since), and only as far as an
   exploration credit covers its predicted loss (the credit grows by a share ``explore`` of each step's
   predicted time), so probes lose about that share at most, however many kinds there are and whatever a
   tree costs at the batch size, and useless drafters cost a vanishing share of the steps.
@@ -359,15 +360,19 @@ class AcceptanceModel:
         prior_rate, prior_weight: the rate every depth starts from, and its weight in trials.
         pooled_weight: weight (in trials) of the pooled rate in a request's own.
         decay: factor applied to the pooled counts of a kind at each of its observations.
+        own_decay: the same for a request's own counts (a drafter's acceptance moves with the text: one that
+            knew the last topic may not know the next).
     """
 
     def __init__(self, prior_rate: float = 0.5, prior_weight: float = 1.0, pooled_weight: float = 2.0,
-                 decay: float = 0.98):
+                 decay: float = 0.98, own_decay: float = 0.95):
         self.prior_rate, self.prior_weight = prior_rate, prior_weight
-        self.pooled_weight, self.decay = pooled_weight, decay
+        self.pooled_weight, self.decay, self.own_decay = pooled_weight, decay, own_decay
         self.pooled: Dict[tuple, _Counts] = {}
         self.requests: List[Dict[tuple, _Counts]] = []
         self._memo: Dict[tuple, dict] = {}  # per kind: what an observation of it changes
+        self._last: Dict[tuple, int] = {}  # per kind: when it was last observed (counts observations)
+        self._observations = 0
         #: the depth every per-kind list is computed to at least (the tuner sets the decoder's depth: a
         #: plan asks for every depth of a kind, and each list is then computed once, not once per depth)
         self.horizon = 1
@@ -414,11 +419,12 @@ class AcceptanceModel:
     def expected(self, key: tuple, b: int, cap: int, optimistic: bool = False) -> float:
         """E[accepted] of request b for a tree of depth `cap`; ``optimistic``: with every rate raised by
         1 / sqrt(1 + its trials) (an upper confidence bound: what a kind could still turn out to give).
-        Each P(accepted >= d) is at most that of any observed kind of the same drafters with a larger node
-        budget (whose tree holds this one's best nodes: what it did not accept, this one would not have
-        either), so that the widest tree's steps speak for the narrower kinds too; and at least the estimate
-        (not the optimistic one) of any observed narrower kind (what it accepted, this tree would have too),
-        so that a narrow tree's steps speak for the wider kinds."""
+        Each P(accepted >= d) is at most that of any kind of the same drafters with a larger node budget
+        observed since this one was (whose tree holds this one's best nodes: what it did not accept, this one
+        would not have either), so that the widest tree's steps speak for the narrower kinds too; and at least
+        the estimate (not the optimistic one) of any narrower kind observed since this one was (what it
+        accepted, this tree would have too), so that a narrow tree's steps speak for the wider kinds. Steps
+        older than this kind's own speak only for it (acceptance moves with the text)."""
         if cap <= 0:
             return 0.0
         return self._bounded(key, b, cap, optimistic)[cap - 1]
@@ -436,10 +442,15 @@ class AcceptanceModel:
             reach = self._reach(key, b, cap, optimistic)[:cap]
             drafters, budget = key
             narrower = []
+            last = self._last.get(key, -1)
             for other in self.pooled if budget is not None else ():
-                if other[0] == drafters and other[1] is not None and other[1] > budget:
+                # only kinds observed since this one was bound it: a drafter's acceptance moves with the text
+                # (one good on the last topic may fail on this one), so an older step speaks for no other kind
+                if other[0] != drafters or other[1] is None or self._last.get(other, -1) <= last:
+                    continue
+                if other[1] > budget:  # a ceiling (what the wider tree did not accept, this one would not have)
                     reach = [min(p, q) for p, q in zip(reach, self._reach(other, b, cap, optimistic))]
-                elif other[0] == drafters and other[1] is not None and other[1] < budget:
+                elif other[1] < budget:  # a floor (what the narrower tree accepted, this one would have too)
                     narrower.append(other)
             for other in narrower:
                 reach = [max(p, q) for p, q in zip(reach, self._reach(other, b, cap, False))]
@@ -500,11 +511,15 @@ class AcceptanceModel:
         did not take part)."""
         pooled = self.pooled.setdefault(key, _Counts())
         pooled.scale(self.decay)
+        self._observations += 1
+        self._last[key] = self._observations
         for b, a in enumerate(accepted):
             if a is None:
                 continue
             pooled.add(a, cap)
-            self.requests[b].setdefault(key, _Counts()).add(a, cap)
+            own = self.requests[b].setdefault(key, _Counts())
+            own.scale(self.own_decay)
+            own.add(a, cap)
         # the values of the narrower kinds of these drafters are bounded by this kind's
         for other in [k for k in self._memo if k[0] == key[0]]:
             del self._memo[other]
