@@ -807,3 +807,30 @@ def test_a_draft_is_never_predicted_cheaper_than_a_plain_step():
             drafted += 1
             tuner.observe(shape, [0], shape.depth, shape.budget, 1, 1e-3, {}, [])
     assert drafted < 40, drafted  # (priced below a plain step, it ran on all 200)
+
+
+def test_a_measured_forward_corrects_its_own_node_counts_scale():
+    """The decoder compares a measured tree forward with that node count's own prediction
+    (CostModel.forward_part), not with the plans' non-decreasing price (CostModel.forward): with the 1-node
+    scale lifted by a burst of load, a forward of more nodes measured at its own prediction leaves its scale
+    where it is."""
+    m = em.greedy_models()
+    seen = []
+
+    class Spy(CostModel):
+        def observe(self, key, batch, total, predicted_parts, parts, updates):
+            for part, (_, predicted) in parts.items():
+                if part[0] == "forward":
+                    seen.append((part, predicted, self.forward_part(part[2], part[1]), self.forward(part[2], part[1])))
+            super().observe(key, batch, total, predicted_parts, parts, updates)
+
+    costs = Spy()
+    costs.set_forward(1, [(n, 1e-3 * (1 + n / 8)) for n in (1, 2, 4, 8, 16)])
+    costs.set_draft((0,), 1, (1, 1e-5), (3, 3e-5))
+    costs.scale[("forward", 1, 1)] = 5.0  # every tree now priced at a plain step's lifted forward
+    dec = SpeculativeDecoder(m["target"], [ModelDrafter(m["other"])], strategy="single", depth=3, top_k=3,
+                             tuner=Tuner(costs, calibrate=False))
+    dec.generate(torch.tensor([PROMPT]), max_new_tokens=12)
+    trees = [s for s in seen if s[0][2] > 1]
+    assert trees and all(predicted == pytest.approx(own) for _, predicted, own, _ in seen), seen
+    assert all(price > own for _, _, own, price in trees), trees

@@ -631,8 +631,9 @@ class SpeculativeDecoder:
             # the columns the forward ran: a batch's trees are as wide as its widest (trimmed on the CPU)
             tuner, nodes = self.tuner, tree.tokens.shape[1]
             cap = max([g.tree_depth(plan.depth, self.top_k) for g in plan.drafting], default=0)
+            # measured against that node count's own prediction (its scale is what the measurement corrects)
             plan.parts[("forward", state.batch, round(nodes))] = (forward_seconds,
-                                                                 tuner.costs.forward(nodes, state.batch))
+                                                                 tuner.costs.forward_part(nodes, state.batch))
             tuner.observe(plan.shape, observed, min(cap, plan.shape.budget - 1), nodes, state.batch, seconds,
                           plan.parts, plan.updates)
 

@@ -214,19 +214,22 @@ class CostModel:
 
     # -- predictions --------------------------------------------------------------------------------
     def forward(self, nodes: float, batch: int) -> float:
-        """The target's tree forward and verification over `nodes` real nodes per request: at least what
-        fewer nodes are predicted to cost (each node count's online scale moves on its own, and a count
-        seldom run keeps a scale from another moment of the machine; a tree never costs less than a smaller
-        one, nor a draft's forward less than a plain step's)."""
+        """The target's tree forward and verification over `nodes` real nodes per request, as plans price
+        it: at least what fewer nodes are predicted to cost (each node count's online scale moves on its own,
+        and a count seldom run keeps a scale from another moment of the machine; a tree never costs less
+        than a smaller one, nor a draft's forward less than a plain step's)."""
         grid = self.forward_points.get(batch) or next(iter(self.forward_points.values()), ())
-        seconds = self._forward(nodes, batch)
+        seconds = self.forward_part(nodes, batch)
         for n, _ in grid:
             if n >= nodes:
                 break
-            seconds = max(seconds, self._forward(n, batch))
+            seconds = max(seconds, self.forward_part(n, batch))
         return seconds
 
-    def _forward(self, nodes: float, batch: int) -> float:
+    def forward_part(self, nodes: float, batch: int) -> float:
+        """That node count's own prediction (its calibration times its online scale): what a measured
+        forward of `nodes` nodes is compared with to correct that scale (:meth:`observe`), not what plans
+        price (:meth:`forward`)."""
         points = self.forward_points.get(batch)
         if points is not None:
             seconds = _interpolate(points, nodes)
@@ -316,6 +319,9 @@ class FixedCosts(CostModel):
         return False
 
     def forward(self, nodes, batch):
+        return self._forward(nodes, batch)
+
+    def forward_part(self, nodes, batch):
         return self._forward(nodes, batch)
 
     def draft(self, group, depth, batch):
