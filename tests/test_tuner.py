@@ -656,6 +656,30 @@ def test_prompt_lookup_that_does_not_pay_coasts():
     assert tuner.calls <= len(shapes) // 2, (tuner.calls, len(shapes))
 
 
+def test_unobserved_plain_steps_read_the_clock_once():
+    """A plain step the tuner does not observe (coasting, three in four) reads the tuner's clock once, not
+    four times (a CPU-time clock can cost 100 us a read in a VM); the steps it observes are timed as before,
+    and the output is the target's greedy output."""
+    m = em.greedy_models()
+    prompt = [5, 17, 42, 8, 61, 3, 9]
+    ref = SpeculativeDecoder(m["target"], [], strategy="autoregressive").generate([prompt], max_new_tokens=80)
+    reads = []
+    tuner = Tuner(FixedCosts(lambda n, b: 1e-3 + 1e-2 * (n - 1), lambda g, d, b: 1e-2),
+                  timer=lambda: reads.append(1) or float(len(reads)))
+    observed = []
+    observe = tuner.observe
+    tuner.observe = lambda shape, *a, **k: (observed.append(shape), observe(shape, *a, **k))[1]
+    dec = SpeculativeDecoder(m["target"], [m["eagle"]], strategy="single", depth=3, top_k=2, budget=8, tuner=tuner)
+    out = dec.generate([prompt], max_new_tokens=80)
+    assert out.tokens[0] == ref.tokens[0]
+    steps = len(out.stats[0].draft_shapes)
+    assert out.stats[0].draft_shapes.count("none") >= steps - 4
+    # one read a step, three more a timed step (the forward's two, the step's end), plus drafts' own timings
+    drafts = sum(1 for s in observed if s.drafters)
+    assert len(observed) <= steps // 2, (len(observed), steps)
+    assert len(reads) <= steps + 3 * len(observed) + 8 * drafts, (len(reads), steps, len(observed))
+
+
 def test_values_are_refreshed_within_refresh_steps():
     """While drafts are observed every step, a plan prices the candidates again once in ``refresh``
     steps (their values then hold every observation so far), not every step; a plain step is not

@@ -365,19 +365,22 @@ class SpeculativeDecoder:
             start = self._now()
             self._route(state)
             plan = self._plan(state)
+            # the clock is read only for a step the tuner observes: a coasting plain step that it does not
+            # observe reads it once (a CPU-time clock can cost 100 us a read inside a VM)
+            timed = plan.shape is not None and self.tuner.observes(plan.shape)
             with prof.section("draft"):
                 drafted = self._draft(state, plan)
             with prof.section("tree"):
                 tree, nodes = self._tree(state, plan, drafted)
-            t0 = self._now()
+            t0 = self._now() if timed else 0.0
             fwd, ver = self._verify(state, tree)
             with prof.section("compact"):
                 path, num_new = self._commit(state, ver)
             record = self._read_back(state, tree, ver, path, drafted is not None, nodes)
-            forward_seconds = self._now() - t0
+            forward_seconds = self._now() - t0 if timed else 0.0
             with prof.section("draft_update"):
                 self._advance_drafters(state, plan, fwd, ver, path, num_new, record)
-            self._record(state, plan, tree, record, forward_seconds, self._now() - start)
+            self._record(state, plan, tree, record, forward_seconds, self._now() - start if timed else 0.0, timed)
 
     def _may_draw(self, state: "DecodeState", group: DraftGroup) -> bool:
         """Whether a step where `group` drafts alone (one drafter, or several of one shape batched: their
@@ -607,8 +610,9 @@ class SpeculativeDecoder:
                 g.advance(new_tokens, num_new, features.get(g.target_features), counts, record.tokens)
 
     def _record(self, state: "DecodeState", plan: "_Plan", tree: Combined, record: "_HostRecord",
-                forward_seconds: float, seconds: float) -> None:
-        """Per-request statistics and emission, and the tuner's observation."""
+                forward_seconds: float, seconds: float, timed: bool) -> None:
+        """Per-request statistics and emission, and the tuner's observation (`timed`: the step was timed
+        for it, :meth:`Tuner.observes`)."""
         observed: List[Optional[int]] = [None] * state.batch
         label = None if plan.shape is None else plan.shape.label
         for b, request in enumerate(state.requests):
@@ -627,7 +631,7 @@ class SpeculativeDecoder:
             if record.route is not None:
                 stats.route_decisions.append(record.route[b])
             state.emit(request, new)
-        if plan.shape is not None and self.tuner.observes(plan.shape):
+        if timed:
             # the columns the forward ran: a batch's trees are as wide as its widest (trimmed on the CPU)
             tuner, nodes = self.tuner, tree.tokens.shape[1]
             cap = max([g.tree_depth(plan.depth, self.top_k) for g in plan.drafting], default=0)
