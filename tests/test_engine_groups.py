@@ -374,7 +374,8 @@ def test_node_masks_draft_what_dense_masks_draft(kind):
         assert set(seen) == ({"NodeMask"} if node_masks else {"Tensor"}), seen
     for a, b in zip(*runs):
         if a.dtype.is_floating_point:  # fp32 rounding of two attention kernels, compounded over the levels
-            torch.testing.assert_close(a, b, atol=2e-5 * a.abs().max().item(), rtol=0)
+            # (2.1e-5 of the largest logit measured at AVX2 on an AMD EPYC Zen 3; a wrong mask moves them by O(1))
+            torch.testing.assert_close(a, b, atol=1e-4 * a.abs().max().item(), rtol=0)
         else:
             assert torch.equal(a, b)
     # ragged requests: the dense mask (a gap between a short row's prefix and the scratch entries)
