@@ -7,8 +7,8 @@
 // set_isa() (taps_ops.set_cpu_isa, for tests and benchmarks). Asking for a level the CPU cannot run is an
 // error, never a silent fallback. Levels (each includes the ones below it):
 //   scalar  the portable code (the baseline: SSE2 on x86-64, whatever the compiler vectorises elsewhere;
-//           panel_linear's, whose sums need a fused multiply-add, has a copy compiled with FMA for hosts that
-//           have it, so that the level forced on such a host is not a libm call per term)
+//           panel_linear's, whose sums need a fused multiply-add, has a copy compiled with FMA that hosts of
+//           level avx2 and above run, so that the level forced on such a host is not a libm call per term)
 //   avx2    AVX2 + FMA + F16C (every x86-64 CPU since 2013-2015: Haswell, Zen)
 //   avx512  AVX-512 F/BW/VL/DQ (Skylake-SP and later, Zen 4)
 //   amx     AVX-512 plus AMX-BF16 tiles (Sapphire Rapids and later): only the opt-in bf16 brgemm path of

@@ -121,11 +121,12 @@ struct S {
 #pragma GCC pop_options
 #endif  // TAPS_CPU_X86
 
-// The portable level: one float per "vector", std::fma (a single rounding, as the vector levels' fused
-// multiply-adds), so its bits are theirs. Compiled twice: for the x86-64 baseline (`generic`: std::fma is a
-// call into libm, 0.4 GFLOP/s measured, software on a CPU without FMA) and, on x86, for hosts with FMA
-// (`generic_fma`: the same code with std::fma one instruction; the level `scalar` forced on an AVX2 or
-// AVX-512 host runs this one: 7-14x faster measured on an AMD EPYC Zen 3, the same bits).
+// The portable level: one float per "vector", fmaf (a single rounding, as the vector levels' fused
+// multiply-adds), so its bits are theirs. Compiled twice: for the x86-64 baseline (`generic`: fmaf is a
+// call into libm, 0.4 GFLOP/s measured, software on a CPU without FMA) and, on x86, with FMA enabled
+// (`generic_fma`: the same code with fmaf one instruction), which the level `scalar` runs on a host whose
+// level is avx2 or above (AVX2 + FMA; forced scalar there: 7-14x faster measured on an AMD EPYC Zen 3, the
+// same bits).
 namespace panel_cpu {
 struct ScalarS {
   using F = float;
@@ -240,9 +241,7 @@ at::Tensor panel_linear_cpu(const at::Tensor& x_in, const at::Tensor& panels, co
       std::max<int64_t>(1, panel_cpu::kBlockBytes / (in * panel_cpu::kPanelWidth * element * group)) * group;
   const int64_t blocks = (num_panels + block - 1) / block;
   const cpu::Isa level = cpu::isa();
-#if defined(TAPS_CPU_X86)
-  static const bool host_fma = __builtin_cpu_supports("fma");
-#endif
+  [[maybe_unused]] const bool host_fma = static_cast<int>(cpu::host_isa()) >= static_cast<int>(cpu::Isa::kAvx2);
   at::parallel_for(0, blocks, 1, [&](int64_t lo, int64_t hi) {
     for (int64_t blk = lo; blk < hi; ++blk) {
       const int64_t p_lo = blk * block, p_hi = std::min(num_panels, p_lo + block);
