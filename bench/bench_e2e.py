@@ -344,7 +344,8 @@ def overhead_table(args, device) -> None:
     # the tuned decoder's plain steps: a tuner whose costs make every draft lose (a drafter level costs a
     # second), so it runs no draft at all; what such a step costs beyond an autoregressive one is the
     # controller's own overhead, which a run where no draft pays pays on every step
-    never = lambda: Tuner(FixedCosts(lambda n, b: 1e-3 * n, lambda g, d, b: 1.0), timer=clock)  # noqa: E731
+    timer = tuner_clock(args, clock)
+    never = lambda: Tuner(FixedCosts(lambda n, b: 1e-3 * n, lambda g, d, b: 1.0), timer=timer)  # noqa: E731
     for name, ds in (("single", [PromptLookupDrafter()]), ("single", eagles[:1]),
                      ("merged-budget", eagles + [PromptLookupDrafter()])):
         cases.append((name + " auto, no draft pays", ds))
