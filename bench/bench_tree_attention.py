@@ -14,7 +14,8 @@ measured once, and per level the floor: the larger of the FLOPs (4 * B * Hq * N 
 peak (threads x one core's fp32 multiply-add rate at that level, measured at start by a throughput loop of
 the level's vectors and printed in the first line; with ``--ghz``, threads x GHz x FLOP per cycle: 8
 scalar, 32 AVX2 (two 8-lane FMAs), 64 AVX-512 and AMX; the kernels compute in fp32, bf16 widened, except
-bf16 at amx with TAPS_ATTN_BF16_AMX=1, whose tile products can beat this floor) and the K/V bytes at
+bf16 at amx where its AMX path runs (head dim >= 64, >= 16 rows per KV head; TAPS_ATTN_BF16_AMX=1 always,
+0 never), whose tile products can beat this floor) and the K/V bytes at
 ``--gbps``; "% floor" is floor / taps time.
 The first rows are the shipped target's attention (B 1, Hq 8, Hkv 4, D 32, a 16-node tree after ~200
 cached keys), fp32 and bf16.

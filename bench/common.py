@@ -109,7 +109,7 @@ def add_isa_argument(ap) -> None:
     ap.add_argument("--isa", default=None, metavar="LEVELS",
                     help="comma list of taps CPU instruction-set levels to time (scalar, avx2, avx512, amx). Default: "
                          "every level up to the one in force (the CPU's, or TAPS_CPU_ISA's), highest first, avx512 "
-                         "left out when amx is in force (the same code unless TAPS_ATTN_BF16_AMX=1)")
+                         "left out when amx is in force (the same code but for tree_attention's bf16 AMX path)")
 
 
 def isa_levels(spec: str | None) -> list[str]:

@@ -409,10 +409,10 @@ def test_torch_compile_fullgraph(device):
     assert_compiles_like_eager(step, *args)
 
 
-def test_bf16_amx_path_opt_in_matches_reference():
-    """The bf16 AMX brgemm path (P rounded to bf16) is opt-in (TAPS_ATTN_BF16_AMX=1, read once per
-    process): run the bf16 reference comparisons in a child process with it on. Skipped on hosts without
-    AMX, where the flag changes nothing."""
+def test_bf16_amx_path_forced_matches_reference():
+    """The bf16 AMX brgemm path (P rounded to bf16) for every bf16 call (TAPS_ATTN_BF16_AMX=1, read once
+    per process): run the bf16 reference comparisons in a child process with it on. Skipped on hosts
+    without AMX, where the flag changes nothing."""
     import os
     import subprocess
     import sys
@@ -424,3 +424,45 @@ def test_bf16_amx_path_opt_in_matches_reference():
                          env=env, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     assert " passed" in out.stdout
+
+
+_AMX_CHILD = """
+import sys, torch, taps_ops
+torch.set_num_threads(1)
+cases = torch.load(sys.argv[1])
+torch.save([taps_ops.tree_attention(*args) for args in cases], sys.argv[2])
+"""
+
+
+def test_bf16_amx_path_taken_by_shape(tmp_path):
+    """Unset, TAPS_ATTN_BF16_AMX takes the AMX path (P in bf16) for head dims >= 64 with >= 16 query rows
+    per KV head and the fp32-P micro-GEMMs below; 1 forces it everywhere, 0 nowhere. Told apart by the
+    bits (P rounded to bf16 or not) of the same inputs in child processes (the flag is read once per
+    process). Skipped on hosts without AMX."""
+    import os
+    import subprocess
+    import sys
+    if taps_ops.cpu_info()["isa"] != "amx":
+        pytest.skip("the kernels do not run at the amx level here (no AMX, or TAPS_CPU_ISA below it)")
+    torch.manual_seed(5)
+    cases = {"small head dim": make_inputs(1, 8, 4, 16, 32, 216, torch.bfloat16, "cpu"),       # G * N = 32
+             "few rows": make_inputs(1, 32, 8, 2, 128, 300, torch.bfloat16, "cpu"),             # G * N = 8
+             "tree": make_inputs(2, 32, 8, 16, 128, 300, torch.bfloat16, "cpu"),                 # G * N = 64
+             "tree, D 64": make_inputs(1, 20, 4, 16, 64, 200, torch.bfloat16, "cpu")}            # G * N = 80
+    inputs = tmp_path / "cases.pt"
+    torch.save(list(cases.values()), inputs)
+    outs = {}
+    for mode in ("unset", "0", "1"):
+        env = {k: v for k, v in os.environ.items() if k != "TAPS_ATTN_BF16_AMX"}
+        if mode != "unset":
+            env["TAPS_ATTN_BF16_AMX"] = mode
+        result = tmp_path / f"out_{mode}.pt"
+        done = subprocess.run([sys.executable, "-c", _AMX_CHILD, str(inputs), str(result)], env=env,
+                              capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, done.stderr[-3000:]
+        outs[mode] = dict(zip(cases, torch.load(result)))
+    for name in cases:
+        fp32_p, bf16_p = outs["0"][name], outs["1"][name]
+        assert not torch.equal(fp32_p, bf16_p), f"{name}: P in bf16 should move some outputs"
+        expected = bf16_p if name.startswith("tree") else fp32_p
+        assert torch.equal(outs["unset"][name], expected), name

@@ -24,8 +24,8 @@
 //   work items, tiles and online softmax, with both tile products as row-major micro-GEMMs (6 x 64 on
 //   AVX-512, 6 x 16 on AVX2; bf16 and fp16 widened to fp32 as they are read), for D % 16 (AVX-512) or D % 8
 //   (AVX2) == 0; at AVX2 a KV head of at most 64 query rows takes the scores transposed (keys as the
-//   micro-kernel's rows, attend_keys); opt-in, TAPS_ATTN_BF16_AMX=1, bf16 on at::native::cpublas::brgemm
-//   where it runs on AMX.
+//   micro-kernel's rows, attend_keys); bf16 on at::native::cpublas::brgemm where it runs on AMX, for
+//   head dims >= 64 and >= 16 query rows per KV head (TAPS_ATTN_BF16_AMX: 1 always, 0 never; amx_wanted).
 #include <ATen/ATen.h>
 #include <ATen/NumericUtils.h>
 #include <ATen/Parallel.h>
@@ -370,12 +370,30 @@ enum class Kernel {
   kVecAvx512,    // the Vec kernel, AVX-512
   kFastAvx2,     // the GEMM-shaped path, AVX2 + FMA: D % 8 == 0 (fp32; bf16 / fp16 widened to fp32 as read)
   kFastAvx512,   // the GEMM-shaped path, AVX-512: D % 16 == 0 (likewise)
-  kBrgemmAmx,    // bf16 on oneDNN's brgemm ukernel (AMX), only when asked for (TAPS_ATTN_BF16_AMX=1)
+  kBrgemmAmx,    // bf16 on oneDNN's brgemm ukernel (AMX): see amx_wanted
 };
 // The brgemm path rounds P to bf16 for the P * V product (as PyTorch's CPU flash attention does), which
 // moves the output enough to flip near-tie greedy tokens: on an AMX host it made one of the demo's two
-// answers of the shipped bf16 target differ from the target's own greedy output, while fp32 P gave both.
-// So it is opt-in, and taken only at the amx level where could_pack says the ukernel runs on AMX.
+// answers of the shipped bf16 target (head dim 32) differ from the target's own greedy output, while fp32 P
+// gave both. Measured on an AMX Xeon (1 thread, bench/RESULTS.md), brgemm against the fp32 micro-GEMMs:
+// 1.3x at the shipped shape, 0.8x at 4 query rows per KV head, 1.0x at 8, 1.8x at 16, 2.8-3.0x at 64-256
+// (head dim 128). So, by TAPS_ATTN_BF16_AMX (read once per process): "1" every bf16 call with a head dim
+// that is a multiple of 16, "0" none, unset (or anything else) the calls where it pays and P in bf16 is
+// what the model's own attention does: head dims of 64 and more (real models' heads; the shipped mini
+// target's 32 keeps fp32 P) with at least 16 query rows per KV head (G x N: a tree, not a decoding step).
+// Only at the amx level, where could_pack says the ukernel runs on AMX.
+constexpr int64_t kAmxMinHeadDim = 64, kAmxMinRows = 16;
+
+inline bool amx_wanted(const Params& p) {
+  static const int mode = [] {  // 1 always, 0 never, -1 by the shape
+    const char* flag = std::getenv("TAPS_ATTN_BF16_AMX");
+    if (flag != nullptr && std::strcmp(flag, "1") == 0) return 1;
+    if (flag != nullptr && std::strcmp(flag, "0") == 0) return 0;
+    return -1;
+  }();
+  if (mode >= 0) return mode == 1;
+  return p.head_dim >= kAmxMinHeadDim && (p.heads_q / p.heads_kv) * p.num_nodes >= kAmxMinRows;
+}
 template <class T>
 Kernel choose_kernel(const Params& p) {
 #if defined(TAPS_CPU_X86)
@@ -383,11 +401,7 @@ Kernel choose_kernel(const Params& p) {
   if (isa >= taps::cpu::Isa::kAvx512) {
 #if defined(TAPS_ATTN_BRGEMM)
     if constexpr (std::is_same_v<T, c10::BFloat16>) {
-      static const bool amx_asked = [] {
-        const char* flag = std::getenv("TAPS_ATTN_BF16_AMX");
-        return flag != nullptr && std::strcmp(flag, "1") == 0;
-      }();
-      if (amx_asked && isa >= taps::cpu::Isa::kAmx && p.head_dim % 16 == 0 &&
+      if (isa >= taps::cpu::Isa::kAmx && p.head_dim % 16 == 0 && amx_wanted(p) &&
           at::native::cpublas::could_pack(at::kBFloat16))
         return Kernel::kBrgemmAmx;
     }

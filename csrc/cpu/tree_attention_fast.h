@@ -23,8 +23,8 @@
 // fp32: a register-blocked micro-GEMM (6 rows x kMaxNV vectors: AVX-512 6 x 64 with 24 accumulators,
 // AVX2 6 x 16 with 12; V read in place). bf16 / fp16: the same fp32 micro-GEMMs, q, K and V widened to
 // fp32 as they are read (exact), so the arithmetic is the fp32 path's (P stays fp32, as in the Vec kernel).
-// bf16 on hosts with AMX (at::native::cpublas::could_pack), opt-in (TAPS_ATTN_BF16_AMX=1, see choose_kernel in
-// tree_attention.cpp; AVX-512 region only): at::native::cpublas::brgemm (oneDNN ukernel) with K^T and V
+// bf16 on hosts with AMX (at::native::cpublas::could_pack), for head dims >= 64 and >= 16 query rows per KV head
+// (TAPS_ATTN_BF16_AMX: 1 always, 0 never; amx_wanted in tree_attention.cpp; AVX-512 region only): at::native::cpublas::brgemm (oneDNN ukernel) with K^T and V
 // packed to VNNI pairs; P is rounded to bf16 for P * V like PyTorch's CPU flash attention, everything else
 // accumulates in fp32. Its scores are scaled (by scale * log2(e)) in fp32 in the softmax pass (q is not
 // pre-rounded).

@@ -139,7 +139,8 @@ CPU_ISA_LEVELS = ("scalar", "avx2", "avx512", "amx")
 _OP_MAX_ISA = {
     "verify_tree": "avx512",      # row passes (max, sum of exp): AVX-512 / AVX2 + FMA / scalar
     "tree_attention": "amx",      # micro-GEMMs AVX-512 (D % 16 == 0) / AVX2 + FMA (D % 8 == 0), Vec kernel
-                                  # otherwise; amx: bf16 brgemm only with TAPS_ATTN_BF16_AMX=1
+                                  # otherwise; amx: bf16 on AMX brgemm for head dims >= 64 and
+                                  # >= 16 query rows per KV head (TAPS_ATTN_BF16_AMX: 1 always, 0 never)
     "rms_norm": "avx512",         # row loops for AVX2 (no FMA: the same bits at every level); bf16 rows with
     "rope_": "avx512",            # explicit AVX2 / AVX-512 (+ AVX512-BF16 rounding) vectors
     "expand_level": "avx2",
