@@ -7,10 +7,17 @@
 Target: a Llama with the shape of Llama-3-8B (``--shape tiny``: a small one), random weights, bf16 (fp32
 on the CPU). Drafter: an EAGLE head of the target's shape (one decoder layer reading the target's
 features, the target's lm_head: the cost of an EAGLE-2 drafter), whose proposals are steered to the
-target's own greedy continuation, computed once with Hugging Face ``generate`` on the same model: at every
-draft node on that continuation, the continuation's next token gets the highest logit, except with
-probability ``p`` (``--corrupt``), when the head's own random logits decide. So ``p`` sets the acceptance
-length tau (p = 0: every draft is accepted, tau = depth + 1).
+target's own greedy continuation, computed once with taps' autoregressive decoding of the same model (the
+forwards verification runs; in fp32 it equals Hugging Face ``generate``'s, in bf16 a near-tie can round
+the other way in HF's forward, and a continuation taken from HF then derails the oracle for good at the
+first such token: tau 1.0 at p = 0.2 on an AMX Xeon): at every draft node on that continuation, the
+continuation's next token gets the highest logit, except with probability ``p`` (``--corrupt``), when the
+head's own random logits decide. So ``p`` sets the acceptance length tau (p = 0: every draft is
+accepted, tau = depth + 1). In bf16 the tree forward can still round a near-tie apart from the one-token
+forward that made the continuation (the products' row counts differ, and on AMX CPUs tree_attention rounds
+P to bf16 for trees of 16 or more query rows per KV head, not for one-token steps), and a random model's
+logits are near-flat, so on the CPU bf16 derails the oracle (llama-0.5b, AMX Xeon, p = 0.2: tau 1.07, 1.88
+with TAPS_ATTN_BF16_AMX=0, against about 3 in fp32): measure acceptance on the CPU in fp32.
 
 Rows: Hugging Face ``generate`` (greedy), taps ``autoregressive``, and for each p taps ``single`` with the
 fixed settings and with ``budget="auto"`` (taps.Tuner: each step's depth and nodes, down to no draft, by
@@ -188,8 +195,12 @@ def main() -> None:
     with torch.no_grad():
         target.generate(ids, **{**hf_kw, "max_new_tokens": 4, "min_new_tokens": 4})  # warm-up
         _, hf_out = timed(lambda: target.generate(ids, **hf_kw))
-    continuation = hf_out[:, ids.shape[1]:]
-    reference = continuation[0].tolist()
+    reference = hf_out[0, ids.shape[1]:].tolist()
+    autoregressive = SpeculativeDecoder(target, [], strategy="autoregressive")
+    prompt_ids = prompt[0].tolist()
+    # the oracle's continuation: what taps' own greedy decoding emits (HF's in fp32; see the docstring)
+    continuation = torch.tensor([autoregressive.generate(prompt_ids, max_new_tokens=args.new_tokens).tokens[0]],
+                                device=device)
     vocab = None
     if args.draft_vocab:
         # the continuation's tokens (a vocabulary of a corpus's most frequent tokens holds most of a real
@@ -202,7 +213,7 @@ def main() -> None:
     head_cfg = copy.deepcopy(cfg)
     head_cfg.num_hidden_layers = 1
     rows = [("HF generate", "-", None)]
-    rows.append(("taps autoregressive", "-", SpeculativeDecoder(target, [], strategy="autoregressive")))
+    rows.append(("taps autoregressive", "-", autoregressive))
     for p in args.corrupt:
         for auto in (() if args.no_fixed else (False,)) + (() if args.no_auto else (True,)):
             torch.manual_seed(3)  # the same head whatever the runs before drew from the global generator
@@ -214,7 +225,6 @@ def main() -> None:
                                      budget=args.budget, tuner=Tuner(timer=clock) if auto else None)
             rows.append(("taps single auto, oracle drafter" if auto else "taps single, oracle drafter", f"{p:g}",
                          dec))
-    prompt_ids = prompt[0].tolist()
     warm = []
     for _, _, dec in rows[1:]:
         t = time.perf_counter()
