@@ -383,3 +383,40 @@ def test_node_masks_draft_what_dense_masks_draft(kind):
     ragged = torch.tensor([4, 6])
     group.start(ids, ragged, root, hidden, 96)
     assert group.lean_attention and not group.node_masks
+
+
+@pytest.mark.parametrize("kind", ["eagle", "lm"])
+@torch.no_grad()
+def test_wide_append_grows_a_full_cache(kind):
+    """An append pads every row to the widest row's tokens and writes them all at each row's own positions:
+    after a lazy catch-up (a tuner's group, rows of a continuous batch that missed different numbers of
+    steps) a short row near the end of its cache wrote past it (IndexError in the server's decoding loop).
+    The caches now grow; the result equals a group started with room to spare."""
+    target = hf.use_taps_attention(_llama(seed=1))
+    batch, longest = len(PROMPTS), max(len(p) for p in PROMPTS)
+    ids = torch.zeros((batch, longest), dtype=torch.int64)
+    for i, p in enumerate(PROMPTS):
+        ids[i, :len(p)] = torch.tensor(p)
+    lens = torch.tensor([len(p) for p in PROMPTS])
+    cache = hf.TreeKVCache.for_model(target, batch, 64)
+    pre = hf.prefill(target, cache, ids, lens, return_hidden=True)
+    root = pre.logits.argmax(-1)
+    wide = 12  # request 0 catches up 12 tokens, request 1 (11 + 1 entries) one: 12 + 12 > 20
+    new = torch.randint(0, VOCAB, (batch, wide), generator=torch.Generator().manual_seed(7))
+    hidden = torch.randn(batch, wide, pre.hidden_states.shape[-1], generator=torch.Generator().manual_seed(8))
+    num_new = torch.tensor([wide, 1])
+    runs = []
+    for room in (20, 64):
+        drafter = _eagle(target, 3) if kind == "eagle" else ModelDrafter(_llama(seed=5))
+        drafter.bind(target)
+        group, = make_groups([drafter])
+        group.start(ids, lens, root, pre.hidden_states, room)
+        group.advance(new, num_new, hidden if group.needs_hidden else None, [wide, 1])
+        cand = group.draft(3, 3)
+        runs.append([group.root_logits, cand.scores, cand.tokens, cand.parents])
+        assert group.kv[0][0].shape[2] >= (24 if room == 20 else 64)
+    for a, b in zip(*runs):
+        if a.dtype.is_floating_point:
+            torch.testing.assert_close(a, b, atol=1e-5 * a.abs().max().item(), rtol=0)
+        else:
+            assert torch.equal(a, b)

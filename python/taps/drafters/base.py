@@ -316,6 +316,10 @@ class DraftGroup:
         row: each row's K/V go to its own positions, or, when every request holds the same number of
         entries (always at batch 1), to one column range of all rows (a plain copy, no scatter)."""
         longest = max(self.host_lengths)
+        # every row writes T positions, its padding past its own new tokens too: after a lazy catch-up (a
+        # tuner's group appends what it missed, rows of a continuous batch having missed different numbers
+        # of tokens) a short row near the end of its cache would write past it
+        self._ensure_positions(longest + num_tokens)
         if self._shared_length() is not None:  # rotary rows as views, K/V as one column range
             if self.lean_attention and num_tokens <= self.node_mask_append_limit:  # causal bits, no dense mask
                 rows, device = self.groups * self.batch, self.lengths_b.device
@@ -336,6 +340,25 @@ class DraftGroup:
         else:
             mask = self._rows(mask)
         return positions, cache_attend(self.kv, layers, mask, positions=positions)
+
+    def _ensure_positions(self, length: int) -> None:
+        """Cache positions 0 .. length - 1 in every row: the caches ``kv`` grow to at least `length` (and by
+        at least a quarter, so that a run of growths copies them a few times), the kind's rotary table with
+        them (:meth:`_ensure_rope`)."""
+        if not self.kv or self.kv[0][0].shape[2] >= length:
+            return
+        size = self.kv[0][0].shape[2]
+        new = max(int(length), size + (size + 3) // 4)
+
+        def grow(t: Tensor) -> Tensor:
+            out = t.new_zeros((t.shape[0], t.shape[1], new, *t.shape[3:]))
+            out[:, :, :size] = t
+            return out
+        self.kv = [[grow(t) for t in layer] for layer in self.kv]
+        self._ensure_rope(new)
+
+    def _ensure_rope(self, length: int) -> None:
+        """Rotary rows 0 .. length - 1 (kinds with a rotary table of their own)."""
 
     def _shared_length(self) -> Optional[int]:
         """The number of committed entries when every request holds the same (always at batch 1), else

@@ -105,6 +105,9 @@ class FeatureHeadGroup(DraftGroup):
     def _share_tables(self, other) -> None:
         self.rope = other.rope
 
+    def _ensure_rope(self, length: int) -> None:
+        self.rope.ensure(length, self.lengths_b.device)
+
 
 def head_key(head: nn.Module) -> tuple:
     """What an EAGLE-style head (``fc``, ``config``, ``draft_vocab``, bound to a target) must share with

@@ -104,6 +104,9 @@ class _LeanLMGroup(DraftGroup):
         hidden = self.lean.hidden(ids, positions, attend)                # [G, R * T, H]
         return self.lean.logits(hidden).view(ids.shape[0], ids.shape[1], -1)
 
+    def _ensure_rope(self, length: int) -> None:
+        self.lean.rope.ensure(length, self.lengths_b.device)
+
     def _append(self, ids: Tensor, num_new: Tensor, num_new_host) -> None:
         positions, attend = self._append_attend(self.lean.layers, ids.shape[1])
         logits = self._run(self._rows(ids), positions, attend)
