@@ -42,6 +42,18 @@ PROMPTS = [[5, 17, 42, 8, 61, 3], [3, 3, 19, 12, 7, 64, 9, 2, 33, 41, 11]]
 NEW = 12
 
 
+def _prefilled(target):
+    """PROMPTS as a padded batch, its lengths, the target's prefill (hidden states kept) and greedy roots."""
+    batch, longest = len(PROMPTS), max(len(p) for p in PROMPTS)
+    ids = torch.zeros((batch, longest), dtype=torch.int64)
+    for i, p in enumerate(PROMPTS):
+        ids[i, :len(p)] = torch.tensor(p)
+    lens = torch.tensor([len(p) for p in PROMPTS])
+    cache = hf.TreeKVCache.for_model(target, batch, 64)
+    pre = hf.prefill(target, cache, ids, lens, return_hidden=True)
+    return ids, lens, pre, pre.logits.argmax(-1)
+
+
 @torch.no_grad()
 def test_group_candidates_equal_each_drafter_alone():
     target = hf.use_taps_attention(_llama(seed=1))
@@ -50,14 +62,8 @@ def test_group_candidates_equal_each_drafter_alone():
         d.bind(target)
     group, = make_groups([a, b])
     assert group.groups == 2 and group.members == [0, 1]
-    batch, longest = len(PROMPTS), max(len(p) for p in PROMPTS)
-    ids = torch.zeros((batch, longest), dtype=torch.int64)
-    for i, p in enumerate(PROMPTS):
-        ids[i, :len(p)] = torch.tensor(p)
-    lens = torch.tensor([len(p) for p in PROMPTS])
-    cache = hf.TreeKVCache.for_model(target, batch, 64)
-    pre = hf.prefill(target, cache, ids, lens, return_hidden=True)
-    root = pre.logits.argmax(-1)
+    batch = len(PROMPTS)
+    ids, lens, pre, root = _prefilled(target)
     group.start(ids, lens, root, pre.hidden_states, 64)
     together = group.draft(3, 3)
     for g, d in enumerate((a, b)):
@@ -393,14 +399,8 @@ def test_wide_append_grows_a_full_cache(kind):
     steps) a short row near the end of its cache wrote past it (IndexError in the server's decoding loop).
     The caches now grow; the result equals a group started with room to spare."""
     target = hf.use_taps_attention(_llama(seed=1))
-    batch, longest = len(PROMPTS), max(len(p) for p in PROMPTS)
-    ids = torch.zeros((batch, longest), dtype=torch.int64)
-    for i, p in enumerate(PROMPTS):
-        ids[i, :len(p)] = torch.tensor(p)
-    lens = torch.tensor([len(p) for p in PROMPTS])
-    cache = hf.TreeKVCache.for_model(target, batch, 64)
-    pre = hf.prefill(target, cache, ids, lens, return_hidden=True)
-    root = pre.logits.argmax(-1)
+    batch = len(PROMPTS)
+    ids, lens, pre, root = _prefilled(target)
     wide = 12  # request 0 catches up 12 tokens, request 1 (11 + 1 entries) one: 12 + 12 > 20
     new = torch.randint(0, VOCAB, (batch, wide), generator=torch.Generator().manual_seed(7))
     hidden = torch.randn(batch, wide, pre.hidden_states.shape[-1], generator=torch.Generator().manual_seed(8))
