@@ -545,7 +545,8 @@ def panel_linear(x: Tensor, panels: Tensor, bias: Optional[Tensor] = None) -> Te
         tensors elsewhere raise ValueError.
     """
     # the common case in three attribute reads (the loop below took 2 us, as long as a 256 x 256 product)
-    if getattr(x, "is_cpu", False) and getattr(panels, "is_cpu", False) and (bias is None or getattr(bias, "is_cpu", False)):
+    if (getattr(x, "is_cpu", False) and getattr(panels, "is_cpu", False)
+            and (bias is None or getattr(bias, "is_cpu", False))):
         return _panel_linear_op(x, panels, bias)
     for name, t in (("x", x), ("panels", panels), ("bias", bias)):
         if isinstance(t, Tensor) and t.device.type != "cpu":
