@@ -254,13 +254,18 @@ class CostModel:
         new shape of a bf16 product (0.4-1.6 ms against 35-60 us for the calls after). It counts only when
         it is not above the current prediction: two such appends (1 and 2 tokens at 2.2 and 2.7 ms against
         0.2 ms after) once made the fit 0.1 + 1.3 ms a token, and the drafter, then priced out, never
-        drafted again to correct it."""
+        drafted again to correct it. Any other append counts as at most twice the prediction (as a part's scale
+        moves by at most a factor 2 per measurement): a least-squares line over a handful of appends is
+        otherwise set by one outlier."""
         seen = self._update_seen.setdefault(key, set())
+        fit = self.update_fit.get(key)
+        predicted = None if fit is None else fit[0] + fit[1] * tokens
         if tokens not in seen:
             seen.add(tokens)
-            fit = self.update_fit.get(key)
-            if fit is None or seconds > fit[0] + fit[1] * tokens:
+            if predicted is None or seconds > predicted:
                 return
+        if predicted is not None and predicted > 0:
+            seconds = min(seconds, 2 * predicted)
         sums = self._update_sums.get(key)
         if sums is None:
             a, b = self.update_fit.get(key, (seconds, 0.0))
