@@ -30,7 +30,13 @@ import taps_ops
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 __all__ = ["TreeKVCache", "write_kv", "kv_writer", "TreeAttend", "cache_attend", "NodeMask", "pack_bits",
-           "causal_bits", "causal_append"]
+           "causal_bits", "causal_append", "grown_length"]
+
+
+def grown_length(size: int, need: int) -> int:
+    """Positions of a cache of `size` that must hold `need`: at least `need`, and at least a quarter more than
+    `size`, so that a run of ever longer needs copies the cache a few times, not once each."""
+    return max(int(need), size + (size + 3) // 4)
 
 
 def write_kv(keys: Tensor, values: Tensor, k: Tensor, v: Tensor, *, start: Optional[int] = None,
@@ -206,7 +212,7 @@ class TreeKVCache(Cache):
         max_len = self.max_len
         grow = other.max_len > max_len
         if grow:
-            max_len = max(other.max_len, max_len + (max_len + 3) // 4)
+            max_len = grown_length(max_len, other.max_len)
         for mine, theirs in zip(self.layers, other.layers):
             for name in ("keys", "values"):
                 store, b = mine.storage[name], getattr(theirs, name)

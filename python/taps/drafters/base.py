@@ -44,7 +44,7 @@ import torch
 from torch import Tensor, nn
 
 from ..expansion import DraftCandidates, DraftSampler, SampledDraft, expand, expand_sampled
-from ..kv import NodeMask, cache_attend, causal_append, causal_bits
+from ..kv import NodeMask, cache_attend, causal_append, causal_bits, grown_length
 from ..lean import Linear, Positions
 
 __all__ = ["Drafter", "DraftGroup", "SoloMixin", "make_groups", "target_vocab_size", "target_hidden_size",
@@ -342,13 +342,12 @@ class DraftGroup:
         return positions, cache_attend(self.kv, layers, mask, positions=positions)
 
     def _ensure_positions(self, length: int) -> None:
-        """Cache positions 0 .. length - 1 in every row: the caches ``kv`` grow to at least `length` (and by
-        at least a quarter, so that a run of growths copies them a few times), the kind's rotary table with
-        them (:meth:`_ensure_rope`)."""
+        """Cache positions 0 .. length - 1 in every row: the caches ``kv`` grow (:func:`taps.kv.grown_length`),
+        the kind's rotary table with them (:meth:`_ensure_rope`)."""
         if not self.kv or self.kv[0][0].shape[2] >= length:
             return
         size = self.kv[0][0].shape[2]
-        new = max(int(length), size + (size + 3) // 4)
+        new = grown_length(size, length)
 
         def grow(t: Tensor) -> Tensor:
             out = t.new_zeros((t.shape[0], t.shape[1], new, *t.shape[3:]))
