@@ -49,10 +49,10 @@ class Timers:
         owners = {"batch": batching.ContinuousBatch, "decoder": decoder.SpeculativeDecoder}
         verify = decoder.SpeculativeDecoder._verify
 
-        def counted(dec, state, tree):
+        def counted(dec, state, tree, *args, **kwargs):
             if self.on:
                 self.widths[(state.batch, tree.tokens.shape[1])] += 1
-            return verify(dec, state, tree)
+            return verify(dec, state, tree, *args, **kwargs)
         decoder.SpeculativeDecoder._verify = counted
         for owner, name in _TIMED:
             self._wrap(owners[owner], name)

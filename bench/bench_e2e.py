@@ -20,7 +20,8 @@ Table 1b (``--batch N``): the prompts (the GSM8K ones first, then the MT-Bench o
 batch of N (``--prompts`` per benchmark defaults to N / 2 here), every row's tokens/s against taps
 autoregressive decoding of the same batch (HF ``generate`` is not run; a second autoregressive decoder, the
 control row, shows the measurement's noise); rows in interleaved rounds, each row's median and fastest round; whether each row's output equals autoregressive decoding token for token
-(at T=0); for the auto rows the draft shapes chosen most often.
+(at T=0); for the auto rows the draft shapes chosen most often. Tree forwards of ragged trees run packed (each
+request's real nodes only, ``SpeculativeDecoder.pack_trees``); ``--no-pack`` runs them over the padded grid.
 
 Table 2: where a taps step's time goes (``generate(profile=True)``), ms per step and phase.
 
@@ -258,6 +259,7 @@ def batch_table(args, device, dtype) -> None:
             dec = SpeculativeDecoder(target, [PromptLookupDrafter(**lookup_kw) if n == "lookup" else drafters[n]
                                               for n in names], strategy=strategy, sampled_drafts=args.sampled_drafts,
                                     **kw)
+            dec.pack_trees = not args.no_pack
             decoders[f"{row} auto" if auto else row] = dec
     print(f"device {device}, {torch.get_num_threads()} thread(s), {str(dtype).replace('torch.', '')}; "
           f"shipped target + {args.family} drafters; one ragged batch of {len(prompts)} prompts (prompt lengths "
@@ -414,6 +416,9 @@ def main() -> None:
                     help="N > 0: the ragged-batch table instead (GSM8K then MT-Bench prompts as one batch of N, "
                          "every row against taps autoregressive)")
     ap.add_argument("--batch-auto-only", action="store_true", help="batch table: the auto rows only")
+    ap.add_argument("--no-pack", action="store_true",
+                    help="batch table: tree forwards over the padded [B, N] grid (SpeculativeDecoder.pack_trees "
+                         "off), to compare with the packed default")
     ap.add_argument("--profile", action="store_true", help="also the per-phase table")
     ap.add_argument("--overhead", action="store_true", help="also the pure-overhead table")
     ap.add_argument("--overhead-only", action="store_true")

@@ -158,11 +158,13 @@ TORCH_LIBRARY(taps_ops, m) {
   // hidden_norm, post_norm]; dims [heads, kv_heads, head_dim, fused_rope]; cos, sin [G * R, T, 1, D];
   // keys, values [G * R, Hkv, S, D], the new K/V written at columns write_start .. write_start + T - 1, or,
   // with write_positions [G * R, T] i64, at each row's own columns (ragged rows; write_start ignored);
-  // tree_mask, kv_lens, tree_nodes, scale as tree_attention's. -> the layer's output, x's shape.
+  // tree_mask, kv_lens, tree_nodes, scale as tree_attention's. Packed (rows [M] i64, G = 1): x [1, M, H] holds
+  // M of the R x T token slots (slot r * T + t; T = tree_mask.size(1)), cos / sin [1, M, 1, D], write_positions
+  // [M] their cache columns; the other slots are neither computed nor written. -> the layer's output, x's shape.
   m.def(
       "decoder_layer(Tensor x, Tensor? emb, Tensor?[] weights, float[] eps, int[] dims, Tensor cos, Tensor sin, "
       "Tensor(a!) keys, Tensor(b!) values, int write_start, Tensor tree_mask, Tensor kv_lens, int? tree_nodes, "
-      "float scale, Tensor? write_positions=None) -> Tensor");
+      "float scale, Tensor? write_positions=None, Tensor? rows=None) -> Tensor");
   // x [..., in] f32 times a float32 or bfloat16 weight [out, in] kept as panels [out / 16, in, 16] (panel p holds
   // outputs 16p .. 16p + 15, taps_ops.pack_panels), plus bias [out] f32 or None -> [..., out] f32. Each output's
   // sum runs from i = 0 up in float32 (bf16 weights widened as read), one fused multiply-add per term: the same

@@ -210,6 +210,113 @@ def test_eagle3_layer_op_equals_the_python_layer(dtype, groups):
     _check_equal(_both(run, keys, values))
 
 
+def _packed_case(w, models, dtype, rows=3, tokens=5, prefix=9, real=(5, 1, 3), seed=1):
+    """A ragged batch of `rows` trees of `tokens` slots each, row r's first real[r] real: the packed
+    inputs (x [1, M, H], cos / sin [1, M, 1, D], slots, columns), the padded ones (x [1, R * T, H], cos / sin
+    [R, T, 1, D], the columns [R, T]) and the caches, bits and kv_lens both use."""
+    x, keys, values, _, _, _ = _inputs(w, 1, rows, tokens, tokens, prefix, dtype, seed=seed)
+    # a tree's real nodes see real nodes only (padding comes after them: DESIGN's tree format)
+    dense = torch.rand(rows, tokens, tokens, generator=torch.Generator().manual_seed(seed + 1)) < 0.5
+    dense &= (torch.arange(tokens) < torch.tensor(real).unsqueeze(1)).unsqueeze(1)
+    bits = pack_bits(dense)
+    lengths = torch.tensor([prefix - 2 * (r % 3) for r in range(rows)])           # ragged prefixes
+    columns = lengths.unsqueeze(1) + torch.arange(tokens)                           # [R, T]
+    kv_lens = lengths + tokens
+    cos, sin = _rope(models, w, rows, tokens, prefix + tokens, dtype)
+    slots = torch.tensor([r * tokens + t for r in range(rows) for t in range(real[r])])
+    packed = (x[:, slots], cos.reshape(rows * tokens, 1, -1)[slots].unsqueeze(0),
+              sin.reshape(rows * tokens, 1, -1)[slots].unsqueeze(0), slots, columns.reshape(-1)[slots])
+    return packed, (x, cos, sin, columns), keys, values, bits, kv_lens
+
+
+@pytest.mark.parametrize("arch,dtype", [("llama", torch.float32), ("llama", torch.bfloat16),
+                                        ("qwen2", torch.float32), ("qwen2", torch.bfloat16)])
+@pytest.mark.parametrize("real", [(5, 1, 3), (1, 1, 1), (5, 5, 4), (2, 5, 5)])
+@torch.no_grad()
+@pytest.mark.usefixtures("layout")
+def test_packed_rows_op_equals_the_python_layer_and_the_padded_layer(arch, dtype, real):
+    """rows (a ragged batch of trees without its padding nodes): bit for bit the Python body with the same
+    packed TreeAttend (output and caches); against the padded layer (every slot computed), the same real rows
+    within rounding (the products run over fewer rows), the same K/V written at the real nodes' columns, and
+    nothing written at the padding nodes' columns."""
+    extra = {"use_sliding_window": False} if arch == "qwen2" else {}
+    models = _layers(arch, 1, dtype, **extra)
+    w = LayerWeights([models[0].model.layers[0]]).pack()
+    rows, tokens = 3, 5
+    (px, pcos, psin, slots, pcols), (x, cos, sin, columns), keys, values, bits, kv_lens = _packed_case(
+        w, models, dtype, rows, tokens, real=real)
+
+    def run(k, v, use_op):
+        attend = TreeAttend([(k, v)], [w], bits, kv_lens, tokens, 0, packed=(slots, pcols))
+        callback = attend if use_op else (lambda *a: attend(*a))
+        return decoder_layer(w, 0, px, pcos, psin, callback, 1, px.shape[1])
+
+    results = _both(run, keys, values)
+    _check_equal(results)
+    (out, k_packed, v_packed), _ = results
+    assert out.shape == (1, sum(real), x.shape[-1])
+    kp, vp = keys.clone(), values.clone()
+    padded = decoder_layer(w, 0, x, cos, sin, TreeAttend([(kp, vp)], [w], bits, kv_lens, tokens, 0, positions=columns),
+                           rows, tokens)
+    tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=3e-2, rtol=3e-2)
+    torch.testing.assert_close(out[0], padded[0, slots], **tol)
+    cache_rows = slots // tokens
+    torch.testing.assert_close(k_packed[cache_rows, :, pcols], kp[cache_rows, :, pcols], **tol)
+    torch.testing.assert_close(v_packed[cache_rows, :, pcols], vp[cache_rows, :, pcols], **tol)
+    pad = torch.tensor([s for s in range(rows * tokens) if s not in set(slots.tolist())], dtype=torch.int64)
+    if len(pad):   # the padding nodes' columns keep what the cache held
+        pad_cols = columns.reshape(-1)[pad]
+        assert torch.equal(k_packed[pad // tokens, :, pad_cols], keys[pad // tokens, :, pad_cols])
+        assert torch.equal(v_packed[pad // tokens, :, pad_cols], values[pad // tokens, :, pad_cols])
+
+
+def _packed_call():
+    models = _layers("qwen2", 1, torch.float32, use_sliding_window=False)
+    w = LayerWeights([models[0].model.layers[0]]).pack()
+    (px, pcos, psin, slots, pcols), _, keys, values, bits, kv_lens = _packed_case(w, models, torch.float32)
+    weights, eps, dims = w.op_args
+    return dict(x=px, weights=list(weights), eps=list(eps), dims=list(dims), cos=pcos, sin=psin, keys=keys,
+                values=values, write_start=0, tree_mask=bits, kv_lens=kv_lens, scale=w.scale, tree_nodes=5,
+                write_positions=pcols, rows=slots)
+
+
+BAD_PACKED = {
+    "rows int32": (lambda a: a.update(rows=a["rows"].int()), "rows must be int64 [M]"),
+    "rows 2-D": (lambda a: a.update(rows=a["rows"].unsqueeze(0)), "rows must be int64 [M]"),
+    "rows count": (lambda a: a.update(rows=a["rows"][:-1]), "rows must be int64 [M]"),
+    "rows repeated": (lambda a: a["rows"].__setitem__(1, a["rows"][0]), "strictly increasing"),
+    "rows decreasing": (lambda a: a.update(rows=a["rows"].flip(0)), "strictly increasing"),
+    "rows negative": (lambda a: a["rows"].__setitem__(0, -1), "strictly increasing"),
+    "rows past the grid": (lambda a: a["rows"].__setitem__(-1, 15), "[0, R * T = 15)"),
+    "one row past the grid": (lambda a: a.update(rows=torch.tensor([15]), x=a["x"][:, :1], cos=a["cos"][:, :1],
+                                                 sin=a["sin"][:, :1], write_positions=a["write_positions"][:1]),
+                              "[0, R * T = 15)"),
+    "cos unpacked": (lambda a: a.update(cos=a["cos"].expand(2, -1, -1, -1)), "cos and sin must be [1, M"),
+    "sin count": (lambda a: a.update(sin=a["sin"][:, :-1]), "cos and sin must be [1, M"),
+    "no write_positions": (lambda a: a.update(write_positions=None), "write_positions must be int64 [M"),
+    "write_positions [R, T]": (lambda a: a.update(write_positions=torch.zeros(3, 5, dtype=torch.int64)),
+                               "write_positions must be int64 [M"),
+    "write_positions past the cache": (lambda a: a.update(write_positions=torch.full_like(a["write_positions"], 99)),
+                                       "out of bounds"),
+    "tree_mask 2-D": (lambda a: a.update(tree_mask=a["tree_mask"][0]), "tree_mask must be [R, T, W]"),
+    "tree_mask rows": (lambda a: a.update(tree_mask=a["tree_mask"][:2]), "tree_mask must be [R, T, W]"),
+    "G = 2": (lambda a: a.update(x=a["x"].expand(2, -1, -1)), "single weight set"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_PACKED))
+def test_bad_packed_inputs_raise_clear_errors(case, monkeypatch):
+    monkeypatch.setattr(lean, "small_layout", lambda shape, panels=True, repeats=3, stacked=True, bf16=False, packed=False: "plain")
+    with torch.no_grad():
+        _call(_packed_call())            # the valid call works
+    mutate, message = BAD_PACKED[case]
+    args = _packed_call()
+    mutate(args)
+    with pytest.raises((RuntimeError, ValueError, IndexError), match=re.escape(message)):
+        with torch.no_grad():
+            _call(args)
+
+
 def _valid_call():
     models = _layers("qwen2", 1, torch.float32, use_sliding_window=False)
     w = LayerWeights([models[0].model.layers[0]]).pack()

@@ -215,3 +215,40 @@ def test_model_drafter_from_pretrained(tmp_path):
     # kwargs reach from_pretrained (here the dtype)
     half = ModelDrafter.from_pretrained(str(tmp_path / "drafter"), dtype=torch.bfloat16)
     assert half.tokenizer is None and next(half.model.parameters()).dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize("kind", ["lookup", "merged", "lookup-auto"])
+def test_packed_batches_decode_what_padded_ones_do(kind, monkeypatch):
+    """A ragged batch's tree forward over each request's real nodes only (SpeculativeDecoder.pack_trees, on
+    by default) decodes the target's greedy tokens, as the padded forward does; it runs packed on the steps
+    whose trees differ enough in size (counted), never with pack_trees off."""
+    from taps import PromptLookupDrafter
+    from taps.forward import TargetForward
+
+    m = _models()
+    packed = []
+    tree = TargetForward.tree
+
+    def counting(self, *args, **kwargs):
+        out = tree(self, *args, **kwargs)
+        packed.append(out.packed is not None)
+        return out
+    monkeypatch.setattr(TargetForward, "tree", counting)
+    if kind.startswith("lookup"):
+        drafters, strategy = [PromptLookupDrafter(max_ngram=2, min_ngram=1)], "single"
+    else:
+        drafters, strategy = [m["eagle"], PromptLookupDrafter(max_ngram=2, min_ngram=1)], "merged"
+    budget = "auto" if kind.endswith("auto") else 8
+    prompts = PROMPTS + [PROMPTS[1][::-1]]
+    for pack in (True, False):
+        dec = SpeculativeDecoder(m["target"], drafters, strategy=strategy, depth=3, top_k=3, budget=budget)
+        dec.pack_trees = pack
+        packed.clear()
+        out = dec.generate(prompts, max_new_tokens=NEW)
+        for b in range(len(prompts)):
+            ref = _reference(b) if b < len(PROMPTS) else em.greedy_reference(m["target"], prompts[b], NEW)
+            assert out.tokens[b] == ref, f"{kind}, pack_trees={pack}: request {b}"
+        if pack and not kind.endswith("auto"):
+            assert any(packed), kind
+        if not pack:
+            assert not any(packed)

@@ -123,6 +123,67 @@ def test_tree_forward_equals_per_path_reference_and_hf_path(arch):
             torch.testing.assert_close(logits[b, node], model(input_ids=seq).logits[0, -1], atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.parametrize("arch", ARCHS)
+@torch.no_grad()
+def test_packed_tree_forward_equals_the_padded_one(arch):
+    """Trees of 13, 4, 1 and 6 real nodes padded to 13 (ragged prefixes): the forward over their real nodes
+    only (TargetForward.tree with nodes) gives the padded forward's hidden states and captured layers at the
+    real nodes (zeros at the padding), writes the same K/V at the real nodes' cache columns and nothing at
+    the padding's; trees that leave little padding run as they are."""
+    from taps import forward as fw
+
+    model = hf.use_taps_attention(_model(arch))
+    gen = torch.Generator().manual_seed(4)
+    real, n = [13, 4, 1, 6], 13
+    prompts = [torch.randint(0, 97, (k,), generator=gen) for k in (9, 5, 7, 3)]
+    trees = [_random_tree(r, 97, gen) for r in real]
+    tokens = torch.full((4, n), -1, dtype=torch.int64)
+    depth = torch.full((4, n), -1, dtype=torch.int64)
+    mask = torch.zeros(4, n, 1, dtype=torch.int64)
+    ids = torch.zeros(4, 9, dtype=torch.int64)
+    for b, (p, t) in enumerate(zip(prompts, trees)):
+        tokens[b, :real[b]], depth[b, :real[b]], mask[b, :real[b]] = t[0], t[2], t[3]
+        ids[b, :len(p)] = p
+        tokens[b, 0] = p[-1]
+    lens = torch.tensor([len(p) - 1 for p in prompts])
+    assert fw.packs(real, n) and not fw.packs([13, 12, 13, 11], n) and not fw.packs([1], 4)
+    outs, caches = {}, {}
+    fwd = TargetForward(model, lean=True)
+    for packed in (False, True):
+        cache = caches[packed] = fwd.new_cache(4, 40)
+        fwd.prefill(cache, ids, lens, 0)
+        before = [(layer.keys.clone(), layer.values.clone()) for layer in cache.layers]
+        outs[packed] = fwd.tree(cache, tokens, mask, depth, int(lens.max()), capture_layers=(0, 2, 3),
+                                nodes=real if packed else None)
+    assert outs[False].packed is None and outs[True].packed is not None
+    slots, rows = outs[True].packed
+    assert slots.tolist() == [b * n + i for b in range(4) for i in range(real[b])]
+    real_mask = torch.arange(n) < torch.tensor(real).unsqueeze(1)
+    torch.testing.assert_close(outs[True].hidden_states[real_mask], outs[False].hidden_states[real_mask],
+                               atol=1e-5, rtol=1e-5)
+    assert torch.equal(outs[True].hidden_states[~real_mask], torch.zeros_like(outs[True].hidden_states[~real_mask]))
+    torch.testing.assert_close(rows, outs[True].hidden_states[real_mask])
+    for i in (0, 2, 3):
+        torch.testing.assert_close(outs[True].layers[i][real_mask], outs[False].layers[i][real_mask], atol=1e-5,
+                                   rtol=1e-5)
+    for b in range(4):
+        cols = slice(int(lens[b]), int(lens[b]) + real[b])
+        pad = slice(int(lens[b]) + real[b], int(lens[b]) + n)
+        for la, lb, (k0, v0) in zip(caches[True].layers, caches[False].layers, before):
+            torch.testing.assert_close(la.keys[b, :, cols], lb.keys[b, :, cols], atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(la.values[b, :, cols], lb.values[b, :, cols], atol=1e-5, rtol=1e-5)
+            assert torch.equal(la.keys[b, :, pad], k0[b, :, pad]) and torch.equal(la.values[b, :, pad], v0[b, :, pad])
+    # verification over the packed rows' logits: what the padded forward's logits give
+    for lazy in (False, True):
+        a = fwd.verify(outs[True].hidden_states, tokens, torch.stack([torch.cat([t[1], torch.full((n - len(t[1]),), -1)])
+                                                                    for t in trees]), mask, lazy=lazy,
+                       packed=outs[True].packed, uniforms=torch.zeros(4, n))
+        b = fwd.verify(outs[False].hidden_states, tokens, torch.stack([torch.cat([t[1], torch.full((n - len(t[1]),), -1)])
+                                                                     for t in trees]), mask, lazy=lazy,
+                       uniforms=torch.zeros(4, n))
+        assert torch.equal(a.tokens, b.tokens) and torch.equal(a.num_accepted, b.num_accepted)
+
+
 @torch.no_grad()
 def test_stacked_group_equals_separate_forwards():
     models = [_model("llama", seed=s) for s in (3, 4)]

@@ -195,7 +195,7 @@ at::Tensor decoder_layer(const at::Tensor& x, const OptTensor& emb_in, const c10
                          at::ArrayRef<double> eps, at::IntArrayRef dims, const at::Tensor& cos, const at::Tensor& sin,
                          const at::Tensor& keys, const at::Tensor& values, int64_t write_start,
                          const at::Tensor& tree_mask, const at::Tensor& kv_lens, std::optional<int64_t> tree_nodes,
-                         double scale, const OptTensor& write_positions) {
+                         double scale, const OptTensor& write_positions, const OptTensor& rows_in) {
   TORCH_CHECK_VALUE(weights.size() == kNumSlots, "taps_ops: decoder_layer: weights must list ", kNumSlots,
               " entries (in_norm, hidden_norm, qkv, qkv_bias, o, o_bias, post_norm, gate_up, gate_up_bias, down, "
               "down_bias), got ", weights.size());
@@ -218,15 +218,47 @@ at::Tensor decoder_layer(const at::Tensor& x, const OptTensor& emb_in, const c10
   TORCH_CHECK_VALUE(keys.defined() && values.defined() && keys.dim() == 4 && keys.sizes() == values.sizes(),
               "taps_ops: decoder_layer: keys and values must be [G * R, Hkv, S, D] of one shape");
   const int64_t groups = x.size(0), hidden = x.size(2);
-  const int64_t gb = keys.size(0), tokens = cos.size(1);
-  TORCH_CHECK_VALUE(cos.size(0) == gb && sin.sizes() == cos.sizes(), "taps_ops: decoder_layer: cos and sin must be [",
-              gb, ", T, 1, ", head_dim, "] (keys' G * R rows), got ", cos.sizes(), " and ", sin.sizes());
-  TORCH_CHECK_VALUE(gb % groups == 0 && x.size(1) * groups == gb * tokens, "taps_ops: decoder_layer: x [G, R * T, H] = ",
-              x.sizes(), " does not hold G * R = ", gb, " rows (keys) of T = ", tokens, " tokens (cos)");
+  const int64_t gb = keys.size(0);
   TORCH_CHECK_VALUE(keys.size(1) == kv_heads && keys.size(3) == head_dim, "taps_ops: decoder_layer: keys must have ",
               kv_heads, " heads of dimension ", head_dim, ", got shape ", keys.sizes());
+  const bool packed = rows_in.has_value() && rows_in->defined();
   const bool ragged = write_positions.has_value() && write_positions->defined();
-  if (ragged) {
+  // packed: x holds M of the R x T token slots (the others, padding, are not computed); T is the tree's
+  // query count (tree_mask [R, T, W]); `tokens` below is then M, the rows the projections see
+  const int64_t slots_per_row = packed ? (tree_mask.dim() == 3 ? tree_mask.size(1) : 0) : cos.size(1);
+  const int64_t tokens = cos.size(1);
+  if (packed) {
+    const at::Tensor& rows = *rows_in;
+    TORCH_CHECK_VALUE(groups == 1, "taps_ops: decoder_layer: packed rows need a single weight set (G = 1), got G = ",
+                groups);
+    TORCH_CHECK_VALUE(rows.dim() == 1 && rows.scalar_type() == at::kLong && rows.size(0) == x.size(1) && rows.size(0) > 0,
+                "taps_ops: decoder_layer: rows must be int64 [M] with M = x.size(1) = ", x.size(1), " > 0, got ",
+                rows.scalar_type(), " ", rows.sizes());
+    check_same_device(x, rows, "x", "rows");
+    TORCH_CHECK_VALUE(tree_mask.dim() == 3 && tree_mask.size(0) == gb && slots_per_row > 0, "taps_ops: decoder_layer: "
+                "with rows, tree_mask must be [R, T, W] over keys' R = ", gb, " rows, got ", tree_mask.sizes());
+    TORCH_CHECK_VALUE(cos.size(0) == 1 && cos.size(1) == x.size(1) && sin.sizes() == cos.sizes(), "taps_ops: decoder_layer: "
+                "with rows, cos and sin must be [1, M = ", x.size(1), ", 1, ", head_dim, "], got ", cos.sizes(), " and ",
+                sin.sizes());
+    TORCH_CHECK_VALUE(ragged && write_positions->dim() == 1 && write_positions->size(0) == rows.size(0) &&
+                    write_positions->scalar_type() == at::kLong,
+                "taps_ops: decoder_layer: with rows, write_positions must be int64 [M = ", rows.size(0),
+                "] (each packed token's cache column)");
+    check_same_device(x, *write_positions, "x", "write_positions");
+    // the slots must be distinct and in range: strictly increasing, first >= 0, last < R * T (one host read)
+    const int64_t slots = gb * slots_per_row;
+    const bool ok = rows.size(0) == 1
+                        ? (rows.ge(0) & rows.lt(slots)).all().item<bool>()
+                        : (rows.slice(0, 1).gt(rows.slice(0, 0, -1)).all() & rows[0].ge(0) & rows[-1].lt(slots)).item<bool>();
+    TORCH_CHECK_VALUE(ok, "taps_ops: decoder_layer: rows must be strictly increasing slots in [0, R * T = ", slots, ")");
+  } else {
+    TORCH_CHECK_VALUE(cos.size(0) == gb && sin.sizes() == cos.sizes(), "taps_ops: decoder_layer: cos and sin must be [",
+                gb, ", T, 1, ", head_dim, "] (keys' G * R rows), got ", cos.sizes(), " and ", sin.sizes());
+    TORCH_CHECK_VALUE(gb % groups == 0 && x.size(1) * groups == gb * tokens, "taps_ops: decoder_layer: x [G, R * T, H] = ",
+                x.sizes(), " does not hold G * R = ", gb, " rows (keys) of T = ", tokens, " tokens (cos)");
+  }
+  if (packed) {
+  } else if (ragged) {
     TORCH_CHECK_VALUE(write_positions->dim() == 2 && write_positions->size(0) == gb && write_positions->size(1) == tokens &&
                     write_positions->scalar_type() == at::kLong,
                 "taps_ops: decoder_layer: write_positions must be int64 [G * R, T] = [", gb, ", ", tokens, "], got ",
@@ -276,7 +308,8 @@ at::Tensor decoder_layer(const at::Tensor& x, const OptTensor& emb_in, const c10
   else
     h = in_norm.has_value() ? rms_norm(x, *in_norm, eps[0]) : x;
 
-  at::Tensor qkv = project(h, qkv_w, qkv_b).view({gb, tokens, heads + 2 * kv_heads, head_dim});
+  const int64_t qkv_rows = packed ? 1 : gb;  // packed: one row of M tokens
+  at::Tensor qkv = project(h, qkv_w, qkv_b).view({qkv_rows, tokens, heads + 2 * kv_heads, head_dim});
   at::Tensor q, k, v;
   if (fused_rope) {
     rope_(qkv.slice(2, 0, heads + kv_heads), cos, sin);
@@ -290,18 +323,36 @@ at::Tensor decoder_layer(const at::Tensor& x, const OptTensor& emb_in, const c10
     q = qk.slice(2, 0, heads);
     k = qk.slice(2, heads);
   }
-  if (ragged) {  // keys[rows, :, positions] = k, as taps.lean.kv_writer scatters (index_put_ checks the range)
-    const at::Tensor rows = at::arange(gb, write_positions->options()).unsqueeze(1);
-    using at::indexing::Slice;
-    at::Tensor(keys).index_put_({rows, Slice(), *write_positions}, k);  // (a handle: the op's in-place arguments)
-    at::Tensor(values).index_put_({rows, Slice(), *write_positions}, v);
+  using at::indexing::Slice;
+  at::Tensor attn;
+  if (packed) {
+    // the packed tokens' K/V to their cache rows (slot / T) and columns; their queries into the [R, T] grid
+    // (zeros at the padding slots, whose outputs are dropped); the attention over the grid; the packed rows of
+    // its output (taps.kv.TreeAttend's packed path, the reference, does the same operators)
+    const at::Tensor& rows = *rows_in;
+    const at::Tensor cache_rows = rows.div(slots_per_row, "floor");
+    at::Tensor(keys).index_put_({cache_rows, Slice(), *write_positions}, k[0]);
+    at::Tensor(values).index_put_({cache_rows, Slice(), *write_positions}, v[0]);
+    at::Tensor grid = at::zeros({gb * slots_per_row, heads, head_dim}, q.options());
+    grid.index_copy_(0, rows, q[0]);
+    const at::Tensor out = tree_attention(grid.view({gb, slots_per_row, heads, head_dim}).transpose(1, 2), keys, values,
+                                          tree_mask, kv_lens, scale, tree_nodes);
+    attn = out.transpose(1, 2).reshape({gb * slots_per_row, heads * head_dim}).index_select(0, rows)
+               .view({1, x.size(1), heads * head_dim});
   } else {
-    keys.slice(2, write_start, write_start + tokens).copy_(k.transpose(1, 2));
-    values.slice(2, write_start, write_start + tokens).copy_(v.transpose(1, 2));
+    if (ragged) {  // keys[rows, :, positions] = k, as taps.lean.kv_writer scatters (index_put_ checks the range)
+      const at::Tensor rows = at::arange(gb, write_positions->options()).unsqueeze(1);
+      at::Tensor(keys).index_put_({rows, Slice(), *write_positions}, k);  // (a handle: the op's in-place arguments)
+      at::Tensor(values).index_put_({rows, Slice(), *write_positions}, v);
+    } else {
+      keys.slice(2, write_start, write_start + tokens).copy_(k.transpose(1, 2));
+      values.slice(2, write_start, write_start + tokens).copy_(v.transpose(1, 2));
+    }
+    const at::Tensor out = tree_attention(q.transpose(1, 2), keys, values, tree_mask, kv_lens, scale, tree_nodes);
+    attn = out.transpose(1, 2).reshape({groups, x.size(1), heads * head_dim});
   }
-  const at::Tensor out = tree_attention(q.transpose(1, 2), keys, values, tree_mask, kv_lens, scale, tree_nodes);
 
-  at::Tensor y = x + project(out.transpose(1, 2).reshape({groups, x.size(1), heads * head_dim}), o_w, o_b);
+  at::Tensor y = x + project(attn, o_w, o_b);
   const at::Tensor gate_up = project(rms_norm(y, post_norm, eps[2]), gate_up_w, gate_up_b);
   const int64_t inter = inter2 / 2;
   return y + project(at::silu(gate_up.slice(-1, 0, inter)) * gate_up.slice(-1, inter), down_w, down_b);

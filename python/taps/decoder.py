@@ -45,7 +45,7 @@ import taps_ops
 from . import hf
 from .drafters import DraftGroup, Drafter, make_groups, target_vocab_size
 from .expansion import DraftSampler, num_candidates, scratch_positions, target_probs
-from .forward import TargetForward
+from .forward import TargetForward, packs
 from .kv import pack_bits
 from .lean import stack_key
 from .stats import Profiler, RequestStats, summarize
@@ -168,6 +168,9 @@ class SpeculativeDecoder:
         self.forward = TargetForward(self.target, lean=lean)
         #: compute the target's lm_head only for the rows verification visits (None: on the CPU)
         self.lazy_head: Optional[bool] = None
+        #: a ragged batch's tree forward computes each request's real nodes only, not B times the widest
+        #: tree's (the lean path on the CPU, where the node counts are on the host; see TargetForward.tree)
+        self.pack_trees = True
         self._groups: Optional[Tuple[tuple, List[DraftGroup]]] = None
         #: chooses each step's draft (None: the fixed settings)
         self.tuner: Optional[Tuner] = tuner if drafters else None
@@ -373,7 +376,7 @@ class SpeculativeDecoder:
             with prof.section("tree"):
                 tree, nodes = self._tree(state, plan, drafted)
             t0 = self._now() if timed else 0.0
-            fwd, ver = self._verify(state, tree)
+            fwd, ver = self._verify(state, tree, nodes)
             with prof.section("compact"):
                 path, num_new = self._commit(state, ver)
             record = self._read_back(state, tree, ver, path, drafted is not None, nodes)
@@ -508,14 +511,17 @@ class SpeculativeDecoder:
         nodes = (tree.tokens >= 0).sum(1).tolist()  # (a host read: free on the CPU)
         return _trim(tree, max(nodes)), nodes
 
-    def _verify(self, state: "DecodeState", tree: Combined) -> Tuple[hf.ForwardOutput, taps_ops.VerifyOutput]:
-        """The target's forward over the trees and ``taps_ops.verify_tree`` of what it predicts (with the
-        distributions a sampled draft drew from: recursive rejection sampling)."""
+    def _verify(self, state: "DecodeState", tree: Combined,
+                nodes: Optional[List[int]] = None) -> Tuple[hf.ForwardOutput, taps_ops.VerifyOutput]:
+        """The target's forward over the trees (their real `nodes` only, when known and ragged enough:
+        :meth:`TargetForward.tree`) and ``taps_ops.verify_tree`` of what it predicts (with the distributions
+        a sampled draft drew from: recursive rejection sampling)."""
         with state.prof.section("target_forward"):
             lengths = state.host_lengths
             longest = max(lengths)
             fwd = self.forward.tree(state.cache, tree.tokens, tree.tree_mask, tree.depth, longest,
-                                    capture_layers=state.capture, uniform=min(lengths) == longest)
+                                    capture_layers=state.capture, uniform=min(lengths) == longest,
+                                    nodes=nodes if self.pack_trees else None)
         with state.prof.section("verify"):
             extra = {}
             if state.draft_probs is not None:  # this step's drawn tree
@@ -524,7 +530,7 @@ class SpeculativeDecoder:
                                                     self.forward.head.weight.shape[0])
             ver = self.forward.verify(fwd.hidden_states, tree.tokens, tree.parents, tree.tree_mask,
                                       lazy=self.lazy_head, uniforms=state.coins(tree.tokens.shape[1], state.coin_width),
-                                      generator=state.generator, **state.sample, **extra)
+                                      generator=state.generator, packed=fwd.packed, **state.sample, **extra)
         return fwd, ver
 
     def _commit(self, state: "DecodeState", ver: taps_ops.VerifyOutput) -> Tuple[Tensor, Tensor]:
@@ -632,8 +638,12 @@ class SpeculativeDecoder:
                 stats.route_decisions.append(record.route[b])
             state.emit(request, new)
         if timed:
-            # the columns the forward ran: a batch's trees are as wide as its widest (trimmed on the CPU)
+            # the nodes per request the forward ran: a batch's trees are as wide as its widest (trimmed on the
+            # CPU), unless it ran packed (each request's real nodes: their mean, as the forward costs about
+            # what that many nodes for every request would)
             tuner, nodes = self.tuner, tree.tokens.shape[1]
+            if self.pack_trees and record.nodes is not None and packs(record.nodes, nodes):
+                nodes = sum(record.nodes) / len(record.nodes)
             cap = max([g.tree_depth(plan.depth, self.top_k) for g in plan.drafting], default=0)
             # measured against that node count's own prediction (its scale is what the measurement corrects)
             plan.parts[("forward", state.batch, round(nodes))] = (forward_seconds,

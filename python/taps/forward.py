@@ -33,6 +33,15 @@ __all__ = ["TargetForward", "LAZY_HEAD_MIN", "LAZY_MIN_NODES"]
 #: 632 vs 994 at 41; development CPU, bf16)
 LAZY_HEAD_MIN = 1 << 20
 LAZY_MIN_NODES = 24
+#: a batch of trees runs packed (its real nodes only, :meth:`TargetForward.tree`) when its padding is at least
+#: this share of its [B, N] grid (packing adds a few index operations per layer)
+PACK_MIN_PADDING = 0.25
+
+
+def packs(nodes: Sequence[int], num: int) -> bool:
+    """Whether trees of ``nodes`` real nodes each, padded to ``num``, run packed (see :data:`PACK_MIN_PADDING`)."""
+    padded = len(nodes) * num
+    return len(nodes) > 1 and padded - sum(nodes) >= PACK_MIN_PADDING * padded
 
 
 class _Packed:
@@ -126,13 +135,19 @@ class TargetForward:
         return hidden.view(batch, num, -1), layers
 
     def tree(self, cache: hf.TreeKVCache, tokens: Tensor, tree_mask: Tensor, depth: Tensor, longest: int,
-             capture_layers: Sequence[int] = (), uniform: bool = False) -> hf.ForwardOutput:
+             capture_layers: Sequence[int] = (), uniform: bool = False,
+             nodes: Optional[Sequence[int]] = None) -> hf.ForwardOutput:
         """The verification forward over trees [B, N] (node i of request b written at cache position
         lengths[b] + i, rotary position lengths[b] + depth[b, i]; ``longest`` = max(cache.lengths) on the
         host; ``uniform``: every row holds ``longest`` entries, so the nodes' K/V are one plain copy into
         columns longest .. longest + N - 1). Returns ForwardOutput(None, final hidden states [B, N, H],
         inputs of ``capture_layers``); cache.lengths is unchanged (apply :meth:`logits` to the rows that
-        need them)."""
+        need them).
+
+        ``nodes`` (host ints, [B]): each tree's real nodes (the first nodes[b] of row b; the rest padding).
+        On the lean path, when they leave enough of the [B, N] grid as padding (:func:`packs`), only the
+        real nodes are computed (``taps_ops.decoder_layer``'s packed rows: a ragged batch of trees costs
+        its nodes, not B times its widest tree's); the padding rows of the returned states are zeros."""
         num = tokens.shape[1]
         if longest + num > cache.max_len:
             raise ValueError(f"TargetForward.tree: {longest + num} positions needed, the cache holds {cache.max_len}")
@@ -143,10 +158,23 @@ class TargetForward:
         prefix = cache.lengths
         positions = prefix.unsqueeze(1) + depth.clamp_min(0)
         kv_lens = prefix + num
+        kv = [(layer.keys, layer.values) for layer in cache.layers]
+        batch = tokens.shape[0]
+        if nodes is not None and packs(nodes, num):
+            device = tokens.device
+            slots = torch.tensor([b * num + i for b, n in enumerate(nodes) for i in range(n)], dtype=torch.int64,
+                                 device=device)
+            columns = (prefix.unsqueeze(1) + torch.arange(num, device=device)).view(-1).index_select(0, slots)
+            attend = TreeAttend(kv, self.lean.layers, tree_mask, kv_lens, None, longest, packed=(slots, columns))
+            ids = tokens.reshape(-1).index_select(0, slots).clamp_min(0).view(1, -1)
+            out = self.lean.hidden(ids, positions.reshape(-1).index_select(0, slots).view(1, -1), attend, capture_layers)
+            hidden, layers = out if capture_layers else (out, None)
+            return hf.ForwardOutput(None, _unpack(hidden[0], slots, batch, num), None if layers is None else
+                                    {i: _unpack(t[0], slots, batch, num) for i, t in layers.items()},
+                                    (slots, hidden[0]))
         # node i of row b at cache column prefix[b] + i: one column range when every row holds `longest`
         # entries, else a scatter; either way the nodes are the last `num` of the row's kv_lens keys
-        attend = TreeAttend([(layer.keys, layer.values) for layer in cache.layers], self.lean.layers, tree_mask,
-                            kv_lens, None, longest,
+        attend = TreeAttend(kv, self.lean.layers, tree_mask, kv_lens, None, longest,
                             positions=None if uniform else prefix.unsqueeze(1) + torch.arange(num, device=prefix.device))
 
         hidden, layers = self._run(tokens, positions, attend, capture_layers)
@@ -189,7 +217,8 @@ class TargetForward:
 
     def verify(self, hidden: Tensor, tokens: Tensor, parents: Tensor, tree_mask: Optional[Tensor] = None, *,
                lazy: Optional[bool] = None, uniforms: Optional[Tensor] = None,
-               generator: Optional[torch.Generator] = None, **sample) -> taps_ops.VerifyOutput:
+               generator: Optional[torch.Generator] = None, packed: Optional[Tuple[Tensor, Tensor]] = None,
+               **sample) -> taps_ops.VerifyOutput:
         """``taps_ops.verify_tree`` of trees [B, N] from the final hidden states [B, N, H] of a tree forward.
 
         The walk reads the logits of the nodes it visits only (the accepted path). ``lazy`` (needs the
@@ -200,7 +229,9 @@ class TargetForward:
         computed, for that node's chain, and the walk is run again with the same coins until every node on its path was
         computed. The result is exactly that of the full-logits walk (the same rows, the same coins). On a
         GPU the full head is one cheap matrix product and needs no host decisions: the default there.
-        ``uniforms [B, N]``: the coins (default: drawn from `generator`).
+        ``uniforms [B, N]``: the coins (default: drawn from `generator`). ``packed``: a packed forward's
+        (slots, hidden [M, H]) (:attr:`hf.ForwardOutput.packed`): without the lazy head, the head runs over
+        those M rows only (the padding nodes' logits, never read by the walk, are zeros).
         """
         batch, num, _ = hidden.shape
         if lazy is None:  # on the CPU, where the head is a large share of the step
@@ -208,6 +239,10 @@ class TargetForward:
         if uniforms is None:
             uniforms = torch.rand((batch, num), generator=generator, device=hidden.device, dtype=torch.float32)
         if not lazy or num == 1 or tree_mask is None:
+            if packed is not None:
+                slots, rows = packed
+                return taps_ops.verify_tree(_unpack(self.logits(rows), slots, batch, num), tokens, parents,
+                                            uniforms=uniforms, **sample)
             return taps_ops.verify_tree(self.logits(hidden), tokens, parents, uniforms=uniforms, **sample)
         chains = _FirstChildChains(tokens, parents, tree_mask)
         logits = hidden.new_zeros((batch, num, self.head.weight.shape[0]))
@@ -224,6 +259,11 @@ class TargetForward:
             # per request, the first path node whose row is missing (its chain is computed next)
             first = missing.long().argmax(1)
             start = torch.where(missing.any(1), ver.path.gather(1, first.unsqueeze(1)).squeeze(1), 0)
+
+
+def _unpack(rows: Tensor, slots: Tensor, batch: int, num: int) -> Tensor:
+    """Packed rows [M, F] at their `slots` of a [batch, num, F] grid, zeros elsewhere."""
+    return rows.new_zeros((batch * num, rows.shape[-1])).index_copy_(0, slots, rows).view(batch, num, -1)
 
 
 class _FirstChildChains:

@@ -46,7 +46,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import inspect
-from typing import Dict, Iterator, NamedTuple, Optional, Sequence
+from typing import Dict, Iterator, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor
@@ -186,11 +186,14 @@ class ForwardOutput(NamedTuple):
     """logits: see the helper; hidden_states: [B, T, H] final (normalised) hidden states, the input of
     lm_head, as EAGLE-style feature drafters consume them; None unless asked for; layers: {i: [B, T, H]
     the input of decoder layer i} for the layers asked for (``capture_layers``; EAGLE-3 heads read
-    three of them), else None."""
+    three of them), else None; packed: a packed tree forward's (slots [M], final hidden states [M, H]) of
+    its real nodes (``TargetForward.tree``: hidden_states then holds them at their slots, zeros elsewhere),
+    else None."""
 
     logits: Optional[Tensor]
     hidden_states: Optional[Tensor]
     layers: Optional[Dict[int, Tensor]] = None
+    packed: Optional[Tuple[Tensor, Tensor]] = None
 
 
 _CACHE_KWARG: dict = {}

@@ -263,19 +263,39 @@ class TreeAttend:
     go to columns ``start .. start + T - 1`` of every row (a plain copy) or, with ``positions`` [R, T], to
     each row's own columns (a scatter, for ragged rows); attention is one ``taps_ops.tree_attention`` call
     (bits [R, N, W], kv_lens [R], tree_nodes T or None: see :class:`NodeMask`). :func:`decoder_layer`
-    takes :meth:`fused_layer` to run the whole layer as one ``taps_ops.decoder_layer`` call."""
+    takes :meth:`fused_layer` to run the whole layer as one ``taps_ops.decoder_layer`` call.
 
-    __slots__ = ("kv", "scales", "bits", "kv_lens", "tree_nodes", "start", "positions", "rows")
+    Packed (``packed = (slots [M], columns [M])``, a ragged batch of trees without its padding nodes): the layer
+    computes only M of the R x T query slots (slot ``r * T + t``, T = ``bits.shape[1]``; q, k, v are then
+    [1, M, H*, D]); their K/V go to cache row ``slot // T``, column ``columns[m]``; the attention runs over the
+    [R, T] grid with zero queries at the other slots, and the M slots' outputs are returned ([1, Hq, M, D])."""
+
+    __slots__ = ("kv", "scales", "bits", "kv_lens", "tree_nodes", "start", "positions", "rows", "packed", "cache_rows")
 
     def __init__(self, kv: Sequence[Sequence[Tensor]], layers: Sequence, bits: Tensor, kv_lens: Tensor,
-                 tree_nodes: Optional[int], start: int, positions: Optional[Tensor] = None):
+                 tree_nodes: Optional[int], start: int, positions: Optional[Tensor] = None,
+                 packed: Optional[Tuple[Tensor, Tensor]] = None):
         self.kv, self.scales = kv, [w.scale for w in layers]
         self.bits, self.kv_lens, self.tree_nodes, self.start = bits, kv_lens, tree_nodes, int(start)
         self.positions = positions
         self.rows = None if positions is None else torch.arange(positions.shape[0], device=positions.device).unsqueeze(1)
+        self.packed = packed
+        self.cache_rows = None if packed is None else packed[0].div(bits.shape[1], rounding_mode="floor")
 
     def __call__(self, i: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         keys, values = self.kv[i]
+        if self.packed is not None:  # the operators of taps_ops.decoder_layer's packed path, in its order
+            slots, columns = self.packed
+            keys[self.cache_rows, :, columns] = k[0]
+            values[self.cache_rows, :, columns] = v[0]
+            rows, per_row = keys.shape[0], self.bits.shape[1]
+            heads, dim = q.shape[2], q.shape[3]
+            grid = q.new_zeros((rows * per_row, heads, dim))
+            grid.index_copy_(0, slots, q[0])
+            out = taps_ops.tree_attention(grid.view(rows, per_row, heads, dim).transpose(1, 2), keys, values, self.bits,
+                                          self.kv_lens, self.scales[i], validate=False, tree_nodes=self.tree_nodes)
+            picked = out.transpose(1, 2).reshape(rows * per_row, heads * dim).index_select(0, slots)
+            return picked.view(1, -1, heads, dim).transpose(1, 2)
         write_kv(keys, values, k, v, start=self.start if self.positions is None else None, positions=self.positions,
                  rows=self.rows)
         return taps_ops.tree_attention(q.transpose(1, 2), keys, values, self.bits, self.kv_lens, self.scales[i],
@@ -287,6 +307,10 @@ class TreeAttend:
         fused path an attention callback may offer :func:`taps.lean.decoder_layer`."""
         keys, values = self.kv[i]
         weights, eps, dims = op_args
+        if self.packed is not None:
+            return taps_ops.decoder_layer(x, weights, eps, dims, cos, sin, keys, values, self.start, self.bits,
+                                          self.kv_lens, self.scales[i], tree_nodes=self.tree_nodes, emb=emb,
+                                          write_positions=self.packed[1], rows=self.packed[0])
         return taps_ops.decoder_layer(x, weights, eps, dims, cos, sin, keys, values, self.start, self.bits, self.kv_lens,
                                       self.scales[i], tree_nodes=self.tree_nodes, emb=emb, write_positions=self.positions)
 

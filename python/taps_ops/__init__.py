@@ -632,7 +632,8 @@ def expand_level(logits: Tensor, front_scores: Tensor, front_cands: Tensor, k: i
 def decoder_layer(x: Tensor, weights: Sequence[Optional[Tensor]], eps: Sequence[float], dims: Sequence[int],
                   cos: Tensor, sin: Tensor, keys: Tensor, values: Tensor, write_start: int, tree_mask: Tensor,
                   kv_lens: Tensor, scale: float, *, tree_nodes: Optional[int] = None,
-                  emb: Optional[Tensor] = None, write_positions: Optional[Tensor] = None) -> Tensor:
+                  emb: Optional[Tensor] = None, write_positions: Optional[Tensor] = None,
+                  rows: Optional[Tensor] = None) -> Tensor:
     """One Llama decoder layer with tree attention over a KV cache, in one call: the lean forward's layer
     (``taps.lean.decoder_layer`` with a ``taps.kv.TreeAttend``), the same operators in the same order, so
     the output is the same bit for bit, without the host cost of some 25 operator calls from Python.
@@ -660,6 +661,12 @@ def decoder_layer(x: Tensor, weights: Sequence[Optional[Tensor]], eps: Sequence[
             ``write_start`` is then ignored; out-of-range columns raise).
         tree_mask, kv_lens, scale, tree_nodes: as :func:`tree_attention` takes them (no kv_lens check).
         emb: [G, R * T, H] token embeddings for the EAGLE-3 layer, else None.
+        rows: packed tokens (G = 1): int64 [M], strictly increasing slots ``r * T + t`` of the R x T grid
+            that the attention sees (T = ``tree_mask.shape[1]``, R = ``keys.shape[0]``); x (and emb) are then
+            [1, M, H], cos / sin [1, M, 1, D] and ``write_positions`` [M] (each token's cache column, in row
+            ``slot // T``). Only those M tokens are projected, written and returned; the attention runs over
+            the grid with zero queries at the other slots (a ragged batch of trees without computing its
+            padding nodes). Checked: distinct, in range (one host read).
 
     Returns:
         the layer's output, x's shape and dtype. No autograd: an inference op. Used by the engine on the
@@ -669,7 +676,7 @@ def decoder_layer(x: Tensor, weights: Sequence[Optional[Tensor]], eps: Sequence[
     return torch.ops.taps_ops.decoder_layer.default(
         x, emb, weights if type(weights) is list else list(weights),
         eps if type(eps) is list else [float(e) for e in eps], dims if type(dims) is list else [int(d) for d in dims],
-        cos, sin, keys, values, int(write_start), tree_mask, kv_lens, tree_nodes, float(scale), write_positions)
+        cos, sin, keys, values, int(write_start), tree_mask, kv_lens, tree_nodes, float(scale), write_positions, rows)
 
 
 from . import _fake  # noqa: E402,F401  (shape functions for torch.compile / FakeTensor)

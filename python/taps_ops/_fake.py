@@ -69,5 +69,5 @@ def _expand_level_fake(logits, front_scores, front_cands, k, next_k, cand_offset
 
 @torch.library.register_fake("taps_ops::decoder_layer")
 def _decoder_layer_fake(x, emb, weights, eps, dims, cos, sin, keys, values, write_start, tree_mask, kv_lens,
-                        tree_nodes, scale, write_positions=None):
+                        tree_nodes, scale, write_positions=None, rows=None):
     return x.new_empty(x.shape)
