@@ -775,6 +775,37 @@ def test_a_shape_not_run_yet_is_priced_at_the_nodes_its_expansion_can_fill():
     assert seconds(tuner, d1) == pytest.approx(7e-3)
 
 
+def test_a_shape_not_run_yet_is_priced_at_most_at_the_nodes_a_wider_deeper_run_kind_ran():
+    """An unobserved shape's nodes are bounded by what a run shape of the same drafters, as deep or deeper and
+    with as large a budget or larger, ran (its tree holds this one's: a prompt lookup's tree, or a packed
+    batch's mean, holds fewer nodes than its budget); a shallower or narrower run kind bounds nothing, and
+    another drafter's kind nothing."""
+    def seconds(tuner, shape):
+        return next(s for sh, _, s, _, _ in tuner._plan_memo[1] if sh == shape)
+
+    def replan(tuner):
+        tuner._plan_memo = None
+        tuner.plan([(0,), (1,)], lambda g, d: d, [0, 0], [0], 1, 3, 16)
+
+    tuner = Tuner(FixedCosts(lambda n, b: 1e-3 * n, lambda g, d, b: 0.0))
+    tuner.begin(1, False)
+    replan(tuner)
+    assert seconds(tuner, Shape((0,), 2, 8)) == pytest.approx(8e-3)     # nothing run: its budget
+    tuner.observe(Shape((0,), 3, 16), [0], 3, 3.5, 1, 0.0, {}, [])       # ran 3.5 nodes on average
+    tuner.observe(Shape((1,), 3, 16), [0], 3, 2.0, 1, 0.0, {}, [])       # another drafter's kind
+    tuner.observe(Shape((0,), 1, 4), [0], 1, 1.5, 1, 0.0, {}, [])        # shallower and narrower
+    replan(tuner)
+    assert seconds(tuner, Shape((0,), 2, 8)) == pytest.approx(3.5e-3)    # bounded by (0,) d3 n16
+    assert seconds(tuner, Shape((0,), 2, 4)) == pytest.approx(3.5e-3)    # (0,) d1 n4 is shallower: no bound
+    assert seconds(tuner, Shape((0,), 1, 2)) == pytest.approx(1.5e-3)    # (0,) d1 n4 bounds it too
+    assert seconds(tuner, Shape((0,), 1, 8)) == pytest.approx(3.5e-3)
+    tuner.observe(Shape((0,), 1, 16), [0], 1, 1.2, 1, 0.0, {}, [])
+    replan(tuner)
+    assert seconds(tuner, Shape((0,), 1, 8)) == pytest.approx(1.2e-3)
+    assert seconds(tuner, Shape((0,), 2, 8)) == pytest.approx(3.5e-3)    # d1 n16 is shallower than d2
+    assert seconds(tuner, Shape((0, 1), 2, 8)) == pytest.approx(8e-3)    # no run kind of these drafters
+
+
 def test_the_decoder_tells_the_tuner_its_expansions_candidates():
     """A decoder prices its drafters' depth-1 shapes at 1 + top_k nodes before running them."""
     m = em.greedy_models()
