@@ -775,10 +775,11 @@ def test_a_shape_not_run_yet_is_priced_at_the_nodes_its_expansion_can_fill():
     assert seconds(tuner, d1) == pytest.approx(7e-3)
 
 
-def test_a_shape_not_run_yet_is_priced_at_most_at_the_nodes_a_wider_deeper_run_kind_ran():
-    """An unobserved shape's nodes are bounded by what a run shape of the same drafters, as deep or deeper and
-    with as large a budget or larger, ran (its tree holds this one's: a prompt lookup's tree, or a packed
-    batch's mean, holds fewer nodes than its budget); a shallower or narrower run kind bounds nothing, and
+def test_a_shape_not_run_yet_is_priced_at_the_nodes_a_wider_deeper_run_kind_ran_scaled():
+    """An unobserved shape's nodes: what a run shape of the same drafters, as deep or deeper and with as large
+    a budget or larger, ran below its root, scaled by the budgets' ratio (its tree holds this one's: a prompt
+    lookup's tree, or a packed batch's mean, holds fewer nodes than its budget; a tree that filled its budget
+    scales to this one's), at most this one's budget; a shallower or narrower run kind says nothing, and
     another drafter's kind nothing."""
     def seconds(tuner, shape):
         return next(s for sh, _, s, _, _ in tuner._plan_memo[1] if sh == shape)
@@ -795,14 +796,18 @@ def test_a_shape_not_run_yet_is_priced_at_most_at_the_nodes_a_wider_deeper_run_k
     tuner.observe(Shape((1,), 3, 16), [0], 3, 2.0, 1, 0.0, {}, [])       # another drafter's kind
     tuner.observe(Shape((0,), 1, 4), [0], 1, 1.5, 1, 0.0, {}, [])        # shallower and narrower
     replan(tuner)
-    assert seconds(tuner, Shape((0,), 2, 8)) == pytest.approx(3.5e-3)    # bounded by (0,) d3 n16
-    assert seconds(tuner, Shape((0,), 2, 4)) == pytest.approx(3.5e-3)    # (0,) d1 n4 is shallower: no bound
-    assert seconds(tuner, Shape((0,), 1, 2)) == pytest.approx(1.5e-3)    # (0,) d1 n4 bounds it too
-    assert seconds(tuner, Shape((0,), 1, 8)) == pytest.approx(3.5e-3)
+    scaled = lambda v, n, wide: 1e-3 * (1 + (v - 1) * (n - 1) / (wide - 1))  # noqa: E731
+    assert seconds(tuner, Shape((0,), 2, 8)) == pytest.approx(scaled(3.5, 8, 16))   # from (0,) d3 n16
+    assert seconds(tuner, Shape((0,), 2, 4)) == pytest.approx(scaled(3.5, 4, 16))   # (0,) d1 n4 is shallower
+    assert seconds(tuner, Shape((0,), 1, 2)) == pytest.approx(scaled(1.5, 2, 4))    # (0,) d1 n4 gives less
+    assert seconds(tuner, Shape((0,), 1, 8)) == pytest.approx(scaled(3.5, 8, 16))
     tuner.observe(Shape((0,), 1, 16), [0], 1, 1.2, 1, 0.0, {}, [])
+    tuner.observe(Shape((0,), 3, 8), [0], 1, 8.0, 1, 0.0, {}, [])       # a tree that filled its budget
     replan(tuner)
-    assert seconds(tuner, Shape((0,), 1, 8)) == pytest.approx(1.2e-3)
-    assert seconds(tuner, Shape((0,), 2, 8)) == pytest.approx(3.5e-3)    # d1 n16 is shallower than d2
+    assert seconds(tuner, Shape((0,), 1, 8)) == pytest.approx(scaled(1.2, 8, 16))
+    assert seconds(tuner, Shape((0,), 2, 8)) == pytest.approx(scaled(3.5, 8, 16))   # d1 n16 is shallower than d2
+    assert seconds(tuner, Shape((0,), 2, 4)) == pytest.approx(scaled(3.5, 4, 16))   # the least of d3 n16, d3 n8
+    assert seconds(tuner, Shape((0,), 3, 4)) == pytest.approx(scaled(3.5, 4, 16))
     assert seconds(tuner, Shape((0, 1), 2, 8)) == pytest.approx(8e-3)    # no run kind of these drafters
 
 

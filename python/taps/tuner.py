@@ -775,10 +775,12 @@ class Tuner:
                     nodes = shape.budget
                     if most is not None and not shape.drawn:
                         nodes = min(nodes, 1 + sum(most[g, d] for g in members))
-                    # and at most what a run kind of the same drafters, as deep or deeper and as wide or wider,
-                    # ran: its tree holds this one's (a prompt lookup proposes fewer nodes than its budget, and
-                    # none for a request without a match: a packed batch's forward runs that mean)
-                    wider = [v for (k, dd, n), v in self._nodes.items()
+                    # and what a run kind of the same drafters, as deep or deeper and as wide or wider, ran
+                    # below its root, scaled by the budgets' ratio: its tree holds this one's (a prompt lookup
+                    # proposes fewer nodes than its budget, and none for a request without a match: a packed
+                    # batch's forward runs that mean); a tree that fills its budget scales to this budget
+                    wider = [1.0 + (v - 1.0) * (shape.budget - 1) / max(n - 1, 1)
+                             for (k, dd, n), v in self._nodes.items()
                              if k[0] == key[0] and dd >= d and n >= shape.budget]
                     if wider:
                         nodes = min(nodes, min(wider))
