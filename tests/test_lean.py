@@ -184,6 +184,16 @@ def test_packed_tree_forward_equals_the_padded_one(arch):
         assert torch.equal(a.tokens, b.tokens) and torch.equal(a.num_accepted, b.num_accepted)
 
 
+def test_packed_slots_round_half_precision_rows_up_with_the_first_padding_slots():
+    from taps.forward import PACK_HALF_ROWS, packed_slots
+
+    assert PACK_HALF_ROWS == 8
+    assert packed_slots([3, 1, 2], 4) == [0, 1, 2, 4, 8, 9]
+    assert packed_slots([3, 1, 2], 4, half=True) == [0, 1, 2, 3, 4, 5, 8, 9]        # 6 -> 8 rows
+    assert packed_slots([1, 1], 3, half=True) == [0, 1, 2, 3, 4, 5]                  # at most the grid
+    assert packed_slots([4, 4], 4, half=True) == list(range(8))
+
+
 @torch.no_grad()
 def test_stacked_group_equals_separate_forwards():
     models = [_model("llama", seed=s) for s in (3, 4)]

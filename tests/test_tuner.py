@@ -912,3 +912,37 @@ def test_a_measured_forward_corrects_its_own_node_counts_scale():
     trees = [s for s in seen if s[0][2] > 1]
     assert trees and all(predicted == pytest.approx(own) for _, predicted, own, _ in seen), seen
     assert all(price > own for _, _, own, price in trees), trees
+
+
+def test_a_forward_shape_run_for_the_first_time_corrects_no_cost(monkeypatch):
+    """A step whose target forward ran a shape (rows computed, requests, tree width) the decoder had not run
+    before may hold one-off costs (oneDNN builds a bf16 product's kernel at each new row count): the tuner
+    learns its acceptance but not its times; the same shapes run again correct the costs."""
+    m = em.greedy_models()
+    prompts = [m["seqs"][0, :4].tolist(), m["seqs"][1, :9].tolist(), m["seqs"][2, :6].tolist()]
+    calls = []
+    observe = Tuner.observe
+
+    def spy(self, shape, accepted, cap, nodes, batch, total, parts, updates, costs=True):
+        calls.append((shape, costs))
+        return observe(self, shape, accepted, cap, nodes, batch, total, parts, updates, costs=costs)
+    monkeypatch.setattr(Tuner, "observe", spy)
+    shapes = []
+    first_shape = SpeculativeDecoder._first_shape
+
+    def record(self, state, tree, fwd):
+        first = first_shape(self, state, tree, fwd)
+        shapes.append(first)
+        return first
+    monkeypatch.setattr(SpeculativeDecoder, "_first_shape", record)
+    dec = SpeculativeDecoder(m["target"], _greedy_drafters(["eagle", "lookup"]), strategy="merged", depth=3, top_k=3,
+                             budget=8, tuner=Cycling())
+    dec.generate(prompts, max_new_tokens=24)
+    assert calls and len(calls) == len(shapes)  # Cycling observes every step
+    assert [c for _, c in calls] == [not f for f in shapes]
+    assert 0 < sum(shapes) < len(shapes)
+    assert all(acc.pooled for acc in [dec.tuner.acceptance])  # learned from every drafted step, first ones too
+    seen = set(dec._shapes_run)
+    calls.clear(), shapes.clear()
+    dec.generate(prompts, max_new_tokens=24)
+    assert sum(shapes) == len(set(dec._shapes_run) - seen)  # only shapes new in this run are left out

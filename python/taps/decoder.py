@@ -171,6 +171,8 @@ class SpeculativeDecoder:
         #: a ragged batch's tree forward computes each request's real nodes only, not B times the widest
         #: tree's (the lean path on the CPU, where the node counts are on the host; see TargetForward.tree)
         self.pack_trees = True
+        #: (rows, requests, tree width) of the target forwards run so far (see _first_shape)
+        self._shapes_run: set = set()
         self._groups: Optional[Tuple[tuple, List[DraftGroup]]] = None
         #: chooses each step's draft (None: the fixed settings)
         self.tuner: Optional[Tuner] = tuner if drafters else None
@@ -377,13 +379,27 @@ class SpeculativeDecoder:
                 tree, nodes = self._tree(state, plan, drafted)
             t0 = self._now() if timed else 0.0
             fwd, ver = self._verify(state, tree, nodes)
+            first = timed and self._first_shape(state, tree, fwd)
             with prof.section("compact"):
                 path, num_new = self._commit(state, ver)
             record = self._read_back(state, tree, ver, path, drafted is not None, nodes)
             forward_seconds = self._now() - t0 if timed else 0.0
             with prof.section("draft_update"):
                 self._advance_drafters(state, plan, fwd, ver, path, num_new, record)
-            self._record(state, plan, tree, record, forward_seconds, self._now() - start if timed else 0.0, timed)
+            self._record(state, plan, tree, record, forward_seconds, self._now() - start if timed else 0.0, timed,
+                         first)
+
+    def _first_shape(self, state: "DecodeState", tree: Combined, fwd: hf.ForwardOutput) -> bool:
+        """Whether this step's target forward ran a shape (rows computed, requests, tree width) this decoder
+        had not run before: its time may hold one-off costs (on the CPU oneDNN builds a bf16 product's kernel
+        the first time it meets a row count, several times the call's own time), so the tuner's costs leave
+        it out (:meth:`_record`)."""
+        batch, width = tree.tokens.shape
+        shape = (batch * width if fwd.packed is None else len(fwd.packed[0]), batch, width)
+        if shape in self._shapes_run:
+            return False
+        self._shapes_run.add(shape)
+        return True
 
     def _may_draw(self, state: "DecodeState", group: DraftGroup) -> bool:
         """Whether a step where `group` drafts alone (one drafter, or several of one shape batched: their
@@ -616,9 +632,10 @@ class SpeculativeDecoder:
                 g.advance(new_tokens, num_new, features.get(g.target_features), counts, record.tokens)
 
     def _record(self, state: "DecodeState", plan: "_Plan", tree: Combined, record: "_HostRecord",
-                forward_seconds: float, seconds: float, timed: bool) -> None:
+                forward_seconds: float, seconds: float, timed: bool, first: bool = False) -> None:
         """Per-request statistics and emission, and the tuner's observation (`timed`: the step was timed
-        for it, :meth:`Tuner.observes`)."""
+        for it, :meth:`Tuner.observes`; ``first``: its forward ran a shape for the first time, so its times
+        correct no cost, :meth:`_first_shape`)."""
         observed: List[Optional[int]] = [None] * state.batch
         label = None if plan.shape is None else plan.shape.label
         for b, request in enumerate(state.requests):
@@ -649,7 +666,7 @@ class SpeculativeDecoder:
             plan.parts[("forward", state.batch, round(nodes))] = (forward_seconds,
                                                                  tuner.costs.forward_part(nodes, state.batch))
             tuner.observe(plan.shape, observed, min(cap, plan.shape.budget - 1), nodes, state.batch, seconds,
-                          plan.parts, plan.updates)
+                          plan.parts, plan.updates, costs=not first)
 
     # -- requests joining and leaving a running batch --------------------------------------------------
     def join(self, state: "DecodeState", other: "DecodeState") -> None:

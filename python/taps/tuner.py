@@ -858,15 +858,18 @@ class Tuner:
         return self._plain_until <= self.clock + 1
 
     def observe(self, shape: Shape, accepted: Sequence[Optional[int]], cap: int, nodes: float, batch: int,
-                total: float, parts: Dict[tuple, Tuple[float, float]], updates) -> None:
+                total: float, parts: Dict[tuple, Tuple[float, float]], updates, costs: bool = True) -> None:
         """What a step of `shape` gave: accepted draft tokens per request (None: finished before it),
         the nominal tree depth, the nodes per request the forward ran, the step's seconds, its timed parts
-        ({part: (measured, predicted)}) and group updates ((drafters, tokens, seconds))."""
+        ({part: (measured, predicted)}) and group updates ((drafters, tokens, seconds)); ``costs=False``: the
+        times correct no cost (a step that paid one-off costs, e.g. a kernel built for a new shape)."""
         if shape.drafters:
             self._version += 1
             self.acceptance.observe(shape.key, accepted, cap)
             memo = (shape.key, shape.depth, shape.budget)
             self._nodes[memo] = _ema(self._nodes.get(memo), nodes, 0.2)
+        if not costs:
+            return
         predicted = sum(p for _, p in parts.values()) + sum(self.costs.update(g, t, batch) for g, t, _ in updates)
         self.costs.observe(shape.key, batch, total, predicted, parts, updates)
 
