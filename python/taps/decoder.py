@@ -45,7 +45,7 @@ import taps_ops
 from . import hf
 from .drafters import DraftGroup, Drafter, make_groups, target_vocab_size
 from .expansion import DraftSampler, num_candidates, scratch_positions, target_probs
-from .forward import TargetForward, packs
+from .forward import TargetForward
 from .kv import pack_bits
 from .lean import stack_key
 from .stats import Profiler, RequestStats, summarize
@@ -380,6 +380,10 @@ class SpeculativeDecoder:
             t0 = self._now() if timed else 0.0
             fwd, ver = self._verify(state, tree, nodes)
             first = timed and self._first_shape(state, tree, fwd)
+            # the nodes per request the forward ran: the trees' width (a batch's trees are as wide as its
+            # widest, trimmed on the CPU), or, packed, the rows it computed over the requests (it costs about
+            # what that many nodes for every request would)
+            ran = tree.tokens.shape[1] if fwd.packed is None else len(fwd.packed[0]) / tree.tokens.shape[0]
             with prof.section("compact"):
                 path, num_new = self._commit(state, ver)
             record = self._read_back(state, tree, ver, path, drafted is not None, nodes)
@@ -387,7 +391,7 @@ class SpeculativeDecoder:
             with prof.section("draft_update"):
                 self._advance_drafters(state, plan, fwd, ver, path, num_new, record)
             self._record(state, plan, tree, record, forward_seconds, self._now() - start if timed else 0.0, timed,
-                         first)
+                         first, ran)
 
     def _first_shape(self, state: "DecodeState", tree: Combined, fwd: hf.ForwardOutput) -> bool:
         """Whether this step's target forward ran a shape (rows computed, requests, tree width) this decoder
@@ -632,10 +636,12 @@ class SpeculativeDecoder:
                 g.advance(new_tokens, num_new, features.get(g.target_features), counts, record.tokens)
 
     def _record(self, state: "DecodeState", plan: "_Plan", tree: Combined, record: "_HostRecord",
-                forward_seconds: float, seconds: float, timed: bool, first: bool = False) -> None:
+                forward_seconds: float, seconds: float, timed: bool, first: bool = False,
+                ran: Optional[float] = None) -> None:
         """Per-request statistics and emission, and the tuner's observation (`timed`: the step was timed
         for it, :meth:`Tuner.observes`; ``first``: its forward ran a shape for the first time, so its times
-        correct no cost, :meth:`_first_shape`)."""
+        correct no cost, :meth:`_first_shape`; ``ran``: the nodes per request the forward ran, default the
+        trees' width)."""
         observed: List[Optional[int]] = [None] * state.batch
         label = None if plan.shape is None else plan.shape.label
         for b, request in enumerate(state.requests):
@@ -655,12 +661,7 @@ class SpeculativeDecoder:
                 stats.route_decisions.append(record.route[b])
             state.emit(request, new)
         if timed:
-            # the nodes per request the forward ran: a batch's trees are as wide as its widest (trimmed on the
-            # CPU), unless it ran packed (each request's real nodes: their mean, as the forward costs about
-            # what that many nodes for every request would)
-            tuner, nodes = self.tuner, tree.tokens.shape[1]
-            if self.pack_trees and record.nodes is not None and packs(record.nodes, nodes):
-                nodes = sum(record.nodes) / len(record.nodes)
+            tuner, nodes = self.tuner, tree.tokens.shape[1] if ran is None else ran
             cap = max([g.tree_depth(plan.depth, self.top_k) for g in plan.drafting], default=0)
             # measured against that node count's own prediction (its scale is what the measurement corrects)
             plan.parts[("forward", state.batch, round(nodes))] = (forward_seconds,

@@ -251,7 +251,7 @@ class TargetForward:
         GPU the full head is one cheap matrix product and needs no host decisions: the default there.
         ``uniforms [B, N]``: the coins (default: drawn from `generator`). ``packed``: a packed forward's
         (slots, hidden [M, H]) (:attr:`hf.ForwardOutput.packed`): without the lazy head, the head runs over
-        those M rows only (the padding nodes' logits, never read by the walk, are zeros).
+        those M rows only (the other slots' logits, padding the walk never reads, are zeros).
         """
         batch, num, _ = hidden.shape
         if lazy is None:  # on the CPU, where the head is a large share of the step
