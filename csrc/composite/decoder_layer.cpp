@@ -257,14 +257,13 @@ at::Tensor decoder_layer(const at::Tensor& x, const OptTensor& emb_in, const c10
     TORCH_CHECK_VALUE(gb % groups == 0 && x.size(1) * groups == gb * tokens, "taps_ops: decoder_layer: x [G, R * T, H] = ",
                 x.sizes(), " does not hold G * R = ", gb, " rows (keys) of T = ", tokens, " tokens (cos)");
   }
-  if (packed) {
-  } else if (ragged) {
+  if (ragged && !packed) {
     TORCH_CHECK_VALUE(write_positions->dim() == 2 && write_positions->size(0) == gb && write_positions->size(1) == tokens &&
                     write_positions->scalar_type() == at::kLong,
                 "taps_ops: decoder_layer: write_positions must be int64 [G * R, T] = [", gb, ", ", tokens, "], got ",
                 write_positions->scalar_type(), " ", write_positions->sizes());
     check_same_device(x, *write_positions, "x", "write_positions");
-  } else {
+  } else if (!packed) {
     TORCH_CHECK_VALUE(write_start >= 0 && write_start + tokens <= keys.size(2), "taps_ops: decoder_layer: the new entries ",
                 "go to cache columns ", write_start, " .. ", write_start + tokens - 1, " but the cache holds ",
                 keys.size(2));
