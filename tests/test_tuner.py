@@ -946,3 +946,36 @@ def test_a_forward_shape_run_for_the_first_time_corrects_no_cost(monkeypatch):
     calls.clear(), shapes.clear()
     dec.generate(prompts, max_new_tokens=24)
     assert sum(shapes) == len(set(dec._shapes_run) - seen)  # only shapes new in this run are left out
+
+
+def test_totals_equal_the_sum_of_each_requests_expectation_through_observations_and_row_changes():
+    """AcceptanceModel.total keeps each request's E[accepted + 1] beside the sums: through observations of several
+    kinds (which bound each other), finished rows and requests joining and leaving, every total equals the sum of
+    the requests' expectations computed afresh."""
+    import copy
+    import random
+
+    from taps.tuner import AcceptanceModel
+
+    rng = random.Random(3)
+    model = AcceptanceModel()
+    model.horizon = 3
+    model.reset(5)
+    kinds = [((0,), 4), ((0,), 8), ((0,), 16), ((1,), 8), ((0, 1), 16)]
+    for step in range(120):
+        key = rng.choice(kinds)
+        batch = len(model.requests)
+        model.observe(key, [None if rng.random() < 0.2 else rng.randint(0, 3) for _ in range(batch)], 3)
+        if step % 17 == 5 and batch > 2:
+            model.select_requests([b for b in range(batch) if b != rng.randrange(batch)])
+        if step % 23 == 7:
+            model.add_requests(2)
+        batch = len(model.requests)
+        for _ in range(4):
+            rows = tuple(sorted(rng.sample(range(batch), rng.randint(1, batch))))
+            kind, cap, optimistic = rng.choice(kinds), rng.randint(1, 3), rng.random() < 0.5
+            got = model.total(kind, rows, cap, optimistic)
+            fresh = copy.deepcopy(model)
+            fresh._memo.clear()
+            want = sum(1.0 + fresh.expected(kind, b, cap, optimistic) for b in rows)
+            assert got == want, (step, kind, rows, cap, optimistic)

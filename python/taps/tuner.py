@@ -527,7 +527,18 @@ class AcceptanceModel:
         kind = self._memo.setdefault(key, {})
         value = kind.get(memo)
         if value is None:
-            value = kind[memo] = sum(1.0 + self.expected(key, b, cap, optimistic) for b in rows)
+            # each request's E[accepted + 1] kept too: a plan after a request finished or joined sums the
+            # same requests' values over new rows (one dict read each, not the bounded lists' calls)
+            per = kind.get(("per request", cap, optimistic))
+            if per is None:
+                per = kind[("per request", cap, optimistic)] = {}
+            value = 0.0
+            for b in rows:
+                v = per.get(b)
+                if v is None:
+                    v = per[b] = 1.0 + self.expected(key, b, cap, optimistic)
+                value += v
+            kind[memo] = value
         return value
 
     def observe(self, key: tuple, accepted: Sequence[Optional[int]], cap: int) -> None:
