@@ -304,19 +304,6 @@ BAD_PACKED = {
 }
 
 
-@pytest.mark.parametrize("case", sorted(BAD_PACKED))
-def test_bad_packed_inputs_raise_clear_errors(case, monkeypatch):
-    monkeypatch.setattr(lean, "small_layout", lambda shape, panels=True, repeats=3, stacked=True, bf16=False, packed=False: "plain")
-    with torch.no_grad():
-        _call(_packed_call())            # the valid call works
-    mutate, message = BAD_PACKED[case]
-    args = _packed_call()
-    mutate(args)
-    with pytest.raises((RuntimeError, ValueError, IndexError), match=re.escape(message)):
-        with torch.no_grad():
-            _call(args)
-
-
 def _valid_call():
     models = _layers("qwen2", 1, torch.float32, use_sliding_window=False)
     w = LayerWeights([models[0].model.layers[0]]).pack()
@@ -374,15 +361,20 @@ BAD = {
 }
 
 
-@pytest.mark.parametrize("case", sorted(BAD))
-def test_bad_inputs_raise_clear_errors(case, monkeypatch):
+#: (a valid call's arguments, the bad cases of it): the grid form and the packed one (rows=)
+BAD_TABLES = {"grid": (_valid_call, BAD), "packed": (_packed_call, BAD_PACKED)}
+
+
+@pytest.mark.parametrize("table,case", [(t, c) for t, (_, cases) in BAD_TABLES.items() for c in sorted(cases)])
+def test_bad_inputs_raise_clear_errors(table, case, monkeypatch):
     # the cases cut [out, in] weights: the plain layout (the stacked one is the "stacked weight" cases)
     monkeypatch.setattr(lean, "small_layout", lambda shape, panels=True, repeats=3, stacked=True, bf16=False, packed=False: "plain")
-    args = _valid_call()
+    valid, cases = BAD_TABLES[table]
+    args = valid()
     with torch.no_grad():
         _call(args)                      # the valid call works
-    mutate, message = BAD[case]
-    args = _valid_call()
+    mutate, message = cases[case]
+    args = valid()
     mutate(args)
     with pytest.raises((RuntimeError, ValueError, IndexError), match=re.escape(message)):
         with torch.no_grad():

@@ -930,8 +930,8 @@ def test_a_forward_shape_run_for_the_first_time_corrects_no_cost(monkeypatch):
     shapes = []
     first_shape = SpeculativeDecoder._first_shape
 
-    def record(self, state, tree, fwd):
-        first = first_shape(self, state, tree, fwd)
+    def record(self, rows, batch, width):
+        first = first_shape(self, rows, batch, width)
         shapes.append(first)
         return first
     monkeypatch.setattr(SpeculativeDecoder, "_first_shape", record)

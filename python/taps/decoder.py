@@ -379,11 +379,10 @@ class SpeculativeDecoder:
                 tree, nodes = self._tree(state, plan, drafted)
             t0 = self._now() if timed else 0.0
             fwd, ver = self._verify(state, tree, nodes)
-            first = timed and self._first_shape(state, tree, fwd)
-            # the nodes per request the forward ran: the trees' width (a batch's trees are as wide as its
-            # widest, trimmed on the CPU), or, packed, the rows it computed over the requests (it costs about
-            # what that many nodes for every request would)
-            ran = tree.tokens.shape[1] if fwd.packed is None else len(fwd.packed[0]) / tree.tokens.shape[0]
+            # the rows the forward computed: the [B, N] grid, or packed, the real nodes (and half precision's
+            # filler); the tuner prices a step at rows / B nodes per request
+            rows = tree.tokens.numel() if fwd.packed is None else len(fwd.packed[0])
+            first = timed and self._first_shape(rows, *tree.tokens.shape)
             with prof.section("compact"):
                 path, num_new = self._commit(state, ver)
             record = self._read_back(state, tree, ver, path, drafted is not None, nodes)
@@ -391,15 +390,14 @@ class SpeculativeDecoder:
             with prof.section("draft_update"):
                 self._advance_drafters(state, plan, fwd, ver, path, num_new, record)
             self._record(state, plan, tree, record, forward_seconds, self._now() - start if timed else 0.0, timed,
-                         first, ran)
+                         first, rows)
 
-    def _first_shape(self, state: "DecodeState", tree: Combined, fwd: hf.ForwardOutput) -> bool:
+    def _first_shape(self, rows: int, batch: int, width: int) -> bool:
         """Whether this step's target forward ran a shape (rows computed, requests, tree width) this decoder
         had not run before: its time may hold one-off costs (on the CPU oneDNN builds a bf16 product's kernel
         the first time it meets a row count, several times the call's own time), so the tuner's costs leave
         it out (:meth:`_record`)."""
-        batch, width = tree.tokens.shape
-        shape = (batch * width if fwd.packed is None else len(fwd.packed[0]), batch, width)
+        shape = (rows, batch, width)
         if shape in self._shapes_run:
             return False
         self._shapes_run.add(shape)
@@ -636,12 +634,10 @@ class SpeculativeDecoder:
                 g.advance(new_tokens, num_new, features.get(g.target_features), counts, record.tokens)
 
     def _record(self, state: "DecodeState", plan: "_Plan", tree: Combined, record: "_HostRecord",
-                forward_seconds: float, seconds: float, timed: bool, first: bool = False,
-                ran: Optional[float] = None) -> None:
+                forward_seconds: float, seconds: float, timed: bool, first: bool, rows: int) -> None:
         """Per-request statistics and emission, and the tuner's observation (`timed`: the step was timed
         for it, :meth:`Tuner.observes`; ``first``: its forward ran a shape for the first time, so its times
-        correct no cost, :meth:`_first_shape`; ``ran``: the nodes per request the forward ran, default the
-        trees' width)."""
+        correct no cost, :meth:`_first_shape`; ``rows``: the rows the forward computed)."""
         observed: List[Optional[int]] = [None] * state.batch
         label = None if plan.shape is None else plan.shape.label
         for b, request in enumerate(state.requests):
@@ -661,7 +657,9 @@ class SpeculativeDecoder:
                 stats.route_decisions.append(record.route[b])
             state.emit(request, new)
         if timed:
-            tuner, nodes = self.tuner, tree.tokens.shape[1] if ran is None else ran
+            # nodes per request: a batch's trees are as wide as its widest (trimmed on the CPU), and a packed
+            # forward costs about what its rows spread over every request would
+            tuner, nodes = self.tuner, rows / state.batch
             cap = max([g.tree_depth(plan.depth, self.top_k) for g in plan.drafting], default=0)
             # measured against that node count's own prediction (its scale is what the measurement corrects)
             plan.parts[("forward", state.batch, round(nodes))] = (forward_seconds,

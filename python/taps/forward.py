@@ -186,9 +186,8 @@ class TargetForward:
             slots = torch.tensor(packed_slots(nodes, num, half), dtype=torch.int64, device=device)
             columns = (prefix.unsqueeze(1) + torch.arange(num, device=device)).view(-1).index_select(0, slots)
             attend = TreeAttend(kv, self.lean.layers, tree_mask, kv_lens, None, longest, packed=(slots, columns))
-            ids = tokens.reshape(-1).index_select(0, slots).clamp_min(0).view(1, -1)
-            out = self.lean.hidden(ids, positions.reshape(-1).index_select(0, slots).view(1, -1), attend, capture_layers)
-            hidden, layers = out if capture_layers else (out, None)
+            hidden, layers = self._run(tokens.reshape(-1).index_select(0, slots).view(1, -1),
+                                       positions.reshape(-1).index_select(0, slots).view(1, -1), attend, capture_layers)
             return hf.ForwardOutput(None, _unpack(hidden[0], slots, batch, num), None if layers is None else
                                     {i: _unpack(t[0], slots, batch, num) for i, t in layers.items()},
                                     (slots, hidden[0]))
