@@ -656,6 +656,88 @@ def test_coasting_goes_on_while_fewer_groups_can_draft():
     assert tuner.chosen == before
 
 
+def _lookup_costs():
+    """A batch of 8: a plain step 1 ms; a drafted step 1.5 ms and 0.4 ms per node a request beyond its root
+    (0.05 ms a row: a node pays for itself when accepted with p > 0.4, after the draft's fixed cost)."""
+    return FixedCosts(lambda n, b: 1e-3 if n <= 1 else 1.5e-3 + 0.4e-3 * (n - 1), lambda g, d, b: 1e-6)
+
+
+def test_prompt_lookup_is_valued_over_the_requests_with_a_match():
+    """A group that proposes for some requests only (``ready``: prompt lookup's requests with a match) is
+    valued over those requests and priced at their nodes: with its chains of 3 all accepted, a step where
+    every request of 8 has a match drafts, and one where a single request has one does not (its 3 tokens do
+    not pay the draft's fixed cost); without ``ready`` both steps would be valued over the whole batch."""
+    tuner = Tuner(_lookup_costs(), budgets=(), explore=0.0, refresh=1)
+    tuner.begin(8, False)
+    every, one = tuple(range(8)), (5,)
+    plan = lambda ready: tuner.plan([(0,)], lambda g, d: 3, [0], list(range(8)), 8, 1, 4,  # noqa: E731
+                                    ready=[ready])
+    assert plan(every).drafters == (0,)  # the kind's first try
+    for _ in range(6):
+        tuner.observe(Shape((0,), 1, 4), [3] * 8, 3, 4.0, 8, 3e-3, {}, [], drafting=8)
+    assert tuner._extra[((0,), 4), 1, 4] == pytest.approx(3.0)
+    assert plan(every).drafters == (0,)
+    assert plan(one) == NONE
+    assert plan(()) == NONE  # no match: idle
+    # one request with a match, observed alone: its nodes per drafting request stay 3, and its acceptance
+    # is not diluted by the 7 requests that drafted nothing (root alone: None)
+    for _ in range(6):
+        tuner.observe(Shape((0,), 1, 4), [None] * 5 + [3] + [None] * 2, 3, 1.375, 8, 2e-3, {}, [], drafting=1)
+    assert tuner._extra[((0,), 4), 1, 4] == pytest.approx(3.0)
+    assert tuner.acceptance.expected(((0,), 4), 0, 3) > 2.5
+    assert plan(every).drafters == (0,)
+
+
+def test_coasting_stops_when_prompt_lookup_has_more_matches():
+    """A plan of no draft with one request matched gives a coast token that holds while no more requests
+    have a match (fewer is fine) and not once more have one."""
+    tuner = Tuner(_lookup_costs(), budgets=(), explore=0.0, refresh=1)
+    tuner.begin(8, False)
+    plan = lambda ready: tuner.plan([(0,)], lambda g, d: 3, [0], list(range(8)), 8, 1, 4,  # noqa: E731
+                                    ready=[ready])
+    plan(tuple(range(8)))
+    for _ in range(6):
+        tuner.observe(Shape((0,), 1, 4), [3] * 8, 3, 4.0, 8, 3e-3, {}, [], drafting=8)
+    assert plan((2, 6)) == NONE
+    token = tuner.coast_token()
+    assert token is not None and token.ready == ((0, 2),)
+    assert tuner.coast(token, (), [(2,)]) and tuner.coast(token, (), [(1, 6)])
+    assert not tuner.coast(token, (), [(1, 2, 6)]) and not tuner.coast(token, (), None)
+
+
+def test_requests_without_a_match_are_no_trials(monkeypatch):
+    """In a batch decoded with prompt lookup and a tuner, a drafted step reports exactly the requests whose
+    tree held only its root (no match, or finished) as no trial of the kind (None), and counts the others
+    as drafting; the output is the target's greedy output."""
+    m = em.greedy_models()
+    prompts = [[5, 17, 42, 8, 61, 3, 5, 17, 42, 8, 61, 3, 5, 17], [9, 31, 4, 77, 20, 13]]
+    ref = SpeculativeDecoder(m["target"], [], strategy="autoregressive").generate(prompts, max_new_tokens=24)
+    seen, trees = [], []
+    observe, verify = Tuner.observe, SpeculativeDecoder._verify
+
+    def spy(self, shape, accepted, *args, drafting=None, **kwargs):
+        if shape.drafters:
+            seen.append((list(accepted), drafting))
+        return observe(self, shape, accepted, *args, drafting=drafting, **kwargs)
+
+    def nodes_of(self, state, tree, nodes=None):
+        if tree.tokens.shape[1] > 1:
+            trees.append(list(nodes))
+        return verify(self, state, tree, nodes)
+    monkeypatch.setattr(Tuner, "observe", spy)
+    monkeypatch.setattr(SpeculativeDecoder, "_verify", nodes_of)
+    tuner = Tuner(_cheap(draft=1e-6, forward=1e-3, per_node=1e-6))
+    dec = SpeculativeDecoder(m["target"], [PromptLookupDrafter()], strategy="single", depth=3, top_k=1, budget=4,
+                             tuner=tuner)
+    out = dec.generate(prompts, max_new_tokens=24)
+    assert out.tokens == ref.tokens
+    assert seen and len(seen) == len(trees)
+    for (accepted, drafting), nodes in zip(seen, trees):
+        assert [a is None for a in accepted] == [n == 1 for n in nodes]
+        assert drafting == sum(n > 1 for n in nodes)
+    assert any(nodes.count(1) == 1 for nodes in trees)  # a step drafted for one of the two requests only
+
+
 def test_prompt_lookup_that_does_not_pay_coasts():
     """Where prompt lookup has matches but its trees never pay (each node costs ten forwards), the decoder
     repeats the plain step without planning or searching for matches (the lookup is appended to every
@@ -931,9 +1013,9 @@ def test_a_forward_shape_run_for_the_first_time_corrects_no_cost(monkeypatch):
     calls = []
     observe = Tuner.observe
 
-    def spy(self, shape, accepted, cap, nodes, batch, total, parts, updates, costs=True):
+    def spy(self, shape, accepted, cap, nodes, batch, total, parts, updates, costs=True, **kwargs):
         calls.append((shape, costs))
-        return observe(self, shape, accepted, cap, nodes, batch, total, parts, updates, costs=costs)
+        return observe(self, shape, accepted, cap, nodes, batch, total, parts, updates, costs=costs, **kwargs)
     monkeypatch.setattr(Tuner, "observe", spy)
     shapes = []
     first_shape = SpeculativeDecoder._first_shape

@@ -440,7 +440,8 @@ class SpeculativeDecoder:
             # still are (a run of plain steps costs what autoregressive steps do; a free group is kept
             # current every step, so asking it is a lookup of a flag per request)
             token = state.coast[0]
-            if tuner.coast(token, self._idle(groups, state.active()) if token.idle else ()):
+            ready = self._ready(groups, state.active()) if token.idle or token.ready else None
+            if tuner.coast(token, () if ready is None else self._idle(ready), ready):
                 return _Plan(NONE, [], 0)
         state.coast = None
         active = state.active()
@@ -450,12 +451,12 @@ class SpeculativeDecoder:
         # step without a match drafts nothing)
         free = [g for g in groups if g.free_draft]
         updates = state.pending.catch_up(free) if free else []
-        idle = self._idle(groups, active)
+        ready = self._ready(groups, active)
         drawn = tuple(i for i, g in enumerate(groups) if self._may_draw(state, g))
         shape = tuner.plan([tuple(g.members) for g in groups], lambda i, d: groups[i].tree_depth(d, self.top_k),
                            [state.pending.count(g) for g in groups], active, state.batch, self.depth, self.budget,
-                           idle=idle, drawn=drawn, drawn_only=self.sampled_drafts is True,
-                           candidates=lambda i, d: num_candidates(d, self.top_k))
+                           idle=self._idle(ready), drawn=drawn, drawn_only=self.sampled_drafts is True,
+                           candidates=lambda i, d: num_candidates(d, self.top_k), ready=ready)
         if not shape.drafters:  # a plain step (most steps where no draft pays: kept lean)
             # repeated without planning until a probe could come due, while the groups idle now stay idle
             token = tuner.coast_token()
@@ -466,9 +467,15 @@ class SpeculativeDecoder:
         return _Plan(shape, [g for g in groups if chosen.issuperset(g.members)], shape.depth, updates=updates)
 
     @staticmethod
-    def _idle(groups: Sequence[DraftGroup], active: Sequence[int]) -> Tuple[int, ...]:
-        """Positions of the free groups (prompt lookup) with nothing to propose for any active request."""
-        return tuple(i for i, g in enumerate(groups) if g.free_draft and not any(g.has_draft(b) for b in active))
+    def _ready(groups: Sequence[DraftGroup], active: Sequence[int]) -> List[Optional[Tuple[int, ...]]]:
+        """Per group: for a free group (prompt lookup), the active requests it has something to propose for
+        (those with a match); None for the others (they always propose)."""
+        return [tuple(b for b in active if g.has_draft(b)) if g.free_draft else None for g in groups]
+
+    @staticmethod
+    def _idle(ready: Sequence[Optional[Tuple[int, ...]]]) -> Tuple[int, ...]:
+        """Positions of the free groups with nothing to propose for any active request (of :meth:`_ready`)."""
+        return tuple(i for i, r in enumerate(ready) if r is not None and not r)
 
     def _draft(self, state: "DecodeState", plan: "_Plan") -> Optional[Candidates]:
         """The drafting groups' candidates (a group behind on appends catches up first), stacked in the
@@ -640,12 +647,18 @@ class SpeculativeDecoder:
         correct no cost, :meth:`_first_shape`; ``rows``: the rows the forward computed)."""
         observed: List[Optional[int]] = [None] * state.batch
         label = None if plan.shape is None else plan.shape.label
+        drafted = plan.shape is not None and bool(plan.shape.drafters)
+        drafting = 0  # requests whose tree held more than its root
         for b, request in enumerate(state.requests):
             new = record.tokens[b]
             request.length += len(new)
             if request.done:
                 continue
-            observed[b] = record.accepted[b]
+            # a drafted step's request with its root alone (a prompt lookup without a match) is no trial of
+            # the kind's acceptance: the tuner values such kinds over the requests with a match
+            if not drafted or record.nodes[b] > 1:
+                observed[b] = record.accepted[b]
+                drafting += 1
             stats = request.stats
             stats.record(record.accepted[b], self.depth, nodes=record.nodes[b])
             if label is not None:
@@ -665,7 +678,7 @@ class SpeculativeDecoder:
             plan.parts[("forward", state.batch, round(nodes))] = (forward_seconds,
                                                                  tuner.costs.forward_part(nodes, state.batch))
             tuner.observe(plan.shape, observed, min(cap, plan.shape.budget - 1), nodes, state.batch, seconds,
-                          plan.parts, plan.updates, costs=not first)
+                          plan.parts, plan.updates, costs=not first, drafting=drafting)
 
     # -- requests joining and leaving a running batch --------------------------------------------------
     def join(self, state: "DecodeState", other: "DecodeState") -> None:

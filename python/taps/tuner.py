@@ -61,11 +61,14 @@ __all__ = ["Shape", "CostModel", "FixedCosts", "AcceptanceModel", "Tuner", "NONE
 
 class CoastToken(NamedTuple):
     """What :meth:`Tuner.coast` takes to repeat a plan of no draft: the plan's memo and the tuner's
-    version then, and the positions of the groups idle at that plan (they must still be idle)."""
+    version then, the positions of the groups idle at that plan (they must still be idle), and the
+    (position, count) of the requests each other group that proposes for some requests only (prompt
+    lookup) could draft for then (no more may now)."""
 
     memo: tuple
     version: int
     idle: frozenset
+    ready: Tuple[Tuple[int, int], ...] = ()
 
 
 class Shape(NamedTuple):
@@ -607,6 +610,11 @@ class Tuner:
         #: running mean of the nodes per request the forward ran for each (kind, depth, budget): trees of
         #: prompt lookup, merged trees and shallow candidates hold fewer than their budget
         self._nodes: Dict[tuple, float] = {}
+        #: for the kinds of drafters that propose for some requests only (prompt lookup: those with a
+        #: match, :meth:`plan`'s ``ready``): running mean of the nodes below the root per request that drafted
+        self._extra: Dict[tuple, float] = {}
+        self._free: set = set()  # the keys of those kinds
+        self._plan_ready: Dict[int, int] = {}  # per such group: the requests it could draft for at the last plan
         self._shape_memo = None
         self._plan_memo = None
         self._plan_idle: frozenset = frozenset()  # the idle groups of the last plan that chose
@@ -731,7 +739,8 @@ class Tuner:
     def plan(self, groups: Sequence[Tuple[int, ...]], caps: Callable[[int, int], int], pending: Sequence[int],
              active: Sequence[int], batch: int, depth: int, budget: int, single: bool = False,
              idle: Sequence[int] = (), drawn: Sequence[int] = (), drawn_only: bool = False,
-             candidates: Optional[Callable[[int, int], int]] = None) -> Shape:
+             candidates: Optional[Callable[[int, int], int]] = None,
+             ready: Optional[Sequence[Optional[Sequence[int]]]] = None) -> Shape:
         """This step's draft.
 
         Args:
@@ -752,21 +761,36 @@ class Tuner:
                 top-k shape not yet run is predicted at its budget's nodes or, when fewer, at its groups'
                 candidates plus the root (a depth-1 draft of top_k 4 under a budget of 16 is a 5-node tree);
                 once run, at the nodes it ran. Without it, at its budget's nodes.
+            ready: per group position, the active requests it has something to propose for this step, for
+                the groups that know before drafting (prompt lookup: the requests with a match; None for a
+                group that always proposes; an empty one is idle). A kind of such groups only is valued over
+                those requests (E[accepted + 1] of each, as observed on its steps' requests that drafted,
+                and one token for each other request) and priced at the nodes its drafting requests ran
+                below their roots, times their share of the batch: a step where many requests have a match
+                may pay where one with a single match does not.
         """
         costs = self.costs
         groups = tuple(groups)
         idle = frozenset(idle) if not single else frozenset()
+        counts: Dict[int, int] = {}  # per group that proposes for some requests only: how many now
+        if ready is not None:
+            ready = [None if r is None else tuple(r) for r in ready]
+            counts = {i: len(r) for i, r in enumerate(ready) if r}
+            if not single:
+                idle = idle | {i for i, r in enumerate(ready) if r is not None and not r}
+        free = None if ready is None else tuple(r is not None for r in ready)
         self.acceptance.horizon = depth
         drawn = frozenset(drawn)
-        memo = (groups, depth, budget, single, tuple(active), batch, drawn, drawn_only)
+        memo = (groups, depth, budget, single, tuple(active), batch, drawn, drawn_only, free)
         cached = self._plan_memo
         if cached is not None and cached[0] == memo and cached[2] == self._version and idle >= self._plan_idle \
-                and self.coast():
+                and all(c <= self._plan_ready.get(i, 0) for i, c in counts.items()) and self.coast():
             # no draft was best and nothing a draft's value depends on changed since, while what drafting
-            # would cost only grew (its pending appends) and no group idle then has something now: no draft
-            # again, until a probe is due
+            # would cost only grew (its pending appends) and no group idle then has something now, nor has a
+            # prompt lookup more requests to propose for: no draft again, until a probe is due
             return NONE
         self._plan_idle = idle
+        self._plan_ready = counts
         if cached is None or cached[0] != memo or (cached[2] != self._version and self.clock - cached[3] >= self.refresh):
             # what only an observation of a draft changes (plain steps leave it as it is), for every shape
             # (those of idle groups are left out below: a prompt lookup's match comes and goes)
@@ -781,6 +805,23 @@ class Tuner:
             for shape, members, key, index in self._shapes(groups, depth, budget, single, drawn, drawn_only):
                 d = shape.depth
                 cap = min(shape.budget - 1, max(cap_of[g, d] for g in members))
+                if free is not None and all(free[i] for i in index):
+                    # a kind of groups that propose for some requests only: valued and priced each step over
+                    # the requests it has a draft for (below); here what it costs besides the forward, and
+                    # its nodes below the root per drafting request (not run yet: its budget's, or what a
+                    # run kind of the same drafters, as deep or deeper and as wide or wider, ran, scaled by
+                    # the budgets' ratio)
+                    extra = self._extra.get((key, d, shape.budget))
+                    if extra is None:
+                        extra = float(shape.budget - 1)
+                        wider = [v * (shape.budget - 1) / max(n - 1, 1) for (k, dd, n), v in self._extra.items()
+                                 if k[0] == key[0] and dd >= d and n >= shape.budget]
+                        if wider:
+                            extra = min(extra, min(wider))
+                    self._free.add(key)
+                    base.append((shape, None, (cap, extra, costs.rest(key) + sum(draft_of[g, d] for g in members)),
+                                 None, index))
+                    continue
                 nodes = self._nodes.get((key, d, shape.budget))
                 if nodes is None:  # not run yet: its budget, or the most its groups' top-k drafts propose
                     nodes = shape.budget
@@ -806,6 +847,15 @@ class Tuner:
         for shape, value, seconds, upper, members in self._plan_memo[1]:
             if idle and not idle.isdisjoint(members):
                 continue
+            if value is None:  # a kind of groups that propose for some requests only: over those requests
+                cap, extra, fixed = seconds
+                rows = ready[members[0]] if len(members) == 1 else tuple(sorted(set().union(*(ready[i] for i in members))))
+                if not rows:
+                    continue
+                others = len(active) - len(rows)
+                value = self.acceptance.total(shape.key, rows, cap) + others
+                upper = self.acceptance.total(shape.key, rows, cap, optimistic=True) + others
+                seconds = costs.forward(1.0 + extra * len(rows) / batch, batch) + fixed
             extra = appends.get(members)
             if extra is None:
                 extra = appends[members] = sum(update[i] for i in members)
@@ -820,17 +870,21 @@ class Tuner:
         while each of them still has nothing to propose (a group that has a match now could change it)."""
         if self._plan_memo is None or self._plan_memo[2] != self._version:
             return None
-        return CoastToken(self._plan_memo, self._version, self._plan_idle)
+        return CoastToken(self._plan_memo, self._version, self._plan_idle, tuple(sorted(self._plan_ready.items())))
 
-    def coast(self, token: Optional["CoastToken"] = None, idle: Sequence[int] = ()) -> bool:
+    def coast(self, token: Optional["CoastToken"] = None, idle: Sequence[int] = (),
+              ready: Optional[Sequence[Optional[Sequence[int]]]] = None) -> bool:
         """Another step of no draft without planning, where the caller knows that nothing :meth:`plan`'s
         arguments said changed since it returned no draft (the requests, the groups) and holds its
         :meth:`coast_token`: True (and the step counted) unless the tuner learned something since (a
         draft observed), a group idle at that plan is not idle now (``idle``: the groups idle now, asked
-        only when ``token.idle`` is not empty), or a probe could come due at the next step (then the
-        caller plans)."""
+        only when ``token.idle`` is not empty), a group that proposes for some requests only has more of
+        them now than then (``ready``, as :meth:`plan` takes it, asked only when ``token.ready`` is not
+        empty), or a probe could come due at the next step (then the caller plans)."""
         if token is not None and (token.memo is not self._plan_memo or token.version != self._version
-                                  or (token.idle and not token.idle.issubset(idle))):
+                                  or (token.idle and not token.idle.issubset(idle))
+                                  or (token.ready and (ready is None or any(len(ready[i] or ()) > c
+                                                                            for i, c in token.ready)))):
             return False
         if not self._probe_near() and self._plan_memo is not None:
             self.clock += 1
@@ -869,16 +923,20 @@ class Tuner:
         return self._plain_until <= self.clock + 1
 
     def observe(self, shape: Shape, accepted: Sequence[Optional[int]], cap: int, nodes: float, batch: int,
-                total: float, parts: Dict[tuple, Tuple[float, float]], updates, costs: bool = True) -> None:
-        """What a step of `shape` gave: accepted draft tokens per request (None: finished before it),
-        the nominal tree depth, the nodes per request the forward ran, the step's seconds, its timed parts
-        ({part: (measured, predicted)}) and group updates ((drafters, tokens, seconds)); ``costs=False``: the
-        times correct no cost (a step that paid one-off costs, e.g. a kernel built for a new shape)."""
+                total: float, parts: Dict[tuple, Tuple[float, float]], updates, costs: bool = True,
+                drafting: Optional[int] = None) -> None:
+        """What a step of `shape` gave: accepted draft tokens per request (None: finished before it, or
+        nothing drafted for it), the nominal tree depth, the nodes per request the forward ran, the step's
+        seconds, its timed parts ({part: (measured, predicted)}) and group updates ((drafters, tokens,
+        seconds)); ``costs=False``: the times correct no cost (a step that paid one-off costs, e.g. a kernel
+        built for a new shape); ``drafting``: the requests whose tree held more than its root."""
         if shape.drafters:
             self._version += 1
             self.acceptance.observe(shape.key, accepted, cap)
             memo = (shape.key, shape.depth, shape.budget)
             self._nodes[memo] = _ema(self._nodes.get(memo), nodes, 0.2)
+            if drafting and shape.key in self._free:
+                self._extra[memo] = _ema(self._extra.get(memo), (nodes - 1.0) * batch / drafting, 0.2)
         if not costs:
             return
         predicted = sum(p for _, p in parts.values()) + sum(self.costs.update(g, t, batch) for g, t, _ in updates)
