@@ -189,6 +189,7 @@ class CostModel:
         self._update_seen: Dict[Tuple[tuple, int], set] = {}  # token counts appended so far
         self.scale: Dict[tuple, float] = {}
         self.residual: Dict[tuple, float] = {}
+        self._forward_memo: Dict[Tuple[float, int], float] = {}  # forward()'s answers until a point or scale moves
 
     # -- calibration -------------------------------------------------------------------------------
     def needs_forward(self, batch: int) -> bool:
@@ -207,6 +208,7 @@ class CostModel:
         for i in range(len(points) - 2, -1, -1):
             points[i] = (points[i][0], min(points[i][1], points[i + 1][1]))
         self.forward_points[batch] = points
+        self._forward_memo.clear()
 
     def set_draft(self, group: tuple, batch: int, shallow: Tuple[int, float], deep: Tuple[int, float]) -> None:
         """Measured (depth, seconds) of group's expansion at two depths; the update is first estimated
@@ -221,13 +223,20 @@ class CostModel:
         """The target's tree forward and verification over `nodes` real nodes per request, as plans price
         it: at least what fewer nodes are predicted to cost (each node count's online scale moves on its own,
         and a count seldom run keeps a scale from another moment of the machine; a tree never costs less
-        than a smaller one, nor a draft's forward less than a plain step's)."""
+        than a smaller one, nor a draft's forward less than a plain step's). Kept until a measurement moves a
+        scale (a plan asks for the same node counts many times)."""
+        seconds = self._forward_memo.get((nodes, batch))
+        if seconds is not None:
+            return seconds
         grid = self.forward_points.get(batch) or next(iter(self.forward_points.values()), ())
         seconds = self.forward_part(nodes, batch)
         for n, _ in grid:
             if n >= nodes:
                 break
             seconds = max(seconds, self.forward_part(n, batch))
+        if len(self._forward_memo) > 4096:
+            self._forward_memo.clear()
+        self._forward_memo[(nodes, batch)] = seconds
         return seconds
 
     def forward_part(self, nodes: float, batch: int) -> float:
@@ -306,6 +315,7 @@ class CostModel:
         # Each measurement moves a part's scale by at most a factor 2 (a burst of load on a shared
         # machine, or a collection, must not undo the calibration); the residual moves by at most a
         # fifth of a tenth of the step per step (it tracks a median, robust to outliers).
+        self._forward_memo.clear()
         for part, (measured, predicted) in parts.items():
             if predicted > 0:
                 ratio = min(max(measured / predicted, 0.5), 2.0)
@@ -532,17 +542,21 @@ class AcceptanceModel:
         if value is None:
             # each request's E[accepted + 1] kept too: a plan after a request finished or joined sums the
             # same requests' values over new rows (one dict read each, not the bounded lists' calls)
-            per = kind.get(("per request", cap, optimistic))
-            if per is None:
-                per = kind[("per request", cap, optimistic)] = {}
-            value = 0.0
-            for b in rows:
-                v = per.get(b)
-                if v is None:
-                    v = per[b] = 1.0 + self.expected(key, b, cap, optimistic)
-                value += v
-            kind[memo] = value
+            per = self.per_request(key, rows, cap, optimistic)
+            value = kind[memo] = sum(per[b] for b in rows)
         return value
+
+    def per_request(self, key: tuple, rows: Sequence[int], cap: int, optimistic: bool = False) -> Dict[int, float]:
+        """Each request's E[accepted + 1] for kind `key` ({request: value}, holding at least `rows`; kept until
+        an observation of a kind of the same drafters: read it, never write it)."""
+        kind = self._memo.setdefault(key, {})
+        per = kind.get(("per request", cap, optimistic))
+        if per is None:
+            per = kind[("per request", cap, optimistic)] = {}
+        for b in rows:
+            if b not in per:
+                per[b] = 1.0 + self.expected(key, b, cap, optimistic)
+        return per
 
     def observe(self, key: tuple, accepted: Sequence[Optional[int]], cap: int) -> None:
         """One step of kind `key` with nominal depth `cap`: accepted[b] draft tokens (None: request b
@@ -819,8 +833,11 @@ class Tuner:
                         if wider:
                             extra = min(extra, min(wider))
                     self._free.add(key)
-                    base.append((shape, None, (cap, extra, costs.rest(key) + sum(draft_of[g, d] for g in members)),
-                                 None, index))
+                    # each active request's E[accepted + 1] and its optimistic one (copies: the acceptance
+                    # model's memo is dropped at the kind's next observation, these are kept to the refresh)
+                    base.append((shape, None, (extra, costs.rest(key) + sum(draft_of[g, d] for g in members)),
+                                 (dict(acceptance.per_request(key, rows, cap)),
+                                  dict(acceptance.per_request(key, rows, cap, optimistic=True))), index))
                     continue
                 nodes = self._nodes.get((key, d, shape.budget))
                 if nodes is None:  # not run yet: its budget, or the most its groups' top-k drafts propose
@@ -848,13 +865,13 @@ class Tuner:
             if idle and not idle.isdisjoint(members):
                 continue
             if value is None:  # a kind of groups that propose for some requests only: over those requests
-                cap, extra, fixed = seconds
-                rows = ready[members[0]] if len(members) == 1 else tuple(sorted(set().union(*(ready[i] for i in members))))
+                (extra, fixed), (values, uppers) = seconds, upper
+                rows = ready[members[0]] if len(members) == 1 else set().union(*(ready[i] for i in members))
                 if not rows:
                     continue
                 others = len(active) - len(rows)
-                value = self.acceptance.total(shape.key, rows, cap) + others
-                upper = self.acceptance.total(shape.key, rows, cap, optimistic=True) + others
+                value = sum(values[b] for b in rows) + others
+                upper = sum(uppers[b] for b in rows) + others
                 seconds = costs.forward(1.0 + extra * len(rows) / batch, batch) + fixed
             extra = appends.get(members)
             if extra is None:
