@@ -674,7 +674,7 @@ def test_prompt_lookup_is_valued_over_the_requests_with_a_match():
                                     ready=[ready])
     assert plan(every).drafters == (0,)  # the kind's first try
     for _ in range(6):
-        tuner.observe(Shape((0,), 1, 4), [3] * 8, 3, 4.0, 8, 3e-3, {}, [], drafting=8)
+        tuner.observe(Shape((0,), 1, 4), [3] * 8, 3, 4.0, 8, 3e-3, {}, [], drafting=(8, 24))
     assert tuner._extra[((0,), 4), 1, 4] == pytest.approx(3.0)
     assert plan(every).drafters == (0,)
     assert plan(one) == NONE
@@ -682,7 +682,7 @@ def test_prompt_lookup_is_valued_over_the_requests_with_a_match():
     # one request with a match, observed alone: its nodes per drafting request stay 3, and its acceptance
     # is not diluted by the 7 requests that drafted nothing (root alone: None)
     for _ in range(6):
-        tuner.observe(Shape((0,), 1, 4), [None] * 5 + [3] + [None] * 2, 3, 1.375, 8, 2e-3, {}, [], drafting=1)
+        tuner.observe(Shape((0,), 1, 4), [None] * 5 + [3] + [None] * 2, 3, 1.375, 8, 2e-3, {}, [], drafting=(1, 3))
     assert tuner._extra[((0,), 4), 1, 4] == pytest.approx(3.0)
     assert tuner.acceptance.expected(((0,), 4), 0, 3) > 2.5
     assert plan(every).drafters == (0,)
@@ -697,7 +697,7 @@ def test_coasting_stops_when_prompt_lookup_has_more_matches():
                                     ready=[ready])
     plan(tuple(range(8)))
     for _ in range(6):
-        tuner.observe(Shape((0,), 1, 4), [3] * 8, 3, 4.0, 8, 3e-3, {}, [], drafting=8)
+        tuner.observe(Shape((0,), 1, 4), [3] * 8, 3, 4.0, 8, 3e-3, {}, [], drafting=(8, 24))
     assert plan((2, 6)) == NONE
     token = tuner.coast_token()
     assert token is not None and token.ready == ((0, 2),)
@@ -734,7 +734,7 @@ def test_requests_without_a_match_are_no_trials(monkeypatch):
     assert seen and len(seen) == len(trees)
     for (accepted, drafting), nodes in zip(seen, trees):
         assert [a is None for a in accepted] == [n == 1 for n in nodes]
-        assert drafting == sum(n > 1 for n in nodes)
+        assert drafting == (sum(n > 1 for n in nodes), sum(n - 1 for n in nodes))
     assert any(nodes.count(1) == 1 for nodes in trees)  # a step drafted for one of the two requests only
 
 

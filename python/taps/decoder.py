@@ -648,7 +648,7 @@ class SpeculativeDecoder:
         observed: List[Optional[int]] = [None] * state.batch
         label = None if plan.shape is None else plan.shape.label
         drafted = plan.shape is not None and bool(plan.shape.drafters)
-        drafting = 0  # requests whose tree held more than its root
+        drafting = below = 0  # requests whose tree held more than its root, and their nodes below the roots
         for b, request in enumerate(state.requests):
             new = record.tokens[b]
             request.length += len(new)
@@ -659,6 +659,7 @@ class SpeculativeDecoder:
             if not drafted or record.nodes[b] > 1:
                 observed[b] = record.accepted[b]
                 drafting += 1
+                below += record.nodes[b] - 1
             stats = request.stats
             stats.record(record.accepted[b], self.depth, nodes=record.nodes[b])
             if label is not None:
@@ -678,7 +679,7 @@ class SpeculativeDecoder:
             plan.parts[("forward", state.batch, round(nodes))] = (forward_seconds,
                                                                  tuner.costs.forward_part(nodes, state.batch))
             tuner.observe(plan.shape, observed, min(cap, plan.shape.budget - 1), nodes, state.batch, seconds,
-                          plan.parts, plan.updates, costs=not first, drafting=drafting)
+                          plan.parts, plan.updates, costs=not first, drafting=(drafting, below))
 
     # -- requests joining and leaving a running batch --------------------------------------------------
     def join(self, state: "DecodeState", other: "DecodeState") -> None:

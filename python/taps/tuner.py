@@ -941,19 +941,21 @@ class Tuner:
 
     def observe(self, shape: Shape, accepted: Sequence[Optional[int]], cap: int, nodes: float, batch: int,
                 total: float, parts: Dict[tuple, Tuple[float, float]], updates, costs: bool = True,
-                drafting: Optional[int] = None) -> None:
+                drafting: Optional[Tuple[int, int]] = None) -> None:
         """What a step of `shape` gave: accepted draft tokens per request (None: finished before it, or
         nothing drafted for it), the nominal tree depth, the nodes per request the forward ran, the step's
         seconds, its timed parts ({part: (measured, predicted)}) and group updates ((drafters, tokens,
         seconds)); ``costs=False``: the times correct no cost (a step that paid one-off costs, e.g. a kernel
-        built for a new shape); ``drafting``: the requests whose tree held more than its root."""
+        built for a new shape); ``drafting``: (the requests whose tree held more than its root, their nodes
+        below the roots)."""
         if shape.drafters:
             self._version += 1
             self.acceptance.observe(shape.key, accepted, cap)
             memo = (shape.key, shape.depth, shape.budget)
             self._nodes[memo] = _ema(self._nodes.get(memo), nodes, 0.2)
-            if drafting and shape.key in self._free:
-                self._extra[memo] = _ema(self._extra.get(memo), (nodes - 1.0) * batch / drafting, 0.2)
+            if drafting and drafting[0] and shape.key in self._free:
+                # (the real nodes: a half-precision packed forward's filler rows are not the tree's)
+                self._extra[memo] = _ema(self._extra.get(memo), drafting[1] / drafting[0], 0.2)
         if not costs:
             return
         predicted = sum(p for _, p in parts.values()) + sum(self.costs.update(g, t, batch) for g, t, _ in updates)
