@@ -688,6 +688,37 @@ def test_prompt_lookup_is_valued_over_the_requests_with_a_match():
     assert plan(every).drafters == (0,)
 
 
+def test_prompt_lookup_kinds_keep_their_own_forward_scale():
+    """A free kind's forward is reported as the kind's own part (its trees' width, not only their nodes, sets
+    a packed forward's cost): measured at twice its node count's prediction, that kind is priced higher while
+    another budget's kind and the node count's own prediction are not."""
+    costs = CostModel()
+    costs.set_forward(8, [(1, 1e-3), (2, 1.4e-3), (4, 2.2e-3), (8, 3.8e-3)])
+    costs.set_draft((0,), 8, (1, 1e-5), (3, 3e-5))
+    tuner = Tuner(costs, budgets=(4,), explore=0.0, refresh=1, calibrate=False)
+    tuner.begin(8, False)
+    tuner.plan([(0,)], lambda g, d: 3, [0], list(range(8)), 8, 1, 16, ready=[tuple(range(8))])
+    wide, narrow = Shape((0,), 1, 16), Shape((0,), 1, 4)
+    part, predicted = tuner.forward_part(wide, 2.0, 8)
+    assert part == ("forward", 8, wide.key) and predicted == pytest.approx(1.4e-3)
+    assert tuner.forward_part(NONE, 2.0, 8) == (("forward", 8, 2), pytest.approx(1.4e-3))
+    for _ in range(40):
+        part, predicted = tuner.forward_part(wide, 2.0, 8)
+        costs.observe(wide.key, 8, 2.9e-3, predicted, {part: (2.8e-3, predicted)}, [])
+    assert tuner.forward_part(wide, 2.0, 8)[1] == pytest.approx(2.8e-3, rel=0.05)
+    assert tuner.forward_part(narrow, 2.0, 8)[1] == pytest.approx(1.4e-3)
+    assert costs.forward_part(2.0, 8) == pytest.approx(1.4e-3)
+    # and a plan prices the wide kind at its scale: with both kinds at one node below the root a request,
+    # the wide one costs the measured forward, the narrow one its node count's
+    for shape in (wide, narrow):
+        tuner.observe(shape, [1] * 8, 1, 2.0, 8, 3e-3, {}, [], costs=False, drafting=(8, 8))
+    seen = {}
+    choose = tuner.choose
+    tuner.choose = lambda options: seen.update({o[0]: o[2] for o in options}) or choose(options)
+    tuner.plan([(0,)], lambda g, d: 3, [0], list(range(8)), 8, 1, 16, ready=[tuple(range(8))])
+    assert seen[wide] - seen[narrow] == pytest.approx(1.4e-3, rel=0.1)
+
+
 def test_coasting_stops_when_prompt_lookup_has_more_matches():
     """A plan of no draft with one request matched gives a coast token that holds while no more requests
     have a match (fewer is fine) and not once more have one."""

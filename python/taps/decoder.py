@@ -675,9 +675,10 @@ class SpeculativeDecoder:
             # forward costs about what its rows spread over every request would
             tuner, nodes = self.tuner, rows / state.batch
             cap = max([g.tree_depth(plan.depth, self.top_k) for g in plan.drafting], default=0)
-            # measured against that node count's own prediction (its scale is what the measurement corrects)
-            plan.parts[("forward", state.batch, round(nodes))] = (forward_seconds,
-                                                                 tuner.costs.forward_part(nodes, state.batch))
+            # measured against that node count's own prediction (its scale is what the measurement corrects),
+            # or for prompt lookup the kind's (Tuner.forward_part)
+            part, predicted = tuner.forward_part(plan.shape, nodes, state.batch)
+            plan.parts[part] = (forward_seconds, predicted)
             tuner.observe(plan.shape, observed, min(cap, plan.shape.budget - 1), nodes, state.batch, seconds,
                           plan.parts, plan.updates, costs=not first, drafting=(drafting, below))
 

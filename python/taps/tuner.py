@@ -872,7 +872,10 @@ class Tuner:
                 others = len(active) - len(rows)
                 value = sum(values[b] for b in rows) + others
                 upper = sum(uppers[b] for b in rows) + others
-                seconds = costs.forward(1.0 + extra * len(rows) / batch, batch) + fixed
+                # (times the kind's own scale: its trees' width, not only their nodes, sets a packed
+                # forward's cost, see forward_part)
+                seconds = costs.forward(1.0 + extra * len(rows) / batch, batch) * costs.scale.get(
+                    ("forward", batch, shape.key), 1.0) + fixed
             extra = appends.get(members)
             if extra is None:
                 extra = appends[members] = sum(update[i] for i in members)
@@ -925,6 +928,19 @@ class Tuner:
                         out.append((shape, members, shape.key, index))
             self._shape_memo = (memo, out)
         return self._shape_memo[1]
+
+    def forward_part(self, shape: Shape, nodes: float, batch: int) -> Tuple[tuple, float]:
+        """The timed part a step of `shape` reports its target forward as (its key in the cost model's
+        scales, and the prediction the measurement corrects) at `nodes` per request: that node count's own
+        (:meth:`CostModel.forward_part`); for a kind of groups that propose for some requests only, the
+        kind's own, a scale on top of the node count's: a batch where one request has many matches and the
+        others none packs few nodes into a wide grid, whose padding the attention still reads (at batch 8,
+        23 nodes in a grid 16 wide cost 16% more than in one 4 wide)."""
+        predicted = self.costs.forward_part(nodes, batch)
+        if shape.key not in self._free:
+            return ("forward", batch, round(nodes)), predicted
+        part = ("forward", batch, shape.key)
+        return part, predicted * self.costs.scale.get(part, 1.0)
 
     def observes(self, shape: Shape) -> bool:
         """Whether the decoder should time and report (:meth:`observe`) a step of `shape`: every draft; a
