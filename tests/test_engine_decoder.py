@@ -252,3 +252,36 @@ def test_packed_batches_decode_what_padded_ones_do(kind, monkeypatch):
             assert any(packed), kind
         if not pack:
             assert not any(packed)
+
+
+@pytest.mark.parametrize("kind", ["eagle", "lookup"])
+def test_finished_requests_draft_nothing(kind, monkeypatch):
+    """A request that finished (EOS) while the others go on stays a row of the batch, but proposes nothing:
+    its tree is its root on every later step (the target's forward computes no node of it), and every
+    request's output is the target's greedy output with that EOS."""
+    from taps import PromptLookupDrafter
+
+    m = _models()
+    prompts = PROMPTS + [PROMPTS[1][::-1]]
+    auto = SpeculativeDecoder(m["target"], [], strategy="autoregressive")
+    first = auto.generate(prompts, max_new_tokens=NEW).tokens
+    # an EOS that ends request 0 early and some other request late
+    eos = next(t for i, t in enumerate(first[0]) if 2 <= i and t not in first[0][:i]
+               and any(t not in other[:NEW - 2] for other in first[1:]))
+    ref = auto.generate(prompts, max_new_tokens=NEW, eos_token_id=eos).tokens
+    assert len(ref[0]) < NEW - 3 and max(len(t) for t in ref) > len(ref[0]) + 2
+    trees = []
+    verify = SpeculativeDecoder._verify
+
+    def spy(self, state, tree, nodes=None):
+        trees.append(([r.done for r in state.requests], (tree.tokens >= 0).sum(1).tolist()))
+        return verify(self, state, tree, nodes)
+    monkeypatch.setattr(SpeculativeDecoder, "_verify", spy)
+    drafter = m["eagle"] if kind == "eagle" else PromptLookupDrafter(max_ngram=2, min_ngram=1)
+    dec = SpeculativeDecoder(m["target"], [drafter], strategy="single", depth=3, top_k=3, budget=8)
+    out = dec.generate(prompts, max_new_tokens=NEW, eos_token_id=eos)
+    assert out.tokens == ref
+    late = [(done, nodes) for done, nodes in trees if any(done)]
+    assert late and any(max(nodes) > 1 for _, nodes in late)  # the others still drafted
+    for done, nodes in late:
+        assert all(n == 1 for d, n in zip(done, nodes) if d), (done, nodes)

@@ -511,12 +511,22 @@ class SpeculativeDecoder:
             return None
         order = tuple(t for g in plan.drafting for t in g.members)
         if sampled:  # one slab [1, B, M], drawn from the group's drafter or the mean of its drafters'
-            return Candidates(*(f.unsqueeze(0) for f in drafted[0]), order)
-        fields = ("scores", "tokens", "parents", "entropy")
-        return Candidates(*((torch.cat([getattr(c, f) for c in drafted]) if len(drafted) > 1
-                             else getattr(drafted[0], f))  # one group: no copy
-                            .view(len(order), state.batch, *drafted[0][i].shape[1:])
-                            for i, f in enumerate(fields)), order)
+            cands = Candidates(*(f.unsqueeze(0) for f in drafted[0]), order)
+        else:
+            fields = ("scores", "tokens", "parents", "entropy")
+            cands = Candidates(*((torch.cat([getattr(c, f) for c in drafted]) if len(drafted) > 1
+                                  else getattr(drafted[0], f))  # one group: no copy
+                                 .view(len(order), state.batch, *drafted[0][i].shape[1:])
+                                 for i, f in enumerate(fields)), order)
+        done = [b for b, r in enumerate(state.requests) if r.done]
+        if done:
+            # a finished request (still a row of the batch) proposes nothing: its candidates become padding
+            # and its tree is its root, so the target's forward does not compute nodes no one reads (at
+            # batch 16, a quarter of a late step's tree rows were finished requests')
+            drop = torch.zeros(state.batch, dtype=torch.bool, device=cands.tokens.device)
+            drop[done] = True
+            cands = cands._replace(tokens=cands.tokens.masked_fill(drop.view(1, -1, 1), -1))
+        return cands
 
     def _tree(self, state: "DecodeState", plan: "_Plan", cands: Optional[Candidates]) -> Tuple[Combined, Optional[List[int]]]:
         """The tree to verify: the strategy's combination of the candidates (the root alone without); and
