@@ -36,6 +36,9 @@ LAZY_MIN_NODES = 24
 #: a batch of trees runs packed (its real nodes only, :meth:`TargetForward.tree`) when its padding is at least
 #: this share of its [B, N] grid (packing adds a few index operations per layer)
 PACK_MIN_PADDING = 0.25
+#: the largest logits grid (elements) a packed verification keeps for the next step (64 MB in fp32); a
+#: larger one is allocated per step
+LOGITS_GRID_KEEP = 1 << 24
 
 
 #: a packed half-precision forward computes a multiple of this many rows (the first padding slots fill it): on
@@ -263,12 +266,14 @@ class TargetForward:
                 slots, rows = packed
                 logits = self.logits(rows)
                 # the padding slots' logits are not written (B x N x V floats): the walk reads the rows of the
-                # nodes it visits, real nodes only (a padding node has no parent); one grid kept for the
-                # decoder's steps (a new one each step paid its pages' first touch, ~0.1 ms at 8 x 16 x 8192)
+                # nodes it visits, real nodes only (a padding node has no parent); one grid of up to
+                # LOGITS_GRID_KEEP floats kept for the decoder's steps (a new one each step paid its pages'
+                # first touch, ~0.1 ms at 8 x 16 x 8192)
                 size = batch * num * logits.shape[-1]
                 grid = self._logits_grid
                 if grid is None or grid.numel() < size or grid.dtype != logits.dtype or grid.device != logits.device:
-                    grid = self._logits_grid = logits.new_empty(size)
+                    grid = logits.new_empty(size)
+                    self._logits_grid = grid if size <= LOGITS_GRID_KEEP else None
                 grid = grid[:size].view(batch * num, -1).index_copy_(0, slots, logits).view(batch, num, -1)
                 return taps_ops.verify_tree(grid, tokens, parents, uniforms=uniforms, **sample)
             return taps_ops.verify_tree(self.logits(hidden), tokens, parents, uniforms=uniforms, **sample)

@@ -825,17 +825,17 @@ class Tuner:
                     # its nodes below the root per drafting request (not run yet: its budget's, or what a
                     # run kind of the same drafters, as deep or deeper and as wide or wider, ran, scaled by
                     # the budgets' ratio)
-                    extra = self._extra.get((key, d, shape.budget))
-                    if extra is None:
-                        extra = float(shape.budget - 1)
+                    below = self._extra.get((key, d, shape.budget))
+                    if below is None:
+                        below = float(shape.budget - 1)
                         wider = [v * (shape.budget - 1) / max(n - 1, 1) for (k, dd, n), v in self._extra.items()
                                  if k[0] == key[0] and dd >= d and n >= shape.budget]
                         if wider:
-                            extra = min(extra, min(wider))
+                            below = min(below, min(wider))
                     self._free.add(key)
                     # each active request's E[accepted + 1] and its optimistic one (copies: the acceptance
                     # model's memo is dropped at the kind's next observation, these are kept to the refresh)
-                    base.append((shape, None, (extra, costs.rest(key) + sum(draft_of[g, d] for g in members)),
+                    base.append((shape, None, (below, costs.rest(key) + sum(draft_of[g, d] for g in members)),
                                  (dict(acceptance.per_request(key, rows, cap)),
                                   dict(acceptance.per_request(key, rows, cap, optimistic=True))), index))
                     continue
@@ -865,7 +865,7 @@ class Tuner:
             if idle and not idle.isdisjoint(members):
                 continue
             if value is None:  # a kind of groups that propose for some requests only: over those requests
-                (extra, fixed), (values, uppers) = seconds, upper
+                (below, fixed), (values, uppers) = seconds, upper
                 rows = ready[members[0]] if len(members) == 1 else set().union(*(ready[i] for i in members))
                 if not rows:
                     continue
@@ -874,7 +874,7 @@ class Tuner:
                 upper = sum(uppers[b] for b in rows) + others
                 # (times the kind's own scale: its trees' width, not only their nodes, sets a packed
                 # forward's cost, see forward_part)
-                seconds = costs.forward(1.0 + extra * len(rows) / batch, batch) * costs.scale.get(
+                seconds = costs.forward(1.0 + below * len(rows) / batch, batch) * costs.scale.get(
                     ("forward", batch, shape.key), 1.0) + fixed
             extra = appends.get(members)
             if extra is None:
