@@ -70,6 +70,47 @@ def test_prefill_logits_equal_hugging_face(arch, dtype):
     assert torch.equal(out.logits.float(), got[:, -1])
 
 
+@torch.no_grad()
+def test_half_precision_prefill_runs_whole_blocks_of_tokens(monkeypatch):
+    """A bf16 prefill on the CPU runs each row's tokens up to a multiple of PREFILL_HALF_ROWS (padding after
+    the prompts: oneDNN builds a kernel per new row count): its logits, hidden states, captured layers and
+    the prompts' K/V are those of the prefill without the padding, within bf16 rounding, lengths and shapes
+    unchanged; a cache without room for the padding gets none."""
+    import taps.forward as forward
+
+    model = _model("llama", dtype=torch.bfloat16)
+    ids = torch.randint(0, 97, (2, 11), generator=torch.Generator().manual_seed(2))
+    lens = torch.tensor([11, 5])
+    assert forward.prefill_rows(11, torch.bfloat16, torch.device("cpu")) == forward.PREFILL_HALF_ROWS
+    assert forward.prefill_rows(11, torch.float32, torch.device("cpu")) == 11
+    runs, whole = {}, forward.PREFILL_HALF_ROWS
+    for block in (whole, 1):
+        monkeypatch.setattr(forward, "PREFILL_HALF_ROWS", block)
+        fwd = TargetForward(hf.use_taps_attention(model), lean=True)
+        cache = fwd.new_cache(2, 32)
+        seen = []
+        run = fwd._run
+        monkeypatch.setattr(fwd, "_run", lambda ids, *a: seen.append(ids.shape[1]) or run(ids, *a))
+        out = fwd.prefill(cache, ids, lens, 0, return_hidden=True, capture_layers=(1,))
+        runs[block] = (out, cache, seen[0])
+    (padded, pc, rows), (plain, cc, plain_rows) = runs[whole], runs[1]
+    assert rows == 16 and plain_rows == 11
+    assert pc.lengths.tolist() == cc.lengths.tolist() == [11, 5]
+    assert padded.hidden_states.shape == plain.hidden_states.shape == (2, 11, 32)
+    assert padded.layers[1].shape == plain.layers[1].shape
+    torch.testing.assert_close(padded.logits.float(), plain.logits.float(), atol=0.05, rtol=0.05)
+    torch.testing.assert_close(padded.hidden_states.float(), plain.hidden_states.float(), atol=0.05, rtol=0.05)
+    for a, b in zip(pc.layers, cc.layers):
+        for b_, n in enumerate(lens.tolist()):
+            torch.testing.assert_close(a.keys[b_, :, :n].float(), b.keys[b_, :, :n].float(), atol=0.05, rtol=0.05)
+            torch.testing.assert_close(a.values[b_, :, :n].float(), b.values[b_, :, :n].float(), atol=0.05, rtol=0.05)
+    monkeypatch.undo()
+    fwd = TargetForward(hf.use_taps_attention(model), lean=True)
+    cache = fwd.new_cache(2, 12)  # room for the prompts, not for 16 tokens
+    out = fwd.prefill(cache, ids, lens, 0, return_hidden=True)
+    assert cache.lengths.tolist() == [11, 5] and out.hidden_states.shape == (2, 11, 32)
+
+
 def _random_tree(n, vocab, gen):
     parents = [-1] + [int(torch.randint(0, i, (1,), generator=gen)) for i in range(1, n)]
     tokens = torch.randint(0, vocab, (n,), generator=gen)
