@@ -5,8 +5,10 @@
 2. streams one math answer (a GSM8K test problem) and one chat answer (an MT-Bench question), decoded
    with the merged tree of the math and chat specialists; tokens the target accepted from the drafts
    are marked; each answer is then decoded again by the target alone with Hugging Face ``generate``
-   (its own copy of the weights, same dtype and threads), and the demo prints both speeds and their
-   ratio and checks that the answers are token for token the same;
+   (its own copy of the weights, same dtype and threads) and by taps' own autoregressive decoding, and the
+   demo prints the speeds and their ratios and checks that the answers are token for token the same; when
+   the streamed decoder has fixed settings, the same drafters with prompt lookup and ``budget="auto"`` (its
+   tuner warmed up on two other answers) are timed beside;
 3. runs a small evaluation (a few prompts per benchmark, temperature 0) and prints the acceptance-length
    table (`taps eval` runs the full one).
 """
@@ -193,8 +195,23 @@ def demo(args) -> int:
     # forward is not a speculative one) and, in bf16, the greedy reference (Hugging Face's one-token
     # forwards round differently from a tree forward there; README, "Speculative decoding"; HF's shown too)
     own = SpeculativeDecoder(target, [], strategy="autoregressive")
-    merged.generate([tok.encode_text("warm-up")], max_new_tokens=4)  # one-time setup outside the timings
-    own.generate([tok.encode_text("warm-up")], max_new_tokens=4)
+    # without a tuner: the same drafters with prompt lookup and budget="auto" beside, timed on each answer (on a
+    # CPU fixed trees of trained drafters often lose to autoregressive decoding; the tuner drafts only where a
+    # draft pays, prompt lookup's matches first)
+    tuned = None
+    if merged.tuner is None and args.strategy not in ("average", "autoregressive"):
+        from .drafters import PromptLookupDrafter
+
+        extra = [] if args.lookup else [PromptLookupDrafter()]
+        tuned = SpeculativeDecoder(target, streamed + extra, strategy=args.strategy,
+                                   **dict(settings, budget="auto"))
+    for dec in (merged, own) + ((tuned,) if tuned is not None else ()):  # one-time setup outside the timings
+        dec.generate([tok.encode_text("warm-up")], max_new_tokens=4)
+    if tuned is not None:  # the tuner learns its costs and the drafters' acceptance on two other answers first
+        for bench in ("gsm8k", "mt_bench"):
+            warm = load_eval_prompts(bench)[1]
+            tuned.generate([tok.encode_chat(warm.messages, add_generation_prompt=True)], max_new_tokens=new_tokens,
+                           eos_token_id=tok.eos_id)
     _hf_generate(reference, [1, 2, 3], 2, tok.eos_id)
     for title, bench in (("math (GSM8K test)", "gsm8k"), ("chat (MT-Bench)", "mt_bench")):
         ex = load_eval_prompts(bench)[0]
@@ -211,6 +228,10 @@ def demo(args) -> int:
         t1 = time.perf_counter()
         plain = own.generate([prompt], max_new_tokens=new_tokens, eos_token_id=tok.eos_id).tokens[0]
         dt_own = time.perf_counter() - t1
+        if tuned is not None:
+            t1 = time.perf_counter()
+            auto = tuned.generate([prompt], max_new_tokens=new_tokens, eos_token_id=tok.eos_id)
+            dt_auto = time.perf_counter() - t1
         s = out.stats[0]
         speed, speed_hf, speed_own = s.new_tokens / dt, len(ref) / dt_hf, len(plain) / dt_own
         shares = ", ".join(f"{name} {share:.0%}" for name, share in zip(names, s.drafter_share)) or "no drafter"
@@ -220,6 +241,14 @@ def demo(args) -> int:
               f"tokens/s: {speed / speed_hf:.2f}x Hugging Face generate ({speed_hf:.0f} tokens/s), "
               f"{speed / speed_own:.2f}x taps autoregressive ({speed_own:.0f} tokens/s); "
               f"{_same_line(out.tokens[0], ref, plain if dtype != torch.float32 else None)}")
+        if tuned is not None:
+            a = auto.stats[0]
+            speed_auto = a.new_tokens / dt_auto
+            print(f"--- with prompt lookup and budget=\"auto\" (`--lookup --budget auto`; its tuner warmed up on two "
+                  f"other answers): taps {speed_auto:.0f} "
+                  f"tokens/s, {speed_auto / speed_hf:.2f}x Hugging Face generate, {speed_auto / speed_own:.2f}x taps "
+                  f"autoregressive (tau {a.tau:.2f}; the tuner's drafts: {_top_shapes(a)}); same output: "
+                  f"{auto.tokens[0] == out.tokens[0]}")
 
     if not limit:
         print(f"\ndemo finished in {time.time() - t0:.0f}s")
