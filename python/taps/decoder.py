@@ -441,7 +441,7 @@ class SpeculativeDecoder:
             # current every step, so asking it is a lookup of a flag per request)
             token = state.coast[0]
             ready = self._ready(groups, state.active()) if token.idle or token.ready else None
-            if tuner.coast(token, () if ready is None else self._idle(ready), ready):
+            if tuner.coast(token, ready=ready):
                 return _Plan(NONE, [], 0)
         state.coast = None
         active = state.active()
@@ -455,7 +455,7 @@ class SpeculativeDecoder:
         drawn = tuple(i for i, g in enumerate(groups) if self._may_draw(state, g))
         shape = tuner.plan([tuple(g.members) for g in groups], lambda i, d: groups[i].tree_depth(d, self.top_k),
                            [state.pending.count(g) for g in groups], active, state.batch, self.depth, self.budget,
-                           idle=self._idle(ready), drawn=drawn, drawn_only=self.sampled_drafts is True,
+                           drawn=drawn, drawn_only=self.sampled_drafts is True,
                            candidates=lambda i, d: num_candidates(d, self.top_k), ready=ready)
         if not shape.drafters:  # a plain step (most steps where no draft pays: kept lean)
             # repeated without planning until a probe could come due, while the groups idle now stay idle
@@ -471,11 +471,6 @@ class SpeculativeDecoder:
         """Per group: for a free group (prompt lookup), the active requests it has something to propose for
         (those with a match); None for the others (they always propose)."""
         return [tuple(b for b in active if g.has_draft(b)) if g.free_draft else None for g in groups]
-
-    @staticmethod
-    def _idle(ready: Sequence[Optional[Tuple[int, ...]]]) -> Tuple[int, ...]:
-        """Positions of the free groups with nothing to propose for any active request (of :meth:`_ready`)."""
-        return tuple(i for i, r in enumerate(ready) if r is not None and not r)
 
     def _draft(self, state: "DecodeState", plan: "_Plan") -> Optional[Candidates]:
         """The drafting groups' candidates (a group behind on appends catches up first), stacked in the

@@ -153,6 +153,11 @@ def _group_across(table: dict, group: tuple, batch: int, at: Callable[[int], flo
     return at(batch) if (group, batch) in table else _across(_batches_of(table, group), batch, at)
 
 
+def _idle(ready: Sequence[Optional[Sequence[int]]]) -> Tuple[int, ...]:
+    """Positions of the groups of :meth:`Tuner.plan`'s ``ready`` with nothing to propose for any request."""
+    return tuple(i for i, r in enumerate(ready) if r is not None and not r)
+
+
 def node_grid(max_nodes: int) -> List[int]:
     """Node counts the target forward is timed at: 1, 2, 3, 4, 6, 8, 12, 16, ... up to max_nodes."""
     grid, n = [1, 2, 3], 4
@@ -791,7 +796,7 @@ class Tuner:
             ready = [None if r is None else tuple(r) for r in ready]
             counts = {i: len(r) for i, r in enumerate(ready) if r}
             if not single:
-                idle = idle | {i for i, r in enumerate(ready) if r is not None and not r}
+                idle = idle | set(_idle(ready))
         free = None if ready is None else tuple(r is not None for r in ready)
         self.acceptance.horizon = depth
         drawn = frozenset(drawn)
@@ -874,8 +879,8 @@ class Tuner:
                 upper = sum(uppers[b] for b in rows) + others
                 # (times the kind's own scale: its trees' width, not only their nodes, sets a packed
                 # forward's cost, see forward_part)
-                seconds = costs.forward(1.0 + below * len(rows) / batch, batch) * costs.scale.get(
-                    ("forward", batch, shape.key), 1.0) + fixed
+                seconds = costs.forward(1.0 + below * len(rows) / batch, batch) * self._kind_scale(shape, batch)[1] \
+                    + fixed
             extra = appends.get(members)
             if extra is None:
                 extra = appends[members] = sum(update[i] for i in members)
@@ -898,9 +903,12 @@ class Tuner:
         arguments said changed since it returned no draft (the requests, the groups) and holds its
         :meth:`coast_token`: True (and the step counted) unless the tuner learned something since (a
         draft observed), a group idle at that plan is not idle now (``idle``: the groups idle now, asked
-        only when ``token.idle`` is not empty), a group that proposes for some requests only has more of
-        them now than then (``ready``, as :meth:`plan` takes it, asked only when ``token.ready`` is not
-        empty), or a probe could come due at the next step (then the caller plans)."""
+        only when ``token.idle`` is not empty; derived from ``ready`` when not given), a group that proposes
+        for some requests only has more of them now than then (``ready``, as :meth:`plan` takes it, asked
+        only when ``token.idle`` or ``token.ready`` is not empty), or a probe could come due at the next step
+        (then the caller plans)."""
+        if ready is not None and not idle:
+            idle = _idle(ready)
         if token is not None and (token.memo is not self._plan_memo or token.version != self._version
                                   or (token.idle and not token.idle.issubset(idle))
                                   or (token.ready and (ready is None or any(len(ready[i] or ()) > c
@@ -939,8 +947,13 @@ class Tuner:
         predicted = self.costs.forward_part(nodes, batch)
         if shape.key not in self._free:
             return ("forward", batch, round(nodes)), predicted
+        part, scale = self._kind_scale(shape, batch)
+        return part, predicted * scale
+
+    def _kind_scale(self, shape: Shape, batch: int) -> Tuple[tuple, float]:
+        """A free kind's own forward part (its key among the cost model's scales) and scale."""
         part = ("forward", batch, shape.key)
-        return part, predicted * self.costs.scale.get(part, 1.0)
+        return part, self.costs.scale.get(part, 1.0)
 
     def observes(self, shape: Shape) -> bool:
         """Whether the decoder should time and report (:meth:`observe`) a step of `shape`: every draft; a
