@@ -18,7 +18,9 @@ bf16 at amx where its AMX path runs (head dim >= 64, >= 16 rows per KV head; TAP
 0 never), whose tile products can beat this floor) and the K/V bytes at
 ``--gbps``; "% floor" is floor / taps time.
 The first rows are the shipped target's attention (B 1, Hq 8, Hkv 4, D 32, a 16-node tree after ~200
-cached keys), fp32 and bf16.
+cached keys), fp32 and bf16. A second table times ragged batches of trees in one [B, N] grid (a packed prompt
+lookup batch of the shipped target; merged trees of different sizes): taps over the whole grid against taps
+with ``num_queries`` (each request's real nodes only), and SDPA over the grid.
 
 CUDA (when present): "GB/s" is the K/V bytes of the visible keys (2 * B * Hkv * sum(kv_lens) * D * elem)
 over the taps time, and "% copy" that rate over the device-to-device copy rate measured first (a 1 GiB
@@ -179,6 +181,29 @@ def case(batch, heads_q, heads_kv, num_nodes, head_dim, cache_len, dtype, repeat
     return row, kv_bytes
 
 
+def ragged_case(batch, heads_q, heads_kv, num_nodes, head_dim, cache_len, dtype, live, repeats, levels):
+    """A ragged batch of trees in one [B, N] grid (request b's real nodes 0 .. live[b] - 1): SDPA over the grid,
+    taps over the grid, and taps with num_queries=live, alternating per round (CPU); per level
+    (taps grid, taps live, grid / live by the median round)."""
+    q = torch.randn(batch, heads_q, num_nodes, head_dim, dtype=dtype)
+    k = torch.randn(batch, heads_kv, cache_len, head_dim, dtype=dtype)
+    v = torch.randn(batch, heads_kv, cache_len, head_dim, dtype=dtype)
+    kv_lens = torch.full((batch,), cache_len, dtype=torch.int64)
+    tree_mask = random_tree_mask(batch, num_nodes, "cpu")
+    dense = tree_attention_dense_mask(tree_mask, kv_lens, cache_len)[:, None]
+    nq = torch.tensor(live, dtype=torch.int64)
+    sdpa = lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=dense, enable_gqa=True)  # noqa: E731
+    t_sdpa, grid, _ = alternating(sdpa, lambda: taps_ops.tree_attention(q, k, v, tree_mask, kv_lens), levels, repeats)
+    rows = []
+    for level, t_grid in zip(levels, grid):
+        grid_call = lambda: taps_ops.tree_attention(q, k, v, tree_mask, kv_lens)  # noqa: E731
+        with cpu_isa(level):
+            _, [t_live], [x] = alternating(grid_call, lambda: taps_ops.tree_attention(
+                q, k, v, tree_mask, kv_lens, num_queries=nq), [level], repeats)
+        rows.append((t_grid, t_live, x))
+    return t_sdpa, rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--repeats", type=int, default=7)
@@ -236,6 +261,24 @@ def main() -> None:
                  *[h for lv in levels for h in (f"taps {lv}", "x sdpa", "floor", "% floor")]], cpu_rows,
                 title=f"CPU, {threads} thread(s): taps at instruction-set level {', '.join(levels)}")
     print(f"floor = max(FLOPs at threads x the level's peak ({peak_note}), K/V bytes at {args.gbps:g} GB/s)")
+    ragged = [  # B, Hq, Hkv, N, D, S, dtype, real nodes per request
+        (8, 8, 4, 16, 32, 300, torch.float32, [16, 2, 3, 1, 1, 0, 0, 0]),  # the shipped target: prompt lookup at batch 8
+        (8, 8, 4, 16, 32, 300, torch.bfloat16, [4, 3, 3, 3, 3, 3, 2, 2]),
+        (4, 32, 8, 64, 128, 1024, torch.float32, [64, 17, 5, 30]),         # merged trees of different sizes
+    ]
+    if args.quick:
+        ragged = ragged[:1]
+    ragged_rows = []
+    for (b, hq, hkv, n, d, s, dt, live) in ragged:
+        t_sdpa, per_level = ragged_case(b, hq, hkv, n, d, s, dt, live, args.repeats, levels)
+        cells = [c for (t_grid, t_live, x) in per_level for c in (fmt_time(t_grid), fmt_time(t_live), f"{x:.2f}x",
+                                                                    f"{t_sdpa / t_live:.2f}x")]
+        ragged_rows.append([b, hq, hkv, n, d, s, str(dt)[6:], f"{sum(live)}/{b * n}", fmt_time(t_sdpa), *cells])
+    print()
+    print_table(["B", "Hq", "Hkv", "N", "D", "S", "dtype", "real", "sdpa",
+                 *[h for lv in levels for h in (f"taps {lv} grid", "num_queries", "x grid", "x sdpa")]], ragged_rows,
+                title="CPU, a ragged batch of trees in one [B, N] grid: taps over every query against taps with "
+                      "num_queries (the real nodes only); x grid: the median round's ratio")
     if "cuda" not in devices:
         return
     ceiling = copy_bandwidth(args.repeats)

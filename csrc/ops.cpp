@@ -24,7 +24,7 @@
 
 namespace {
 
-// taps_ops._C.tree_attention(q, k, v, tree_mask, kv_lens, scale, validate, tree_nodes): the op through the
+// taps_ops._C.tree_attention(q, k, v, tree_mask, kv_lens, scale, validate, tree_nodes, num_queries): the op through the
 // dispatcher's typed call, for the Python wrapper's common case (plain tensors, scale a float or None, no
 // torch-function mode), without the generic path's schema parsing and boxing (about 2 us a call). The
 // dispatch keys still run (profiler, dispatch modes, each backend's checks), except that inputs without
@@ -33,16 +33,17 @@ namespace {
 // torch.ops, which handles (or rejects) it.
 PyObject* tree_attention_py(PyObject* /*self*/, PyObject* const* args, Py_ssize_t nargs) {
   HANDLE_TH_ERRORS
-  if (nargs != 8) {
-    PyErr_SetString(PyExc_TypeError, "taps_ops._C.tree_attention takes 8 positional arguments");
+  if (nargs != 9) {
+    PyErr_SetString(PyExc_TypeError, "taps_ops._C.tree_attention takes 9 positional arguments");
     return nullptr;
   }
   for (int i = 0; i < 5; ++i) {
     if (!THPVariable_CheckExact(args[i])) Py_RETURN_NOTIMPLEMENTED;
   }
-  PyObject *scale_arg = args[5], *validate_arg = args[6], *nodes_arg = args[7];
+  PyObject *scale_arg = args[5], *validate_arg = args[6], *nodes_arg = args[7], *queries_arg = args[8];
   if (at::impl::torch_function_mode_enabled() || (scale_arg != Py_None && !PyFloat_CheckExact(scale_arg)) ||
-      !PyBool_Check(validate_arg) || (nodes_arg != Py_None && !PyLong_CheckExact(nodes_arg)))
+      !PyBool_Check(validate_arg) || (nodes_arg != Py_None && !PyLong_CheckExact(nodes_arg)) ||
+      (queries_arg != Py_None && !THPVariable_CheckExact(queries_arg)))
     Py_RETURN_NOTIMPLEMENTED;
   std::optional<int64_t> tree_nodes;
   if (nodes_arg != Py_None) {
@@ -59,9 +60,12 @@ PyObject* tree_attention_py(PyObject* /*self*/, PyObject* const* args, Py_ssize_
       c10::Dispatcher::singleton()
           .findSchemaOrThrow("taps_ops::tree_attention", "")
           .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                            const at::Tensor&, double, bool, std::optional<int64_t>)>();
+                            const at::Tensor&, double, bool, std::optional<int64_t>,
+                            const std::optional<at::Tensor>&)>();
   const at::Tensor &k = THPVariable_Unpack(args[1]), &v = THPVariable_Unpack(args[2]);
   const at::Tensor &tree_mask = THPVariable_Unpack(args[3]), &kv_lens = THPVariable_Unpack(args[4]);
+  std::optional<at::Tensor> num_queries;
+  if (queries_arg != Py_None) num_queries = THPVariable_Unpack(queries_arg);
   const bool grad = at::GradMode::is_enabled() && (q.requires_grad() || k.requires_grad() || v.requires_grad() ||
                                                    tree_mask.requires_grad() || kv_lens.requires_grad());
   // no mode or transform has added keys to the thread's included set (BackendSelect, ADInplaceOrView: always)
@@ -76,7 +80,7 @@ PyObject* tree_attention_py(PyObject* /*self*/, PyObject* const* args, Py_ssize_
     } release;
     std::optional<at::AutoDispatchBelowAutograd> below;
     if (below_autograd) below.emplace();
-    out = op.call(q, k, v, tree_mask, kv_lens, scale, validate_arg == Py_True, tree_nodes);
+    out = op.call(q, k, v, tree_mask, kv_lens, scale, validate_arg == Py_True, tree_nodes, num_queries);
   }
   return THPVariable_Wrap(std::move(out));
   END_HANDLE_TH_ERRORS
@@ -123,11 +127,12 @@ TORCH_LIBRARY(taps_ops, m) {
       "merge_trees(Tensor tokens, Tensor parents, Tensor scores, int num_nodes, Tensor? weights, "
       "bool validate=True) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)");
   // q [B, Hq, N, D]; k, v [B, Hkv, S, D]; tree_mask [B, N, W] i64; kv_lens [B] i64 -> out [B, Hq, N, D]
-  // (validate: the kv_lens range check; the kernels clamp kv_lens anyway); tree_nodes T >= N (None: N):
-  // the last T keys are tree nodes, masked by the N queries' rows.
+  // (validate: the kv_lens and num_queries range checks; the kernels clamp both anyway); tree_nodes T >= N
+  // (None: N): the last T keys are tree nodes, masked by the N queries' rows; num_queries [B] i64 (None: N
+  // each): request b's queries 0 .. num_queries[b] - 1 only, its other rows of out zeros.
   m.def(
       "tree_attention(Tensor q, Tensor k, Tensor v, Tensor tree_mask, Tensor kv_lens, float scale, "
-      "bool validate=True, int? tree_nodes=None) -> Tensor");
+      "bool validate=True, int? tree_nodes=None, Tensor? num_queries=None) -> Tensor");
   // caches: per layer K and V tensors [B, H, S, D], updated in place; path [B, P] i64 (-1 padded,
   // path[:, 0] == 0); prefix_lens [B] i64: cache position of tree node i is prefix_lens[b] + i
   // (validate: the path checks; the kernels leave a request with an invalid path untouched anyway).

@@ -22,11 +22,11 @@ def _candidates(parents=(-1, -1, 0, 1), scores=None):
     return scores, torch.tensor([[4, 5, 6, 7]]), torch.tensor([list(parents)])
 
 
-def _attention(kv_lens=(6,), q_dtype=torch.float32):
+def _attention(kv_lens=(6,), q_dtype=torch.float32, num_queries=None):
     q = torch.randn(1, 2, 3, 8, dtype=q_dtype)
     k = v = torch.randn(1, 1, 8, 8)
     mask = torch.tensor([[[1], [3], [5]]])
-    return lambda: taps_ops.tree_attention(q, k, v, mask, torch.tensor(list(kv_lens)))
+    return lambda: taps_ops.tree_attention(q, k, v, mask, torch.tensor(list(kv_lens)), num_queries=num_queries)
 
 
 def _compact(path=((0, 1, -1),), dtype=torch.int64):
@@ -61,6 +61,7 @@ CASES = [
     ("tree_attention: float64 q", _attention(q_dtype=torch.float64)),
     ("tree_attention: kv_lens of the wrong shape", _attention(kv_lens=(6, 6))),
     ("tree_attention: kv_lens below the tree", _attention(kv_lens=(2,))),
+    ("tree_attention: num_queries past N", _attention(num_queries=torch.tensor([4]))),
     ("compact_kv: int32 path", _compact(dtype=torch.int32)),
     ("compact_kv: path not increasing", _compact(path=((0, 2, 1),))),
     ("rms_norm: weight of another width", lambda: taps_ops.rms_norm(torch.randn(2, 6), torch.ones(5), 1e-6)),
@@ -92,4 +93,9 @@ def test_a_library_built_from_older_sources_is_named_at_import(monkeypatch):
     monkeypatch.setattr(taps_ops, "_OPS", taps_ops._OPS + ("no_such_op",))
     with pytest.raises(ImportError, match=r"/x/_C\.so was built from older sources: it lacks the op\(s\) no_such_op; "
                                           r"rebuild"):
+        taps_ops._check_library("/x/_C.so", "rebuild it")
+    # an op whose schema lacks an argument the package passes (built before the op grew it)
+    monkeypatch.setattr(taps_ops, "_OPS", taps_ops._OPS[:-1])
+    monkeypatch.setattr(taps_ops, "_NEWEST_ARGUMENTS", {"tree_attention": ("num_queries", "no_such_argument")})
+    with pytest.raises(ImportError, match=r"lacks the op\(s\) tree_attention\(no_such_argument=\); rebuild"):
         taps_ops._check_library("/x/_C.so", "rebuild it")

@@ -466,3 +466,77 @@ def test_bf16_amx_path_taken_by_shape(tmp_path):
         assert not torch.equal(fp32_p, bf16_p), f"{name}: P in bf16 should move some outputs"
         expected = bf16_p if name.startswith("tree") else fp32_p
         assert torch.equal(outs["unset"][name], expected), name
+
+
+# ---- num_queries: a ragged batch of trees in one [B, N] grid ------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("batch,heads_q,heads_kv,num_nodes,head_dim,cache_len", [
+    (5, 4, 2, 9, 32, 61),     # fast path (attend_keys at avx2: G N <= 64)
+    (4, 8, 1, 13, 64, 130),   # fast path, 104 rows per KV head (bf16: the AMX brgemm path on AMX hosts)
+    (3, 6, 3, 7, 20, 45),     # head dim 20: the Vec kernel at avx2 / avx512
+    (1, 4, 1, 11, 64, 1000),  # one work item: key splits (partial results and the combine)
+    (2, 2, 2, 70, 16, 300),   # 70 nodes: two mask words
+])
+def test_num_queries_skips_rows(device, dtype, batch, heads_q, heads_kv, num_nodes, head_dim, cache_len):
+    """Rows past num_queries[b] are zeros and never read: their queries NaN and their mask rows garbage leave
+    the live rows as they are, bit for bit the rows of the call without num_queries (the kernels compute a row
+    alone), which test_matches_reference checks against the reference."""
+    if device == "cuda" and head_dim not in (64, 80, 96, 128, 256):
+        pytest.skip("CUDA kernels are compiled for head dims 64, 80, 96, 128, 256")
+    torch.manual_seed(batch * 1000 + num_nodes)
+    q, k, v, mask, kv_lens = make_inputs(batch, heads_q, heads_kv, num_nodes, head_dim, cache_len, dtype, device)
+    full = taps_ops.tree_attention(q, k, v, mask, kv_lens)
+    live = torch.randint(0, num_nodes + 1, (batch,))
+    live[0] = num_nodes
+    live[-1] = 0 if batch > 1 else num_nodes - 3
+    if batch > 2:
+        live[1] = 1
+    dead = torch.arange(num_nodes) >= live.view(-1, 1)  # [B, N]
+    q_dead, mask_dead = q.clone(), mask.clone()
+    q_dead.masked_fill_(dead.to(device)[:, None, :, None], float("nan"))
+    mask_dead[dead.to(device)] = -1  # sees every node
+    out = taps_ops.tree_attention(q_dead, k, v, mask_dead, kv_lens, num_queries=live.to(device))
+    assert out.shape == q.shape and out.dtype == q.dtype
+    keep = (~dead).to(device)[:, None, :, None]
+    assert torch.equal(out.masked_select(keep), full.masked_select(keep))
+    assert (out.masked_select(~keep) == 0).all()
+    want = tree_attention_ref(q.cpu(), k.cpu(), v.cpu(), mask.cpu(), kv_lens.cpu(), num_queries=live)
+    assert (want.masked_select(~keep.cpu()) == 0).all()  # the reference's rows past num_queries are zeros too
+
+
+def test_num_queries_all_and_none(device):
+    q, k, v, mask, kv_lens = make_inputs(3, 4, 2, 6, 64, 50, torch.float32, device)
+    full = taps_ops.tree_attention(q, k, v, mask, kv_lens)
+    every = torch.full((3,), 6, dtype=torch.int64, device=device)
+    assert torch.equal(taps_ops.tree_attention(q, k, v, mask, kv_lens, num_queries=every), full)
+    assert (taps_ops.tree_attention(q, k, v, mask, kv_lens, num_queries=every * 0) == 0).all()
+
+
+@pytest.mark.parametrize("num_queries,message", [
+    (torch.tensor([1, 2], dtype=torch.int32), "num_queries"),
+    (torch.tensor([1, 2, 3]), "num_queries"),
+    (torch.tensor([[1, 2]]), "num_queries"),
+    (torch.tensor([1, 8]), "num_queries\\[1\\] = 8 must be in \\[0, N\\] = \\[0, 7\\]"),
+    (torch.tensor([-1, 2]), "num_queries\\[0\\] = -1"),
+    (torch.tensor([1.0, 2.0]), "num_queries"),
+])
+def test_num_queries_bad_inputs(num_queries, message):
+    q, k, v, mask, kv_lens = make_inputs(2, 4, 2, 7, 64, 40, torch.float32, "cpu")
+    with pytest.raises(ValueError, match="taps_ops: tree_attention: " + message):
+        taps_ops.tree_attention(q, k, v, mask, kv_lens, num_queries=num_queries)
+    with pytest.raises(ValueError, match="taps_ops: tree_attention: " + message):
+        torch.ops.taps_ops.tree_attention.default(q, k, v, mask, kv_lens, 0.125, True, None, num_queries)
+    with pytest.raises(ValueError, match="taps_ops: tree_attention: " + message):  # validate=False: still on the CPU
+        taps_ops.tree_attention(q, k, v, mask, kv_lens, validate=False, num_queries=num_queries)
+
+
+def test_num_queries_opcheck_and_wrapper(device):
+    q, k, v, mask, kv_lens = make_inputs(2, 4, 2, 7, 64, 40, torch.float32, device)
+    live = torch.tensor([3, 7], device=device)
+    torch.library.opcheck(torch.ops.taps_ops.tree_attention.default, (q, k, v, mask, kv_lens, 0.125, True, None, live))
+    want = torch.ops.taps_ops.tree_attention.default(q, k, v, mask, kv_lens, 0.125, True, None, live)
+    assert torch.equal(taps_ops.tree_attention(q, k, v, mask, kv_lens, 0.125, num_queries=live), want)
+    # the fast entry declines a tensor subclass; torch.ops takes it, same result
+    sub = live.as_subclass(torch.Tensor).view(2)
+    assert torch.equal(taps_ops.tree_attention(q, k, v, mask, kv_lens, 0.125, num_queries=sub), want)

@@ -13,10 +13,12 @@
 namespace taps {
 
 // q [B, Hq, N, D]; k, v [B, Hkv, S, D]; tree_mask [B, N, W >= ceil(T / 64)]; kv_lens [B]; finite scale;
-// T = tree_nodes (>= N) or N. Returns T, the tree's node count.
+// T = tree_nodes (>= N) or N; num_queries [B] int64 when given (its values are checked by the backends: on the CPU
+// always, on CUDA with validate). Returns T, the tree's node count.
 inline int64_t check_tree_attention_inputs(const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in,
                                         const at::Tensor& tree_mask_in, const at::Tensor& kv_lens_in, double scale,
-                                        std::optional<int64_t> tree_nodes) {
+                                        std::optional<int64_t> tree_nodes,
+                                        const std::optional<at::Tensor>& num_queries = std::nullopt) {
   const auto floats = {at::kFloat, at::kBFloat16, at::kHalf};
   check_tensor(q_in, "tree_attention: q [B, Hq, N, D]", 4, floats);
   check_tensor(k_in, "tree_attention: k [B, Hkv, S, D]", 4, floats);
@@ -47,6 +49,11 @@ inline int64_t check_tree_attention_inputs(const at::Tensor& q_in, const at::Ten
                     "at least ceil(T / 64) = ", ceil_div(tree, 64), " words per row (T = ", tree,
                     " tree nodes), got shape ", tree_mask_in.sizes());
   check_size(kv_lens_in, 0, batch, "tree_attention: kv_lens", "B");
+  if (num_queries.has_value()) {
+    check_tensor(*num_queries, "tree_attention: num_queries [B]", 1, {at::kLong});
+    check_same_device(q_in, *num_queries, "q", "tree_attention: num_queries");
+    check_size(*num_queries, 0, batch, "tree_attention: num_queries", "B");
+  }
   TORCH_CHECK_VALUE(std::isfinite(scale), "taps_ops: tree_attention: scale must be finite, got ", scale);
   return tree;
 }
@@ -56,12 +63,13 @@ inline int64_t check_tree_attention_inputs(const at::Tensor& q_in, const at::Ten
 // tensors outlive the call), not copied: a copy's reference count change takes the GIL when Python owns the
 // tensor, a few hundred ns a tensor.
 struct TreeAttentionCall {
-  c10::MaybeOwned<at::Tensor> q, k, v, tree_mask, kv_lens;
+  c10::MaybeOwned<at::Tensor> q, k, v, tree_mask, kv_lens, num_queries;  // num_queries: undefined when not given
   at::Tensor out;                               // out [B, Hq, N, D] in q's dtype
   at::Tensor part_acc, part_max, part_sum;      // partial results of the key splits (splits > 1)
 
   static TreeAttentionCall prepare(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                                   const at::Tensor& tree_mask, const at::Tensor& kv_lens) {
+                                   const at::Tensor& tree_mask, const at::Tensor& kv_lens,
+                                   const std::optional<at::Tensor>& num_queries = std::nullopt) {
     auto feature_contiguous = [](const at::Tensor& t) {
       return t.stride(3) == 1 ? c10::MaybeOwned<at::Tensor>::borrowed(t)
                               : c10::MaybeOwned<at::Tensor>::owned(t.contiguous());
@@ -72,6 +80,7 @@ struct TreeAttentionCall {
     c.v = feature_contiguous(v);
     c.tree_mask = tree_mask.expect_contiguous();
     c.kv_lens = kv_lens.expect_contiguous();
+    c.num_queries = num_queries.has_value() ? num_queries->expect_contiguous() : c10::MaybeOwned<at::Tensor>::owned(at::Tensor());
     c.out = at::empty(q.sizes(), c.q->options());
     return c;
   }
@@ -92,6 +101,7 @@ struct TreeAttentionCall {
     p.v = v->data_ptr();
     p.tree_mask = tree_mask->data_ptr<int64_t>();
     p.kv_lens = kv_lens->data_ptr<int64_t>();
+    p.num_queries = num_queries->defined() ? num_queries->data_ptr<int64_t>() : nullptr;
     p.out = out.data_ptr();
     p.part_acc = splits > 1 ? part_acc.data_ptr<float>() : nullptr;
     p.part_max = splits > 1 ? part_max.data_ptr<float>() : nullptr;

@@ -109,12 +109,14 @@ void rope_(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
 }
 
 at::Tensor tree_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& mask,
-                          const at::Tensor& kv_lens, double scale, std::optional<int64_t> tree_nodes) {
+                          const at::Tensor& kv_lens, double scale, std::optional<int64_t> tree_nodes,
+                          const std::optional<at::Tensor>& num_queries = std::nullopt) {
   static auto op = c10::Dispatcher::singleton()
                        .findSchemaOrThrow("taps_ops::tree_attention", "")
                        .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                                         const at::Tensor&, double, bool, std::optional<int64_t>)>();
-  return op.call(q, k, v, mask, kv_lens, scale, /*validate=*/false, tree_nodes);
+                                         const at::Tensor&, double, bool, std::optional<int64_t>,
+                                         const std::optional<at::Tensor>&)>();
+  return op.call(q, k, v, mask, kv_lens, scale, /*validate=*/false, tree_nodes, num_queries);
 }
 
 at::Tensor required(const c10::List<OptTensor>& weights, Slot slot, const char* name) {
@@ -222,6 +224,8 @@ at::Tensor decoder_layer(const at::Tensor& x, const OptTensor& emb_in, const c10
   TORCH_CHECK_VALUE(keys.size(1) == kv_heads && keys.size(3) == head_dim, "taps_ops: decoder_layer: keys must have ",
               kv_heads, " heads of dimension ", head_dim, ", got shape ", keys.sizes());
   const bool packed = rows_in.has_value() && rows_in->defined();
+  // packed: each grid row's query count (its last packed slot's column + 1): tree_attention skips the rest
+  std::optional<at::Tensor> live_queries;
   const bool ragged = write_positions.has_value() && write_positions->defined();
   // packed: x holds M of the R x T token slots (the others, padding, are not computed); T is the tree's
   // query count (tree_mask [R, T, W]); `tokens` below is then M, the rows the projections see
@@ -253,10 +257,18 @@ at::Tensor decoder_layer(const at::Tensor& x, const OptTensor& emb_in, const c10
       const int64_t* p = r.data_ptr<int64_t>();
       ok = p[0] >= 0 && p[r.size(0) - 1] < slots;
       for (int64_t i = 1; ok && i < r.size(0); ++i) ok = p[i] > p[i - 1];
+      if (ok) {  // each grid row's queries up to its last packed slot (the slots increase: the last one wins)
+        live_queries = at::zeros({gb}, r.options());
+        int64_t* live = live_queries->data_ptr<int64_t>();
+        for (int64_t i = 0; i < r.size(0); ++i) live[p[i] / slots_per_row] = p[i] % slots_per_row + 1;
+      }
     } else {
       ok = rows.size(0) == 1
                ? (rows.ge(0) & rows.lt(slots)).all().item<bool>()
                : (rows.slice(0, 1).gt(rows.slice(0, 0, -1)).all() & rows[0].ge(0) & rows[-1].lt(slots)).item<bool>();
+      if (ok)
+        live_queries = at::zeros({gb}, rows.options())
+                           .scatter_reduce_(0, rows.div(slots_per_row, "floor"), rows.remainder(slots_per_row) + 1, "amax");
     }
     TORCH_CHECK_VALUE(ok, "taps_ops: decoder_layer: rows must be strictly increasing slots in [0, R * T = ", slots, ")");
   } else {
@@ -334,8 +346,9 @@ at::Tensor decoder_layer(const at::Tensor& x, const OptTensor& emb_in, const c10
   at::Tensor attn;
   if (packed) {
     // the packed tokens' K/V to their cache rows (slot / T) and columns; their queries into the [R, T] grid
-    // (zeros at the padding slots, whose outputs are dropped); the attention over the grid; the packed rows of
-    // its output (taps.kv.TreeAttend's packed path, the reference, does the same operators)
+    // (zeros at the padding slots, whose outputs are dropped); the attention over the grid, each row's queries up
+    // to its last packed slot only (live_queries); the packed rows of its output (taps.kv.TreeAttend's packed
+    // path, the reference, does the same operators)
     const at::Tensor& rows = *rows_in;
     const at::Tensor cache_rows = rows.div(slots_per_row, "floor");
     at::Tensor(keys).index_put_({cache_rows, Slice(), *write_positions}, k[0]);
@@ -343,7 +356,7 @@ at::Tensor decoder_layer(const at::Tensor& x, const OptTensor& emb_in, const c10
     at::Tensor grid = at::zeros({gb * slots_per_row, heads, head_dim}, q.options());
     grid.index_copy_(0, rows, q[0]);
     const at::Tensor out = tree_attention(grid.view({gb, slots_per_row, heads, head_dim}).transpose(1, 2), keys, values,
-                                          tree_mask, kv_lens, scale, tree_nodes);
+                                          tree_mask, kv_lens, scale, tree_nodes, live_queries);
     attn = out.transpose(1, 2).reshape({gb * slots_per_row, heads * head_dim}).index_select(0, rows)
                .view({1, x.size(1), heads * head_dim});
   } else {

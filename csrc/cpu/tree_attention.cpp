@@ -2,9 +2,10 @@
 // (attention::plan_splits), and the choice of kernel for this CPU.
 //
 // q [B, Hq, N, D]; k, v [B, Hkv, S, D]; tree_mask [B, N, W] i64; kv_lens [B] i64; tree_nodes T (>= N, default
-// N: the last T keys are tree nodes, the queries usually the newest N of them) -> out [B, Hq, N, D].
+// N: the last T keys are tree nodes, the queries usually the newest N of them); num_queries [B] i64 (optional:
+// request b's first n_b queries only, the rest of its rows zeros) -> out [B, Hq, N, D].
 //
-// Work item = (request b, KV head, key split). The G * N query rows of one KV head (row r = g * N + i:
+// Work item = (request b, KV head, key split). The G * n_b query rows of one KV head (row r = g * n_b + i:
 // query head hkv * G + g, tree node i) are processed together, so each K/V row is read once per
 // group. Keys stream in tiles: scores of the whole group against the tile, online softmax per row,
 // then acc += P * V. Prefix tiles skip the mask; only tiles reaching the tree tail test bits. When
@@ -457,15 +458,22 @@ namespace {
 
 at::Tensor tree_attention_cpu(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                               const at::Tensor& tree_mask, const at::Tensor& kv_lens, double scale,
-                              bool /*validate: the CPU always checks kv_lens (no sync to save)*/,
-                              std::optional<int64_t> tree_nodes) {
-  const int64_t tree = check_tree_attention_inputs(q, k, v, tree_mask, kv_lens, scale, tree_nodes);
-  const int64_t batch = q.size(0), heads_kv = k.size(1), cache_len = k.size(2);
-  TreeAttentionCall call = TreeAttentionCall::prepare(q, k, v, tree_mask, kv_lens);
+                              bool /*validate: the CPU always checks kv_lens and num_queries (no sync to save)*/,
+                              std::optional<int64_t> tree_nodes, const std::optional<at::Tensor>& num_queries) {
+  const int64_t tree = check_tree_attention_inputs(q, k, v, tree_mask, kv_lens, scale, tree_nodes, num_queries);
+  const int64_t batch = q.size(0), heads_kv = k.size(1), cache_len = k.size(2), num_nodes = q.size(2);
+  TreeAttentionCall call = TreeAttentionCall::prepare(q, k, v, tree_mask, kv_lens, num_queries);
   const int64_t* lens = call.kv_lens->data_ptr<int64_t>();
   for (int64_t b = 0; b < batch; ++b) {
     TORCH_CHECK_VALUE(lens[b] >= tree && lens[b] <= cache_len, "taps_ops: tree_attention: kv_lens[", b, "] = ",
                 lens[b], " must be in [T, S] = [", tree, ", ", cache_len, "] (T: tree nodes)");
+  }
+  if (call.num_queries->defined()) {
+    const int64_t* live = call.num_queries->data_ptr<int64_t>();
+    for (int64_t b = 0; b < batch; ++b) {
+      TORCH_CHECK_VALUE(live[b] >= 0 && live[b] <= num_nodes, "taps_ops: tree_attention: num_queries[", b, "] = ",
+                        live[b], " must be in [0, N] = [0, ", num_nodes, "]");
+    }
   }
   if (call.out.numel() == 0) return call.out;
   // Key splits when B * Hkv work items cannot feed the threads (4 items a thread); no cap on their

@@ -275,7 +275,8 @@ struct FastScratch {
 template <class T, bool B>
 void attend_fast(const Params& p, int64_t b, int64_t hkv, int64_t key_begin, int64_t key_end, const TreeSpan& span,
                  FastScratch& sc) {
-  const int64_t group = p.heads_q / p.heads_kv, rows = group * p.num_nodes, D = p.head_dim, N = p.num_nodes;
+  // N: the request's live queries (rows r = g * N + i); its mask rows sit p.num_nodes apart
+  const int64_t N = live_queries(p, b), group = p.heads_q / p.heads_kv, rows = group * N, D = p.head_dim;
   static_assert(!B || std::is_same_v<T, c10::BFloat16>, "brgemm: bf16 only");
   constexpr bool kWiden = !B && !std::is_same_v<T, float>;  // half precision through the fp32 micro-GEMMs
   constexpr int64_t Tk = fast_tile(B), Tw = Tk / 64;  // Tw mask words per tile
@@ -364,7 +365,7 @@ void attend_fast(const Params& p, int64_t b, int64_t hkv, int64_t key_begin, int
     const bool masked = B || tail || tl < cols;  // else every score column is a visible prefix key
     if (tail) {
       for (int64_t i = 0; i < N; ++i) {  // 64 keys a word (tile_visibility), past the tile's end cleared
-        const int64_t* mask_row = p.tree_mask + (b * N + i) * p.mask_words;
+        const int64_t* mask_row = p.tree_mask + (b * p.num_nodes + i) * p.mask_words;
         uint64_t* bits = &sc.vis[i * Tw];
         for (int64_t w = 0; w < Tw; ++w)
           bits[w] = sc.valid[w] != 0 ? tile_visibility(span, mask_row, p.mask_words, t0 + 64 * w) & sc.valid[w] : 0;
@@ -481,7 +482,8 @@ constexpr int64_t kKeyRowChunk = 64;  // attend_keys: the most query rows of a K
 template <class T>
 void attend_keys(const Params& p, int64_t b, int64_t hkv, int64_t key_begin, int64_t key_end, const TreeSpan& span,
                  FastScratch& sc) {
-  const int64_t group = p.heads_q / p.heads_kv, rows = group * p.num_nodes, D = p.head_dim, N = p.num_nodes;
+  // N: the request's live queries (rows r = g * N + i); its mask rows sit p.num_nodes apart
+  const int64_t N = live_queries(p, b), group = p.heads_q / p.heads_kv, rows = group * N, D = p.head_dim;
   constexpr bool kWiden = !std::is_same_v<T, float>;
   constexpr int64_t Tk = fast_tile(false);
   static_assert(Tk <= 64, "one mask word per tile");
@@ -533,7 +535,7 @@ void attend_keys(const Params& p, int64_t b, int64_t hkv, int64_t key_begin, int
     const bool tail = t0 + tl > span.tree_start;
     if (tail) {  // lane l of row vector v: row v L + l sees key t0 + j
       for (int64_t i = 0; i < N; ++i)
-        sc.vis[i] = tile_visibility(span, p.tree_mask + (b * N + i) * p.mask_words, p.mask_words, t0);
+        sc.vis[i] = tile_visibility(span, p.tree_mask + (b * p.num_nodes + i) * p.mask_words, p.mask_words, t0);
       for (int64_t v = 0; v < RV; ++v) {
         uint64_t word[L];  // the keys row v L + l sees (none for the padding)
         for (int64_t l = 0, r = v * L; l < L; ++l, ++r) word[l] = r < rows ? sc.vis[r % N] : 0;

@@ -67,12 +67,12 @@ struct Scratch {
   std::vector<float> q, acc, s, kt, vt, row_max, row_sum, alpha;
 };
 
-// One work item: rows of KV head `hkv` of request b over keys [key_begin, key_end). Leaves the
-// unnormalised state in sc.acc / sc.row_max / sc.row_sum (rows x dp).
+// One work item: the G * n rows of KV head `hkv` of request b (n = live_queries(p, b) > 0) over keys
+// [key_begin, key_end). Leaves the unnormalised state in sc.acc / sc.row_max / sc.row_sum (rows x dp).
 template <class T>
 void attend(const Params& p, int64_t b, int64_t hkv, int64_t key_begin, int64_t key_end, const TreeSpan& span,
             Scratch& sc) {
-  const int64_t group = p.heads_q / p.heads_kv, rows = group * p.num_nodes, d_len = p.head_dim;
+  const int64_t n = live_queries(p, b), group = p.heads_q / p.heads_kv, rows = group * n, d_len = p.head_dim;
   const int64_t dp = taps::ceil_div(d_len, kVL) * kVL;
   sc.q.assign(rows * dp, 0.0f);
   sc.acc.assign(rows * dp, 0.0f);
@@ -83,7 +83,7 @@ void attend(const Params& p, int64_t b, int64_t hkv, int64_t key_begin, int64_t 
   sc.row_sum.assign(rows, 0.0f);
   sc.alpha.resize(rows);
   for (int64_t r = 0; r < rows; ++r) {
-    const int64_t h = hkv * group + r / p.num_nodes, i = r % p.num_nodes;
+    const int64_t h = hkv * group + r / n, i = r % n;
     const T* src = static_cast<const T*>(p.q) + b * p.q_stride_b + h * p.q_stride_h + i * p.q_stride_n;
     for (int64_t d = 0; d < d_len; ++d) sc.q[r * dp + d] = to_f(src[d]) * p.scale;
   }
@@ -114,7 +114,7 @@ void attend(const Params& p, int64_t b, int64_t hkv, int64_t key_begin, int64_t 
       float* s = &sc.s[r * kTile];
       for (int64_t j = tile_len; j < kTile; ++j) s[j] = neg_inf;
       if (tail) {
-        const int64_t* mask_row = p.tree_mask + (b * p.num_nodes + r % p.num_nodes) * p.mask_words;
+        const int64_t* mask_row = p.tree_mask + (b * p.num_nodes + r % n) * p.mask_words;
         for (int64_t j = std::max<int64_t>(0, span.tree_start - t0); j < tile_len; ++j)
           if (!key_visible(span, mask_row, t0 + j)) s[j] = neg_inf;
       }
@@ -162,19 +162,34 @@ struct RowStates {
 
 // Work items [begin, end) of (b, hkv, split), split fastest: each request's keys cut into p.splits
 // ranges of whole `tile`s (split_len / split_range), attend(b, hkv, keys, span) -> RowStates for the
-// range, then the rows written normalised (one split) or as partial results (several; partial_row).
+// range (its G * n live rows, n = live_queries(p, b)), then the rows written normalised (one split) or as
+// partial results (several; partial_row). The rows of nodes n .. N - 1 are written as zeros (one split) or
+// as empty partial results (the combine gives them zeros).
 template <class T, class Attend>
 void run_items(const Params& p, int64_t begin, int64_t end, int64_t tile, Attend&& attend) {
-  const int64_t rows = (p.heads_q / p.heads_kv) * p.num_nodes, D = p.head_dim;
+  const int64_t group = p.heads_q / p.heads_kv, N = p.num_nodes, D = p.head_dim;
   for (int64_t item = begin; item < end; ++item) {
     const int64_t split = item % p.splits, bh = item / p.splits;
     const int64_t b = bh / p.heads_kv, hkv = bh % p.heads_kv;
+    const int64_t n = live_queries(p, b), rows = group * n;
+    for (int64_t g = 0; g < group && n < N; ++g) {  // the rows not computed
+      const int64_t row0 = output_row(p, b, hkv, g * N, N);
+      if (p.splits == 1) {
+        std::memset(static_cast<T*>(p.out) + (row0 + n) * D, 0, sizeof(T) * (N - n) * D);
+      } else {
+        const int64_t part0 = partial_row(p, split, row0);
+        std::memset(p.part_acc + (part0 + n) * D, 0, sizeof(float) * (N - n) * D);
+        std::fill(p.part_max + part0 + n, p.part_max + part0 + N, -std::numeric_limits<float>::infinity());
+        std::fill(p.part_sum + part0 + n, p.part_sum + part0 + N, 0.0f);
+      }
+    }
+    if (n == 0) continue;
     const TreeSpan span = tree_span(p.kv_lens[b], p.tree_nodes, p.cache_len);
     const KeyRange keys = split_range(span.len, split, split_len(span.len, p.splits, tile));
     const RowStates st = attend(b, hkv, keys, span);
     for (int64_t r = 0; r < rows; ++r) {
       const float* acc = st.acc + r * st.acc_stride;
-      const int64_t row = output_row(p, b, hkv, r);
+      const int64_t row = output_row(p, b, hkv, r, n);
       if (p.splits == 1) {
         T* o = static_cast<T*>(p.out) + row * D;
         const float inv = st.sum[r] > 0.0f ? 1.0f / st.sum[r] : 0.0f;

@@ -1,15 +1,19 @@
-// tree_attention, CUDA binding: input checks (checks/tree_attention_checks.h), with validate the kv_lens range
-// check, the launch plan (attention::plan_tree_attention), dispatch over dtype and head dim, and the
-// launch (taps/tree_attention_kernel.cuh) on the current stream.
+// tree_attention, CUDA binding: input checks (checks/tree_attention_checks.h), with validate the kv_lens and
+// num_queries range checks, the launch plan (attention::plan_tree_attention), dispatch over dtype and head
+// dim, and the launch (taps/tree_attention_kernel.cuh) on the current stream.
 //
 // q [B, Hq, N, D]; k, v [B, Hkv, S, D]; tree_mask [B, N, W] i64; kv_lens [B] i64; tree_nodes T (>= N, default
-// N) -> out [B, Hq, N, D].
+// N); num_queries [B] i64 (optional: request b's first n_b queries only, the rest of its rows zeros)
+// -> out [B, Hq, N, D].
 // Head dims 64, 80, 96, 128, 256 (compile-time dispatch); fp32 / bf16 / fp16. bf16 / fp16 with at
 // least 16 query rows per KV head (G * N >= 16) run the tensor-core kernel, the rest the SIMT kernel.
+// The plan and grid are sized for N queries a request (num_queries stays on the device): blocks without
+// a live row return at once.
 //
-// The kv_lens range check (T <= kv_lens[b] <= S, T = tree_nodes or N) reads device data: it costs one small reduction and
-// one device-to-host sync per call (a single .item(); validate=False skips it). The kernel clamps
-// kv_lens to [0, S] anyway, so even an unchecked bad length never reads out of bounds.
+// The range checks (T <= kv_lens[b] <= S, T = tree_nodes or N; 0 <= num_queries[b] <= N) read device data:
+// they cost small reductions and one device-to-host sync per call (a single copy of both flags;
+// validate=False skips it). The kernels clamp kv_lens to [0, S] and num_queries to [0, N] anyway, so even
+// unchecked bad values never read out of bounds.
 #include <ATen/ATen.h>
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAException.h>
@@ -45,20 +49,31 @@ void dispatch_head_dim(const attention::Params& p, const attention::AttentionPla
 
 at::Tensor tree_attention_cuda(const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in,
                                const at::Tensor& tree_mask_in, const at::Tensor& kv_lens_in, double scale,
-                               bool validate, std::optional<int64_t> tree_nodes) {
-  const int64_t tree = check_tree_attention_inputs(q_in, k_in, v_in, tree_mask_in, kv_lens_in, scale, tree_nodes);
+                               bool validate, std::optional<int64_t> tree_nodes,
+                               const std::optional<at::Tensor>& num_queries) {
+  const int64_t tree =
+      check_tree_attention_inputs(q_in, k_in, v_in, tree_mask_in, kv_lens_in, scale, tree_nodes, num_queries);
   const int64_t batch = q_in.size(0), heads_q = q_in.size(1), num_nodes = q_in.size(2), head_dim = q_in.size(3);
   const int64_t heads_kv = k_in.size(1), cache_len = k_in.size(2);
   check_grid_dim(batch, "tree_attention", c10::str("B = ", batch));
 
   c10::cuda::CUDAGuard guard(q_in.device());
-  TreeAttentionCall call = TreeAttentionCall::prepare(q_in, k_in, v_in, tree_mask_in, kv_lens_in);
+  TreeAttentionCall call = TreeAttentionCall::prepare(q_in, k_in, v_in, tree_mask_in, kv_lens_in, num_queries);
+  const bool ragged = call.num_queries->defined();
   if (validate && batch > 0) {  // the one device sync of this op (see the file comment)
     check_validate_allowed("tree_attention");
     const at::Tensor& kv_lens = *call.kv_lens;
-    const bool bad = at::logical_or(kv_lens < tree, kv_lens > cache_len).any().item<bool>();
-    TORCH_CHECK_VALUE(!bad, "taps_ops: tree_attention: every kv_lens[b] must be in [T, S] = [", tree, ", ",
+    at::Tensor bad = at::logical_or(kv_lens < tree, kv_lens > cache_len).any();
+    if (ragged) {
+      const at::Tensor& live = *call.num_queries;
+      bad = at::stack({bad, at::logical_or(live < 0, live > num_nodes).any()});
+    }
+    const at::Tensor flags = bad.reshape({-1}).cpu();  // both flags in one copy
+    const bool* flag = flags.data_ptr<bool>();
+    TORCH_CHECK_VALUE(!flag[0], "taps_ops: tree_attention: every kv_lens[b] must be in [T, S] = [", tree, ", ",
                       cache_len, "] (T: tree nodes), got ", kv_lens.cpu());
+    TORCH_CHECK_VALUE(!ragged || !flag[1], "taps_ops: tree_attention: every num_queries[b] must be in [0, N] = [0, ",
+                      num_nodes, "], got ", call.num_queries->cpu());
   }
   if (call.out.numel() == 0) return call.out;
 
@@ -78,6 +93,9 @@ at::Tensor tree_attention_cuda(const at::Tensor& q_in, const at::Tensor& k_in, c
   check_grid_dim(heads_kv * plan.row_blocks, "tree_attention",
                  c10::str("Hkv x row blocks = ", heads_kv * plan.row_blocks));
   const attention::Params p = call.params(scale, plan.splits, tree);
+  // Dead rows (i >= num_queries[b]) are written by no attention block: zeros from here with one split; with
+  // several the combine kernel writes them.
+  if (ragged && plan.splits == 1) call.out.zero_();
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
   switch (call.q->scalar_type()) {
     case at::kFloat: dispatch_head_dim<float>(p, plan, stream); break;

@@ -268,9 +268,11 @@ class TreeAttend:
     Packed (``packed = (slots [M], columns [M])``, a ragged batch of trees without its padding nodes): the layer
     computes only M of the R x T query slots (slot ``r * T + t``, T = ``bits.shape[1]``; q, k, v are then
     [1, M, H*, D]); their K/V go to cache row ``slot // T``, column ``columns[m]``; the attention runs over the
-    [R, T] grid with zero queries at the other slots, and the M slots' outputs are returned ([1, Hq, M, D])."""
+    [R, T] grid with zero queries at the other slots (each row's queries up to its last packed slot only:
+    ``num_queries``, as the op derives them), and the M slots' outputs are returned ([1, Hq, M, D])."""
 
-    __slots__ = ("kv", "scales", "bits", "kv_lens", "tree_nodes", "start", "positions", "rows", "packed", "cache_rows")
+    __slots__ = ("kv", "scales", "bits", "kv_lens", "tree_nodes", "start", "positions", "rows", "packed", "cache_rows",
+                 "live")
 
     def __init__(self, kv: Sequence[Sequence[Tensor]], layers: Sequence, bits: Tensor, kv_lens: Tensor,
                  tree_nodes: Optional[int], start: int, positions: Optional[Tensor] = None,
@@ -281,6 +283,8 @@ class TreeAttend:
         self.rows = None if positions is None else torch.arange(positions.shape[0], device=positions.device).unsqueeze(1)
         self.packed = packed
         self.cache_rows = None if packed is None else packed[0].div(bits.shape[1], rounding_mode="floor")
+        self.live = None if packed is None else torch.zeros(bits.shape[0], dtype=torch.int64, device=bits.device) \
+            .scatter_reduce_(0, self.cache_rows, packed[0].remainder(bits.shape[1]) + 1, "amax")
 
     def __call__(self, i: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         keys, values = self.kv[i]
@@ -293,7 +297,8 @@ class TreeAttend:
             grid = q.new_zeros((rows * per_row, heads, dim))
             grid.index_copy_(0, slots, q[0])
             out = taps_ops.tree_attention(grid.view(rows, per_row, heads, dim).transpose(1, 2), keys, values, self.bits,
-                                          self.kv_lens, self.scales[i], validate=False, tree_nodes=self.tree_nodes)
+                                          self.kv_lens, self.scales[i], validate=False, tree_nodes=self.tree_nodes,
+                                          num_queries=self.live)
             picked = out.transpose(1, 2).reshape(rows * per_row, heads * dim).index_select(0, slots)
             return picked.view(1, -1, heads, dim).transpose(1, 2)
         write_kv(keys, values, k, v, start=self.start if self.positions is None else None, positions=self.positions,

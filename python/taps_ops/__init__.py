@@ -63,10 +63,18 @@ _OPS = ("verify_tree", "build_tree", "merge_trees", "tree_attention", "compact_k
         "_set_panel_prefetch")
 
 
+# the latest argument each op gained (a library that lacks it was built before it)
+_NEWEST_ARGUMENTS = {"tree_attention": ("num_queries",)}
+
+
 def _check_library(path: str, fix: str) -> None:
     """ImportError naming the library and the missing ops when the loaded library predates these sources
     (an in-place build not redone after an update), instead of a failure far from the cause."""
     missing = [name for name in _OPS if not hasattr(torch.ops.taps_ops, name)]
+    for name, wanted in _NEWEST_ARGUMENTS.items():  # an op whose schema grew since
+        if name not in missing:
+            have = {a.name for a in getattr(torch.ops.taps_ops, name).default._schema.arguments}
+            missing += [f"{name}({arg}=)" for arg in wanted if arg not in have]
     if missing:
         raise ImportError(f"taps_ops: the compiled library {path} was built from older sources: it lacks the "
                           f"op(s) {', '.join(missing)}; {fix}")
@@ -392,6 +400,7 @@ def tree_attention(
     *,
     validate: bool = True,
     tree_nodes: Optional[int] = None,
+    num_queries: Optional[Tensor] = None,
 ) -> Tensor:
     """Attention of N tree queries over each request's prefix plus the tree nodes.
 
@@ -403,12 +412,17 @@ def tree_attention(
         kv_lens: [B] int64; request b's keys are k[b, :, :kv_lens[b]], the last T of them tree nodes
             0..T-1, the rest a fully visible prefix. T <= kv_lens[b] <= S.
         scale: softmax scale, default 1 / sqrt(D).
-        validate: check T <= kv_lens[b] <= S (one device sync on CUDA; always checked on the CPU, where it
-            is free). With False the CUDA kernel clamps kv_lens into range instead of raising: for hot
-            loops and CUDA graphs where the caller guarantees the lengths.
+        validate: check T <= kv_lens[b] <= S and 0 <= num_queries[b] <= N (one device sync on CUDA;
+            always checked on the CPU, where it is free). With False the CUDA kernel clamps both into range
+            instead of raising: for hot loops and CUDA graphs where the caller guarantees them.
         tree_nodes: T >= N, the tree nodes among the keys (default N: the queries are the whole tree).
             More than N when only the newest nodes have queries, as in a drafter's expansion level,
             whose N frontier nodes see their ancestors among the T nodes drafted so far.
+        num_queries: [B] int64 on q's device, or None (N each): request b's queries are nodes
+            0 .. num_queries[b] - 1 only; its rows of out past them are zeros and cost nothing. For a
+            ragged batch of trees padded to one [B, N] grid (different node counts per request): the
+            padding queries are skipped, not computed and discarded. The live rows hold the same bits as
+            the call without it.
 
     Returns:
         out [B, Hq, N, D] in q's dtype (float32 accumulation).
@@ -418,13 +432,13 @@ def tree_attention(
     if _tree_attention_fast is not None and not torch.compiler.is_compiling():
         # the common case (plain tensors, float or default scale) through the dispatcher's typed call;
         # NotImplemented for anything else, which torch.ops below parses (or rejects)
-        out = _tree_attention_fast(q, k, v, tree_mask, kv_lens, scale, validate, tree_nodes)
+        out = _tree_attention_fast(q, k, v, tree_mask, kv_lens, scale, validate, tree_nodes, num_queries)
         if out is not NotImplemented:
             return out
     if scale is None:
         scale = 1.0 / math.sqrt(q.shape[-1])
     return torch.ops.taps_ops.tree_attention.default(q, k, v, tree_mask, kv_lens, float(scale), validate,
-                                                     None if tree_nodes is None else int(tree_nodes))
+                                                     None if tree_nodes is None else int(tree_nodes), num_queries)
 
 
 def compact_kv(caches: Sequence[Tensor], path: Tensor, prefix_lens: Tensor, *, validate: bool = True) -> None:

@@ -33,7 +33,7 @@ def _merge_trees_fake(tokens, parents, scores, num_nodes, weights, validate=True
 
 
 @torch.library.register_fake("taps_ops::tree_attention")
-def _tree_attention_fake(q, k, v, tree_mask, kv_lens, scale, validate=True, tree_nodes=None):
+def _tree_attention_fake(q, k, v, tree_mask, kv_lens, scale, validate=True, tree_nodes=None, num_queries=None):
     return q.new_empty(q.shape)  # contiguous, as the kernels allocate it (whatever q's strides)
 
 

@@ -445,11 +445,12 @@ def tree_attention_dense_mask(tree_mask: Tensor, kv_lens: Tensor, cache_len: int
 
 def tree_attention_ref(q: Tensor, k: Tensor, v: Tensor, tree_mask: Tensor, kv_lens: Tensor,
                        scale: Optional[float] = None, dtype: torch.dtype = torch.float64,
-                       tree_nodes: Optional[int] = None) -> Tensor:
+                       tree_nodes: Optional[int] = None, num_queries: Optional[Tensor] = None) -> Tensor:
     """Dense-mask attention: softmax(q k^T * scale + mask) v, computed in `dtype` (float64 default).
 
     q [B, Hq, N, D]; k, v [B, Hkv, S, D] (query head h uses KV head h // (Hq // Hkv));
-    tree_mask [B, N, W] int64; kv_lens [B] int64 with T <= kv_lens[b] <= S (T = tree_nodes, default N).
+    tree_mask [B, N, W] int64; kv_lens [B] int64 with T <= kv_lens[b] <= S (T = tree_nodes, default N);
+    num_queries [B] int64 or None: request b's rows i >= num_queries[b] are zeros.
     Returns [B, Hq, N, D] in `dtype` (the tests cast as they need). A row that sees no key gives 0.
     """
     if scale is None:
@@ -462,7 +463,11 @@ def tree_attention_ref(q: Tensor, k: Tensor, v: Tensor, tree_mask: Tensor, kv_le
     scores = (qf @ kf.transpose(-1, -2)) * scale
     scores = scores.masked_fill(~mask, float("-inf"))
     probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # all-masked rows -> 0
-    return probs @ vf
+    out = probs @ vf
+    if num_queries is not None:
+        dead = torch.arange(q.shape[2], device=q.device) >= num_queries.to(q.device).view(-1, 1)  # [B, N]
+        out = out.masked_fill(dead[:, None, :, None], 0.0)
+    return out
 
 
 def compact_kv_ref(caches: List[Tensor], path: Tensor, prefix_lens: Tensor) -> List[Tensor]:

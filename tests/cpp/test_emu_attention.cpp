@@ -9,6 +9,9 @@
 // grouped-query heads (also groups spanning several row blocks and warps holding several m-tiles),
 // ragged kv_lens, query strides of a [B, N, H, D] layout, padded K/V head strides, one split and
 // several (a split may lie wholly past a request's length), a mask row that sees nothing.
+// num_queries (ragged cases): with n_b live queries per request (0 and N among them) the live rows equal
+// the same kernel's rows without num_queries bit for bit, the dead rows are exactly zero (one split: the
+// binding's zeroed output; several: the combine writes them, over never-written partials filled with 999).
 // Also the launch plan (kernel choice, rows per block, splits) for a few shapes.
 // Not shown: device numerics (__expf, FMA contraction, the tensor core's summation order),
 // performance, memory-model effects.
@@ -40,6 +43,7 @@ struct AttnCase {
   bool empty_row;                    // request 0: kv_len = N and one mask row without bits
   bool mma = true;                   // allow the tensor-core kernel (bf16 / fp16 only)
   int extra = 0;                     // tree nodes before the N queries (T = N + extra: a drafter's level)
+  bool ragged = false;               // also with num_queries: request b % 3 == 1 none, 2 all, 0 random
 };
 
 constexpr int64_t kH100Smem = 227 * 1024;  // opt-in shared memory per block on sm_90
@@ -122,29 +126,35 @@ void attention_case(const AttnCase& c) {
     plan.split_keys = c.split_keys;
     plan.splits = (S + c.split_keys - 1) / c.split_keys;
   }
-  attention::Params p{};
-  std::vector<T> out(ref.size(), from_f<T>(12345.0f));
   const int64_t splits = plan.splits;
   const int64_t rows_all = int64_t(B) * Hq * N;
-  std::vector<float> part_acc(size_t(splits * rows_all * D), 999.0f), part_max(size_t(splits * rows_all), 999.0f),
-      part_sum(part_max.size(), 999.0f);
-  p.q = q.data();
-  p.k = k.data();
-  p.v = v.data();
-  p.tree_mask = mask.data();
-  p.kv_lens = kv_lens.data();
-  p.out = out.data();
-  p.part_acc = splits > 1 ? part_acc.data() : nullptr;
-  p.part_max = splits > 1 ? part_max.data() : nullptr;
-  p.part_sum = splits > 1 ? part_sum.data() : nullptr;
-  p.q_stride_b = qs_b, p.q_stride_h = qs_h, p.q_stride_n = qs_n;
-  p.k_stride_b = p.v_stride_b = ks_b;
-  p.k_stride_h = p.v_stride_h = ks_h;
-  p.k_stride_s = p.v_stride_s = ks_s;
-  p.batch = B, p.heads_q = Hq, p.heads_kv = Hkv, p.num_nodes = N, p.head_dim = D, p.cache_len = S, p.mask_words = W;
-  p.tree_nodes = Tn;
-  p.scale = scale;
-  attention::launch_tree_attention<T, D>(p, plan, nullptr);
+  // One launch: num_queries `live` (null: none); out filled with `fill` first, the partials with 999.
+  auto run = [&](const int64_t* live, T fill) {
+    attention::Params p{};
+    std::vector<T> out(ref.size(), fill);
+    std::vector<float> part_acc(size_t(splits * rows_all * D), 999.0f), part_max(size_t(splits * rows_all), 999.0f),
+        part_sum(part_max.size(), 999.0f);
+    p.q = q.data();
+    p.k = k.data();
+    p.v = v.data();
+    p.tree_mask = mask.data();
+    p.kv_lens = kv_lens.data();
+    p.num_queries = live;
+    p.out = out.data();
+    p.part_acc = splits > 1 ? part_acc.data() : nullptr;
+    p.part_max = splits > 1 ? part_max.data() : nullptr;
+    p.part_sum = splits > 1 ? part_sum.data() : nullptr;
+    p.q_stride_b = qs_b, p.q_stride_h = qs_h, p.q_stride_n = qs_n;
+    p.k_stride_b = p.v_stride_b = ks_b;
+    p.k_stride_h = p.v_stride_h = ks_h;
+    p.k_stride_s = p.v_stride_s = ks_s;
+    p.batch = B, p.heads_q = Hq, p.heads_kv = Hkv, p.num_nodes = N, p.head_dim = D, p.cache_len = S, p.mask_words = W;
+    p.tree_nodes = Tn;
+    p.scale = scale;
+    attention::launch_tree_attention<T, D>(p, plan, nullptr);
+    return out;
+  };
+  const std::vector<T> out = run(nullptr, from_f<T>(12345.0f));
   double big = 1e-30, err = 0;
   size_t worst = 0;
   for (size_t e = 0; e < ref.size(); ++e) {
@@ -167,6 +177,31 @@ void attention_case(const AttnCase& c) {
       for (int d = 0; d < D; ++d) zero = zero && as_float(out[size_t(((0 * Hq + h) * N + N / 2) * D + d)]) == 0.0f;
     check(zero, std::string(label) + ": row without visible keys is not zero");
   }
+  if (!c.ragged) return;
+  // num_queries: the binding zeroes the output when there is one split; with several, fill it with garbage
+  // that the combine must overwrite with zeros.
+  std::vector<int64_t> live(static_cast<size_t>(B));
+  for (int b = 0; b < B; ++b) live[size_t(b)] = b % 3 == 1 ? 0 : (b % 3 == 2 ? N : rnd(N > 1 ? 1 : 0, N > 1 ? N - 1 : N));
+  const std::vector<T> part = run(live.data(), from_f<T>(splits == 1 ? 0.0f : 12345.0f));
+  int64_t same = 0, differ = 0, zero = 0, nonzero = 0;
+  for (int b = 0; b < B; ++b)
+    for (int h = 0; h < Hq; ++h)
+      for (int i = 0; i < N; ++i)
+        for (int d = 0; d < D; ++d) {
+          const size_t e = size_t(((b * Hq + h) * N + i) * D + d);
+          if (i < live[size_t(b)]) {
+            (std::memcmp(&part[e], &out[e], sizeof(T)) == 0 ? same : differ)++;
+          } else {
+            (as_float(part[e]) == 0.0f && !std::signbit(as_float(part[e])) ? zero : nonzero)++;
+          }
+        }
+  std::string lives;
+  for (int64_t n : live) (lives += ' ') += std::to_string(n);  // (not " " + s: GCC 12's -Wrestrict false alarm)
+  const std::string what = std::string(label) + ": num_queries" + lives + ": live elements equal to the full call " +
+                           std::to_string(same) + " (differ " + std::to_string(differ) + "), dead elements zero " +
+                           std::to_string(zero) + " (not " + std::to_string(nonzero) + ")";
+  check(differ == 0 && nonzero == 0 && same > 0 && zero > 0, what);
+  if (std::getenv("TAPS_EMU_VERBOSE")) std::printf("%s\n", what.c_str());
 }
 
 // tile_visibility against key_visible, key by key: random masks of 1-3 words (garbage bits past N
@@ -266,6 +301,17 @@ int main() {
   attention_case<float, 64>({1, 2, 1, 8, 150, 32, true, true, 72});         // T = 80: two words, splits, empty row
   attention_case<__half, 64>({2, 8, 2, 8, 120, 0, false, true, 40});        // tensor cores, T = 48
   attention_case<__nv_bfloat16, 128>({1, 4, 1, 16, 200, 64, false, true, 64});  // T = 80, 4 splits
+  // num_queries (ragged batches, B >= 3: requests with none, all and some of their N queries live).
+  // {B, Hq, Hkv, N, S, split_keys, empty_row, mma, extra, ragged}
+  attention_case<float, 64>({4, 4, 2, 5, 47, 0, false, true, 0, true});         // SIMT, one split
+  attention_case<float, 80>({5, 6, 2, 13, 100, 32, false, true, 0, true});      // SIMT, 3 row blocks, 4 splits
+  attention_case<float, 64>({3, 1, 1, 1, 33, 32, false, true, 0, true});        // N = 1: n_b 0 or 1, 2 splits
+  attention_case<float, 64>({3, 2, 1, 70, 140, 0, true, true, 8, true});        // two mask words, T > N, empty row
+  attention_case<__half, 64>({4, 8, 2, 7, 93, 0, false, true, 0, true});        // mma, 28 rows, one split
+  attention_case<__nv_bfloat16, 64>({4, 8, 2, 7, 93, 32, false, true, 0, true});  // mma, 3 splits
+  attention_case<__half, 128>({3, 4, 1, 70, 190, 128, false, true, 0, true});   // mma, 2 row blocks, 2 splits
+  attention_case<__half, 64>({3, 6, 1, 23, 200, 0, true, true, 0, true});       // mma, warp 0 holds 2 m-tiles
+  attention_case<__nv_bfloat16, 128>({3, 4, 1, 16, 200, 64, false, true, 64, true});  // mma, T = 80, 4 splits
   std::printf("emulated CUDA tree_attention vs plain loops\n");
   return taps_test::finish();
 }

@@ -11,8 +11,11 @@
 //   of word j / 64: query i sees node j); positions < L - T (the prefix) are visible to every query;
 //   positions >= L are ignored.
 //   A query row that sees no key at all (only possible with a malformed mask) outputs zeros.
-//   The G * N query rows of one KV head are processed together: row r = g * N + i is query head
-//   hkv * G + g, tree node i.
+//   num_queries (optional, [B]): request b's queries are nodes 0 .. n_b - 1 only (n_b = num_queries[b],
+//   clamped to [0, N]: live_queries); its rows i >= n_b are not computed and output zeros (a ragged
+//   batch of trees in one [B, N] grid costs its real queries, not B x N).
+//   The G * n_b query rows of one KV head are processed together: row r = g * n_b + i is query head
+//   hkv * G + g, tree node i (n_b = N without num_queries).
 //
 // Online softmax: a partial result over some keys is (max m, sum l = sum exp(s - m), acc = sum
 // exp(s - m) * v), with m = -inf and l = 0, acc = 0 for "no key seen". The final output is acc / l.
@@ -93,6 +96,7 @@ struct Params {
   const void* v;             // [B, Hkv, S, D] strides v_stride_{b,h,s}, feature stride 1
   const int64_t* tree_mask;  // [B, N, mask_words] contiguous
   const int64_t* kv_lens;    // [B]
+  const int64_t* num_queries;  // [B] or null (every request N): queries computed per request, live_queries
   void* out;                 // [B, Hq, N, D] contiguous
   float* part_acc;           // partial results of the key splits (splits > 1 only): see partial_row
   float* part_max;
@@ -109,10 +113,18 @@ struct Params {
   float scale;
 };
 
-// Output row of query node i of head h in request b: (b * Hq + h) * N + i. For row r = g * N + i of KV
-// head hkv's group that is (b * Hq + hkv * G) * N + r.
-TAPS_HD int64_t output_row(const Params& p, int64_t b, int64_t hkv, int64_t r) {
-  return (b * p.heads_q + hkv * (p.heads_q / p.heads_kv)) * p.num_nodes + r;
+// n_b: the queries of request b that are computed (num_queries[b] clamped to [0, N]; N without it). The
+// bindings check the range; the clamp is the backstop, as for kv_lens.
+TAPS_HD int64_t live_queries(const Params& p, int64_t b) {
+  if (p.num_queries == nullptr) return p.num_nodes;
+  const int64_t n = p.num_queries[b];
+  return n < 0 ? 0 : (n > p.num_nodes ? p.num_nodes : n);
+}
+
+// Output row of query node i of head h in request b: (b * Hq + h) * N + i. For row r = g * n + i of KV
+// head hkv's group (n = live_queries(p, b) > 0) that is (b * Hq + hkv * G + g) * N + i.
+TAPS_HD int64_t output_row(const Params& p, int64_t b, int64_t hkv, int64_t r, int64_t n) {
+  return (b * p.heads_q + hkv * (p.heads_q / p.heads_kv) + r / n) * p.num_nodes + r % n;
 }
 
 // Partial results of the key splits, one layout for both backends: split s of output row `row` keeps

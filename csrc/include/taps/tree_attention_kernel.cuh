@@ -17,13 +17,15 @@ namespace taps {
 namespace attention {
 
 // What a block of either attention kernel works on. Grid (splits, Hkv * row_blocks, B): the block's
-// request, key split, KV head, first query row of the head's group (row r = g * N + i: query head
-// hkv * G + g, tree node i), its key range [key_begin, key_end) clamped to the request's length, and
-// the request's K / V of that head.
+// request, key split, KV head, the request's live queries n (live_queries) and group rows G * n, first
+// query row of the head's group (row r = g * n + i: query head hkv * G + g, tree node i), its key range
+// [key_begin, key_end) clamped to the request's length, and the request's K / V of that head. A block
+// with row0 >= rows_total has no live row (the grid is planned for G * N rows): the kernels return at
+// once, owing nothing (splits == 1: the binding zeroed the output; else the combine zeroes dead rows).
 template <class T>
 struct AttnBlock {
   int split, b;
-  int64_t group, rows_total, hkv, row0, key_begin, key_end;
+  int64_t group, n, rows_total, hkv, row0, key_begin, key_end;
   TreeSpan span;
   const T *q, *k, *v;
 };
@@ -33,8 +35,9 @@ TAPS_DEVICE AttnBlock<T> attn_block(const Params& p, int64_t block_rows) {
   a.split = static_cast<int>(blockIdx.x);
   a.b = static_cast<int>(blockIdx.z);
   a.group = p.heads_q / p.heads_kv;
-  a.rows_total = a.group * p.num_nodes;
-  const int64_t row_blocks = ceil_div(a.rows_total, block_rows);
+  a.n = live_queries(p, a.b);
+  a.rows_total = a.group * a.n;
+  const int64_t row_blocks = ceil_div(a.group * p.num_nodes, block_rows);  // the grid's, planned for N
   a.hkv = blockIdx.y / row_blocks;
   a.row0 = (blockIdx.y % row_blocks) * block_rows;
   a.span = tree_span(p.kv_lens[a.b], p.tree_nodes, p.cache_len);
@@ -55,8 +58,8 @@ template <int D> constexpr int attn_smem_floats() {
 // tree_attention (flash-decoding style, SIMT FMA version).
 //
 // Grid (splits, Hkv * row_blocks, B); block kAttnWarps warps. A block owns kAttnRows = kAttnWarps *
-// kRowsPerWarp consecutive rows of one KV head's query group (row r = g * N + i: query head
-// hkv * G + g, tree node i; the whole group when G * N <= kAttnRows, otherwise row_blocks blocks share
+// kRowsPerWarp consecutive rows of one KV head's query group (row r = g * n + i: query head
+// hkv * G + g, tree node i; the whole group when G * n <= kAttnRows, otherwise row_blocks blocks share
 // the KV head and re-read its K/V tiles, mostly from L2) and one contiguous split of the key range.
 // K/V tiles of kTileKeys keys are staged in shared memory as fp32 (rows padded by one float: no
 // bank conflicts). Scores: lane j owns key j of the tile; PV: lane owns features lane + 32 * t.
@@ -77,20 +80,21 @@ tree_attention_kernel(Params p) {
   float* p_rows = q_rows + kAttnRows * D;              // [kAttnRows][kTileKeys]
 
   const AttnBlock<T> blk = attn_block<T>(p, kAttnRows);
+  if (blk.row0 >= blk.rows_total) return;  // no live row (whole block, before any barrier)
   const int split = blk.split, b = blk.b;
-  const int64_t group = blk.group, rows_total = blk.rows_total, hkv = blk.hkv, row0 = blk.row0;
+  const int64_t group = blk.group, n = blk.n, rows_total = blk.rows_total, hkv = blk.hkv, row0 = blk.row0;
   const int64_t key_begin = blk.key_begin, key_end = blk.key_end;
   const TreeSpan span = blk.span;
   const T *q = blk.q, *kb = blk.k, *vb = blk.v;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
 
-  // Stage this block's query rows (row r -> head hkv * G + r / N, node r % N), scaled.
+  // Stage this block's query rows (row r -> head hkv * G + r / n, node r % n), scaled.
   for (int idx = threadIdx.x; idx < kAttnRows * D; idx += blockDim.x) {
     const int r = idx / D, d = idx % D;
     const int64_t row = row0 + r;
     float x = 0.0f;
     if (row < rows_total) {
-      const int64_t h = hkv * group + row / p.num_nodes, i = row % p.num_nodes;
+      const int64_t h = hkv * group + row / n, i = row % n;
       x = to_float(q[b * p.q_stride_b + h * p.q_stride_h + i * p.q_stride_n + d]) * p.scale;
     }
     q_rows[idx] = x;
@@ -105,8 +109,8 @@ tree_attention_kernel(Params p) {
 #pragma unroll
     for (int t = 0; t < kPerLane; ++t) acc[r][t] = 0.0f;
     const int64_t row = row0 + warp * kRowsPerWarp + r;
-    const int64_t i = row < rows_total ? row % p.num_nodes : 0;
-    mask_row[r] = p.tree_mask + (b * p.num_nodes + i) * p.mask_words;
+    const int64_t i = row < rows_total ? row % n : 0;
+    mask_row[r] = p.tree_mask + (b * p.num_nodes + i) * p.mask_words;  // the mask keeps N rows a request
   }
 
   for (int64_t tile0 = key_begin; tile0 < key_end; tile0 += kTileKeys) {
@@ -183,7 +187,7 @@ tree_attention_kernel(Params p) {
     for (int off = 16; off > 0; off >>= 1) l += __shfl_xor_sync(0xffffffffu, l, off);
     const int64_t row = row0 + warp * kRowsPerWarp + r;
     if (row >= rows_total) continue;
-    const int64_t out_row = output_row(p, b, hkv, row);
+    const int64_t out_row = output_row(p, b, hkv, row, n);
     if (p.splits == 1) {
       const float inv = l > 0.0f ? 1.0f / l : 0.0f;
       T* o = static_cast<T*>(p.out) + out_row * D;
@@ -212,9 +216,10 @@ tree_attention_kernel(Params p) {
 // tree_attention, tensor-core version (bf16 / fp16 inputs, fp32 accumulation).
 //
 // Grid (splits, Hkv * row_blocks, B); block plan.warps warps (at most kMmaMaxWarps). A block holds
-// block_rows (at most warps * MT * 16) rows of one KV head's query group: the whole group when it fits
-// (G * N up to 256 rows at D <= 128, 128 at D = 256), so each K/V tile is read from global memory once
-// for all of them; larger groups take several row blocks, which re-read the tiles mostly from L2.
+// block_rows (at most warps * MT * 16) rows of one KV head's query group (row r = g * n + i, as in the
+// SIMT kernel): the whole group when it fits (G * N up to 256 rows at D <= 128, 128 at D = 256), so each
+// K/V tile is read from global memory once for all of them; larger groups take several row blocks, which
+// re-read the tiles mostly from L2.
 // Warp w owns the 16-row m-tiles w, w + warps, ... (MT at most). K / V tiles of kMmaKeys keys are
 // staged in shared memory in two cp.async stages (the copy of tile i + 1 overlaps the work on tile i):
 //   S = Q K^T   mma.m16n8k16, A fragments from the Q rows and B fragments from the K rows by
@@ -246,8 +251,9 @@ tree_attention_mma_kernel(Params p) {
   uint32_t* kv_s = q_s + block_rows * kRowWords;    // two stages of {K, V} tiles, [kMmaKeys][kRowWords] each
 
   const AttnBlock<T> blk = attn_block<T>(p, block_rows);
+  if (blk.row0 >= blk.rows_total) return;  // no live row (whole block, before any copy or barrier)
   const int split = blk.split, b = blk.b;
-  const int64_t group = blk.group, rows_total = blk.rows_total, hkv = blk.hkv, row0 = blk.row0;
+  const int64_t group = blk.group, n = blk.n, rows_total = blk.rows_total, hkv = blk.hkv, row0 = blk.row0;
   const int64_t key_begin = blk.key_begin, key_end = blk.key_end;
   const TreeSpan span = blk.span;
   const T *q = blk.q, *kb = blk.k, *vb = blk.v;
@@ -291,7 +297,7 @@ tree_attention_mma_kernel(Params p) {
   };
   if (n_tiles > 0) load_tile(0, 0);
 
-  // Stage the block's query rows (row r -> head hkv * G + r / N, node r % N), 16 bytes at a time, while
+  // Stage the block's query rows (row r -> head hkv * G + r / n, node r % n), 16 bytes at a time, while
   // the first K/V tile is in flight.
   for (int64_t idx = threadIdx.x; idx < block_rows * kChunks; idx += blockDim.x) {
     const int64_t r = idx / kChunks;
@@ -299,7 +305,7 @@ tree_attention_mma_kernel(Params p) {
     const int64_t row = row0 + r;
     uint4 x = {0u, 0u, 0u, 0u};
     if (row < rows_total) {
-      const int64_t h = hkv * group + row / p.num_nodes, i = row % p.num_nodes;
+      const int64_t h = hkv * group + row / n, i = row % n;
       x = *reinterpret_cast<const uint4*>(q + b * p.q_stride_b + h * p.q_stride_h + i * p.q_stride_n + 8 * c);
     }
     *reinterpret_cast<uint4*>(q_s + r * kRowWords + 4 * c) = x;
@@ -353,7 +359,7 @@ tree_attention_mma_kernel(Params p) {
         uint64_t vis = ~uint64_t(0);
         if (tail_tile) {
           const int64_t row = row0 + tile_row + g + 8 * h;
-          const int64_t node = row < rows_total ? row % p.num_nodes : 0;
+          const int64_t node = row < rows_total ? row % n : 0;
           vis = tile_visibility(span, p.tree_mask + (b * p.num_nodes + node) * p.mask_words, p.mask_words, tile0);
         }
         float m = -INFINITY;
@@ -423,7 +429,7 @@ tree_attention_mma_kernel(Params p) {
       l += __shfl_xor_sync(0xffffffffu, l, 2);
       const int64_t row = row0 + tile_row + g + 8 * h;
       if (row >= rows_total) continue;
-      const int64_t out_row = output_row(p, b, hkv, row);
+      const int64_t out_row = output_row(p, b, hkv, row, n);
       if (p.splits == 1) {
         const float inv = l > 0.0f ? 1.0f / l : 0.0f;
         uint32_t* o = reinterpret_cast<uint32_t*>(static_cast<T*>(p.out) + out_row * D);
@@ -448,13 +454,19 @@ tree_attention_mma_kernel(Params p) {
 
 // Combine the split partial states (laid out as partial_row says): grid (ceil(rows_all / 4)), block
 // (32, 4): one warp per output row [B * Hq * N], lanes over features. Splits are at most kMaxSplits.
+// A dead row (node i >= live_queries(p, b); p is the call's Params, read for that only) writes zeros:
+// no attention block wrote its partials.
 template <class T>
 __global__ void tree_attention_combine_kernel(const float* __restrict__ part_acc, const float* __restrict__ part_max,
                                               const float* __restrict__ part_sum, T* __restrict__ out,
-                                              int64_t rows_all, int64_t splits, int64_t d) {
+                                              int64_t rows_all, int64_t splits, int64_t d, Params p) {
   __shared__ float weights[4][kMaxSplits];
   const int64_t row = static_cast<int64_t>(blockIdx.x) * 4 + threadIdx.y;
   if (row >= rows_all) return;
+  if (p.num_queries != nullptr && row % p.num_nodes >= live_queries(p, row / (p.heads_q * p.num_nodes))) {
+    for (int64_t f = threadIdx.x; f < d; f += 32) out[row * d + f] = from_float<T>(0.0f);
+    return;  // the warp's own row: uniform for the warp, before its __syncwarp
+  }
   if (threadIdx.x == 0) lse_combine_weights(part_max + row, part_sum + row, splits, rows_all, weights[threadIdx.y]);
   __syncwarp();
   for (int64_t f = threadIdx.x; f < d; f += 32) {
@@ -505,7 +517,7 @@ cudaError_t launch_tree_attention(const Params& params, const AttentionPlan& pla
   const int64_t rows_all = p.batch * p.heads_q * p.num_nodes;
   auto* combine = &tree_attention_combine_kernel<T>;
   TAPS_LAUNCH(combine, static_cast<unsigned>((rows_all + 3) / 4), dim3(32, 4), 0, stream,
-      p.part_acc, p.part_max, p.part_sum, static_cast<T*>(p.out), rows_all, p.splits, int64_t(D));
+      p.part_acc, p.part_max, p.part_sum, static_cast<T*>(p.out), rows_all, p.splits, int64_t(D), p);
   return cudaGetLastError();
 }
 
