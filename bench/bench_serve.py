@@ -7,16 +7,19 @@
 MT-Bench prompts in turn (``data/``), temperatures cycling through ``--temperatures`` (``--seeds``: each
 with a seed of its own; a seeded request at a temperature decodes with fixed tree settings, in a batch
 apart from the tuner's); every ``--cancel-every``-th request is cancelled after its first ``--cancel-after`` text chunks (the
-client closes the stream). The load runs twice on the same server: with the server's default strategy
-and drafters (or ``--strategy`` / ``--drafters``), then with ``taps.strategy = "autoregressive"`` (the
-target alone, through the same server and batching), after a short warm-up of each.
+client closes the stream). The load runs on the same server with the server's default strategy and
+drafters (or ``--strategy`` / ``--drafters``) and with ``taps.strategy = "autoregressive"`` (the target
+alone, through the same server and batching), after a short warm-up of each, ``--rounds`` times each in
+alternation (the order swapped every round: a load of 64 requests lasts a second or two, and a single
+pass in a fixed order carried the machine's drift and the second load's warmer caches into the ratio).
 
 Checked, else exit status 1: no request lost (each one finished with ``stop`` / ``length`` and ``[DONE]``,
 or was cancelled by the client), no error, and no leaked batch rows (the server's running and waiting
 counts, ``GET /health``, back to 0 after each load). Printed: throughput (completion tokens of finished
 requests per second of the load's wall time), p50 / p99 latency and time to first token of the
-finished requests, mean tau, and the ratios of the speculative load to the autoregressive one; with the
-CPU (``taps_ops.cpu_info()["summary"]``) and the server's torch threads.
+finished requests, mean tau, and the ratios of the speculative load to the autoregressive one (each load's
+row: its median round; the ratio row: the median of the rounds' ratios, with every round's throughput ratio
+listed); with the CPU (``taps_ops.cpu_info()["summary"]``) and the server's torch threads.
 """
 
 from __future__ import annotations
@@ -205,6 +208,7 @@ def main(argv=None) -> int:
                          "a server's steady state (on the CPU oneDNN builds a kernel the first time a bf16 product "
                          "meets a shape, 0.4-1.6 ms each; a speculative load meets more shapes than an "
                          "autoregressive one)")
+    ap.add_argument("--rounds", type=int, default=3, help="timed passes of each load, alternating (default 3)")
     ap.add_argument("--seeds", action="store_true", help="give request i the seed i")
     ap.add_argument("--threads", type=int, default=0, help="in-process server: torch threads (0: torch's default)")
     ap.add_argument("--dtype", default="auto", help="in-process server: auto, fp32 or bf16")
@@ -247,42 +251,50 @@ def main(argv=None) -> int:
               f"time, max_tokens {args.max_tokens}, temperatures {args.temperatures}, every "
               f"{args.cancel_every or 'no'}-th cancelled after {args.cancel_after} chunks, "
               f"{'seeded' if args.seeds else 'no seeds'}; taps: {label}")
-        summaries, failures = {}, []
+        failures = []
         for name, load in loads.items():
             if args.warmup:
                 warm = Load(prompts[:args.warmup], temperatures, min(args.max_tokens, 32), 0, 0, seed, load.taps)
                 asyncio.run(run_load(url, model, warm, args.concurrency))
                 wait_idle(url)
-            before = step_totals(url)
-            results, wall = asyncio.run(run_load(url, model, load, args.concurrency))
-            health = wait_idle(url)
-            after = step_totals(url)
-            s = summaries[name] = summarize(results, wall)
-            s["steps"] = after[1] - before[1]
-            s["step_ms"] = 1e3 * (after[0] - before[0]) / max(s["steps"], 1)
-            s["busy"] = (after[0] - before[0]) / wall if wall > 0 else 0.0
-            if s["errors"]:
-                failures.append(f"{name}: {len(s['errors'])} error(s), first: {s['errors'][0]}")
-            if s["lost"]:
-                failures.append(f"{name}: {s['lost']} request(s) lost")
-            if health["running"] or health["waiting"] or health["outstanding"]:
-                failures.append(f"{name}: batch rows leaked: {health}")
+        passes = {name: [] for name in loads}
+        for r in range(max(args.rounds, 1)):
+            for name in (list(loads) if r % 2 == 0 else list(loads)[::-1]):
+                before = step_totals(url)
+                results, wall = asyncio.run(run_load(url, model, loads[name], args.concurrency))
+                health = wait_idle(url)
+                after = step_totals(url)
+                s = summarize(results, wall)
+                s["steps"] = after[1] - before[1]
+                s["step_ms"] = 1e3 * (after[0] - before[0]) / max(s["steps"], 1)
+                s["busy"] = (after[0] - before[0]) / wall if wall > 0 else 0.0
+                passes[name].append(s)
+                if s["errors"]:
+                    failures.append(f"{name}: {len(s['errors'])} error(s), first: {s['errors'][0]}")
+                if s["lost"]:
+                    failures.append(f"{name}: {s['lost']} request(s) lost")
+                if health["running"] or health["waiting"] or health["outstanding"]:
+                    failures.append(f"{name}: batch rows leaked: {health}")
+        # each load's median pass by throughput; the ratios: the median over the rounds
+        summaries = {name: sorted(ps, key=lambda s: s["throughput"])[len(ps) // 2] for name, ps in passes.items()}
         rows = []
         for name, s in summaries.items():
             rows.append([name, f"{s['finished']}/{s['cancelled']}", s["tokens"], f"{s['wall']:.2f}",
                          f"{s['throughput']:.1f}", f"{s['p50']:.3f}", f"{s['p99']:.3f}", f"{s['ttft50']:.3f}",
                          f"{s['ttft99']:.3f}", f"{s['tau']:.2f}", int(s["steps"]), f"{s['step_ms']:.2f}",
                          f"{100 * s['busy']:.0f}%"])
-        a, b = summaries["taps"], summaries["autoregressive"]
+        def ratio(key):
+            values = [x[key] / y[key] for x, y in zip(passes["taps"], passes["autoregressive"]) if y[key]]
+            return f"{statistics.median(values):.2f}x" if values else "-"
 
-        def ratio(x, y):
-            return f"{x / y:.2f}x" if y else "-"
-
-        rows.append(["taps / AR", "", "", "", ratio(a["throughput"], b["throughput"]), ratio(a["p50"], b["p50"]),
-                     ratio(a["p99"], b["p99"]), ratio(a["ttft50"], b["ttft50"]), ratio(a["ttft99"], b["ttft99"]), "",
-                     ratio(a["steps"], b["steps"]), ratio(a["step_ms"], b["step_ms"]), ""])
+        rows.append(["taps / AR", "", "", "", ratio("throughput"), ratio("p50"), ratio("p99"), ratio("ttft50"),
+                     ratio("ttft99"), "", ratio("steps"), ratio("step_ms"), ""])
         print_table(["load", "done/cancelled", "tokens", "wall s", "tokens/s", "p50 s", "p99 s", "TTFT p50 s",
-                     "TTFT p99 s", "tau", "steps", "step ms", "busy"], rows, title="taps serve under load (latency and TTFT of finished requests)")
+                     "TTFT p99 s", "tau", "steps", "step ms", "busy"], rows,
+                    title=f"taps serve under load (latency and TTFT of finished requests; each load's median of "
+                          f"{len(passes['taps'])} pass(es), the ratios' median over the rounds)")
+        print("throughput taps / AR by round: " + ", ".join(
+            f"{x['throughput'] / y['throughput']:.3f}" for x, y in zip(passes["taps"], passes["autoregressive"])))
         if failures:
             print("bench_serve: FAILED: " + "; ".join(failures), file=sys.stderr)
             return 1

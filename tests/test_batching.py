@@ -269,6 +269,83 @@ def test_folded_start_drafts_as_start_and_appends(names):
         torch.testing.assert_close(a.scores, b.scores, rtol=1e-4, atol=1e-4)
 
 
+class _Blocks(Tuner):
+    """Drafts (any shape but no draft, at random with a fixed seed) for `on` steps, then none for `off`, in turn."""
+
+    def __init__(self, on: int, off: int, seed: int):
+        super().__init__(FixedCosts(lambda n, b: 1e-3, lambda g, d, b: 1e-3))
+        self.on, self.off, self.rng = on, off, random.Random(seed)
+
+    def choose(self, options):
+        self.clock += 1
+        if (self.clock - 1) % (self.on + self.off) >= self.on or len(options) == 1:
+            return options[0][0]
+        return options[1 + self.rng.randrange(len(options) - 1)][0]
+
+
+@pytest.mark.parametrize("names,seed", [(("eagle", "early", "lookup"), 1), (("eagle",), 2), (("early", "lookup"), 3)])
+def test_parked_groups_keep_greedy_output_as_requests_join_and_leave(names, seed, monkeypatch):
+    """Started groups that idle for PARK_AFTER_TOKENS tokens or more are parked when requests join (returned to
+    not started: their history becomes their start arguments) and restart on it when they next draft, through
+    further joins and drops: every request still gets its greedy output, and parking happened."""
+    from taps import decoder as D
+
+    parked = []
+    park = D._Pending.park
+    monkeypatch.setattr(D._Pending, "park", lambda self, g: parked.append(park(self, g)) or parked[-1])
+    m = em.greedy_models()
+    dec = SpeculativeDecoder(m["target"], _drafters(names), strategy="merged" if len(names) > 1 else "single",
+                             depth=3, top_k=3, budget=8, tuner=_Blocks(4, 2 * D.PARK_AFTER_TOKENS, seed))
+    batch = ContinuousBatch(dec, max_batch=4)
+    new = [40, 9, 30, 12, 35, 16, 20, 25, 14, 30]
+    arrivals = {}  # two at the start, then one every 9 steps
+    for i in range(10):
+        arrivals.setdefault(0 if i < 2 else 9 * (i - 1), []).append((i, PROMPTS[i % 6],
+                                                                   SamplingParams(max_new_tokens=new[i])))
+    tokens, reasons, stats = _run(batch, arrivals, cancel_at={30: [4]})
+    assert any(parked), parked
+    for i in range(10):
+        ref = _greedy(i % 6, new[i])
+        assert tokens[i] == (ref if reasons[i] == "length" else ref[:len(tokens[i])]), f"request {i}"
+
+
+@pytest.mark.parametrize("names", [("early",), ("eagle",), ("eagle", "early")])
+def test_a_parked_group_drafts_as_one_kept_current(names, monkeypatch):
+    """A started group parked after idling, restarted on its history (its start arguments with every step
+    since, the joined requests' after), drafts what the same group kept current drafts."""
+    from taps import decoder as D
+
+    m = em.greedy_models()
+    drafts = []
+    for parking in (False, True):
+        monkeypatch.setattr(D, "PARK_AFTER_TOKENS", 3 if parking else 10 ** 6)
+        dec = SpeculativeDecoder(m["target"], _drafters(names), strategy="merged" if len(names) > 1 else "single",
+                                 depth=3, top_k=3, budget=8, tuner=_Blocks(3, 10 ** 6, seed=0))
+        batch = ContinuousBatch(dec, max_batch=4)
+        for i in (0, 1):
+            batch.add(i, PROMPTS[i], SamplingParams(max_new_tokens=30))
+        for _ in range(4):  # three drafted steps start the groups, then plain steps
+            batch.step()
+        batch.add(2, PROMPTS[2], SamplingParams(max_new_tokens=30))  # joins after one plain step: kept current
+        for _ in range(4):
+            batch.step()
+        batch.add(3, PROMPTS[3], SamplingParams(max_new_tokens=30))  # joins after 5 plain steps: parked (3)
+        for _ in range(2):
+            batch.step()
+        state = batch.state
+        assert state.batch == 4
+        out = []
+        for g in state.groups:
+            assert state.pending.started(g) != parking
+            with torch.no_grad():
+                state.pending.catch_up([g])
+                out.append(g.draft(3, 3))
+        drafts.append(out)
+    for a, b in zip(*drafts):
+        assert torch.equal(a.tokens, b.tokens) and torch.equal(a.parents, b.parents)
+        torch.testing.assert_close(a.scores, b.scores, rtol=1e-4, atol=1e-4)
+
+
 def test_the_tuner_starts_a_sampling_mode_once():
     """Sampled requests joining a greedy batch switch the tuner to its sampling mode once (the next one to
     join is added to that mode's requests: a second switch would reset their acceptance), and back to

@@ -444,10 +444,11 @@ def test_bench_serve_smoke(server, capsys, monkeypatch):
     monkeypatch.setitem(sys.modules, "bench_serve", bench)  # (its dataclasses look their module up)
     spec.loader.exec_module(bench)
     rc = bench.main(["--url", server.url, "--requests", "6", "--concurrency", "3", "--max-tokens", "8",
-                     "--cancel-every", "3", "--cancel-after", "1", "--warmup", "1"])
+                     "--cancel-every", "3", "--cancel-after", "1", "--warmup", "1", "--rounds", "2"])
     out = capsys.readouterr().out
     assert rc == 0, out
     assert "no leaked batch rows" in out and "CPU:" in out
+    assert len(out.split("by round: ")[1].splitlines()[0].split(", ")) == 2, out  # a ratio per round
     ratio = out.split("taps / AR")[1].split()[0]
     assert ratio.endswith("x") and float(ratio[:-1]) > 0, out
 

@@ -700,6 +700,8 @@ class SpeculativeDecoder:
         state.cache.append_requests(other.cache)
         state.root = torch.cat([state.root, other.root])
         for g, h in zip(state.groups, other.groups):
+            if pending is not None and pending.started(g) and pending.park(g):
+                pass  # a group behind by many steps: returned to not started (its arguments joined below)
             if pending is not None and not pending.started(g):
                 pending.fold(g)
                 pending.append_start(g, other.starts.pop(id(h)))
@@ -709,6 +711,7 @@ class SpeculativeDecoder:
                 args = other.starts.pop(id(h), None)
                 if args is not None:
                     h.start(*args)
+                    pending.extend_history(g, args)
             g.append_requests(h)
         state.sample = _join_sample(state.sample, state.batch, other.sample, other.batch)
         state.requests += other.requests
@@ -986,6 +989,11 @@ def _join_sample(a: dict, batch_a: int, b: dict, batch_b: int) -> dict:
 
 
 
+#: a started drafter group (one that runs a model) behind by this many tokens (a request's most) when requests join
+#: the batch is returned to not started (:meth:`_Pending.park`) rather than brought up to date
+PARK_AFTER_TOKENS = 8
+
+
 class _Pending:
     """Committed tokens (with the target features drafters read) that drafter groups have not appended
     yet: a group that does not draft in a step skips its update, and appends every step it missed in
@@ -999,6 +1007,10 @@ class _Pending:
         self.starts, self.on_start, self.timer = starts, on_start, timer
         #: started groups whose draft runs no model: appended to at once, never queued
         self.free: Dict[int, DraftGroup] = {}
+        #: per started group that runs a model: the start arguments it started from (with steps folded in) and
+        #: the steps it appended since, what :meth:`park` returns it to
+        self.history: Dict[int, tuple] = {}
+        self.consumed: Dict[int, list] = {}
 
     def add(self, tokens: Tensor, num_new: Tensor, features: Dict, num_host: List[int], tokens_host) -> None:
         """One step's accepted tokens and bonus [B, K] (num_new [B] real), features {spec: [B, K, H]}."""
@@ -1026,10 +1038,13 @@ class _Pending:
         for a, b in zip(old, new):
             queue, count, spec = self.queue.pop(id(a)), self.tokens.pop(id(a)), self.spec.pop(id(a))
             free = self.free.pop(id(a), None)
+            history, consumed = self.history.pop(id(a), None), self.consumed.pop(id(a), None)
             if b is not None:
                 self.queue[id(b)], self.tokens[id(b)], self.spec[id(b)] = queue, count, spec
                 if free is not None:
                     self.free[id(b)] = b
+                if history is not None:
+                    self.history[id(b)], self.consumed[id(b)] = history, consumed
 
     def started(self, group: DraftGroup) -> bool:
         return id(group) not in self.starts
@@ -1055,9 +1070,17 @@ class _Pending:
                 joined.append(entries[0])  # alive until the loop ends: pick() knows entries by id
             self.queue[key] = [pick(e) for e in entries]
             self.tokens[key] = sum(max(e[3], default=0) for e in self.queue[key])
-        for key, (ids, lens, root, hidden, cap, host) in self.starts.items():
-            self.starts[key] = (ids.index_select(0, index), lens.index_select(0, index), root.index_select(0, index),
-                                None if hidden is None else hidden.index_select(0, index), cap, [host[b] for b in keep])
+        def select(args: tuple) -> tuple:
+            ids, lens, root, hidden, cap, host = args
+            return (ids.index_select(0, index), lens.index_select(0, index), root.index_select(0, index),
+                    None if hidden is None else hidden.index_select(0, index), cap, [host[b] for b in keep])
+        for key, args in self.starts.items():
+            self.starts[key] = select(args)
+        for key, args in self.history.items():
+            if self.consumed[key]:
+                args = _folded(args, self.consumed[key], self.spec[key])
+                self.consumed[key] = []
+            self.history[key] = select(args)
 
     def fold(self, group: DraftGroup) -> None:
         """For a group not started yet: its queued steps folded into its start arguments (each request's
@@ -1066,37 +1089,41 @@ class _Pending:
         entries = self.queue[id(group)]
         if not entries:
             return
-        ids, lens, root, hidden, cap, host = self.starts[id(group)]
-        tokens, num_new, features, num_host, tokens_host = _join(entries, group.target_features)
-        rows = []
-        for b in range(ids.shape[0]):
-            m = num_host[b]
-            rows.append(torch.cat([ids[b, :host[b]], root[b:b + 1], tokens[b, :m - 1]]) if m else ids[b, :host[b]])
-        new_host = [host[b] + num_host[b] for b in range(len(host))]
-        new_ids = ids.new_zeros((len(rows), max(new_host)))
-        for b, r in enumerate(rows):
-            new_ids[b, :r.shape[0]] = r
-        new_root = torch.where(num_new > 0, tokens.gather(1, (num_new - 1).clamp_min(0).unsqueeze(1)).squeeze(1), root)
-        new_hidden = None
-        if hidden is not None:
-            new_hidden = hidden.new_zeros((len(rows), max(new_host), hidden.shape[-1]))
-            for b in range(len(rows)):
-                new_hidden[b, :host[b]] = hidden[b, :host[b]]
-                new_hidden[b, host[b]:new_host[b]] = features[b, :num_host[b]]
-        self.starts[id(group)] = (new_ids, lens + num_new, new_root, new_hidden, cap, new_host)
+        self.starts[id(group)] = _folded(self.starts[id(group)], entries, group.target_features)
         self.queue[id(group)], self.tokens[id(group)] = [], 0
+
+    def park(self, group: DraftGroup) -> bool:
+        """Return a started group behind by at least :data:`PARK_AFTER_TOKENS` tokens to not started: its
+        state released, its start arguments those it started from with every step since (what it appended
+        and what it missed) queued after them. Then a join or a drop re-indexes its arguments (cheap host and
+        tensor copies) instead of appending what it missed and starting the new requests' drafter now, and
+        it restarts on the whole history when it next drafts (a drafter that seldom pays, probed now and then,
+        costs nothing between its drafts). False (nothing done) for a group behind by fewer tokens, a free
+        group (prompt lookup: kept current) or one without its history."""
+        key = id(group)
+        if key not in self.history or self.tokens[key] < PARK_AFTER_TOKENS:
+            return False
+        group.release()
+        self.starts[key] = self.history.pop(key)
+        self.queue[key] = self.consumed.pop(key) + self.queue[key]
+        self.tokens[key] = sum(max(e[3], default=0) for e in self.queue[key])
+        return True
 
     def append_start(self, group: DraftGroup, args: tuple) -> None:
         """Start arguments of more requests (those of a group spawned for them) after those of `group`, a
         group not started yet whose queue is folded."""
-        ids, lens, root, hidden, cap, host = self.starts[id(group)]
-        ids2, lens2, root2, hidden2, cap2, host2 = args
-        width = max(ids.shape[1], ids2.shape[1])
-        pad = lambda t: t if t.shape[1] == width else torch.cat(  # noqa: E731
-            [t, t.new_zeros((t.shape[0], width - t.shape[1], *t.shape[2:]))], 1)
-        self.starts[id(group)] = (torch.cat([pad(ids), pad(ids2)]), torch.cat([lens, lens2]), torch.cat([root, root2]),
-                                  None if hidden is None else torch.cat([pad(hidden), pad(hidden2)]), max(cap, cap2),
-                                  host + host2)
+        self.starts[id(group)] = _concat_args(self.starts[id(group)], args)
+
+    def extend_history(self, group: DraftGroup, args: tuple) -> None:
+        """A started group's new requests (started on `args` and appended to it, up to date as it is): their
+        start arguments after its history, which then holds every step so far (what :meth:`park` restores)."""
+        key = id(group)
+        if key in self.history:
+            history = self.history[key]
+            if self.consumed[key]:
+                history = _folded(history, self.consumed[key], self.spec[key])
+                self.consumed[key] = []
+            self.history[key] = _concat_args(history, args)
 
     def catch_up(self, groups: Sequence[DraftGroup]) -> List[Tuple[tuple, int, float]]:
         """Start the groups not started yet, and append what each of `groups` missed; returns (drafters,
@@ -1109,6 +1136,8 @@ class _Pending:
                 self.on_start(g)
                 if g.free_draft:
                     self.free[id(g)] = g
+                else:
+                    self.history[id(g)], self.consumed[id(g)] = args, []
             entries = self.queue[id(g)]
             if not entries:
                 continue
@@ -1117,6 +1146,12 @@ class _Pending:
             g.advance(tokens, num_new, features, num_host, tokens_host)
             out.append((tuple(g.members), self.tokens[id(g)], self.timer() - t0))
             self.queue[id(g)], self.tokens[id(g)] = [], 0
+            consumed = self.consumed.get(id(g))
+            if consumed is not None:
+                consumed += entries
+                if len(consumed) >= 32:  # (a bounded list: folded into the history now and then)
+                    self.history[id(g)] = _folded(self.history[id(g)], consumed, g.target_features)
+                    consumed.clear()
         return out
 
 
@@ -1169,3 +1204,38 @@ def _trim(tree: Combined, real: Optional[int] = None) -> Combined:
     cut = lambda t: t[:, :real]  # noqa: E731
     return Combined(cut(tree.tokens), cut(tree.parents), cut(tree.depth), tree.tree_mask[:, :real, :words],
                     cut(tree.source), tree.choice)
+
+
+def _folded(args: tuple, entries: Sequence[tuple], spec) -> tuple:
+    """Start arguments (ids [B, L], lens [B], root [B], hidden [B, L, H] or None, cap, host lengths) with the
+    queued steps `entries` folded in: each request's prompt then holds every token committed before its
+    current root (the target features with it)."""
+    ids, lens, root, hidden, cap, host = args
+    tokens, num_new, features, num_host, tokens_host = _join(entries, spec)
+    rows = []
+    for b in range(ids.shape[0]):
+        m = num_host[b]
+        rows.append(torch.cat([ids[b, :host[b]], root[b:b + 1], tokens[b, :m - 1]]) if m else ids[b, :host[b]])
+    new_host = [host[b] + num_host[b] for b in range(len(host))]
+    new_ids = ids.new_zeros((len(rows), max(new_host)))
+    for b, r in enumerate(rows):
+        new_ids[b, :r.shape[0]] = r
+    new_root = torch.where(num_new > 0, tokens.gather(1, (num_new - 1).clamp_min(0).unsqueeze(1)).squeeze(1), root)
+    new_hidden = None
+    if hidden is not None:
+        new_hidden = hidden.new_zeros((len(rows), max(new_host), hidden.shape[-1]))
+        for b in range(len(rows)):
+            new_hidden[b, :host[b]] = hidden[b, :host[b]]
+            new_hidden[b, host[b]:new_host[b]] = features[b, :num_host[b]]
+    return (new_ids, lens + num_new, new_root, new_hidden, cap, new_host)
+
+
+def _concat_args(a: tuple, b: tuple) -> tuple:
+    """Start arguments of two sets of requests as one (b's after a's; rows padded to the longer prompt)."""
+    ids, lens, root, hidden, cap, host = a
+    ids2, lens2, root2, hidden2, cap2, host2 = b
+    width = max(ids.shape[1], ids2.shape[1])
+    pad = lambda t: t if t.shape[1] == width else torch.cat(  # noqa: E731
+        [t, t.new_zeros((t.shape[0], width - t.shape[1], *t.shape[2:]))], 1)
+    return (torch.cat([pad(ids), pad(ids2)]), torch.cat([lens, lens2]), torch.cat([root, root2]),
+            None if hidden is None else torch.cat([pad(hidden), pad(hidden2)]), max(cap, cap2), host + host2)

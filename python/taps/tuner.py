@@ -425,14 +425,29 @@ class AcceptanceModel:
         self._memo.clear()
 
     def add_requests(self, count: int) -> None:
-        """`count` requests join the batch after the running ones (from the pooled rates)."""
+        """`count` requests join the batch after the running ones (from the pooled rates; what is kept of the
+        running ones' stays: the new positions have none yet)."""
         self.requests += [{} for _ in range(count)]
-        self._memo.clear()
 
     def select_requests(self, keep: Sequence[int]) -> None:
-        """Keep only the requests at positions `keep` (in that order)."""
+        """Keep only the requests at positions `keep` (in that order), and what is kept of their values under
+        their new positions (a server's batch changes every few steps; its requests' counts do not)."""
         self.requests = [self.requests[b] for b in keep]
-        self._memo.clear()
+        where = {old: new for new, old in enumerate(keep)}
+        for key, kind in self._memo.items():
+            moved = {}
+            for memo, value in kind.items():
+                tag = memo[0]
+                if tag == "per request":
+                    moved[memo] = {where[b]: v for b, v in value.items() if b in where}
+                elif tag in ("bounded", "reach", "depths"):
+                    b = memo[1]
+                    if b < 0:  # ("reach" / "depths", -1, ...): the pooled rates', shared
+                        moved[memo] = value
+                    elif b in where:
+                        moved[(tag, where[b]) + memo[2:]] = value
+                # (a sum over rows, keyed by the rows: dropped)
+            self._memo[key] = moved
 
     def rate(self, key: tuple, b: int, d: int) -> float:
         """P(accepted >= d | accepted >= d - 1) for request b."""
