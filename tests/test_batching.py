@@ -198,6 +198,12 @@ def test_caller_errors():
     assert list(reasons) == ["x"]
 
 
+def _assert_same_drafts(first, second):
+    for a, b in zip(first, second):
+        assert torch.equal(a.tokens, b.tokens) and torch.equal(a.parents, b.parents)
+        torch.testing.assert_close(a.scores, b.scores, rtol=1e-4, atol=1e-4)
+
+
 class _Scheduled(Tuner):
     """No draft for the first `idle` steps (the groups stay unstarted while requests join and leave), then
     shapes drawn at random with a fixed seed, no draft included, whatever they are worth."""
@@ -264,9 +270,7 @@ def test_folded_start_drafts_as_start_and_appends(names):
             state.pending.catch_up([g])
             out.append(g.draft(3, 3))
         drafts.append(out)
-    for a, b in zip(*drafts):
-        assert torch.equal(a.tokens, b.tokens) and torch.equal(a.parents, b.parents)
-        torch.testing.assert_close(a.scores, b.scores, rtol=1e-4, atol=1e-4)
+    _assert_same_drafts(*drafts)
 
 
 class _Blocks(Tuner):
@@ -341,9 +345,7 @@ def test_a_parked_group_drafts_as_one_kept_current(names, monkeypatch):
                 state.pending.catch_up([g])
                 out.append(g.draft(3, 3))
         drafts.append(out)
-    for a, b in zip(*drafts):
-        assert torch.equal(a.tokens, b.tokens) and torch.equal(a.parents, b.parents)
-        torch.testing.assert_close(a.scores, b.scores, rtol=1e-4, atol=1e-4)
+    _assert_same_drafts(*drafts)
 
 
 def test_the_tuner_starts_a_sampling_mode_once():
