@@ -29,6 +29,9 @@ for dtype, heads_q in ((torch.float32, 4), (torch.bfloat16, 4), (torch.bfloat16,
         v = torch.randn(2, 2, 50, d, generator=g).to(dev, dtype)
         mask = torch.full((2, 7, 1), -1, dtype=torch.int64)
         taps_ops.tree_attention(q, k, v, mask.to(dev), torch.tensor([30, 50]).to(dev))
+        # ragged queries: request 0's first 3 only, request 1's none (blocks without a live row return)
+        taps_ops.tree_attention(q, k, v, mask.to(dev), torch.tensor([30, 50]).to(dev),
+                                num_queries=torch.tensor([3, 0]).to(dev))
 caches = [torch.randn(2, 2, 50, 16, generator=g).to(dev) for _ in range(4)]
 taps_ops.compact_kv(caches, torch.tensor([[0, 1, 3, -1], [0, 2, -1, -1]]).to(dev), torch.tensor([10, 20]).to(dev))
 for dtype in (torch.float32, torch.bfloat16, torch.float16):
