@@ -700,8 +700,8 @@ class SpeculativeDecoder:
         state.cache.append_requests(other.cache)
         state.root = torch.cat([state.root, other.root])
         for g, h in zip(state.groups, other.groups):
-            if pending is not None and pending.started(g) and pending.park(g):
-                pass  # a group behind by many steps: returned to not started (its arguments joined below)
+            if pending is not None and pending.started(g):
+                pending.park(g)  # a group far behind returns to not started (its arguments joined below)
             if pending is not None and not pending.started(g):
                 pending.fold(g)
                 pending.append_start(g, other.starts.pop(id(h)))
