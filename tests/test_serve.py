@@ -487,3 +487,28 @@ def test_a_hugging_face_target_with_a_small_lm_drafter(tmp_path, models):
         with pytest.raises(openai.BadRequestError) as e:
             client.completions.create(model="target", prompt="hi", max_tokens=300)
         assert e.value.body["code"] == "context_length_exceeded"
+
+
+def test_tuner_state_kept_between_runs(models, tmp_path, caplog):
+    """--tuner-dir: a server saves each decoder's tuner state when it stops; the next one loads it when it makes
+    that decoder (its tuner goes on from the first's clock); a state of another setup is skipped with a log line."""
+    import logging
+
+    config = ServeConfig(dtype="fp32", tuner_dir=str(tmp_path))
+    with BackgroundServer(config, models=models) as s:
+        client_of(s).chat.completions.create(model="taps-mini", messages=QUESTION, max_tokens=16)
+        (decoder,) = s.service.engine._decoders.values()
+        wait_health(s)
+    clock = decoder.tuner.clock
+    (saved,) = tmp_path.glob("tuner-*.json")
+    assert clock > 0
+    with BackgroundServer(config, models=models) as s:
+        client_of(s).chat.completions.create(model="taps-mini", messages=QUESTION, max_tokens=4)
+        (decoder,) = s.service.engine._decoders.values()
+        assert decoder.tuner.clock > clock  # went on from the saved state
+    import re
+
+    saved.write_text(re.sub(r'"threads": \d+', '"threads": 1000', saved.read_text()))  # measured elsewhere
+    with caplog.at_level(logging.WARNING, logger="taps.serve"), BackgroundServer(config, models=models) as s:
+        client_of(s).chat.completions.create(model="taps-mini", messages=QUESTION, max_tokens=4)
+    assert any("not using" in r.getMessage() and "threads: 1000 there" in r.getMessage() for r in caplog.records)

@@ -126,3 +126,14 @@ def test_a_bad_config_file_fails_before_anything_loads(tmp_path, monkeypatch, ca
     rc = cli.main(["serve", "--config", str(tmp_path / "serve.json")])
     err = capsys.readouterr().err.strip()
     assert rc == 2 and len(err.splitlines()) == 1 and err.startswith("taps serve: error: ") and "timeout" in err
+
+
+def test_tuner_dir(tmp_path):
+    assert settings(tmp_path, []).tuner_dir is None
+    assert settings(tmp_path, ["--tuner-dir", str(tmp_path / "t")]).tuner_dir == str(tmp_path / "t")
+    assert settings(tmp_path, [], 'tuner_dir = "kept"').tuner_dir == str(tmp_path / "kept")  # the file's folder
+    (tmp_path / "file").write_text("")
+    with pytest.raises(ValueError, match="--tuner-dir: .* is not a folder"):
+        settings(tmp_path, ["--tuner-dir", str(tmp_path / "file")])
+    with pytest.raises(ValueError, match="tuner_dir must be a path"):
+        settings(tmp_path, [], "tuner_dir = 3")

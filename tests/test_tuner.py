@@ -1100,3 +1100,90 @@ def test_totals_equal_the_sum_of_each_requests_expectation_through_observations_
             fresh._memo.clear()
             want = sum(1.0 + fresh.expected(kind, b, cap, optimistic) for b in rows)
             assert got == want, (step, kind, rows, cap, optimistic)
+
+
+# ---- what a tuner learned, across processes -----------------------------------------------------------------------
+
+def _tuned(names=("eagle", "lookup"), **kw):
+    m = em.greedy_models()
+    made = {"eagle": lambda: m["eagle"], "early": lambda: ModelDrafter(m["early_exit"]), "lookup": PromptLookupDrafter}
+    return SpeculativeDecoder(m["target"], [made[n]() for n in names], strategy="merged", depth=3, top_k=3, budget="auto",
+                              **kw)
+
+
+def test_a_saved_tuner_is_loaded_by_a_new_decoder(tmp_path):
+    """save_tuner / load_tuner: the new decoder's tuner holds the same costs, pooled acceptance and probe schedule
+    (it calibrates nothing at the batch sizes measured), and decodes losslessly from there."""
+    from taps.tuner import _to_json
+
+    first = _tuned()
+    prompts = [[5, 17, 42, 8, 61, 3], [3, 3, 90, 12, 7, 64, 90, 2, 33, 41, 11]]
+    first.generate(prompts, max_new_tokens=24)
+    assert first.tuner.acceptance.pooled and first.tuner.costs.forward_points  # something learned
+    first.save_tuner(tmp_path / "tuner.json")
+    second = _tuned()
+    assert second.tuner.costs is None
+    second.load_tuner(tmp_path / "tuner.json")
+    assert _to_json(second.tuner.state_dict()) == _to_json(first.tuner.state_dict())
+    assert not second.tuner.costs.needs_forward(2)
+    measured = []
+    second.tuner.costs.set_forward = lambda batch, points: measured.append(batch)
+    out = second.generate(prompts, max_new_tokens=24)
+    assert not measured  # no calibration of the target's forward: the loaded one holds batch 2
+    target = em.greedy_models()["target"]
+    for p, tokens in zip(prompts, out.tokens):
+        assert tokens == em.greedy_reference(target, p, 24)
+    # the cost model it loaded, not one shared in this process (a later decoder of the same models would)
+    assert second.tuner.costs is not first.tuner.costs
+
+
+@pytest.mark.parametrize("change,field", [
+    (lambda: _tuned(("early", "lookup")), "drafters"),
+    (lambda: _tuned(tuner=Tuner(budgets=(2,))), None),  # the tuner's own settings are not the fingerprint's
+    (lambda: SpeculativeDecoder(em.greedy_models()["target"], [em.greedy_models()["eagle"], PromptLookupDrafter()],
+                                strategy="merged", depth=2, top_k=3, budget="auto"), "depth"),
+])
+def test_tuner_state_of_another_setup_is_refused(tmp_path, change, field):
+    _tuned().save_tuner(tmp_path / "tuner.json")  # (nothing learned yet: a state all the same)
+    other = change()
+    if field is None:
+        other.load_tuner(tmp_path / "tuner.json")
+        return
+    with pytest.raises(ValueError, match=f"another setup.*{field}: "):
+        other.load_tuner(tmp_path / "tuner.json")
+
+
+def test_tuner_state_threads_and_bad_files(tmp_path):
+    dec = _tuned()
+    dec.save_tuner(tmp_path / "tuner.json")
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(threads + 1)
+        with pytest.raises(ValueError, match=f"threads: {threads} there, {threads + 1} here"):
+            dec.load_tuner(tmp_path / "tuner.json")
+    finally:
+        torch.set_num_threads(threads)
+    (tmp_path / "other.json").write_text('{"weights": [1, 2]}')
+    with pytest.raises(ValueError, match="not a tuner state"):
+        dec.load_tuner(tmp_path / "other.json")
+    text = (tmp_path / "tuner.json").read_text().replace('"version": 1', '"version": 99')
+    (tmp_path / "future.json").write_text(text)
+    with pytest.raises(ValueError, match="version 99"):
+        dec.load_tuner(tmp_path / "future.json")
+    m = em.greedy_models()
+    fixed = SpeculativeDecoder(m["target"], [m["eagle"]], strategy="single", depth=2, top_k=2)
+    with pytest.raises(ValueError, match="no tuner"):
+        fixed.save_tuner(tmp_path / "x.json")
+    with pytest.raises(ValueError, match="no tuner"):
+        fixed.load_tuner(tmp_path / "tuner.json")
+
+
+def test_tuner_state_json_round_trip():
+    from taps.tuner import _from_json, _to_json
+
+    value = {(("a", 1), 3): [(1, 2.5), (2, 3.0)], "s": {3, 1, 2}, 7: {"x": None, True: (1,)}, "e": ()}
+    import json
+
+    assert _from_json(json.loads(json.dumps(_to_json(value)))) == value
+    with pytest.raises(TypeError, match="cannot write object"):
+        _to_json({"x": object()})

@@ -185,6 +185,38 @@ class SpeculativeDecoder:
     def device(self) -> torch.device:
         return next(self.target.parameters()).device
 
+    # -- the tuner's state across processes --------------------------------------------------------------
+    def tuner_fingerprint(self) -> dict:
+        """What a tuner's measurements and acceptance hold for: the target and drafters (their class,
+        config and a digest of their weights), the strategy and settings, device, dtype, torch threads and
+        the CPU (taps_ops.cpu_info), the taps version. :meth:`load_tuner` refuses state saved under another."""
+        import taps_ops
+
+        from . import __version__
+
+        p = next(self.target.parameters())
+        return {"taps": __version__, "target": _module_digest(self.target),
+                "drafters": [_module_digest(d) for d in self.drafters], "strategy": type(self.strategy).__name__,
+                "depth": self.depth, "top_k": self.top_k, "budget": self.budget, "device": p.device.type,
+                "dtype": str(p.dtype).replace("torch.", ""), "threads": torch.get_num_threads(),
+                "cpu": taps_ops.cpu_info()["summary"]}
+
+    def save_tuner(self, path) -> None:
+        """Write what the tuner measured and learned (its costs, pooled acceptance, probe schedule) to `path`
+        (JSON), for :meth:`load_tuner` in a later process: a new decoder then starts where this one is, not
+        with a calibration and a tuner's first tries of each draft (a short first answer of a fresh tuner read
+        0.62x taps autoregressive on the shipped models)."""
+        if self.tuner is None:
+            raise ValueError("save_tuner: this decoder has no tuner (budget='auto' or tuner=...)")
+        self.tuner.save(path, self.tuner_fingerprint())
+
+    def load_tuner(self, path) -> None:
+        """Take the state :meth:`save_tuner` wrote; ValueError when it was saved by a decoder of another
+        target, drafters, settings, device, dtype, thread count or CPU (naming what differs)."""
+        if self.tuner is None:
+            raise ValueError("load_tuner: this decoder has no tuner (budget='auto' or tuner=...)")
+        self.tuner.load(path, self.tuner_fingerprint())
+
     # ---------------------------------------------------------------------------------------------
     def prompt_ids(self, inputs) -> List[List[int]]:
         """Prompts as token-id lists, checked: `inputs` as :meth:`generate` takes them (ValueError /
@@ -1239,3 +1271,20 @@ def _concat_args(a: tuple, b: tuple) -> tuple:
         [t, t.new_zeros((t.shape[0], width - t.shape[1], *t.shape[2:]))], 1)
     return (torch.cat([pad(ids), pad(ids2)]), torch.cat([lens, lens2]), torch.cat([root, root2]),
             None if hidden is None else torch.cat([pad(hidden), pad(hidden2)]), max(cap, cap2), host + host2)
+
+
+def _module_digest(module: nn.Module) -> dict:
+    """A module's class, config (when it has one) and a digest of its weights: each parameter's name, shape
+    and first values (what tells a model from another of the same shape without reading every weight)."""
+    import hashlib
+    import json
+
+    h = hashlib.sha256()
+    for name, t in module.named_parameters():
+        h.update(f"{name}{tuple(t.shape)}".encode())
+        h.update(t.detach().reshape(-1)[:64].float().cpu().numpy().tobytes())
+    config = getattr(module, "config", None)
+    settings = config.to_dict() if hasattr(config, "to_dict") else {
+        k: v for k, v in vars(module).items() if not k.startswith("_") and isinstance(v, (int, float, str, bool))}
+    return {"class": type(module).__name__, "config": hashlib.sha256(
+        json.dumps(settings, sort_keys=True, default=str).encode()).hexdigest()[:16], "weights": h.hexdigest()[:16]}

@@ -196,6 +196,19 @@ class CostModel:
         self.residual: Dict[tuple, float] = {}
         self._forward_memo: Dict[Tuple[float, int], float] = {}  # forward()'s answers until a point or scale moves
 
+    #: what :meth:`state_dict` holds (the memo is rebuilt)
+    _STATE = ("alpha", "reach", "forward_points", "draft_points", "update_fit", "_update_sums", "_update_seen", "scale",
+              "residual")
+
+    def state_dict(self) -> dict:
+        """What the model measured and learned, as plain values (:func:`Tuner.save` writes it as JSON)."""
+        return {name: copy.deepcopy(getattr(self, name)) for name in self._STATE}
+
+    def load_state_dict(self, state: dict) -> None:
+        for name in self._STATE:
+            setattr(self, name, copy.deepcopy(state[name]))
+        self._forward_memo = {}
+
     # -- calibration -------------------------------------------------------------------------------
     def needs_forward(self, batch: int) -> bool:
         """Whether the target's forward lacks a calibrated batch size within a factor ``reach`` of
@@ -418,6 +431,16 @@ class AcceptanceModel:
         #: the depth every per-kind list is computed to at least (the tuner sets the decoder's depth: a
         #: plan asks for every depth of a kind, and each list is then computed once, not once per depth)
         self.horizon = 1
+
+    def state_dict(self) -> dict:
+        """The pooled counts (what the decoder's past requests taught; a batch's own requests are not kept)."""
+        return {"pooled": {k: (list(c.trials), list(c.hits)) for k, c in self.pooled.items()},
+                "last": dict(self._last), "observations": self._observations}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.pooled = {k: _Counts(list(t), list(h)) for k, (t, h) in state["pooled"].items()}
+        self._last, self._observations = dict(state["last"]), int(state["observations"])
+        self._memo.clear()
 
     def reset(self, batch: int) -> None:
         """Start a batch of requests (the pooled counts stay)."""
@@ -760,6 +783,74 @@ class Tuner:
         return shape
 
     # -- the decoder's calls ------------------------------------------------------------------------------
+    # -- what it learned, across processes -------------------------------------------------------------
+    #: the attributes :meth:`state_dict` holds besides the cost model and the acceptance models
+    _STATE = ("clock", "_probe", "_nodes", "_extra", "_free", "_plain_until", "_credit", "_accrual")
+
+    def state_dict(self) -> dict:
+        """What the tuner measured and learned (its cost model, the pooled acceptance of each verification mode,
+        the probe schedule, the trees' node counts), as plain values; a batch's own requests are not kept."""
+        costs = self.costs.state_dict() if type(self.costs) is CostModel else None
+        return {"costs": costs, "modes": {mode: model.state_dict() for mode, model in self._modes.items()},
+                **{name: copy.deepcopy(getattr(self, name)) for name in self._STATE}}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Take what :meth:`state_dict` gave (another tuner's, or this one's earlier); the settings given to the
+        constructor stay. A cost model in `state` replaces this tuner's (a decoder then calibrates only the
+        batch sizes it lacks)."""
+        if state["costs"] is not None:
+            if self.costs is None or type(self.costs) is not CostModel:
+                self.costs = CostModel()
+            self.costs.load_state_dict(state["costs"])
+        template = self._modes[False]
+        self._modes = {}
+        for mode, values in state["modes"].items():
+            model = copy.copy(template)
+            model.pooled, model.requests, model._memo, model._last = {}, [], {}, {}
+            model.load_state_dict(values)
+            self._modes[bool(mode)] = model
+        if False not in self._modes:
+            self._modes[False] = template
+        self.acceptance = self._modes[False]
+        for name in self._STATE:
+            setattr(self, name, copy.deepcopy(state[name]))
+        self._plan_memo = self._shape_memo = None
+        self._version += 1
+
+    def save(self, path, fingerprint: Optional[dict] = None) -> None:
+        """Write :meth:`state_dict` to `path` (JSON), with `fingerprint` (what it was measured on:
+        :meth:`SpeculativeDecoder.tuner_fingerprint`), which :meth:`load` checks."""
+        import json
+        import os
+
+        data = {"format": "taps.Tuner", "version": _STATE_VERSION, "fingerprint": fingerprint,
+                "state": _to_json(self.state_dict())}
+        tmp = f"{path}.tmp{os.getpid()}"
+        with open(tmp, "w") as f:
+            json.dump(data, f)
+        os.replace(tmp, path)  # a reader never sees half a file
+
+    def load(self, path, fingerprint: Optional[dict] = None) -> None:
+        """Take the state :meth:`save` wrote to `path`. ValueError when it is not such a file, or was saved with
+        another fingerprint than `fingerprint` (another model, drafters, device, dtype, thread count or CPU:
+        its costs and acceptance would mislead), naming what differs."""
+        import json
+
+        with open(path) as f:
+            data = json.load(f)
+        if not isinstance(data, dict) or data.get("format") != "taps.Tuner":
+            raise ValueError(f"Tuner.load: {path} is not a tuner state written by Tuner.save")
+        if data.get("version") != _STATE_VERSION:
+            raise ValueError(f"Tuner.load: {path} holds state version {data.get('version')}, this taps reads "
+                             f"{_STATE_VERSION}")
+        saved = data.get("fingerprint")
+        if fingerprint is not None and saved != fingerprint:
+            keys = sorted(set(saved or {}) | set(fingerprint))
+            diff = [f"{k}: {(saved or {}).get(k)!r} there, {fingerprint.get(k)!r} here" for k in keys
+                    if (saved or {}).get(k) != fingerprint.get(k)]
+            raise ValueError(f"Tuner.load: {path} was measured on another setup ({'; '.join(diff)})")
+        self.load_state_dict(_from_json(data["state"]))
+
     def begin(self, batch: int, sampling: bool) -> None:
         """A generation of `batch` requests starts; ``sampling``: verification samples (temperature > 0),
         whose acceptance is kept apart from greedy verification's."""
@@ -1004,6 +1095,37 @@ class Tuner:
             return
         predicted = sum(p for _, p in parts.values()) + sum(self.costs.update(g, t, batch) for g, t, _ in updates)
         self.costs.observe(shape.key, batch, total, predicted, parts, updates)
+
+
+_STATE_VERSION = 1
+
+
+def _to_json(x):
+    """Plain values with tuple, set and non-string keys spelt out for JSON (:func:`_from_json` reverses it)."""
+    if isinstance(x, dict):
+        return {"__dict__": [[_to_json(k), _to_json(v)] for k, v in x.items()]}
+    if isinstance(x, tuple):
+        return {"__tuple__": [_to_json(v) for v in x]}
+    if isinstance(x, (set, frozenset)):
+        return {"__set__": [_to_json(v) for v in sorted(x, key=repr)]}
+    if isinstance(x, list):
+        return [_to_json(v) for v in x]
+    if x is None or isinstance(x, (bool, int, float, str)):
+        return x
+    raise TypeError(f"tuner state: cannot write {type(x).__name__}")
+
+
+def _from_json(x):
+    if isinstance(x, list):
+        return [_from_json(v) for v in x]
+    if isinstance(x, dict):
+        if "__dict__" in x:
+            return {_from_json(k): _from_json(v) for k, v in x["__dict__"]}
+        if "__tuple__" in x:
+            return tuple(_from_json(v) for v in x["__tuple__"])
+        if "__set__" in x:
+            return {_from_json(v) for v in x["__set__"]}
+    return x
 
 
 _SHARED_COSTS: Dict[tuple, CostModel] = {}

@@ -8,6 +8,7 @@ from the file's folder)::
     strategy = "merged-budget"                   # the default strategy of a request
     default_drafters = ["eagle", "lookup"]       # a request's drafters when it names none (default: all)
     budget = "auto"                              # nodes of one drafter's tree, or auto (taps.Tuner)
+    tuner_dir = "tuners"                         # the tuners' state kept between runs (default: none)
     depth = 5
     top_k = 8
 
@@ -55,7 +56,7 @@ _KIND_OPTIONS = {"shipped": {"draft_vocab"}, "eagle": set(), "model": set(),
                  "lookup": {"max_ngram", "min_ngram", "depth"}}
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
 _TOP_KEYS = {"target", "dtype", "device", "model_name", "host", "port", "strategy", "default_drafters", "depth",
-             "top_k", "budget", "threads", "draft_vocab", "drafters", "limits", "log_level"}
+             "top_k", "budget", "threads", "draft_vocab", "drafters", "limits", "log_level", "tuner_dir"}
 _LIMIT_KEYS = {"max_batch", "max_queue", "timeout", "default_max_tokens", "max_tokens"}
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
 
@@ -97,6 +98,8 @@ class ServeConfig:
     default_max_tokens: int = 256
     max_tokens: Optional[int] = None
     log_level: str = "info"
+    #: a folder where each decoder's tuner keeps its state between runs (None: none kept)
+    tuner_dir: Optional[str] = None
 
     def __post_init__(self):
         if self.drafters is None:
@@ -351,6 +354,10 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--budget", type=or_auto(int_at_least(2)), metavar="N|auto",
                    help="nodes of one drafter's tree, root included, or auto (default): taps.Tuner chooses "
                         "each step's drafters, depth and nodes, down to no draft, by measured costs")
+    g.add_argument("--tuner-dir", metavar="DIR",
+                   help="keep each decoder's tuner state (measured costs, acceptance) in DIR between runs: loaded "
+                        "when the decoder is made (state measured on another model, CPU, dtype or thread count is "
+                        "skipped), saved when the server stops; a restarted server does not learn again")
     g = p.add_argument_group("server and limits")
     g.add_argument("--host", metavar="ADDRESS", help="address to listen on (default 127.0.0.1; 0.0.0.0 for every interface)")
     g.add_argument("--port", type=int_at_least(0, 65535), metavar="PORT", help="port (default 8000; 0: a free one)")
@@ -369,7 +376,7 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
 
 
 _FLAT = ("target", "dtype", "device", "model_name", "host", "port", "strategy", "default_drafters", "depth", "top_k",
-         "budget", "threads", "draft_vocab", "log_level")
+         "budget", "threads", "draft_vocab", "log_level", "tuner_dir")
 
 
 def config_from_args(args: argparse.Namespace) -> ServeConfig:
@@ -394,13 +401,14 @@ def config_from_args(args: argparse.Namespace) -> ServeConfig:
                 settings[key], where[key] = table[key], f"{args.config}: {prefix}{key}"
     cfg = ServeConfig()
 
+    def path_of(key: str) -> str:  # a path setting; a file's is relative to the file's folder
+        value = settings[key]
+        if not isinstance(value, str) or not value:
+            raise ValueError(f"{where[key]} must be a path, got {value!r}")
+        return str(base / value) if base is not None and not where[key].startswith("--") else value
+
     if "target" in settings:
-        target = settings["target"]
-        if not isinstance(target, str) or not target:
-            raise ValueError(f"{where['target']} must be a path, got {target!r}")
-        if base is not None and where["target"] != "--target":
-            target = str(base / target)
-        cfg.target = _check_folder(target, where["target"])
+        cfg.target = _check_folder(path_of("target"), where["target"])
     if "dtype" in settings:
         if settings["dtype"] not in ("auto",) + tuple(DTYPES):
             raise ValueError(f"{where['dtype']} must be one of auto, {', '.join(DTYPES)}, got {settings['dtype']!r}")
@@ -417,6 +425,11 @@ def config_from_args(args: argparse.Namespace) -> ServeConfig:
             if not isinstance(settings[key], str) or not settings[key].strip():
                 raise ValueError(f"{where[key]} must be a non-empty string, got {settings[key]!r}")
             setattr(cfg, key, settings[key])
+    if "tuner_dir" in settings:
+        folder = path_of("tuner_dir")
+        if Path(folder).exists() and not Path(folder).is_dir():
+            raise ValueError(f"{where['tuner_dir']}: {folder} is not a folder")
+        cfg.tuner_dir = folder
     if "log_level" in settings:
         if settings["log_level"] not in LOG_LEVELS:
             raise ValueError(f"{where['log_level']} must be one of {', '.join(LOG_LEVELS)}")

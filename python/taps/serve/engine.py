@@ -244,6 +244,8 @@ class Engine:
             self.failed = traceback.format_exc()
             log.error("taps serve: the engine thread stopped:\n%s", self.failed)
         finally:
+            for key in list(self._decoders):
+                self._save_tuner(key)
             why = "the server is shutting down" if self._stopping else "the decoding engine stopped on an internal error"
             for sub in list(self._pending) + [live.sub for live in self._live.values() if not live.closed]:
                 sub.send(Output(error=(503, why, None)))
@@ -335,10 +337,39 @@ class Engine:
                                      tokenizer=self.models.tokenizer)
         batch = self._batches[key] = ContinuousBatch(decoder, max_batch=cfg.max_batch)
         self._decoders[key] = decoder
+        path = self._tuner_path(key)
+        if path is not None and path.is_file():
+            try:
+                decoder.load_tuner(path)
+                log.info("taps serve: %s: the tuner's state from %s", key, path)
+            except (ValueError, OSError) as e:  # measured on another setup, or unreadable: start afresh
+                log.warning("taps serve: %s: not using %s: %s", key, path, e)
         idle = [k for k, b in self._batches.items() if not b and k != key]
         for k in idle[:max(0, len(self._batches) - self.max_decoders)]:
+            self._save_tuner(k)
             del self._batches[k], self._decoders[k]
         return batch
+
+    def _tuner_path(self, key: BatchKey):
+        """Where the tuner of `key`'s decoder keeps its state between runs (``tuner_dir``), or None."""
+        if not self.config.tuner_dir or not key.auto:
+            return None
+        import hashlib
+        from pathlib import Path
+
+        name = hashlib.sha256(repr((key.strategy, key.drafters)).encode()).hexdigest()[:16]
+        return Path(self.config.tuner_dir) / f"tuner-{name}.json"
+
+    def _save_tuner(self, key: BatchKey) -> None:
+        path = self._tuner_path(key)
+        decoder = self._decoders.get(key)
+        if path is None or decoder is None or decoder.tuner is None:
+            return
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            decoder.save_tuner(path)
+        except OSError as e:
+            log.warning("taps serve: %s: could not save the tuner's state to %s: %s", key, path, e)
 
     def _step(self, key: BatchKey, batch) -> None:
         t0 = time.perf_counter()
