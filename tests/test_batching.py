@@ -300,17 +300,18 @@ def test_parked_groups_keep_greedy_output_as_requests_join_and_leave(names, seed
     m = em.greedy_models()
     dec = SpeculativeDecoder(m["target"], _drafters(names), strategy="merged" if len(names) > 1 else "single",
                              depth=3, top_k=3, budget=8, tuner=_Blocks(4, 2 * D.PARK_AFTER_TOKENS, seed))
-    batch = ContinuousBatch(dec, max_batch=4)
     new = [40, 9, 30, 12, 35, 16, 20, 25, 14, 30]
     arrivals = {}  # two at the start, then one every 9 steps
     for i in range(10):
         arrivals.setdefault(0 if i < 2 else 9 * (i - 1), []).append((i, PROMPTS[i % 6],
                                                                    SamplingParams(max_new_tokens=new[i])))
-    tokens, reasons, stats = _run(batch, arrivals, cancel_at={30: [4]})
-    assert any(parked), parked
-    for i in range(10):
-        ref = _greedy(i % 6, new[i])
-        assert tokens[i] == (ref if reasons[i] == "length" else ref[:len(tokens[i])]), f"request {i}"
+    for parking in (True, False):  # park_groups=False: no history kept, nothing parked, greedy output all the same
+        dec.park_groups, parked[:] = parking, []
+        tokens, reasons, stats = _run(ContinuousBatch(dec, max_batch=4), arrivals, cancel_at={30: [4]})
+        assert any(parked) == parking, parked
+        for i in range(10):
+            ref = _greedy(i % 6, new[i])
+            assert tokens[i] == (ref if reasons[i] == "length" else ref[:len(tokens[i])]), f"request {i}"
 
 
 @pytest.mark.parametrize("names", [("early",), ("eagle",), ("eagle", "early")])

@@ -171,6 +171,11 @@ class SpeculativeDecoder:
         #: a ragged batch's tree forward computes each request's real nodes only, not B times the widest
         #: tree's (the lean path on the CPU, where the node counts are on the host; see TargetForward.tree)
         self.pack_trees = True
+        #: with a tuner, a started drafter group far behind when requests join a running batch is parked
+        #: (returned to not started, see _Pending.park); each started group then keeps its requests' history
+        #: (their tokens and the target features it reads: B x length x hidden per group). False: no history,
+        #: no parking (a server whose drafters pay on most steps, with a large target)
+        self.park_groups = True
         #: (rows, requests, tree width) of the target forwards run so far (see _first_shape)
         self._shapes_run: set = set()
         self._groups: Optional[Tuple[tuple, List[DraftGroup]]] = None
@@ -385,7 +390,7 @@ class SpeculativeDecoder:
                     state.starts[id(g)] = args
         if self.tuner is not None:
             state.pending = _Pending(groups, state.starts, lambda g: self._calibrate_group(g, state.batch),
-                                     self.tuner.timer)
+                                     self.tuner.timer, history=self.park_groups)
             if fresh:
                 with prof.section("calibrate"):
                     self.tuner.begin(batch, state.sampling)
@@ -1032,7 +1037,7 @@ class _Pending:
     one call before it next drafts."""
 
     def __init__(self, groups: Sequence[DraftGroup], starts: Dict[int, tuple], on_start: Callable[[DraftGroup], None],
-                 timer: Callable[[], float] = time.perf_counter):
+                 timer: Callable[[], float] = time.perf_counter, history: bool = True):
         self.queue: Dict[int, list] = {id(g): [] for g in groups}
         self.tokens: Dict[int, int] = {id(g): 0 for g in groups}
         self.spec: Dict[int, object] = {id(g): g.target_features for g in groups}
@@ -1043,6 +1048,7 @@ class _Pending:
         #: the steps it appended since, what :meth:`park` returns it to
         self.history: Dict[int, tuple] = {}
         self.consumed: Dict[int, list] = {}
+        self.keep_history = history
 
     def add(self, tokens: Tensor, num_new: Tensor, features: Dict, num_host: List[int], tokens_host) -> None:
         """One step's accepted tokens and bonus [B, K] (num_new [B] real), features {spec: [B, K, H]}."""
@@ -1168,7 +1174,7 @@ class _Pending:
                 self.on_start(g)
                 if g.free_draft:
                     self.free[id(g)] = g
-                else:
+                elif self.keep_history:
                     self.history[id(g)], self.consumed[id(g)] = args, []
             entries = self.queue[id(g)]
             if not entries:
