@@ -1166,6 +1166,9 @@ def test_tuner_state_threads_and_bad_files(tmp_path):
     (tmp_path / "other.json").write_text('{"weights": [1, 2]}')
     with pytest.raises(ValueError, match="not a tuner state"):
         dec.load_tuner(tmp_path / "other.json")
+    (tmp_path / "cut.json").write_text((tmp_path / "tuner.json").read_text()[:100])  # (a file cut short)
+    with pytest.raises(ValueError, match="cut.json is not a tuner state"):
+        dec.load_tuner(tmp_path / "cut.json")
     text = (tmp_path / "tuner.json").read_text().replace('"version": 1', '"version": 99')
     (tmp_path / "future.json").write_text(text)
     with pytest.raises(ValueError, match="version 99"):

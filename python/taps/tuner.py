@@ -837,7 +837,10 @@ class Tuner:
         import json
 
         with open(path) as f:
-            data = json.load(f)
+            try:
+                data = json.load(f)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"Tuner.load: {path} is not a tuner state written by Tuner.save ({e})") from None
         if not isinstance(data, dict) or data.get("format") != "taps.Tuner":
             raise ValueError(f"Tuner.load: {path} is not a tuner state written by Tuner.save")
         if data.get("version") != _STATE_VERSION:
