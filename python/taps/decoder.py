@@ -1107,18 +1107,15 @@ class _Pending:
                 entries = [(tokens, num_new, {} if spec is None else {spec: features}, num_host, tokens_host)]
                 joined.append(entries[0])  # alive until the loop ends: pick() knows entries by id
             self.queue[key] = [pick(e) for e in entries]
-            self.tokens[key] = sum(max(e[3], default=0) for e in self.queue[key])
+            self.tokens[key] = _behind(self.queue[key])
         def select(args: tuple) -> tuple:
             ids, lens, root, hidden, cap, host = args
             return (ids.index_select(0, index), lens.index_select(0, index), root.index_select(0, index),
                     None if hidden is None else hidden.index_select(0, index), cap, [host[b] for b in keep])
         for key, args in self.starts.items():
             self.starts[key] = select(args)
-        for key, args in self.history.items():
-            if self.consumed[key]:
-                args = _folded(args, self.consumed[key], self.spec[key])
-                self.consumed[key] = []
-            self.history[key] = select(args)
+        for key in self.history:
+            self.history[key] = select(self._history(key))
 
     def fold(self, group: DraftGroup) -> None:
         """For a group not started yet: its queued steps folded into its start arguments (each request's
@@ -1144,7 +1141,7 @@ class _Pending:
         group.release()
         self.starts[key] = self.history.pop(key)
         self.queue[key] = self.consumed.pop(key) + self.queue[key]
-        self.tokens[key] = sum(max(e[3], default=0) for e in self.queue[key])
+        self.tokens[key] = _behind(self.queue[key])
         return True
 
     def append_start(self, group: DraftGroup, args: tuple) -> None:
@@ -1157,11 +1154,14 @@ class _Pending:
         start arguments after its history, which then holds every step so far (what :meth:`park` restores)."""
         key = id(group)
         if key in self.history:
-            history = self.history[key]
-            if self.consumed[key]:
-                history = _folded(history, self.consumed[key], self.spec[key])
-                self.consumed[key] = []
-            self.history[key] = _concat_args(history, args)
+            self.history[key] = _concat_args(self._history(key), args)
+
+    def _history(self, key: int) -> tuple:
+        """A started group's history with the steps it appended since folded in (none left aside)."""
+        if self.consumed[key]:
+            self.history[key] = _folded(self.history[key], self.consumed[key], self.spec[key])
+            self.consumed[key] = []
+        return self.history[key]
 
     def catch_up(self, groups: Sequence[DraftGroup]) -> List[Tuple[tuple, int, float]]:
         """Start the groups not started yet, and append what each of `groups` missed; returns (drafters,
@@ -1188,8 +1188,7 @@ class _Pending:
             if consumed is not None:
                 consumed += entries
                 if len(consumed) >= 32:  # (a bounded list: folded into the history now and then)
-                    self.history[id(g)] = _folded(self.history[id(g)], consumed, g.target_features)
-                    consumed.clear()
+                    self._history(id(g))
         return out
 
 
@@ -1242,6 +1241,11 @@ def _trim(tree: Combined, real: Optional[int] = None) -> Combined:
     cut = lambda t: t[:, :real]  # noqa: E731
     return Combined(cut(tree.tokens), cut(tree.parents), cut(tree.depth), tree.tree_mask[:, :real, :words],
                     cut(tree.source), tree.choice)
+
+
+def _behind(entries: Sequence[tuple]) -> int:
+    """Tokens per request (the most of any, step by step) that queued steps `entries` hold."""
+    return sum(max(e[3], default=0) for e in entries)
 
 
 def _folded(args: tuple, entries: Sequence[tuple], spec) -> tuple:

@@ -805,8 +805,8 @@ class Tuner:
         template = self._modes[False]
         self._modes = {}
         for mode, values in state["modes"].items():
-            model = copy.copy(template)
-            model.pooled, model.requests, model._memo, model._last = {}, [], {}, {}
+            model = copy.copy(template)  # (its settings; its own requests and memo, load_state_dict the rest)
+            model.requests, model._memo = [], {}
             model.load_state_dict(values)
             self._modes[bool(mode)] = model
         if False not in self._modes:
