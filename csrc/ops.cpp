@@ -18,32 +18,64 @@
 #include <torch/library.h>
 
 #include <cmath>
+#include <initializer_list>
 #include <optional>
 
 #include "cpu/cpu_isa.h"
 
 namespace {
 
-// taps_ops._C.tree_attention(q, k, v, tree_mask, kv_lens, scale, validate, tree_nodes, num_queries): the op through the
-// dispatcher's typed call, for the Python wrapper's common case (plain tensors, scale a float or None, no
-// torch-function mode), without the generic path's schema parsing and boxing (about 2 us a call). The
-// dispatch keys still run (profiler, dispatch modes, each backend's checks), except that inputs without
-// gradients outside any mode skip the autograd keys, as torch's autograd fallback (boxed, about 1 us)
-// would by redispatching below them. Any other argument returns NotImplemented, and the wrapper takes
-// torch.ops, which handles (or rejects) it.
+// The fast entries below call an op through the dispatcher's typed call, for the Python wrapper's common case
+// (plain tensors, plain Python numbers, no torch-function mode), without the generic path's schema parsing and
+// boxing (1-2 us a call, as long as a small op's own work). The dispatch keys still run (profiler, dispatch
+// modes, each backend's checks), except that inputs without gradients outside any mode skip the autograd keys,
+// as torch's autograd fallback (boxed, about 1 us) would by redispatching below them. Any other argument
+// returns NotImplemented, and the wrapper takes torch.ops, which handles (or rejects) it.
+
+// Whether the arguments are what a fast entry takes: `tensors` exact tensors (None allowed where `optional`).
+bool plain_tensors(PyObject* const* args, int tensors, bool optional = false) {
+  for (int i = 0; i < tensors; ++i) {
+    if (optional && args[i] == Py_None) continue;
+    if (!THPVariable_CheckExact(args[i])) return false;
+  }
+  return true;
+}
+
+// call() with the GIL released (as torch.ops does), below the autograd keys when `grad` is false (no input
+// needs a gradient, or grad mode is off) and no mode or transform has added keys to the thread's included set
+// (BackendSelect, ADInplaceOrView: always).
+template <class Call>
+at::Tensor call_typed(bool grad, Call&& call) {
+  const bool below_autograd =
+      !grad && (c10::impl::tls_local_dispatch_key_set().included_ - c10::default_included_set).empty();
+  struct ReleaseGil {
+    PyThreadState* state = PyEval_SaveThread();
+    ~ReleaseGil() { PyEval_RestoreThread(state); }
+  } release;
+  std::optional<at::AutoDispatchBelowAutograd> below;
+  if (below_autograd) below.emplace();
+  return call();
+}
+
+bool needs_grad(std::initializer_list<const at::Tensor*> tensors) {
+  if (!at::GradMode::is_enabled()) return false;
+  for (const at::Tensor* t : tensors)
+    if (t != nullptr && t->defined() && t->requires_grad()) return true;
+  return false;
+}
+
+// taps_ops._C.tree_attention(q, k, v, tree_mask, kv_lens, scale, validate, tree_nodes, num_queries).
 PyObject* tree_attention_py(PyObject* /*self*/, PyObject* const* args, Py_ssize_t nargs) {
   HANDLE_TH_ERRORS
   if (nargs != 9) {
     PyErr_SetString(PyExc_TypeError, "taps_ops._C.tree_attention takes 9 positional arguments");
     return nullptr;
   }
-  for (int i = 0; i < 5; ++i) {
-    if (!THPVariable_CheckExact(args[i])) Py_RETURN_NOTIMPLEMENTED;
-  }
+  if (!plain_tensors(args, 5)) Py_RETURN_NOTIMPLEMENTED;
   PyObject *scale_arg = args[5], *validate_arg = args[6], *nodes_arg = args[7], *queries_arg = args[8];
   if (at::impl::torch_function_mode_enabled() || (scale_arg != Py_None && !PyFloat_CheckExact(scale_arg)) ||
       !PyBool_Check(validate_arg) || (nodes_arg != Py_None && !PyLong_CheckExact(nodes_arg)) ||
-      (queries_arg != Py_None && !THPVariable_CheckExact(queries_arg)))
+      !plain_tensors(args + 8, 1, /*optional=*/true))
     Py_RETURN_NOTIMPLEMENTED;
   std::optional<int64_t> tree_nodes;
   if (nodes_arg != Py_None) {
@@ -66,22 +98,33 @@ PyObject* tree_attention_py(PyObject* /*self*/, PyObject* const* args, Py_ssize_
   const at::Tensor &tree_mask = THPVariable_Unpack(args[3]), &kv_lens = THPVariable_Unpack(args[4]);
   std::optional<at::Tensor> num_queries;
   if (queries_arg != Py_None) num_queries = THPVariable_Unpack(queries_arg);
-  const bool grad = at::GradMode::is_enabled() && (q.requires_grad() || k.requires_grad() || v.requires_grad() ||
-                                                   tree_mask.requires_grad() || kv_lens.requires_grad());
-  // no mode or transform has added keys to the thread's included set (BackendSelect, ADInplaceOrView: always)
-  const bool below_autograd =
-      !grad && (c10::impl::tls_local_dispatch_key_set().included_ - c10::default_included_set).empty();
-  at::Tensor out;
-  {
-    // the GIL released around the op, as torch.ops does
-    struct ReleaseGil {
-      PyThreadState* state = PyEval_SaveThread();
-      ~ReleaseGil() { PyEval_RestoreThread(state); }
-    } release;
-    std::optional<at::AutoDispatchBelowAutograd> below;
-    if (below_autograd) below.emplace();
-    out = op.call(q, k, v, tree_mask, kv_lens, scale, validate_arg == Py_True, tree_nodes, num_queries);
+  const bool grad = needs_grad({&q, &k, &v, &tree_mask, &kv_lens});
+  at::Tensor out = call_typed(grad, [&] {
+    return op.call(q, k, v, tree_mask, kv_lens, scale, validate_arg == Py_True, tree_nodes, num_queries);
+  });
+  return THPVariable_Wrap(std::move(out));
+  END_HANDLE_TH_ERRORS
+}
+
+// taps_ops._C.panel_linear(x, panels, bias): a product of a few rows costs 2-5 us, of which torch.ops' own
+// argument handling was 0.5-0.6 us more than torch.mm's (bench/RESULTS.md).
+PyObject* panel_linear_py(PyObject* /*self*/, PyObject* const* args, Py_ssize_t nargs) {
+  HANDLE_TH_ERRORS
+  if (nargs != 3) {
+    PyErr_SetString(PyExc_TypeError, "taps_ops._C.panel_linear takes 3 positional arguments");
+    return nullptr;
   }
+  if (!plain_tensors(args, 2) || !plain_tensors(args + 2, 1, /*optional=*/true) ||
+      at::impl::torch_function_mode_enabled())
+    Py_RETURN_NOTIMPLEMENTED;
+  static const auto op = c10::Dispatcher::singleton()
+                             .findSchemaOrThrow("taps_ops::panel_linear", "")
+                             .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&)>();
+  const at::Tensor &x = THPVariable_Unpack(args[0]), &panels = THPVariable_Unpack(args[1]);
+  std::optional<at::Tensor> bias;
+  if (args[2] != Py_None) bias = THPVariable_Unpack(args[2]);
+  const bool grad = needs_grad({&x, &panels, bias ? &*bias : nullptr});
+  at::Tensor out = call_typed(grad, [&] { return op.call(x, panels, bias); });
   return THPVariable_Wrap(std::move(out));
   END_HANDLE_TH_ERRORS
 }
@@ -89,6 +132,8 @@ PyObject* tree_attention_py(PyObject* /*self*/, PyObject* const* args, Py_ssize_
 PyMethodDef module_methods[] = {
     {"tree_attention", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(tree_attention_py)),
      METH_FASTCALL, "tree_attention through the dispatcher's typed call (see taps_ops.tree_attention)"},
+    {"panel_linear", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(panel_linear_py)), METH_FASTCALL,
+     "panel_linear through the dispatcher's typed call (see taps_ops.panel_linear)"},
     {nullptr, nullptr, 0, nullptr},
 };
 
@@ -96,7 +141,7 @@ PyMethodDef module_methods[] = {
 
 extern "C" {
 // `import taps_ops._C` loads this shared library, whose static initialisers register the ops; the module's
-// one function is the wrapper's fast entry to tree_attention.
+// functions are the wrappers' fast entries to tree_attention and panel_linear.
 PyObject* PyInit__C(void) {
   static struct PyModuleDef module_def = {PyModuleDef_HEAD_INIT, "_C", nullptr, -1, module_methods};
   return PyModule_Create(&module_def);

@@ -244,3 +244,67 @@ def test_fake_tensor_shape():
     with FakeTensorMode(allow_non_fake_inputs=True):
         y = torch.ops.taps_ops.panel_linear(torch.empty(2, 7, 24), args["panels"], None)
     assert y.shape == (2, 7, 32)
+
+
+@pytest.mark.parametrize("shape", [(24,), (3, 24), (2, 5, 24), (0, 24)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_fast_entry_same_as_torch_ops(shape, bias):
+    """taps_ops.panel_linear (and taps.lean's call) take a fast entry for plain CPU tensors, torch.ops for
+    anything else: the same bits either way."""
+    args = _valid()
+    x, b = torch.randn(shape), args["bias"] if bias else None
+    want = torch.ops.taps_ops.panel_linear.default(x, args["panels"], b)
+    assert torch.equal(taps_ops.panel_linear(x, args["panels"], b), want)
+    assert torch.equal(taps_ops._panel_linear_call(x, args["panels"], b), want)
+    if taps_ops._panel_linear_fast is not None:
+        assert torch.equal(taps_ops._panel_linear_fast(x, args["panels"], b), want)
+        assert taps_ops._panel_linear_fast(x, args["panels"], 1.0) is NotImplemented  # torch.ops rejects it
+        with pytest.raises(TypeError, match="3 positional arguments"):
+            taps_ops._panel_linear_fast(x, args["panels"])
+
+
+def test_fast_entry_keeps_modes_autograd_and_profiler():
+    """The fast entry still dispatches: torch-function and dispatch modes, subclasses, the autograd
+    fallback (inputs that need gradients) and the profiler see the op as through torch.ops."""
+    from torch.overrides import TorchFunctionMode
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    args = _valid()
+    x, panels, bias = args["x"], args["panels"], args["bias"]
+    want = taps_ops.panel_linear(x, panels, bias)
+    op = torch.ops.taps_ops.panel_linear.default
+    seen = []
+
+    class FunctionMode(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            seen.append(("function", func))
+            return func(*args, **(kwargs or {}))
+
+    class DispatchMode(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            seen.append(("dispatch", func))
+            return func(*args, **(kwargs or {}))
+
+    for mode in (FunctionMode, DispatchMode):
+        seen.clear()
+        with mode():
+            assert torch.equal(taps_ops.panel_linear(x, panels, bias), want)
+        assert (mode is FunctionMode and ("function", op) in seen) or ("dispatch", op) in seen
+
+    class Sub(torch.Tensor):
+        pass
+
+    assert torch.equal(taps_ops.panel_linear(x.as_subclass(Sub), panels, bias), want)
+    assert torch.equal(taps_ops.panel_linear(x, panels, bias.as_subclass(Sub)), want)
+
+    xg = x.clone().requires_grad_()
+    with pytest.warns(UserWarning, match="autograd kernel was not registered"):
+        out = taps_ops.panel_linear(xg, panels, bias)
+        assert out.requires_grad and out.grad_fn is not None  # the autograd fallback's node, as with torch.ops
+        out.sum().backward()
+    with torch.no_grad():
+        assert taps_ops.panel_linear(xg, panels, bias).grad_fn is None
+
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        taps_ops.panel_linear(x, panels, bias)
+    assert any(e.name == "taps_ops::panel_linear" for e in prof.events())
