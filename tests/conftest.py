@@ -138,6 +138,31 @@ def assert_compiles_like_eager(fn, *args):
         assert torch.equal(g, w), f"output {i} differs from eager"
 
 
+def assert_modes_see_op(call, op, want):
+    """``call()`` gives `want` under a torch-function mode and a dispatch mode, and each mode sees `op` (an
+    OpOverload): what a wrapper's fast entry must keep of torch.ops' dispatch."""
+    from torch.overrides import TorchFunctionMode
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    seen = []
+
+    class FunctionMode(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            seen.append(("function", func))
+            return func(*args, **(kwargs or {}))
+
+    class DispatchMode(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            seen.append(("dispatch", func))
+            return func(*args, **(kwargs or {}))
+
+    for mode in (FunctionMode, DispatchMode):
+        seen.clear()
+        with mode():
+            assert torch.equal(call(), want)
+        assert (mode is FunctionMode and ("function", op) in seen) or ("dispatch", op) in seen, mode.__name__
+
+
 def fuzz_against_reference(device, cases, reference, op, fields, max_examples=150):
     """Hypothesis fuzzing of a tree op: for every drawn case (a tuple of op arguments), the op raises on
     `device` exactly when `reference` raises ValueError, and otherwise returns the reference's outputs

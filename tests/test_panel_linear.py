@@ -16,6 +16,8 @@ import torch
 import taps_ops
 from taps_ops.reference import panel_linear_ref
 
+from conftest import assert_compiles_like_eager, assert_modes_see_op
+
 LEVELS = taps_ops.CPU_ISA_LEVELS
 RUNNABLE = LEVELS[: LEVELS.index(taps_ops.cpu_info()["host_isa"]) + 1]
 
@@ -266,30 +268,11 @@ def test_fast_entry_same_as_torch_ops(shape, bias):
 def test_fast_entry_keeps_modes_autograd_and_profiler():
     """The fast entry still dispatches: torch-function and dispatch modes, subclasses, the autograd
     fallback (inputs that need gradients) and the profiler see the op as through torch.ops."""
-    from torch.overrides import TorchFunctionMode
-    from torch.utils._python_dispatch import TorchDispatchMode
-
     args = _valid()
     x, panels, bias = args["x"], args["panels"], args["bias"]
     want = taps_ops.panel_linear(x, panels, bias)
-    op = torch.ops.taps_ops.panel_linear.default
-    seen = []
-
-    class FunctionMode(TorchFunctionMode):
-        def __torch_function__(self, func, types, args=(), kwargs=None):
-            seen.append(("function", func))
-            return func(*args, **(kwargs or {}))
-
-    class DispatchMode(TorchDispatchMode):
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            seen.append(("dispatch", func))
-            return func(*args, **(kwargs or {}))
-
-    for mode in (FunctionMode, DispatchMode):
-        seen.clear()
-        with mode():
-            assert torch.equal(taps_ops.panel_linear(x, panels, bias), want)
-        assert (mode is FunctionMode and ("function", op) in seen) or ("dispatch", op) in seen
+    assert_modes_see_op(lambda: taps_ops.panel_linear(x, panels, bias), torch.ops.taps_ops.panel_linear.default, want)
+    assert_compiles_like_eager(lambda *a: (taps_ops.panel_linear(*a),), x, panels, bias)
 
     class Sub(torch.Tensor):
         pass

@@ -13,7 +13,7 @@ import torch
 import taps_ops
 from taps_ops.reference import tree_attention_dense_mask, tree_attention_ref
 
-from conftest import assert_compiles_like_eager
+from conftest import assert_compiles_like_eager, assert_modes_see_op
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 
@@ -328,29 +328,10 @@ def test_wrapper_same_as_torch_ops(scale, kwargs):
 def test_wrapper_keeps_modes_autograd_and_profiler():
     """The fast entry still dispatches: torch-function and dispatch modes, subclasses, the autograd
     fallback (inputs that need gradients) and the profiler see the op as through torch.ops."""
-    from torch.overrides import TorchFunctionMode
-    from torch.utils._python_dispatch import TorchDispatchMode
-
     q, k, v, mask, kv_lens = make_inputs(1, 2, 1, 3, 16, 10, torch.float32, "cpu")
-    seen = []
-
-    class FunctionMode(TorchFunctionMode):
-        def __torch_function__(self, func, types, args=(), kwargs=None):
-            seen.append(("function", func))
-            return func(*args, **(kwargs or {}))
-
-    class DispatchMode(TorchDispatchMode):
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            seen.append(("dispatch", func))
-            return func(*args, **(kwargs or {}))
-
     want = taps_ops.tree_attention(q, k, v, mask, kv_lens)
-    op = torch.ops.taps_ops.tree_attention.default
-    for mode in (FunctionMode, DispatchMode):
-        seen.clear()
-        with mode():
-            assert torch.equal(taps_ops.tree_attention(q, k, v, mask, kv_lens), want)
-        assert (mode is FunctionMode and ("function", op) in seen) or ("dispatch", op) in seen
+    assert_modes_see_op(lambda: taps_ops.tree_attention(q, k, v, mask, kv_lens),
+                        torch.ops.taps_ops.tree_attention.default, want)
 
     class Sub(torch.Tensor):
         pass
