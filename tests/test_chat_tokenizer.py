@@ -37,3 +37,19 @@ def test_decoder_takes_the_wrapper_or_its_hf_tokenizer(shipped):
             for t in (tok, tok.hf)]
     assert outs[0].tokens == outs[1].tokens and len(outs[0].tokens[0]) > 0
     assert outs[0].text == outs[1].text == [tok.decode(outs[0].tokens[0])]
+
+
+def test_decode_is_hugging_faces_without_clean_up(shipped):
+    """ChatTokenizer.decode calls the fast tokenizer's backend directly (a server decodes twice per token):
+    the text of Hugging Face's decode without clean-up, special tokens kept or skipped, for random ids
+    (special tokens, partial multi-byte characters and single tokens included)."""
+    import random
+
+    _, tok, _ = shipped
+    rng = random.Random(0)
+    special = [tok.bos_id, tok.eos_id, tok.pad_id]
+    for _ in range(300):
+        ids = [rng.choice(special) if rng.random() < 0.1 else rng.randrange(len(tok)) for _ in range(rng.randint(0, 12))]
+        for skip in (False, True):
+            assert tok.decode(ids, skip_special_tokens=skip) == tok.hf.decode(
+                ids, skip_special_tokens=skip, clean_up_tokenization_spaces=False), (ids, skip)

@@ -512,3 +512,60 @@ def test_tuner_state_kept_between_runs(models, tmp_path, caplog):
     with caplog.at_level(logging.WARNING, logger="taps.serve"), BackgroundServer(config, models=models) as s:
         client_of(s).chat.completions.create(model="taps-mini", messages=QUESTION, max_tokens=4)
     assert any("not using" in r.getMessage() and "threads: 1000 there" in r.getMessage() for r in caplog.records)
+
+
+def test_token_rate_is_the_windows_sum():
+    """The tokens-per-second gauge's running sum equals the sum over the window's steps (all but the first)
+    over its time span, step after step, as steps leave the window."""
+    import random
+
+    from taps.serve.engine import _TokenRate
+
+    rng = random.Random(0)
+    rate, steps, now = _TokenRate(window=1.0), [], 0.0
+    assert rate.per_second() == 0.0
+    for _ in range(2000):
+        now += rng.choice([0.001, 0.01, 0.05, 0.3, 1.5])
+        tokens = rng.randint(0, 16)
+        rate.add(now, tokens)
+        steps = [(t, n) for t, n in steps + [(now, tokens)] if t >= now - 1.0]
+        span = steps[-1][0] - steps[0][0]
+        want = sum(n for _, n in steps[1:]) / span if len(steps) > 1 and span > 0 else 0.0
+        assert rate.per_second() == pytest.approx(want, rel=1e-12, abs=1e-12)
+
+
+def test_mailbox_delivers_a_burst_in_one_wake_up():
+    """Outputs the engine thread posts before the loop runs arrive with one wake-up of the loop, each
+    request's in order; a closed loop drops them without raising (the server is gone)."""
+    import asyncio
+    import threading
+
+    from taps.serve.app import _Mailbox
+
+    loop = asyncio.new_event_loop()
+    try:
+        wakes = []
+        real = loop.call_soon_threadsafe
+        loop.call_soon_threadsafe = lambda *a: (wakes.append(a), real(*a))[1]
+        queues = [asyncio.Queue() for _ in range(3)]
+        box = _Mailbox.of(loop)
+        assert _Mailbox.of(loop) is box
+
+        def engine():
+            for i in range(30):
+                box.post(queues[i % 3], i)
+
+        thread = threading.Thread(target=engine)
+        thread.start()
+        thread.join()
+        assert len(wakes) == 1
+        loop.run_until_complete(asyncio.sleep(0))
+        assert [[q.get_nowait() for _ in range(q.qsize())] for q in queues] == [list(range(r, 30, 3)) for r in range(3)]
+        box.post(queues[0], "again")  # after the delivery: a new wake-up
+        assert len(wakes) == 2
+        loop.run_until_complete(asyncio.sleep(0))
+        assert queues[0].get_nowait() == "again"
+    finally:
+        loop.close()
+    box.post(queues[0], "late")  # a closed loop
+    assert box.items == []

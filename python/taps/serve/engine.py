@@ -208,7 +208,7 @@ class Engine:
         #: as of the last turn of the loop
         self.num_running = 0
         self.num_waiting = 0
-        self._throughput: Deque[Tuple[float, int]] = deque()
+        self._throughput = _TokenRate()
 
     # -- the asyncio side ------------------------------------------------------------------------------
     def start(self) -> None:
@@ -394,9 +394,7 @@ class Engine:
         if self.metrics is not None:
             self.metrics.step_seconds.observe(seconds)
         now = time.perf_counter()
-        self._throughput.append((now, committed))
-        while self._throughput and self._throughput[0][0] < now - 10.0:
-            self._throughput.popleft()
+        self._throughput.add(now, committed)
 
     def _event(self, event) -> None:
         live = self._live.get(event.request_id)
@@ -461,9 +459,30 @@ class Engine:
         if self.metrics is not None:
             self.metrics.running.set(in_batches)
             self.metrics.queue_depth.set(waiting)
-            span = self._throughput[-1][0] - self._throughput[0][0] if len(self._throughput) > 1 else 0.0
-            tokens = sum(n for _, n in list(self._throughput)[1:])
-            self.metrics.tokens_per_second.set(tokens / span if span > 0 else 0.0)
+            self.metrics.tokens_per_second.set(self._throughput.per_second())
+
+
+class _TokenRate:
+    """Tokens per second over the steps of the last `window` seconds: the tokens of every step but the
+    first of the window over the time from the first to the last (a running sum: a server makes hundreds
+    of steps a second, and a sum over the window at each step grew with it)."""
+
+    def __init__(self, window: float = 10.0):
+        self.window = window
+        self.steps: Deque[Tuple[float, int]] = deque()
+        self.tokens = 0  # of every step in `steps` but the first
+
+    def add(self, now: float, tokens: int) -> None:
+        if self.steps:
+            self.tokens += tokens
+        self.steps.append((now, tokens))
+        while self.steps[0][0] < now - self.window:
+            self.steps.popleft()
+            self.tokens -= self.steps[0][1]  # the new first step's tokens leave the sum
+
+    def per_second(self) -> float:
+        span = self.steps[-1][0] - self.steps[0][0] if len(self.steps) > 1 else 0.0
+        return self.tokens / span if span > 0 else 0.0
 
 
 def _shape_name(label: str, names: Sequence[str]) -> str:
