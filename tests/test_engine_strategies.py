@@ -132,6 +132,29 @@ def test_merged_trees_deduplicate_and_respect_budget():
             assert all(out.source[r, i] in (1, 2, 3) for i in range(1, n))
 
 
+@pytest.mark.parametrize("name", ["merged", "merged-budget"])
+@pytest.mark.parametrize("seed", range(6))
+def test_one_drafters_step_is_its_tree_unmerged(name, seed):
+    """A step where one drafter of several drafted (a tuner's choice, prompt lookup alone) skips
+    merge_trees: its tree as built equals the trie union of that one tree (its siblings distinct, as every
+    drafter's are), field for field, with the drafter's bit as the draft nodes' source."""
+    batch, budget, t = 3, 5 + seed, seed % 3
+    root = torch.tensor([4, 5, 6])
+    a = _cands(batch, 0, seed=seed, depth=2 + seed % 3, top_k=2 + seed % 2, vocab=10 ** 6)  # distinct siblings
+    s = make_strategy(name, 3, budget)
+    s.reset(batch, torch.device("cpu"))
+    out = s.combine({t: a}, root)
+    tree = taps_ops.build_tree(a.scores, a.tokens, a.parents, budget, root_tokens=root)
+    union = taps_ops.merge_trees(tree.tokens.unsqueeze(1), tree.parents.unsqueeze(1), tree.scores.unsqueeze(1),
+                                 num_nodes=budget if name == "merged-budget" else None)
+    for field in ("tokens", "parents", "depth", "tree_mask"):
+        assert torch.equal(getattr(out, field), getattr(union, field)), field
+    draft = union.tokens >= 0
+    draft[:, 0] = False
+    assert torch.equal(out.source, torch.where(draft, union.source << t, 0))
+    assert draft.any()
+
+
 def test_adaptive_split_and_cut():
     alloc = allocate_budget(torch.tensor([[3.0, 1.0], [1.0, 1.0], [0.0, 5.0], [1.0, 0.0]]), 10)
     assert alloc.tolist() == [[7, 3], [5, 5], [1, 9], [9, 1]]
