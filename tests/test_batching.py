@@ -422,3 +422,61 @@ def test_plain_steps_coast_until_the_batch_changes():
     assert out.tokens == [ref0, ref1[:ref1.index(eos) + 1]]
     changed = [i for i in range(1, len(steps)) if steps[i][0] != steps[i - 1][0]]
     assert len(changed) == 1 and steps[changed[0]][1], steps
+
+
+class _Picks(Tuner):
+    """The first option whose drafters include `wanted` (no draft when `wanted` is None) every `every` steps,
+    marked a probe when `probe`; no draft on the other steps."""
+
+    def __init__(self, wanted=None, probe=False, every=1):
+        super().__init__(FixedCosts(lambda n, b: 1e-3, lambda g, d, b: 1e-3))
+        self.wanted, self.probe, self.every = wanted, probe, every
+
+    def choose(self, options):
+        self.clock += 1
+        for shape, *_ in options:
+            if self.wanted is not None and self.wanted in shape.drafters and self.clock % self.every == 0:
+                self.probing = self.probe
+                return shape
+        return options[0][0]
+
+
+@pytest.mark.parametrize("names,wanted,probe,retired", [
+    (("eagle", "early", "lookup"), None, False, [0, 1]),   # never chosen: both model groups leave, lookup stays
+    (("eagle", "early", "lookup"), 0, False, [1]),         # the chosen one stays
+    (("eagle", "early", "lookup"), 0, True, [0, 1]),       # probes (every third step) are no choice
+    (("eagle", "early"), None, False, [1]),                # one group stays (the first)
+])
+def test_groups_the_tuner_never_chooses_retire(names, wanted, probe, retired):
+    """A drafter group that runs a model and that the tuner has not chosen for retire_after steps leaves the
+    batch (its arguments, queue and history released), through joins and drops, and every request still gets
+    its greedy output; retire_after=None keeps every group."""
+    m = em.greedy_models()
+    new = [30, 9, 25, 12, 28, 16, 20]
+    arrivals = {}
+    for i in range(7):
+        arrivals.setdefault(0 if i < 2 else 5 * (i - 1), []).append((i, PROMPTS[i % 6],
+                                                                   SamplingParams(max_new_tokens=new[i])))
+    for retire_after in (6, None):
+        dec = SpeculativeDecoder(m["target"], _drafters(names), strategy="merged", depth=3, top_k=3, budget=8,
+                                 tuner=_Picks(wanted, probe, every=3 if probe else 1))
+        dec.retire_after = retire_after
+        batch = ContinuousBatch(dec, max_batch=4)
+        seen = []
+        step = batch.step
+
+        def watched():
+            out = step()
+            if batch.state is not None:
+                state = batch.state
+                seen.append(list(state.retired))
+                ids = {id(g) for g in state.groups}
+                assert set(state.pending.queue) == ids and set(state.pending.starts) <= ids
+                assert len(state.groups) >= 1
+            return out
+        batch.step = watched
+        tokens, reasons, _ = _run(batch, arrivals, cancel_at={12: [3]})
+        assert sorted(max(seen, key=len)) == (retired if retire_after else []), seen
+        for i in range(7):
+            ref = _greedy(i % 6, new[i])
+            assert tokens[i] == (ref if reasons[i] == "length" else ref[:len(tokens[i])]), f"request {i}"

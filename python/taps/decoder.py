@@ -176,6 +176,10 @@ class SpeculativeDecoder:
         #: (their tokens and the target features it reads: B x length x hidden per group). False: no history,
         #: no parking (a server whose drafters pay on most steps, with a large target)
         self.park_groups = True
+        #: with a tuner, a drafter group that runs a model and has not been the tuner's choice for this many
+        #: steps in a row (its probes apart) leaves the batch for good (:meth:`_retire`): a drafter that does
+        #: not pay here still costs its upkeep at every join, drop and plan. None: never
+        self.retire_after: Optional[int] = RETIRE_AFTER
         #: (rows, requests, tree width) of the target forwards run so far (see _first_shape)
         self._shapes_run: set = set()
         self._groups: Optional[Tuple[tuple, List[DraftGroup]]] = None
@@ -407,6 +411,7 @@ class SpeculativeDecoder:
             start = self._now()
             self._route(state)
             plan = self._plan(state)
+            self._retire(state, plan)
             # the clock is read only for a step the tuner observes: a coasting plain step that it does not
             # observe reads it once (a CPU-time clock can cost 100 us a read inside a VM)
             timed = plan.shape is not None and self.tuner.observes(plan.shape)
@@ -502,6 +507,41 @@ class SpeculativeDecoder:
             return _Plan(shape, [], 0, updates=updates)
         chosen = set(shape.drafters)
         return _Plan(shape, [g for g in groups if chosen.issuperset(g.members)], shape.depth, updates=updates)
+
+    def _retire(self, state: "DecodeState", plan: "_Plan") -> None:
+        """Drop, for the rest of the batch, each drafter group that runs a model and that the tuner has not
+        chosen (its probes apart) for :attr:`retire_after` steps in a row: its start arguments or state, its
+        queued steps and history are released, and the tuner's plans, joins and drops no longer carry it
+        (in a server on a CPU, where the shipped heads seldom pay at a batch of 8, that upkeep cost more than
+        the tuner's draft choices gained). Prompt lookup is never retired (kept current at little cost, and
+        its matches come and go), nor the batch's last group; a batch made afresh has every group again."""
+        if self.retire_after is None or state.pending is None or plan.shape is None:
+            return
+        chosen = () if self.tuner.probing else plan.shape.drafters
+        retired = []
+        for g in state.groups:
+            if g.free_draft:
+                continue
+            if chosen and set(chosen).issuperset(g.members):
+                state.unchosen[id(g)] = 0
+                continue
+            state.unchosen[id(g)] = state.unchosen.get(id(g), 0) + 1
+            if state.unchosen[id(g)] >= self.retire_after and all(g is not d for d in plan.drafting):
+                retired.append(g)  # (a group this step's probe drafts with leaves after it)
+        if len(retired) == len(state.groups):  # (one group stays: a batch without any drafts with no drafter)
+            retired = retired[1:]
+        if not retired:
+            return
+        for g in retired:
+            if state.pending.started(g):
+                g.release()
+            state.pending.starts.pop(id(g), None)
+            state.pending.replace([g], [None])
+            del state.unchosen[id(g)]
+        state.groups = [g for g in state.groups if all(g is not r for r in retired)]
+        state.capture = self.forward.capture_layers(g.target_features for g in state.groups)
+        state.retired += [t for g in retired for t in g.members]
+        state.epoch += 1
 
     @staticmethod
     def _ready(groups: Sequence[DraftGroup], active: Sequence[int]) -> List[Optional[Tuple[int, ...]]]:
@@ -929,6 +969,10 @@ class DecodeState:
         #: dropped); coast: (the tuner's coast token, epoch) after a plan of no draft
         self.epoch = 0
         self.coast: Optional[tuple] = None
+        #: with a tuner: per group, the steps since the tuner last chose it (SpeculativeDecoder._retire); the
+        #: drafters (indices) of the groups retired so far
+        self.unchosen: Dict[int, int] = {}
+        self.retired: List[int] = []
 
     @property
     def batch(self) -> int:
@@ -1029,6 +1073,11 @@ def _join_sample(a: dict, batch_a: int, b: dict, batch_b: int) -> dict:
 #: a started drafter group (one that runs a model) behind by this many tokens (a request's most) when requests join
 #: the batch is returned to not started (:meth:`_Pending.park`) rather than brought up to date
 PARK_AFTER_TOKENS = 8
+
+#: SpeculativeDecoder.retire_after's default: steps a drafter group that runs a model may go unchosen by the
+#: tuner (probes apart) before it leaves the batch (the tuner's probes of a kind that could still win come
+#: at doubling intervals, 1 to max_probe_interval steps apart: a group that pays is chosen long before)
+RETIRE_AFTER = 128
 
 
 class _Pending:

@@ -686,6 +686,8 @@ class Tuner:
         #: (each recomputation prices every candidate again: most of a plan's cost, paid on most steps
         #: where a drafter is chosen; a value a few steps old moves by a few observations' worth)
         self.refresh = int(refresh)
+        #: whether the last plan's shape is a probe (a kind tried for what it could give, not the best one)
+        self.probing = False
 
     # -- the candidate set ---------------------------------------------------------------------------
     def kinds(self, groups: Sequence[Tuple[int, ...]], single: bool) -> List[Tuple[Tuple[int, ...], ...]]:
@@ -772,6 +774,7 @@ class Tuner:
         key = max(due, key=lambda k: (k[1], -probe.get(k, (0, 1))[0]))
         shape, loss = due[key]
         self._credit -= loss
+        self.probing = True
         interval = min(probe.get(key, (0, 1))[1] * 2, self.max_probe_interval)
         probe[key] = (clock + interval, interval)
         for other in {o[0].key for o in options}:
@@ -898,6 +901,7 @@ class Tuner:
                 may pay where one with a single match does not.
         """
         costs = self.costs
+        self.probing = False
         groups = tuple(groups)
         idle = frozenset(idle) if not single else frozenset()
         counts: Dict[int, int] = {}  # per group that proposes for some requests only: how many now
