@@ -137,3 +137,17 @@ def test_tuner_dir(tmp_path):
         settings(tmp_path, ["--tuner-dir", str(tmp_path / "file")])
     with pytest.raises(ValueError, match="tuner_dir must be a path"):
         settings(tmp_path, [], "tuner_dir = 3")
+
+
+def test_retire_after(tmp_path):
+    assert settings(tmp_path, []).retire_after is None  # the decoder's default
+    assert settings(tmp_path, ["--retire-after", "64"]).retire_after == 64
+    assert settings(tmp_path, ["--retire-after", "never"]).retire_after == "never"
+    assert settings(tmp_path, [], 'retire_after = "never"').retire_after == "never"
+    assert settings(tmp_path, [], "retire_after = 300").retire_after == 300
+    with pytest.raises(ValueError, match="retire_after .or 'never'. must be"):
+        settings(tmp_path, [], "retire_after = 0")
+    with pytest.raises(ValueError, match="retire_after"):
+        settings(tmp_path, [], 'retire_after = "soon"')
+    with pytest.raises(SystemExit):
+        settings(tmp_path, ["--retire-after", "0"])

@@ -19,7 +19,7 @@ import sys
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 __all__ = ["ArgumentParser", "int_at_least", "float_at_least", "float_list", "name_list", "device_name",
-           "or_auto", "check_ranges"]
+           "or_auto", "or_never", "check_ranges"]
 
 
 class ArgumentParser(argparse.ArgumentParser):
@@ -85,14 +85,23 @@ def float_at_least(low: float, high: Optional[float] = None) -> Callable[[str], 
     return _bounded(_float, "a number", low, high)
 
 
+def _or_word(word: str, parse: Callable[[str], object]) -> Callable[[str], object]:
+    def parse_or_word(text: str):
+        return word if text == word else parse(text)
+
+    parse_or_word.__name__ = getattr(parse, "__name__", "value")
+    return parse_or_word
+
+
 def or_auto(parse: Callable[[str], object]) -> Callable[[str], object]:
     """An argparse ``type``: ``auto``, or a value `parse` accepts (e.g. ``or_auto(int_at_least(2))`` for a
     node budget)."""
-    def parse_or_auto(text: str):
-        return "auto" if text == "auto" else parse(text)
+    return _or_word("auto", parse)
 
-    parse_or_auto.__name__ = getattr(parse, "__name__", "value")
-    return parse_or_auto
+
+def or_never(parse: Callable[[str], object]) -> Callable[[str], object]:
+    """An argparse ``type``: ``never``, or a value `parse` accepts (e.g. ``or_never(int_at_least(1))``)."""
+    return _or_word("never", parse)
 
 
 def float_list(low: float = -math.inf) -> Callable[[str], List[float]]:

@@ -9,6 +9,7 @@ from the file's folder)::
     default_drafters = ["eagle", "lookup"]       # a request's drafters when it names none (default: all)
     budget = "auto"                              # nodes of one drafter's tree, or auto (taps.Tuner)
     tuner_dir = "tuners"                         # the tuners' state kept between runs (default: none)
+    retire_after = "never"                       # steps a drafter the tuner never chooses stays (default 128)
     depth = 5
     top_k = 8
 
@@ -56,7 +57,8 @@ _KIND_OPTIONS = {"shipped": {"draft_vocab"}, "eagle": set(), "model": set(),
                  "lookup": {"max_ngram", "min_ngram", "depth"}}
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
 _TOP_KEYS = {"target", "dtype", "device", "model_name", "host", "port", "strategy", "default_drafters", "depth",
-             "top_k", "budget", "threads", "draft_vocab", "drafters", "limits", "log_level", "tuner_dir"}
+             "top_k", "budget", "threads", "draft_vocab", "drafters", "limits", "log_level", "tuner_dir",
+             "retire_after"}
 _LIMIT_KEYS = {"max_batch", "max_queue", "timeout", "default_max_tokens", "max_tokens"}
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
 
@@ -100,6 +102,8 @@ class ServeConfig:
     log_level: str = "info"
     #: a folder where each decoder's tuner keeps its state between runs (None: none kept)
     tuner_dir: Optional[str] = None
+    #: SpeculativeDecoder.retire_after of the tuned decoders: steps, or "never" (None: the decoder's default)
+    retire_after: Union[int, str, None] = None
 
     def __post_init__(self):
         if self.drafters is None:
@@ -311,7 +315,7 @@ README.md, "Serving", describes the config file, the taps extra and the limits."
 def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     """The options of ``taps serve``; each value checked as it is parsed (the file and the combination of
     values by :func:`config_from_args`, still before anything loads)."""
-    from ..arguments import device_name, int_at_least, name_list, or_auto
+    from ..arguments import device_name, int_at_least, name_list, or_auto, or_never
     from ..models import DTYPES
 
     def drafter(text: str):
@@ -358,6 +362,10 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                    help="keep each decoder's tuner state (measured costs, acceptance) in DIR between runs: loaded "
                         "when the decoder is made (state measured on another model, CPU, dtype or thread count is "
                         "skipped), saved when the server stops; a restarted server does not learn again")
+    g.add_argument("--retire-after", type=or_never(int_at_least(1)), metavar="N|never",
+                   help="a drafter that runs a model and that the tuner has not chosen for N steps leaves the "
+                        "running batch until it empties (default 128): its upkeep at every join, drop and plan "
+                        "stops; 'never' keeps every drafter (a load whose mix of requests changes)")
     g = p.add_argument_group("server and limits")
     g.add_argument("--host", metavar="ADDRESS", help="address to listen on (default 127.0.0.1; 0.0.0.0 for every interface)")
     g.add_argument("--port", type=int_at_least(0, 65535), metavar="PORT", help="port (default 8000; 0: a free one)")
@@ -376,7 +384,7 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
 
 
 _FLAT = ("target", "dtype", "device", "model_name", "host", "port", "strategy", "default_drafters", "depth", "top_k",
-         "budget", "threads", "draft_vocab", "log_level", "tuner_dir")
+         "budget", "threads", "draft_vocab", "log_level", "tuner_dir", "retire_after")
 
 
 def config_from_args(args: argparse.Namespace) -> ServeConfig:
@@ -442,6 +450,9 @@ def config_from_args(args: argparse.Namespace) -> ServeConfig:
             setattr(cfg, key, _check_int(settings[key], where[key], low))
     if "timeout" in settings:
         cfg.timeout = _check_number(settings["timeout"], where["timeout"])
+    if "retire_after" in settings:
+        steps = settings["retire_after"]
+        cfg.retire_after = steps if steps == "never" else _check_int(steps, where["retire_after"] + " (or 'never')", 1)
     if "budget" in settings:
         budget = settings["budget"]
         cfg.budget = budget if budget == "auto" else _check_int(budget, where["budget"] + " (or 'auto')", 2)
