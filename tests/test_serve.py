@@ -573,11 +573,12 @@ def test_mailbox_delivers_a_burst_in_one_wake_up():
 
 @pytest.mark.parametrize("setting,want", [(None, "default"), ("never", None), (5, 5)])
 def test_retire_after_reaches_the_decoders(models, setting, want):
-    """ServeConfig.retire_after (--retire-after) sets the tuned decoders' retire_after: the decoder's
-    default when unset, None for "never"."""
+    """ServeConfig.retire_after (--retire-after) sets the tuned decoders' retire_after: RETIRE_AFTER unless
+    set, None for "never" (a SpeculativeDecoder made elsewhere retires nothing unless told)."""
     from taps.decoder import RETIRE_AFTER
 
-    with BackgroundServer(ServeConfig(dtype="fp32", retire_after=setting), models=models) as s:
+    config = ServeConfig(dtype="fp32") if setting is None else ServeConfig(dtype="fp32", retire_after=setting)
+    with BackgroundServer(config, models=models) as s:
         client_of(s).chat.completions.create(model="taps-mini", messages=QUESTION, max_tokens=4)
         (decoder,) = s.service.engine._decoders.values()
     assert decoder.retire_after == (RETIRE_AFTER if want == "default" else want)

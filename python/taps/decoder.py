@@ -177,9 +177,10 @@ class SpeculativeDecoder:
         #: no parking (a server whose drafters pay on most steps, with a large target)
         self.park_groups = True
         #: with a tuner, a drafter group that runs a model and has not been the tuner's choice for this many
-        #: steps in a row (its probes apart) leaves the batch for good (:meth:`_retire`): a drafter that does
-        #: not pay here still costs its upkeep at every join, drop and plan. None: never
-        self.retire_after: Optional[int] = RETIRE_AFTER
+        #: steps in a row (its probes apart) leaves the batch for good (:meth:`_retire`): in a continuous batch
+        #: a drafter that does not pay still costs its upkeep at every join, drop and plan. None (the default
+        #: here; ``taps serve`` takes RETIRE_AFTER): never, so a drafter that pays in bursts stays
+        self.retire_after: Optional[int] = None
         #: (rows, requests, tree width) of the target forwards run so far (see _first_shape)
         self._shapes_run: set = set()
         self._groups: Optional[Tuple[tuple, List[DraftGroup]]] = None
@@ -1074,7 +1075,7 @@ def _join_sample(a: dict, batch_a: int, b: dict, batch_b: int) -> dict:
 #: the batch is returned to not started (:meth:`_Pending.park`) rather than brought up to date
 PARK_AFTER_TOKENS = 8
 
-#: SpeculativeDecoder.retire_after's default: steps a drafter group that runs a model may go unchosen by the
+#: taps serve's SpeculativeDecoder.retire_after: steps a drafter group that runs a model may go unchosen by the
 #: tuner (probes apart) before it leaves the batch (the tuner's probes of a kind that could still win come
 #: at doubling intervals, 1 to max_probe_interval steps apart: a group that pays is chosen long before)
 RETIRE_AFTER = 128

@@ -102,8 +102,8 @@ class ServeConfig:
     log_level: str = "info"
     #: a folder where each decoder's tuner keeps its state between runs (None: none kept)
     tuner_dir: Optional[str] = None
-    #: SpeculativeDecoder.retire_after of the tuned decoders: steps, or "never" (None: the decoder's default)
-    retire_after: Union[int, str, None] = None
+    #: SpeculativeDecoder.retire_after of the tuned decoders: steps (taps.decoder.RETIRE_AFTER), or "never"
+    retire_after: Union[int, str] = 128
 
     def __post_init__(self):
         if self.drafters is None:
