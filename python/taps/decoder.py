@@ -518,12 +518,12 @@ class SpeculativeDecoder:
         its matches come and go), nor the batch's last group; a batch made afresh has every group again."""
         if self.retire_after is None or state.pending is None or plan.shape is None:
             return
-        chosen = () if self.tuner.probing else plan.shape.drafters
+        chosen = set() if self.tuner.probing else set(plan.shape.drafters)
         retired = []
         for g in state.groups:
             if g.free_draft:
                 continue
-            if chosen and set(chosen).issuperset(g.members):
+            if chosen and chosen.issuperset(g.members):
                 state.unchosen[id(g)] = 0
                 continue
             state.unchosen[id(g)] = state.unchosen.get(id(g), 0) + 1
@@ -536,7 +536,6 @@ class SpeculativeDecoder:
         for g in retired:
             if state.pending.started(g):
                 g.release()
-            state.pending.starts.pop(id(g), None)
             state.pending.replace([g], [None])
             del state.unchosen[id(g)]
         state.groups = [g for g in state.groups if all(g is not r for r in retired)]
@@ -1122,13 +1121,16 @@ class _Pending:
         return self.tokens[id(group)] + (0 if args is None else max(args[-1]))
 
     def replace(self, old: Sequence[DraftGroup], new: Sequence[Optional[DraftGroup]]) -> None:
-        """Groups replaced by their subsets (None: dropped)."""
+        """Groups replaced by their subsets (None: dropped, with the start arguments of one not started)."""
         for a, b in zip(old, new):
             queue, count, spec = self.queue.pop(id(a)), self.tokens.pop(id(a)), self.spec.pop(id(a))
             free = self.free.pop(id(a), None)
             history, consumed = self.history.pop(id(a), None), self.consumed.pop(id(a), None)
+            args = self.starts.pop(id(a), None)
             if b is not None:
                 self.queue[id(b)], self.tokens[id(b)], self.spec[id(b)] = queue, count, spec
+                if args is not None:
+                    self.starts[id(b)] = args
                 if free is not None:
                     self.free[id(b)] = b
                 if history is not None:

@@ -87,8 +87,7 @@ class _Handle:
 
     def __init__(self, service: "Service", rid: str):
         self.service, self.rid = service, rid
-        self.loop = asyncio.get_running_loop()
-        self.mailbox = _Mailbox.of(self.loop)
+        self.mailbox = _Mailbox.of(asyncio.get_running_loop())
         self.queue: "asyncio.Queue[Output]" = asyncio.Queue()
         self.finished = False
         self.checked = time.monotonic()  # when the connection was last checked
