@@ -212,6 +212,8 @@ def main(argv=None) -> int:
     ap.add_argument("--seeds", action="store_true", help="give request i the seed i")
     ap.add_argument("--threads", type=int, default=0, help="in-process server: torch threads (0: torch's default)")
     ap.add_argument("--dtype", default="auto", help="in-process server: auto, fp32 or bf16")
+    ap.add_argument("--engine", choices=("process", "thread"), default="process",
+                    help="in-process server: where its decoding loop runs (ServeConfig.engine; default process)")
     args = ap.parse_args(argv)
 
     import httpx
@@ -225,7 +227,8 @@ def main(argv=None) -> int:
 
         if args.threads:
             torch.set_num_threads(args.threads)
-        server = BackgroundServer(ServeConfig(dtype=args.dtype, max_batch=max(args.concurrency, 1))).start()
+        server = BackgroundServer(ServeConfig(dtype=args.dtype, max_batch=max(args.concurrency, 1),
+                                              engine=args.engine)).start()
         url = server.url
     try:
         card = httpx.get(f"{url}/v1/models", timeout=10).json()["data"][0]
@@ -246,7 +249,8 @@ def main(argv=None) -> int:
                  "autoregressive": Load(prompts, temperatures, args.max_tokens, args.cancel_every, args.cancel_after,
                                         seed, {"strategy": "autoregressive"})}
         print(f"bench_serve: {url} serving {model} ({info.get('dtype')}, {info.get('device')}, "
-              f"{info.get('threads')} torch thread(s)); CPU: {taps_ops.cpu_info()['summary']}")
+              f"{info.get('threads')} torch thread(s){'' if server is None else ', engine: ' + server.engine}); "
+              f"CPU: {taps_ops.cpu_info()['summary']}")
         print(f"load: {args.requests} streamed chat requests (GSM8K and MT-Bench in turn), {args.concurrency} at a "
               f"time, max_tokens {args.max_tokens}, temperatures {args.temperatures}, every "
               f"{args.cancel_every or 'no'}-th cancelled after {args.cancel_after} chunks, "

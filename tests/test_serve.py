@@ -1,6 +1,6 @@
 """`taps serve` as a client sees it: the official `openai` client (and raw HTTP) against servers started
 on 127.0.0.1 in this process (uvicorn in a thread, a free port), over the shipped models in fp32 on one
-torch thread.
+torch thread, the decoding loop in a thread of this process or in a process of its own (``engine``).
 
 Greedy answers equal `SpeculativeDecoder.generate` of the same prompt ids with the same strategy and
 drafters; streaming gives the same text as not streaming; stop strings cut the text; seeds reproduce a
@@ -35,16 +35,27 @@ def models():
     return load_models(ServeConfig(dtype="fp32"))
 
 
-@pytest.fixture(scope="module")
-def server(models):
-    with BackgroundServer(ServeConfig(dtype="fp32"), models=models) as s:
-        yield s
+@pytest.fixture(scope="module", params=["thread", "process"])
+def server(request, models):
+    """A server over the shipped fp32 models, its engine a thread over `models` or a process of its own
+    (which loads the same models itself)."""
+    if request.param == "thread":
+        with BackgroundServer(ServeConfig(dtype="fp32"), models=models) as s:
+            yield s
+    else:
+        with BackgroundServer(ServeConfig(dtype="fp32", engine="process")) as s:
+            assert s.engine == "process"
+            yield s
 
 
-def endless(models, **limits):
-    """A server whose requests never meet an EOS (they run to max_tokens)."""
-    config = ServeConfig(dtype="fp32", **limits)
-    return BackgroundServer(config, models=dataclasses.replace(models, eos_token_ids=[]))
+def endless(models, engine="thread", **limits):
+    """A server whose requests never meet an EOS (they run to max_tokens); its engine a thread or a process
+    (whose requests take their EOS ids from the server's process: none here either)."""
+    if engine == "thread":
+        return BackgroundServer(ServeConfig(dtype="fp32", **limits), models=dataclasses.replace(models, eos_token_ids=[]))
+    server = BackgroundServer(ServeConfig(dtype="fp32", engine="process", **limits))
+    server.models.eos_token_ids = []
+    return server
 
 
 def client_of(server, **kw):
@@ -300,8 +311,9 @@ LONG = {"messages": QUESTION, "max_tokens": 1500, "temperature": 0, "stream": Tr
         "taps": {"strategy": "autoregressive"}}
 
 
-def test_a_full_queue_gets_429_and_clients_that_leave_free_their_rows(models):
-    with endless(models, max_batch=1, max_queue=1) as server, httpx.Client(timeout=30) as h, \
+@pytest.mark.parametrize("engine", ["thread", "process"])
+def test_a_full_queue_gets_429_and_clients_that_leave_free_their_rows(models, engine):
+    with endless(models, engine, max_batch=1, max_queue=1) as server, httpx.Client(timeout=30) as h, \
             concurrent.futures.ThreadPoolExecutor(1) as pool:
         url = server.url + "/v1/chat/completions"
         with h.stream("POST", url, json=LONG) as running:  # its headers come with its first token
@@ -328,8 +340,9 @@ def test_a_full_queue_gets_429_and_clients_that_leave_free_their_rows(models):
     assert 'taps_requests_total{endpoint="/v1/chat/completions",status="499"} 2.0' in metrics
 
 
-def test_requests_past_the_timeout_get_408(models):
-    with endless(models, timeout=1.0) as server, httpx.Client(timeout=30) as h:
+@pytest.mark.parametrize("engine", ["thread", "process"])
+def test_requests_past_the_timeout_get_408(models, engine):
+    with endless(models, engine, timeout=1.0) as server, httpx.Client(timeout=30) as h:
         url = server.url + "/v1/chat/completions"
         h.post(url, json={**LONG, "stream": False, "max_tokens": 2})  # the decoder is made outside the timings
         r = h.post(url, json={**LONG, "stream": False})
@@ -351,6 +364,7 @@ def test_models_health_and_metrics(server):
     info = extra(listed[0], "taps")
     assert info["drafters"] == {"math": "shipped:hass-math", "chat": "shipped:hass-chat", "lookup": "lookup"}
     assert info["default_strategy"] == "merged-budget" and info["context_length"] == 2048
+    assert info["engine"] == server.engine and info["dtype"] == "float32" and info["device"] == "cpu"
     assert client.models.retrieve("taps-mini").id == "taps-mini"
     health = httpx.get(server.url + "/health")
     assert health.status_code == 200 and health.json()["status"] == "ok"
@@ -473,7 +487,9 @@ def test_a_hugging_face_target_with_a_small_lm_drafter(tmp_path, models):
     cfg = ServeConfig(target=str(tmp_path / "target"), dtype="fp32", strategy="merged", budget=8,
                       drafters={"small": DrafterSpec("model", str(tmp_path / "small")), "lookup": DrafterSpec("lookup")})
     with BackgroundServer(cfg) as server:
-        hf = server.models
+        # the engine's process decodes with its own copy of the models; this one's weights were released
+        assert server.engine == "process" and next(server.models.target.parameters()).is_meta
+        hf = load_models(cfg)
         assert hf.name == "target" and hf.context_length == 256 and not hf.chat_tokenizer
         client = client_of(server)
         reply = client.chat.completions.create(model="target", messages=QUESTION, max_tokens=12, temperature=0)
@@ -582,3 +598,78 @@ def test_retire_after_reaches_the_decoders(models, setting, want):
         client_of(s).chat.completions.create(model="taps-mini", messages=QUESTION, max_tokens=4)
         (decoder,) = s.service.engine._decoders.values()
     assert decoder.retire_after == (RETIRE_AFTER if want == "default" else want)
+
+
+def test_engine_kind():
+    """Where the decoding loop runs: "auto" is a process unless the caller passes loaded models; "process"
+    with loaded models is refused (a child process cannot share them)."""
+    from taps.serve.server import engine_kind
+
+    assert engine_kind(ServeConfig(), models_given=False) == "process"
+    assert engine_kind(ServeConfig(), models_given=True) == "thread"
+    assert engine_kind(ServeConfig(engine="thread"), models_given=False) == "thread"
+    assert engine_kind(ServeConfig(engine="process"), models_given=False) == "process"
+    with pytest.raises(ValueError, match="engine 'process'"):
+        engine_kind(ServeConfig(engine="process"), models_given=True)
+
+
+def test_a_dead_engine_process_fails_its_requests_and_health():
+    """The engine's process killed mid-answer: the running request ends with an error, /health turns 503
+    with the reason, new requests get 503; the server still stops cleanly."""
+    import signal
+
+    with endless(None, "process") as server, httpx.Client(timeout=30) as h:
+        url = server.url + "/v1/chat/completions"
+        engine = server.service.engine
+        with h.stream("POST", url, json=LONG) as running:
+            lines = running.iter_lines()
+            next(ln for ln in lines if ln.startswith("data: "))
+            engine._process.send_signal(signal.SIGKILL)
+            events = [json.loads(ln[6:]) for ln in lines if ln.startswith("data: {")]
+        assert events and "error" in events[-1], events[-3:]
+        deadline = time.monotonic() + 10
+        while httpx.get(server.url + "/health").status_code != 503:
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        health = httpx.get(server.url + "/health").json()
+        assert health["status"] == "error" and health["outstanding"] == 0
+        assert "exited" in engine.failed
+        r = h.post(url, json={**LONG, "stream": False})
+        assert r.status_code == 503 and set(r.json()["error"]) == ERROR_KEYS
+
+
+def test_metrics_recorded_in_the_engine_process_replay_as_made():
+    """The engine's process records the metrics' calls (labels included) and the server's process replays
+    them on its ServerMetrics: the same samples as the calls made directly."""
+    from prometheus_client import CollectorRegistry
+
+    from taps.serve.engine import _Recorder, _replay
+    from taps.serve.metrics import ServerMetrics
+
+    class Stats:
+        target_forwards, tau, accepted, drafter_accepted = 5, 2.4, [3, 4], [5, 2]
+
+    report = {"strategy": "merged", "drafter_share": {"math": 0.7, "chat": 0.3}}
+
+    def calls(m):
+        m.finished.labels("timeout").inc()
+        m.step_seconds.observe(0.002)
+        m.time_to_first_token.observe(0.01)
+        m.request_done(12, 7, "stop", Stats(), 0.3, report)
+        m.running.set(3)
+        m.queue_depth.set(1)
+        m.tokens_per_second.set(123.0)
+
+    direct, replayed = ServerMetrics(CollectorRegistry()), ServerMetrics(CollectorRegistry())
+    calls(direct)
+    recorder = _Recorder()
+    calls(recorder)
+    _replay(replayed, recorder.take())
+    assert recorder.take() == []
+
+    def samples(m):
+        return sorted((s.name, tuple(sorted(s.labels.items())), s.value) for f in m.registry.collect()
+                      for s in f.samples if not s.name.endswith("_created"))
+
+    assert samples(replayed) == samples(direct)
+    assert ("taps_drafter_accepted_tokens_total", (("drafter", "math"),), 5.0) in samples(replayed)

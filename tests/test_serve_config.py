@@ -153,3 +153,15 @@ def test_retire_after(tmp_path):
         settings(tmp_path, [], 'retire_after = "soon"')
     with pytest.raises(SystemExit):
         settings(tmp_path, ["--retire-after", "0"])
+
+
+def test_engine(tmp_path):
+    assert settings(tmp_path, []).engine == "auto"
+    assert settings(tmp_path, ["--engine", "thread"]).engine == "thread"
+    assert settings(tmp_path, ["--engine", "process"]).engine == "process"
+    assert settings(tmp_path, [], 'engine = "thread"').engine == "thread"
+    assert settings(tmp_path, ["--engine", "process"], 'engine = "thread"').engine == "process"  # the flag wins
+    with pytest.raises(ValueError, match="engine must be one of process, thread"):
+        settings(tmp_path, [], 'engine = "gpu"')
+    with pytest.raises(SystemExit):
+        settings(tmp_path, ["--engine", "gpu"])

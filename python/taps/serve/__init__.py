@@ -7,7 +7,7 @@ when they finish (:mod:`taps.serve.engine`); each may choose its strategy and dr
 extra, and every answer reports tau, the drafters' shares and the draft shapes (:mod:`taps.serve.protocol`).
 
 Modules: ``config`` (flags and config file), ``protocol`` (request models, checks, response bodies),
-``engine`` (the engine thread and its batches), ``text`` (incremental detokenizing and stop strings),
+``engine`` (the engine: its loop over the batches, in a thread or a process of its own), ``text`` (incremental detokenizing and stop strings),
 ``metrics`` (Prometheus), ``app`` (the routes: ``create_app``), ``server`` (``serve``,
 :class:`BackgroundServer`). Needs the ``serve`` extra: ``pip install 'taps[serve]'``.
 """

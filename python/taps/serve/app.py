@@ -7,7 +7,7 @@
     GET  /metrics               Prometheus text format (taps.serve.metrics)
 
 Handlers parse and check a request (:mod:`taps.serve.protocol`), tokenize its prompt, check its length
-against the model, and hand it to the engine thread (:mod:`taps.serve.engine`); what the engine sends
+against the model, and hand it to the engine (:mod:`taps.serve.engine`); what the engine sends
 back arrives in the request's own asyncio queue. A request beyond ``max_batch + max_queue`` outstanding
 ones gets 429. Any refusal is OpenAI's error body; an unexpected exception is a 500 with that body too.
 """
@@ -30,7 +30,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from . import protocol as P
 from .config import ServeConfig, strategy_problem
-from .engine import BatchKey, Engine, ModelSet, Output, Submission
+from .engine import BatchKey, Engine, ModelSet, Output, ProcessEngine, Submission
 from .metrics import CONTENT_TYPE_LATEST, ServerMetrics
 
 __all__ = ["create_app", "Service"]
@@ -64,7 +64,7 @@ class _Mailbox:
             box = cls._of_loop[loop] = cls(loop)
         return box
 
-    def post(self, queue: "asyncio.Queue", out: Output) -> None:  # engine thread
+    def post(self, queue: "asyncio.Queue", out: Output) -> None:  # the engine thread (or ProcessEngine's reader)
         with self.lock:
             self.items.append((queue, out))
             wake = len(self.items) == 1  # else a wake-up is on its way and will take this one too
@@ -131,10 +131,11 @@ class _Handle:
 class Service:
     """What the routes share: the models, settings, engine and metrics."""
 
-    def __init__(self, models: ModelSet, config: ServeConfig, metrics: Optional[ServerMetrics] = None):
+    def __init__(self, models: ModelSet, config: ServeConfig, metrics: Optional[ServerMetrics] = None,
+                 engine: str = "thread"):
         self.models, self.config = models, config
         self.metrics = metrics or ServerMetrics()
-        self.engine = Engine(models, config, self.metrics)
+        self.engine = (ProcessEngine if engine == "process" else Engine)(models, config, self.metrics)
         self.outstanding = 0
         self.created = int(time.time())
 
@@ -242,13 +243,34 @@ async def _json_body(request: Request):
         raise P.APIError(400, f"the request body is not valid JSON ({e})") from None
 
 
-def create_app(models: ModelSet, config: ServeConfig, metrics: Optional[ServerMetrics] = None) -> FastAPI:
-    """The server's FastAPI app over loaded `models`; its lifespan starts and stops the engine thread."""
-    service = Service(models, config, metrics)
+def _release_weights(models: ModelSet) -> None:
+    """Move the target's and the drafters' weights to the meta device (shapes and dtypes kept)."""
+    import torch
+
+    for module in [models.target, *models.drafters.values()]:
+        if isinstance(module, torch.nn.Module):
+            try:
+                module.to("meta")
+            except (RuntimeError, NotImplementedError, TypeError) as e:  # kept, as loaded
+                log.info("taps serve: kept a model's weights in the server's process (%s)", e)
+
+
+def create_app(models: ModelSet, config: ServeConfig, metrics: Optional[ServerMetrics] = None,
+               engine: str = "thread", release_weights: bool = False) -> FastAPI:
+    """The server's FastAPI app over loaded `models`; its lifespan starts and stops the engine.
+    `engine`: "thread" (:class:`Engine` over `models`) or "process" (:class:`ProcessEngine`: a child process
+    that loads the models of `config` again; `models` here serve the tokenizer and the model's facts);
+    `release_weights` (with "process"): once the engine's process is up, `models`' weights here move to the
+    meta device (their memory freed; this process never runs them)."""
+    service = Service(models, config, metrics, engine)
+    first = next(models.target.parameters())
+    dtype, device = str(first.dtype).replace("torch.", ""), str(first.device)
 
     @contextlib.asynccontextmanager
     async def lifespan(_app):
         service.engine.start()
+        if release_weights and engine == "process":
+            _release_weights(models)
         try:
             yield
         finally:
@@ -299,13 +321,12 @@ def create_app(models: ModelSet, config: ServeConfig, metrics: Optional[ServerMe
 
         from ..strategies import strategy_names
 
-        param = next(models.target.parameters())
         return {"id": models.name, "object": "model", "created": service.created, "owned_by": "taps",
                 "taps": {"drafters": {n: s.describe() for n, s in config.drafters.items()},
                          "default_drafters": config.request_drafters(), "default_strategy": config.strategy,
                          "strategies": list(strategy_names()), "budget": config.budget,
-                         "context_length": models.context_length, "dtype": str(param.dtype).replace("torch.", ""),
-                         "device": str(param.device), "threads": torch.get_num_threads()}}
+                         "context_length": models.context_length, "dtype": dtype, "device": device,
+                         "threads": torch.get_num_threads(), "engine": engine}}
 
     @app.get("/v1/models")
     async def list_models(request: Request):

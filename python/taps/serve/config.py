@@ -10,6 +10,7 @@ from the file's folder)::
     budget = "auto"                              # nodes of one drafter's tree, or auto (taps.Tuner)
     tuner_dir = "tuners"                         # the tuners' state kept between runs (default: none)
     retire_after = "never"                       # steps a drafter the tuner never chooses stays (default 128)
+    engine = "process"                           # where the decoding loop runs: process (default), thread
     depth = 5
     top_k = 8
 
@@ -58,9 +59,11 @@ _KIND_OPTIONS = {"shipped": {"draft_vocab"}, "eagle": set(), "model": set(),
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
 _TOP_KEYS = {"target", "dtype", "device", "model_name", "host", "port", "strategy", "default_drafters", "depth",
              "top_k", "budget", "threads", "draft_vocab", "drafters", "limits", "log_level", "tuner_dir",
-             "retire_after"}
+             "retire_after", "engine"}
 _LIMIT_KEYS = {"max_batch", "max_queue", "timeout", "default_max_tokens", "max_tokens"}
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
+#: where the decoding loop runs (ServeConfig.engine; "auto" besides)
+ENGINES = ("process", "thread")
 
 
 @dataclass
@@ -104,6 +107,11 @@ class ServeConfig:
     tuner_dir: Optional[str] = None
     #: SpeculativeDecoder.retire_after of the tuned decoders: steps (taps.decoder.RETIRE_AFTER), or "never"
     retire_after: Union[int, str] = 128
+    #: where the decoding loop runs: "process" (a child process that loads its own copy of the models:
+    #: the event loop's HTTP work no longer holds up its steps), "thread" (a thread of the server's
+    #: process), "auto" (process when the server loads the models from this config, thread when a caller
+    #: passes loaded ones)
+    engine: str = "auto"
 
     def __post_init__(self):
         if self.drafters is None:
@@ -380,11 +388,15 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                    help="the most tokens a request may ask for (default: the model's context; 4096 where its "
                         "config states none)")
     g.add_argument("--threads", type=int_at_least(0), metavar="N", help="torch CPU threads (default 0: torch's default)")
+    g.add_argument("--engine", choices=ENGINES, help="where the decoding loop runs: process (default: a process of its "
+                                                     "own, which loads its own copy of the models, so that the HTTP "
+                                                     "work does not hold up its steps) or thread (a thread of the "
+                                                     "server's process: the models in memory once)")
     g.add_argument("--log-level", choices=LOG_LEVELS, help="uvicorn's log level (default info)")
 
 
 _FLAT = ("target", "dtype", "device", "model_name", "host", "port", "strategy", "default_drafters", "depth", "top_k",
-         "budget", "threads", "draft_vocab", "log_level", "tuner_dir", "retire_after")
+         "budget", "threads", "draft_vocab", "log_level", "tuner_dir", "retire_after", "engine")
 
 
 def config_from_args(args: argparse.Namespace) -> ServeConfig:
@@ -453,6 +465,10 @@ def config_from_args(args: argparse.Namespace) -> ServeConfig:
     if "retire_after" in settings:
         steps = settings["retire_after"]
         cfg.retire_after = steps if steps == "never" else _check_int(steps, where["retire_after"] + " (or 'never')", 1)
+    if "engine" in settings:
+        if settings["engine"] not in ENGINES + ("auto",):
+            raise ValueError(f"{where['engine']} must be one of {', '.join(ENGINES)}, got {settings['engine']!r}")
+        cfg.engine = settings["engine"]
     if "budget" in settings:
         budget = settings["budget"]
         cfg.budget = budget if budget == "auto" else _check_int(budget, where["budget"] + " (or 'auto')", 2)

@@ -1,7 +1,9 @@
-"""The engine thread: every decoding step of the server runs here, one thread, no locks around torch.
+"""The engine: every decoding step of the server runs in its loop, one thread, no locks around torch.
 
 Requests reach it from the asyncio side through a queue (:meth:`Engine.submit`, :meth:`Engine.cancel`);
-what it decodes goes back into each request's asyncio queue with ``loop.call_soon_threadsafe``.
+what it decodes goes back to each request's ``send`` (the asyncio side's mailbox). :class:`Engine` runs the
+loop in a thread of the server's process; :class:`ProcessEngine` (what ``taps serve`` runs) in a process of
+its own, behind the same interface.
 
 A :class:`taps.decoder.SpeculativeDecoder` decodes one strategy with one drafter set, so requests are
 grouped by :class:`BatchKey` (strategy, drafter names, whether a tuner chooses each step's draft); each
@@ -30,7 +32,7 @@ import torch
 from .config import ServeConfig
 from .text import TextStream
 
-__all__ = ["BatchKey", "ModelSet", "Output", "Submission", "Engine", "load_models"]
+__all__ = ["BatchKey", "ModelSet", "Output", "Submission", "Engine", "ProcessEngine", "load_models"]
 
 log = logging.getLogger("taps.serve")
 
@@ -209,6 +211,9 @@ class Engine:
         self.num_running = 0
         self.num_waiting = 0
         self._throughput = _TokenRate()
+        #: called at the end of every turn of the loop, in the engine's thread (ProcessEngine's child:
+        #: sends the turn's outputs)
+        self.on_turn: Optional[Callable[[], None]] = None
 
     # -- the asyncio side ------------------------------------------------------------------------------
     def start(self) -> None:
@@ -272,6 +277,8 @@ class Engine:
             if batch:
                 self._step(key, batch)
         self._count()
+        if self.on_turn is not None:
+            self.on_turn()
 
     def _command(self, kind: str, value) -> None:
         if kind == "stop":
@@ -461,6 +468,263 @@ class Engine:
             self.metrics.running.set(in_batches)
             self.metrics.queue_depth.set(waiting)
             self.metrics.tokens_per_second.set(self._throughput.per_second())
+
+
+class ProcessEngine:
+    """The engine in a process of its own (``ServeConfig.engine`` "process", what ``taps serve`` runs): the
+    same interface as :class:`Engine`, whose loop runs in a spawned child process that loads its own models
+    from the config (:func:`load_models`).
+
+    In one process the engine thread shares Python's interpreter lock with the event loop: every torch op
+    of a step releases it and the step waits to take it back while the loop parses and answers HTTP (an
+    autoregressive step of 8 requests measured 3.3-4.0 ms served in one process against 1.8 ms alone).
+    Here the loop's process only tokenises prompts, answers HTTP and forwards each turn's outputs; the
+    engine's process decodes. Requests go to the child through a pipe; each turn of its loop sends back
+    one message with the turn's outputs, the metrics' updates (replayed on this process's
+    :class:`~taps.serve.metrics.ServerMetrics`) and the running / waiting counts; a thread here receives
+    them and hands each output to its request's ``send``.
+    """
+
+    def __init__(self, models: ModelSet, config: ServeConfig, metrics=None, max_decoders: int = 16):
+        self.models, self.config, self.metrics = models, config, metrics
+        self.max_decoders = max_decoders
+        self._subs: Dict[Hashable, Submission] = {}
+        self._lock = threading.Lock()  # the sending end of the pipe and _subs
+        self._process = None
+        self._conn = None
+        self._reader: Optional[threading.Thread] = None
+        self._stopping = False
+        #: why the engine's process stopped (the server answers 503 then)
+        self.failed: Optional[str] = None
+        self.num_running = 0
+        self.num_waiting = 0
+
+    def start(self, timeout: float = 600.0) -> None:
+        """Start the engine's process and wait until its models are loaded (RuntimeError with the child's
+        error if it fails or takes longer than `timeout` seconds). The child is a fresh interpreter
+        (``python -c``, this process's ``sys.path``) that imports taps only: unlike multiprocessing's spawn
+        it does not import the caller's main module again."""
+        import socket
+        import subprocess
+        import sys
+        from multiprocessing.connection import Connection
+
+        if self._process is not None:
+            return
+        ours, theirs = socket.socketpair()
+        code = (f"import sys; sys.path[:0] = {[p for p in sys.path if p]!r}; "
+                f"from taps.serve.engine import _engine_main; _engine_main({theirs.fileno()})")
+        try:
+            self._process = subprocess.Popen([sys.executable, "-c", code], pass_fds=(theirs.fileno(),))
+        finally:
+            theirs.close()
+        self._conn = conn = Connection(ours.detach())
+        conn.send((self.config, self.max_decoders, torch.get_num_threads(),
+                   logging.getLogger("taps").getEffectiveLevel()))
+        deadline = time.monotonic() + timeout
+        while not conn.poll(0.05):
+            if self._process.poll() is not None:
+                code, self._process = self._process.returncode, None
+                raise RuntimeError(f"taps serve: the engine's process exited while loading the models (code {code})")
+            if time.monotonic() > deadline:
+                self._process.kill()
+                self._process = None
+                raise RuntimeError(f"taps serve: the engine's process did not load the models in {timeout:g} s")
+        message = conn.recv()
+        if message[0] != "ready":
+            self._process.wait(5)
+            self._process = None
+            raise RuntimeError(f"taps serve: the engine's process could not start:\n{message[1]}")
+        self._reader = threading.Thread(target=self._read, name="taps-engine-reader", daemon=True)
+        self._reader.start()
+
+    def stop(self, timeout: float = 30.0) -> None:
+        """Cancel everything and end the process (killed past `timeout` seconds)."""
+        import subprocess
+
+        if self._process is None:
+            return
+        self._stopping = True
+        self._send(("stop", None))
+        try:
+            self._process.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self._process.kill()
+            self._process.wait(5)
+        if self._reader is not None:
+            self._reader.join(timeout)
+        self._conn.close()
+        self._process = self._reader = None
+
+    @property
+    def alive(self) -> bool:
+        return (self._process is not None and self._process.poll() is None and self._reader is not None
+                and self._reader.is_alive())
+
+    def submit(self, sub: Submission) -> None:
+        with self._lock:
+            self._subs[sub.request_id] = sub
+        if not self._send(("add", (sub.request_id, sub.key, list(sub.prompt_ids), sub.params, list(sub.stop),
+                                   sub.deadline, sub.arrival))):
+            self._finish(sub.request_id, Output(error=(503, "the decoding engine stopped", None)))
+
+    def cancel(self, request_id: Hashable) -> None:
+        """The client left: drop the request without output (unknown or finished ids are ignored)."""
+        with self._lock:
+            known = self._subs.pop(request_id, None) is not None
+        if known:
+            self._send(("cancel", request_id))
+
+    def _send(self, message) -> bool:
+        with self._lock:
+            try:
+                self._conn.send(message)
+                return True
+            except (OSError, ValueError, AttributeError):  # the process is gone (or stopped)
+                return False
+
+    def _finish(self, request_id: Hashable, out: Output) -> None:
+        with self._lock:
+            sub = self._subs.pop(request_id, None)
+        if sub is not None:
+            sub.send(out)
+
+    def _read(self) -> None:
+        """This process's side of the pipe: each turn's outputs to their requests, the metrics' updates."""
+        while True:
+            try:
+                message = self._conn.recv()
+            except (EOFError, OSError):
+                break
+            kind = message[0]
+            if kind == "out":
+                _, outputs, calls, counts = message
+                self.num_running, self.num_waiting = counts
+                for request_id, out in outputs:
+                    final = out.error is not None or out.finish_reason is not None
+                    with self._lock:
+                        sub = self._subs.pop(request_id, None) if final else self._subs.get(request_id)
+                    if sub is not None:
+                        sub.send(out)
+                if self.metrics is not None and calls:
+                    _replay(self.metrics, calls)
+            elif kind == "failed":
+                self.failed = message[1]
+                log.error("taps serve: the engine stopped:\n%s", self.failed)
+        if not self._stopping and self.failed is None:
+            code = self._process.poll() if self._process is not None else None
+            self.failed = f"the engine's process exited (code {code})"
+            log.error("taps serve: %s", self.failed)
+        why = "the server is shutting down" if self._stopping else "the decoding engine stopped on an internal error"
+        with self._lock:
+            subs, self._subs = list(self._subs.values()), {}
+        for sub in subs:
+            sub.send(Output(error=(503, why, None)))
+
+
+@dataclass
+class _StatsView:
+    """What :meth:`ServerMetrics.request_done` reads of a request's stats, sent between processes."""
+
+    target_forwards: int
+    tau: float
+    accepted: List[int]
+    drafter_accepted: List[int]
+
+
+class _Recorder:
+    """Stands for a :class:`~taps.serve.metrics.ServerMetrics` in the engine's process: records each call
+    (the attribute path, ``labels(...)`` included, and the arguments) for :func:`_replay` in the server's."""
+
+    def __init__(self, calls: Optional[list] = None, path: tuple = ()):
+        self._calls = calls if calls is not None else []
+        self._path = path
+
+    def __getattr__(self, name: str) -> "_Recorder":
+        if name.startswith("__"):
+            raise AttributeError(name)
+        return _Recorder(self._calls, self._path + (name,))
+
+    def labels(self, *values) -> "_Recorder":
+        return _Recorder(self._calls, self._path + (("labels", values),))
+
+    def __call__(self, *args) -> None:
+        self._calls.append((self._path, args))
+
+    def request_done(self, prompt_tokens, completion_tokens, reason, stats, seconds, report) -> None:
+        view = _StatsView(int(stats.target_forwards), float(stats.tau), [int(a) for a in stats.accepted],
+                          [int(a) for a in stats.drafter_accepted])
+        self._calls.append((("request_done",), (prompt_tokens, completion_tokens, reason, view, seconds, report)))
+
+    def take(self) -> list:
+        calls, self._calls[:] = list(self._calls), []
+        return calls
+
+
+def _replay(metrics, calls: list) -> None:
+    for path, args in calls:
+        target = metrics
+        for part in path:
+            target = target.labels(*part[1]) if isinstance(part, tuple) else getattr(target, part)
+        target(*args)
+
+
+def _engine_main(fd: int) -> None:
+    """The engine's process (:class:`ProcessEngine`): its settings, then requests, through the socket `fd`."""
+    from multiprocessing.connection import Connection
+
+    conn = Connection(fd)
+    config, max_decoders, threads, log_level = conn.recv()
+    _engine_process(config, max_decoders, conn, threads, log_level)
+
+
+def _engine_process(config: ServeConfig, max_decoders: int, conn, threads: int, log_level: int) -> None:
+    """Load the models, then run the engine's loop in this thread while a second thread moves the requests
+    arriving through `conn` into its queue."""
+    logging.basicConfig(level=log_level, format="%(levelname)s %(name)s: %(message)s")
+    logging.getLogger("taps").setLevel(log_level)
+    torch.set_num_threads(max(1, threads))
+    try:
+        models = load_models(config)
+    except BaseException:
+        conn.send(("failed", traceback.format_exc()))
+        conn.close()
+        return
+    recorder = _Recorder()
+    engine = Engine(models, config, recorder, max_decoders)
+    outbox: List[Tuple[Hashable, Output]] = []
+    sent_counts = [(-1, -1)]
+
+    def flush() -> None:
+        counts = (engine.num_running, engine.num_waiting)
+        calls = recorder.take()
+        if outbox or calls or counts != sent_counts[0]:
+            conn.send(("out", outbox[:], calls, counts))
+            outbox.clear()
+            sent_counts[0] = counts
+
+    def receive() -> None:
+        while True:
+            try:
+                kind, value = conn.recv()
+            except (EOFError, OSError):  # the server's process is gone
+                kind, value = "stop", None
+            if kind == "add":
+                request_id, key, prompt_ids, params, stop, deadline, arrival = value
+                send = (lambda out, rid=request_id: outbox.append((rid, out)))
+                value = Submission(request_id, key, prompt_ids, params, stop, deadline, send, arrival)
+            engine._inbox.put((kind, value))
+            if kind == "stop":
+                return
+
+    engine.on_turn = flush
+    threading.Thread(target=receive, name="taps-engine-inbox", daemon=True).start()
+    conn.send(("ready", None))
+    engine._run()
+    flush()
+    if engine.failed is not None:
+        conn.send(("failed", engine.failed))
+    conn.close()
 
 
 class _TokenRate:

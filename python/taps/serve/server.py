@@ -17,7 +17,7 @@ from typing import Optional
 from .config import ServeConfig
 from .engine import ModelSet, load_models
 
-__all__ = ["serve", "BackgroundServer", "check_dependencies"]
+__all__ = ["serve", "BackgroundServer", "check_dependencies", "engine_kind"]
 
 _NEEDED = {"fastapi": "fastapi", "uvicorn": "uvicorn", "prometheus_client": "prometheus-client"}
 
@@ -41,6 +41,18 @@ def _summary(models: ModelSet, config: ServeConfig) -> str:
             f"{config.max_batch}, queue {config.max_queue}, timeout {config.timeout:g} s")
 
 
+def engine_kind(config: ServeConfig, models_given: bool) -> str:
+    """Where `config`'s decoding loop runs ("process" or "thread"): ``config.engine``, "auto" being a
+    process unless the caller passed loaded models (which a child process cannot share). ValueError for
+    "process" with loaded models."""
+    if config.engine == "auto":
+        return "thread" if models_given else "process"
+    if config.engine == "process" and models_given:
+        raise ValueError("engine 'process': the engine's process loads the models of the config itself; pass "
+                         "no loaded models (or use engine 'thread')")
+    return config.engine
+
+
 def serve(config: ServeConfig) -> int:
     """Load the models of `config` and serve them on ``config.host:config.port`` until interrupted."""
     import torch
@@ -52,9 +64,10 @@ def serve(config: ServeConfig) -> int:
     if config.threads:
         torch.set_num_threads(config.threads)
     models = load_models(config)
-    print(_summary(models, config), flush=True)
-    uvicorn.run(create_app(models, config), host=config.host, port=config.port, log_level=config.log_level,
-                timeout_graceful_shutdown=5)
+    engine = engine_kind(config, models_given=False)
+    print(_summary(models, config) + f"; engine: {engine}", flush=True)
+    uvicorn.run(create_app(models, config, engine=engine, release_weights=True), host=config.host, port=config.port,
+                log_level=config.log_level, timeout_graceful_shutdown=5)
     return 0
 
 
@@ -76,8 +89,10 @@ class BackgroundServer:
 
         check_dependencies()
         self.config = config = (config if config is not None else ServeConfig()).check()
+        self.engine = engine_kind(config, models_given=models is not None)
         self.models = models if models is not None else load_models(config)
-        self.app = create_app(self.models, config)
+        # the models loaded here: their weights leave this process once the engine's process is up
+        self.app = create_app(self.models, config, engine=self.engine, release_weights=models is None)
         self._socket = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self._socket.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self._socket.bind((host, port))
@@ -94,7 +109,7 @@ class BackgroundServer:
         """The app's :class:`taps.serve.app.Service` (its engine, metrics and counts)."""
         return self.app.state.service
 
-    def start(self, timeout: float = 60.0) -> "BackgroundServer":
+    def start(self, timeout: float = 600.0) -> "BackgroundServer":
         self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [self._socket]},
                                         name="taps-serve", daemon=True)
         self._thread.start()
