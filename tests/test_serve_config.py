@@ -142,7 +142,7 @@ def test_tuner_dir(tmp_path):
 def test_retire_after(tmp_path):
     from taps.decoder import RETIRE_AFTER
 
-    assert settings(tmp_path, []).retire_after == RETIRE_AFTER == 128
+    assert settings(tmp_path, []).retire_after == RETIRE_AFTER == 32
     assert settings(tmp_path, ["--retire-after", "64"]).retire_after == 64
     assert settings(tmp_path, ["--retire-after", "never"]).retire_after == "never"
     assert settings(tmp_path, [], 'retire_after = "never"').retire_after == "never"

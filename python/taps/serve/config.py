@@ -9,7 +9,7 @@ from the file's folder)::
     default_drafters = ["eagle", "lookup"]       # a request's drafters when it names none (default: all)
     budget = "auto"                              # nodes of one drafter's tree, or auto (taps.Tuner)
     tuner_dir = "tuners"                         # the tuners' state kept between runs (default: none)
-    retire_after = "never"                       # steps a drafter the tuner never chooses stays (default 128)
+    retire_after = "never"                       # steps a drafter the tuner never chooses stays (default 32)
     engine = "process"                           # where the decoding loop runs: process (default), thread
     depth = 5
     top_k = 8
@@ -106,7 +106,7 @@ class ServeConfig:
     #: a folder where each decoder's tuner keeps its state between runs (None: none kept)
     tuner_dir: Optional[str] = None
     #: SpeculativeDecoder.retire_after of the tuned decoders: steps (taps.decoder.RETIRE_AFTER), or "never"
-    retire_after: Union[int, str] = 128
+    retire_after: Union[int, str] = 32
     #: where the decoding loop runs: "process" (a child process that loads its own copy of the models:
     #: the event loop's HTTP work no longer holds up its steps), "thread" (a thread of the server's
     #: process), "auto" (process when the server loads the models from this config, thread when a caller
@@ -372,7 +372,7 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                         "skipped), saved when the server stops; a restarted server does not learn again")
     g.add_argument("--retire-after", type=or_never(int_at_least(1)), metavar="N|never",
                    help="a drafter that runs a model and that the tuner has not chosen for N steps leaves the "
-                        "running batch until it empties (default 128): its upkeep at every join, drop and plan "
+                        "running batch until it empties (default 32): its upkeep at every join, drop and plan "
                         "stops; 'never' keeps every drafter (a load whose mix of requests changes)")
     g = p.add_argument_group("server and limits")
     g.add_argument("--host", metavar="ADDRESS", help="address to listen on (default 127.0.0.1; 0.0.0.0 for every interface)")
