@@ -260,17 +260,17 @@ def create_app(models: ModelSet, config: ServeConfig, metrics: Optional[ServerMe
     """The server's FastAPI app over loaded `models`; its lifespan starts and stops the engine.
     `engine`: "thread" (:class:`Engine` over `models`) or "process" (:class:`ProcessEngine`: a child process
     that loads the models of `config` again; `models` here serve the tokenizer and the model's facts);
-    `release_weights` (with "process"): once the engine's process is up, `models`' weights here move to the
-    meta device (their memory freed; this process never runs them)."""
+    `release_weights` (with "process"): before the engine's process loads its copy, `models`' weights here
+    move to the meta device (their memory freed: this process never runs them)."""
     service = Service(models, config, metrics, engine)
     first = next(models.target.parameters())
     dtype, device = str(first.dtype).replace("torch.", ""), str(first.device)
 
     @contextlib.asynccontextmanager
     async def lifespan(_app):
-        service.engine.start()
-        if release_weights and engine == "process":
+        if release_weights and engine == "process":  # before the child loads its copy: one copy in memory at a time
             _release_weights(models)
+        service.engine.start()
         try:
             yield
         finally:
