@@ -673,3 +673,14 @@ def test_metrics_recorded_in_the_engine_process_replay_as_made():
 
     assert samples(replayed) == samples(direct)
     assert ("taps_drafter_accepted_tokens_total", (("drafter", "math"),), 5.0) in samples(replayed)
+
+
+def test_an_engine_process_that_cannot_load_its_models_says_why(tmp_path):
+    """The engine's process loads the models of the config itself: when that fails, start() raises with the
+    child's error, and no process is left behind."""
+    from taps.serve.engine import ProcessEngine
+
+    engine = ProcessEngine(None, ServeConfig(target=str(tmp_path / "missing"), dtype="fp32"))
+    with pytest.raises(RuntimeError, match="could not start(.|\n)*missing"):
+        engine.start()
+    assert not engine.alive and engine._process is None

@@ -522,19 +522,26 @@ class ProcessEngine:
         conn.send((self.config, self.max_decoders, torch.get_num_threads(),
                    logging.getLogger("taps").getEffectiveLevel()))
         deadline = time.monotonic() + timeout
-        while not conn.poll(0.05):
+        problem = None
+        while problem is None and not conn.poll(0.05):
             if self._process.poll() is not None:
-                code, self._process = self._process.returncode, None
-                raise RuntimeError(f"taps serve: the engine's process exited while loading the models (code {code})")
-            if time.monotonic() > deadline:
-                self._process.kill()
-                self._process = None
-                raise RuntimeError(f"taps serve: the engine's process did not load the models in {timeout:g} s")
-        message = conn.recv()
-        if message[0] != "ready":
-            self._process.wait(5)
-            self._process = None
-            raise RuntimeError(f"taps serve: the engine's process could not start:\n{message[1]}")
+                problem = f"exited while loading the models (code {self._process.returncode})"
+            elif time.monotonic() > deadline:
+                problem = f"did not load the models in {timeout:g} s"
+        if problem is None:
+            message = conn.recv()
+            if message[0] != "ready":
+                problem = f"could not start:\n{message[1]}"
+        if problem is not None:
+            if self._process.poll() is None:
+                try:
+                    self._process.wait(5)
+                except subprocess.TimeoutExpired:
+                    self._process.kill()
+                    self._process.wait(5)
+            conn.close()
+            self._process = self._conn = None
+            raise RuntimeError(f"taps serve: the engine's process {problem}")
         self._reader = threading.Thread(target=self._read, name="taps-engine-reader", daemon=True)
         self._reader.start()
 
