@@ -684,3 +684,28 @@ def test_an_engine_process_that_cannot_load_its_models_says_why(tmp_path):
     with pytest.raises(RuntimeError, match="could not start(.|\n)*missing"):
         engine.start()
     assert not engine.alive and engine._process is None
+
+
+def test_an_engine_process_outlives_ctrl_c_but_not_its_server():
+    """Ctrl-C reaches a terminal's whole process group: the engine's process ignores SIGINT (the server's
+    process stops it); and it ends by itself when the server's process is gone (its pipe closes)."""
+    import os
+    import signal
+    import socket
+
+    from taps.serve.engine import ProcessEngine
+
+    engine = ProcessEngine(None, ServeConfig(dtype="fp32"))
+    engine.start()
+    child = engine._process
+    child.send_signal(signal.SIGINT)
+    time.sleep(0.5)
+    assert child.poll() is None
+    # as when the server's process dies: its end of the socket pair goes (a shutdown, which also wakes the
+    # reader thread here, blocked in a read of it)
+    end = socket.socket(fileno=os.dup(engine._conn.fileno()))
+    end.shutdown(socket.SHUT_RDWR)
+    end.close()
+    assert child.wait(timeout=30) == 0
+    engine._reader.join(10)
+    assert not engine.alive and engine.failed is not None

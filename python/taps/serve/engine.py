@@ -677,9 +677,13 @@ def _replay(metrics, calls: list) -> None:
 
 
 def _engine_main(fd: int) -> None:
-    """The engine's process (:class:`ProcessEngine`): its settings, then requests, through the socket `fd`."""
+    """The engine's process (:class:`ProcessEngine`): its settings, then requests, through the socket `fd`.
+    Ctrl-C reaches the terminal's whole process group: the server's process stops this one (a stop message,
+    or the pipe's end), so it ignores SIGINT rather than die mid-step with a traceback."""
+    import signal
     from multiprocessing.connection import Connection
 
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     conn = Connection(fd)
     config, max_decoders, threads, log_level = conn.recv()
     _engine_process(config, max_decoders, conn, threads, log_level)
@@ -706,7 +710,10 @@ def _engine_process(config: ServeConfig, max_decoders: int, conn, threads: int, 
         counts = (engine.num_running, engine.num_waiting)
         calls = recorder.take()
         if outbox or calls or counts != sent_counts[0]:
-            conn.send(("out", outbox[:], calls, counts))
+            try:
+                conn.send(("out", outbox[:], calls, counts))
+            except OSError:  # the server's process is gone: nobody to decode for
+                engine._inbox.put(("stop", None))
             outbox.clear()
             sent_counts[0] = counts
 
@@ -730,7 +737,10 @@ def _engine_process(config: ServeConfig, max_decoders: int, conn, threads: int, 
     engine._run()
     flush()
     if engine.failed is not None:
-        conn.send(("failed", engine.failed))
+        try:
+            conn.send(("failed", engine.failed))
+        except OSError:
+            pass
     conn.close()
 
 
