@@ -636,6 +636,12 @@ def test_a_dead_engine_process_fails_its_requests_and_health():
         assert "exited" in engine.failed
         r = h.post(url, json={**LONG, "stream": False})
         assert r.status_code == 503 and set(r.json()["error"]) == ERROR_KEYS
+        # a request handed over after the process ended (past the server's check) is answered at once
+        from taps.serve.engine import Submission
+
+        got = []
+        engine.submit(Submission("late", None, [1, 2], None, [], time.perf_counter() + 5, got.append))
+        assert len(got) == 1 and got[0].error[0] == 503
 
 
 def test_metrics_recorded_in_the_engine_process_replay_as_made():

@@ -472,8 +472,8 @@ class Engine:
 
 class ProcessEngine:
     """The engine in a process of its own (``ServeConfig.engine`` "process", what ``taps serve`` runs): the
-    same interface as :class:`Engine`, whose loop runs in a spawned child process that loads its own models
-    from the config (:func:`load_models`).
+    same interface as :class:`Engine`, whose loop runs in a child process (a fresh interpreter) that loads
+    its own models from the config (:func:`load_models`).
 
     In one process the engine thread shares Python's interpreter lock with the event loop: every torch op
     of a step releases it and the step waits to take it back while the loop parses and answers HTTP (an
@@ -494,6 +494,7 @@ class ProcessEngine:
         self._conn = None
         self._reader: Optional[threading.Thread] = None
         self._stopping = False
+        self._closed = False  # the reader has ended: no output will come
         #: why the engine's process stopped (the server answers 503 then)
         self.failed: Optional[str] = None
         self.num_running = 0
@@ -570,8 +571,12 @@ class ProcessEngine:
 
     def submit(self, sub: Submission) -> None:
         with self._lock:
-            self._subs[sub.request_id] = sub
-        if not self._send(("add", (sub.request_id, sub.key, list(sub.prompt_ids), sub.params, list(sub.stop),
+            closed = self._closed
+            if not closed:
+                self._subs[sub.request_id] = sub
+        if closed:  # the process ended after the server checked that it was alive
+            sub.send(Output(error=(503, "the decoding engine stopped", None)))
+        elif not self._send(("add", (sub.request_id, sub.key, list(sub.prompt_ids), sub.params, list(sub.stop),
                                    sub.deadline, sub.arrival))):
             self._finish(sub.request_id, Output(error=(503, "the decoding engine stopped", None)))
 
@@ -624,7 +629,7 @@ class ProcessEngine:
             log.error("taps serve: %s", self.failed)
         why = "the server is shutting down" if self._stopping else "the decoding engine stopped on an internal error"
         with self._lock:
-            subs, self._subs = list(self._subs.values()), {}
+            subs, self._subs, self._closed = list(self._subs.values()), {}, True
         for sub in subs:
             sub.send(Output(error=(503, why, None)))
 
