@@ -2,7 +2,8 @@
 
     serve(config)                                    # load the models, listen until interrupted
 
-    with BackgroundServer() as server:               # the same server on a free port, in a thread
+    with BackgroundServer() as server:               # the same server on a free port, in a thread (its
+                                                     # decoding loop in a process of its own)
         server.url                                   # http://127.0.0.1:<port>
 """
 
@@ -73,7 +74,8 @@ def serve(config: ServeConfig) -> int:
 
 class BackgroundServer:
     """The server in a thread of this process, on `port` (0: a free one), until :meth:`stop` or the end
-    of a ``with`` block.
+    of a ``with`` block; its decoding loop in a process of its own unless `models` are given or
+    ``config.engine`` is "thread" (:func:`engine_kind`).
 
     Args:
         config: the settings (default: ``ServeConfig()``, the shipped models as ``taps serve`` serves them).
@@ -91,7 +93,8 @@ class BackgroundServer:
         self.config = config = (config if config is not None else ServeConfig()).check()
         self.engine = engine_kind(config, models_given=models is not None)
         self.models = models if models is not None else load_models(config)
-        # the models loaded here: their weights leave this process once the engine's process is up
+        # the models loaded here (checked, the tokenizer kept): with the process engine their weights leave
+        # this process before the engine's process loads its copy
         self.app = create_app(self.models, config, engine=self.engine, release_weights=models is None)
         self._socket = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self._socket.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
