@@ -292,6 +292,33 @@ def test_prompt_lookup_alone_keeps_its_first_continuation_deep():
         PromptLookupDrafter(runner_up=0.0)
 
 
+@pytest.mark.parametrize("max_ngram, min_ngram", [(3, None), (1, 1), (4, 2), (3, 3)])
+def test_prompt_lookup_indexes_a_prompt_as_token_by_token(max_ngram, min_ngram):
+    """start() indexes each prompt at once (LookupGroup._index); the index, the history and whether the last
+    n-gram occurred before equal what appending the same tokens one at a time (_add) makes, on random
+    prompts of a small vocabulary (many repeats) and of every short length."""
+    from taps import PromptLookupDrafter
+    from taps.drafters.ngram import LookupGroup
+
+    g = torch.Generator().manual_seed(max_ngram)
+    d = PromptLookupDrafter(max_ngram=max_ngram, min_ngram=min_ngram)
+    lengths = list(range(0, 6)) + [17, 64, 250]
+    for vocab in (3, 50):
+        rows = [torch.randint(0, vocab, (n,), generator=g).tolist() for n in lengths]
+        width = max(lengths)
+        ids = torch.tensor([r + [0] * (width - len(r)) for r in rows])
+        root = torch.randint(0, vocab, (len(rows),), generator=g)
+        bulk = LookupGroup(d)
+        bulk.start(ids, torch.tensor(lengths), root, None, 512)
+        step = LookupGroup(d)
+        step.history, step.index, step.matched = [[] for _ in rows], [{} for _ in rows], [False] * len(rows)
+        for b, r in enumerate(rows):
+            step._add(b, r + [int(root[b])])
+        assert bulk.history == step.history and bulk.index == step.index and bulk.matched == step.matched
+        if vocab == 3:  # both answers occur (the short prompts cannot repeat, the long ones do)
+            assert any(bulk.matched) and not all(bulk.matched)
+
+
 def test_decoder_tells_groups_how_they_draft(monkeypatch):
     """The decoder sets DraftGroup.sampling for a generation (prompt lookup keeps the decoder's depth under
     sampling): False when greedy, True when any request samples; and DraftGroup.alone before each draft:
