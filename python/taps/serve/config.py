@@ -467,7 +467,8 @@ def config_from_args(args: argparse.Namespace) -> ServeConfig:
         cfg.retire_after = steps if steps == "never" else _check_int(steps, where["retire_after"] + " (or 'never')", 1)
     if "engine" in settings:
         if settings["engine"] not in ENGINES + ("auto",):
-            raise ValueError(f"{where['engine']} must be one of {', '.join(ENGINES)}, got {settings['engine']!r}")
+            raise ValueError(f"{where['engine']} must be one of {', '.join(ENGINES + ('auto',))}, "
+                             f"got {settings['engine']!r}")
         cfg.engine = settings["engine"]
     if "budget" in settings:
         budget = settings["budget"]
