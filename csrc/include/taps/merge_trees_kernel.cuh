@@ -97,6 +97,7 @@ __global__ void __launch_bounds__(kMergeTreesThreads)
     depth[o] = i == 0 ? 0 : -1;
     score[o] = s;
     node[o] = -1;
+    slot[o] = -1;
   }
   for (int32_t h = tid; h < slots; h += nthreads) {
     slot_owner[h] = -1;
@@ -106,22 +107,25 @@ __global__ void __launch_bounds__(kMergeTreesThreads)
   }
   __syncthreads();
   for (int32_t d = 1;; ++d) {
-    // Reach depth d: occurrences whose parent is at depth d - 1. (A parent's depth may be written in
-    // this same phase, but only from -1 to d, neither of which equals d - 1.)
+    // Reach depth d: occurrences whose parent is at depth d - 1. Marked in slot[] (kReached) and given
+    // their depth only after the barrier: depths are read across threads in this phase, so none is
+    // written in it (no shared-memory race, even a benign one).
+    constexpr int32_t kReached = -2;
     int reached = 0;
     for (int32_t o = tid; o < O; o += nthreads) {
       const int32_t p = parent[o];
       if (p < 0 || depth[o] >= 0) continue;
       const int32_t po = o - (o % N) + p;
       if (depth[po] != d - 1) continue;
-      depth[o] = d;
+      slot[o] = kReached;
       node_parent[o] = p == 0 ? -1 : node[po];
       reached = 1;
     }
     if (!__syncthreads_or(reached)) break;
     // Insert the edges (node_parent, token) of depth d.
     for (int32_t o = tid; o < O; o += nthreads) {
-      if (depth[o] != d) continue;
+      if (slot[o] != kReached) continue;
+      depth[o] = d;
       const int32_t np = node_parent[o];
       const int64_t tok = token[o];
       uint32_t h = trie_edge_hash(np, tok) & uint32_t(slots - 1);
