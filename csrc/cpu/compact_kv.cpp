@@ -44,24 +44,10 @@ void compact_kv_cpu(at::TensorList caches, const at::Tensor& path_in, const at::
                      c.stride(2) * e, c.size(3) * e});
   }
   const at::Tensor path = path_in.contiguous(), prefix_lens = prefix_lens_in.contiguous();
+  // Validate even without caches (the bound against S then needs a cache; skip it).
+  const std::vector<int64_t> moves = check_compact_kv_rows(path, prefix_lens, cache_len);
   const int64_t* pp = path.data_ptr<int64_t>();
   const int64_t* pl = prefix_lens.data_ptr<int64_t>();
-  std::vector<int64_t> moves(batch);
-  for (int64_t b = 0; b < batch; ++b) {
-    const int64_t* pb = pp + b * path_cols;
-    // Validate even without caches (the bound against S then needs a cache; skip it).
-    moves[b] = compact::path_length(pb, path_cols, pl[b], cache_len < 0 ? INT64_MAX : cache_len);
-    if (moves[b] < 0) {
-      TORCH_CHECK_VALUE(path_cols == 0 || pb[0] == 0, "taps_ops: compact_kv: path[", b, ", 0] must be 0 (the root), got ",
-                  pb[0]);
-      TORCH_CHECK_VALUE(pl[b] >= 0, "taps_ops: compact_kv: prefix_lens[", b, "] = ", pl[b], " must be >= 0");
-      for (int64_t j = 1; j < path_cols && pb[j] >= 0; ++j)
-        TORCH_CHECK_VALUE(pb[j] > pb[j - 1], "taps_ops: compact_kv: path[", b, "] must be strictly increasing before its ",
-                    "first -1, got ", pb[j - 1], " then ", pb[j], " at column ", j);
-      TORCH_CHECK_VALUE(false, "taps_ops: compact_kv: prefix_lens[", b, "] + path[", b, ", j] must be < S = ", cache_len,
-                  " (prefix_lens[", b, "] = ", pl[b], ")");
-    }
-  }
   if (views.empty() || path_cols <= 1) return;
   const int64_t heads_total = [&] {
     int64_t n = 0;
