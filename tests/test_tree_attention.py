@@ -159,10 +159,9 @@ def test_tree_nodes_opcheck(device):
     torch.library.opcheck(torch.ops.taps_ops.tree_attention.default, (*args, 0.125, True, 37))
 
 
-@pytest.mark.parametrize("head_dim", [64, 80, 96, 128, 256, 40])
+@pytest.mark.parametrize("head_dim", [32, 64, 80, 96, 128, 256, 40, 4])
 def test_head_dims(device, head_dim):
-    if device == "cuda" and head_dim == 40:
-        pytest.skip("CUDA kernels are compiled for head dims 64, 80, 96, 128, 256")
+    # CUDA: 40 and 4 are zero-padded to the compiled 64 and 32
     check_accuracy(*make_inputs(2, 4, 4, 7, head_dim, 100, torch.float32, device))
 
 
@@ -196,7 +195,7 @@ def test_scores_far_below_the_max():
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
-@pytest.mark.parametrize("head_dim", [64, 80, 96, 128, 256])
+@pytest.mark.parametrize("head_dim", [32, 64, 80, 96, 128, 256, 40])
 def test_head_dims_half(device, dtype, head_dim):
     # G * N = 4 * 9 = 36 query rows per KV head: on CUDA the tensor-core kernel (3 m-tiles, the last
     # partial), with one K/V tile partly past the cache end.
@@ -257,6 +256,14 @@ def test_literal_tree(device):
     out = taps_ops.tree_attention(q, k, v, mask, torch.tensor([5], device=device))
     expected = torch.tensor([(0 + 1 + 2) / 3, (0 + 1 + 2 + 3) / 4, (0 + 1 + 2 + 4) / 4], device=device)
     torch.testing.assert_close(out[0, 0, :, 0], expected)
+
+
+def test_head_dim_over_256(device):
+    if device == "cpu":
+        pytest.skip("the CPU kernels take any head dim")
+    q, k, v, mask, kv_lens = make_inputs(1, 1, 1, 2, 264, 8, torch.float32, device, ragged=False)
+    with pytest.raises(ValueError, match="head dims up to 256"):
+        taps_ops.tree_attention(q, k, v, mask, kv_lens)
 
 
 def test_wider_mask_and_padding_rows(device):
@@ -463,8 +470,6 @@ def test_num_queries_skips_rows(device, dtype, batch, heads_q, heads_kv, num_nod
     """Rows past num_queries[b] are zeros and never read: their queries NaN and their mask rows garbage leave
     the live rows as they are, bit for bit the rows of the call without num_queries (the kernels compute a row
     alone), which test_matches_reference checks against the reference."""
-    if device == "cuda" and head_dim not in (64, 80, 96, 128, 256):
-        pytest.skip("CUDA kernels are compiled for head dims 64, 80, 96, 128, 256")
     torch.manual_seed(batch * 1000 + num_nodes)
     q, k, v, mask, kv_lens = make_inputs(batch, heads_q, heads_kv, num_nodes, head_dim, cache_len, dtype, device)
     full = taps_ops.tree_attention(q, k, v, mask, kv_lens)

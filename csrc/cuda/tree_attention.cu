@@ -5,8 +5,11 @@
 // q [B, Hq, N, D]; k, v [B, Hkv, S, D]; tree_mask [B, N, W] i64; kv_lens [B] i64; tree_nodes T (>= N, default
 // N); num_queries [B] i64 (optional: request b's first n_b queries only, the rest of its rows zeros)
 // -> out [B, Hq, N, D].
-// Head dims 64, 80, 96, 128, 256 (compile-time dispatch); fp32 / bf16 / fp16. bf16 / fp16 with at
+// Head dims 32, 64, 80, 96, 128, 256 (compile-time dispatch); other head dims up to 256 are zero-padded to
+// the next of those (q, k, v copied per call, so slower; the padded features add 0 to every score and
+// their output columns are dropped); fp32 / bf16 / fp16. bf16 / fp16 with at
 // least 16 query rows per KV head (G * N >= 16) run the tensor-core kernel, the rest the SIMT kernel.
+// TAPS_ATTN_SPLITS=n (1..64) forces n key splits instead of the plan's (tuning experiments only).
 // The plan and grid are sized for N queries a request (num_queries stays on the device): blocks without
 // a live row return at once.
 //
@@ -20,7 +23,10 @@
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <cstdint>
+#include <cstdlib>
+#include <vector>
 
 #include "checks/checks.h"
 #include "cuda/cuda_checks.h"
@@ -30,10 +36,14 @@
 namespace taps {
 namespace {
 
+// The compiled head dims, ascending.
+constexpr int64_t kHeadDims[] = {32, 64, 80, 96, 128, 256};
+
 template <class T>
 void dispatch_head_dim(const attention::Params& p, const attention::AttentionPlan& plan, cudaStream_t stream) {
   cudaError_t err = cudaSuccess;
   switch (p.head_dim) {
+    case 32: err = attention::launch_tree_attention<T, 32>(p, plan, stream); break;
     case 64: err = attention::launch_tree_attention<T, 64>(p, plan, stream); break;
     case 80: err = attention::launch_tree_attention<T, 80>(p, plan, stream); break;
     case 96: err = attention::launch_tree_attention<T, 96>(p, plan, stream); break;
@@ -41,7 +51,7 @@ void dispatch_head_dim(const attention::Params& p, const attention::AttentionPla
     case 256: err = attention::launch_tree_attention<T, 256>(p, plan, stream); break;
     default:
       TORCH_CHECK_VALUE(false,
-                        "taps_ops: tree_attention: CUDA supports head dims 64, 80, 96, 128, 256, got ", p.head_dim);
+                        "taps_ops: tree_attention: no CUDA kernel for head dim ", p.head_dim);
   }
   C10_CUDA_CHECK(err);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
@@ -56,6 +66,18 @@ at::Tensor tree_attention_cuda(const at::Tensor& q_in, const at::Tensor& k_in, c
   const int64_t batch = q_in.size(0), heads_q = q_in.size(1), num_nodes = q_in.size(2), head_dim = q_in.size(3);
   const int64_t heads_kv = k_in.size(1), cache_len = k_in.size(2);
   check_grid_dim(batch, "tree_attention", c10::str("B = ", batch));
+  int64_t padded_dim = 0;  // the smallest compiled head dim >= D
+  for (const int64_t d : kHeadDims)
+    if (padded_dim == 0 && d >= head_dim) padded_dim = d;
+  TORCH_CHECK_VALUE(padded_dim > 0, "taps_ops: tree_attention: CUDA supports head dims up to 256 (compiled: 32, 64, ",
+                    "80, 96, 128, 256; others zero-padded to the next), got ", head_dim);
+  if (padded_dim != head_dim && q_in.numel() > 0) {
+    const std::vector<int64_t> pad = {0, padded_dim - head_dim};
+    const at::Tensor out = tree_attention_cuda(at::constant_pad_nd(q_in, pad), at::constant_pad_nd(k_in, pad),
+                                               at::constant_pad_nd(v_in, pad), tree_mask_in, kv_lens_in, scale,
+                                               validate, tree_nodes, num_queries);
+    return out.narrow(3, 0, head_dim).contiguous();
+  }
 
   c10::cuda::CUDAGuard guard(q_in.device());
   TreeAttentionCall call = TreeAttentionCall::prepare(q_in, k_in, v_in, tree_mask_in, kv_lens_in, num_queries);
@@ -87,9 +109,17 @@ at::Tensor tree_attention_cuda(const at::Tensor& q_in, const at::Tensor& k_in, c
   };
   const bool mma_ok = call.q->scalar_type() != at::kFloat && props->major >= 8 && rows_aligned(*call.q) &&
                       rows_aligned(*call.k) && rows_aligned(*call.v);
-  const attention::AttentionPlan plan = attention::plan_tree_attention(
+  attention::AttentionPlan plan = attention::plan_tree_attention(
       batch, heads_kv, (heads_q / heads_kv) * num_nodes, cache_len, head_dim, mma_ok, props->multiProcessorCount,
       static_cast<int64_t>(props->sharedMemPerBlockOptin));
+  if (const char* env = std::getenv("TAPS_ATTN_SPLITS"); env != nullptr && env[0] != '\0') {
+    // tuning experiments (bench/probe_cuda.py): this many key splits instead of the plan's
+    const int64_t forced = std::atoll(env);
+    TORCH_CHECK_VALUE(forced >= 1 && forced <= attention::kMaxSplits, "taps_ops: TAPS_ATTN_SPLITS must be in [1, ",
+                      attention::kMaxSplits, "], got '", env, "'");
+    plan.split_keys = attention::split_len(cache_len, forced, plan.mma ? attention::kMmaKeys : attention::kTileKeys);
+    plan.splits = std::max<int64_t>(1, (cache_len + plan.split_keys - 1) / plan.split_keys);
+  }
   check_grid_dim(heads_kv * plan.row_blocks, "tree_attention",
                  c10::str("Hkv x row blocks = ", heads_kv * plan.row_blocks));
   const attention::Params p = call.params(scale, plan.splits, tree);

@@ -430,7 +430,8 @@ def tree_attention(
     Returns:
         out [B, Hq, N, D] in q's dtype (float32 accumulation).
 
-    CUDA: head dims 64, 80, 96, 128, 256; checking kv_lens costs one device sync.
+    CUDA: head dims 32, 64, 80, 96, 128, 256 (others up to 256 are zero-padded to the next: a copy of q, k
+    and v per call); checking kv_lens costs one device sync.
     """
     if _tree_attention_fast is not None and not torch.compiler.is_compiling():
         # the common case (plain tensors, float or default scale) through the dispatcher's typed call;
