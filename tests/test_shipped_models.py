@@ -126,3 +126,22 @@ def test_demo_quick_with_prompt_lookup(capsys):
                          "to Hugging Face generate's: True") == 2, strategy
         assert out.count("proposed by") == 2 and out.count("prompt lookup ") >= 2
         assert ("the math drafter" in out) == ("the chat drafter" in out) == (strategy != "single")
+
+
+def test_ragged_batch_with_prompt_lookup_past_max_new(target_and_tok):
+    """A ragged batch whose longest-prompt request finishes with a prompt-lookup chain (16 tokens, past
+    the decoder's depth 3) beyond its max_new and stays in the batch: the others' trees still fit the cache
+    (it was sized with the decoder's depth: "TargetForward.tree: 134 positions needed, the cache holds
+    131"), and every request's tokens equal its own greedy decoding."""
+    from taps import PromptLookupDrafter
+    from taps.data import load_eval_prompts
+
+    target, tok = target_and_tok
+    prompts = [tok.encode_chat(ex.messages, add_generation_prompt=True)
+               for b in ("gsm8k", "mt_bench") for ex in load_eval_prompts(b)[:4]]
+    dec = SpeculativeDecoder(target, [PromptLookupDrafter()], strategy="single")
+    out = dec.generate(prompts, max_new_tokens=32, eos_token_id=tok.eos_id)
+    solo = SpeculativeDecoder(target, [], strategy="autoregressive")
+    assert out.tokens == [solo.generate([p], max_new_tokens=32, eos_token_id=tok.eos_id).tokens[0] for p in prompts]
+    # the case the test is for: a request accepted more in one step than the decoder's depth
+    assert max(max(s.accepted, default=0) for s in out.stats) > dec.depth

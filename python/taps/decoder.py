@@ -368,7 +368,11 @@ class SpeculativeDecoder:
         ids = torch.zeros((batch, longest), dtype=torch.int64, device=device)
         for b, r in enumerate(rows):
             ids[b, :len(r)] = torch.tensor(r, dtype=torch.int64)
-        cap = max(len(r) + q.max_new for r, q in zip(rows, requests)) + self.depth + self.strategy.num_nodes + 4
+        # a request's last step can accept its drafters' deepest path past max_new (prompt lookup's chains
+        # are longer than the decoder's depth), and a finished request stays in a generate() batch, so the
+        # others' trees go after its length
+        deepest = max([self.depth] + [g.tree_depth(self.depth, self.top_k) for g in groups])
+        cap = max(len(r) + q.max_new for r, q in zip(rows, requests)) + deepest + self.strategy.num_nodes + 4
         drafter_cap = cap + self.depth + 2 + scratch_positions(self.depth, self.top_k)
         if fresh:
             self.strategy.reset(batch, device)
