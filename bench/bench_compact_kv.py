@@ -21,7 +21,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import (add_isa_argument, fmt_time, isa_cells, isa_headers, isa_levels, isa_note,  # noqa: E402
+from common import (bench_devices, add_isa_argument, fmt_time, isa_cells, isa_headers, isa_levels, isa_note,  # noqa: E402
                     machine_line, op_levels, per_isa, print_table)
 
 import taps_ops  # noqa: E402
@@ -67,7 +67,7 @@ def main() -> None:
     ]
     if args.quick:
         shapes = shapes[:1]
-    devices = ["cpu"] + (["cuda"] if torch.cuda.is_available() and taps_ops.has_cuda_kernels() else [])
+    devices = bench_devices()
     print(f"compact_kv | {machine_line()} | median of {args.repeats}")
     rows = []
     for device in devices:

@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import add_isa_argument, isa_levels, isa_note, machine_line, op_levels, per_isa  # noqa: E402
+from common import bench_devices, add_isa_argument, isa_levels, isa_note, machine_line, op_levels, per_isa  # noqa: E402
 
 import taps_ops  # noqa: E402
 
@@ -66,7 +66,7 @@ def start(description: str, op: str | None, columns: str, ref: str = "torch", ta
     levels = isa_levels(args.isa)
     args.levels = op_levels(levels, op) if op else levels
     args.columns, args.names, args.header_for = columns, (ref, taps), None
-    devices = ["cpu"] + (["cuda"] if torch.cuda.is_available() and taps_ops.has_cuda_kernels() else [])
+    devices = bench_devices()
     print(f"{machine_line()} | threads {torch.get_num_threads()}, mean of {args.repeats} calls")
     if op:
         print(isa_note(op, args.levels))

@@ -42,7 +42,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import (add_isa_argument, cpu_isa, fmt_time, isa_levels, machine_line, op_levels,  # noqa: E402
+from common import (bench_devices, add_isa_argument, cpu_isa, fmt_time, isa_levels, machine_line, op_levels,  # noqa: E402
                     peak_flops, print_table)
 
 import taps_ops  # noqa: E402
@@ -204,6 +204,42 @@ def ragged_case(batch, heads_q, heads_kv, num_nodes, head_dim, cache_len, dtype,
     return t_sdpa, rows
 
 
+def cpu_tables(args, shapes, levels, peaks, peak_note, threads) -> None:
+    """The CPU tables: taps at each instruction-set level against SDPA, then the ragged batches."""
+    cpu_rows = []
+    for (b, hq, hkv, n, d, s, dt) in shapes:
+        row, kv_bytes = case(b, hq, hkv, n, d, s, dt, args.repeats, "cpu", not args.no_reference, levels)
+        flops = 4 * b * hq * n * s * d
+        cells = []
+        for level, t, x in zip(levels, row["taps"], row["x_sdpa"]):
+            floor = max(flops / (threads * peaks[level]), kv_bytes / (args.gbps * 1e9))
+            cells += [fmt_time(t), f"{x:.2f}x", fmt_time(floor), f"{100 * floor / t:.0f}%"]
+        cpu_rows.append([b, hq, hkv, n, d, s, str(dt)[6:], fmt_time(row["sdpa"]),
+                         fmt_time(row["ref"]) if row["ref"] else "-", *cells])
+    print_table(["B", "Hq", "Hkv", "N", "D", "S", "dtype", "sdpa", "ref",
+                 *[h for lv in levels for h in (f"taps {lv}", "x sdpa", "floor", "% floor")]], cpu_rows,
+                title=f"CPU, {threads} thread(s): taps at instruction-set level {', '.join(levels)}")
+    print(f"floor = max(FLOPs at threads x the level's peak ({peak_note}), K/V bytes at {args.gbps:g} GB/s)")
+    ragged = [  # B, Hq, Hkv, N, D, S, dtype, real nodes per request
+        (8, 8, 4, 16, 32, 300, torch.float32, [16, 2, 3, 1, 1, 0, 0, 0]),  # the shipped target: prompt lookup at batch 8
+        (8, 8, 4, 16, 32, 300, torch.bfloat16, [4, 3, 3, 3, 3, 3, 2, 2]),
+        (4, 32, 8, 64, 128, 1024, torch.float32, [64, 17, 5, 30]),         # merged trees of different sizes
+    ]
+    if args.quick:
+        ragged = ragged[:1]
+    ragged_rows = []
+    for (b, hq, hkv, n, d, s, dt, live) in ragged:
+        t_sdpa, per_level = ragged_case(b, hq, hkv, n, d, s, dt, live, args.repeats, levels)
+        cells = [c for (t_grid, t_live, x) in per_level for c in (fmt_time(t_grid), fmt_time(t_live), f"{x:.2f}x",
+                                                                    f"{t_sdpa / t_live:.2f}x")]
+        ragged_rows.append([b, hq, hkv, n, d, s, str(dt)[6:], f"{sum(live)}/{b * n}", fmt_time(t_sdpa), *cells])
+    print()
+    print_table(["B", "Hq", "Hkv", "N", "D", "S", "dtype", "real", "sdpa",
+                 *[h for lv in levels for h in (f"taps {lv} grid", "num_queries", "x grid", "x sdpa")]], ragged_rows,
+                title="CPU, a ragged batch of trees in one [B, N] grid: taps over every query against taps with "
+                      "num_queries (the real nodes only); x grid: the median round's ratio")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--repeats", type=int, default=7)
@@ -242,43 +278,13 @@ def main() -> None:
     ]
     if args.quick:
         shapes, gpu_shapes = shapes[:3], gpu_shapes[:2]
-    devices = ["cpu"] + (["cuda"] if torch.cuda.is_available() and taps_ops.has_cuda_kernels() else [])
+    devices = bench_devices()
     peaks, peak_note = level_peaks(levels, args.ghz)
     print(f"tree_attention | {machine_line()} | CPU capability {torch.backends.cpu.get_cpu_capability()}, "
           f"median of {args.repeats} (CPU: SDPA and taps alternating; x sdpa: the median round's ratio) | {peak_note}")
     threads = torch.get_num_threads()
-    cpu_rows = []
-    for (b, hq, hkv, n, d, s, dt) in shapes:
-        row, kv_bytes = case(b, hq, hkv, n, d, s, dt, args.repeats, "cpu", not args.no_reference, levels)
-        flops = 4 * b * hq * n * s * d
-        cells = []
-        for level, t, x in zip(levels, row["taps"], row["x_sdpa"]):
-            floor = max(flops / (threads * peaks[level]), kv_bytes / (args.gbps * 1e9))
-            cells += [fmt_time(t), f"{x:.2f}x", fmt_time(floor), f"{100 * floor / t:.0f}%"]
-        cpu_rows.append([b, hq, hkv, n, d, s, str(dt)[6:], fmt_time(row["sdpa"]),
-                         fmt_time(row["ref"]) if row["ref"] else "-", *cells])
-    print_table(["B", "Hq", "Hkv", "N", "D", "S", "dtype", "sdpa", "ref",
-                 *[h for lv in levels for h in (f"taps {lv}", "x sdpa", "floor", "% floor")]], cpu_rows,
-                title=f"CPU, {threads} thread(s): taps at instruction-set level {', '.join(levels)}")
-    print(f"floor = max(FLOPs at threads x the level's peak ({peak_note}), K/V bytes at {args.gbps:g} GB/s)")
-    ragged = [  # B, Hq, Hkv, N, D, S, dtype, real nodes per request
-        (8, 8, 4, 16, 32, 300, torch.float32, [16, 2, 3, 1, 1, 0, 0, 0]),  # the shipped target: prompt lookup at batch 8
-        (8, 8, 4, 16, 32, 300, torch.bfloat16, [4, 3, 3, 3, 3, 3, 2, 2]),
-        (4, 32, 8, 64, 128, 1024, torch.float32, [64, 17, 5, 30]),         # merged trees of different sizes
-    ]
-    if args.quick:
-        ragged = ragged[:1]
-    ragged_rows = []
-    for (b, hq, hkv, n, d, s, dt, live) in ragged:
-        t_sdpa, per_level = ragged_case(b, hq, hkv, n, d, s, dt, live, args.repeats, levels)
-        cells = [c for (t_grid, t_live, x) in per_level for c in (fmt_time(t_grid), fmt_time(t_live), f"{x:.2f}x",
-                                                                    f"{t_sdpa / t_live:.2f}x")]
-        ragged_rows.append([b, hq, hkv, n, d, s, str(dt)[6:], f"{sum(live)}/{b * n}", fmt_time(t_sdpa), *cells])
-    print()
-    print_table(["B", "Hq", "Hkv", "N", "D", "S", "dtype", "real", "sdpa",
-                 *[h for lv in levels for h in (f"taps {lv} grid", "num_queries", "x grid", "x sdpa")]], ragged_rows,
-                title="CPU, a ragged batch of trees in one [B, N] grid: taps over every query against taps with "
-                      "num_queries (the real nodes only); x grid: the median round's ratio")
+    if "cpu" in devices:
+        cpu_tables(args, shapes, levels, peaks, peak_note, threads)
     if "cuda" not in devices:
         return
     ceiling = copy_bandwidth(args.repeats)

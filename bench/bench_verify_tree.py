@@ -18,7 +18,7 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import (add_isa_argument, fmt_time, isa_levels, isa_note, machine_line, op_levels,  # noqa: E402
+from common import (bench_devices, add_isa_argument, fmt_time, isa_levels, isa_note, machine_line, op_levels,  # noqa: E402
                     per_isa, print_table, time_call)
 
 import taps_ops  # noqa: E402
@@ -99,7 +99,7 @@ def main():
     if args.quick:
         args.batch, args.nodes, args.vocab, args.repeats = 4, 16, 5003, 3
     print(f"verify_tree: B={args.batch} N={args.nodes} V={args.vocab} | {machine_line()}")
-    devices = ["cpu"] + (["cuda"] if torch.cuda.is_available() and taps_ops.has_cuda_kernels() else [])
+    devices = bench_devices()
     bandwidth = {d: read_bandwidth(d) for d in devices}
     for d in devices:
         print(f"read bandwidth {d}: {bandwidth[d] / 1e9:.1f} GB/s (torch.amax over 512 MB)")

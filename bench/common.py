@@ -14,6 +14,7 @@ same code as a higher one (taps_ops.cpu_info()["ops"]).
 from __future__ import annotations
 
 import contextlib
+import os
 import statistics
 import time
 from typing import Callable, Iterator, Sequence, TypeVar
@@ -187,6 +188,21 @@ def isa_cells(ref_time: float, times: Sequence[float]) -> list[str]:
     return [c for t in times for c in (fmt_time(t), f"{ref_time / t:.2f}x" if ref_time == ref_time and t == t else "-")]
 
 
+def bench_devices() -> list[str]:
+    """The devices a benchmark runs on: "cpu", then "cuda" where a GPU and the CUDA kernels are there.
+    TAPS_BENCH_DEVICES (a comma-separated list, e.g. "cuda") narrows it: a GPU check skips the CPU rows."""
+    import taps_ops
+
+    found = ["cpu"] + (["cuda"] if torch.cuda.is_available() and taps_ops.has_cuda_kernels() else [])
+    wanted = os.environ.get("TAPS_BENCH_DEVICES", "").replace(" ", "")
+    if not wanted:
+        return found
+    unknown = sorted(set(wanted.split(",")) - {"cpu", "cuda"})
+    if unknown:
+        raise SystemExit(f"TAPS_BENCH_DEVICES: unknown device(s) {unknown}; accepted: cpu, cuda")
+    return [d for d in found if d in wanted.split(",")]
+
+
 def tree_bench_setup(op: str):
     """The command line (--quick, --no-reference, --isa) and the devices of the tree benchmarks; prints the
     header line. Returns (args, devices); args.isa holds the levels (isa_levels)."""
@@ -201,5 +217,4 @@ def tree_bench_setup(op: str):
     args = ap.parse_args()
     args.isa = isa_levels(args.isa)
     print(f"{op} | {machine_line()}")
-    devices = ["cpu"] + (["cuda"] if torch.cuda.is_available() and taps_ops.has_cuda_kernels() else [])
-    return args, devices
+    return args, bench_devices()
