@@ -268,6 +268,31 @@ void plan_cases() {
   // A device with too little shared memory for even one warp's rows: the SIMT kernel.
   p = attention::plan_tree_attention(1, 8, 256, 8192, 128, true, 108, 48 * 1024);
   check(!p.mma && p.block_rows == attention::kAttnRows && p.split_keys % attention::kTileKeys == 0, "plan: no smem -> SIMT");
+
+  // The tensor-core kernel's one-wave splits (plan_wave_splits; 132 SMs x 1 resident block, as measured
+  // for D = 128 on an H200): the most splits whose blocks fit one wave, at least 128 keys each.
+  auto waved = [&](int64_t batch, int64_t rows, int64_t s, bool mma, int64_t resident) {
+    attention::AttentionPlan q = plan_tree_attention(batch, 8, rows, s, 128, mma, 132);
+    attention::plan_wave_splits(q, batch, 8, s, resident);
+    return q;
+  };
+  p = waved(4, 256, 2048, true, 132);  // 32 blocks a split: 4 splits fill 128 of 132 (two waves planned 8)
+  check(p.splits == 4 && p.split_keys == 512, "wave splits: B 4 S 2048 -> 4");
+  p = waved(8, 256, 4096, true, 132);  // 64 blocks a split: 2
+  check(p.splits == 2 && p.split_keys == 2048, "wave splits: B 8 S 4096 -> 2");
+  p = waved(1, 256, 1024, true, 132);  // 8 blocks: 16 would fit, 1024 / 128 = 8 keep 128 keys each
+  check(p.splits == 8 && p.split_keys == 128, "wave splits: capped by keys per split");
+  p = waved(1, 32, 216, true, 132);   // a short cache: one split
+  check(p.splits == 1, "wave splits: short cache");
+  p = waved(64, 256, 4096, true, 132);  // 512 blocks fill waves alone
+  check(p.splits == 1 && p.split_keys >= 4096, "wave splits: a full wave without splits");
+  p = waved(2, 256, 8192, true, 264);  // two resident blocks a SM: 264 / 16 = 16 splits of 512
+  check(p.splits == 16 && p.split_keys == 512, "wave splits: two blocks a SM");
+  const attention::AttentionPlan before = plan_tree_attention(4, 8, 256, 2048, 128, false, 132);
+  p = waved(4, 256, 2048, false, 132);  // the SIMT kernel keeps its plan
+  check(!p.mma && p.splits == before.splits && p.split_keys == before.split_keys, "wave splits: SIMT unchanged");
+  p = waved(4, 256, 2048, true, 0);  // residency unknown: the two-wave plan
+  check(p.splits == 8, "wave splits: unknown residency");
 }
 
 }  // namespace

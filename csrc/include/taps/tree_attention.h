@@ -198,11 +198,19 @@ struct AttentionPlan {
   int64_t split_keys;  // keys per split, a multiple of the kernel's tile
 };
 
+// Splits of `keys` keys into about `splits` parts of whole tiles of the plan's kernel.
+TAPS_HD void set_splits(AttentionPlan& plan, int64_t splits, int64_t keys) {
+  plan.split_keys = split_len(keys, splits, plan.mma ? kMmaKeys : kTileKeys);
+  plan.splits = ceil_div(keys, plan.split_keys);
+  if (plan.splits < 1) plan.splits = 1;
+}
+
 // mma_ok: bf16 / fp16 on an sm_80+ device with 16-byte aligned rows; sms: the device's SM count;
 // max_smem: the shared memory a block may opt in to (the tensor-core kernel takes fewer warps, or the
 // SIMT kernel runs, when its rows and two K/V stages do not fit).
-// Splits (plan_splits): enough blocks for about two waves; one split_keys for every request (a grid
-// dimension), blocks past a request's keys write an empty partial result.
+// Splits (plan_splits): enough blocks for about two waves (the SIMT kernel, several blocks per SM; the
+// tensor-core kernel's are replanned by plan_wave_splits once its residency is known); one split_keys
+// for every request (a grid dimension), blocks past a request's keys write an empty partial result.
 TAPS_HD AttentionPlan plan_tree_attention(int64_t batch, int64_t heads_kv, int64_t group_rows, int64_t cache_len,
                                           int64_t head_dim, bool mma_ok, int64_t sms, int64_t max_smem) {
   AttentionPlan plan{};
@@ -227,11 +235,27 @@ TAPS_HD AttentionPlan plan_tree_attention(int64_t batch, int64_t heads_kv, int64
     plan.block_rows = kAttnRows;
   }
   plan.row_blocks = ceil_div(group_rows, plan.block_rows);
-  const int64_t splits = plan_splits(batch * heads_kv * plan.row_blocks, 2 * sms, cache_len, kMaxSplits);
-  plan.split_keys = split_len(cache_len, splits, plan.mma ? kMmaKeys : kTileKeys);
-  plan.splits = ceil_div(cache_len, plan.split_keys);
-  if (plan.splits < 1) plan.splits = 1;
+  set_splits(plan, plan_splits(batch * heads_kv * plan.row_blocks, 2 * sms, cache_len, kMaxSplits), cache_len);
   return plan;
+}
+
+// The tensor-core kernel's splits once its residency is known (`resident`: blocks of this plan's size
+// the device runs at once, sms x the occupancy API's blocks per SM). Its blocks hold a register file's
+// worth of accumulators (246 registers a thread at D = 128 on sm_90: one 8-warp block per SM), so a
+// wave that spills over by one block costs a whole second wave: the most splits whose blocks all fit
+// in one wave, each of at least kMinWaveSplitKeys keys; one split when the blocks fill a wave alone.
+// Measured on an H200 (bench/probe_cuda.py, bf16, D = 128, 64 nodes): B 4 S 2048 best at 4 splits (the
+// two-wave plan's 8: +24%), B 8 S 4096 at 2 (5: +24%), B 1 S 1024 at 8-16 (4: +20%).
+constexpr int64_t kMinWaveSplitKeys = 2 * kMmaKeys;
+TAPS_HD void plan_wave_splits(AttentionPlan& plan, int64_t batch, int64_t heads_kv, int64_t cache_len,
+                              int64_t resident) {
+  if (!plan.mma || resident <= 0) return;
+  const int64_t items = batch * heads_kv * plan.row_blocks;
+  int64_t splits = items > 0 ? resident / items : 1;
+  const int64_t by_len = cache_len / kMinWaveSplitKeys;
+  splits = splits < by_len ? splits : by_len;
+  splits = splits < kMaxSplits ? splits : kMaxSplits;
+  set_splits(plan, splits > 1 ? splits : 1, cache_len);
 }
 
 }  // namespace attention

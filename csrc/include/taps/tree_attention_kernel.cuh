@@ -6,6 +6,7 @@
 #pragma once
 #include <cuda_runtime.h>
 
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <type_traits>
@@ -476,6 +477,46 @@ __global__ void tree_attention_combine_kernel(const float* __restrict__ part_acc
   }
 }
 
+// The tensor-core kernel's opt-in shared memory. The attribute is per kernel and process-wide: always set
+// the same value (the largest block this device can take), so launches from several host threads cannot
+// undo each other.
+template <class T, int D>
+cudaError_t set_mma_smem_limit(int64_t smem_limit) {
+  const int64_t most = mma_smem_bytes(D, int64_t(kMmaMaxWarps) * mma_warp_tiles(D) * 16);
+  return cudaFuncSetAttribute(tree_attention_mma_kernel<T, D>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                              static_cast<int>(most < smem_limit ? most : smem_limit));
+}
+
+// Blocks of the tensor-core kernel of `plan`'s size (warps, block_rows) one SM of the current device runs
+// at once (the occupancy API; 0 for a plan of the SIMT kernel or on an error). Cached per device and
+// block size: the engine calls this op once a layer.
+template <class T, int D>
+int mma_blocks_per_sm(const AttentionPlan& plan) {
+  if constexpr (std::is_same_v<T, float> || D % 16 != 0) {
+    return 0;
+  } else {
+    if (!plan.mma || plan.warps < 1 || plan.warps > kMmaMaxWarps) return 0;
+    constexpr int kDevices = 16, kTiles = kMmaMaxWarps * 2 + 1;  // block_rows / 16 <= warps x 2 m-tiles
+    static std::atomic<int> cache[kDevices][kMmaMaxWarps + 1][kTiles] = {};
+    int device = 0;
+    if (cudaGetDevice(&device) != cudaSuccess) return 0;
+    const int64_t tiles = plan.block_rows / 16;
+    const bool cached = device < kDevices && tiles < kTiles;
+    if (cached) {
+      const int known = cache[device][plan.warps][tiles].load(std::memory_order_relaxed);
+      if (known > 0) return known;
+    }
+    if (set_mma_smem_limit<T, D>(plan.smem_limit) != cudaSuccess) return 0;
+    int blocks = 0;
+    if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, tree_attention_mma_kernel<T, D>, plan.warps * 32,
+                                                      static_cast<size_t>(mma_smem_bytes(D, plan.block_rows))) !=
+        cudaSuccess)
+      return 0;
+    if (cached && blocks > 0) cache[device][plan.warps][tiles].store(blocks, std::memory_order_relaxed);
+    return blocks;
+  }
+}
+
 // Launcher: q [B, Hq, N, D], k/v [B, Hkv, S, D], out [B, Hq, N, D]; `plan` from plan_tree_attention
 // for these sizes. The plan's splits, split_keys and block_rows replace those fields of `params`
 // (part_* buffers sized for plan.splits when it is > 1).
@@ -494,11 +535,7 @@ cudaError_t launch_tree_attention(const Params& params, const AttentionPlan& pla
     if (plan.mma) {
       const int64_t smem = mma_smem_bytes(D, plan.block_rows);
       if (plan.block_rows > int64_t(plan.warps) * mma_warp_tiles(D) * 16) return cudaErrorInvalidValue;
-      // The opt-in attribute is per kernel and process-wide: always set the same value (the largest
-      // block this device can take), so launches from several host threads cannot undo each other.
-      const int64_t most = mma_smem_bytes(D, int64_t(kMmaMaxWarps) * mma_warp_tiles(D) * 16);
-      err = cudaFuncSetAttribute(tree_attention_mma_kernel<T, D>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                 static_cast<int>(most < plan.smem_limit ? most : plan.smem_limit));
+      err = set_mma_smem_limit<T, D>(plan.smem_limit);
       if (err != cudaSuccess) return err;
       auto* kernel = &tree_attention_mma_kernel<T, D>;
       TAPS_LAUNCH(kernel, grid, plan.warps * 32, static_cast<size_t>(smem), stream, p);
