@@ -479,8 +479,8 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     Returns:
         out: x's shape and dtype, contiguous.
 
-    No autograd: an inference op (the lean forward paths call it with autograd off). CUDA: compiled,
-    never run on a GPU so far.
+    No autograd: an inference op (the lean forward paths call it with autograd off). CUDA: its tests
+    pass on an H200 (2026-12-04).
     """
     return torch.ops.taps_ops.rms_norm.default(x, weight, float(eps))
 
@@ -597,8 +597,8 @@ def rope_(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
             fine): the table rows of each token's position, shared by its H heads.
 
     Returns:
-        x. No autograd: an inference op (the lean forwards call it with autograd off). CUDA: compiled,
-        never run on a GPU so far.
+        x. No autograd: an inference op (the lean forwards call it with autograd off). CUDA: its tests
+        pass on an H200 (2026-12-04).
     """
     torch.ops.taps_ops.rope_.default(x, cos, sin)
     return x
@@ -652,7 +652,7 @@ def expand_level(logits: Tensor, front_scores: Tensor, front_cands: Tensor, k: i
 
     A row with a NaN or +inf logit gets NaN scores (tokens stay in range); a row of only -inf gets scores
     -inf.
-    No data checks, so no ``validate``; no autograd. CUDA: compiled, never run on a GPU so far.
+    No data checks, so no ``validate``; no autograd. CUDA: its tests pass on an H200 (2026-12-04).
     """
     return ExpandLevel(*torch.ops.taps_ops.expand_level.default(logits, front_scores, front_cands, int(k),
                                                                 int(next_k), int(cand_offset), token_map,
@@ -700,7 +700,7 @@ def decoder_layer(x: Tensor, weights: Sequence[Optional[Tensor]], eps: Sequence[
 
     Returns:
         the layer's output, x's shape and dtype. No autograd: an inference op. Used by the engine on the
-        CPU; on CUDA it runs the same ops but has not run on a GPU so far.
+        CPU; on CUDA it runs the same ops (its test against the CPU passes on an H200, 2026-12-04).
     """
     # lists pass through as they are (the engine calls this once per layer with prepared lists)
     return torch.ops.taps_ops.decoder_layer.default(
