@@ -57,16 +57,16 @@ void dispatch_head_dim(const attention::Params& p, const attention::AttentionPla
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
-// Blocks per SM of the tensor-core kernel for `plan` (attention::mma_blocks_per_sm; 0 for fp32).
+// Blocks per SM of `plan`'s kernel (attention::blocks_per_sm).
 template <class T>
-int mma_blocks_per_sm(int64_t head_dim, const attention::AttentionPlan& plan) {
+int blocks_per_sm(int64_t head_dim, const attention::AttentionPlan& plan) {
   switch (head_dim) {
-    case 32: return attention::mma_blocks_per_sm<T, 32>(plan);
-    case 64: return attention::mma_blocks_per_sm<T, 64>(plan);
-    case 80: return attention::mma_blocks_per_sm<T, 80>(plan);
-    case 96: return attention::mma_blocks_per_sm<T, 96>(plan);
-    case 128: return attention::mma_blocks_per_sm<T, 128>(plan);
-    case 256: return attention::mma_blocks_per_sm<T, 256>(plan);
+    case 32: return attention::blocks_per_sm<T, 32>(plan);
+    case 64: return attention::blocks_per_sm<T, 64>(plan);
+    case 80: return attention::blocks_per_sm<T, 80>(plan);
+    case 96: return attention::blocks_per_sm<T, 96>(plan);
+    case 128: return attention::blocks_per_sm<T, 128>(plan);
+    case 256: return attention::blocks_per_sm<T, 256>(plan);
     default: return 0;
   }
 }
@@ -126,10 +126,14 @@ at::Tensor tree_attention_cuda(const at::Tensor& q_in, const at::Tensor& k_in, c
   attention::AttentionPlan plan = attention::plan_tree_attention(
       batch, heads_kv, (heads_q / heads_kv) * num_nodes, cache_len, head_dim, mma_ok, props->multiProcessorCount,
       static_cast<int64_t>(props->sharedMemPerBlockOptin));
-  if (plan.mma) {  // the tensor-core kernel's splits: as many as one wave of its resident blocks holds
-    const int per_sm = call.q->scalar_type() == at::kBFloat16 ? mma_blocks_per_sm<__nv_bfloat16>(head_dim, plan)
-                                                               : mma_blocks_per_sm<__half>(head_dim, plan);
-    attention::plan_wave_splits(plan, batch, heads_kv, cache_len, int64_t(per_sm) * props->multiProcessorCount);
+  {  // the splits for the kernel's measured residency (attention::plan_gpu_splits)
+    int per_sm = 0;
+    switch (call.q->scalar_type()) {
+      case at::kFloat: per_sm = blocks_per_sm<float>(head_dim, plan); break;
+      case at::kBFloat16: per_sm = blocks_per_sm<__nv_bfloat16>(head_dim, plan); break;
+      default: per_sm = blocks_per_sm<__half>(head_dim, plan); break;
+    }
+    attention::plan_gpu_splits(plan, batch, heads_kv, cache_len, int64_t(per_sm) * props->multiProcessorCount);
   }
   if (const char* env = std::getenv("TAPS_ATTN_SPLITS"); env != nullptr && env[0] != '\0') {
     // tuning experiments (bench/probe_cuda.py): this many key splits instead of the plan's

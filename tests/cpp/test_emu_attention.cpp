@@ -269,11 +269,12 @@ void plan_cases() {
   p = attention::plan_tree_attention(1, 8, 256, 8192, 128, true, 108, 48 * 1024);
   check(!p.mma && p.block_rows == attention::kAttnRows && p.split_keys % attention::kTileKeys == 0, "plan: no smem -> SIMT");
 
-  // The tensor-core kernel's one-wave splits (plan_wave_splits; 132 SMs x 1 resident block, as measured
-  // for D = 128 on an H200): the most splits whose blocks fit one wave, at least 128 keys each.
+  // The CUDA splits for a measured residency (plan_gpu_splits). The tensor-core kernel (132 SMs x 1
+  // resident block, as measured for D = 128 on an H200): the most splits whose blocks fit one wave, at
+  // least 128 keys each.
   auto waved = [&](int64_t batch, int64_t rows, int64_t s, bool mma, int64_t resident) {
     attention::AttentionPlan q = plan_tree_attention(batch, 8, rows, s, 128, mma, 132);
-    attention::plan_wave_splits(q, batch, 8, s, resident);
+    attention::plan_gpu_splits(q, batch, 8, s, resident);
     return q;
   };
   p = waved(4, 256, 2048, true, 132);  // 32 blocks a split: 4 splits fill 128 of 132 (two waves planned 8)
@@ -288,9 +289,13 @@ void plan_cases() {
   check(p.splits == 1 && p.split_keys >= 4096, "wave splits: a full wave without splits");
   p = waved(2, 256, 8192, true, 264);  // two resident blocks a SM: 264 / 16 = 16 splits of 512
   check(p.splits == 16 && p.split_keys == 512, "wave splits: two blocks a SM");
-  const attention::AttentionPlan before = plan_tree_attention(4, 8, 256, 2048, 128, false, 132);
-  p = waved(4, 256, 2048, false, 132);  // the SIMT kernel keeps its plan
-  check(!p.mma && p.splits == before.splits && p.split_keys == before.split_keys, "wave splits: SIMT unchanged");
+  // The SIMT kernel (5 resident blocks a SM): up to 8 waves of blocks.
+  p = waved(4, 256, 2048, false, 660);  // 512 items: ceil(8 x 660 / 512) = 11 splits of 192 keys
+  check(!p.mma && p.splits == 11 && p.split_keys == 192, "gpu splits: SIMT, 8 waves");
+  p = waved(1, 12, 4096, true, 660);  // 12 rows (SIMT), 8 items: capped at 4096 / 128 = 32 splits
+  check(!p.mma && p.splits == 32 && p.split_keys == 128, "gpu splits: SIMT, capped by keys per split");
+  p = waved(1, 28, 257, false, 660);  // a short cache: one split
+  check(p.splits == 1, "gpu splits: SIMT, short cache");
   p = waved(4, 256, 2048, true, 0);  // residency unknown: the two-wave plan
   check(p.splits == 8, "wave splits: unknown residency");
 }

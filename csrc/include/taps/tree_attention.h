@@ -239,20 +239,28 @@ TAPS_HD AttentionPlan plan_tree_attention(int64_t batch, int64_t heads_kv, int64
   return plan;
 }
 
-// The tensor-core kernel's splits once its residency is known (`resident`: blocks of this plan's size
-// the device runs at once, sms x the occupancy API's blocks per SM). Its blocks hold a register file's
-// worth of accumulators (246 registers a thread at D = 128 on sm_90: one 8-warp block per SM), so a
-// wave that spills over by one block costs a whole second wave: the most splits whose blocks all fit
-// in one wave, each of at least kMinWaveSplitKeys keys; one split when the blocks fill a wave alone.
-// Measured on an H200 (bench/probe_cuda.py, bf16, D = 128, 64 nodes): B 4 S 2048 best at 4 splits (the
-// two-wave plan's 8: +24%), B 8 S 4096 at 2 (5: +24%), B 1 S 1024 at 8-16 (4: +20%).
-constexpr int64_t kMinWaveSplitKeys = 2 * kMmaKeys;
-TAPS_HD void plan_wave_splits(AttentionPlan& plan, int64_t batch, int64_t heads_kv, int64_t cache_len,
-                              int64_t resident) {
-  if (!plan.mma || resident <= 0) return;
+// The CUDA kernels' splits once their residency is known (`resident`: blocks of this plan's size the
+// device runs at once, sms x the occupancy API's blocks per SM; 0 keeps the two-wave plan). Every split
+// keeps at least kMinGpuSplitKeys keys, and caches under kMinGpuSplitCache keys are not split (one more
+// launch, the combine, costs more than it saves there).
+// - The tensor-core kernel: its blocks hold a register file's worth of accumulators (246 registers a
+//   thread at D = 128 on sm_90: one 8-warp block per SM), so a wave that spills over by one block costs
+//   a whole second wave: the most splits whose blocks all fit in one wave; one split when the blocks
+//   fill a wave alone. Measured on an H200 (bench/probe_cuda.py, bf16, D = 128, 64 nodes): B 4 S 2048 best
+//   at 4 splits (the two-wave plan's 8: +24%), B 8 S 4096 at 2 (5: +24%), B 1 S 1024 at 8-16 (4: +20%).
+// - The SIMT kernel: several small blocks per SM, each a chain of dependent tile loads, so more and
+//   shorter blocks keep more loads in flight: up to kSimtWaves waves. On the H200: fp32 B 4 S 2048 (512
+//   items) best at 8-16 splits (the plan's 1: +25%), fp32 B 8 D 64 S 1024 at 8 (2: +11%), bf16 N 3 S 4096
+//   (8 items) at 32-64 (32 within 6%).
+constexpr int64_t kMinGpuSplitKeys = 2 * kMmaKeys;
+constexpr int64_t kMinGpuSplitCache = 512;
+constexpr int64_t kSimtWaves = 8;
+TAPS_HD void plan_gpu_splits(AttentionPlan& plan, int64_t batch, int64_t heads_kv, int64_t cache_len,
+                             int64_t resident) {
+  if (resident <= 0) return;
   const int64_t items = batch * heads_kv * plan.row_blocks;
-  int64_t splits = items > 0 ? resident / items : 1;
-  const int64_t by_len = cache_len / kMinWaveSplitKeys;
+  int64_t splits = items <= 0 ? 1 : plan.mma ? resident / items : ceil_div(kSimtWaves * resident, items);
+  const int64_t by_len = cache_len < kMinGpuSplitCache ? 1 : cache_len / kMinGpuSplitKeys;
   splits = splits < by_len ? splits : by_len;
   splits = splits < kMaxSplits ? splits : kMaxSplits;
   set_splits(plan, splits > 1 ? splits : 1, cache_len);

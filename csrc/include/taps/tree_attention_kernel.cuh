@@ -487,34 +487,42 @@ cudaError_t set_mma_smem_limit(int64_t smem_limit) {
                               static_cast<int>(most < smem_limit ? most : smem_limit));
 }
 
-// Blocks of the tensor-core kernel of `plan`'s size (warps, block_rows) one SM of the current device runs
-// at once (the occupancy API; 0 for a plan of the SIMT kernel or on an error). Cached per device and
-// block size: the engine calls this op once a layer.
+// Blocks of `plan`'s kernel and size (the tensor-core kernel: warps and block_rows; the SIMT kernel: one
+// size) one SM of the current device runs at once (the occupancy API; 0 on an error). Cached per device
+// and block size: the engine calls this op once a layer.
 template <class T, int D>
-int mma_blocks_per_sm(const AttentionPlan& plan) {
-  if constexpr (std::is_same_v<T, float> || D % 16 != 0) {
-    return 0;
-  } else {
-    if (!plan.mma || plan.warps < 1 || plan.warps > kMmaMaxWarps) return 0;
-    constexpr int kDevices = 16, kTiles = kMmaMaxWarps * 2 + 1;  // block_rows / 16 <= warps x 2 m-tiles
-    static std::atomic<int> cache[kDevices][kMmaMaxWarps + 1][kTiles] = {};
-    int device = 0;
-    if (cudaGetDevice(&device) != cudaSuccess) return 0;
-    const int64_t tiles = plan.block_rows / 16;
-    const bool cached = device < kDevices && tiles < kTiles;
-    if (cached) {
-      const int known = cache[device][plan.warps][tiles].load(std::memory_order_relaxed);
-      if (known > 0) return known;
-    }
-    if (set_mma_smem_limit<T, D>(plan.smem_limit) != cudaSuccess) return 0;
-    int blocks = 0;
-    if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, tree_attention_mma_kernel<T, D>, plan.warps * 32,
-                                                      static_cast<size_t>(mma_smem_bytes(D, plan.block_rows))) !=
-        cudaSuccess)
-      return 0;
-    if (cached && blocks > 0) cache[device][plan.warps][tiles].store(blocks, std::memory_order_relaxed);
-    return blocks;
+int blocks_per_sm(const AttentionPlan& plan) {
+  constexpr int kDevices = 16, kTiles = kMmaMaxWarps * 2 + 1;  // block_rows / 16 <= warps x 2 m-tiles
+  // [device][warps][m-tiles]; the SIMT kernel at [device][0][0]
+  static std::atomic<int> cache[kDevices][kMmaMaxWarps + 1][kTiles] = {};
+  const bool mma = plan.mma;
+  if (mma && (plan.warps < 1 || plan.warps > kMmaMaxWarps)) return 0;
+  int device = 0;
+  if (cudaGetDevice(&device) != cudaSuccess) return 0;
+  const int warps = mma ? plan.warps : 0;
+  const int64_t tiles = mma ? plan.block_rows / 16 : 0;
+  const bool cached = device < kDevices && tiles < kTiles;
+  if (cached) {
+    const int known = cache[device][warps][tiles].load(std::memory_order_relaxed);
+    if (known > 0) return known;
   }
+  int blocks = 0;
+  if (!mma) {
+    const size_t smem = sizeof(float) * attn_smem_floats<D>();
+    if (cudaFuncSetAttribute(tree_attention_kernel<T, D>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                             static_cast<int>(smem)) != cudaSuccess ||
+        cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, tree_attention_kernel<T, D>, kAttnWarps * 32, smem) !=
+            cudaSuccess)
+      return 0;
+  } else if constexpr (!std::is_same_v<T, float> && D % 16 == 0) {
+    if (set_mma_smem_limit<T, D>(plan.smem_limit) != cudaSuccess ||
+        cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, tree_attention_mma_kernel<T, D>, plan.warps * 32,
+                                                      static_cast<size_t>(mma_smem_bytes(D, plan.block_rows))) !=
+            cudaSuccess)
+      return 0;
+  }
+  if (cached && blocks > 0) cache[device][warps][tiles].store(blocks, std::memory_order_relaxed);
+  return blocks;
 }
 
 // Launcher: q [B, Hq, N, D], k/v [B, Hkv, S, D], out [B, Hq, N, D]; `plan` from plan_tree_attention
