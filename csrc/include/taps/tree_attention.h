@@ -208,8 +208,8 @@ TAPS_HD void set_splits(AttentionPlan& plan, int64_t splits, int64_t keys) {
 // mma_ok: bf16 / fp16 on an sm_80+ device with 16-byte aligned rows; sms: the device's SM count;
 // max_smem: the shared memory a block may opt in to (the tensor-core kernel takes fewer warps, or the
 // SIMT kernel runs, when its rows and two K/V stages do not fit).
-// Splits (plan_splits): enough blocks for about two waves (the SIMT kernel, several blocks per SM; the
-// tensor-core kernel's are replanned by plan_wave_splits once its residency is known); one split_keys
+// Splits (plan_splits): enough blocks for about two waves (the CUDA binding
+// replans them with plan_gpu_splits once the kernel's residency is known); one split_keys
 // for every request (a grid dimension), blocks past a request's keys write an empty partial result.
 TAPS_HD AttentionPlan plan_tree_attention(int64_t batch, int64_t heads_kv, int64_t group_rows, int64_t cache_len,
                                           int64_t head_dim, bool mma_ok, int64_t sms, int64_t max_smem) {
