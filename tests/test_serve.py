@@ -487,8 +487,9 @@ def test_a_hugging_face_target_with_a_small_lm_drafter(tmp_path, models):
     cfg = ServeConfig(target=str(tmp_path / "target"), dtype="fp32", strategy="merged", budget=8,
                       drafters={"small": DrafterSpec("model", str(tmp_path / "small")), "lookup": DrafterSpec("lookup")})
     with BackgroundServer(cfg) as server:
-        # the engine's process decodes with its own copy of the models; this one's weights were released
+        # the engine's process decodes with its own copy of the models; this one never read the weights
         assert server.engine == "process" and next(server.models.target.parameters()).is_meta
+        assert all(d is None for d in server.models.drafters.values())  # loaded in the engine's process only
         hf = load_models(cfg)
         assert hf.name == "target" and hf.context_length == 256 and not hf.chat_tokenizer
         client = client_of(server)
@@ -503,6 +504,39 @@ def test_a_hugging_face_target_with_a_small_lm_drafter(tmp_path, models):
         with pytest.raises(openai.BadRequestError) as e:
             client.completions.create(model="target", prompt="hi", max_tokens=300)
         assert e.value.body["code"] == "context_length_exceeded"
+
+
+def test_facts_only_load_matches_the_full_one(tmp_path, models):
+    """load_models(weights=False), what a server whose engine runs in its own process loads: the same name,
+    context, vocabulary, eos ids (those of generation_config.json too), dtype, device and tokenizer as the
+    full load, the target on the meta device, no drafter loaded; for the shipped target and a Hugging Face
+    folder."""
+    import torch
+    import transformers
+
+    from taps.serve.config import DrafterSpec
+
+    config = transformers.LlamaConfig(vocab_size=len(models.tokenizer), hidden_size=64, intermediate_size=128,
+                                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                      max_position_embeddings=300, eos_token_id=models.eos_token_ids[0])
+    torch.manual_seed(0)
+    transformers.LlamaForCausalLM(config).save_pretrained(tmp_path / "target")
+    models.tokenizer.hf.save_pretrained(tmp_path / "target")
+    # eos ids of the generation config beyond the model config's (as instruction-tuned models ship them)
+    transformers.GenerationConfig(eos_token_id=[models.eos_token_ids[0], 7]).save_pretrained(tmp_path / "target")
+    for cfg in (ServeConfig(dtype="bf16"),
+                ServeConfig(target=str(tmp_path / "target"), dtype="fp32",
+                            drafters={"lookup": DrafterSpec("lookup")})):
+        full, facts = load_models(cfg), load_models(cfg, weights=False)
+        for name in ("name", "context_length", "vocab_size", "eos_token_ids", "dtype", "device"):
+            assert getattr(facts, name) == getattr(full, name), name
+        assert all(p.is_meta for p in facts.target.parameters())
+        assert not any(p.is_meta for p in full.target.parameters())
+        assert set(facts.drafters) == set(full.drafters) and all(d is None for d in facts.drafters.values())
+        assert facts.encode_chat(QUESTION) == full.encode_chat(QUESTION)
+        assert facts.encode_text("two plus two") == full.encode_text("two plus two")
+    assert full.eos_token_ids == sorted({models.eos_token_ids[0], 7}) and full.context_length == 300
+    assert facts.dtype == "float32" and facts.device == "cpu"
 
 
 def test_tuner_state_kept_between_runs(models, tmp_path, caplog):

@@ -264,7 +264,7 @@ def create_app(models: ModelSet, config: ServeConfig, metrics: Optional[ServerMe
     move to the meta device (their memory freed: this process never runs them)."""
     service = Service(models, config, metrics, engine)
     first = next(models.target.parameters())
-    dtype, device = str(first.dtype).replace("torch.", ""), str(first.device)
+    dtype, device = models.dtype or str(first.dtype).replace("torch.", ""), models.device or str(first.device)
 
     @contextlib.asynccontextmanager
     async def lifespan(_app):

@@ -59,6 +59,10 @@ class ModelSet:
     context_length: Optional[int]
     vocab_size: int
     eos_token_ids: List[int]
+    #: the weights' dtype and device as the engine runs them ("bfloat16", "cpu"), also where this set holds
+    #: none (:func:`load_models` with ``weights=False``: the target on the meta device, no drafters)
+    dtype: str = ""
+    device: str = ""
     #: Hugging Face fast tokenizers may not be used from two threads at once
     lock: threading.Lock = field(default_factory=threading.Lock)
 
@@ -102,26 +106,56 @@ def _device(name: str) -> torch.device:
     return torch.device(name)
 
 
-def load_models(cfg: ServeConfig) -> ModelSet:
+def _target_on_meta(folder: str, dtype: torch.dtype) -> torch.nn.Module:
+    """The target of `folder` built on the meta device: its config, shapes and generation config (the eos
+    ids of generation_config.json, as from_pretrained reads them), no weights read."""
+    from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
+
+    config = AutoConfig.from_pretrained(folder)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    model.to(dtype)
+    try:
+        model.generation_config = GenerationConfig.from_pretrained(folder)
+    except OSError:  # no generation_config.json: the one from_config derived from the model's config
+        pass
+    return model.eval()
+
+
+def load_models(cfg: ServeConfig, weights: bool = True) -> ModelSet:
     """Load the target, its tokenizer and the drafters of `cfg` (shipped files checked against their
-    manifests)."""
+    manifests). ``weights=False``: what a server whose engine runs in a process of its own needs here, the
+    tokenizer and the target's facts (context, vocabulary, eos ids) with the target on the meta device, no
+    weights read and no drafters loaded (the names map to None; the engine's process loads and checks
+    them)."""
     from .. import models
     from ..drafters import EagleDrafter, ModelDrafter, PromptLookupDrafter, target_vocab_size
 
     device = _device(cfg.device)
     dtype = models.resolve_dtype(cfg.dtype, device)
     if cfg.shipped_target:
-        target, tok = models.load_target(dtype=dtype)
+        if weights:
+            target, tok = models.load_target(dtype=dtype)
+        else:
+            from ..chat import ChatTokenizer
+
+            folder = models.models_dir() / "target"
+            target, tok = _target_on_meta(str(folder), dtype), ChatTokenizer.from_pretrained(folder)
         name = cfg.model_name or "taps-mini"
     else:
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
-        target = AutoModelForCausalLM.from_pretrained(cfg.target, dtype=dtype).eval()
+        target = (AutoModelForCausalLM.from_pretrained(cfg.target, dtype=dtype).eval() if weights
+                  else _target_on_meta(cfg.target, dtype))
         tok = AutoTokenizer.from_pretrained(cfg.target)
         name = cfg.model_name or cfg.target.rstrip("/").rsplit("/", 1)[-1]
-    target.to(device)
-    drafters = {}
+    if weights:
+        target.to(device)
+    drafters: Dict[str, Any] = {}
     for key, spec in cfg.drafters.items():
+        if not weights:
+            drafters[key] = None
+            continue
         if spec.kind == "shipped":
             family, data = spec.path.split("-", 1)
             vocab = spec.options.get("draft_vocab", cfg.draft_vocab)
@@ -142,7 +176,7 @@ def load_models(cfg: ServeConfig) -> ModelSet:
         if source is not None:
             eos |= {int(source)} if isinstance(source, int) else {int(e) for e in source}
     return ModelSet(name, target, tok, drafters, int(context) if context else None, target_vocab_size(target),
-                    sorted(eos))
+                    sorted(eos), str(dtype).replace("torch.", ""), str(device))
 
 
 @dataclass

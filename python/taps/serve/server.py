@@ -35,8 +35,9 @@ def _summary(models: ModelSet, config: ServeConfig) -> str:
     import torch
 
     param = next(models.target.parameters())
+    dtype, device = models.dtype or str(param.dtype).replace("torch.", ""), models.device or str(param.device)
     drafters = ", ".join(f"{n} ({s.describe()})" for n, s in config.drafters.items()) or "none"
-    return (f"taps serve: model {models.name} ({param.dtype}, {param.device}, {torch.get_num_threads()} thread(s), "
+    return (f"taps serve: model {models.name} ({dtype}, {device}, {torch.get_num_threads()} thread(s), "
             f"context {models.context_length}); drafters: {drafters}; default strategy {config.strategy} with "
             f"{', '.join(config.request_drafters()) or 'no drafter'}, budget {config.budget}; max batch "
             f"{config.max_batch}, queue {config.max_queue}, timeout {config.timeout:g} s")
@@ -64,8 +65,9 @@ def serve(config: ServeConfig) -> int:
     check_dependencies()
     if config.threads:
         torch.set_num_threads(config.threads)
-    models = load_models(config)
     engine = engine_kind(config, models_given=False)
+    # with the process engine this process runs no model: the tokenizer and the target's facts only
+    models = load_models(config, weights=engine != "process")
     print(_summary(models, config) + f"; engine: {engine}", flush=True)
     uvicorn.run(create_app(models, config, engine=engine, release_weights=True), host=config.host, port=config.port,
                 log_level=config.log_level, timeout_graceful_shutdown=5)
@@ -92,9 +94,9 @@ class BackgroundServer:
         check_dependencies()
         self.config = config = (config if config is not None else ServeConfig()).check()
         self.engine = engine_kind(config, models_given=models is not None)
-        self.models = models if models is not None else load_models(config)
-        # the models loaded here (checked, the tokenizer kept): with the process engine their weights leave
-        # this process before the engine's process loads its copy
+        # with the process engine this process runs no model: the tokenizer and the target's facts only (the
+        # engine's process loads the weights); models passed in are released before it loads its copy
+        self.models = models if models is not None else load_models(config, weights=self.engine != "process")
         self.app = create_app(self.models, config, engine=self.engine, release_weights=models is None)
         self._socket = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self._socket.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
