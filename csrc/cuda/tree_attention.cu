@@ -23,7 +23,6 @@
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/library.h>
 
-#include <algorithm>
 #include <cstdint>
 #include <cstdlib>
 #include <vector>
@@ -140,8 +139,7 @@ at::Tensor tree_attention_cuda(const at::Tensor& q_in, const at::Tensor& k_in, c
     const int64_t forced = std::atoll(env);
     TORCH_CHECK_VALUE(forced >= 1 && forced <= attention::kMaxSplits, "taps_ops: TAPS_ATTN_SPLITS must be in [1, ",
                       attention::kMaxSplits, "], got '", env, "'");
-    plan.split_keys = attention::split_len(cache_len, forced, plan.mma ? attention::kMmaKeys : attention::kTileKeys);
-    plan.splits = std::max<int64_t>(1, (cache_len + plan.split_keys - 1) / plan.split_keys);
+    attention::set_splits(plan, forced, cache_len);
   }
   check_grid_dim(heads_kv * plan.row_blocks, "tree_attention",
                  c10::str("Hkv x row blocks = ", heads_kv * plan.row_blocks));
