@@ -8,9 +8,10 @@
 # line in the summary, when less time is left than it may take; every step's output is in $OUT as soon as it
 # ends, so a run cut short still returns what it did: the summary in $OUT/summary.txt, every step's log in
 # $OUT/logs.tgz (refreshed after each step; one archive, since a device call returns at most 8 files).
-# STEPS picks the steps and their order (default "test bench-core e2e engine sanitize bench-rest"; the
-# library is always loaded first). bench-core: tree_attention and verify_tree; bench-rest: the other op
-# benchmarks; engine: bench/bench_e2e.py on the shipped models on the GPU (fp32, greedy = HF greedy).
+# STEPS picks the steps and their order (default "test bench-core e2e engine sanitize probe bench-rest";
+# the library is always loaded first). bench-core: tree_attention and verify_tree; bench-rest: the other op
+# benchmarks; engine: bench/bench_e2e.py on the shipped models on the GPU (fp32, greedy = HF greedy; batch 1,
+# then a ragged batch of 8); probe: bench/probe_cuda.py's knob sweeps.
 # e2e: bench/bench_e2e_synthetic.py, a Llama-3-8B-shaped target (random weights, bf16) with an EAGLE-shaped
 # drafter of controlled acceptance, tokens/s against Hugging Face generate and taps autoregressive.
 # TAPS_PREBUILT=path/to/taps_ops_dev_cuda.so: use that library when it loads with its CUDA kernels (built with
@@ -28,7 +29,7 @@ export PYTHONUNBUFFERED=1
 PY=${PYTHON:-python}
 command -v "$PY" >/dev/null || PY=python3
 BUDGET_S=${BUDGET_S:-540}
-STEPS=${STEPS:-test bench-core e2e engine sanitize bench-rest}
+STEPS=${STEPS:-test bench-core e2e engine sanitize probe bench-rest}
 START=$(date +%s)
 summary="$OUT/summary.txt"
 : >"$summary"
@@ -123,6 +124,20 @@ run_engine() {
     --new-tokens 48 --rows autoregressive math merged-budget lookup merged-budget+lookup >"$LOGS/bench_e2e_cuda.txt" 2>&1
   say "engine rc=$?"
   tail -n 20 "$LOGS/bench_e2e_cuda.txt" >>"$summary"
+  afford 60 "engine batch" || return
+  step "engine on the GPU: one ragged batch of 8 (GSM8K + MT-Bench), fp32, greedy, against taps autoregressive"
+  timeout "$(cap 120)" "$PY" bench/bench_e2e.py --device cuda --dtype fp32 --temperatures 0 --repeats 1 --batch 8 \
+    --new-tokens 32 --rows autoregressive merged-budget lookup merged-budget+lookup >"$LOGS/bench_e2e_cuda_batch.txt" 2>&1
+  say "engine batch rc=$?"
+  tail -n 14 "$LOGS/bench_e2e_cuda_batch.txt" >>"$summary"
+}
+
+run_probe() {
+  afford 60 "probe" || return
+  step "probe: tree_attention's key splits and validation, verify_tree's cluster size (bench/probe_cuda.py)"
+  timeout "$(cap 90)" "$PY" bench/probe_cuda.py --repeats 20 >"$LOGS/probe_cuda.txt" 2>&1
+  say "probe rc=$?"
+  cat "$LOGS/probe_cuda.txt" >>"$summary"
 }
 
 for s in $STEPS; do
@@ -141,7 +156,8 @@ for s in $STEPS; do
              bench/bench_rms_norm.py bench/bench_rope.py bench/bench_expand_level.py ;;
     e2e) run_e2e ;;
     engine) run_engine ;;
-    *) say "unknown step $s (accepted: build test bench bench-core bench-rest e2e engine sanitize)" ;;
+    probe) run_probe ;;
+    *) say "unknown step $s (accepted: build test bench bench-core bench-rest e2e engine probe sanitize)" ;;
   esac
 done
 tar czf "$OUT/logs.tgz" -C "$LOGS" .
