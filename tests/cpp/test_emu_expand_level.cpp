@@ -226,6 +226,8 @@ void all_cases() {
   const Case cases[] = {
       {3, 5, 1000, 8, 10, 0, 17, true, true, kRandom},
       {3, 5, 1000, 8, 10, 3, 0, false, false, kRandom},
+      {1, 2, 512, 8, 16, 0, 0, false, true, kRandom},       // V a whole number of 8-load rounds (8 x 32 x 2)
+      {1, 2, 2049, 10, 20, 1, 0, true, true, kTies},        // one element past them
       {1, 1, 7, 7, 7, 0, 0, false, true, kRandom},         // k = V = F * k = next_k
       {2, 3, 77, 5, 15, 3, 4, true, true, kRandom},         // V not a multiple of 32, next_k = F * k
       {2, 2, 20, 4, 0, 1, 0, false, true, kRandom},         // V < 32, next_k = 0
