@@ -83,6 +83,33 @@ def test_bench_e2e_synthetic_tiny_shape(vocab):
     assert len(costs) == 2 and all("forward 1 nodes" in c for c in costs) and "append of 1 token" in costs[0], out
 
 
+def test_peaked_synthetic_target_keeps_its_argmax_in_bf16():
+    """bench_e2e_synthetic's peaked target: each position's argmax is its token's successor perm[t], by a
+    margin that bf16 does not flip (the fp32 and bf16 forwards agree everywhere; the plain random target's
+    near-flat logits are what derailed the bf16 oracle)."""
+    import torch
+    import transformers
+
+    sys.path.insert(0, str(ROOT / "bench"))
+    import bench_e2e_synthetic as synthetic
+
+    cfg = transformers.LlamaConfig(vocab_size=4096, hidden_size=256, intermediate_size=512, num_hidden_layers=4,
+                                   num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(cfg)
+    synthetic.peak_target(model, seed=5)
+    # lm_head row perm[t] holds the embedding of t: token t's successor is perm[t]
+    successor = torch.randperm(4096, generator=torch.Generator().manual_seed(5))
+    ids = torch.randint(0, 4096, (1, 96), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        fp32 = model.eval()(ids).logits[0]
+        bf16 = model.to(torch.bfloat16)(ids).logits[0].float()
+    assert torch.equal(fp32.argmax(-1), successor[ids[0]])
+    assert torch.equal(bf16.argmax(-1), successor[ids[0]])
+    top2 = fp32.topk(2, dim=-1).values
+    assert ((top2[:, 0] - top2[:, 1]) / fp32.std(dim=-1)).min() > 5.0
+
+
 def test_bench_drafter_runs():
     out = run_bench("bench_drafter.py", "--batch", "1", "--prefix", "32", "--calls", "2", "--repeats", "1",
                     "--depth", "2")
