@@ -652,7 +652,8 @@ def expand_level(logits: Tensor, front_scores: Tensor, front_cands: Tensor, k: i
 
     A row with a NaN or +inf logit gets NaN scores (tokens stay in range); a row of only -inf gets scores
     -inf.
-    No data checks, so no ``validate``; no autograd. CUDA: its tests pass on an H200 (2026-12-04).
+    No data checks, so no ``validate``; no autograd. CUDA: its tests passed on an H200 (2026-12-04); its row
+    scans load ahead since (same order and bits, tested under the host emulation, not yet on a GPU).
     """
     return ExpandLevel(*torch.ops.taps_ops.expand_level.default(logits, front_scores, front_cands, int(k),
                                                                 int(next_k), int(cand_offset), token_map,
