@@ -50,6 +50,7 @@ BAD_ARGUMENTS = [
     (["demo", "--budget", "1"], "--budget"),
     (["demo", "--draft-vocab", "-1"], "--draft-vocab"),
     (["demo", "--dtype", "fp8"], "--dtype"),
+    (["demo", "--device", "tpu"], "--device"),
     (["demo", "--bogus"], "--bogus"),
     (["demo", "--strategy", "average", "--lookup"], "--lookup"),
     (["eval", "--limit", "-2"], "--limit"),

@@ -155,6 +155,18 @@ def device_name(text: str) -> str:
     return text
 
 
+def resolve_device(name: str):
+    """The torch device of a ``--device`` value (:func:`device_name`): ``auto`` is CUDA where a GPU is visible
+    and taps_ops has its CUDA kernels, else the CPU."""
+    import torch
+
+    if name == "auto":
+        import taps_ops
+
+        name = "cuda" if torch.cuda.is_available() and taps_ops.has_cuda_kernels() else "cpu"
+    return torch.device(name)
+
+
 def check_ranges(obj, bounds: Dict[str, Tuple[float, Optional[float]]], optional: Sequence[str] = (),
                  positive: Sequence[str] = ()) -> None:
     """Raise ValueError naming the first field of `obj` outside its ``(low, high)`` bounds (high None: no

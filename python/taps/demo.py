@@ -25,7 +25,7 @@ from typing import List, Optional
 import torch
 
 def add_demo_arguments(p) -> None:
-    from .arguments import int_at_least, or_auto
+    from .arguments import device_name, int_at_least, or_auto
     from .models import DTYPES, FAMILIES
     from .strategies import STRATEGIES
 
@@ -47,9 +47,12 @@ def add_demo_arguments(p) -> None:
                         "costs (the streamed answers; the evaluation table keeps fixed settings)")
     p.add_argument("--draft-vocab", type=int_at_least(0), default=1024,
                    help="drafters propose only the N most frequent target tokens (0: the whole vocabulary)")
+    p.add_argument("--device", default="auto", type=device_name,
+                   help="auto | cpu | cuda | cuda:N (auto: cuda when a GPU is visible and taps_ops has its CUDA "
+                        "kernels)")
     p.add_argument("--dtype", default="auto", choices=("auto",) + tuple(DTYPES),
-                   help="weights and activations, for taps and Hugging Face alike (auto: bf16 where the CPU has "
-                        "native bf16, AVX512-BF16 or AMX; else fp32)")
+                   help="weights and activations, for taps and Hugging Face alike (auto: bf16 on CUDA and where "
+                        "the CPU has native bf16, AVX512-BF16 or AMX; else fp32)")
     p.add_argument("--threads", type=int_at_least(0), default=0, help="torch CPU threads (0: default)")
     p.add_argument("--no-color", action="store_true", help="mark accepted tokens with brackets, not colour")
 
@@ -149,24 +152,33 @@ def demo(args) -> int:
     new_tokens = args.max_new_tokens or (40 if args.quick else 96)
     color = sys.stdout.isatty() and not args.no_color
     t0 = time.time()
-    dtype = models.resolve_dtype(args.dtype)
+    from .arguments import resolve_device
+
+    device = resolve_device(args.device)
+    dtype = models.resolve_dtype(args.dtype, device)
     dtype_name = {torch.float32: "fp32", torch.bfloat16: "bf16"}[dtype]
     cpu = taps_ops.cpu_info()
     bf16_note = "native bf16" if cpu.get("native_bf16") else "no native bf16"
-    why = f" (--dtype auto: {'the CPU has' if dtype == torch.bfloat16 else 'the CPU lacks'} native bf16)" \
-        if args.dtype == "auto" else ""
+    if device.type == "cuda":
+        where = f"{torch.cuda.get_device_name(device)} ({device})"
+        why = " (--dtype auto: bf16 on CUDA)" if args.dtype == "auto" else ""
+    else:
+        where = f"{cpu['cpu']} (taps kernels: {cpu['isa']}, {bf16_note})"
+        why = f" (--dtype auto: {'the CPU has' if dtype == torch.bfloat16 else 'the CPU lacks'} native bf16)" \
+            if args.dtype == "auto" else ""
     have = models.available_drafters().get(args.family, [])
     if not {"math", "chat"} <= set(have) and (models.models_dir() / "target" / "config.json").is_file():
         raise FileNotFoundError(f"the {args.family} math and chat drafters are missing from "
                                 f"{models.models_dir() / 'drafters'} (found {have or 'none'}); see docs/TRAINING.md")
     with _no_progress_bars():
         target, tok = models.load_target(dtype=dtype)
+        target.to(device)  # the drafters load onto the target's device
         drafters = {name: models.load_drafter(args.family, name, target, draft_vocab=args.draft_vocab or None)
                     for name in have}
     reference = copy.deepcopy(target)  # Hugging Face generate on its own copy, untouched by taps
     n_t = sum(p.numel() for p in target.parameters())
     n_d = sum(p.numel() for p in drafters["math"].parameters())
-    print(f"TAPS demo on {cpu['cpu']} (taps kernels: {cpu['isa']}, {bf16_note}), {dtype_name}{why}, "
+    print(f"TAPS demo on {where}, {dtype_name}{why}, "
           f"{torch.get_num_threads()} thread(s).\n"
           f"The target (models/target) is a {n_t / 1e6:.1f}M-parameter model "
           f"{_target_story(models.models_dir() / 'target')}: it writes fluent-looking nonsense, as a model that "

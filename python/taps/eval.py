@@ -43,7 +43,7 @@ from typing import Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 import torch
 
-from .arguments import device_name, float_list, int_at_least, name_list
+from .arguments import device_name, float_list, int_at_least, name_list, resolve_device
 from .data import EVAL_SETS
 from .models import DATA_NAMES, DTYPES, FAMILIES
 
@@ -497,14 +497,6 @@ def add_eval_arguments(p: argparse.ArgumentParser) -> None:
                         "one) into --out, print the tables and plot")
 
 
-def _device(name: str) -> torch.device:
-    if name == "auto":
-        import taps_ops
-
-        name = "cuda" if torch.cuda.is_available() and taps_ops.has_cuda_kernels() else "cpu"
-    return torch.device(name)
-
-
 def _finite(obj):
     """NaN / infinity -> None, recursively (strict JSON)."""
     if isinstance(obj, float) and not math.isfinite(obj):
@@ -590,7 +582,7 @@ def run_eval(args: argparse.Namespace) -> dict:
                          f"(known families: {', '.join(M.FAMILIES)}; present: {', '.join(have) or 'none'})")
     import taps_ops
 
-    device = _device(args.device)
+    device = resolve_device(args.device)
     dtype = M.resolve_dtype(getattr(args, "dtype", "fp32"), device)
     if args.threads:
         torch.set_num_threads(args.threads)

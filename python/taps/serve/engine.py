@@ -29,6 +29,7 @@ from typing import Any, Callable, Deque, Dict, Hashable, List, Optional, Sequenc
 
 import torch
 
+from ..arguments import resolve_device
 from .config import ServeConfig
 from .text import TextStream
 
@@ -98,14 +99,6 @@ class ModelSet:
             return self.tokenizer.decode(ids, skip_special_tokens=True)
 
 
-def _device(name: str) -> torch.device:
-    if name == "auto":
-        import taps_ops
-
-        name = "cuda" if torch.cuda.is_available() and taps_ops.has_cuda_kernels() else "cpu"
-    return torch.device(name)
-
-
 def _target_on_meta(folder: str, dtype: torch.dtype) -> torch.nn.Module:
     """The target of `folder` built on the meta device: its config, shapes and generation config (the eos
     ids of generation_config.json, as from_pretrained reads them), no weights read."""
@@ -131,7 +124,7 @@ def load_models(cfg: ServeConfig, weights: bool = True) -> ModelSet:
     from .. import models
     from ..drafters import EagleDrafter, ModelDrafter, PromptLookupDrafter, target_vocab_size
 
-    device = _device(cfg.device)
+    device = resolve_device(cfg.device)
     dtype = models.resolve_dtype(cfg.dtype, device)
     if cfg.shipped_target:
         if weights:
