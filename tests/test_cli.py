@@ -66,6 +66,7 @@ BAD_ARGUMENTS = [
     (["eval", "--dtype", "fp8"], "--dtype"),
     (["eval", "--merge", "/nonexistent/results.json"], "results.json"),
     (["tour", "--bogus"], "--bogus"),
+    (["info", "--bogus"], "--bogus"),
     (["train", "tokenizer", "--vocab-size", "x"], "--vocab-size"),
     (["train", "tokenizer", "--chat-fraction", "2"], "--chat-fraction"),
     (["train", "target", "--tokens", "0"], "--tokens"),
@@ -123,7 +124,7 @@ def _prog(argv):
     """The command an error line names: taps, taps <command> or taps train <subcommand>."""
     if argv[:1] == ["train"] and len(argv) > 1:
         return "taps train " + argv[1]
-    return "taps " + argv[0] if argv and argv[0] in ("demo", "eval", "tour", "train", "serve") else "taps"
+    return "taps " + argv[0] if argv and argv[0] in ("demo", "eval", "tour", "train", "serve", "info") else "taps"
 
 
 def _exit_status(argv):
@@ -176,3 +177,40 @@ def test_traceback_on_request(monkeypatch, tmp_path):
     monkeypatch.setenv("TAPS_TRACEBACK", "1")
     with pytest.raises(FileNotFoundError):
         cli.main(["demo", "--quick"])
+
+
+def test_info_reports_this_installation(capsys):
+    """`taps info`: the facts as the library and torch give them, as text and as JSON."""
+    import json
+
+    import torch
+
+    import taps_ops
+
+    assert cli.main(["info"]) == 0
+    text = capsys.readouterr().out
+    cpu = taps_ops.cpu_info()
+    assert f"taps kernels at {cpu['isa']}" in text and f"torch {torch.__version__}" in text
+    assert ("CUDA kernels: yes" if taps_ops.has_cuda_kernels() else "CUDA kernels: no") in text
+    assert "--device auto -> " in text and "shipped models in " in text
+    assert cli.main(["info", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["cpu"]["ops"] == cpu["ops"] and report["library"]["cuda_kernels"] == taps_ops.has_cuda_kernels()
+    assert len(report["gpus"]) == (torch.cuda.device_count() if torch.cuda.is_available() else 0)
+    assert report["models"]["target"] and "hass" in report["models"]["drafters"]
+
+
+def test_info_verify_names_a_corrupted_file(tmp_path, monkeypatch, capsys):
+    models = tmp_path / "models"
+    shutil.copytree(REPO_ROOT / "models" / "target", models / "target")
+    shutil.copytree(REPO_ROOT / "models" / "drafters" / "hass-math", models / "drafters" / "hass-math")
+    monkeypatch.setenv("TAPS_MODELS_DIR", str(models))
+    assert cli.main(["info", "--verify"]) == 0
+    assert "2 of 2 folders match" in capsys.readouterr().out
+    weights = models / "drafters" / "hass-math" / "model.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[0] ^= 0xFF
+    weights.write_bytes(bytes(data))
+    assert cli.main(["info", "--verify"]) == 1
+    out = capsys.readouterr().out
+    assert "1 of 2 folders match" in out and "hass-math: FAILED" in out and "model.safetensors" in out, out

@@ -8,6 +8,8 @@
     taps train tokenizer|target|drafter|average|vocab ...   reproduce the shipped models (docs/TRAINING.md)
     taps serve [--config FILE] ...   an OpenAI-compatible HTTP server over the shipped or any Hugging Face
                             models, with continuous batching (taps.serve)
+    taps info [--json] [--verify]   what this installation runs on (versions, the library, CPU, GPUs,
+                            models, optional packages; taps.info)
 
 Every value is checked as it is parsed (:mod:`taps.arguments`), before a model or a data file is read. A
 user error (a bad value or name, a missing or corrupted model file, missing training data) prints one
@@ -28,6 +30,7 @@ def build_parser() -> argparse.ArgumentParser:
     from taps.arguments import ArgumentParser
     from taps.demo import add_demo_arguments
     from taps.eval import add_eval_arguments
+    from taps.info import add_info_arguments
     from taps.serve.config import SERVE_DESCRIPTION, SERVE_EPILOG, add_serve_arguments
     from taps.train.cli import add_train_subcommands
 
@@ -44,6 +47,8 @@ def build_parser() -> argparse.ArgumentParser:
                                      "continuous batching)", description=SERVE_DESCRIPTION, epilog=SERVE_EPILOG,
                        formatter_class=argparse.RawDescriptionHelpFormatter)
     add_serve_arguments(s)
+    i = sub.add_parser("info", help="what this installation runs on: versions, the library, CPU and GPUs, models")
+    add_info_arguments(i)
     return ap
 
 
@@ -92,6 +97,10 @@ def _run(args) -> int:
         return tour(args)
     if args.command == "train":
         return args.func(args)
+    if args.command == "info":
+        from taps.info import info
+
+        return info(args)
     if args.command == "serve":
         from taps.serve.config import config_from_args
         from taps.serve.server import check_dependencies, serve
