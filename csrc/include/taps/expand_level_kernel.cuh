@@ -35,31 +35,17 @@ TAPS_DEVICE void warp_best(float& v, int64_t& i) {
   }
 }
 
-// Elements base, base + 32, ... (kAhead of them; 0 past the row's end) of a row, loaded before any is used:
-// a warp scans a whole row alone, and one load at a time in its dependent loop left it waiting on memory
-// (425 us for 8 rows of 32000 on an H200, 0.43x torch's topk + log_softmax). The scans below use them in
-// the order of one load at a time, so the results keep their bits.
-constexpr int kAhead = 8;
-template <int T>
-TAPS_DEVICE void load_ahead(const char* x, int64_t vocab, int64_t base, float (&out)[kAhead]) {
-#pragma unroll
-  for (int u = 0; u < kAhead; ++u) {
-    const int64_t i = base + u * kLanes;
-    out[u] = i < vocab ? load_t<T>(x, i) : 0.0f;
-  }
-}
-
 // logits: rows * front rows of `vocab` elements, `row_stride` elements apart. Warp w of block b owns row
 // b * kRowsPerBlock + w = r * front + f:
-//   1. lane l scans elements l, l + 32, ... (kAhead loads at a time) keeping its own top k (topk_push on
-//      rank_value'd values, in increasing index: the lane's list is the CPU scan's restricted to the lane's
-//      elements) and whether it saw a NaN (the warp's: a ballot);
+//   1. lane l scans elements l, l + 32, ... (kAhead loads at a time: load_ahead) keeping its own top k
+//      (topk_push on rank_value'd values, in increasing index: the lane's list is the CPU scan's restricted
+//      to the lane's elements) and whether it saw a NaN (the warp's: a ballot);
 //   2. the warp merges the 32 sorted lists in k rounds: each lane offers its head (-inf with the largest
 //      index once its list is spent: never chosen, as the row has vocab >= k real elements), warp_best
 //      picks the winner, its lane advances; lane j % 32 keeps child j's token id. The round-0 winner is
 //      the CPU's val[0], the row maximum m (the first of equal maxima, so even a zero's sign agrees);
-//   3. lane l's sums over its elements (lane_sums' order, kAhead loads at a time), combined by shuffle-down
-//      with offsets 16 .. 1 (the CPU's tree), lane 0's result broadcast, then finish_sums;
+//   3. lane l's sums over its elements (lane_sums, kAhead loads at a time), combined by shuffle-down with
+//      offsets 16 .. 1 (the CPU's tree), lane 0's result broadcast, then finish_sums;
 //   4. lane j % 32 writes child j (write_child), lane 0 the row's entropy.
 template <int T>
 __global__ void __launch_bounds__(kRowsPerBlock * kLanes) expand_rows_kernel(const Params p) {
@@ -103,13 +89,7 @@ __global__ void __launch_bounds__(kRowsPerBlock * kLanes) expand_rows_kernel(con
   }
 
   float s = 0.0f, t = 0.0f;
-  for (int64_t base = lane; base < p.vocab; base += kLanes * kAhead) {  // lane_sums' order, loads ahead
-    float ahead[kAhead];
-    load_ahead<T>(x, p.vocab, base, ahead);
-#pragma unroll
-    for (int u = 0; u < kAhead; ++u)
-      if (base + u * kLanes < p.vocab) sum_terms(ahead[u], m, s, t);
-  }
+  lane_sums<T>(x, p.vocab, lane, m, s, t);
   for (int off = kLanes / 2; off > 0; off /= 2) {
     s = add(s, __shfl_down_sync(0xffffffffu, s, off));
     t = add(t, __shfl_down_sync(0xffffffffu, t, off));
