@@ -38,35 +38,31 @@ namespace {
 // The compiled head dims, ascending.
 constexpr int64_t kHeadDims[] = {32, 64, 80, 96, 128, 256};
 
-template <class T>
-void dispatch_head_dim(const attention::Params& p, const attention::AttentionPlan& plan, cudaStream_t stream) {
-  cudaError_t err = cudaSuccess;
-  switch (p.head_dim) {
-    case 32: err = attention::launch_tree_attention<T, 32>(p, plan, stream); break;
-    case 64: err = attention::launch_tree_attention<T, 64>(p, plan, stream); break;
-    case 80: err = attention::launch_tree_attention<T, 80>(p, plan, stream); break;
-    case 96: err = attention::launch_tree_attention<T, 96>(p, plan, stream); break;
-    case 128: err = attention::launch_tree_attention<T, 128>(p, plan, stream); break;
-    case 256: err = attention::launch_tree_attention<T, 256>(p, plan, stream); break;
-    default:
-      TORCH_CHECK_VALUE(false,
-                        "taps_ops: tree_attention: no CUDA kernel for head dim ", p.head_dim);
-  }
-  C10_CUDA_CHECK(err);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
-}
-
-// Blocks per SM of `plan`'s kernel (attention::blocks_per_sm).
-template <class T>
-int blocks_per_sm(int64_t head_dim, const attention::AttentionPlan& plan) {
+// with_kernel_kind(dtype, head_dim, f): f(Kind<T, D>{}) for the kernels' element type T of `dtype` and the head
+// dim D (one of kHeadDims): the one dispatch of the launch and of the occupancy query.
+template <class T, int D>
+struct Kind {
+  using type = T;
+  static constexpr int dim = D;
+};
+template <class T, class F>
+void with_head_dim(int64_t head_dim, F&& f) {
   switch (head_dim) {
-    case 32: return attention::blocks_per_sm<T, 32>(plan);
-    case 64: return attention::blocks_per_sm<T, 64>(plan);
-    case 80: return attention::blocks_per_sm<T, 80>(plan);
-    case 96: return attention::blocks_per_sm<T, 96>(plan);
-    case 128: return attention::blocks_per_sm<T, 128>(plan);
-    case 256: return attention::blocks_per_sm<T, 256>(plan);
-    default: return 0;
+    case 32: f(Kind<T, 32>{}); break;
+    case 64: f(Kind<T, 64>{}); break;
+    case 80: f(Kind<T, 80>{}); break;
+    case 96: f(Kind<T, 96>{}); break;
+    case 128: f(Kind<T, 128>{}); break;
+    case 256: f(Kind<T, 256>{}); break;
+    default: TORCH_CHECK_VALUE(false, "taps_ops: tree_attention: no CUDA kernel for head dim ", head_dim);
+  }
+}
+template <class F>
+void with_kernel_kind(at::ScalarType dtype, int64_t head_dim, F&& f) {
+  switch (dtype) {
+    case at::kFloat: with_head_dim<float>(head_dim, f); break;
+    case at::kBFloat16: with_head_dim<__nv_bfloat16>(head_dim, f); break;
+    default: with_head_dim<__half>(head_dim, f); break;
   }
 }
 
@@ -125,15 +121,13 @@ at::Tensor tree_attention_cuda(const at::Tensor& q_in, const at::Tensor& k_in, c
   attention::AttentionPlan plan = attention::plan_tree_attention(
       batch, heads_kv, (heads_q / heads_kv) * num_nodes, cache_len, head_dim, mma_ok, props->multiProcessorCount,
       static_cast<int64_t>(props->sharedMemPerBlockOptin));
-  {  // the splits for the kernel's measured residency (attention::plan_gpu_splits)
-    int per_sm = 0;
-    switch (call.q->scalar_type()) {
-      case at::kFloat: per_sm = blocks_per_sm<float>(head_dim, plan); break;
-      case at::kBFloat16: per_sm = blocks_per_sm<__nv_bfloat16>(head_dim, plan); break;
-      default: per_sm = blocks_per_sm<__half>(head_dim, plan); break;
-    }
-    attention::plan_gpu_splits(plan, batch, heads_kv, cache_len, int64_t(per_sm) * props->multiProcessorCount);
-  }
+  const at::ScalarType dtype = call.q->scalar_type();
+  int per_sm = 0;  // the splits for the kernel's measured residency (attention::plan_gpu_splits)
+  with_kernel_kind(dtype, head_dim, [&](auto kind) {
+    using K = decltype(kind);
+    per_sm = attention::blocks_per_sm<typename K::type, K::dim>(plan);
+  });
+  attention::plan_gpu_splits(plan, batch, heads_kv, cache_len, int64_t(per_sm) * props->multiProcessorCount);
   if (const char* env = std::getenv("TAPS_ATTN_SPLITS"); env != nullptr && env[0] != '\0') {
     // tuning experiments (bench/probe_cuda.py): this many key splits instead of the plan's
     const int64_t forced = std::atoll(env);
@@ -148,11 +142,11 @@ at::Tensor tree_attention_cuda(const at::Tensor& q_in, const at::Tensor& k_in, c
   // several the combine kernel writes them.
   if (ragged && plan.splits == 1) call.out.zero_();
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
-  switch (call.q->scalar_type()) {
-    case at::kFloat: dispatch_head_dim<float>(p, plan, stream); break;
-    case at::kBFloat16: dispatch_head_dim<__nv_bfloat16>(p, plan, stream); break;
-    default: dispatch_head_dim<__half>(p, plan, stream); break;
-  }
+  with_kernel_kind(dtype, head_dim, [&](auto kind) {
+    using K = decltype(kind);
+    C10_CUDA_CHECK((attention::launch_tree_attention<typename K::type, K::dim>(p, plan, stream)));
+  });
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
   return call.out;
 }
 
