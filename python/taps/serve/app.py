@@ -243,33 +243,16 @@ async def _json_body(request: Request):
         raise P.APIError(400, f"the request body is not valid JSON ({e})") from None
 
 
-def _release_weights(models: ModelSet) -> None:
-    """Move the target's and the drafters' weights to the meta device (shapes and dtypes kept)."""
-    import torch
-
-    for module in [models.target, *models.drafters.values()]:
-        if isinstance(module, torch.nn.Module):
-            try:
-                module.to("meta")
-            except (RuntimeError, NotImplementedError, TypeError) as e:  # kept, as loaded
-                log.info("taps serve: kept a model's weights in the server's process (%s)", e)
-
-
 def create_app(models: ModelSet, config: ServeConfig, metrics: Optional[ServerMetrics] = None,
-               engine: str = "thread", release_weights: bool = False) -> FastAPI:
+               engine: str = "thread") -> FastAPI:
     """The server's FastAPI app over loaded `models`; its lifespan starts and stops the engine.
     `engine`: "thread" (:class:`Engine` over `models`) or "process" (:class:`ProcessEngine`: a child process
-    that loads the models of `config` again; `models` here serve the tokenizer and the model's facts);
-    `release_weights` (with "process"): before the engine's process loads its copy, `models`' weights here
-    move to the meta device (their memory freed: this process never runs them)."""
+    that loads the models of `config`; `models` here serve the tokenizer and the model's facts, as
+    :func:`~taps.serve.engine.load_models` with ``weights=False`` loads them)."""
     service = Service(models, config, metrics, engine)
-    first = next(models.target.parameters())
-    dtype, device = models.dtype or str(first.dtype).replace("torch.", ""), models.device or str(first.device)
 
     @contextlib.asynccontextmanager
     async def lifespan(_app):
-        if release_weights and engine == "process":  # before the child loads its copy: one copy in memory at a time
-            _release_weights(models)
         service.engine.start()
         try:
             yield
@@ -325,7 +308,7 @@ def create_app(models: ModelSet, config: ServeConfig, metrics: Optional[ServerMe
                 "taps": {"drafters": {n: s.describe() for n, s in config.drafters.items()},
                          "default_drafters": config.request_drafters(), "default_strategy": config.strategy,
                          "strategies": list(strategy_names()), "budget": config.budget,
-                         "context_length": models.context_length, "dtype": dtype, "device": device,
+                         "context_length": models.context_length, "dtype": models.dtype, "device": models.device,
                          "threads": torch.get_num_threads(), "engine": engine}}
 
     @app.get("/v1/models")

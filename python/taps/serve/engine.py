@@ -62,8 +62,8 @@ class ModelSet:
     eos_token_ids: List[int]
     #: the weights' dtype and device as the engine runs them ("bfloat16", "cpu"), also where this set holds
     #: none (:func:`load_models` with ``weights=False``: the target on the meta device, no drafters)
-    dtype: str = ""
-    device: str = ""
+    dtype: str
+    device: str
     #: Hugging Face fast tokenizers may not be used from two threads at once
     lock: threading.Lock = field(default_factory=threading.Lock)
 

@@ -34,10 +34,8 @@ def check_dependencies() -> None:
 def _summary(models: ModelSet, config: ServeConfig) -> str:
     import torch
 
-    param = next(models.target.parameters())
-    dtype, device = models.dtype or str(param.dtype).replace("torch.", ""), models.device or str(param.device)
     drafters = ", ".join(f"{n} ({s.describe()})" for n, s in config.drafters.items()) or "none"
-    return (f"taps serve: model {models.name} ({dtype}, {device}, {torch.get_num_threads()} thread(s), "
+    return (f"taps serve: model {models.name} ({models.dtype}, {models.device}, {torch.get_num_threads()} thread(s), "
             f"context {models.context_length}); drafters: {drafters}; default strategy {config.strategy} with "
             f"{', '.join(config.request_drafters()) or 'no drafter'}, budget {config.budget}; max batch "
             f"{config.max_batch}, queue {config.max_queue}, timeout {config.timeout:g} s")
@@ -69,7 +67,7 @@ def serve(config: ServeConfig) -> int:
     # with the process engine this process runs no model: the tokenizer and the target's facts only
     models = load_models(config, weights=engine != "process")
     print(_summary(models, config) + f"; engine: {engine}", flush=True)
-    uvicorn.run(create_app(models, config, engine=engine, release_weights=True), host=config.host, port=config.port,
+    uvicorn.run(create_app(models, config, engine=engine), host=config.host, port=config.port,
                 log_level=config.log_level, timeout_graceful_shutdown=5)
     return 0
 
@@ -95,9 +93,9 @@ class BackgroundServer:
         self.config = config = (config if config is not None else ServeConfig()).check()
         self.engine = engine_kind(config, models_given=models is not None)
         # with the process engine this process runs no model: the tokenizer and the target's facts only (the
-        # engine's process loads the weights); models passed in are released before it loads its copy
+        # engine's process loads the weights; engine_kind refuses it with models passed in)
         self.models = models if models is not None else load_models(config, weights=self.engine != "process")
-        self.app = create_app(self.models, config, engine=self.engine, release_weights=models is None)
+        self.app = create_app(self.models, config, engine=self.engine)
         self._socket = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self._socket.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self._socket.bind((host, port))
