@@ -467,21 +467,30 @@ def test_bench_serve_smoke(server, capsys, monkeypatch):
     assert ratio.endswith("x") and float(ratio[:-1]) > 0, out
 
 
+def _save_hf_target(folder, models, max_positions: int):
+    """A random two-layer Llama with the shipped tokenizer (Hugging Face's, with its chat template) saved as
+    a Hugging Face folder, as `taps serve --target` loads one; returns its config."""
+    import torch
+    import transformers
+
+    config = transformers.LlamaConfig(vocab_size=len(models.tokenizer), hidden_size=64, intermediate_size=128,
+                                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                      max_position_embeddings=max_positions, eos_token_id=models.eos_token_ids[0])
+    torch.manual_seed(0)
+    transformers.LlamaForCausalLM(config).save_pretrained(folder)
+    models.tokenizer.hf.save_pretrained(folder)
+    return config
+
+
 def test_a_hugging_face_target_with_a_small_lm_drafter(tmp_path, models):
     """A target and drafter folder as `taps serve --config` names them: a random Llama with the shipped
     tokenizer (Hugging Face's, with its chat template) and a one-layer Llama as a `model` drafter."""
-    import torch
     import transformers
 
     from taps import SpeculativeDecoder
     from taps.serve.config import DrafterSpec
 
-    config = transformers.LlamaConfig(vocab_size=len(models.tokenizer), hidden_size=64, intermediate_size=128,
-                                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                                      max_position_embeddings=256, eos_token_id=models.eos_token_ids[0])
-    torch.manual_seed(0)
-    transformers.LlamaForCausalLM(config).save_pretrained(tmp_path / "target")
-    models.tokenizer.hf.save_pretrained(tmp_path / "target")
+    config = _save_hf_target(tmp_path / "target", models, max_positions=256)
     transformers.LlamaForCausalLM(transformers.LlamaConfig(**{**config.to_dict(), "num_hidden_layers": 1})) \
         .save_pretrained(tmp_path / "small")
     cfg = ServeConfig(target=str(tmp_path / "target"), dtype="fp32", strategy="merged", budget=8,
@@ -511,17 +520,11 @@ def test_facts_only_load_matches_the_full_one(tmp_path, models):
     context, vocabulary, eos ids (those of generation_config.json too), dtype, device and tokenizer as the
     full load, the target on the meta device, no drafter loaded; for the shipped target and a Hugging Face
     folder."""
-    import torch
     import transformers
 
     from taps.serve.config import DrafterSpec
 
-    config = transformers.LlamaConfig(vocab_size=len(models.tokenizer), hidden_size=64, intermediate_size=128,
-                                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                                      max_position_embeddings=300, eos_token_id=models.eos_token_ids[0])
-    torch.manual_seed(0)
-    transformers.LlamaForCausalLM(config).save_pretrained(tmp_path / "target")
-    models.tokenizer.hf.save_pretrained(tmp_path / "target")
+    _save_hf_target(tmp_path / "target", models, max_positions=300)
     # eos ids of the generation config beyond the model config's (as instruction-tuned models ship them)
     transformers.GenerationConfig(eos_token_id=[models.eos_token_ids[0], 7]).save_pretrained(tmp_path / "target")
     for cfg in (ServeConfig(dtype="bf16"),
