@@ -18,6 +18,10 @@ the same float32 torch products: what a bfloat16 model gets on a CPU without bf1
 alternative is the widened float32 weight (taps.lean keeps the faster, timed at load). The floor then counts
 2 bytes a weight.
 
+``--bf16-x``: x in bfloat16 too, over bfloat16 panels (bfloat16 out; AVX512-BF16's dot products at the avx512
+level on a CPU that has them, the other levels widen x: the same bits), against torch's bfloat16 products of the
+same rounded weight: ``F.linear`` and oneDNN's over a packed copy (what a bfloat16 model runs in torch).
+
 ``--cold``: weights read from memory, as a large model's layers are in a decoding step: each product cycles over
 enough copies of its weight (``--cold-mib`` together) that no cache holds the one it reads; the shapes of a
 0.5B Llama's layers (hidden 1280, MLP 3584) and the shipped head; columns: torch, taps with its software
@@ -64,10 +68,14 @@ def main() -> None:
     ap.add_argument("--gbps", type=float, default=25.0, help="memory bandwidth for the floor column")
     ap.add_argument("--quick", action="store_true", help="the shipped target's shapes at 1, 4 and 16 rows")
     ap.add_argument("--bf16", action="store_true", help="taps' panels in bfloat16 (the weight rounded)")
+    ap.add_argument("--bf16-x", action="store_true",
+                    help="x in bfloat16 too (bfloat16 panels; AVX512-BF16 dot products where the CPU has them), "
+                         "against torch's bfloat16 products (F.linear and oneDNN over a packed copy)")
     ap.add_argument("--cold", action="store_true", help="weights read from memory (see above)")
     ap.add_argument("--cold-mib", type=int, default=256, help="--cold: MiB of copies per weight")
     add_isa_argument(ap)
     args = ap.parse_args()
+    args.bf16 = args.bf16 or args.bf16_x
     torch.set_num_threads(args.threads)
     torch.set_grad_enabled(False)
     if args.cold:
@@ -79,7 +87,7 @@ def main() -> None:
     peaks = peak_flops(levels)
     print(f"{machine_line()} | threads {torch.get_num_threads()}, fastest of {args.rounds} rounds")
     print(f"taps columns: panel_linear ({'bfloat16' if args.bf16 else 'float32'} panels) at level "
-          f"{', '.join(levels)}; fp32 peak per level (measured): "
+          f"{', '.join(levels)}{'; x in bfloat16, torch in bfloat16' if args.bf16_x else ''}; fp32 peak per level (measured): "
           + ", ".join(f"{lv} {peaks[lv] / 1e9:.0f} GFLOP/s" for lv in levels if lv in peaks))
     head = f"{'weight':>15} {'out x in':>11} {'rows':>4} {'torch us':>9} " + " ".join(
         f"{'taps ' + lv + ' us':>15} {'x torch':>7} {'floor us':>8}" for lv in levels)
@@ -95,6 +103,9 @@ def main() -> None:
         for rows in rows_list:
             x = torch.randn(rows, inner, generator=gen)
             forms = {"linear": lambda: F.linear(x, weight), "mm": lambda: torch.mm(x, transposed)}
+            if args.bf16_x:
+                x = x.bfloat16()
+                forms = _torch_bf16_forms(x, weight)
             for lv in levels:
                 forms[lv] = (lambda lv=lv: _at(lv, lambda: taps_ops.panel_linear(x, panels)))
             best = dict.fromkeys(forms, float("inf"))
@@ -107,7 +118,7 @@ def main() -> None:
                             best[key] = min(best[key], best_time(lambda: taps_ops.panel_linear(x, panels), calls))
                     else:
                         best[key] = min(best[key], best_time(fn, calls))
-            t_torch = min(best["linear"], best["mm"])
+            t_torch = min(best[k] for k in forms if k not in levels)
             cells = []
             for lv in levels:
                 floor = max(weight_bytes / (args.gbps * 1e9), 2 * rows * out * inner / peaks.get(lv, float("inf")))
@@ -146,6 +157,11 @@ def cold_table(args) -> None:
             for rows in rows_list:
                 x = torch.randn(rows, inner, generator=gen)
 
+                if args.bf16_x:
+                    x = x.bfloat16()
+                    halves = [w.bfloat16() for w in weights]
+                    packed = [_packed_bf16(w) for w in halves]
+
                 def cycle(fn, setting=None):
                     if setting is not None:
                         torch.ops.taps_ops._set_panel_prefetch(setting)
@@ -154,20 +170,44 @@ def cold_table(args) -> None:
                         fn(i)
                     return (time.perf_counter() - t0) / copies
                 forms = {"linear": lambda: cycle(lambda i: F.linear(x, weights[i])),
-                         "mm": lambda: cycle(lambda i: torch.mm(x, transposed[i])),
+                         "mm": lambda: cycle(lambda i: torch.mm(x, transposed[i]))}
+                if args.bf16_x:
+                    forms = {"linear": lambda: cycle(lambda i: F.linear(x, halves[i]))}
+                    if packed[0] is not None:
+                        forms["packed"] = lambda: cycle(lambda i: torch.ops.mkldnn._linear_pointwise(
+                            x, packed[i], None, "none", [], ""))
+                forms |= {
                          "off": lambda: cycle(lambda i: taps_ops.panel_linear(x, panels[i]), 0),
                          "on": lambda: cycle(lambda i: taps_ops.panel_linear(x, panels[i]), -1)}
                 best = dict.fromkeys(forms, float("inf"))
                 for _ in range(args.rounds):
                     for key, fn in forms.items():
                         best[key] = min(best[key], fn())
-                t_torch = min(best["linear"], best["mm"])
+                t_torch = min(best[k] for k in forms if k not in ("off", "on"))
                 print(f"{name:>13} {f'{out}x{inner}':>10} {rows:4} {t_torch * 1e6:9.1f} {best['off'] * 1e6:8.1f} "
                       f"{best['on'] * 1e6:11.1f} {best['on'] / best['off']:13.3f}x {t_torch / best['on']:6.3f}x "
                       f"{weight_bytes / best['on'] / 1e9:6.1f}", flush=True)
             del weights, transposed, panels
     finally:
         torch.ops.taps_ops._set_panel_prefetch(before)
+
+
+def _packed_bf16(weight):
+    """oneDNN's packed copy of a bfloat16 weight (what taps.lean keeps for torch's bf16 products), or None."""
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "python"))
+    from taps.lean import pack_weight
+    return pack_weight(weight)
+
+
+def _torch_bf16_forms(x, weight):
+    """torch's bfloat16 products of x [rows, in] bf16 by weight [out, in] (rounded to bf16): F.linear and, where
+    oneDNN packs it, the packed copy."""
+    half = weight.bfloat16()
+    forms = {"linear": lambda: F.linear(x, half)}
+    packed = _packed_bf16(half)
+    if packed is not None:
+        forms["packed"] = lambda: torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
+    return forms
 
 
 def _at(level, fn):

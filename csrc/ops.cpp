@@ -218,8 +218,9 @@ TORCH_LIBRARY(taps_ops, m) {
   // x [..., in] f32 times a float32 or bfloat16 weight [out, in] kept as panels [out / 16, in, 16] (panel p holds
   // outputs 16p .. 16p + 15, taps_ops.pack_panels), plus bias [out] f32 or None -> [..., out] f32. Each output's
   // sum runs from i = 0 up in float32 (bf16 weights widened as read), one fused multiply-add per term: the same
-  // bits at every ISA level, row count and thread count. CPU only (cpu/panel_linear.cpp); no data checks, so no
-  // validate flag.
+  // bits at every ISA level, row count and thread count. bf16 x over bf16 panels -> [..., out] bf16, the float32
+  // sums rounded once (AVX512-BF16's dot products at the avx512 level where the CPU has them: the same bits).
+  // CPU only (cpu/panel_linear.cpp); no data checks, so no validate flag.
   m.def("panel_linear(Tensor x, Tensor panels, Tensor? bias=None) -> Tensor");
   // The CPU kernels' instruction-set level (cpu/cpu_isa.h): scalar, avx2, avx512 or amx. _cpu_isa: the one in
   // force; _cpu_host_isa: the best this CPU runs; _set_cpu_isa(level): cap the kernels there (<= the host's),

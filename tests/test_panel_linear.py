@@ -101,6 +101,36 @@ def test_bf16_panels_are_float32_panels_of_the_same_values(shape, restore_level)
         _close(y, panel_linear_ref(x, half, bias), shape[1])
 
 
+@pytest.mark.parametrize("shape", [(16, 1), (32, 7), (48, 64), (272, 129), (1024, 256), (160, 2)])
+def test_bf16_x_over_bf16_panels(shape, restore_level):
+    """bfloat16 x over bfloat16 panels: the float32 sums of x widened, rounded to bfloat16 once (+ bias before
+    the rounding), the same bits at every level, row count (1-19: every row block of AVX512-BF16's dot-product
+    kernel, which the avx512 level runs on a CPU that has it) and position; within bfloat16 rounding of the
+    float64 product."""
+    gen = torch.Generator().manual_seed(shape[1] + 1)
+    weight, bias = torch.randn(*shape, generator=gen), torch.randn(shape[0], generator=gen)
+    half = taps_ops.pack_panels(weight, torch.bfloat16)
+    x = torch.randn(19, shape[1], generator=gen).bfloat16()
+    first = None
+    for level in RUNNABLE:
+        taps_ops.set_cpu_isa(level)
+        for b in (None, bias):
+            y = taps_ops.panel_linear(x, half, b)
+            assert y.dtype == torch.bfloat16 and y.shape == (19, shape[0])
+            assert torch.equal(y, taps_ops.panel_linear(x.float(), half, b).bfloat16()), level
+            for rows in range(1, 10):
+                for start in (0, 19 - rows):
+                    assert torch.equal(taps_ops.panel_linear(x[start:start + rows], half, b), y[start:start + rows])
+            ref = panel_linear_ref(x.float(), half, b)
+            torch.testing.assert_close(y.double(), ref, rtol=2 ** -7, atol=1e-5 * shape[1])
+        first = y if first is None else first
+        assert torch.equal(y, first), level
+    assert taps_ops.panel_linear(torch.randn(0, shape[1]).bfloat16(), half).dtype == torch.bfloat16
+    empty = taps_ops.pack_panels(torch.randn(32, 0), torch.bfloat16)
+    assert torch.equal(taps_ops.panel_linear(torch.randn(3, 0).bfloat16(), empty, bias[:32] if shape[0] >= 32 else None),
+                       (bias[:32] if shape[0] >= 32 else torch.zeros(32)).bfloat16().expand(3, 32))
+
+
 def test_the_same_bits_at_every_level_row_count_position_and_thread_count(restore_level):
     """The contract: each output's sum runs in one order, so its bits depend on its own row only."""
     gen = torch.Generator().manual_seed(7)
@@ -140,12 +170,13 @@ def test_prefetches_change_no_bit(restore_level):
             panels = taps_ops.pack_panels(weight, dtype)
             for level in RUNNABLE:
                 taps_ops.set_cpu_isa(level)
-                torch.ops.taps_ops._set_panel_prefetch(0)
-                plain = taps_ops.panel_linear(x, panels, bias)
-                for setting in (-1, 1, 24, 1000):
-                    assert torch.ops.taps_ops._set_panel_prefetch(setting) in (0, -1, 1, 24)
-                    for rows in (1, 5, 8, 9, 12, 16, 19):
-                        assert torch.equal(taps_ops.panel_linear(x[:rows], panels, bias), plain[:rows]), (level, setting)
+                for xs in (x, x.bfloat16()) if dtype is not None else (x,):   # bf16 x: the dot-product kernel too
+                    torch.ops.taps_ops._set_panel_prefetch(0)
+                    plain = taps_ops.panel_linear(xs, panels, bias)
+                    for setting in (-1, 1, 24, 1000):
+                        assert torch.ops.taps_ops._set_panel_prefetch(setting) in (0, -1, 1, 24, 1000)
+                        for rows in (1, 5, 8, 9, 12, 16, 19):
+                            assert torch.equal(taps_ops.panel_linear(xs[:rows], panels, bias), plain[:rows]), (level, setting)
         with pytest.raises(ValueError, match="_set_panel_prefetch: lines must be -1"):
             torch.ops.taps_ops._set_panel_prefetch(-2)
     finally:
@@ -175,7 +206,9 @@ BAD = {
     "panels width": (lambda a: a.update(panels=torch.randn(2, 24, 8)), "panels must be [out / 16, in, 16]"),
     "panels dtype": (lambda a: a.update(panels=a["panels"].double()), "panels float32 or bfloat16"),
     "panels fp16": (lambda a: a.update(panels=a["panels"].half()), "panels float32 or bfloat16"),
-    "x bf16, bf16 panels": (lambda a: a.update(x=a["x"].bfloat16(), panels=a["panels"].bfloat16()), "must be float32"),
+    "x fp16, bf16 panels": (lambda a: a.update(x=a["x"].half(), panels=taps_ops.pack_panels(torch.randn(32, 24),
+                                                                                             torch.bfloat16)),
+                            "must be float32 (or bfloat16 over bfloat16 panels)"),
     "bias bf16": (lambda a: a.update(bias=a["bias"].bfloat16()), "bias must be float32"),
     "bf16 panels 3-D": (lambda a: a.update(panels=torch.randn(2, 24, 16).bfloat16()),
                         "bfloat16 panels must be [out / 16, ceil(in / 2), 16, 2]"),
@@ -216,10 +249,17 @@ def test_fuzzed_bad_inputs_raise_value_errors_never_crash():
         if rng.random() < 0.1:
             panels = panels.contiguous().view(-1)
         bias = rng.choice([None, torch.randn(out), torch.randn(out + 16), torch.randn(out).half()])
+        if rng.random() < 0.3:
+            x = x.to(rng.choice([torch.bfloat16, torch.bfloat16, torch.float16]))
         try:
             y = taps_ops.panel_linear(x, panels, bias)
         except ValueError as e:
             assert str(e).startswith("taps_ops: panel_linear:"), str(e)
+            continue
+        if x.dtype == torch.bfloat16:
+            assert y.dtype == torch.bfloat16
+            torch.testing.assert_close(y.double(), panel_linear_ref(x.float(), panels, bias), rtol=2 ** -7,
+                                       atol=1e-5 * max(inner, 1))
             continue
         _close(y, panel_linear_ref(x, panels, bias), inner)
 
@@ -245,7 +285,9 @@ def test_fake_tensor_shape():
     args = _valid()
     with FakeTensorMode(allow_non_fake_inputs=True):
         y = torch.ops.taps_ops.panel_linear(torch.empty(2, 7, 24), args["panels"], None)
-    assert y.shape == (2, 7, 32)
+        half = torch.ops.taps_ops.panel_linear(torch.empty(2, 7, 24, dtype=torch.bfloat16),
+                                               taps_ops.pack_panels(torch.randn(32, 24), torch.bfloat16), None)
+    assert y.shape == (2, 7, 32) and half.shape == (2, 7, 32) and half.dtype == torch.bfloat16
 
 
 @pytest.mark.parametrize("shape", [(24,), (3, 24), (2, 5, 24), (0, 24)])

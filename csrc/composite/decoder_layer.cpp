@@ -75,11 +75,15 @@ bool is_panels(const at::Tensor& w, int64_t groups) {
 
 // taps.lean.Linear.__call__ with autograd off: panels, packed, stacked ([G, in, out]: bmm) or plain; a float32
 // weight with half-precision x is a widened one (Linear.pack on a CPU without native bf16 / fp16 products):
-// x widened, the float32 product, the result rounded to x's dtype. Panels (float32 or bfloat16) take
-// half-precision x the same way.
+// x widened, the float32 product, the result rounded to x's dtype. Panels take half-precision x the same way,
+// bfloat16 panels bfloat16 x as it is (panel_linear widens it, or multiplies it with AVX512-BF16's dot
+// products: the same bits, rounded to bfloat16 once).
 at::Tensor project(const at::Tensor& x, const at::Tensor& w, const OptTensor& b) {
-  if (is_panels(w, x.size(0)))
-    return x.scalar_type() == at::kFloat ? panel_linear(x, w, b) : panel_linear(x.to(at::kFloat), w, b).to(x.scalar_type());
+  if (is_panels(w, x.size(0))) {
+    if (x.scalar_type() == at::kFloat || (x.scalar_type() == at::kBFloat16 && w.scalar_type() == at::kBFloat16))
+      return panel_linear(x, w, b);
+    return panel_linear(x.to(at::kFloat), w, b).to(x.scalar_type());
+  }
   if (w.scalar_type() == at::kFloat && x.scalar_type() != at::kFloat)
     return project(x.to(at::kFloat), w, b).to(x.scalar_type());
   if (w.is_mkldnn()) return packed_linear(x, w, b);

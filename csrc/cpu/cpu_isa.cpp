@@ -102,6 +102,18 @@ std::vector<std::string> host_features() {
   return out;
 }
 
+bool host_avx512_bf16() {
+#if defined(TAPS_CPU_X86)
+  static const bool has = [] {
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx512bf16") != 0 && __builtin_cpu_supports("avx512f") != 0;
+  }();
+  return has;
+#else
+  return false;
+#endif
+}
+
 namespace {
 
 // kIters rounds of A independent chains a = step(a), summed by add: A chains cover the latency of two pipes.

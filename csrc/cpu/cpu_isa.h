@@ -48,6 +48,9 @@ Isa parse_isa(const std::string& name, const char* what);  // c10::ValueError fo
 double peak_flops(Isa level);
 // The CPU features the kernels look at, by name ("avx2", "fma", ..., "avx512_bf16", "amx_bf16").
 std::vector<std::string> host_features();
+// Whether this CPU has AVX512-BF16's dot product (vdpbf16ps; cpuid, read once). Kernels that use it do so at
+// the avx512 level and above; its results are pinned to a fused multiply-add sequence the other levels run.
+bool host_avx512_bf16();
 
 // The ops behind taps_ops.cpu_info(), taps_ops.set_cpu_isa() and the benchmarks' measured peak (schemas in
 // csrc/ops.cpp).

@@ -1,7 +1,9 @@
 // panel_linear, CPU: y = x W^T + b for a few rows of x (a decoding step's tokens, a draft tree's nodes) over a
 // float32 or bfloat16 weight kept as panels (taps_ops.pack_panels), with a fixed summation order (the same bits
 // at every instruction-set level, row count and thread count). bfloat16 panels are widened to float32 as they
-// are read (exact; no bf16 instructions needed): half the weight bytes, the arithmetic of float32.
+// are read (exact; no bf16 instructions needed): half the weight bytes, the arithmetic of float32. bfloat16 x
+// over them: on a CPU with AVX512-BF16 (at the avx512 level) its dot product, whose two fused multiply-adds run
+// in the same order (avx512_bf16 below): twice the multiply-adds per instruction, the same bits.
 //
 // Why an op: BLAS libraries tune their float32 GEMMs for many rows. At 2-16 rows and decoding's shapes the
 // ones measured on the development CPUs take 1.5-2.5x the time of one row (bench/RESULTS.md, "A few rows
@@ -22,6 +24,7 @@
 #include <atomic>
 #include <cstdlib>
 #include <cstring>
+#include <vector>
 
 #include "checks/checks.h"
 #include "cpu/cpu_isa.h"
@@ -34,8 +37,17 @@ constexpr int64_t kBlockBytes = 192 * 1024;      // weight bytes per output bloc
 constexpr int64_t kBlockPanels = 8;              // output blocks are whole multiples of this many panels
 constexpr int kPrefetchLocality = 2;             // __builtin_prefetch's: 2 = into L2 (prefetcht1)
 
+inline float ScalarWiden(uint16_t h) {   // a bfloat16's float32 value (exact)
+  const uint32_t bits = static_cast<uint32_t>(h) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+}
+
 struct Problem {
   const float* x;       // [rows, in] contiguous
+  const uint16_t* xh;   // the same rows as bfloat16 (bfloat16 x over bfloat16 panels, dot-product path) or nullptr
+  const uint32_t* xs;   // with xh: each row's pairs (x[2j], x[2j + 1]) as 32-bit lanes, halves swapped [rows, in / 2]
   const void* panels;   // [out / 16, in, 16] float32, or bfloat16 (bf16) [out / 16, ceil(in / 2), 16, 2]; panel p at
                         // panels + p * panel_stride elements
   const float* bias;    // [out] or nullptr
@@ -59,6 +71,16 @@ std::atomic<int64_t> prefetch_setting{[] {
   const char* env = std::getenv("TAPS_PANEL_PREFETCH");
   return env != nullptr && *env != '\0' ? std::max<int64_t>(-1, std::atoll(env)) : int64_t{-1};
 }()};
+
+// bfloat16 x's dot-product kernel (avx512_bf16 below) on hosts that have it: TAPS_PANEL_DOT=0 (read at load)
+// leaves it out, to compare against the float32 kernel over x widened (the same bits).
+inline bool dot_enabled() {
+  static const bool on = [] {
+    const char* env = std::getenv("TAPS_PANEL_DOT");
+    return env == nullptr || std::strcmp(env, "0") != 0;
+  }();
+  return on;
+}
 
 }  // namespace panel_cpu
 
@@ -89,6 +111,107 @@ struct S {
 };
 #include "cpu/panel_linear_kernel.h"
 }  // namespace panel_cpu::avx512
+#pragma GCC pop_options
+
+// bfloat16 x over bfloat16 panels with AVX512-BF16's dot product. vdpbf16ps(acc, a, b) computes, per 32-bit lane,
+// fma(a.lo, b.lo, fma(a.hi, b.hi, acc)) with denormals flushed (inputs and results below 2^-126 read and
+// written as zero): measured bit for bit on an AMD EPYC Zen 4, the order Intel's manual gives. A panel lane
+// holds (w[2j] low, w[2j + 1] high), so each weight vector has its halves swapped (vprold 16) and each row's
+// pair (x[2j], x[2j + 1]) is broadcast swapped too (Problem::xs): then acc = fma(x[2j + 1], w[2j + 1],
+// fma(x[2j], w[2j], acc)), the other levels' order on x widened, so the same bits wherever no input or sum is
+// a float32 denormal, from twice the multiply-adds per instruction of the float32 kernels. Blocks of rows and
+// vectors as the avx512 level's (S::vecs); an odd `in`'s last input by one fused multiply-add, last, as there.
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,avx2,fma")
+namespace panel_cpu::avx512_bf16 {
+using avx512::S;
+
+template <int RB, int KV, bool PF>
+inline void block(const uint32_t* xs, const uint16_t* x, int64_t ldx, const uint16_t* panels, int64_t stride,
+                  int64_t in, float* y, int64_t ldy, const float* bias, int64_t v0, int64_t shift) {
+  const int64_t pairs = in / 2;
+  const uint16_t* w[KV];
+#pragma GCC unroll 8
+  for (int v = 0; v < KV; ++v) w[v] = panels + (v0 + v) * stride;   // one 16-lane vector = one panel
+  __m512 acc[RB][KV];
+#pragma GCC unroll 8
+  for (int r = 0; r < RB; ++r)
+#pragma GCC unroll 8
+    for (int v = 0; v < KV; ++v) acc[r][v] = _mm512_setzero_ps();
+  for (int64_t j = 0; j < pairs; ++j) {
+    __m512i b[KV];
+#pragma GCC unroll 8
+    for (int v = 0; v < KV; ++v) {
+      if constexpr (PF) __builtin_prefetch(w[v] + j * 2 * kPanelWidth + shift, 0, kPrefetchLocality);
+      b[v] = _mm512_rol_epi32(_mm512_loadu_si512(w[v] + j * 2 * kPanelWidth), 16);
+    }
+#pragma GCC unroll 8
+    for (int r = 0; r < RB; ++r) {
+      const __m512bh a = (__m512bh)_mm512_set1_epi32(static_cast<int>(xs[r * pairs + j]));
+#pragma GCC unroll 8
+      for (int v = 0; v < KV; ++v) acc[r][v] = _mm512_dpbf16_ps(acc[r][v], a, (__m512bh)b[v]);
+    }
+  }
+  if (in % 2 != 0) {
+    __m512 lo[KV];
+#pragma GCC unroll 8
+    for (int v = 0; v < KV; ++v) lo[v] = S::load_low(w[v] + pairs * 2 * kPanelWidth);
+#pragma GCC unroll 8
+    for (int r = 0; r < RB; ++r) {
+      const __m512 a = _mm512_set1_ps(ScalarWiden(x[r * ldx + in - 1]));
+#pragma GCC unroll 8
+      for (int v = 0; v < KV; ++v) acc[r][v] = _mm512_fmadd_ps(a, lo[v], acc[r][v]);
+    }
+  }
+#pragma GCC unroll 8
+  for (int r = 0; r < RB; ++r)
+#pragma GCC unroll 8
+    for (int v = 0; v < KV; ++v) {
+      __m512 out = acc[r][v];
+      if (bias != nullptr) out = _mm512_add_ps(out, _mm512_loadu_ps(bias + (v0 + v) * kPanelWidth));
+      _mm512_storeu_ps(y + r * ldy + (v0 + v) * kPanelWidth, out);
+    }
+}
+
+template <int RB, bool PF>
+inline void row_block(const Problem& p, int64_t r, int64_t v_lo, int64_t v_hi, int64_t shift) {
+  constexpr int KV = S::vecs(RB);
+  const uint32_t* xs = p.xs + r * (p.in / 2);
+  const uint16_t* x = p.xh + r * p.in;
+  const auto* panels = static_cast<const uint16_t*>(p.panels);
+  float* y = p.y + r * p.out;
+  int64_t v = v_lo;
+  for (; v + KV <= v_hi; v += KV)
+    block<RB, KV, PF>(xs, x, p.in, panels, p.panel_stride, p.in, y, p.out, p.bias, v, shift);
+  for (; v < v_hi; ++v) block<RB, 1, PF>(xs, x, p.in, panels, p.panel_stride, p.in, y, p.out, p.bias, v, shift);
+}
+
+template <int RB>
+inline void rows_block(const Problem& p, int64_t r, int64_t v_lo, int64_t v_hi, int64_t shift) {
+  if (shift > 0) row_block<RB, true>(p, r, v_lo, v_hi, shift);
+  else row_block<RB, false>(p, r, v_lo, v_hi, 0);
+}
+
+// Every row of x times the panels [panel_lo, panel_hi), as the other levels' rows_times_block.
+inline void run(const Problem& p, int64_t panel_lo, int64_t panel_hi) {
+  constexpr int64_t kLine = 32;  // bfloat16 elements of a cache line
+  for (int64_t r = 0; r < p.rows;) {
+    const int64_t rb = std::min<int64_t>(S::kMaxRows, p.rows - r);
+    const int64_t shift = r == 0 ? p.ahead * kLine : 0;
+    switch (rb) {
+      case 1: rows_block<1>(p, r, panel_lo, panel_hi, shift); break;
+      case 2: rows_block<2>(p, r, panel_lo, panel_hi, shift); break;
+      case 3: rows_block<3>(p, r, panel_lo, panel_hi, shift); break;
+      case 4: rows_block<4>(p, r, panel_lo, panel_hi, shift); break;
+      case 5: rows_block<5>(p, r, panel_lo, panel_hi, shift); break;
+      case 6: rows_block<6>(p, r, panel_lo, panel_hi, shift); break;
+      case 7: rows_block<7>(p, r, panel_lo, panel_hi, shift); break;
+      default: rows_block<8>(p, r, panel_lo, panel_hi, shift); break;
+    }
+    r += rb;
+  }
+}
+}  // namespace panel_cpu::avx512_bf16
 #pragma GCC pop_options
 
 #pragma GCC push_options
@@ -172,9 +295,11 @@ namespace {
 at::Tensor panel_linear_cpu(const at::Tensor& x_in, const at::Tensor& panels, const std::optional<at::Tensor>& bias) {
   TORCH_CHECK_VALUE(x_in.defined() && panels.defined(), "taps_ops: panel_linear: x and panels must be defined");
   const bool bf16 = panels.scalar_type() == at::kBFloat16;
-  TORCH_CHECK_VALUE((panels.scalar_type() == at::kFloat || bf16) && x_in.scalar_type() == at::kFloat,
-                    "taps_ops: panel_linear: x must be float32 and panels float32 or bfloat16, got ",
-                    x_in.scalar_type(), " and ", panels.scalar_type());
+  const bool half_x = x_in.defined() && x_in.scalar_type() == at::kBFloat16;
+  TORCH_CHECK_VALUE((panels.scalar_type() == at::kFloat || bf16) &&
+                        (x_in.scalar_type() == at::kFloat || (half_x && bf16)),
+                    "taps_ops: panel_linear: x must be float32 (or bfloat16 over bfloat16 panels) and panels float32 "
+                    "or bfloat16, got x ", x_in.scalar_type(), " and panels ", panels.scalar_type());
   TORCH_CHECK_VALUE(panels.device().is_cpu() && !panels.is_mkldnn(),
                     "taps_ops: panel_linear: panels must be a dense CPU tensor, got ", panels.device());
   check_same_device(panels, x_in, "panels", "panel_linear: x");
@@ -218,34 +343,57 @@ at::Tensor panel_linear_cpu(const at::Tensor& x_in, const at::Tensor& panels, co
   }
   std::vector<int64_t> shape(x_in.sizes().begin(), x_in.sizes().end());
   shape.back() = out;
-  at::Tensor y = at::empty(shape, x_in.options().memory_format(at::MemoryFormat::Contiguous));
+  // float32 sums; bfloat16 x gets them rounded to bfloat16 once, at the end
+  at::Tensor y = at::empty(shape, x_in.options().dtype(at::kFloat).memory_format(at::MemoryFormat::Contiguous));
+  const auto result = [&] { return half_x ? y.to(at::kBFloat16) : y; };
   const int64_t rows = in > 0 ? x_in.numel() / in : y.numel() / std::max<int64_t>(out, 1);
-  if (rows == 0 || out == 0) return y;
+  if (rows == 0 || out == 0) return result();
   if (in == 0) {  // empty sums
     if (bias_ptr != nullptr) y.copy_(b.expand_as(y)); else y.zero_();
-    return y;
+    return result();
   }
-  const at::Tensor x = x_in.contiguous();
+  const cpu::Isa level = cpu::isa();
+  // bfloat16 x: AVX512-BF16's dot products where the level and the host allow, else x widened (the same bits)
+  const bool dot = half_x && panel_cpu::dot_enabled() && static_cast<int>(level) >= static_cast<int>(cpu::Isa::kAvx512) &&
+                   cpu::host_avx512_bf16();
+  const at::Tensor x = half_x && !dot ? x_in.to(at::kFloat, /*non_blocking=*/false, /*copy=*/false,
+                                                at::MemoryFormat::Contiguous)
+                                      : x_in.contiguous();
   const int64_t num_panels = panels.size(0);
   const int64_t element = bf16 ? 2 : 4;
   const int64_t setting = panel_cpu::prefetch_setting.load(std::memory_order_relaxed);
   const bool streams = num_panels * panels.stride(0) * element >= panel_cpu::kPrefetchMinBytes &&
                        in * panel_cpu::kPanelWidth * element >= panel_cpu::kPrefetchMinPanel;
   const int64_t ahead = setting >= 0 ? setting : streams ? panel_cpu::kPrefetchLines : 0;
-  const panel_cpu::Problem p{x.data_ptr<float>(), panels.data_ptr(), bias_ptr, y.data_ptr<float>(), rows, in, out,
-                            panels.stride(0), bf16, ahead};
+  // the dot-product kernel's x: each row's pairs as 32-bit lanes with the halves swapped (see avx512_bf16 above)
+  std::vector<uint32_t> swapped;
+  const uint16_t* xh = nullptr;
+  if (dot) {
+    xh = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
+    const int64_t pairs = in / 2;
+    swapped.resize(static_cast<size_t>(rows * pairs));
+    for (int64_t r = 0; r < rows; ++r)
+      for (int64_t j = 0; j < pairs; ++j)
+        swapped[r * pairs + j] = static_cast<uint32_t>(xh[r * in + 2 * j + 1]) | (static_cast<uint32_t>(xh[r * in + 2 * j]) << 16);
+  }
+  const panel_cpu::Problem p{dot ? nullptr : x.data_ptr<float>(), xh, dot ? swapped.data() : nullptr,
+                            panels.data_ptr(), bias_ptr, y.data_ptr<float>(), rows, in, out, panels.stride(0), bf16,
+                            ahead};
   // output blocks of about kBlockBytes of weight, in whole groups of kBlockPanels panels (every kernel
   // configuration's vectors divide such a group: no output of a full group goes through the one-vector tail)
   const int64_t group = panel_cpu::kBlockPanels;
   const int64_t block =
       std::max<int64_t>(1, panel_cpu::kBlockBytes / (in * panel_cpu::kPanelWidth * element * group)) * group;
   const int64_t blocks = (num_panels + block - 1) / block;
-  const cpu::Isa level = cpu::isa();
   [[maybe_unused]] const bool host_fma = static_cast<int>(cpu::host_isa()) >= static_cast<int>(cpu::Isa::kAvx2);
   at::parallel_for(0, blocks, 1, [&](int64_t lo, int64_t hi) {
     for (int64_t blk = lo; blk < hi; ++blk) {
       const int64_t p_lo = blk * block, p_hi = std::min(num_panels, p_lo + block);
 #if defined(TAPS_CPU_X86)
+      if (dot) {
+        panel_cpu::avx512_bf16::run(p, p_lo, p_hi);
+        continue;
+      }
       if (static_cast<int>(level) >= static_cast<int>(cpu::Isa::kAvx512)) {
         panel_cpu::avx512::panel::run(p, p_lo, p_hi);
         continue;
@@ -262,7 +410,7 @@ at::Tensor panel_linear_cpu(const at::Tensor& x_in, const at::Tensor& panels, co
       panel_cpu::generic::panel::run(p, p_lo, p_hi);
     }
   });
-  return y;
+  return result();
 }
 
 }  // namespace

@@ -561,15 +561,21 @@ def panel_linear(x: Tensor, panels: Tensor, bias: Optional[Tensor] = None) -> Te
     from ``F.linear`` by float rounding only. bfloat16 panels are widened to float32 as they are read (no
     bf16 instructions: any level): the bits of float32 panels of the same values, from half the bytes.
 
+    bfloat16 x (over bfloat16 panels only) gives bfloat16: the float32 sums of x widened, plus the bias,
+    rounded once. On a CPU with AVX512-BF16, at the avx512 level and above, its pairs are multiplied by
+    ``vdpbf16ps`` (twice the multiply-adds per instruction), whose two fused multiply-adds run in this order
+    (each lane's halves swapped), with denormals flushed: the bits of the other levels unless an input or a
+    partial sum is a float32 denormal.
+
     Args:
-        x: [..., in] float32 (a copy is made when not contiguous).
+        x: [..., in] float32, or bfloat16 with bfloat16 panels (a copy is made when not contiguous).
         panels: float32 [out / 16, in, 16] with strides (>= in * 16, 16, 1), or bfloat16 [out / 16, ceil(in / 2),
             16, 2] with strides (>= ceil(in / 2) * 32, 32, 2, 1) (:func:`pack_panels`); x's last dimension then
             any in with ceil(in / 2) = panels.shape[1].
         bias: [out] float32 or None.
 
     Returns:
-        [..., out] float32, contiguous. No autograd (inference). CPU only (GPUs have cuBLAS for this);
+        [..., out] float32 (bfloat16 for bfloat16 x), contiguous. No autograd (inference). CPU only (GPUs have cuBLAS for this);
         tensors elsewhere raise ValueError.
     """
     # the common case in three attribute reads (the loop below took 2 us, as long as a 256 x 256 product),
