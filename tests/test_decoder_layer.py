@@ -89,6 +89,8 @@ def layout(request, monkeypatch):
             return "plain"
         return want
     monkeypatch.setattr(lean, "small_layout", choose)
+    # a CPU with bf16 products (below amx) times bf16 panels against oneDNN (Linear.pack): not these layouts
+    monkeypatch.setattr(lean, "native_half_layout", lambda shape, repeats=3: "packed")
     if request.param == "panels_bf16":
         monkeypatch.setattr(taps_ops, "native_half_matmul", lambda dtype: False)
     return request.param
@@ -487,14 +489,12 @@ def test_widened_half_weights_op_equals_the_python_layer(monkeypatch, groups):
     _check_equal(_both(run, keys, values))
 
 
-def test_widened_bf16_engine_equals_its_autoregressive_decoding(monkeypatch):
-    """bf16 decoding with widened weights (no hardware bf16) emits what the engine's own bf16
-    autoregressive decoding emits, token for token, for a batch of ragged prompts."""
+def _bf16_engine_and_its_autoregressive_decoding():
+    """A small bf16 target and drafter: the speculative decoder's tokens and the autoregressive decoder's, for a
+    batch of ragged prompts (12 new tokens each)."""
     import engine_models as em
     import taps
     from taps.drafters import ModelDrafter
-    asked = []
-    monkeypatch.setattr(taps_ops, "native_half_matmul", lambda dtype: asked.append(dtype) and False)
     target = em.llama(64, 32, 2, seed=1).to(torch.bfloat16)
     drafter = ModelDrafter(em.llama(64, 32, 1, seed=2).to(torch.bfloat16))
     gen = torch.Generator().manual_seed(0)
@@ -502,6 +502,31 @@ def test_widened_bf16_engine_equals_its_autoregressive_decoding(monkeypatch):
     with torch.no_grad():
         spec = taps.SpeculativeDecoder(target, [drafter], depth=3, top_k=2, budget=6).generate(prompts, max_new_tokens=12)
         plain = taps.SpeculativeDecoder(target, [], strategy="autoregressive").generate(prompts, max_new_tokens=12)
-    assert asked and set(asked) == {torch.bfloat16}   # the lean forwards widened their weights
-    assert spec.tokens == plain.tokens
     assert all(len(t) == 12 for t in spec.tokens)
+    return spec.tokens, plain.tokens
+
+
+def test_widened_bf16_engine_equals_its_autoregressive_decoding(monkeypatch):
+    """bf16 decoding with widened weights (no hardware bf16) emits what the engine's own bf16
+    autoregressive decoding emits, token for token, for a batch of ragged prompts."""
+    asked = []
+    monkeypatch.setattr(taps_ops, "native_half_matmul", lambda dtype: asked.append(dtype) and False)
+    spec, plain = _bf16_engine_and_its_autoregressive_decoding()
+    assert asked and set(asked) == {torch.bfloat16}   # the lean forwards widened their weights
+    assert spec == plain
+
+
+def test_bf16_panels_on_a_native_bf16_cpu_engine_equals_its_autoregressive_decoding(monkeypatch):
+    """On a CPU with bf16 products below the amx level, the lean forwards keep the bf16 projections that time
+    faster as bfloat16 panels (taps.lean.native_half_layout; forced here for every weight), and their bf16
+    activations go to panel_linear as they are (AVX512-BF16's dot products where the CPU has them): decoding
+    with drafts still emits what the engine's own autoregressive decoding does (one layout a weight for every
+    row count), token for token."""
+    from taps import lean
+    monkeypatch.setattr(taps_ops, "native_half_matmul", lambda dtype: True)
+    monkeypatch.setattr(lean, "kernels_level", lambda: "avx512")
+    asked = []
+    monkeypatch.setattr(lean, "native_half_layout", lambda shape, repeats=3: asked.append(shape) or "panels_bf16")
+    spec, plain = _bf16_engine_and_its_autoregressive_decoding()
+    assert (64, 32) in asked and (32, 32) in asked   # qkv of 64 outputs, the 32 x 32 o projection
+    assert spec == plain

@@ -529,6 +529,66 @@ def test_a_widened_bf16_weight_may_be_kept_as_bf16_panels(monkeypatch):
     assert offered and all("panels_bf16" not in c for c in offered)
 
 
+def test_a_native_bf16_weight_is_kept_as_bf16_panels_where_they_time_faster(monkeypatch):
+    """On a CPU with bf16 products below the amx level, Linear.pack times oneDNN's bf16 kernel against bfloat16
+    panels (native_half_layout) for each bfloat16 weight that panels fit; where the panels win, the weight is
+    widened and kept as them: its products are the widened float32 panels' bit for bit, whatever the row
+    count. Where oneDNN wins, at the amx level, with TAPS_PANELS_BF16=0, for stacked weights and for shapes
+    panels do not fit, the weight stays bfloat16 and nothing is timed."""
+    from taps import lean
+
+    monkeypatch.setattr(taps_ops, "native_half_matmul", lambda dtype: True)
+    level = {"isa": "avx512"}
+    monkeypatch.setattr(lean, "kernels_level", lambda: level["isa"])
+    choice, asked = {"layout": "panels_bf16"}, []
+    monkeypatch.setattr(lean, "native_half_layout", lambda shape, repeats=3: asked.append(shape) or choice["layout"])
+    torch.manual_seed(0)
+    weight, bias = torch.randn(48, 24).bfloat16(), torch.randn(48).bfloat16()
+    wide = taps_ops.pack_panels(weight.float())
+    for b in (None, bias):
+        lin = lean.Linear(weight, b).pack().choose_small_layout()
+        assert lin.widened and lin.half == torch.bfloat16 and lin.panels.dtype == torch.bfloat16 and lin.packed is None
+        x = torch.randn(1, 16, 24).bfloat16()
+        with torch.no_grad():
+            whole = lin(x)
+            assert torch.equal(whole, taps_ops.panel_linear(x.float(), wide, None if b is None else b.float()).bfloat16())
+            for rows in (1, 3):   # a plain step's rows give a tree's bits
+                assert torch.equal(lin(x[:, :rows]), whole[:, :rows])
+    assert asked == [(48, 24), (48, 24)]
+
+    def kept_bf16(lin):
+        return not lin.widened and lin.weight.dtype == torch.bfloat16 and lin.panels is None
+
+    asked.clear()
+    choice["layout"] = "packed"
+    assert kept_bf16(lean.Linear(weight).pack()) and asked == [(48, 24)]
+    choice["layout"] = "panels_bf16"
+    asked.clear()
+    level["isa"] = "amx"
+    assert kept_bf16(lean.Linear(weight).pack())
+    level["isa"] = "avx512"
+    monkeypatch.setattr(lean, "PANELS_BF16", False)
+    assert kept_bf16(lean.Linear(weight).pack())
+    monkeypatch.setattr(lean, "PANELS_BF16", True)
+    stacked = lean.Linear([weight, weight]).pack()
+    assert stacked.stacked and not stacked.widened and stacked.weight.dtype == torch.bfloat16
+    for shape in ((40, 24), (16, 24), (48, 23)):   # outputs not whole panels, one panel, an odd input count
+        assert kept_bf16(lean.Linear(torch.randn(*shape).bfloat16()).pack())
+    half = lean.Linear(weight.float().half()).pack()   # float16: no such layout
+    assert not half.widened and half.weight.dtype == torch.float16 and half.panels is None
+    assert asked == []
+
+
+def test_native_half_layout_times_both_layouts_once_per_shape():
+    """The timing itself (a real one, small shape): one of the two layouts, cached per shape and threads."""
+    from taps import lean
+
+    first = lean.native_half_layout((64, 32))
+    assert first in ("packed", "panels_bf16")
+    assert lean._NATIVE_HALF_LAYOUT[((64, 32), torch.get_num_threads())] == first
+    assert lean.native_half_layout((64, 32)) == first
+
+
 def test_a_large_layer_projection_times_its_onednn_copy_beside_panels(monkeypatch):
     """A float32 projection of >= 4096 rows gets a oneDNN-packed copy (pack_weight); in a decoder layer
     (choose_small_layout(packed=True)) that copy is one more timed candidate, dropped when another layout

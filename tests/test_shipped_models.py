@@ -121,9 +121,13 @@ def test_demo_quick_with_prompt_lookup(capsys):
         assert cli.main(["demo", "--quick", "--no-color", "--lookup", "--strategy", strategy, "--limit", "0",
                          "--dtype", "bf16"]) == 0
         out = capsys.readouterr().out
-        # bf16: the reference is taps' own autoregressive decoding, Hugging Face's shown beside it
+        # bf16: the reference is taps' own autoregressive decoding, Hugging Face's shown beside it (its bf16
+        # products round as oneDNN's kernel does, taps' projections as taps' panels where those time faster: on
+        # a near tie the two greedy outputs part, which the line says)
         assert out.count("identical to the target's own greedy output (taps autoregressive, same dtype): True; "
-                         "to Hugging Face generate's: True") == 2, strategy
+                         "to Hugging Face generate's: ") == 2, strategy
+        assert out.count("to Hugging Face generate's: True") + out.count(
+            "to Hugging Face generate's: False (its one-token forwards round differently in bf16)") == 2, strategy
         assert out.count("proposed by") == 2 and out.count("prompt lookup ") >= 2
         assert ("the math drafter" in out) == ("the chat drafter" in out) == (strategy != "single")
 

@@ -124,20 +124,28 @@ class Linear:
         On a CPU without hardware bf16 / fp16 matrix products (``taps_ops.native_half_matmul``), a weight of
         that dtype is widened to float32 (exact) and kept so: each call then widens x, multiplies in float32
         and rounds the result to x's dtype, as the emulated half-precision kernels would (they accumulate
-        in float32 too) at the float32 kernels' speed instead of several times slower.
+        in float32 too) at the float32 kernels' speed instead of several times slower. On a CPU with them, a
+        bfloat16 weight is widened so too, and kept as bfloat16 panels, where those are faster there than
+        oneDNN's bf16 kernel (:meth:`_native_half_panels_pay`): one layout for every row count, so that a tree's
+        products give the bits of a plain step's.
 
         ``choose_layout`` (a large float32 head called from Python: a tree's rows at once): the weight's
         layouts are timed on this machine at 1 and 8 rows (the packed copy, the [out, in] weight as it is,
         an [in, out] transposed copy and taps' own panels, :func:`taps_ops.panel_linear`) and the fastest
         kept (:func:`fastest_layout`): which BLAS kernel a few rows get differs between CPUs and instruction
         sets by up to 2x."""
-        if (self.weight.device.type == "cpu" and self.weight.dtype in (torch.bfloat16, torch.float16)
-                and not taps_ops.native_half_matmul(self.weight.dtype)):
-            self.half = self.weight.dtype
-            self.weight = self.weight.detach().float()
-            self.bias = None if self.bias is None else self.bias.detach().float()
-            self.widened = True
-        if not self.stacked:
+        half_panels = False
+        if self.weight.device.type == "cpu" and self.weight.dtype in (torch.bfloat16, torch.float16):
+            native = taps_ops.native_half_matmul(self.weight.dtype)
+            half_panels = native and self._native_half_panels_pay()
+            if not native or half_panels:
+                self.half = self.weight.dtype
+                self.weight = self.weight.detach().float()
+                self.bias = None if self.bias is None else self.bias.detach().float()
+                self.widened = True
+        if half_panels:
+            self.panels = _panels(self.weight, self.bias, torch.bfloat16)
+        elif not self.stacked:
             if choose_layout and self.weight.device.type == "cpu" and self.weight.dtype == torch.float32 \
                     and self.weight.shape[0] >= LAYOUT_MIN_ROWS:
                 layout, copies = self._timed_layout()
@@ -151,6 +159,22 @@ class Linear:
             else:
                 self.packed = pack_weight(self.weight)
         return self
+
+    def _native_half_panels_pay(self) -> bool:
+        """On a CPU with hardware bf16 products: whether this bfloat16 weight multiplies faster as bfloat16
+        panels, its values widened as read and x widened (:func:`taps_ops.panel_linear`, float32 multiply-adds),
+        than in oneDNN's bf16 kernel (:func:`native_half_layout`, timed once per shape and thread count). On a
+        CPU with AVX512-BF16 and no AMX, oneDNN's kernel costs ~20 us more a call at a decoding step's few rows
+        than the panels, which read the same bytes. Not at the kernels' amx level (``TAPS_CPU_ISA`` lowers it):
+        there oneDNN's products run on AMX and the timing was never measured against them; and never for stacked
+        weights (a drafter group's, multiplied by ``bmm``)."""
+        w = self.weight
+        if (self.stacked or w.dtype != torch.bfloat16 or not (PANELS and PANELS_BF16) or w.dim() != 2
+                or kernels_level() == "amx"
+                or w.shape[0] % taps_ops.PANEL_WIDTH or w.shape[0] < 2 * taps_ops.PANEL_WIDTH or w.shape[1] % 2
+                or (self.bias is not None and self.bias.dim() != 1)):
+            return False
+        return native_half_layout(tuple(w.shape)) == "panels_bf16"
 
     def _timed_layout(self) -> Tuple[str, Optional[dict]]:
         """:func:`fastest_layout` of this float32 head, timed on its first rows (all of them up to
@@ -211,6 +235,11 @@ class Linear:
 
     def __call__(self, x: Tensor) -> Tensor:
         if self.widened and x.dtype != torch.float32:
+            if (x.dtype == torch.bfloat16 and self.panels is not None and self.panels.dtype == torch.bfloat16
+                    and not torch.is_grad_enabled()):
+                # panel_linear takes bfloat16 x over bfloat16 panels: widened as read (or AVX512-BF16's dot
+                # products, the same bits), the float32 sums rounded to bfloat16 once
+                return _panel_linear(x, self.panels, self.bias)
             return self._product(x.float()).to(x.dtype)
         return self._product(x)
 
@@ -359,6 +388,62 @@ def small_layout(shape: Tuple[int, int], panels: bool = True, repeats: int = 3, 
         seconds = _timed(candidates, [torch.randn(1, rows, inner) for rows in (1, 8)], repeats, budget=0.005)
         known = _SMALL_LAYOUT[key] = min(seconds, key=seconds.get)
     return known
+
+
+_NATIVE_HALF_LAYOUT: dict = {}
+
+
+def kernels_level() -> str:
+    """The taps CPU kernels' instruction-set level (``taps_ops.cpu_info()["isa"]``: scalar, avx2, avx512, amx)."""
+    return torch.ops.taps_ops._cpu_isa()
+
+
+def native_half_layout(shape: Tuple[int, int], repeats: int = 3) -> str:
+    """Which layout of a bfloat16 [out, in] projection of bfloat16 x [1, R, in] multiplies fastest on a CPU
+    with hardware bf16 products: ``"packed"`` (oneDNN's bf16 kernel over its blocked copy, :func:`pack_weight`,
+    or ``F.linear`` where there is none) or ``"panels_bf16"`` (x widened, :func:`taps_ops.panel_linear` over
+    bfloat16 panels, the result rounded to bfloat16: what a widened weight runs). The two differ in rounding
+    (float32 sums in another order), not in what they compute.
+
+    Timed as a decoding step meets the weight: after the other layers' weights went through the caches (each
+    call reads the next of copies that hold at least :data:`HALF_LAYOUT_COLD_BYTES` together) and at the rows of
+    a plain step and of a small tree (the least summed time of 1 and 4 rows: with a tuner most steps are plain
+    ones, and the trees it picks hold a few nodes). On an AMD EPYC Zen 4 (AVX512-BF16, no AMX; 1 thread), a
+    1536 x 256 projection timed so: oneDNN 63 / 65 / 105 us at 1 / 4 / 16 rows, the panels with bf16 x (AVX512-BF16's
+    dot products, :func:`taps_ops.panel_linear`) 14 / 22 / ~70 us (oneDNN's call costs ~20 us more whatever the
+    rows). Measured once per shape and thread count in a process."""
+    key = (tuple(shape), torch.get_num_threads())
+    known = _NATIVE_HALF_LAYOUT.get(key)
+    if known is None:
+        out, inner = shape
+        out = min(out, max(2 * taps_ops.PANEL_WIDTH, HALF_LAYOUT_PROBE_BYTES // (2 * max(inner, 1)) // taps_ops.PANEL_WIDTH
+                           * taps_ops.PANEL_WIDTH))
+        copies = max(2, -(-HALF_LAYOUT_COLD_BYTES // (2 * out * inner)))
+        weights = [torch.randn(out, inner).bfloat16() for _ in range(copies)]
+        blocked = [pack_weight(w) for w in weights]
+        halves = [taps_ops.pack_panels(w.float(), torch.bfloat16) for w in weights]
+        turn = {"packed": 0, "panels_bf16": 0}
+
+        def packed(x):
+            i = turn["packed"] = (turn["packed"] + 1) % copies
+            if blocked[i] is None:
+                return F.linear(x, weights[i])
+            return torch.ops.mkldnn._linear_pointwise(x, blocked[i], None, "none", [], "")
+
+        def panels(x):
+            i = turn["panels_bf16"] = (turn["panels_bf16"] + 1) % copies
+            return _panel_linear(x, halves[i], None)
+
+        seconds = _timed({"packed": packed, "panels_bf16": panels},
+                         [torch.randn(1, rows, inner).bfloat16() for rows in (1, 4)], repeats, budget=0.005)
+        known = _NATIVE_HALF_LAYOUT[key] = min(seconds, key=seconds.get)
+    return known
+
+
+#: native_half_layout: the bytes of weight copies a timed call cycles through (more than a core's L2 cache)
+HALF_LAYOUT_COLD_BYTES = 8 << 20
+#: native_half_layout: the most bytes of one timed copy (its first rows, whole panels)
+HALF_LAYOUT_PROBE_BYTES = 16 << 20
 
 
 def pack_weight(weight: Tensor) -> Optional[Tensor]:
