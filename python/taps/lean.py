@@ -406,7 +406,7 @@ def native_half_layout(shape: Tuple[int, int], repeats: int = 3) -> str:
     (float32 sums in another order), not in what they compute.
 
     Timed as a decoding step meets the weight: after the other layers' weights went through the caches (each
-    call reads the next of copies that hold at least :data:`HALF_LAYOUT_COLD_BYTES` together) and at the rows of
+    call reads the next of copies that hold at least :data:`HALF_LAYOUT_COLD_BYTES` together, at most 64) and at the rows of
     a plain step and of a small tree (the least summed time of 1 and 4 rows: with a tuner most steps are plain
     ones, and the trees it picks hold a few nodes). On an AMD EPYC Zen 4 (AVX512-BF16, no AMX; 1 thread), a
     1536 x 256 projection timed so: oneDNN 63 / 65 / 105 us at 1 / 4 / 16 rows, the panels with bf16 x (AVX512-BF16's
@@ -418,7 +418,7 @@ def native_half_layout(shape: Tuple[int, int], repeats: int = 3) -> str:
         out, inner = shape
         out = min(out, max(2 * taps_ops.PANEL_WIDTH, HALF_LAYOUT_PROBE_BYTES // (2 * max(inner, 1)) // taps_ops.PANEL_WIDTH
                            * taps_ops.PANEL_WIDTH))
-        copies = max(2, -(-HALF_LAYOUT_COLD_BYTES // (2 * out * inner)))
+        copies = min(64, max(2, -(-HALF_LAYOUT_COLD_BYTES // (2 * out * inner))))   # tiny weights: 64
         weights = [torch.randn(out, inner).bfloat16() for _ in range(copies)]
         blocked = [pack_weight(w) for w in weights]
         halves = [taps_ops.pack_panels(w.float(), torch.bfloat16) for w in weights]
