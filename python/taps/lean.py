@@ -162,10 +162,10 @@ class Linear:
 
     def _native_half_panels_pay(self) -> bool:
         """On a CPU with hardware bf16 products: whether this bfloat16 weight multiplies faster as bfloat16
-        panels, its values widened as read and x widened (:func:`taps_ops.panel_linear`, float32 multiply-adds),
-        than in oneDNN's bf16 kernel (:func:`native_half_layout`, timed once per shape and thread count). On a
-        CPU with AVX512-BF16 and no AMX, oneDNN's kernel costs ~20 us more a call at a decoding step's few rows
-        than the panels, which read the same bytes. Not at the kernels' amx level (``TAPS_CPU_ISA`` lowers it):
+        panels (:func:`taps_ops.panel_linear` over bf16 x: AVX512-BF16's dot products) than in oneDNN's bf16
+        kernel (:func:`native_half_layout`, timed once per shape and thread count). On a CPU with AVX512-BF16 and
+        no AMX, oneDNN's kernel costs ~20 us more a call at a decoding step's few rows than the panels, which
+        read the same bytes. Not at the kernels' amx level (``TAPS_CPU_ISA`` lowers it):
         there oneDNN's products run on AMX and the timing was never measured against them; and never for stacked
         weights (a drafter group's, multiplied by ``bmm``)."""
         w = self.weight
@@ -401,9 +401,9 @@ def kernels_level() -> str:
 def native_half_layout(shape: Tuple[int, int], repeats: int = 3) -> str:
     """Which layout of a bfloat16 [out, in] projection of bfloat16 x [1, R, in] multiplies fastest on a CPU
     with hardware bf16 products: ``"packed"`` (oneDNN's bf16 kernel over its blocked copy, :func:`pack_weight`,
-    or ``F.linear`` where there is none) or ``"panels_bf16"`` (x widened, :func:`taps_ops.panel_linear` over
-    bfloat16 panels, the result rounded to bfloat16: what a widened weight runs). The two differ in rounding
-    (float32 sums in another order), not in what they compute.
+    or ``F.linear`` where there is none) or ``"panels_bf16"`` (:func:`taps_ops.panel_linear` of the bf16 x over
+    bfloat16 panels: float32 sums rounded to bfloat16 once, what a widened weight runs). The two differ in
+    rounding (float32 sums in another order), not in what they compute.
 
     Timed as a decoding step meets the weight: after the other layers' weights went through the caches (each
     call reads the next of copies that hold at least :data:`HALF_LAYOUT_COLD_BYTES` together, at most 64) and at the rows of
