@@ -125,6 +125,13 @@ def test_bf16_x_over_bf16_panels(shape, restore_level):
             torch.testing.assert_close(y.double(), ref, rtol=2 ** -7, atol=1e-5 * shape[1])
         first = y if first is None else first
         assert torch.equal(y, first), level
+        threads = torch.get_num_threads()
+        try:
+            for n in (2, 3):   # the output blocks split between threads: the same bits
+                torch.set_num_threads(n)
+                assert torch.equal(taps_ops.panel_linear(x, half, bias), y), (level, n)
+        finally:
+            torch.set_num_threads(threads)
     assert taps_ops.panel_linear(torch.randn(0, shape[1]).bfloat16(), half).dtype == torch.bfloat16
     empty = taps_ops.pack_panels(torch.randn(32, 0), torch.bfloat16)
     assert torch.equal(taps_ops.panel_linear(torch.randn(3, 0).bfloat16(), empty, bias[:32] if shape[0] >= 32 else None),
