@@ -194,7 +194,6 @@ def cold_table(args) -> None:
 
 def _packed_bf16(weight):
     """oneDNN's packed copy of a bfloat16 weight (what taps.lean keeps for torch's bf16 products), or None."""
-    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "python"))
     from taps.lean import pack_weight
     return pack_weight(weight)
 

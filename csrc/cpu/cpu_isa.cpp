@@ -103,15 +103,11 @@ std::vector<std::string> host_features() {
 }
 
 bool host_avx512_bf16() {
-#if defined(TAPS_CPU_X86)
   static const bool has = [] {
-    __builtin_cpu_init();
-    return __builtin_cpu_supports("avx512bf16") != 0 && __builtin_cpu_supports("avx512f") != 0;
+    const std::vector<std::string> features = host_features();
+    return std::find(features.begin(), features.end(), "avx512_bf16") != features.end();
   }();
   return has;
-#else
-  return false;
-#endif
 }
 
 namespace {

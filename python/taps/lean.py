@@ -169,10 +169,8 @@ class Linear:
         there oneDNN's products run on AMX and the timing was never measured against them; and never for stacked
         weights (a drafter group's, multiplied by ``bmm``)."""
         w = self.weight
-        if (self.stacked or w.dtype != torch.bfloat16 or not (PANELS and PANELS_BF16) or w.dim() != 2
-                or kernels_level() == "amx"
-                or w.shape[0] % taps_ops.PANEL_WIDTH or w.shape[0] < 2 * taps_ops.PANEL_WIDTH or w.shape[1] % 2
-                or (self.bias is not None and self.bias.dim() != 1)):
+        if (self.stacked or w.dtype != torch.bfloat16 or not PANELS_BF16 or not panel_shape_fits(w, self.bias)
+                or w.shape[1] % 2 or kernels_level() == "amx"):
             return False
         return native_half_layout(tuple(w.shape)) == "panels_bf16"
 
@@ -304,13 +302,26 @@ PANELS_BF16 = os.environ.get("TAPS_PANELS_BF16", "1") != "0"
 
 
 def panels_fit(weight: Tensor, bias: Optional[Tensor]) -> bool:
-    """Whether a weight [out, in] can be kept as taps' panels: float32 on the CPU, out a multiple of
+    """Whether a weight [out, in] can be kept as taps' panels: float32 (:func:`panel_shape_fits`) with a
+    float32 bias or none."""
+    return (weight.dtype == torch.float32 and (bias is None or bias.dtype == torch.float32)
+            and panel_shape_fits(weight, bias))
+
+
+def panel_shape_fits(weight: Tensor, bias: Optional[Tensor]) -> bool:
+    """Whether a weight [out, in] of any dtype has the shape of taps' panels: on the CPU, out a multiple of
     ``taps_ops.PANEL_WIDTH`` and at least two panels (taps_ops.decoder_layer tells a [P, in, 16] panel
-    weight from a stacked [1, in, out] one by P > 1), a float32 bias [out] or none; and
-    :data:`PANELS`."""
-    return (PANELS and weight.device.type == "cpu" and weight.dtype == torch.float32 and weight.dim() == 2
+    weight from a stacked [1, in, out] one by P > 1), a bias [out] or none; and :data:`PANELS`."""
+    return (PANELS and weight.device.type == "cpu" and weight.dim() == 2
             and weight.shape[0] % taps_ops.PANEL_WIDTH == 0 and weight.shape[0] >= 2 * taps_ops.PANEL_WIDTH
-            and (bias is None or (bias.dtype == torch.float32 and bias.dim() == 1)))
+            and (bias is None or bias.dim() == 1))
+
+
+def _probe_outputs(out: int, inner: int, budget: int, element: int) -> int:
+    """The output rows a layout timing measures of a weight [out, in] of `element`-byte values: all of them up
+    to `budget` bytes, else that many in whole panels (two panels at least)."""
+    return min(out, max(2 * taps_ops.PANEL_WIDTH,
+                        budget // (element * max(inner, 1)) // taps_ops.PANEL_WIDTH * taps_ops.PANEL_WIDTH))
 
 
 # taps_ops.panel_linear without its Python wrapper's device checks (1 us of a 5 us call at decoding's sizes), through
@@ -369,8 +380,7 @@ def small_layout(shape: Tuple[int, int], panels: bool = True, repeats: int = 3, 
         out, inner = shape
         # at most LAYOUT_PROBE_BYTES of rows (whole panels): a large model's MLP projection would otherwise
         # hold several copies of hundreds of megabytes while it is timed
-        out = min(out, max(2 * taps_ops.PANEL_WIDTH, LAYOUT_PROBE_BYTES // (4 * max(inner, 1)) // taps_ops.PANEL_WIDTH
-                           * taps_ops.PANEL_WIDTH))
+        out = _probe_outputs(out, inner, LAYOUT_PROBE_BYTES, 4)
         weight = torch.randn(out, inner)
         as_stacked = weight.t().contiguous().unsqueeze(0)
         candidates = {"plain": lambda x: torch.mm(x[0], weight.t())}
@@ -416,8 +426,7 @@ def native_half_layout(shape: Tuple[int, int], repeats: int = 3) -> str:
     known = _NATIVE_HALF_LAYOUT.get(key)
     if known is None:
         out, inner = shape
-        out = min(out, max(2 * taps_ops.PANEL_WIDTH, HALF_LAYOUT_PROBE_BYTES // (2 * max(inner, 1)) // taps_ops.PANEL_WIDTH
-                           * taps_ops.PANEL_WIDTH))
+        out = _probe_outputs(out, inner, HALF_LAYOUT_PROBE_BYTES, 2)
         copies = min(64, max(2, -(-HALF_LAYOUT_COLD_BYTES // (2 * out * inner))))   # tiny weights: 64
         weights = [torch.randn(out, inner).bfloat16() for _ in range(copies)]
         blocked = [pack_weight(w) for w in weights]
