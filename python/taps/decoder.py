@@ -556,10 +556,12 @@ class SpeculativeDecoder:
     def _draft(self, state: "DecodeState", plan: "_Plan") -> Optional[Candidates]:
         """The drafting groups' candidates (a group behind on appends catches up first), stacked in the
         groups' member order; None when no group drafts."""
+        state.draft_probs = None
+        if not plan.drafting:  # a plain step
+            return None
         if state.pending is not None:
             plan.updates = plan.updates + state.pending.catch_up(plan.drafting)
         drafted = []
-        state.draft_probs = None
         alone = len(plan.drafting) == 1 and len(plan.drafting[0].members) == 1
         if plan.shape is not None:
             sampled = plan.shape.drawn
@@ -707,7 +709,8 @@ class SpeculativeDecoder:
         groups = state.groups
         if not groups:
             return
-        width = max([len(t) for t in record.tokens] + [1])
+        counts = [len(t) for t in record.tokens]
+        width = max(max(counts), 1)
         new_tokens = ver.tokens if ver.tokens.shape[1] == width else ver.tokens[:, :width]  # (a plain step: as is)
         idx = None
         features = {}
@@ -719,7 +722,6 @@ class SpeculativeDecoder:
                     idx = path[:, :width].clamp_min(0) if idx is None else idx
                     feats = feats.gather(1, idx.unsqueeze(-1).expand(-1, -1, feats.shape[-1]))
                 features[spec] = feats
-        counts = [len(t) for t in record.tokens]
         if state.pending is not None:
             state.pending.add(new_tokens, num_new, features, counts, record.tokens)
         else:

@@ -154,16 +154,23 @@ class LookupGroup(DraftGroup):
             self._lengths_device = value.device
 
     def _add(self, b: int, new: Sequence[int]) -> None:
+        """Append host ints `new` to request b's context and index the n-grams they end (run every step,
+        plain ones included: kept to a few dict operations a token)."""
         hist, index = self.history[b], self.index[b]
         lo, hi = self.d.min_ngram, self.d.max_ngram + 1
+        matched = False
         for t in new:
-            hist.append(int(t))
+            hist.append(t)
             end = len(hist)
             matched = False
             for n in range(lo, min(hi, end + 1)):
-                ends = index.setdefault(tuple(hist[end - n:]), [])
-                matched = matched or bool(ends)  # an earlier occurrence: continuations() finds it
-                ends.append(end)
+                key = tuple(hist[end - n:])
+                ends = index.get(key)
+                if ends is None:
+                    index[key] = [end]
+                else:  # an earlier occurrence: continuations() finds it
+                    matched = True
+                    ends.append(end)
         if new:
             self.matched[b] = matched
 
@@ -198,10 +205,11 @@ class LookupGroup(DraftGroup):
     def advance(self, tokens, num_new, hidden, num_new_host=None, tokens_host=None):
         rows = tokens_host if tokens_host is not None else tokens.tolist()
         counts = num_new_host if num_new_host is not None else num_new.tolist()
+        lengths = self.host_lengths
         for b, (row, n) in enumerate(zip(rows, counts)):
             if n:
-                self._add(b, row[:int(n)])
-        self.host_lengths = [len(h) for h in self.history]
+                self._add(b, [int(t) for t in row[:int(n)]])
+                lengths[b] = len(self.history[b])
         self._lengths_current = self._lengths is None
 
     def continuations(self, b: int, depth: int, top_k: int) -> List[List[int]]:
