@@ -128,10 +128,13 @@ def test_op_equals_the_python_layer_bit_for_bit(arch, groups, dtype, no_in_norm,
     w.pack()
     assert w.op_args is not None
     projections = (w.qkv, w.o, w.gate_up, w.down)
-    fp32_single = groups == 1 and all(p.weight.dtype == torch.float32 for p in projections)
-    assert all((p.panels is not None) == (layout.startswith("panels") and fp32_single) for p in projections)
-    if layout == "panels_bf16" and groups == 1:   # widened bfloat16 weights as bfloat16 panels
+    # (G > 1 groups too: each group's panels stacked, a panel product per group)
+    fp32 = all(p.weight.dtype == torch.float32 for p in projections)
+    assert all((p.panels is not None) == (layout.startswith("panels") and fp32) for p in projections)
+    if layout == "panels_bf16":   # widened bfloat16 weights as bfloat16 panels
         assert all(p.panels.dtype == dtype for p in projections)
+    if groups > 1 and layout.startswith("panels") and fp32:
+        assert all(p.panels.shape[0] == groups for p in projections)
     x, keys, values, bits, kv_lens, start = _inputs(w, groups, rows, tokens, tree_nodes, prefix, dtype)
     if prefix == 0:   # no prefix: every query sees at least itself (its node, the last `tokens` of the tree)
         itself = torch.eye(tokens, tree_nodes, dtype=torch.bool).roll(tree_nodes - tokens, 1)
@@ -363,8 +366,34 @@ BAD = {
 }
 
 
-#: (a valid call's arguments, the bad cases of it): the grid form and the packed one (rows=)
-BAD_TABLES = {"grid": (_valid_call, BAD), "packed": (_packed_call, BAD_PACKED)}
+def _stacked_panels_call():
+    """Two weight groups (a drafter group's), the fused q/k/v projection (with its biases) as each group's panels
+    stacked [G, out / 16, in, 16], the others bmm's [G, in, out]."""
+    models = _layers("qwen2", 2, torch.float32, use_sliding_window=False)
+    w = LayerWeights([m.model.layers[0] for m in models]).pack()
+    x, keys, values, bits, kv_lens, start = _inputs(w, 2, 2, 3, 4, 5, torch.float32)
+    cos, sin = _rope(models, w, 4, 3, start, torch.float32)
+    weights, eps, dims = w.op_args
+    weights = list(weights)
+    weights[2] = lean._stacked_panels(w.qkv.weight, w.qkv.bias)
+    assert weights[2].shape[0] == 2 and weights[3].shape[:2] == (2, 1)
+    return dict(x=x, weights=weights, eps=list(eps), dims=list(dims), cos=cos, sin=sin, keys=keys, values=values,
+                write_start=start, tree_mask=bits, kv_lens=kv_lens, scale=w.scale, tree_nodes=4)
+
+
+BAD_STACKED_PANELS = {
+    "panels of 3 groups": (_with_weight(2, lambda t: torch.cat([t, t[:1]])), "G groups' panels [G, out / 16, in, 16]"),
+    "panels of 1 group": (_with_weight(2, lambda t: t[:1]), "G groups' panels [G, out / 16, in, 16]"),
+    "panels' inputs": (_with_weight(2, lambda t: t[:, :, :-2].contiguous()), "qkv weight must map"),
+    "panels' outputs": (_with_weight(2, lambda t: t[:, :-1].contiguous()), "qkv weight must map"),
+    "bias [G, out]": (_with_weight(3, lambda t: t[:, 0]), "bias of stacked panels must be [G, 1, out]"),
+    "bias bfloat16": (_with_weight(3, lambda t: t.bfloat16()), "qkv bias has dtype"),
+    "panels float64": (_with_weight(2, lambda t: t.double()), "G groups' panels"),
+}
+
+#: (a valid call's arguments, the bad cases of it): the grid form, the packed one (rows=) and a group's stacked panels
+BAD_TABLES = {"grid": (_valid_call, BAD), "packed": (_packed_call, BAD_PACKED),
+              "stacked panels": (_stacked_panels_call, BAD_STACKED_PANELS)}
 
 
 @pytest.mark.parametrize("table,case", [(t, c) for t, (_, cases) in BAD_TABLES.items() for c in sorted(cases)])
@@ -381,6 +410,29 @@ def test_bad_inputs_raise_clear_errors(table, case, monkeypatch):
     with pytest.raises((RuntimeError, ValueError, IndexError), match=re.escape(message)):
         with torch.no_grad():
             _call(args)
+
+
+@torch.no_grad()
+def test_stacked_panels_multiply_each_group_by_its_own_weight():
+    """A group's stacked panels: each group's rows through its own weight's panels (panel_linear), the bias
+    of its group added; the same bits as the group's weight alone as panels, and within rounding of bmm."""
+    args = _stacked_panels_call()
+    out = _call(args)
+    args_bmm = _stacked_panels_call()
+    models = _layers("qwen2", 2, torch.float32, use_sliding_window=False)
+    w = LayerWeights([m.model.layers[0] for m in models]).pack()
+    args_bmm["weights"][2] = w.qkv.weight            # the same weights as bmm's [G, in, out]
+    ref = _call(args_bmm)
+    assert out.shape == ref.shape and not torch.equal(out, torch.zeros_like(out))
+    torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
+    lin = lean.Linear([m.model.layers[0].self_attn.q_proj.weight for m in models],
+                      [m.model.layers[0].self_attn.q_proj.bias for m in models])
+    lin.panels = lean._stacked_panels(lin.weight, lin.bias)
+    x = torch.randn(2, 5, lin.weight.shape[1])
+    y = lin(x)
+    for g in range(2):
+        q = models[g].model.layers[0].self_attn.q_proj
+        assert torch.equal(y[g], taps_ops.panel_linear(x[g], taps_ops.pack_panels(q.weight), q.bias))
 
 
 def test_fake_tensor_shape():

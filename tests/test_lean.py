@@ -533,8 +533,8 @@ def test_a_native_bf16_weight_is_kept_as_bf16_panels_where_they_time_faster(monk
     """On a CPU with bf16 products below the amx level, Linear.pack times oneDNN's bf16 kernel against bfloat16
     panels (native_half_layout) for each bfloat16 weight that panels fit; where the panels win, the weight is
     widened and kept as them: its products are the widened float32 panels' bit for bit, whatever the row
-    count. Where oneDNN wins, at the amx level, with TAPS_PANELS_BF16=0, for stacked weights and for shapes
-    panels do not fit, the weight stays bfloat16 and nothing is timed."""
+    count. Where oneDNN wins, at the amx level, with TAPS_PANELS_BF16=0 and for shapes panels do not fit, the
+    weight stays bfloat16; stacked weights (a drafter group's) are kept as one group's would be."""
     from taps import lean
 
     monkeypatch.setattr(taps_ops, "native_half_matmul", lambda dtype: True)
@@ -570,8 +570,28 @@ def test_a_native_bf16_weight_is_kept_as_bf16_panels_where_they_time_faster(monk
     monkeypatch.setattr(lean, "PANELS_BF16", False)
     assert kept_bf16(lean.Linear(weight).pack())
     monkeypatch.setattr(lean, "PANELS_BF16", True)
-    stacked = lean.Linear([weight, weight]).pack()
-    assert stacked.stacked and not stacked.widened and stacked.weight.dtype == torch.bfloat16
+    # G > 1 drafters' weights (a group's): each group's bf16 panels where one group's weight would be kept so
+    # (bmm, their other layout, is slower at a step's rows); each group's product is its own weight's panels'
+    other = (weight.float() * 0.5).bfloat16()
+    asked.clear()
+    stacked = lean.Linear([weight, other], [bias, bias]).pack()
+    assert asked == [(48, 24)]
+    assert stacked.stacked and stacked.widened and stacked.panels.dtype == torch.bfloat16
+    assert stacked.panels.shape[:2] == (2, 3)
+    x = torch.randn(2, 5, 24).bfloat16()
+    with torch.no_grad():
+        y = stacked(x)
+        assert y.dtype == torch.bfloat16 and y.shape == (2, 5, 48)
+        for g, w in enumerate((weight, other)):
+            assert torch.equal(y[g], taps_ops.panel_linear(x[g], taps_ops.pack_panels(w.float(), torch.bfloat16),
+                                                           bias.float()))
+    choice["layout"] = "packed"
+    assert not lean.Linear([weight, other]).pack().widened   # (oneDNN's bmm, as before)
+    choice["layout"] = "panels_bf16"
+    level["isa"] = "amx"
+    assert not lean.Linear([weight, other]).pack().widened
+    level["isa"] = "avx512"
+    asked.clear()
     for shape in ((40, 24), (16, 24), (48, 23)):   # outputs not whole panels, one panel, an odd input count
         assert kept_bf16(lean.Linear(torch.randn(*shape).bfloat16()).pack())
     half = lean.Linear(weight.float().half()).pack()   # float16: no such layout

@@ -31,7 +31,8 @@ enum Slot : int64_t {
   kHiddenNorm,    // EAGLE-3 only: the norm of the residual stream x beside the embedding's input norm
   kQkvW,          // fused q/k/v projection: [out, in] (F.linear), oneDNN-packed [out, in], [G, in, out], or
                   // panels [out / 16, in, 16] f32 / [out / 16, in / 2, 16, 2] bf16 (taps_ops.pack_panels;
-                  // G = 1 only, out / 16 > 1)
+                  // G = 1, out / 16 > 1), or G > 1 groups' panels stacked: [G, out / 16, in, 16] f32 /
+                  // [G, out / 16, in / 2, 16, 2] bf16
   kQkvB,
   kOW,
   kOB,
@@ -73,16 +74,37 @@ bool is_panels(const at::Tensor& w, int64_t groups) {
   return w.dim() == 3 && w.size(0) > 1 && w.size(2) == 16;
 }
 
-// taps.lean.Linear.__call__ with autograd off: panels, packed, stacked ([G, in, out]: bmm) or plain; a float32
-// weight with half-precision x is a widened one (Linear.pack on a CPU without native bf16 / fp16 products):
-// x widened, the float32 product, the result rounded to x's dtype. Panels take half-precision x the same way,
-// bfloat16 panels bfloat16 x as it is (panel_linear widens it, or multiplies it with AVX512-BF16's dot
-// products: the same bits, rounded to bfloat16 once).
+// G > 1 drafters' panels stacked (taps.lean.Linear.choose_small_layout): [G, out / 16, in, 16] float32 or
+// [G, out / 16, in / 2, 16, 2] bfloat16, group g's weight at [g] (each group's product one panel_linear call)
+bool is_stacked_panels(const at::Tensor& w, int64_t groups) {
+  if (w.is_mkldnn() || groups < 2 || w.dim() < 4 || w.size(0) != groups || w.size(1) < 2 || w.size(3) != 16)
+    return false;
+  if (w.dim() == 5) return w.scalar_type() == at::kBFloat16 && w.size(4) == 2;
+  return w.dim() == 4 && w.scalar_type() == at::kFloat;
+}
+
+at::Tensor panels_product(const at::Tensor& x, const at::Tensor& w, const OptTensor& b) {
+  if (x.scalar_type() == at::kFloat || (x.scalar_type() == at::kBFloat16 && w.scalar_type() == at::kBFloat16))
+    return panel_linear(x, w, b);
+  return panel_linear(x.to(at::kFloat), w, b).to(x.scalar_type());
+}
+
+// taps.lean.Linear.__call__ with autograd off: panels, packed, stacked ([G, in, out]: bmm, or G groups' panels:
+// a panel_linear call per group) or plain; a float32 weight with half-precision x is a widened one (Linear.pack
+// on a CPU without native bf16 / fp16 products): x widened, the float32 product, the result rounded to x's
+// dtype. Panels take half-precision x the same way, bfloat16 panels bfloat16 x as it is (panel_linear widens
+// it, or multiplies it with AVX512-BF16's dot products: the same bits, rounded to bfloat16 once).
 at::Tensor project(const at::Tensor& x, const at::Tensor& w, const OptTensor& b) {
-  if (is_panels(w, x.size(0))) {
-    if (x.scalar_type() == at::kFloat || (x.scalar_type() == at::kBFloat16 && w.scalar_type() == at::kBFloat16))
-      return panel_linear(x, w, b);
-    return panel_linear(x.to(at::kFloat), w, b).to(x.scalar_type());
+  if (is_panels(w, x.size(0))) return panels_product(x, w, b);
+  if (is_stacked_panels(w, x.size(0))) {
+    // each group's rows through its own panels: a drafter group's product is its drafters' own, bit for bit
+    std::vector<at::Tensor> ys;
+    ys.reserve(static_cast<size_t>(x.size(0)));
+    for (int64_t g = 0; g < x.size(0); ++g) {
+      const OptTensor bg = b.has_value() ? OptTensor(b->select(0, g).reshape({-1})) : std::nullopt;
+      ys.push_back(panels_product(x.select(0, g), w.select(0, g), bg));
+    }
+    return at::stack(ys);
   }
   if (w.scalar_type() == at::kFloat && x.scalar_type() != at::kFloat)
     return project(x.to(at::kFloat), w, b).to(x.scalar_type());
@@ -132,18 +154,29 @@ at::Tensor required(const c10::List<OptTensor>& weights, Slot slot, const char* 
 
 int64_t linear_out(const at::Tensor& w, int64_t groups) {
   if (is_panels(w, groups)) return w.size(0) * w.size(2);
+  if (is_stacked_panels(w, groups)) return w.size(1) * w.size(3);
   return w.dim() == 3 ? w.size(2) : w.size(0);
 }
 // [out, in], [G, in, out] and float32 panels alike; bfloat16 panels hold inputs in pairs (the lean path packs
 // them for an even in only)
-int64_t linear_in(const at::Tensor& w) { return w.dim() == 4 ? 2 * w.size(1) : w.size(1); }
+int64_t linear_in(const at::Tensor& w, int64_t groups) {
+  if (is_stacked_panels(w, groups)) return w.dim() == 5 ? 2 * w.size(2) : w.size(2);
+  return w.dim() == 4 ? 2 * w.size(1) : w.size(1);
+}
 
 void check_linear(const at::Tensor& w, const OptTensor& b, const at::Tensor& x, int64_t groups, int64_t in,
                   int64_t out, const char* name) {
-  TORCH_CHECK_VALUE(w.dim() == 2 || (w.dim() == 3 && !w.is_mkldnn()) || is_panels(w, groups), "taps_ops: decoder_layer: ", name,
-              " weight must be [out, in] (plain or oneDNN-packed), stacked [G, in, out] or panels [out / 16, in, 16], "
-              "got shape ", w.sizes());
-  if (is_panels(w, groups)) {
+  const bool stacked_panels = is_stacked_panels(w, groups);
+  TORCH_CHECK_VALUE(w.dim() == 2 || (w.dim() == 3 && !w.is_mkldnn()) || is_panels(w, groups) || stacked_panels,
+              "taps_ops: decoder_layer: ", name, " weight must be [out, in] (plain or oneDNN-packed), stacked [G, in, out], "
+              "panels [out / 16, in, 16] or G groups' panels [G, out / 16, in, 16], got shape ", w.sizes(), " for x of G = ",
+              groups);
+  if (stacked_panels) {
+    TORCH_CHECK_VALUE(w.device().is_cpu(), "taps_ops: decoder_layer: ", name, " panels are a CPU layout, got them on ",
+                w.device());
+    TORCH_CHECK_VALUE(!b.has_value() || !b->defined() || (b->dim() == 3 && b->size(0) == groups && b->size(1) == 1),
+                "taps_ops: decoder_layer: ", name, " bias of stacked panels must be [G, 1, out], got shape ", b->sizes());
+  } else if (is_panels(w, groups)) {
     TORCH_CHECK_VALUE(w.scalar_type() == at::kFloat || w.scalar_type() == at::kBFloat16, "taps_ops: decoder_layer: ",
                 name, " of shape ", w.sizes(), " for x of G = 1 reads as panels [out / 16, in, 16] (taps_ops.pack_panels), "
                 "which must be float32 or bfloat16, got ", w.scalar_type());
@@ -158,9 +191,9 @@ void check_linear(const at::Tensor& w, const OptTensor& b, const at::Tensor& x, 
     TORCH_CHECK_VALUE(groups == 1, "taps_ops: decoder_layer: x has G = ", groups, " weight groups but ", name,
                 " is a single [out, in] weight; stack it [G, in, out]");
   }
-  TORCH_CHECK_VALUE(linear_in(w) == in && linear_out(w, groups) == out, "taps_ops: decoder_layer: ", name,
+  TORCH_CHECK_VALUE(linear_in(w, groups) == in && linear_out(w, groups) == out, "taps_ops: decoder_layer: ", name,
               " weight must map ", in, " to ", out, " features, got shape ", w.sizes());
-  const bool panels = is_panels(w, groups);
+  const bool panels = is_panels(w, groups) || stacked_panels;
   TORCH_CHECK_VALUE(panels || w.scalar_type() == x.scalar_type() || w.scalar_type() == at::kFloat,
               "taps_ops: decoder_layer: ", name, " weight has dtype ", w.scalar_type(), " but x has ", x.scalar_type(),
               "; they must match (or the weight be a widened float32 one)");
@@ -172,7 +205,7 @@ void check_linear(const at::Tensor& w, const OptTensor& b, const at::Tensor& x, 
     TORCH_CHECK_VALUE(b->scalar_type() == bias_type, "taps_ops: decoder_layer: ", name, " bias has dtype ",
                 b->scalar_type(), " but its weight (", panels ? "panels" : "plain", ", ", w.scalar_type(), ") needs ",
                 bias_type);
-    if (w.dim() == 3 && !is_panels(w, groups)) {
+    if (w.dim() == 3 && !panels) {
       TORCH_CHECK_VALUE(b->dim() == 3 && b->size(0) == groups && b->size(1) == 1, "taps_ops: decoder_layer: ", name,
                   " bias of a stacked weight must be [G, 1, out], got shape ", b->sizes());
     }

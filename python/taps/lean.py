@@ -144,7 +144,8 @@ class Linear:
                 self.bias = None if self.bias is None else self.bias.detach().float()
                 self.widened = True
         if half_panels:
-            self.panels = _panels(self.weight, self.bias, torch.bfloat16)
+            self.panels = (_stacked_panels(self.weight, self.bias, torch.bfloat16) if self.stacked
+                           else _panels(self.weight, self.bias, torch.bfloat16))
         elif not self.stacked:
             if choose_layout and self.weight.device.type == "cpu" and self.weight.dtype == torch.float32 \
                     and self.weight.shape[0] >= LAYOUT_MIN_ROWS:
@@ -166,10 +167,15 @@ class Linear:
         kernel (:func:`native_half_layout`, timed once per shape and thread count). On a CPU with AVX512-BF16 and
         no AMX, oneDNN's kernel costs ~20 us more a call at a decoding step's few rows than the panels, which
         read the same bytes. Not at the kernels' amx level (``TAPS_CPU_ISA`` lowers it):
-        there oneDNN's products run on AMX and the timing was never measured against them; and never for stacked
-        weights (a drafter group's, multiplied by ``bmm``)."""
+        there oneDNN's products run on AMX and the timing was never measured against them. G > 1 stacked weights
+        (a drafter group's, else multiplied by ``bmm``, slower at a step's rows than both) follow one group's
+        weight: kept as each group's panels where that weight would be."""
         w = self.weight
-        if (self.stacked or w.dtype != torch.bfloat16 or not PANELS_BF16 or not panel_shape_fits(w, self.bias)
+        if self.stacked:  # G > 1 drafters' [G, in, out] (bmm): as one group's [out, in] would be kept
+            if w.dim() != 3 or w.shape[0] < 2:
+                return False
+            w = w[0].t()
+        if (w.dtype != torch.bfloat16 or not PANELS_BF16 or not panel_shape_fits(w, None if self.stacked else self.bias)
                 or w.shape[1] % 2 or kernels_level() == "amx"):
             return False
         return native_half_layout(tuple(w.shape)) == "panels_bf16"
@@ -204,6 +210,18 @@ class Linear:
         that :meth:`pack` gave a oneDNN-packed copy (float32, >= 4096 rows: a large decoder layer's MLP
         projections) has that copy timed beside the others and dropped unless it is the fastest (without, such
         a weight keeps it untimed, as heads do)."""
+        if (self.stacked and self.panels is None and self.weight.device.type == "cpu" and self.weight.dim() == 3
+                and self.weight.shape[0] > 1 and self.weight.dtype == torch.float32):
+            # G > 1 drafters' weights [G, in, out] (bmm): as each group's panels, where panels are what a single
+            # weight of that shape would keep (at a decoding step's rows bmm cost 1.2-2.5x two panel products)
+            one = self.weight[0].t()
+            fit = panels_fit(one, None if self.bias is None else self.bias[0, 0])
+            if fit:
+                layout = small_layout(tuple(one.shape), fit, stacked=True, bf16=self._offers_bf16_panels())
+                if layout in ("panels", "panels_bf16"):
+                    self.panels = _stacked_panels(self.weight, self.bias,
+                                                  torch.bfloat16 if layout == "panels_bf16" else None)
+            return self
         if (not self.stacked and self.panels is None and self.weight.device.type == "cpu"
                 and self.weight.dtype == torch.float32 and (self.packed is None or packed)):
             fit = panels_fit(self.weight, self.bias)
@@ -223,7 +241,8 @@ class Linear:
     def _offers_bf16_panels(self) -> bool:
         """Whether bfloat16 panels are a layout of this weight: a widened bfloat16 one (its values exact in
         bf16), an even number of inputs (bf16 panels pair them), and :data:`PANELS_BF16`."""
-        return self.half == torch.bfloat16 and PANELS_BF16 and self.weight.shape[-1] % 2 == 0
+        inner = self.weight.shape[1] if self.stacked else self.weight.shape[-1]   # (stacked: [G, in, out])
+        return self.half == torch.bfloat16 and PANELS_BF16 and inner % 2 == 0
 
     def op_weight(self) -> Tensor:
         """The weight as ``taps_ops.decoder_layer`` takes it: panels, oneDNN-packed, stacked or plain."""
@@ -237,11 +256,21 @@ class Linear:
                     and not torch.is_grad_enabled()):
                 # panel_linear takes bfloat16 x over bfloat16 panels: widened as read (or AVX512-BF16's dot
                 # products, the same bits), the float32 sums rounded to bfloat16 once
-                return _panel_linear(x, self.panels, self.bias)
+                return self._panels_product(x)
             return self._product(x.float()).to(x.dtype)
         return self._product(x)
 
+    def _panels_product(self, x: Tensor) -> Tensor:
+        if not self.stacked:
+            return _panel_linear(x, self.panels, self.bias)
+        # G groups' panels: x [G, R, in], one product per group (each group's drafter's own, bit for bit)
+        bias = self.bias
+        return torch.stack([_panel_linear(x[g], self.panels[g], None if bias is None else bias[g, 0])
+                            for g in range(x.shape[0])])
+
     def _product(self, x: Tensor) -> Tensor:
+        if self.panels is not None and self.stacked and not torch.is_grad_enabled():
+            return self._panels_product(x)
         if not self.stacked:
             if self.panels is not None and not torch.is_grad_enabled():
                 return _panel_linear(x, self.panels, self.bias)
@@ -335,6 +364,15 @@ def _panels(weight: Tensor, bias: Optional[Tensor], dtype: Optional[torch.dtype]
     if dtype is not None and (dtype != torch.bfloat16 or weight.shape[-1] % 2):  # bf16 panels pair the inputs
         return None
     return taps_ops.pack_panels(weight.detach(), dtype) if panels_fit(weight, bias) else None
+
+
+def _stacked_panels(weight: Tensor, bias: Optional[Tensor], dtype: Optional[torch.dtype] = None) -> Optional[Tensor]:
+    """G > 1 stacked weights [G, in, out] (bias [G, 1, out] or None) as each group's panels stacked: [G, out / 16,
+    in, 16] float32 or [G, out / 16, in / 2, 16, 2] bfloat16 (what ``taps_ops.decoder_layer`` multiplies group by
+    group), or None where a group's [out, in] does not fit panels."""
+    parts = [_panels(w.t().contiguous(), None if bias is None else bias[g, 0], dtype)
+             for g, w in enumerate(weight.detach())]
+    return None if any(p is None for p in parts) else torch.stack(parts)
 
 
 def fastest_layout(weight: Tensor, bias: Optional[Tensor], packed: Optional[Tensor], transposed: Tensor,
