@@ -652,6 +652,14 @@ class SpeculativeDecoder:
         and [B]."""
         path, accepted = ver.path, ver.num_accepted
         done = [r.done for r in state.requests]
+        if path.shape[1] == 1:
+            # a plain step (every tree its root alone): the root's K/V were written at each request's length,
+            # where they stay; compacting moves nothing (what compact_cache would do, one op instead of ~4)
+            num_new = torch.tensor([0 if d else 1 for d in done], device=path.device) if any(done) else \
+                torch.ones_like(accepted)
+            state.cache.lengths.add_(num_new)
+            state.root = ver.tokens[:, 0]
+            return path, num_new
         if any(done):
             done_t = torch.tensor(done, device=path.device)
             accepted = accepted.masked_fill(done_t, 0)
