@@ -482,6 +482,52 @@ def test_the_engine_runs_its_lean_layers_through_the_op(monkeypatch, drafter):
             assert calls, "no lean layer ran through taps_ops.decoder_layer"
 
 
+@pytest.mark.parametrize("drafter", ["eagle", "lm"])
+@torch.no_grad()
+def test_a_group_of_drafters_with_stacked_panels_decodes_losslessly(monkeypatch, drafter):
+    """Two drafters of one shape (a group: merged trees) whose stacked projections are kept as each drafter's
+    panels (the layout timed faster for one drafter's weight): the group's layers take them (through
+    taps_ops.decoder_layer), each drafter's rows through its own panels, and greedy decoding still equals the
+    target's own."""
+    import engine_models as em
+    import taps
+    from taps.drafters import EagleDrafter, ModelDrafter
+    monkeypatch.setattr(lean, "small_layout", lambda shape, panels=True, repeats=3, stacked=True, bf16=False,
+                        packed=False: "panels" if panels else "plain")
+    target = em.llama(64, 32, 2, seed=1)
+    if drafter == "eagle":
+        cfg = transformers.LlamaConfig(**{**target.config.to_dict(), "num_hidden_layers": 1})
+        drafters = []
+        for seed in (3, 4):
+            torch.manual_seed(seed)
+            drafters.append(em.randomize_(EagleDrafter(cfg), 0.2))
+    else:
+        drafters = [ModelDrafter(em.llama(64, 32, 1, seed=s)) for s in (2, 5)]
+    grouped = []   # the weight groups (x's G) of each layer call through the op
+    real = TreeAttend.fused_layer
+
+    def spy(self, op_args, index, x, *a, **k):
+        grouped.append((x.shape[0], op_args[0][2].dim()))
+        return real(self, op_args, index, x, *a, **k)
+
+    monkeypatch.setattr(TreeAttend, "fused_layer", spy)
+    dec = taps.SpeculativeDecoder(target, drafters, strategy="merged", depth=3, top_k=2, budget=8)
+    group = dec._draft_groups()[0]
+    assert len(group.members) == 2
+    layers = group.layers if drafter == "eagle" else group.lean.layers
+    for w in layers:   # each stacked projection as the two drafters' panels
+        assert all(lin.panels is not None and lin.panels.shape[0] == 2 for lin in (w.qkv, w.o, w.gate_up, w.down))
+    gen = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(0, 64, (n,), generator=gen).tolist() for n in (7, 4, 11)]
+    out = dec.generate(prompts, max_new_tokens=12)
+    assert (2, 4) in grouped   # a two-drafter layer ran through the op with stacked float32 panels
+    for p, got in zip(prompts, out.tokens):
+        ids = torch.tensor([p])
+        ref = target.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=12, do_sample=False,
+                              pad_token_id=0)
+        assert got == ref[0, len(p):].tolist()
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @torch.no_grad()
 def test_cuda_matches_cpu(device, dtype):
