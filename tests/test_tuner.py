@@ -284,6 +284,31 @@ def test_acceptance_model():
     assert acc.expected(((2,), 4), 0, 3, optimistic=True) == pytest.approx(3.0)
 
 
+def test_pooled_values_kept_across_batches_equal_fresh_ones():
+    """What a model computed from the pooled counts alone (a request without counts of its own) is kept across
+    reset() and shared by such requests: every value equals that of a model that computes it afresh, before and
+    after further observations, for requests with and without counts of their own."""
+    rng = random.Random(1)
+    keys = [((0,), 16), ((0,), 4), ((0,), 8), ((1,), 8), ((0, 1), 8)]
+    kept = AcceptanceModel()
+    kept.reset(3)
+    for round_ in range(6):
+        for _ in range(rng.randrange(0, 20)):
+            kept.observe(rng.choice(keys), [rng.choice([None, 0, 1, 3, 6]) for _ in range(len(kept.requests))],
+                         rng.randrange(1, 9))
+        fresh = AcceptanceModel()
+        fresh.load_state_dict(kept.state_dict())
+        fresh.requests = [dict(r) for r in kept.requests]
+        for key in keys:
+            for b in range(len(kept.requests) + 1):
+                for optimistic in (False, True):
+                    cap = rng.randrange(1, 10)
+                    assert kept.expected(key, b, cap, optimistic) == fresh.expected(key, b, cap, optimistic)
+            rows = tuple(range(len(kept.requests)))
+            assert kept.total(key, rows, 5) == fresh.total(key, rows, 5)
+        kept.reset(rng.randrange(1, 4))   # a new batch: its requests have no counts yet
+
+
 def test_reach_is_the_product_of_the_rates():
     """P(accepted >= d) (computed in one pass over the counts) is the product of rate() up to d, each
     raised by 1 / sqrt(1 + trials()) when optimistic, for requests with and without counts of their own."""
@@ -521,10 +546,10 @@ def test_a_requests_own_counts_follow_its_recent_steps():
         assert (acc.rate(key, 0, 1) < 0.25) == low, (own_decay, acc.rate(key, 0, 1))
 
 
-def _probes_of_a_useless_drafter(budgets, steps=300):
+def _probes_of_a_useless_drafter(budgets, steps=300, chains=True):
     """Steps a tuner drafts, out of `steps`, with one drafter that is never accepted (fixed costs: a
     draft that is always accepted would win)."""
-    tuner = Tuner(_cheap(draft=1e-5, forward=1e-3, per_node=1e-5), budgets=budgets)
+    tuner = Tuner(_cheap(draft=1e-5, forward=1e-3, per_node=1e-5), budgets=budgets, chains=chains)
     tuner.begin(1, False)
     drafted = 0
     for _ in range(steps):
@@ -538,9 +563,21 @@ def _probes_of_a_useless_drafter(budgets, steps=300):
 def test_a_useless_drafter_is_probed_at_few_budgets():
     """Probes of a useless drafter do not multiply with the node budgets the tuner may choose from: the
     widest tree's failures bound the narrower ones."""
-    alone = _probes_of_a_useless_drafter(())
-    several = _probes_of_a_useless_drafter((2, 4, 8))
-    assert alone <= 12 and several <= alone + 4, (alone, several)
+    alone = _probes_of_a_useless_drafter((), chains=False)
+    several = [_probes_of_a_useless_drafter((2, 4, 8), chains=False), _probes_of_a_useless_drafter(()),
+               _probes_of_a_useless_drafter((2, 4, 8))]   # (with chains: budgets 2, 3, 4 for depth 3 too)
+    assert alone <= 12 and max(several) <= alone + 4, (alone, several)
+
+
+def test_chain_budgets_are_candidates():
+    """With chains (the default) each depth d below the decoder's budget is also tried at d + 1 nodes."""
+    sets = [((0,),)]
+    chains = {(s.depth, s.budget) for s in Tuner(budgets=(8,)).candidates(sets, 4, 16)}
+    plain = {(s.depth, s.budget) for s in Tuner(budgets=(8,), chains=False).candidates(sets, 4, 16)}
+    assert chains - plain == {(1, 2), (1, 3), (2, 3), (1, 4), (2, 4), (3, 4), (1, 5), (2, 5), (3, 5), (4, 5)}
+    assert {s.budget for s in Tuner(budgets=()).candidates(sets, 4, 5)} == {2, 3, 4, 5}
+    assert {s.budget for s in Tuner(budgets=(), chains=False).candidates(sets, 4, 5)} == {5}
+    assert max(s.budget for s in Tuner(budgets=()).candidates(sets, 6, 4)) == 4   # none above the decoder's
 
 
 def test_batch_sizes_near_a_calibrated_one_are_scaled_not_calibrated():
