@@ -638,7 +638,7 @@ class Tuner:
         budgets: node budgets (root included) tried besides the decoder's own (those below it).
         chains: also try each depth d at a budget of d + 1 nodes (the drafters' best path alone; below the
             decoder's budget): on a 0.5B target bound by reading its weights (bf16, Zen 4 CPU) an EAGLE head at
-            tau ~3 ran at 1.76x taps autoregressive without them and 2.0x with (bench/RESULTS.md).
+            tau ~3 ran at 1.76x taps autoregressive without them and 1.89x with (bench/RESULTS.md).
         max_probe_interval: steps between probes of a kind that is not chosen, at most.
         margin: how much more tokens per second (a fraction) a draft must promise than a plain step (the
             predictions' own error; drafting on a tie would lose by it).
