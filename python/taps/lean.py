@@ -269,11 +269,9 @@ class Linear:
                             for g in range(x.shape[0])])
 
     def _product(self, x: Tensor) -> Tensor:
-        if self.panels is not None and self.stacked and not torch.is_grad_enabled():
+        if self.panels is not None and not torch.is_grad_enabled():
             return self._panels_product(x)
         if not self.stacked:
-            if self.panels is not None and not torch.is_grad_enabled():
-                return _panel_linear(x, self.panels, self.bias)
             if self.transposed is not None and not torch.is_grad_enabled():
                 y = _mm_rows(x.reshape(-1, x.shape[-1]), self.transposed, self.bias)
                 return y.view(*x.shape[:-1], y.shape[-1])

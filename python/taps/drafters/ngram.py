@@ -158,7 +158,6 @@ class LookupGroup(DraftGroup):
         plain ones included: kept to a few dict operations a token)."""
         hist, index = self.history[b], self.index[b]
         lo, hi = self.d.min_ngram, self.d.max_ngram + 1
-        matched = False
         for t in new:
             hist.append(t)
             end = len(hist)
