@@ -413,13 +413,16 @@ class SpeculativeDecoder:
         prof = state.prof
         prof.steps += 1
         with prof.section("step"):
-            start = self._now()
+            # the clock is read only for a step the tuner observes: a coasting plain step that it does not
+            # observe reads none (a CPU-time clock can cost 100 us a read inside a VM); a plan that stops
+            # coasting reads it when it does (_plan)
+            start = self._now() if self.tuner is not None and state.coast is None else None
             self._route(state)
             plan = self._plan(state)
             self._retire(state, plan)
-            # the clock is read only for a step the tuner observes: a coasting plain step that it does not
-            # observe reads it once (a CPU-time clock can cost 100 us a read inside a VM)
             timed = plan.shape is not None and self.tuner.observes(plan.shape)
+            if timed and start is None:
+                start = plan.started if plan.started is not None else self._now()
             with prof.section("draft"):
                 drafted = self._draft(state, plan)
             with prof.section("tree"):
@@ -490,6 +493,8 @@ class SpeculativeDecoder:
             ready = self._ready(groups, state.active()) if token.idle or token.ready else None
             if tuner.coast(token, ready=ready):
                 return _Plan(NONE, [], 0)
+        # a step that was coasting read no clock in step(): its time starts here
+        started = self._now() if state.coast is not None else None
         state.coast = None
         active = state.active()
         # groups whose draft runs no model (prompt lookup) catch up now (once started they are kept
@@ -509,9 +514,10 @@ class SpeculativeDecoder:
             token = tuner.coast_token()
             if token is not None:
                 state.coast = (token, state.epoch)
-            return _Plan(shape, [], 0, updates=updates)
+            return _Plan(shape, [], 0, updates=updates, started=started)
         chosen = set(shape.drafters)
-        return _Plan(shape, [g for g in groups if chosen.issuperset(g.members)], shape.depth, updates=updates)
+        return _Plan(shape, [g for g in groups if chosen.issuperset(g.members)], shape.depth, updates=updates,
+                     started=started)
 
     def _retire(self, state: "DecodeState", plan: "_Plan") -> None:
         """Drop, for the rest of the batch, each drafter group that runs a model and that the tuner has not
@@ -1032,13 +1038,15 @@ class DecodeState:
 @dataclass
 class _Plan:
     """A step's draft: the tuner's shape (None: the fixed settings), the groups that draft, the depth;
-    the timed parts and group appends the tuner is told of."""
+    the timed parts and group appends the tuner is told of; when a coasting step planned."""
 
     shape: Optional[Shape]
     drafting: List[DraftGroup]
     depth: int
     parts: Dict[tuple, Tuple[float, float]] = field(default_factory=dict)
     updates: list = field(default_factory=list)
+    #: the tuner's clock when a step that was coasting planned (its time starts there); None otherwise
+    started: Optional[float] = None
 
 
 class _HostRecord(NamedTuple):

@@ -655,7 +655,7 @@ class Tuner:
 
     def __init__(self, costs: Optional[CostModel] = None, acceptance: Optional[AcceptanceModel] = None, *,
                  budgets: Sequence[int] = (2, 4, 8), max_probe_interval: int = 256, margin: float = 0.05,
-                 explore: float = 0.02, calibrate: bool = True, calibration_budget: float = 0.05,
+                 explore: float = 0.01, calibrate: bool = True, calibration_budget: float = 0.05,
                  timer: Callable[[], float] = time.perf_counter, refresh: int = 4, chains: bool = True):
         self.costs = costs
         self.acceptance = acceptance or AcceptanceModel()
@@ -691,7 +691,7 @@ class Tuner:
         self._credit: Optional[float] = None  # seconds the probes may still lose (see choose)
         self._accrual = 0.0  # the credit one step adds
         #: while plain steps run with no probe near, one in this many is observed (see observes)
-        self.plain_sample = 4
+        self.plain_sample = 16
         #: a plan recomputes the candidates' values after observed drafts at most once in this many steps
         #: (each recomputation prices every candidate again: most of a plan's cost, paid on most steps
         #: where a drafter is chosen; a value a few steps old moves by a few observations' worth)
