@@ -260,6 +260,42 @@ def test_prompt_lookup_in_every_combining_strategy():
         PromptLookupDrafter(max_ngram=1, min_ngram=2)
 
 
+def test_prompt_lookup_without_a_match_sits_the_step_out():
+    """Without a tuner too, a step where prompt lookup has no match for any request runs no draft (its
+    group is not asked: a plain step of the root alone), alone or beside a drafter that runs a model (which
+    then drafts by itself); a step where some request has one drafts; the output is the target's greedy
+    output, alone, merged and in a ragged batch."""
+    from taps import PromptLookupDrafter
+    target = _llama(seed=1)
+    rep = PROMPTS[0] * 3  # repeats itself: matches come and go
+    for strategy, extra in (("single", []), ("merged", [_eagle(target, 9)])):
+        lookup = PromptLookupDrafter()
+        dec = SpeculativeDecoder(target, extra + [lookup], strategy=strategy, depth=3, top_k=3, budget=8)
+        group = dec._draft_groups()[-1]
+        asked = []
+        draft = type(group).draft
+
+        def counting(self, *a, **k):
+            asked.append([self.has_draft(b) for b in range(self.batch)])
+            return draft(self, *a, **k)
+
+        type(group).draft = counting
+        try:
+            for prompts in ([PROMPTS[1]], [rep], [PROMPTS[1], rep]):
+                asked.clear()
+                out = dec.generate(prompts, max_new_tokens=NEW)
+                for b, p in enumerate(prompts):
+                    assert out.tokens[b] == em.greedy_reference(target, p, NEW), (strategy, b)
+                assert all(any(row) for row in asked), asked  # asked only when some request has a match
+                if strategy == "single" and len(prompts) == 1:  # the steps it was not asked are plain ones
+                    nodes = out.stats[0].tree_nodes
+                    assert nodes.count(1) >= len(nodes) - len(asked), (nodes, len(asked))
+                if prompts == [rep]:
+                    assert asked, "a repetitive prompt has matches"
+        finally:
+            type(group).draft = draft
+
+
 def test_prompt_lookup_alone_keeps_its_first_continuation_deep():
     """Verified on its own (the decoder sets DraftGroup.alone), prompt lookup scores each lower-ranked
     continuation log(runner_up) lower, so a node budget keeps the first continuation deep; merged with
