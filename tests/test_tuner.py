@@ -896,6 +896,42 @@ def test_values_are_refreshed_within_refresh_steps():
     assert tuner.coast_token() is None
 
 
+def test_a_best_draft_is_chosen_again_without_pricing_while_its_values_stand():
+    """A draft chosen as the best (not a probe) is chosen again without pricing the candidates while their
+    values stand (until recomputed, see refresh) and the requests, groups and appends stay the same; a change
+    of any of those chooses afresh; a subclass's own choose() is asked every step."""
+    tuner = Tuner(_cheap(draft=1e-5, forward=1e-3), refresh=4)
+    tuner.begin(2, False)
+    chosen = []
+    choose = tuner.choose
+    tuner.choose = lambda options: (chosen.append(1), choose(options))[1]
+    plan = lambda pending=0, active=(0, 1): tuner.plan([(0,)], lambda g, d: d, [pending], list(active), 2, 3, 8)  # noqa: E731
+    shapes = []
+    for _ in range(40):
+        shapes.append(plan())
+        tuner.observe(shapes[-1], [shapes[-1].depth] * 2, shapes[-1].depth, shapes[-1].budget, 2, 1e-3, {}, [])
+    assert all(s.drafters for s in shapes[-30:])
+    assert 40 // 4 <= len(chosen) <= 40 // 4 + 6, len(chosen)  # once a refresh, and the first tries
+    first = plan()
+    before = len(chosen)
+    assert plan() == plan() == first and len(chosen) == before  # the same inputs, values standing: again
+    plan(pending=1)  # appends changed: chosen afresh
+    plan(active=(0,))  # a request finished: chosen afresh
+    assert len(chosen) == before + 2
+
+    class Own(Tuner):
+        def choose(self, options):
+            self.asked = getattr(self, "asked", 0) + 1
+            return super().choose(options)
+
+    own = Own(_cheap(draft=1e-5, forward=1e-3), refresh=4)
+    own.begin(1, False)
+    for _ in range(12):
+        shape = own.plan([(0,)], lambda g, d: d, [0], [0], 1, 3, 8)
+        own.observe(shape, [shape.depth], shape.depth, shape.budget, 1, 1e-3, {}, [])
+    assert own.asked == 12
+
+
 def test_prompt_lookup_drafts_only_with_a_match():
     """With drafting priced as free, a prompt-lookup decoder still runs a plain step whenever the context
     has no earlier occurrence of its last n-gram (no tree of the root alone), and drafts when it has one;
