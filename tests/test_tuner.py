@@ -693,6 +693,30 @@ def test_coasting_goes_on_while_fewer_groups_can_draft():
     assert tuner.chosen == before
 
 
+def test_steps_where_every_group_is_idle_coast_whatever_was_learned():
+    """Every group idle (prompt lookup without a match): the plan prices nothing and chooses no draft, and
+    its coast token holds while the groups stay idle, even after drafts were observed since (a drafted
+    step's values need not stand: nothing could draft); a group with a match ends it."""
+    tuner = Tuner(_cheap(draft=1e-6, forward=1e-3))
+    tuner.begin(1, False)
+    plan = lambda ready: tuner.plan([(0,)], lambda g, d: d, [0], [0], 1, 3, 8, ready=ready)  # noqa: E731
+    for _ in range(6):  # drafts with a match, observed
+        shape = plan([(0,)])
+        tuner.observe(shape, [shape.depth], shape.depth, shape.budget, 1, 1e-3, {}, [])
+    priced = []
+    total = tuner.acceptance.total
+    tuner.acceptance.total = lambda *a, **k: (priced.append(1), total(*a, **k))[1]
+    assert plan([()]) == NONE and not priced
+    token = tuner.coast_token()
+    assert token is not None and token.every
+    shape = Shape((0,), 3, 8)
+    tuner.observe(shape, [0], 3, 8, 1, 1e-3, {}, [])  # learned something since
+    clock = tuner.clock
+    assert all(tuner.coast(token, ready=[()]) for _ in range(10)) and tuner.clock == clock + 10
+    assert not tuner.coast(token, ready=[(0,)])  # a match: plan again
+    assert plan([(0,)]).drafters == (0,)
+
+
 def _lookup_costs():
     """A batch of 8: a plain step 1 ms; a drafted step 1.5 ms and 0.4 ms per node a request beyond its root
     (0.05 ms a row: a node pays for itself when accepted with p > 0.4, after the draft's fixed cost)."""

@@ -63,12 +63,15 @@ class CoastToken(NamedTuple):
     """What :meth:`Tuner.coast` takes to repeat a plan of no draft: the plan's memo and the tuner's
     version then, the positions of the groups idle at that plan (they must still be idle), and the
     (position, count) of the requests each other group that proposes for some requests only (prompt
-    lookup) could draft for then (no more may now)."""
+    lookup) could draft for then (no more may now); whether every group was idle then."""
 
-    memo: tuple
+    memo: Optional[tuple]
     version: int
     idle: frozenset
     ready: Tuple[Tuple[int, int], ...] = ()
+    #: every group was idle at that plan (nothing to price): the answer holds while they stay idle, whatever
+    #: was learned since
+    every: bool = False
 
 
 class Shape(NamedTuple):
@@ -688,6 +691,7 @@ class Tuner:
         self._plan_memo = None
         #: the last plan's draft (not a probe): (what it was chosen over, the shape); see plan
         self._last_draft = None
+        self._every_idle = False  # whether every group was idle at the last plan
         self._plan_idle: frozenset = frozenset()  # the idle groups of the last plan that chose
         self._version = 0  # counts observations of drafts (the plan's cached part depends on them)
         self._plain_until = 0  # while no draft is best: the clock of the next probe that could win
@@ -921,7 +925,7 @@ class Tuner:
                 may pay where one with a single match does not.
         """
         costs = self.costs
-        self.probing = False
+        self.probing = self._every_idle = False
         groups = tuple(groups)
         idle = frozenset(idle) if not single else frozenset()
         counts: Dict[int, int] = {}  # per group that proposes for some requests only: how many now
@@ -950,6 +954,12 @@ class Tuner:
             return NONE
         self._plan_idle = idle
         self._plan_ready = counts
+        if groups and len(idle) == len(groups):
+            # no group has anything to propose (prompt lookup without a match): nothing to price, the choice
+            # a plan whose every kind is left out would make (repeated while they stay idle, coast_token)
+            self._every_idle = True
+            plain = costs.forward(1, batch) + costs.rest(NONE.key)
+            return self.choose([(NONE, self.value(NONE, active, 0), plain, len(active))])
         if cached is None or cached[0] != memo or (cached[2] != self._version and self.clock - cached[3] >= self.refresh):
             # what only an observation of a draft changes (plain steps leave it as it is), for every shape
             # (those of idle groups are left out below: a prompt lookup's match comes and goes)
@@ -1043,7 +1053,10 @@ class Tuner:
     def coast_token(self) -> Optional["CoastToken"]:
         """Right after :meth:`plan` returned no draft: what :meth:`coast` takes to repeat that answer
         (None otherwise), with the positions of the groups that were idle then (``idle``): the answer holds
-        while each of them still has nothing to propose (a group that has a match now could change it)."""
+        while each of them still has nothing to propose (a group that has a match now could change it); when
+        every group was idle, whatever the tuner learned since (nothing could draft)."""
+        if self._every_idle:
+            return CoastToken(None, self._version, self._plan_idle, every=True)
         if self._plan_memo is None or self._plan_memo[2] != self._version:
             return None
         return CoastToken(self._plan_memo, self._version, self._plan_idle, tuple(sorted(self._plan_ready.items())))
@@ -1053,19 +1066,20 @@ class Tuner:
         """Another step of no draft without planning, where the caller knows that nothing :meth:`plan`'s
         arguments said changed since it returned no draft (the requests, the groups) and holds its
         :meth:`coast_token`: True (and the step counted) unless the tuner learned something since (a
-        draft observed), a group idle at that plan is not idle now (``idle``: the groups idle now, asked
+        draft observed; not asked when every group was idle then), a group idle at that plan is not idle now (``idle``: the groups idle now, asked
         only when ``token.idle`` is not empty; derived from ``ready`` when not given), a group that proposes
         for some requests only has more of them now than then (``ready``, as :meth:`plan` takes it, asked
         only when ``token.idle`` or ``token.ready`` is not empty), or a probe could come due at the next step
         (then the caller plans)."""
         if ready is not None and not idle:
             idle = _idle(ready)
-        if token is not None and (token.memo is not self._plan_memo or token.version != self._version
+        if token is not None and ((not token.every and (token.memo is not self._plan_memo
+                                                         or token.version != self._version))
                                   or (token.idle and not token.idle.issubset(idle))
                                   or (token.ready and (ready is None or any(len(ready[i] or ()) > c
                                                                             for i, c in token.ready)))):
             return False
-        if not self._probe_near() and self._plan_memo is not None:
+        if not self._probe_near() and (self._plan_memo is not None or (token is not None and token.every)):
             self.clock += 1
             self._credit = min(self._credit + self._accrual, self._accrual * self.max_probe_interval)
             return True
