@@ -156,6 +156,39 @@ def test_lean_and_hugging_face_paths_agree(strategy):
 # Prompt lookup
 # ---------------------------------------------------------------------------------------------------
 
+@torch.no_grad()
+def test_a_group_reads_each_rows_last_appended_entry_by_host_counts_as_by_index():
+    """DraftGroup._last: each row's entry num_new - 1 (rows group-major), the same values whether the host
+    counts are given (one column when every row appended as many: a view) or not (per-row indexing), for
+    uniform and ragged counts and several drafters; and an EAGLE group's root features after an append of
+    several tokens are those of a group told no host counts."""
+    target = hf.use_taps_attention(_llama(seed=1))
+    heads = [_eagle(target, 3), _eagle(target, 4)]
+    for d in heads:
+        d.bind(target)
+    group = make_groups(heads)[0]
+    gen = torch.Generator().manual_seed(0)
+    for counts in ([3, 3, 3], [1, 1, 1], [2, 4, 1], [4]):
+        batch = len(counts)
+        group.host_lengths = [0] * batch
+        out = torch.randn(group.groups * batch, 5, 7, generator=gen)
+        num_new = torch.tensor(counts)
+        want = torch.stack([out[r, counts[r % batch] - 1] for r in range(out.shape[0])])
+        assert torch.equal(group._last(out, num_new), want)
+        assert torch.equal(group._last(out, num_new, counts), want)
+    prompt = torch.randint(3, 60, (2, 9), generator=gen)
+    hidden = torch.randn(2, 9, target.config.hidden_size, generator=gen)
+    roots = []
+    for host in (True, False):
+        g = make_groups(heads[:1])[0]
+        g.start(prompt, torch.tensor([9, 9]), torch.tensor([5, 6]), hidden, 64, [9, 9])
+        g.advance(torch.randint(3, 60, (2, 3), generator=torch.Generator().manual_seed(1)), torch.tensor([3, 3]),
+                  torch.randn(2, 3, target.config.hidden_size, generator=torch.Generator().manual_seed(2)),
+                  [3, 3] if host else None)
+        roots.append((g.root_feature.clone(), g.root_logits.clone()))
+    assert torch.equal(roots[0][0], roots[1][0]) and torch.equal(roots[0][1], roots[1][1])
+
+
 def test_prompt_lookup_candidates_literal():
     from taps import PromptLookupDrafter
     target = _llama(seed=1)

@@ -55,7 +55,7 @@ class FeatureHeadGroup(DraftGroup):
     def _append(self, tokens: Tensor, hidden: Tensor, num_new: Tensor, num_new_host) -> None:
         positions, attend = self._append_attend(self.layers, tokens.shape[1])
         out = self.features(self._rows(tokens), self._rows(hidden), positions, attend)
-        self.root_feature = self._last(out, num_new)
+        self.root_feature = self._last(out, num_new, num_new_host)
         self.root_logits = self._logits(self.root_feature)
         self._commit(num_new, num_new_host)
 

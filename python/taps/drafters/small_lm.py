@@ -110,7 +110,7 @@ class _LeanLMGroup(DraftGroup):
     def _append(self, ids: Tensor, num_new: Tensor, num_new_host) -> None:
         positions, attend = self._append_attend(self.lean.layers, ids.shape[1])
         logits = self._run(self._rows(ids), positions, attend)
-        self.root_logits = self._last(logits, num_new)
+        self.root_logits = self._last(logits, num_new, num_new_host)
         self._commit(num_new, num_new_host)
 
     def start(self, input_ids, prompt_lens, root, hidden, max_len, prompt_lens_host=None):
