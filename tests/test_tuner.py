@@ -1213,6 +1213,53 @@ def _tuned(names=("eagle", "lookup"), **kw):
                               **kw)
 
 
+def test_a_group_not_started_is_priced_by_its_measured_starts():
+    """A group starts when it first drafts, on every token before it: the decoder times that start and
+    reports it (drafters, tokens, seconds, True), the tuner tells the cost model even on a step whose forward
+    paid one-off costs; the cost model keeps its seconds per token (each
+    measurement moving it by at most 2x) and prices a group not started by it (before any start was
+    measured, as an append of as many tokens), and the plan adds it to a draft's predicted seconds; a
+    state saved before starts were measured loads with none."""
+    costs = CostModel()
+    costs.set_draft((0,), 1, (1, 1e-4), (3, 3e-4))
+    assert costs.start((0,), 100, 1) == pytest.approx(costs.update((0,), 100, 1)) and costs.start((0,), 0, 1) == 0
+    costs.observe_start((0,), 1, 50, 5e-3)
+    assert costs.start((0,), 100, 1) == pytest.approx(1e-2)  # 0.1 ms a token
+    costs.observe_start((0,), 1, 10, 1e-2)  # 1 ms a token: moved 2x at most
+    assert 1e-4 < costs.start_rate[((0,), 1)] <= 2e-4
+    state = costs.state_dict()
+    del state["start_rate"]
+    other = CostModel()
+    other.load_state_dict(state)
+    assert other.start_rate == {}
+    # the plan prices a group not started by its starts (a shape of it predicted dearer by that much)
+    forward = lambda n, b: 1e-3  # noqa: E731
+    tuner = Tuner(FixedCosts(forward, lambda g, d, b: 1e-4, lambda g, t, b: 1e-5 * t))
+    tuner.begin(1, False)
+    seconds = {}
+    tuner.choose = lambda options: (seconds.update({o[0]: o[2] for o in options}), NONE)[1]
+    tuner.plan([(0,)], lambda g, d: d, [100], [0], 1, 3, 8, starting=[100])
+    started, seconds = dict(seconds), {}
+    tuner._plan_memo = None
+    tuner.plan([(0,)], lambda g, d: d, [100], [0], 1, 3, 8, starting=[0])
+    shape = Shape((0,), 2, 8)
+    assert started[shape] == pytest.approx(seconds[shape])  # FixedCosts: a start costs what an append does
+    # the decoder reports a group's start when a draft starts it
+    m = em.greedy_models()
+    tuner = Tuner(_cheap(draft=1e-6, forward=1e-3))  # drafting pays: the group starts at the first step
+    reported = []
+    observe = tuner.observe
+
+    def spy(shape, accepted, cap, nodes, batch, total, parts, updates, **kw):
+        reported.extend(u for u in updates if u[3:] and u[3])
+        return observe(shape, accepted, cap, nodes, batch, total, parts, updates, **kw)
+
+    tuner.observe = spy
+    dec = SpeculativeDecoder(m["target"], [m["eagle"]], strategy="single", depth=2, top_k=2, budget=4, tuner=tuner)
+    dec.generate([[5, 17, 42, 8, 61, 3, 9]], max_new_tokens=16)
+    assert len(reported) == 1 and reported[0][:2] == ((0,), 7) and reported[0][2] > 0, reported
+
+
 def test_a_saved_tuner_is_loaded_by_a_new_decoder(tmp_path):
     """save_tuner / load_tuner: the new decoder's tuner holds the same costs, pooled acceptance and probe schedule
     (it calibrates nothing at the batch sizes measured), and decodes losslessly from there."""

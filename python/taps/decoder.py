@@ -515,7 +515,8 @@ class SpeculativeDecoder:
         shape = tuner.plan([tuple(g.members) for g in groups], lambda i, d: groups[i].tree_depth(d, self.top_k),
                            [state.pending.count(g) for g in groups], active, state.batch, self.depth, self.budget,
                            drawn=drawn, drawn_only=self.sampled_drafts is True,
-                           candidates=lambda i, d: num_candidates(d, self.top_k), ready=ready)
+                           candidates=lambda i, d: num_candidates(d, self.top_k), ready=ready,
+                           starting=[state.pending.start_tokens(g) for g in groups])
         if not shape.drafters:  # a plain step (most steps where no draft pays: kept lean)
             # repeated without planning until a probe could come due, while the groups idle now stay idle
             token = tuner.coast_token()
@@ -1150,6 +1151,12 @@ class _Pending:
         args = self.starts.get(id(group))
         return self.tokens[id(group)] + (0 if args is None else max(args[-1]))
 
+    def start_tokens(self, group: DraftGroup) -> int:
+        """Of :meth:`count`, the tokens a group not started yet starts on (its prompts, with the steps folded
+        into them); 0 for a started group."""
+        args = self.starts.get(id(group))
+        return 0 if args is None else max(args[-1], default=0)
+
     def replace(self, old: Sequence[DraftGroup], new: Sequence[Optional[DraftGroup]]) -> None:
         """Groups replaced by their subsets (None: dropped, with the start arguments of one not started)."""
         for a, b in zip(old, new):
@@ -1245,14 +1252,17 @@ class _Pending:
             self.consumed[key] = []
         return self.history[key]
 
-    def catch_up(self, groups: Sequence[DraftGroup]) -> List[Tuple[tuple, int, float]]:
+    def catch_up(self, groups: Sequence[DraftGroup]) -> List[tuple]:
         """Start the groups not started yet, and append what each of `groups` missed; returns (drafters,
-        tokens, seconds) per append."""
+        tokens, seconds) per append, and (drafters, tokens, seconds, True) per start."""
         out = []
         for g in groups:
             args = self.starts.pop(id(g), None)
             if args is not None:
+                t0 = self.timer()
                 g.start(*args)
+                # its start, timed (the tuner prices a group not started by its measured starts)
+                out.append((tuple(g.members), max(args[-1], default=0), self.timer() - t0, True))
                 self.on_start(g)
                 if g.free_draft:
                     self.free[id(g)] = g

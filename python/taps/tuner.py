@@ -195,13 +195,16 @@ class CostModel:
         self.update_fit: Dict[Tuple[tuple, int], List[float]] = {}
         self._update_sums: Dict[Tuple[tuple, int], List[float]] = {}
         self._update_seen: Dict[Tuple[tuple, int], set] = {}  # token counts appended so far
+        #: per (group, batch): seconds per token (per request) of the group's start, measured (a tuner's group
+        #: starts when it first drafts, on every token before it: its prompts and the steps it missed)
+        self.start_rate: Dict[Tuple[tuple, int], float] = {}
         self.scale: Dict[tuple, float] = {}
         self.residual: Dict[tuple, float] = {}
         self._forward_memo: Dict[Tuple[float, int], float] = {}  # forward()'s answers until a point or scale moves
 
     #: what :meth:`state_dict` holds (the memo is rebuilt)
     _STATE = ("alpha", "reach", "forward_points", "draft_points", "update_fit", "_update_sums", "_update_seen", "scale",
-              "residual")
+              "residual", "start_rate")
 
     def state_dict(self) -> dict:
         """What the model measured and learned, as plain values (:func:`Tuner.save` writes it as JSON)."""
@@ -209,7 +212,8 @@ class CostModel:
 
     def load_state_dict(self, state: dict) -> None:
         for name in self._STATE:
-            setattr(self, name, copy.deepcopy(state[name]))
+            # (a state saved before starts were measured has none: they are measured anew)
+            setattr(self, name, copy.deepcopy(state[name] if name in state or name != "start_rate" else {}))
         self._forward_memo = {}
 
     # -- calibration -------------------------------------------------------------------------------
@@ -322,6 +326,23 @@ class CostModel:
             return a + slope * tokens
         return max(_group_across(self.update_fit, group, batch, at), 0.0)
 
+    def observe_start(self, group: tuple, batch: int, tokens: int, seconds: float) -> None:
+        """A measured start of `group` over `tokens` tokens per request: its seconds per token, each
+        measurement moving the kept rate by at most a factor 2."""
+        if tokens <= 0:
+            return
+        rate, old = seconds / tokens, self.start_rate.get((group, batch))
+        self.start_rate[(group, batch)] = rate if old is None else _ema(old, min(max(rate, old / 2), old * 2), 0.3)
+
+    def start(self, group: tuple, tokens: int, batch: int) -> float:
+        """Group's start over `tokens` tokens per request (0: started already): the measured starts' seconds
+        per token; before any was measured, what an append of as many tokens is predicted to cost."""
+        if tokens <= 0:
+            return 0.0
+        if not _batches_of(self.start_rate, group):
+            return self.update(group, tokens, batch)
+        return max(_group_across(self.start_rate, group, batch, lambda b: self.start_rate[(group, b)] * tokens), 0.0)
+
     def rest(self, key: tuple) -> float:
         """The residual of a draft kind (tree building, compaction, the loop's own work)."""
         if key in self.residual:
@@ -330,9 +351,10 @@ class CostModel:
 
     # -- online correction -----------------------------------------------------------------------------
     def observe(self, key: tuple, batch: int, total: float, predicted_parts: float, parts: Dict[tuple, Tuple[float, float]],
-                updates: Sequence[Tuple[tuple, int, float]]) -> None:
+                updates: Sequence[tuple]) -> None:
         """One step's measurements: total seconds, the parts' predictions summed, each timed part as
-        {part key: (measured, predicted)}, and each group update as (group, tokens, seconds)."""
+        {part key: (measured, predicted)}, and each group update as (group, tokens, seconds), or a group's
+        start as (group, tokens, seconds, True)."""
         # Each measurement moves a part's scale by at most a factor 2 (a burst of load on a shared
         # machine, or a collection, must not undo the calibration); the residual moves by at most a
         # fifth of a tenth of the step per step (it tracks a median, robust to outliers).
@@ -342,8 +364,9 @@ class CostModel:
                 ratio = min(max(measured / predicted, 0.5), 2.0)
                 self.scale[part] = _ema(1.0, self.scale.get(part, 1.0) * ratio, self.alpha) if part not in self.scale \
                     else _ema(self.scale[part], self.scale[part] * ratio, self.alpha)
-        for group, tokens, seconds in updates:
-            self._fit_update((group, batch), tokens, seconds)
+        for group, tokens, seconds, *start in updates:
+            if not (start and start[0]):  # (starts: observe_start)
+                self._fit_update((group, batch), tokens, seconds)
         old = self.rest(key)
         step = 0.1 * (predicted_parts + max(old, 0.0))
         self.residual[key] = old + min(max(total - predicted_parts - old, -step), step) * 2 * self.alpha
@@ -384,6 +407,9 @@ class FixedCosts(CostModel):
 
     def rest(self, key):
         return self._rest
+
+    def observe_start(self, *args, **kwargs):
+        pass
 
     def observe(self, *args, **kwargs):
         pass
@@ -895,7 +921,8 @@ class Tuner:
              active: Sequence[int], batch: int, depth: int, budget: int, single: bool = False,
              idle: Sequence[int] = (), drawn: Sequence[int] = (), drawn_only: bool = False,
              candidates: Optional[Callable[[int, int], int]] = None,
-             ready: Optional[Sequence[Optional[Sequence[int]]]] = None) -> Shape:
+             ready: Optional[Sequence[Optional[Sequence[int]]]] = None,
+             starting: Optional[Sequence[int]] = None) -> Shape:
         """This step's draft.
 
         Args:
@@ -923,6 +950,9 @@ class Tuner:
                 and one token for each other request) and priced at the nodes its drafting requests ran
                 below their roots, times their share of the batch: a step where many requests have a match
                 may pay where one with a single match does not.
+            starting: per group, the tokens of `pending` that it would start on (a group not started yet:
+                its prompts and the steps folded into them), priced as a start (:meth:`CostModel.start`), the
+                rest as an append; None: every group started.
         """
         costs = self.costs
         self.probing = self._every_idle = False
@@ -938,7 +968,8 @@ class Tuner:
         self.acceptance.horizon = depth
         drawn = frozenset(drawn)
         memo = (groups, depth, budget, single, tuple(active), batch, drawn, drawn_only, free)
-        last, inputs, cached = self._last_draft, (memo, ready, idle, tuple(pending)), self._plan_memo
+        last, cached = self._last_draft, self._plan_memo
+        inputs = (memo, ready, idle, tuple(pending), None if starting is None else tuple(starting))
         if (last is not None and last[0] == inputs and cached is not None
                 and (cached[2] == self._version or self.clock - cached[3] < self.refresh)):
             # the draft the last plan chose (not a probe) over the same requests, groups, matches and appends,
@@ -1014,7 +1045,9 @@ class Tuner:
             self._plan_memo = (memo, base, self._version, self.clock)
         plain = costs.forward(1, batch) + costs.rest(NONE.key)
         options = [(NONE, self.value(NONE, active, 0), plain, len(active))]
-        update = [costs.update(g, pending[i], batch) for i, g in enumerate(groups)]
+        update = [costs.update(g, pending[i], batch) if not starting or not starting[i] else
+                  costs.start(g, starting[i], batch) + costs.update(g, pending[i] - starting[i], batch)
+                  for i, g in enumerate(groups)]
         appends: Dict[tuple, float] = {}  # per set of drafting groups (their positions)
         for shape, value, seconds, upper, members in self._plan_memo[1]:
             if idle and not idle.isdisjoint(members):
@@ -1150,9 +1183,13 @@ class Tuner:
             if drafting and drafting[0] and shape.key in self._free:
                 # (the real nodes: a half-precision packed forward's filler rows are not the tree's)
                 self._extra[memo] = _ema(self._extra.get(memo), drafting[1] / drafting[0], 0.2)
+        for u in updates:  # a group's start, measured even on a step whose forward paid one-off costs
+            if u[3:] and u[3]:
+                self.costs.observe_start(u[0], batch, u[1], u[2])
         if not costs:
             return
-        predicted = sum(p for _, p in parts.values()) + sum(self.costs.update(g, t, batch) for g, t, _ in updates)
+        predicted = sum(p for _, p in parts.values()) + sum(
+            (self.costs.start if u[3:] and u[3] else self.costs.update)(u[0], u[1], batch) for u in updates)
         self.costs.observe(shape.key, batch, total, predicted, parts, updates)
 
 
