@@ -43,7 +43,8 @@ could come due, and one such step in :attr:`Tuner.plain_sample` is timed for the
 
 Verification is unchanged whatever is chosen, so the output distribution is the target's own. Drafter
 groups that do not draft in a step are not updated either: the tokens they missed are appended in one
-call the next time they draft (that append is part of that step's predicted cost).
+call the next time they draft (that append is part of that step's predicted cost; a group not started yet
+starts then, on every token before it, priced by the starts measured so far: :meth:`CostModel.start`).
 """
 
 from __future__ import annotations
