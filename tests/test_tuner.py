@@ -516,6 +516,34 @@ def test_a_narrow_kind_bounds_the_wider_ones_from_below():
     assert acc.expected(narrower, 0, 3) == pytest.approx(prior)
 
 
+def test_past_a_floor_a_wider_kind_keeps_its_own_rate_of_going_on():
+    """A narrower kind observed since lifts a wider kind's first levels (a floor); past them, each depth keeps
+    the wider kind's own rate of going on from the depth above (P(>= d) = P(>= d - 1) P(>= d | >= d - 1)), so
+    a prompt-lookup chain whose deep levels were accepted is not valued at its own old first levels once
+    narrower trees are chosen; without a floor nothing changes."""
+    acc = AcceptanceModel()
+    acc.reset(1)
+    narrow, wide = ((0,), 8), ((0,), 16)
+    for a in (15, 0, 15, 1, 15, 0):  # deep chains: all or almost nothing
+        acc.observe(wide, [a], 15)
+    alone = acc.expected(wide, 0, 15)
+    own = acc._reach(wide, 0, 15, False)
+    for _ in range(6):
+        acc.observe(narrow, [7], 7)  # its first seven levels accepted since
+    floor = acc._reach(narrow, 0, 15, False)
+    want, above, above_own = 0.0, 1.0, 1.0
+    for d in range(15):
+        p = max(own[d], floor[d], above * own[d] / above_own)
+        want, above, above_own = want + p, p, own[d]
+    assert acc.expected(wide, 0, 15) == pytest.approx(want)
+    assert acc.expected(wide, 0, 15) > max(alone, acc.expected(narrow, 0, 7)) + 1.0
+    fresh = AcceptanceModel()
+    fresh.reset(1)
+    for a in (15, 0, 15, 1, 15, 0):
+        fresh.observe(wide, [a], 15)
+    assert fresh.expected(wide, 0, 15) == pytest.approx(alone)  # no floor: its own values
+
+
 def test_a_narrow_kind_is_a_floor_only_when_observed_after_the_wider_one():
     """A narrower kind's estimate floors a wider one's only when it was observed since the wider one was: a
     drafter that was good on the last topic (its narrow trees accepted) and fails now (its wide trees not)

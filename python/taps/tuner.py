@@ -555,7 +555,8 @@ class AcceptanceModel:
         sums = kind.get(memo)
         if sums is None or len(sums) < cap:
             cap = max(cap, self.horizon)
-            reach = self._reach(key, b, cap, optimistic)[:cap]
+            own = reach = self._reach(key, b, cap, optimistic)[:cap]
+            ceiling = [1.0] * len(reach)
             drafters, budget = key
             narrower = []
             last = self._last.get(key, -1)
@@ -565,11 +566,23 @@ class AcceptanceModel:
                 if other[0] != drafters or other[1] is None or self._last.get(other, -1) <= last:
                     continue
                 if other[1] > budget:  # a ceiling (what the wider tree did not accept, this one would not have)
-                    reach = [min(p, q) for p, q in zip(reach, self._reach(other, b, cap, optimistic))]
+                    ceiling = [min(p, q) for p, q in zip(ceiling, self._reach(other, b, cap, optimistic))]
                 elif other[1] < budget:  # a floor (what the narrower tree accepted, this one would have too)
                     narrower.append(other)
+            reach = [min(p, q) for p, q in zip(reach, ceiling)]
             for other in narrower:
                 reach = [max(p, q) for p, q in zip(reach, self._reach(other, b, cap, False))]
+            if narrower:
+                # past a floor, each depth keeps this kind's own rate of going on from the depth above
+                # (P(>= d) = P(>= d - 1) P(>= d | >= d - 1)): a narrower tree's steps that lift its first
+                # levels lift the deeper ones in proportion (a deep prompt-lookup chain is otherwise valued
+                # at its own old steps once narrower ones are chosen, and never chosen again)
+                chained, above, above_own = [], 1.0, 1.0
+                for p, q, c in zip(reach, own, ceiling):
+                    p = max(p, min(above * (q / above_own if above_own > 0 else 0.0), c))
+                    chained.append(p)
+                    above, above_own = p, q
+                reach = chained
             sums = kind[memo] = list(itertools.accumulate(reach))
         return sums
 
