@@ -1148,8 +1148,7 @@ class _Pending:
     def count(self, group: DraftGroup) -> int:
         """Tokens per request (the most of any) the group has yet to append: a group not started yet
         appends its prompts too."""
-        args = self.starts.get(id(group))
-        return self.tokens[id(group)] + (0 if args is None else max(args[-1]))
+        return self.tokens[id(group)] + self.start_tokens(group)
 
     def start_tokens(self, group: DraftGroup) -> int:
         """Of :meth:`count`, the tokens a group not started yet starts on (its prompts, with the steps folded
@@ -1257,12 +1256,13 @@ class _Pending:
         tokens, seconds) per append, and (drafters, tokens, seconds, True) per start."""
         out = []
         for g in groups:
+            tokens = self.start_tokens(g)
             args = self.starts.pop(id(g), None)
             if args is not None:
                 t0 = self.timer()
                 g.start(*args)
                 # its start, timed (the tuner prices a group not started by its measured starts)
-                out.append((tuple(g.members), max(args[-1], default=0), self.timer() - t0, True))
+                out.append((tuple(g.members), tokens, self.timer() - t0, True))
                 self.on_start(g)
                 if g.free_draft:
                     self.free[id(g)] = g

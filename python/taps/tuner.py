@@ -214,7 +214,7 @@ class CostModel:
     def load_state_dict(self, state: dict) -> None:
         for name in self._STATE:
             # (a state saved before starts were measured has none: they are measured anew)
-            setattr(self, name, copy.deepcopy(state[name] if name in state or name != "start_rate" else {}))
+            setattr(self, name, copy.deepcopy(state.get(name, {}) if name == "start_rate" else state[name]))
         self._forward_memo = {}
 
     # -- calibration -------------------------------------------------------------------------------
@@ -352,10 +352,10 @@ class CostModel:
 
     # -- online correction -----------------------------------------------------------------------------
     def observe(self, key: tuple, batch: int, total: float, predicted_parts: float, parts: Dict[tuple, Tuple[float, float]],
-                updates: Sequence[tuple]) -> None:
+                updates: Sequence[Tuple[tuple, int, float]]) -> None:
         """One step's measurements: total seconds, the parts' predictions summed, each timed part as
-        {part key: (measured, predicted)}, and each group update as (group, tokens, seconds), or a group's
-        start as (group, tokens, seconds, True)."""
+        {part key: (measured, predicted)}, and each group update as (group, tokens, seconds) (a group's
+        start: :meth:`observe_start`)."""
         # Each measurement moves a part's scale by at most a factor 2 (a burst of load on a shared
         # machine, or a collection, must not undo the calibration); the residual moves by at most a
         # fifth of a tenth of the step per step (it tracks a median, robust to outliers).
@@ -365,9 +365,8 @@ class CostModel:
                 ratio = min(max(measured / predicted, 0.5), 2.0)
                 self.scale[part] = _ema(1.0, self.scale.get(part, 1.0) * ratio, self.alpha) if part not in self.scale \
                     else _ema(self.scale[part], self.scale[part] * ratio, self.alpha)
-        for group, tokens, seconds, *start in updates:
-            if not (start and start[0]):  # (starts: observe_start)
-                self._fit_update((group, batch), tokens, seconds)
+        for group, tokens, seconds in updates:
+            self._fit_update((group, batch), tokens, seconds)
         old = self.rest(key)
         step = 0.1 * (predicted_parts + max(old, 0.0))
         self.residual[key] = old + min(max(total - predicted_parts - old, -step), step) * 2 * self.alpha
@@ -1093,9 +1092,13 @@ class Tuner:
         """:meth:`choose`'s bookkeeping of a step where `shape`, the best, is chosen again without pricing."""
         self.clock += 1
         self._probe[shape.key] = (self.clock + 1, 1)
-        self._credit = min(self._credit + self._accrual, self._accrual * self.max_probe_interval)
+        self._accrue()
         self._plain_until = 0
         return shape
+
+    def _accrue(self) -> None:
+        """A step's exploration credit (see :meth:`choose`), on a step that :meth:`choose` did not see."""
+        self._credit = min(self._credit + self._accrual, self._accrual * self.max_probe_interval)
 
     def coast_token(self) -> Optional["CoastToken"]:
         """Right after :meth:`plan` returned no draft: what :meth:`coast` takes to repeat that answer
@@ -1128,7 +1131,7 @@ class Tuner:
             return False
         if not self._probe_near() and (self._plan_memo is not None or (token is not None and token.every)):
             self.clock += 1
-            self._credit = min(self._credit + self._accrual, self._accrual * self.max_probe_interval)
+            self._accrue()
             return True
         return False
 
@@ -1197,14 +1200,15 @@ class Tuner:
             if drafting and drafting[0] and shape.key in self._free:
                 # (the real nodes: a half-precision packed forward's filler rows are not the tree's)
                 self._extra[memo] = _ema(self._extra.get(memo), drafting[1] / drafting[0], 0.2)
-        for u in updates:  # a group's start, measured even on a step whose forward paid one-off costs
-            if u[3:] and u[3]:
-                self.costs.observe_start(u[0], batch, u[1], u[2])
+        starts = [u[:3] for u in updates if len(u) > 3 and u[3]]  # (drafters, tokens, seconds, True)
+        appends = [u for u in updates if not (len(u) > 3 and u[3])]
+        for group, tokens, seconds in starts:  # measured even on a step whose forward paid one-off costs
+            self.costs.observe_start(group, batch, tokens, seconds)
         if not costs:
             return
-        predicted = sum(p for _, p in parts.values()) + sum(
-            (self.costs.start if u[3:] and u[3] else self.costs.update)(u[0], u[1], batch) for u in updates)
-        self.costs.observe(shape.key, batch, total, predicted, parts, updates)
+        predicted = sum(p for _, p in parts.values()) + sum(self.costs.update(g, t, batch) for g, t, _ in appends) \
+            + sum(self.costs.start(g, t, batch) for g, t, _ in starts)
+        self.costs.observe(shape.key, batch, total, predicted, parts, appends)
 
 
 _STATE_VERSION = 1
