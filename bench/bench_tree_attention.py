@@ -18,7 +18,9 @@ bf16 at amx where its AMX path runs (head dim >= 64, >= 16 rows per KV head; TAP
 0 never), whose tile products can beat this floor) and the K/V bytes at
 ``--gbps``; "% floor" is floor / taps time.
 The first rows are the shipped target's attention (B 1, Hq 8, Hkv 4, D 32, a 16-node tree after ~200
-cached keys), fp32 and bf16. A second table times ragged batches of trees in one [B, N] grid (a packed prompt
+cached keys), fp32 and bf16; the last rows decoding steps (N = 1: the shipped target's, Llama-3-8B heads at 4k
+keys and a batch of 8 at 1k; SDPA without a mask took as long on the development CPU: 92 against 97 us at the
+shipped shape in bf16). A second table times ragged batches of trees in one [B, N] grid (a packed prompt
 lookup batch of the shipped target; merged trees of different sizes): taps over the whole grid against taps
 with ``num_queries`` (each request's real nodes only), and SDPA over the grid.
 
@@ -266,6 +268,11 @@ def main() -> None:
         (4, 32, 8, 64, 128, 2048, torch.bfloat16),
         (1, 32, 8, 64, 128, 8192, torch.bfloat16),
         (1, 32, 8, 64, 128, 8192, torch.float32),
+        # decoding steps: one query (G rows per KV head), the shipped target after ~200 keys and Llama-3-8B heads
+        (1, 8, 4, 1, 32, 216, torch.float32),
+        (1, 8, 4, 1, 32, 216, torch.bfloat16),
+        (1, 32, 8, 1, 128, 4096, torch.bfloat16),
+        (8, 32, 8, 1, 128, 1024, torch.bfloat16),
     ]
     gpu_shapes = [  # Llama-3-8B heads, a 64-node tree: S = 1k, 4k, 32k (and a batch of 8)
         (1, 32, 8, 64, 128, 1024, torch.bfloat16),

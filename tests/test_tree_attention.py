@@ -526,3 +526,21 @@ def test_num_queries_opcheck_and_wrapper(device):
     # the fast entry declines a tensor subclass; torch.ops takes it, same result
     sub = live.as_subclass(torch.Tensor).view(2)
     assert torch.equal(taps_ops.tree_attention(q, k, v, mask, kv_lens, 0.125, num_queries=sub), want)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("heads_q,heads_kv,head_dim", [(8, 4, 32), (32, 8, 128), (4, 4, 64), (6, 2, 16), (16, 2, 32)])
+def test_decoding_rows_same_bits_as_a_tree(dtype, heads_q, heads_kv, head_dim):
+    """A decoding step's query (one node: G rows per KV head) and a short chain's (2-4 nodes) come out bit for bit
+    as those nodes' rows of a large tree's call (20 and 40 nodes: 2 x 20 to 16 x 40 rows per KV head) over the
+    same keys. On the CPU every path sums each score over the head dim in order and P * V over the keys in
+    order, whatever a KV head's row count chooses (few rows: attend_fast at AVX2; half-precision V read in
+    place or through a widened copy), so a plain step's attention is the tree step's."""
+    torch.manual_seed(head_dim + heads_q)
+    for nodes in (20, 40):
+        q, k, v, mask, kv_lens = make_inputs(2, heads_q, heads_kv, nodes, head_dim, 300, dtype, "cpu", ragged=False)
+        kv_lens[1] = 137
+        full = taps_ops.tree_attention(q, k, v, mask, kv_lens)
+        for live in (1, 2, 4):
+            few = taps_ops.tree_attention(q, k, v, mask, kv_lens, num_queries=torch.tensor([live, live]))
+            assert torch.equal(few[:, :, :live], full[:, :, :live]), (nodes, live)

@@ -41,6 +41,12 @@ constexpr int64_t fast_rows(bool brgemm) { return brgemm ? 64 : 256; }
 
 constexpr float kLog2e = 1.442695041f, kLn2 = 0.6931471806f;
 
+// KV heads of at most this many query rows read half-precision V rows in place, widened as the P * V
+// micro-kernel loads them (the same sums as over a widened copy), instead of widening each tile to a scratch
+// copy first: with few row blocks the copy's stores and reloads cost more than widening per block (measured:
+// a decoding step's attention 7-17% faster, bench/RESULTS.md).
+constexpr int64_t kVInPlaceRows = 64;
+
 // 2^x for x <= 0: a degree-5 polynomial for 2^r on r = x - round(x) in [-0.5, 0.5] (fitted for relative
 // error with p(0) = 1, so 2^0 is exactly 1; at most 1.6e-7 evaluated in fp32 with FMA), times 2^round(x)
 // built in the exponent bits. 0 for x <= -127 (and -inf); NaN propagates (max returns its second operand
@@ -58,10 +64,18 @@ inline F exp2_nonpos(F x) {
   return S::mul(p, S::pow2(n));
 }
 
+// L fp32 values from p: as they are, or half precision widened (exact).
+template <class T>
+__attribute__((always_inline)) inline F load_wide(const T* p) {
+  if constexpr (std::is_same_v<T, float>) return S::load(p);
+  else return S::widen(p);
+}
+
 // C[MR x L NV] (+)= A[MR x K] * B[K x L NV]; with `add` and c_scale, row m of C is first multiplied by
-// c_scale[m]. kAT: A stored transposed (element (m, k) at A[k * lda + m]).
-template <int MR, int NV, bool kAT = false>
-inline void micro_gemm(int64_t K, const float* A, int64_t lda, const float* B, int64_t ldb, float* C, int64_t ldc,
+// c_scale[m]. kAT: A stored transposed (element (m, k) at A[k * lda + m]). B: fp32, or bf16 / fp16 widened
+// as it is read (the same products and sums as over a widened copy).
+template <int MR, int NV, bool kAT = false, class TB = float>
+inline void micro_gemm(int64_t K, const float* A, int64_t lda, const TB* B, int64_t ldb, float* C, int64_t ldc,
                        bool add, const float* c_scale) {
   F c[MR][NV];
 #pragma GCC unroll 8
@@ -76,7 +90,7 @@ inline void micro_gemm(int64_t K, const float* A, int64_t lda, const float* B, i
   for (int64_t k = 0; k < K; ++k) {
     F b[NV];
 #pragma GCC unroll 4
-    for (int v = 0; v < NV; ++v) b[v] = S::load(B + k * ldb + L * v);
+    for (int v = 0; v < NV; ++v) b[v] = load_wide(B + k * ldb + L * v);
 #pragma GCC unroll 8
     for (int m = 0; m < MR; ++m) {
       const F a = S::set1(kAT ? A[k * lda + m] : A[m * lda + k]);
@@ -91,16 +105,16 @@ inline void micro_gemm(int64_t K, const float* A, int64_t lda, const float* B, i
 }
 
 // micro_gemm for MR in 1..6.
-template <int NV, bool kAT = false>
-inline void micro_gemm_rows(int64_t MR, int64_t K, const float* A, int64_t lda, const float* B, int64_t ldb, float* C,
+template <int NV, bool kAT = false, class TB = float>
+inline void micro_gemm_rows(int64_t MR, int64_t K, const float* A, int64_t lda, const TB* B, int64_t ldb, float* C,
                             int64_t ldc, bool add, const float* c_scale) {
   switch (MR) {
-    case 6: micro_gemm<6, NV, kAT>(K, A, lda, B, ldb, C, ldc, add, c_scale); break;
-    case 5: micro_gemm<5, NV, kAT>(K, A, lda, B, ldb, C, ldc, add, c_scale); break;
-    case 4: micro_gemm<4, NV, kAT>(K, A, lda, B, ldb, C, ldc, add, c_scale); break;
-    case 3: micro_gemm<3, NV, kAT>(K, A, lda, B, ldb, C, ldc, add, c_scale); break;
-    case 2: micro_gemm<2, NV, kAT>(K, A, lda, B, ldb, C, ldc, add, c_scale); break;
-    case 1: micro_gemm<1, NV, kAT>(K, A, lda, B, ldb, C, ldc, add, c_scale); break;
+    case 6: micro_gemm<6, NV, kAT, TB>(K, A, lda, B, ldb, C, ldc, add, c_scale); break;
+    case 5: micro_gemm<5, NV, kAT, TB>(K, A, lda, B, ldb, C, ldc, add, c_scale); break;
+    case 4: micro_gemm<4, NV, kAT, TB>(K, A, lda, B, ldb, C, ldc, add, c_scale); break;
+    case 3: micro_gemm<3, NV, kAT, TB>(K, A, lda, B, ldb, C, ldc, add, c_scale); break;
+    case 2: micro_gemm<2, NV, kAT, TB>(K, A, lda, B, ldb, C, ldc, add, c_scale); break;
+    case 1: micro_gemm<1, NV, kAT, TB>(K, A, lda, B, ldb, C, ldc, add, c_scale); break;
     default: break;
   }
 }
@@ -123,36 +137,36 @@ __attribute__((always_inline)) inline void row_blocks(int64_t M, Block&& block) 
 }
 
 // The row blocks of one column block of L NV columns; after_block() runs after each (prefetches).
-template <int NV, bool kAT, class AfterBlock>
-__attribute__((always_inline)) inline void gemm_cols(int64_t M, int64_t K, const float* A, int64_t lda, const float* B,
+template <int NV, bool kAT, class TB, class AfterBlock>
+__attribute__((always_inline)) inline void gemm_cols(int64_t M, int64_t K, const float* A, int64_t lda, const TB* B,
                                                      int64_t ldb, float* C, int64_t ldc, bool add, const float* c_scale,
                                                      AfterBlock& after_block) {
   row_blocks(M, [&](int64_t m, int64_t mr) __attribute__((always_inline)) {
-    micro_gemm_rows<NV, kAT>(mr, K, A + (kAT ? m : m * lda), lda, B, ldb, C + m * ldc, ldc, add,
-                             c_scale ? c_scale + m : nullptr);
+    micro_gemm_rows<NV, kAT, TB>(mr, K, A + (kAT ? m : m * lda), lda, B, ldb, C + m * ldc, ldc, add,
+                                 c_scale ? c_scale + m : nullptr);
     after_block();
   });
 }
 
-// C[M][N] (+)= A[M][K] * B[K][N], fp32, N a multiple of L; with `add` and c_scale, C's rows are first
-// multiplied by c_scale[0 .. M). after_block() after each micro-kernel block. kAT: A stored transposed
-// (element (m, k) at A[k * lda + m]).
-template <bool kAT = false, class AfterBlock>
+// C[M][N] (+)= A[M][K] * B[K][N], fp32 (B: or bf16 / fp16 widened as read), N a multiple of L; with `add` and
+// c_scale, C's rows are first multiplied by c_scale[0 .. M). after_block() after each micro-kernel block. kAT: A
+// stored transposed (element (m, k) at A[k * lda + m]).
+template <bool kAT = false, class TB = float, class AfterBlock>
 __attribute__((always_inline)) inline void gemm_f32(int64_t M, int64_t N, int64_t K, const float* A, int64_t lda,
-                                                    const float* B, int64_t ldb, float* C, int64_t ldc, bool add,
+                                                    const TB* B, int64_t ldb, float* C, int64_t ldc, bool add,
                                                     const float* c_scale, AfterBlock&& after_block) {
   constexpr int kNV = S::kMaxNV;
   int64_t n = 0;
   for (; n + kNV * L <= N; n += kNV * L)
-    gemm_cols<kNV, kAT>(M, K, A, lda, B + n, ldb, C + n, ldc, add, c_scale, after_block);
+    gemm_cols<kNV, kAT, TB>(M, K, A, lda, B + n, ldb, C + n, ldc, add, c_scale, after_block);
   switch ((N - n) / L) {
     case 3:
-      if constexpr (kNV > 3) gemm_cols<3, kAT>(M, K, A, lda, B + n, ldb, C + n, ldc, add, c_scale, after_block);
+      if constexpr (kNV > 3) gemm_cols<3, kAT, TB>(M, K, A, lda, B + n, ldb, C + n, ldc, add, c_scale, after_block);
       break;
     case 2:
-      if constexpr (kNV > 2) gemm_cols<2, kAT>(M, K, A, lda, B + n, ldb, C + n, ldc, add, c_scale, after_block);
+      if constexpr (kNV > 2) gemm_cols<2, kAT, TB>(M, K, A, lda, B + n, ldb, C + n, ldc, add, c_scale, after_block);
       break;
-    case 1: gemm_cols<1, kAT>(M, K, A, lda, B + n, ldb, C + n, ldc, add, c_scale, after_block); break;
+    case 1: gemm_cols<1, kAT, TB>(M, K, A, lda, B + n, ldb, C + n, ldc, add, c_scale, after_block); break;
     default: break;
   }
 }
@@ -282,6 +296,7 @@ void attend_fast(const Params& p, int64_t b, int64_t hkv, int64_t key_begin, int
   constexpr int64_t Tk = fast_tile(B), Tw = Tk / 64;  // Tw mask words per tile
   constexpr uint64_t kLaneBits = (uint64_t{1} << L) - 1;
   const int64_t rb_max = std::min(rows, fast_rows(B));
+  const bool v_in_place = kWiden && rows <= kVInPlaceRows;  // half precision V widened as the product reads it
   const float neg_inf = -std::numeric_limits<float>::infinity();
   const float log2_scale = p.scale * kLog2e;
   sc.acc.resize(rows * D);
@@ -340,7 +355,7 @@ void attend_fast(const Params& p, int64_t b, int64_t hkv, int64_t key_begin, int
     } else {
       pack_kt<kWiden>(k_tile, p.k_stride_s, tl, D, sc.kt.data(), Tk, cols);
       if constexpr (kWiden) {
-        widen_rows(v_tile, p.v_stride_s, tl, D, sc.vf.data());
+        if (!v_in_place) widen_rows(v_tile, p.v_stride_s, tl, D, sc.vf.data());
         v_rows = sc.vf.data();
         v_ld = D;
       } else {
@@ -458,8 +473,12 @@ void attend_fast(const Params& p, int64_t b, int64_t hkv, int64_t key_begin, int
       } else {
         row_blocks(rb, [&](int64_t m, int64_t mr) __attribute__((always_inline)) {
           for (int64_t rr = m; rr < m + mr; ++rr) probabilities(rr);
-          gemm_f32(mr, D, pv_k, Sc + m * Tk, Tk, v_rows, v_ld, &sc.acc[(r0 + m) * D], D, true, &sc.alpha[m],
-                   prefetch_step);
+          if (kWiden && v_in_place)
+            gemm_f32<false, T>(mr, D, pv_k, Sc + m * Tk, Tk, v_tile, p.v_stride_s, &sc.acc[(r0 + m) * D], D, true,
+                               &sc.alpha[m], prefetch_step);
+          else
+            gemm_f32(mr, D, pv_k, Sc + m * Tk, Tk, v_rows, v_ld, &sc.acc[(r0 + m) * D], D, true, &sc.alpha[m],
+                     prefetch_step);
         });
       }
     }
@@ -475,9 +494,10 @@ void attend_fast(const Params& p, int64_t b, int64_t hkv, int64_t key_begin, int
 //   acc[rows][D] = acc * alpha + P[rows][tile] * V[tile][D]   (P read transposed from St)
 // so no K^T is packed per tile, a tile's keys stop at its last key (no masked columns past it), and the
 // online softmax runs L rows a lane (a row's max and sum over the tile's keys without horizontal
-// reductions). Tail tiles take each key's visible rows as lane bits. bf16 / fp16: K and V rows widened
-// to fp32 once per tile.
+// reductions). Tail tiles take each key's visible rows as lane bits. bf16 / fp16: K rows widened
+// to fp32 once per tile, V rows as the P * V micro-kernel reads them.
 constexpr int64_t kKeyRowChunk = 64;  // attend_keys: the most query rows of a KV head (a multiple of every L)
+constexpr int64_t kKeysMinRows = 8;   // attend_items_fast: KV heads of fewer rows may skip attend_keys
 
 template <class T>
 void attend_keys(const Params& p, int64_t b, int64_t hkv, int64_t key_begin, int64_t key_end, const TreeSpan& span,
@@ -489,6 +509,7 @@ void attend_keys(const Params& p, int64_t b, int64_t hkv, int64_t key_begin, int
   static_assert(Tk <= 64, "one mask word per tile");
   const int64_t Rp = (rows + L - 1) / L * L, RV = Rp / L;  // rows padded to whole vectors
   TORCH_INTERNAL_ASSERT(Rp <= kKeyRowChunk, "attend_keys: more query rows than kKeyRowChunk");
+  static_assert(kKeyRowChunk <= kVInPlaceRows, "attend_keys reads half-precision V rows in place");
   const float neg_inf = -std::numeric_limits<float>::infinity();
   const float log2_scale = p.scale * kLog2e;
   sc.acc.resize(rows * D);
@@ -505,10 +526,7 @@ void attend_keys(const Params& p, int64_t b, int64_t hkv, int64_t key_begin, int
     const T* src = static_cast<const T*>(p.q) + b * p.q_stride_b + h * p.q_stride_h + i * p.q_stride_n;
     for (int64_t d = 0; d < D; ++d) sc.qt[d * Rp + r] = static_cast<float>(src[d]) * log2_scale;
   }
-  if constexpr (kWiden) {
-    sc.kf.resize(Tk * D);
-    sc.vf.resize(Tk * D);
-  }
+  if constexpr (kWiden) sc.kf.resize(Tk * D);
   const T* kb = static_cast<const T*>(p.k) + b * p.k_stride_b + hkv * p.k_stride_h;
   const T* vb = static_cast<const T*>(p.v) + b * p.v_stride_b + hkv * p.v_stride_h;
   const F ninf = S::set1(neg_inf), one = S::set1(1.0f);
@@ -523,14 +541,11 @@ void attend_keys(const Params& p, int64_t b, int64_t hkv, int64_t key_begin, int
     prefetch.start(k_tile + Tk * p.k_stride_s, p.k_stride_s, v_tile + Tk * p.v_stride_s, p.v_stride_s,
                    std::clamp<int64_t>(key_end - t0 - Tk, 0, Tk), row_bytes,
                    gemm_blocks(tl, Rp) + gemm_blocks(rows, D));
-    const float *k_rows, *v_rows;
-    int64_t k_ld, v_ld;
-    if constexpr (kWiden) {
+    const float* k_rows = reinterpret_cast<const float*>(k_tile);  // K rows, k_ld apart: fp32 as they are
+    int64_t k_ld = p.k_stride_s;
+    if constexpr (kWiden) {  // half precision: widened once per tile (the broadcast side of the micro-kernel)
       widen_rows(k_tile, p.k_stride_s, tl, D, sc.kf.data());
-      widen_rows(v_tile, p.v_stride_s, tl, D, sc.vf.data());
-      k_rows = sc.kf.data(), v_rows = sc.vf.data(), k_ld = D, v_ld = D;
-    } else {
-      k_rows = k_tile, v_rows = v_tile, k_ld = p.k_stride_s, v_ld = p.v_stride_s;
+      k_rows = sc.kf.data(), k_ld = D;
     }
     const bool tail = t0 + tl > span.tree_start;
     if (tail) {  // lane l of row vector v: row v L + l sees key t0 + j
@@ -584,7 +599,8 @@ void attend_keys(const Params& p, int64_t b, int64_t hkv, int64_t key_begin, int
         S::store(&sc.row_sum[v * L], S::add(S::mul(S::load(&sc.row_sum[v * L]), alpha), S::add(sum[0], sum[1])));
       }
       // the rows short of the padding
-      gemm_f32<true>(rows, D, tl, St, Rp, v_rows, v_ld, sc.acc.data(), D, true, sc.alpha.data(), prefetch_step);
+      gemm_f32<true, T>(rows, D, tl, St, Rp, v_tile, p.v_stride_s, sc.acc.data(), D, true, sc.alpha.data(),
+                        prefetch_step);
     }
     prefetch.finish();
   }
@@ -598,7 +614,13 @@ void attend_items_fast(const Params& p, int64_t begin, int64_t end) {
   // attend_keys where a KV head's rows fit one chunk of it; with more rows the K^T packing is a smaller share
   // of a tile's work than the chunks' re-reads of the K and V tiles cost (measured: 256 rows, D = 128, 4-6%
   // slower through attend_keys)
-  [[maybe_unused]] const bool keys_as_rows = (p.heads_q / p.heads_kv) * p.num_nodes <= kKeyRowChunk;
+  // Not for a decoding step's few rows (kKeysMinRows) in half precision or at head dims <= 64: one vector of
+  // query rows, mostly padding, against K rows widened to a scratch copy per tile cost more than transposing K
+  // (measured at AVX2: a decoding step's attention 15-38% faster through attend_fast; fp32 at D = 128 slower,
+  // bench/RESULTS.md). Either way the same bits: both sum each score over d in order, and P * V over keys.
+  const int64_t head_rows = (p.heads_q / p.heads_kv) * p.num_nodes;
+  [[maybe_unused]] const bool keys_as_rows =
+      head_rows <= kKeyRowChunk && !(head_rows <= kKeysMinRows && (!std::is_same_v<T, float> || p.head_dim <= 64));
   run_items<T>(p, begin, end, fast_tile(B), [&](int64_t b, int64_t hkv, KeyRange keys, const TreeSpan& span) {
     if constexpr (!B && S::kKeysAsRows) {
       if (keys_as_rows) {
