@@ -1367,3 +1367,47 @@ def test_tuner_state_json_round_trip():
     assert _from_json(json.loads(json.dumps(_to_json(value)))) == value
     with pytest.raises(TypeError, match="cannot write object"):
         _to_json({"x": object()})
+
+
+def test_a_kind_is_priced_at_what_its_steps_take():
+    """Whatever the parts' corrections leave out of a step (at batch 8 prompt lookup's kinds were priced 20-50%
+    below what their steps took, and chosen where they lost), each kind's price is scaled by the running ratio of
+    its steps' measured seconds to its price when chosen: a draft whose steps take 2.5x its price stops being
+    chosen once its price says so, and plain steps keep their own ratio. Injected costs (FixedCosts) learn none."""
+    def tuned():
+        costs = CostModel()
+        costs.set_forward(1, [(1, 1e-3), (4, 1.2e-3), (8, 1.4e-3)])
+        costs.set_draft((0,), 1, (1, 1e-4), (3, 3e-4))
+        tuner = Tuner(costs, budgets=(4,), explore=0.0, refresh=1, calibrate=False, chains=False)
+        tuner.begin(1, False)
+        return tuner
+
+    def run(tuner, slow):
+        plans = []
+        for _ in range(60):
+            shape = tuner.plan([(0,)], lambda g, d: d, [0], [0], 1, 1, 4)
+            plans.append(shape)
+            price = tuner._priced[2] if tuner._priced is not None else 1e-3
+            if shape.drafters:  # one token accepted a draft: priced to pay, it takes `slow` times its price
+                tuner.observe(shape, [1], shape.depth, 2.0, 1, slow * price, {}, [])
+            else:
+                tuner.observe(shape, [None], 0, 1.0, 1, price, {}, [])
+        return plans
+
+    honest, slow = tuned(), tuned()
+    assert all(s.drafters for s in run(honest, 1.0)[-20:])  # steps take their price: drafting pays
+    assert honest._fix[Shape((0,), 1, 4).key] == pytest.approx(1.0)
+    plans = run(slow, 2.5)
+    assert plans[0].drafters and not any(s.drafters for s in plans[-20:])
+    assert slow._fix[Shape((0,), 1, 4).key] > 1.5 and slow._fix.get(NONE.key, 1.0) == pytest.approx(1.0)
+    state = slow.state_dict()  # kept with what the tuner learned, and an older state without it loads
+    other = tuned()
+    other.load_state_dict(state)
+    assert other._fix == slow._fix
+    del state["_fix"]
+    tuned().load_state_dict(state)
+    fixed = Tuner(_cheap(draft=1e-5, forward=1e-3))
+    fixed.begin(1, False)
+    shape = fixed.plan([(0,)], lambda g, d: d, [0], [0], 1, 1, 4)
+    fixed.observe(shape, [1], 1, 2.0, 1, 1.0, {}, [])
+    assert fixed._fix == {} and fixed._priced is None

@@ -728,6 +728,11 @@ class Tuner:
         self._plan_ready: Dict[int, int] = {}  # per such group: the requests it could draft for at the last plan
         self._shape_memo = None
         self._plan_memo = None
+        #: per kind key: the running ratio of its steps' measured seconds to its price when chosen (at whatever
+        #: batch: a server's changes every few steps), which scales its price (see observe); _priced: the last
+        #: choice's (shape, batch, price before the ratio)
+        self._fix: Dict[tuple, float] = {}
+        self._priced: Optional[tuple] = None
         #: the last plan's draft (not a probe): (what it was chosen over, the shape); see plan
         self._last_draft = None
         self._every_idle = False  # whether every group was idle at the last plan
@@ -851,7 +856,7 @@ class Tuner:
     # -- the decoder's calls ------------------------------------------------------------------------------
     # -- what it learned, across processes -------------------------------------------------------------
     #: the attributes :meth:`state_dict` holds besides the cost model and the acceptance models
-    _STATE = ("clock", "_probe", "_nodes", "_extra", "_free", "_plain_until", "_credit", "_accrual")
+    _STATE = ("clock", "_probe", "_nodes", "_extra", "_free", "_plain_until", "_credit", "_accrual", "_fix")
 
     def state_dict(self) -> dict:
         """What the tuner measured and learned (its cost model, the pooled acceptance of each verification mode,
@@ -879,8 +884,9 @@ class Tuner:
             self._modes[False] = template
         self.acceptance = self._modes[False]
         for name in self._STATE:
-            setattr(self, name, copy.deepcopy(state[name]))
-        self._plan_memo = self._shape_memo = self._last_draft = None
+            if name in state:  # (a state saved before the name was kept: this tuner's own stays)
+                setattr(self, name, copy.deepcopy(state[name]))
+        self._plan_memo = self._shape_memo = self._last_draft = self._priced = None
         self._version += 1
 
     def save(self, path, fingerprint: Optional[dict] = None) -> None:
@@ -1003,6 +1009,8 @@ class Tuner:
             # a plan whose every kind is left out would make (repeated while they stay idle, coast_token)
             self._every_idle = True
             plain = costs.forward(1, batch) + costs.rest(NONE.key)
+            if self._learns_fix():
+                self._priced = (NONE, batch, plain)
             return self.choose([(NONE, self.value(NONE, active, 0), plain, len(active))])
         if cached is None or cached[0] != memo or (cached[2] != self._version and self.clock - cached[3] >= self.refresh):
             # what only an observation of a draft changes (plain steps leave it as it is), for every shape
@@ -1057,7 +1065,9 @@ class Tuner:
                              acceptance.total(key, rows, cap, optimistic=True), index))
             self._plan_memo = (memo, base, self._version, self.clock)
         plain = costs.forward(1, batch) + costs.rest(NONE.key)
-        options = [(NONE, self.value(NONE, active, 0), plain, len(active))]
+        learns = self._learns_fix()
+        fix = self._fix if learns else {}
+        options = [(NONE, self.value(NONE, active, 0), plain * fix.get(NONE.key, 1.0), len(active))]
         update = [costs.update(g, pending[i], batch) if not starting or not starting[i] else
                   costs.start(g, starting[i], batch) + costs.update(g, pending[i] - starting[i], batch)
                   for i, g in enumerate(groups)]
@@ -1082,11 +1092,18 @@ class Tuner:
                 extra = appends[members] = sum(update[i] for i in members)
             # a draft step does all a plain step does and more: never predicted to cost less (each part's
             # online correction moves on its own, and a burst of load on a plain step can lift it past them)
-            options.append((shape, value, max(seconds, plain) + extra, upper))
+            options.append((shape, value, (max(seconds, plain) + extra) * fix.get(shape.key, 1.0), upper))
         shape = self.choose(options)
+        if learns:  # what the choice was priced at, before its correction (observe compares the step with it)
+            chosen = next(o for o in options if o[0] is shape)
+            self._priced = (shape, batch, chosen[2] / fix.get(shape.key, 1.0))
         if shape.drafters and not self.probing and type(self).choose is Tuner.choose:  # (a subclass's own choice
             self._last_draft = (inputs, shape)                                        # is asked every step)
         return shape
+
+    def _learns_fix(self) -> bool:
+        """Whether steps correct the prices of the kinds as a whole (:attr:`_fix`): not with injected costs."""
+        return not isinstance(self.costs, FixedCosts)
 
     def _again(self, shape: Shape) -> Shape:
         """:meth:`choose`'s bookkeeping of a step where `shape`, the best, is chosen again without pricing."""
@@ -1209,6 +1226,16 @@ class Tuner:
         predicted = sum(p for _, p in parts.values()) + sum(self.costs.update(g, t, batch) for g, t, _ in appends) \
             + sum(self.costs.start(g, t, batch) for g, t, _ in starts)
         self.costs.observe(shape.key, batch, total, predicted, parts, appends)
+        priced = self._priced
+        if priced is not None and priced[0] == shape and priced[1] == batch and priced[2] > 0 and self._learns_fix():
+            # the step against what its kind was priced at when chosen: the parts' corrections leave some of a
+            # step out of every part (at batch 8 a prompt-lookup tree's forward priced at its mean nodes, a
+            # residual that tracks the median of a skewed distribution: its kinds were priced 20-50% below
+            # what their steps took, and chosen where they lost); each kind's price is scaled by its running
+            # ratio (each step moves it by at most a factor 2 times the averaging weight, as the parts')
+            ratio = min(max(total / priced[2], 0.5), 2.0)
+            self._fix[shape.key] = _ema(self._fix.get(shape.key, 1.0), ratio,
+                                        self.costs.alpha if type(self.costs) is CostModel else 0.1)
 
 
 _STATE_VERSION = 1
