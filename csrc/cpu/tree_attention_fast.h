@@ -326,7 +326,8 @@ void attend_fast(const Params& p, int64_t b, int64_t hkv, int64_t key_begin, int
       }
     }
   }
-  if constexpr (kWiden) sc.vf.resize(Tk * D);
+  if constexpr (kWiden)
+    if (!v_in_place) sc.vf.resize(Tk * D);  // (the widened copy of a tile's V rows)
   if constexpr (B) {
     sc.vp.resize(Tk / 2 * D);
     sc.ph.resize(rb_max * Tk);
@@ -497,7 +498,7 @@ void attend_fast(const Params& p, int64_t b, int64_t hkv, int64_t key_begin, int
 // reductions). Tail tiles take each key's visible rows as lane bits. bf16 / fp16: K rows widened
 // to fp32 once per tile, V rows as the P * V micro-kernel reads them.
 constexpr int64_t kKeyRowChunk = 64;  // attend_keys: the most query rows of a KV head (a multiple of every L)
-constexpr int64_t kKeysMinRows = 8;   // attend_items_fast: KV heads of fewer rows may skip attend_keys
+constexpr int64_t kKeysMinRows = 8;   // attend_items_fast: KV heads of at most this many rows may skip attend_keys
 
 template <class T>
 void attend_keys(const Params& p, int64_t b, int64_t hkv, int64_t key_begin, int64_t key_end, const TreeSpan& span,

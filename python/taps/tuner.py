@@ -1227,15 +1227,14 @@ class Tuner:
             + sum(self.costs.start(g, t, batch) for g, t, _ in starts)
         self.costs.observe(shape.key, batch, total, predicted, parts, appends)
         priced = self._priced
-        if priced is not None and priced[0] == shape and priced[1] == batch and priced[2] > 0 and self._learns_fix():
+        if priced is not None and priced[0] == shape and priced[1] == batch and priced[2] > 0:  # (set where it learns)
             # the step against what its kind was priced at when chosen: the parts' corrections leave some of a
             # step out of every part (at batch 8 a prompt-lookup tree's forward priced at its mean nodes, a
             # residual that tracks the median of a skewed distribution: its kinds were priced 20-50% below
             # what their steps took, and chosen where they lost); each kind's price is scaled by its running
             # ratio (each step moves it by at most a factor 2 times the averaging weight, as the parts')
             ratio = min(max(total / priced[2], 0.5), 2.0)
-            self._fix[shape.key] = _ema(self._fix.get(shape.key, 1.0), ratio,
-                                        self.costs.alpha if type(self.costs) is CostModel else 0.1)
+            self._fix[shape.key] = _ema(self._fix.get(shape.key, 1.0), ratio, self.costs.alpha)
 
 
 _STATE_VERSION = 1
