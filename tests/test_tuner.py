@@ -8,6 +8,9 @@ calibration and online correction, the acceptance model and the catch-up of skip
 are tested on injected numbers.
 """
 
+import itertools
+import math
+import operator
 import random
 
 import pytest
@@ -330,8 +333,72 @@ def test_reach_is_the_product_of_the_rates():
                             rate = min(1.0, rate + (1.0 + m.trials(key, b, d)) ** -0.5)
                         p *= rate
                         want.append(p)
-                    m._memo.clear()
+                    m._forget()
                     assert m._reach(key, b, cap, optimistic)[:cap] == pytest.approx(want, rel=1e-12, abs=0)
+
+
+def _reference_expected(m, key, b, cap, optimistic):
+    """AcceptanceModel.expected as its docstring defines it, one request and kind at a time, from rate() and
+    trials() (the model computes every kind, request and depth at once, in arrays)."""
+    def rates(k, opt):
+        out = []
+        for d in range(1, cap + 1):
+            rate = m.rate(k, b, d)
+            out.append(min(1.0, rate + 1.0 / math.sqrt(1.0 + m.trials(k, b, d))) if opt else rate)
+        return out
+
+    def reach(k, opt):
+        return list(itertools.accumulate(rates(k, opt), operator.mul))
+
+    drafters, budget = key
+    own = reach(key, optimistic)
+    ceiling, floors = [1.0] * cap, []
+    last = m._last.get(key, -1)
+    for other in m.pooled if budget is not None else ():
+        if other[0] != drafters or other[1] is None or m._last.get(other, -1) <= last:
+            continue
+        if other[1] > budget:
+            ceiling = [min(p, q) for p, q in zip(ceiling, reach(other, optimistic))]
+        elif other[1] < budget:
+            floors.append(reach(other, False))
+    values = [min(p, q) for p, q in zip(own, ceiling)]
+    for floor in floors:
+        values = [max(p, q) for p, q in zip(values, floor)]
+    if floors:  # past a floor, each depth keeps this kind's own rate of going on from the depth above
+        chained, above = [], 1.0
+        for p, rate, c in zip(values, rates(key, optimistic), ceiling):
+            above = max(p, min(above * rate, c))
+            chained.append(above)
+        values = chained
+    return sum(values)
+
+
+def test_expected_equals_its_definition_one_request_and_kind_at_a_time():
+    """The arrays over kinds, requests and depths give what the definition gives for each alone (ceilings from
+    wider kinds observed since, floors from narrower ones and the chained rates past them; kinds without a
+    budget unbounded; requests with and without counts, rows dropped and added), to the last bit."""
+    rng = random.Random(11)
+    kinds = [((0,), 2), ((0,), 3), ((0,), 4), ((0,), 8), ((0,), 16), ((0,), None), ((1,), 8), ((0, 1), 16)]
+    for trial in range(30):
+        m = AcceptanceModel(prior_rate=rng.choice([0.3, 0.5, 0.9]), pooled_weight=rng.choice([0.5, 2.0]))
+        m.horizon = rng.randint(1, 4)
+        m.reset(rng.randint(1, 5))
+        for step in range(rng.randrange(0, 60)):
+            batch = len(m.requests)
+            m.observe(rng.choice(kinds), [rng.choice([None, 0, 0, 1, 2, 3, 5, 9]) for _ in range(batch)],
+                      rng.randint(1, 8))
+            if rng.random() < 0.1 and batch > 1:
+                m.select_requests(sorted(rng.sample(range(batch), rng.randint(1, batch))))
+            if rng.random() < 0.1:
+                m.add_requests(rng.randint(1, 2))
+            if rng.random() < 0.3:  # values asked between observations (kept until the next one)
+                m.expected(rng.choice(kinds), rng.randrange(len(m.requests) + 1), rng.randint(1, 9))
+        for key in kinds:
+            for b in range(len(m.requests) + 1):  # the last: a request the model has no row for
+                for optimistic in (False, True):
+                    cap = rng.randint(1, 10)
+                    assert m.expected(key, b, cap, optimistic) == _reference_expected(m, key, b, cap, optimistic), \
+                        (trial, key, b, cap, optimistic)
 
 
 def test_probes_back_off():
@@ -1227,7 +1294,7 @@ def test_totals_equal_the_sum_of_each_requests_expectation_through_observations_
             kind, cap, optimistic = rng.choice(kinds), rng.randint(1, 3), rng.random() < 0.5
             got = model.total(kind, rows, cap, optimistic)
             fresh = copy.deepcopy(model)
-            fresh._memo.clear()
+            fresh._forget()
             want = sum(1.0 + fresh.expected(kind, b, cap, optimistic) for b in rows)
             assert got == want, (step, kind, rows, cap, optimistic)
 
@@ -1411,3 +1478,24 @@ def test_a_kind_is_priced_at_what_its_steps_take():
     shape = fixed.plan([(0,)], lambda g, d: d, [0], [0], 1, 1, 4)
     fixed.observe(shape, [1], 1, 2.0, 1, 1.0, {}, [])
     assert fixed._fix == {} and fixed._priced is None
+
+
+def test_a_forward_is_priced_at_least_at_what_fewer_nodes_are():
+    """CostModel.forward: a node count's own prediction, or the most any calibrated smaller count is predicted at
+    (each count's online scale moves on its own), whatever the scales and however often it is asked; over the
+    calibrated counts, never less for more nodes."""
+    rng = random.Random(5)
+    for _ in range(20):
+        costs = CostModel()
+        grid = sorted(rng.sample(range(1, 40), rng.randint(1, 8)))
+        for batch in (1, 4):
+            costs.set_forward(batch, [(n, batch * (1e-4 + 2e-5 * n) * rng.uniform(0.8, 1.2)) for n in grid])
+        for _ in range(3):
+            for n in grid:
+                costs.scale[("forward", 1, n)] = rng.uniform(0.5, 2.0)
+            costs._forward_memo.clear()  # (as an observation that moves a scale does)
+            asked = [rng.choice([rng.uniform(1, 45), float(rng.randint(1, 45))]) for _ in range(30)]
+            for nodes in asked + asked:
+                want = max([costs.forward_part(nodes, 1)] + [costs.forward_part(n, 1) for n in grid if n < nodes])
+                assert costs.forward(nodes, 1) == want
+            assert all(costs.forward(a, 1) <= costs.forward(b, 1) for a, b in zip(grid, grid[1:]))

@@ -49,12 +49,15 @@ starts then, on every token before it, priced by the starts measured so far: :me
 
 from __future__ import annotations
 
+import bisect
 import copy
 import itertools
 import time
 import weakref
 from dataclasses import dataclass, field
 from typing import Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple
+
+import numpy as np
 
 
 __all__ = ["Shape", "CostModel", "FixedCosts", "AcceptanceModel", "Tuner", "NONE", "DRAWN"]
@@ -251,18 +254,23 @@ class CostModel:
         and a count seldom run keeps a scale from another moment of the machine; a tree never costs less
         than a smaller one, nor a draft's forward less than a plain step's). Kept until a measurement moves a
         scale (a plan asks for the same node counts many times)."""
-        seconds = self._forward_memo.get((nodes, batch))
+        memo = self._forward_memo
+        seconds = memo.get((nodes, batch))
         if seconds is not None:
             return seconds
-        grid = self.forward_points.get(batch) or next(iter(self.forward_points.values()), ())
+        floors = memo.get(("floors", batch))
+        if floors is None:  # the calibrated node counts, and the most any of them up to each is predicted at
+            grid = [n for n, _ in self.forward_points.get(batch) or next(iter(self.forward_points.values()), ())]
+            floors = memo[("floors", batch)] = (grid, list(itertools.accumulate(
+                (self.forward_part(n, batch) for n in grid), max)))
+        grid, most = floors
         seconds = self.forward_part(nodes, batch)
-        for n, _ in grid:
-            if n >= nodes:
-                break
-            seconds = max(seconds, self.forward_part(n, batch))
-        if len(self._forward_memo) > 4096:
-            self._forward_memo.clear()
-        self._forward_memo[(nodes, batch)] = seconds
+        below = bisect.bisect_left(grid, nodes)  # the calibrated counts below `nodes`
+        if below:
+            seconds = max(seconds, most[below - 1])
+        if len(memo) > 4096:
+            memo.clear()
+        memo[(nodes, batch)] = seconds
         return seconds
 
     def forward_part(self, nodes: float, batch: int) -> float:
@@ -436,6 +444,24 @@ class _Counts:
         self.hits = [h * factor for h in self.hits]
 
 
+class _Table:
+    """:meth:`AcceptanceModel._table`: per kind (its index in ``kinds``), request row and depth, the bounded
+    E[accepted] running sums (nested lists) and the own reach (an array), for the estimate (``[0]``) and the
+    optimistic one (``[1]``); ``rows``: each request position's row (a request past them has the pooled values: the
+    last row)."""
+
+    __slots__ = ("kinds", "depth", "pooled_row", "rows", "sums", "reach")
+
+    def __init__(self, kinds: Dict[tuple, int], depth: int, batch: int, sums: list, reach: np.ndarray):
+        self.kinds, self.depth, self.pooled_row = kinds, depth, batch
+        self.rows = list(range(batch))
+        self.sums, self.reach = sums, reach
+
+    def row(self, b: int) -> int:
+        rows = self.rows
+        return rows[b] if 0 <= b < len(rows) else self.pooled_row
+
+
 class AcceptanceModel:
     """Running acceptance rates per draft kind and depth, per request, with a prior (see the module
     docstring).
@@ -454,11 +480,13 @@ class AcceptanceModel:
         self.pooled_weight, self.decay, self.own_decay = pooled_weight, decay, own_decay
         self.pooled: Dict[tuple, _Counts] = {}
         self.requests: List[Dict[tuple, _Counts]] = []
-        self._memo: Dict[tuple, dict] = {}  # per kind: what an observation of it changes
+        self._memo: Dict[tuple, dict] = {}  # per kind: its totals and each request's value, until observed
+        self._tables: Dict[tuple, _Table] = {}  # per set of drafters: every value of its kinds (_table)
+        self._asked: Dict[tuple, set] = {}  # per set of drafters: the kinds values were asked for
         self._last: Dict[tuple, int] = {}  # per kind: when it was last observed (counts observations)
         self._observations = 0
-        #: the depth every per-kind list is computed to at least (the tuner sets the decoder's depth: a
-        #: plan asks for every depth of a kind, and each list is then computed once, not once per depth)
+        #: the depth the values are computed to at least (the tuner sets the deepest a plan asks for: they are
+        #: then computed once, not once per depth)
         self.horizon = 1
 
     def state_dict(self) -> dict:
@@ -469,19 +497,21 @@ class AcceptanceModel:
     def load_state_dict(self, state: dict) -> None:
         self.pooled = {k: _Counts(list(t), list(h)) for k, (t, h) in state["pooled"].items()}
         self._last, self._observations = dict(state["last"]), int(state["observations"])
-        self._memo.clear()
+        self._forget()
 
     def reset(self, batch: int) -> None:
-        """Start a batch of requests (the pooled counts stay, and what was computed from them alone: a new
-        request's values are the pooled ones until it has counts of its own)."""
+        """Start a batch of requests (the pooled counts stay; every value is computed afresh)."""
         self.requests = [{} for _ in range(batch)]
-        for key, kind in self._memo.items():
-            self._memo[key] = {memo: value for memo, value in kind.items()
-                               if memo[0] in ("bounded", "reach", "depths") and memo[1] == -1}
+        self._forget()
+
+    def _forget(self) -> None:
+        """Drop every value computed from the counts."""
+        self._memo.clear()
+        self._tables.clear()
 
     def add_requests(self, count: int) -> None:
-        """`count` requests join the batch after the running ones (from the pooled rates; what is kept of the
-        running ones' stays: the new positions have none yet)."""
+        """`count` requests join the batch after the running ones (from the pooled rates: they have no counts
+        yet, and the kept tables give a request past their rows the pooled values)."""
         self.requests += [{} for _ in range(count)]
 
     def select_requests(self, keep: Sequence[int]) -> None:
@@ -489,20 +519,12 @@ class AcceptanceModel:
         their new positions (a server's batch changes every few steps; its requests' counts do not)."""
         self.requests = [self.requests[b] for b in keep]
         where = {old: new for new, old in enumerate(keep)}
+        for table in self._tables.values():
+            table.rows = [table.row(b) for b in keep]
         for key, kind in self._memo.items():
-            moved = {}
-            for memo, value in kind.items():
-                tag = memo[0]
-                if tag == "per request":
-                    moved[memo] = {where[b]: v for b, v in value.items() if b in where}
-                elif tag in ("bounded", "reach", "depths"):
-                    b = memo[1]
-                    if b < 0:  # ("reach" / "depths", -1, ...): the pooled rates', shared
-                        moved[memo] = value
-                    elif b in where:
-                        moved[(tag, where[b]) + memo[2:]] = value
-                # (a sum over rows, keyed by the rows: dropped)
-            self._memo[key] = moved
+            # each request's value under its new position (a sum over rows, keyed by the rows: dropped)
+            self._memo[key] = {memo: {where[b]: v for b, v in value.items() if b in where}
+                               for memo, value in kind.items() if memo[0] == "per request"}
 
     def rate(self, key: tuple, b: int, d: int) -> float:
         """P(accepted >= d | accepted >= d - 1) for request b."""
@@ -513,9 +535,9 @@ class AcceptanceModel:
         return self._depths(key, b, d)[d - 1][1]
 
     def _depths(self, key: tuple, b: int, cap: int) -> List[Tuple[float, float]]:
-        """(rate, trials) of request b at depths 1 .. cap, in one pass over the counts: the request's own
-        counts with the pooled rate as a prior of ``pooled_weight`` trials, the pooled rate drawn towards
-        ``prior_rate`` with ``prior_weight``."""
+        """(rate, trials) of request b at depths 1 .. cap: the request's own counts with the pooled rate as a
+        prior of ``pooled_weight`` trials, the pooled rate drawn towards ``prior_rate`` with ``prior_weight``
+        (:meth:`_table` computes the same for every request and kind at once)."""
         pooled = self.pooled.get(key)
         own = self.requests[b].get(key) if b < len(self.requests) else None
         pt, ph = (pooled.trials, pooled.hits) if pooled is not None else ((), ())
@@ -533,79 +555,98 @@ class AcceptanceModel:
         1 / sqrt(1 + its trials) (an upper confidence bound: what a kind could still turn out to give).
         Each P(accepted >= d) is at most that of any kind of the same drafters with a larger node budget
         observed since this one was (whose tree holds this one's best nodes: what it did not accept, this one
-        would not have either), so that the widest tree's steps speak for the narrower kinds too; and at least
-        the estimate (not the optimistic one) of any narrower kind observed since this one was (what it
-        accepted, this tree would have too), so that a narrow tree's steps speak for the wider kinds. Steps
-        older than this kind's own speak only for it (acceptance moves with the text)."""
+        would not have either), and at least the estimate (not the optimistic one) of any narrower kind
+        observed since this one was (what it accepted, this tree would have too), so that the widest tree's
+        steps speak for the narrower kinds and a narrow tree's for the wider ones; past such a floor each
+        depth keeps this kind's own rate of going on from the depth above (P(>= d) = P(>= d - 1)
+        P(>= d | >= d - 1): a narrower tree's steps that lift its first levels lift the deeper ones in
+        proportion; a deep prompt-lookup chain is otherwise valued at its own old steps once narrower ones are
+        chosen, and never chosen again). Steps older than this kind's own speak only for it (acceptance moves
+        with the text: a drafter good on the last topic may fail on this one)."""
         if cap <= 0:
             return 0.0
-        return self._bounded(key, b, cap, optimistic)[cap - 1]
-
-    def _bounded(self, key: tuple, b: int, cap: int, optimistic: bool) -> List[float]:
-        """E[accepted] of request b for the depths 1 .. cap (or more): the running sums of P(accepted >=
-        d), each bounded by the wider and the narrower observed kinds' (see :meth:`expected`); computed once
-        per kind and request until an observation of the kind's drafters (a plan asks for every depth of a
-        kind)."""
-        # a request without counts of its own for any kind of these drafters has the pooled values: one list
-        # for all of them (-1), kept across batches until an observation of these drafters
-        own = b < len(self.requests) and any(k[0] == key[0] for k in self.requests[b])
-        memo = ("bounded", b if own else -1, optimistic)
-        kind = self._memo.setdefault(key, {})
-        sums = kind.get(memo)
-        if sums is None or len(sums) < cap:
-            cap = max(cap, self.horizon)
-            own = reach = self._reach(key, b, cap, optimistic)[:cap]
-            ceiling = [1.0] * len(reach)
-            drafters, budget = key
-            narrower = []
-            last = self._last.get(key, -1)
-            for other in self.pooled if budget is not None else ():
-                # only kinds observed since this one was bound it: a drafter's acceptance moves with the text
-                # (one good on the last topic may fail on this one), so an older step speaks for no other kind
-                if other[0] != drafters or other[1] is None or self._last.get(other, -1) <= last:
-                    continue
-                if other[1] > budget:  # a ceiling (what the wider tree did not accept, this one would not have)
-                    ceiling = [min(p, q) for p, q in zip(ceiling, self._reach(other, b, cap, optimistic))]
-                elif other[1] < budget:  # a floor (what the narrower tree accepted, this one would have too)
-                    narrower.append(other)
-            reach = [min(p, q) for p, q in zip(reach, ceiling)]
-            for other in narrower:
-                reach = [max(p, q) for p, q in zip(reach, self._reach(other, b, cap, False))]
-            if narrower:
-                # past a floor, each depth keeps this kind's own rate of going on from the depth above
-                # (P(>= d) = P(>= d - 1) P(>= d | >= d - 1)): a narrower tree's steps that lift its first
-                # levels lift the deeper ones in proportion (a deep prompt-lookup chain is otherwise valued
-                # at its own old steps once narrower ones are chosen, and never chosen again)
-                chained, above, above_own = [], 1.0, 1.0
-                for p, q, c in zip(reach, own, ceiling):
-                    p = max(p, min(above * (q / above_own if above_own > 0 else 0.0), c))
-                    chained.append(p)
-                    above, above_own = p, q
-                reach = chained
-            sums = kind[memo] = list(itertools.accumulate(reach))
-        return sums
+        table = self._table(key, cap)
+        return table.sums[optimistic][table.kinds[key]][table.row(b)][cap - 1]
 
     def _reach(self, key: tuple, b: int, cap: int, optimistic: bool) -> List[float]:
         """P(accepted >= d) of request b for d = 1 .. cap (or more) from kind `key`'s own rates (at their
-        upper confidence bound when ``optimistic``): one list for every cap, shared by the requests with
-        no counts of their own for the kind (their rates are the pooled ones)."""
-        own = b < len(self.requests) and key in self.requests[b]
-        memo = ("reach", b if own else -1, optimistic)
-        kind = self._memo.setdefault(key, {})
-        reach = kind.get(memo)
-        if reach is None or len(reach) < cap:
-            cap = max(cap, self.horizon)
-            depths = kind.get(("depths", memo[1]))
-            if depths is None or len(depths) < cap:
-                depths = kind[("depths", memo[1])] = self._depths(key, b, cap)
-            reach, p = [], 1.0
-            for rate, trials in depths:
-                if optimistic:
-                    rate = min(1.0, rate + (1.0 + trials) ** -0.5)
-                p *= rate
-                reach.append(p)
-            kind[memo] = reach
-        return reach
+        upper confidence bound when ``optimistic``), before any other kind bounds them."""
+        table = self._table(key, cap)
+        return table.reach[int(optimistic), table.kinds[key], table.row(b)].tolist()
+
+    def _table(self, key: tuple, cap: int) -> "_Table":
+        """The values of every kind of `key`'s drafters, every request and both estimates, to depth `cap`
+        at least (the tuner's depth: a plan asks for every depth of every kind); computed at once, in arrays
+        over (kind, request, depth), until an observation of these drafters or a new batch."""
+        drafters = key[0]
+        table = self._tables.get(drafters)
+        if table is None or key not in table.kinds or table.depth < cap:
+            # every kind of these drafters asked for so far (a plan asks for all of them, most before they
+            # are observed), to the deepest depth asked for so far
+            asked = self._asked.setdefault(drafters, set())
+            asked.add(key)
+            depth = max(cap, self.horizon, table.depth if table is not None else 0)
+            table = self._tables[drafters] = self._build(drafters, asked, depth)
+        return table
+
+    def _build(self, drafters: tuple, asked, depth: int) -> "_Table":
+        """:meth:`_table`'s arrays: (rate, trials) as :meth:`_depths`, the rates' running products (own
+        reach), each kind bounded by the others of these drafters observed since it was (ceilings from the
+        wider ones, floors from the narrower ones, see :meth:`expected`), their running sums."""
+        kinds = list(dict.fromkeys([k for k in self.pooled if k[0] == drafters] + sorted(asked, key=repr)))
+        requests = self.requests
+        batch = len(requests)
+        zeros = [0.0] * depth
+        none = (zeros, zeros)
+
+        def padded(counts):
+            if counts is None:
+                return none
+            n = len(counts.trials)
+            if n >= depth:
+                return counts.trials[:depth], counts.hits[:depth]
+            return counts.trials + zeros[n:], counts.hits + zeros[n:]
+
+        # [kind, row, trials / hits, depth]: rows 0 .. B - 1 the requests' own counts, B none (a request without
+        # counts of its own), B + 1 the pooled counts
+        counts = np.array([[padded(own.get(k)) for own in requests] + [none, padded(self.pooled.get(k))]
+                           for k in kinds], dtype=np.float64)
+        ot, oh = counts[:, :batch + 1, 0], counts[:, :batch + 1, 1]
+        pt, ph = counts[:, batch + 1:, 0], counts[:, batch + 1:, 1]  # [K, 1, D]
+        prior = (ph + self.prior_weight * self.prior_rate) / (pt + self.prior_weight)
+        rate = (oh + self.pooled_weight * prior) / (ot + self.pooled_weight)  # [K, B + 1, D]
+        trials = pt + ot
+        rates = np.stack([rate, np.minimum(1.0, rate + 1.0 / np.sqrt(1.0 + trials))])  # [estimate, optimistic]
+        own = np.cumprod(rates, axis=-1)  # [2, K, B + 1, D]
+        # which kinds bound which (only those observed since, and only kinds with a budget)
+        budget = np.array([np.nan if k[1] is None else float(k[1]) for k in kinds])
+        last = np.array([self._last.get(k, -1) for k in kinds], dtype=np.float64)
+        pooled = np.array([k in self.pooled for k in kinds])
+        since = pooled[None, :] & (last[None, :] > last[:, None])  # [i, j]: j observed since i was
+        wider = since & (budget[None, :] > budget[:, None])  # (nan compares false: no budget, no bound)
+        narrower = since & (budget[None, :] < budget[:, None])
+        ceiling = np.where(wider[None, :, :, None, None], own[:, None], 1.0).min(axis=2)
+        reach = np.minimum(own, ceiling)
+        floored = np.flatnonzero(narrower.any(axis=1))
+        if len(floored):
+            floor = np.where(narrower[floored][:, :, None, None], own[0][None], 0.0).max(axis=1)
+            # past a floor, each depth keeps the kind's own rate of going on from the depth above:
+            # P(>= d) = max(its bounds' value, min(P(>= d - 1) * rate(d), ceiling(d)))
+            # (depth first: each step of the recurrence reads and writes contiguous rows)
+            bounded = np.ascontiguousarray(np.moveaxis(np.maximum(reach[:, floored], floor[None]), -1, 0))
+            going = np.ascontiguousarray(np.moveaxis(rates[:, floored], -1, 0))
+            top = np.ascontiguousarray(np.moveaxis(ceiling[:, floored], -1, 0))
+            chained = np.empty_like(bounded)
+            above = np.ones(bounded.shape[1:])
+            for d in range(depth):
+                p = chained[d]
+                np.multiply(above, going[d], out=p)
+                np.minimum(p, top[d], out=p)
+                np.maximum(p, bounded[d], out=p)
+                above = p
+            reach[:, floored] = np.moveaxis(chained, 0, -1)
+        sums = np.cumsum(reach, axis=-1)
+        return _Table({k: i for i, k in enumerate(kinds)}, depth, batch, sums.tolist(), own)
 
     def probe_depth(self, key: tuple) -> int:
         """How deep a probe of kind `key` goes, at most, once it was tried: two levels past the deepest level
@@ -644,9 +685,14 @@ class AcceptanceModel:
         per = kind.get(("per request", cap, optimistic))
         if per is None:
             per = kind[("per request", cap, optimistic)] = {}
-        for b in rows:
-            if b not in per:
-                per[b] = 1.0 + self.expected(key, b, cap, optimistic)
+        missing = [b for b in rows if b not in per]
+        if missing:
+            if cap <= 0:
+                per.update((b, 1.0) for b in missing)
+            else:  # (expected's values, read from the table once)
+                table = self._table(key, cap)
+                sums, row = table.sums[optimistic][table.kinds[key]], table.row
+                per.update((b, 1.0 + sums[row(b)][cap - 1]) for b in missing)
         return per
 
     def observe(self, key: tuple, accepted: Sequence[Optional[int]], cap: int) -> None:
@@ -663,9 +709,10 @@ class AcceptanceModel:
             own = self.requests[b].setdefault(key, _Counts())
             own.scale(self.own_decay)
             own.add(a, cap)
-        # the values of the narrower kinds of these drafters are bounded by this kind's
+        # the values of the other kinds of these drafters are bounded by this kind's
         for other in [k for k in self._memo if k[0] == key[0]]:
             del self._memo[other]
+        self._tables.pop(key[0], None)
 
 
 class Tuner:
@@ -877,7 +924,7 @@ class Tuner:
         self._modes = {}
         for mode, values in state["modes"].items():
             model = copy.copy(template)  # (its settings; its own requests and memo, load_state_dict the rest)
-            model.requests, model._memo = [], {}
+            model.requests, model._memo, model._tables, model._asked = [], {}, {}, {}
             model.load_state_dict(values)
             self._modes[bool(mode)] = model
         if False not in self._modes:
@@ -984,7 +1031,6 @@ class Tuner:
             if not single:
                 idle = idle | set(_idle(ready))
         free = None if ready is None else tuple(r is not None for r in ready)
-        self.acceptance.horizon = depth
         drawn = frozenset(drawn)
         memo = (groups, depth, budget, single, tuple(active), batch, drawn, drawn_only, free)
         last, cached = self._last_draft, self._plan_memo
@@ -1020,6 +1066,7 @@ class Tuner:
             rows, acceptance = tuple(active), self.acceptance
             # the parts shapes share, each computed once: a group's depth cap and expansion per depth
             cap_of = {(g, d): caps(position[g], d) for g in groups for d in range(1, depth + 1)}
+            acceptance.horizon = max([depth] + [min(budget - 1, c) for c in cap_of.values()])
             draft_of = {(g, d): costs.draft(g, d, batch) for g in groups for d in range(1, depth + 1)}
             most = None if candidates is None else {(g, d): candidates(position[g], d) for g in groups
                                                     for d in range(1, depth + 1)}
