@@ -359,8 +359,9 @@ def _reference_expected(m, key, b, cap, optimistic):
             continue
         if other[1] > budget:
             ceiling = [min(p, q) for p, q in zip(ceiling, reach(other, optimistic))]
-        elif other[1] < budget:
-            floors.append(reach(other, False))
+        elif other[1] < budget:  # at the depths its trees reached
+            reached = len(m.pooled[other].trials)
+            floors.append([p if d < reached else 0.0 for d, p in enumerate(reach(other, False))])
     values = [min(p, q) for p, q in zip(own, ceiling)]
     for floor in floors:
         values = [max(p, q) for p, q in zip(values, floor)]
@@ -375,7 +376,8 @@ def _reference_expected(m, key, b, cap, optimistic):
 
 def test_expected_equals_its_definition_one_request_and_kind_at_a_time():
     """The arrays over kinds, requests and depths give what the definition gives for each alone (ceilings from
-    wider kinds observed since, floors from narrower ones and the chained rates past them; kinds without a
+    wider kinds observed since, floors from narrower ones at the depths they reached and the chained rates past
+    them; kinds without a
     budget unbounded; requests with and without counts, rows dropped and added), to the last bit."""
     rng = random.Random(11)
     kinds = [((0,), 2), ((0,), 3), ((0,), 4), ((0,), 8), ((0,), 16), ((0,), None), ((1,), 8), ((0, 1), 16)]
@@ -597,10 +599,10 @@ def test_past_a_floor_a_wider_kind_keeps_its_own_rate_of_going_on():
     own = acc._reach(wide, 0, 15, False)
     for _ in range(6):
         acc.observe(narrow, [7], 7)  # its first seven levels accepted since
-    floor = acc._reach(narrow, 0, 15, False)
+    floor = acc._reach(narrow, 0, 15, False)[:7]  # (a floor at the depths its trees reached)
     want, above, above_own = 0.0, 1.0, 1.0
     for d in range(15):
-        p = max(own[d], floor[d], above * own[d] / above_own)
+        p = max(own[d], floor[d] if d < 7 else 0.0, above * own[d] / above_own)
         want, above, above_own = want + p, p, own[d]
     assert acc.expected(wide, 0, 15) == pytest.approx(want)
     assert acc.expected(wide, 0, 15) > max(alone, acc.expected(narrow, 0, 7)) + 1.0

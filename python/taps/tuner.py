@@ -467,7 +467,12 @@ class AcceptanceModel:
     docstring).
 
     Args:
-        prior_rate, prior_weight: the rate every depth starts from, and its weight in trials.
+        prior_rate, prior_weight: the rate the first depth starts from, and its weight in trials; with
+            ``chain_prior`` each deeper depth's pooled rate is drawn towards the pooled rate of the depth above
+            instead (a drafter that went on at one depth goes on at the next at about that rate: drawn
+            towards 0.5 each, the deep levels of a prompt-lookup chain, a few trials each, were valued at
+            (10.5 / 11) ** 10 = 0.63 of what ten levels accepted every time give, and its chains lost to
+            shallow ones), else towards ``prior_rate`` too.
         pooled_weight: weight (in trials) of the pooled rate in a request's own.
         decay: factor applied to the pooled counts of a kind at each of its observations.
         own_decay: the same for a request's own counts (a drafter's acceptance moves with the text: one that
@@ -475,8 +480,8 @@ class AcceptanceModel:
     """
 
     def __init__(self, prior_rate: float = 0.5, prior_weight: float = 1.0, pooled_weight: float = 2.0,
-                 decay: float = 0.98, own_decay: float = 0.95):
-        self.prior_rate, self.prior_weight = prior_rate, prior_weight
+                 decay: float = 0.98, own_decay: float = 0.95, chain_prior: bool = True):
+        self.prior_rate, self.prior_weight, self.chain_prior = prior_rate, prior_weight, bool(chain_prior)
         self.pooled_weight, self.decay, self.own_decay = pooled_weight, decay, own_decay
         self.pooled: Dict[tuple, _Counts] = {}
         self.requests: List[Dict[tuple, _Counts]] = []
@@ -543,11 +548,25 @@ class AcceptanceModel:
         pt, ph = (pooled.trials, pooled.hits) if pooled is not None else ((), ())
         ot, oh = (own.trials, own.hits) if own is not None else ((), ())
         out = []
+        priors = self._pooled_rates(pooled, cap)
+        for i in range(cap):
+            t0 = pt[i] if i < len(pt) else 0.0
+            t1, h1 = (ot[i], oh[i]) if i < len(ot) else (0.0, 0.0)
+            out.append(((h1 + self.pooled_weight * priors[i]) / (t1 + self.pooled_weight), t0 + t1))
+        return out
+
+    def _pooled_rates(self, pooled: Optional[_Counts], cap: int) -> List[float]:
+        """The pooled rates at depths 1 .. cap: each depth's pooled counts with a prior of ``prior_weight``
+        trials at ``prior_rate`` for the first depth and, with ``chain_prior``, at the pooled rate of the
+        depth above for the deeper ones."""
+        pt, ph = (pooled.trials, pooled.hits) if pooled is not None else ((), ())
+        weight, above, out = self.prior_weight, self.prior_rate, []
         for i in range(cap):
             t0, h0 = (pt[i], ph[i]) if i < len(pt) else (0.0, 0.0)
-            t1, h1 = (ot[i], oh[i]) if i < len(ot) else (0.0, 0.0)
-            prior = (h0 + self.prior_weight * self.prior_rate) / (t0 + self.prior_weight)
-            out.append(((h1 + self.pooled_weight * prior) / (t1 + self.pooled_weight), t0 + t1))
+            rate = (h0 + weight * above) / (t0 + weight)
+            out.append(rate)
+            if self.chain_prior:
+                above = rate
         return out
 
     def expected(self, key: tuple, b: int, cap: int, optimistic: bool = False) -> float:
@@ -556,7 +575,8 @@ class AcceptanceModel:
         Each P(accepted >= d) is at most that of any kind of the same drafters with a larger node budget
         observed since this one was (whose tree holds this one's best nodes: what it did not accept, this one
         would not have either), and at least the estimate (not the optimistic one) of any narrower kind
-        observed since this one was (what it accepted, this tree would have too), so that the widest tree's
+        observed since this one was, at the depths its trees reached (what it accepted, this tree would have
+        too), so that the widest tree's
         steps speak for the narrower kinds and a narrow tree's for the wider ones; past such a floor each
         depth keeps this kind's own rate of going on from the depth above (P(>= d) = P(>= d - 1)
         P(>= d | >= d - 1): a narrower tree's steps that lift its first levels lift the deeper ones in
@@ -612,8 +632,8 @@ class AcceptanceModel:
         counts = np.array([[padded(own.get(k)) for own in requests] + [none, padded(self.pooled.get(k))]
                            for k in kinds], dtype=np.float64)
         ot, oh = counts[:, :batch + 1, 0], counts[:, :batch + 1, 1]
-        pt, ph = counts[:, batch + 1:, 0], counts[:, batch + 1:, 1]  # [K, 1, D]
-        prior = (ph + self.prior_weight * self.prior_rate) / (pt + self.prior_weight)
+        pt = counts[:, batch + 1:, 0]  # [K, 1, D]
+        prior = np.array([self._pooled_rates(self.pooled.get(k), depth) for k in kinds])[:, None, :]
         rate = (oh + self.pooled_weight * prior) / (ot + self.pooled_weight)  # [K, B + 1, D]
         trials = pt + ot
         rates = np.stack([rate, np.minimum(1.0, rate + 1.0 / np.sqrt(1.0 + trials))])  # [estimate, optimistic]
@@ -629,7 +649,12 @@ class AcceptanceModel:
         reach = np.minimum(own, ceiling)
         floored = np.flatnonzero(narrower.any(axis=1))
         if len(floored):
-            floor = np.where(narrower[floored][:, :, None, None], own[0][None], 0.0).max(axis=1)
+            # (a narrower kind is a floor at the depths its trees reached only: past them its values are the
+            # prior's extrapolation, and it accepted nothing there)
+            reached = np.array([len(self.pooled[k].trials) if k in self.pooled else 0 for k in kinds])
+            within = np.arange(depth)[None, :] < reached[:, None]  # [K, D]
+            floor = np.where(narrower[floored][:, :, None, None] & within[None, :, None, :], own[0][None],
+                             0.0).max(axis=1)
             # past a floor, each depth keeps the kind's own rate of going on from the depth above:
             # P(>= d) = max(its bounds' value, min(P(>= d - 1) * rate(d), ceiling(d)))
             # (depth first: each step of the recurrence reads and writes contiguous rows)
