@@ -378,7 +378,7 @@ def test_expected_equals_its_definition_one_request_and_kind_at_a_time():
     """The arrays over kinds, requests and depths give what the definition gives for each alone (ceilings from
     wider kinds observed since, floors from narrower ones at the depths they reached and the chained rates past
     them; kinds without a
-    budget unbounded; requests with and without counts, rows dropped and added), to the last bit."""
+    budget unbounded; requests with and without counts, rows dropped and added, new batches), to the last bit."""
     rng = random.Random(11)
     kinds = [((0,), 2), ((0,), 3), ((0,), 4), ((0,), 8), ((0,), 16), ((0,), None), ((1,), 8), ((0, 1), 16)]
     for trial in range(30):
@@ -393,8 +393,16 @@ def test_expected_equals_its_definition_one_request_and_kind_at_a_time():
                 m.select_requests(sorted(rng.sample(range(batch), rng.randint(1, batch))))
             if rng.random() < 0.1:
                 m.add_requests(rng.randint(1, 2))
+            if rng.random() < 0.05:  # a new batch: the pooled values kept
+                m.expected(rng.choice(kinds), 0, rng.randint(1, 9))
+                m.reset(rng.randint(1, 5))
             if rng.random() < 0.3:  # values asked between observations (kept until the next one)
                 m.expected(rng.choice(kinds), rng.randrange(len(m.requests) + 1), rng.randint(1, 9))
+        if trial % 3 == 0:  # values of every kind and request kept, then a new batch
+            for key in kinds:
+                for b in range(len(m.requests)):
+                    m.expected(key, b, 9)
+            m.reset(rng.randint(1, 5))
         for key in kinds:
             for b in range(len(m.requests) + 1):  # the last: a request the model has no row for
                 for optimistic in (False, True):

@@ -505,9 +505,12 @@ class AcceptanceModel:
         self._forget()
 
     def reset(self, batch: int) -> None:
-        """Start a batch of requests (the pooled counts stay; every value is computed afresh)."""
+        """Start a batch of requests (the pooled counts stay, and the values computed from them alone: a new
+        request's values are the pooled ones until it has counts of its own)."""
         self.requests = [{} for _ in range(batch)]
-        self._forget()
+        self._memo.clear()
+        for table in self._tables.values():
+            table.rows = []  # (every request: the pooled row)
 
     def _forget(self) -> None:
         """Drop every value computed from the counts."""
