@@ -548,7 +548,7 @@ class AcceptanceModel:
         (:meth:`_table` computes the same for every request and kind at once)."""
         pooled = self.pooled.get(key)
         own = self.requests[b].get(key) if b < len(self.requests) else None
-        pt, ph = (pooled.trials, pooled.hits) if pooled is not None else ((), ())
+        pt = pooled.trials if pooled is not None else ()
         ot, oh = (own.trials, own.hits) if own is not None else ((), ())
         out = []
         priors = self._pooled_rates(pooled, cap)
@@ -579,13 +579,12 @@ class AcceptanceModel:
         observed since this one was (whose tree holds this one's best nodes: what it did not accept, this one
         would not have either), and at least the estimate (not the optimistic one) of any narrower kind
         observed since this one was, at the depths its trees reached (what it accepted, this tree would have
-        too), so that the widest tree's
-        steps speak for the narrower kinds and a narrow tree's for the wider ones; past such a floor each
-        depth keeps this kind's own rate of going on from the depth above (P(>= d) = P(>= d - 1)
-        P(>= d | >= d - 1): a narrower tree's steps that lift its first levels lift the deeper ones in
-        proportion; a deep prompt-lookup chain is otherwise valued at its own old steps once narrower ones are
-        chosen, and never chosen again). Steps older than this kind's own speak only for it (acceptance moves
-        with the text: a drafter good on the last topic may fail on this one)."""
+        too), so that the widest tree's steps speak for the narrower kinds and a narrow tree's for the wider
+        ones; past such a floor each depth keeps this kind's own rate of going on from the depth above
+        (P(>= d) = P(>= d - 1) P(>= d | >= d - 1): a narrower tree's steps that lift its first levels lift the
+        deeper ones in proportion; a deep prompt-lookup chain is otherwise valued at its own old steps once
+        narrower ones are chosen, and never chosen again). Steps older than this kind's own speak only for it
+        (acceptance moves with the text: a drafter good on the last topic may fail on this one)."""
         if cap <= 0:
             return 0.0
         table = self._table(key, cap)
@@ -600,7 +599,8 @@ class AcceptanceModel:
     def _table(self, key: tuple, cap: int) -> "_Table":
         """The values of every kind of `key`'s drafters, every request and both estimates, to depth `cap`
         at least (the tuner's depth: a plan asks for every depth of every kind); computed at once, in arrays
-        over (kind, request, depth), until an observation of these drafters or a new batch."""
+        over (kind, request, depth), kept until an observation of these drafters (a new batch's requests read
+        its pooled row)."""
         drafters = key[0]
         table = self._tables.get(drafters)
         if table is None or key not in table.kinds or table.depth < cap:
