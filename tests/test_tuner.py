@@ -377,8 +377,8 @@ def _reference_expected(m, key, b, cap, optimistic):
 def test_expected_equals_its_definition_one_request_and_kind_at_a_time():
     """The arrays over kinds, requests and depths give what the definition gives for each alone (ceilings from
     wider kinds observed since, floors from narrower ones at the depths they reached and the chained rates past
-    them; kinds without a
-    budget unbounded; requests with and without counts, rows dropped and added, new batches), to the last bit."""
+    them; kinds without a budget unbounded; requests with and without counts, rows dropped and added, new
+    batches), to the last bit."""
     rng = random.Random(11)
     kinds = [((0,), 2), ((0,), 3), ((0,), 4), ((0,), 8), ((0,), 16), ((0,), None), ((1,), 8), ((0, 1), 16)]
     for trial in range(30):

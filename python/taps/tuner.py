@@ -204,7 +204,9 @@ class CostModel:
         self.start_rate: Dict[Tuple[tuple, int], float] = {}
         self.scale: Dict[tuple, float] = {}
         self.residual: Dict[tuple, float] = {}
-        self._forward_memo: Dict[Tuple[float, int], float] = {}  # forward()'s answers until a point or scale moves
+        #: forward()'s answers per (nodes, batch), and per ("floors", batch) the calibrated node counts with the most
+        #: any of them up to each is predicted at; until a point or scale moves
+        self._forward_memo: Dict[tuple, object] = {}
 
     #: what :meth:`state_dict` holds (the memo is rebuilt)
     _STATE = ("alpha", "reach", "forward_points", "draft_points", "update_fit", "_update_sums", "_update_seen", "scale",
