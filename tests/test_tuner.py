@@ -1025,6 +1025,54 @@ def test_values_are_refreshed_within_refresh_steps():
     assert tuner.coast_token() is None
 
 
+def test_recomputing_the_values_takes_at_most_its_share_of_the_time():
+    """With measured costs the values are recomputed after observed drafts once in as many steps as make a
+    recomputation's own time (the tuner's timer) ``recompute_share`` of the plain steps' predicted time, and
+    at least once in ``refresh``; a probe's outcome is priced ``refresh`` steps after the last recomputation."""
+    with pytest.raises(ValueError, match="recompute_share"):
+        Tuner(_cheap(), recompute_share=0)
+
+    def recomputed(tick, share, refresh=1, steps=120, probe_at=None):
+        """The steps whose plan recomputed the values, after the first tries of the kinds (steps 0-5)."""
+        clock = [0.0]
+
+        def timer():  # every read moves the clock by `tick` (a recomputation reads it twice)
+            clock[0] += tick
+            return clock[0]
+
+        costs = CostModel()
+        costs.set_forward(1, [(1, 1e-3), (16, 4e-3)])  # a plain step: ~1 ms
+        costs.set_draft((0,), 1, (1, 1e-6), (3, 3e-6))
+        tuner = Tuner(costs, calibrate=False, timer=timer, refresh=refresh, recompute_share=share)
+        tuner.begin(1, False)
+        out = []
+        for step in range(steps):
+            memo = tuner._plan_memo
+            shape = tuner.plan([(0,)], lambda g, d: d, [0], [0], 1, 3, 8)
+            assert shape.drafters
+            if tuner._plan_memo is not memo:
+                out.append(step)
+            if step == probe_at:
+                tuner.probing = True  # (as choose() marks a probe)
+            tuner.observe(shape, [shape.depth], shape.depth, shape.budget, 1, 1e-3, {}, [])  # all accepted
+        return [s for s in out if s > 5]
+
+    def gaps(steps):
+        return {b - a for a, b in zip(steps, steps[1:])}
+
+    # 0.2 ms a recomputation, 5% of ~1 ms steps (the plain step's prediction moves with the observations): every
+    # 4-5 steps; 1 ms: every 20-21; 10 us: every `refresh`; the whole time: every `refresh`
+    assert gaps(recomputed(2e-4, 0.05)) <= {4, 5}
+    long = recomputed(1e-3, 0.05)
+    assert len(long) >= 5 and gaps(long) <= {20, 21}
+    assert gaps(recomputed(1e-5, 0.05, refresh=3)) == {3}
+    assert gaps(recomputed(1e-3, 1.0, refresh=2)) == {2}
+    # a probe observed 3 steps after a recomputation: the next comes `refresh` steps after that one
+    base = recomputed(1e-3, 0.05, refresh=4)
+    probed = recomputed(1e-3, 0.05, refresh=4, probe_at=base[1] + 3)
+    assert base[2] - base[1] >= 20 and probed[:3] == [base[0], base[1], base[1] + 4], (base, probed)
+
+
 def test_a_best_draft_is_chosen_again_without_pricing_while_its_values_stand():
     """A draft chosen as the best (not a probe) is chosen again without pricing the candidates while their
     values stand (until recomputed, see refresh) and the requests, groups and appends stay the same; a change
@@ -1059,6 +1107,59 @@ def test_a_best_draft_is_chosen_again_without_pricing_while_its_values_stand():
         shape = own.plan([(0,)], lambda g, d: d, [0], [0], 1, 3, 8)
         own.observe(shape, [shape.depth], shape.depth, shape.budget, 1, 1e-3, {}, [])
     assert own.asked == 12
+
+
+def test_a_best_draft_is_chosen_again_while_other_groups_queue_or_it_has_no_match():
+    """The last best draft is chosen again without pricing while a group it does not draft with queues more
+    appends (drafting with that group only grew dearer), and after steps where its own groups had nothing to
+    propose (a prompt lookup's match comes and goes); its own group's appends changing, or another group's
+    shrinking, chooses afresh."""
+    costs = FixedCosts(lambda n, b: 1e-3 + 1e-5 * n, lambda g, d, b: 1e-2 * d if g == (0,) else 1e-6 * d,
+                       lambda g, t, b: 1e-3 * t)
+    tuner = Tuner(costs, refresh=4)
+    tuner.begin(1, False)
+    chosen = []
+    choose = tuner.choose
+    tuner.choose = lambda options: (chosen.append(1), choose(options))[1]
+    queued = [0]
+
+    def step(match=True, own=0, observe=True):
+        shape = tuner.plan([(0,), (1,)], lambda g, d: d, [queued[0], own], [0], 1, 3, 8,
+                           ready=[None, (0,) if match else ()])
+        if observe and shape.drafters:
+            tuner.observe(shape, [shape.depth if shape.drafters == (1,) else 0], shape.depth, shape.budget, 1,
+                          1e-3, {}, [])
+        if 0 not in shape.drafters:
+            queued[0] += 1  # group 0 queues the step's tokens
+        return shape
+
+    shapes = [step() for _ in range(60)]
+    assert all(s.drafters == (1,) for s in shapes[-20:]), shapes[-20:]
+    step(observe=False)  # (values recomputed if due)
+    before = len(chosen)
+    shapes = [step(observe=False) for _ in range(5)]  # values standing, group 0's queue growing: again
+    assert len(set(shapes)) == 1 and shapes[0].drafters == (1,) and len(chosen) == before
+    assert step(match=False, observe=False) == NONE  # group 1 idle: priced (group 0 alone does not pay)
+    assert len(chosen) == before + 1
+    assert step(observe=False) == shapes[0] and len(chosen) == before + 1  # its match back: again
+    step(own=1, observe=False)  # its own group's appends changed: chosen afresh
+    assert len(chosen) == before + 2
+    queued[0] = 0  # group 0's queue shrank (it drafted or caught up): chosen afresh
+    step(observe=False)
+    assert len(chosen) == before + 3
+    # a prompt lookup alone: a step without a match has nothing to price, and the draft after it is again
+    alone = Tuner(costs, refresh=4)
+    alone.begin(1, False)
+    for _ in range(40):
+        shape = alone.plan([(1,)], lambda g, d: d, [0], [0], 1, 3, 8, ready=[(0,)])
+        alone.observe(shape, [shape.depth], shape.depth, shape.budget, 1, 1e-3, {}, [])
+    best = alone.plan([(1,)], lambda g, d: d, [0], [0], 1, 3, 8, ready=[(0,)])
+    asked = []
+    choose = alone.choose
+    alone.choose = lambda options: (asked.append(len(options)), choose(options))[1]
+    assert alone.plan([(1,)], lambda g, d: d, [0], [0], 1, 3, 8, ready=[()]) == NONE and asked == [1]
+    assert alone.plan([(1,)], lambda g, d: d, [0], [0], 1, 3, 8, ready=[(0,)]) == best and best.drafters
+    assert asked == [1]  # (the step without a match chose among no draft alone; the one after, not at all)
 
 
 def test_prompt_lookup_drafts_only_with_a_match():

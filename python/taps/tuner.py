@@ -52,6 +52,7 @@ from __future__ import annotations
 import bisect
 import copy
 import itertools
+import math
 import time
 import weakref
 from dataclasses import dataclass, field
@@ -158,6 +159,17 @@ def _group_across(table: dict, group: tuple, batch: int, at: Callable[[int], flo
     """:func:`_across` over the batch sizes a (group, batch)-keyed table holds for `group` (``at(batch)``
     directly when it holds this one)."""
     return at(batch) if (group, batch) in table else _across(_batches_of(table, group), batch, at)
+
+
+def _same_appends(last: tuple, appends: tuple) -> bool:
+    """Whether the groups' appends (pending, starting) leave the last plan's draft (``Tuner._last_draft``) the
+    best: its own groups' as they were, the others' as they were or more (what drafting with those others would
+    cost only grew: a drafter group not chosen queues the steps it has yet to append)."""
+    (pending, starting), index = last[1], last[3]
+    now, now_starting = appends
+    if starting != now_starting:
+        return False
+    return all(n == p if i in index else n >= p for i, (n, p) in enumerate(zip(now, pending)))
 
 
 def _idle(ready: Sequence[Optional[Sequence[int]]]) -> Tuple[int, ...]:
@@ -772,12 +784,18 @@ class Tuner:
             values that hold every observation); a draft chosen as the best is chosen again without pricing
             the candidates until their values are recomputed, while the requests, groups, matches and
             appends stay the same (pricing costs ~0.2 ms a plan on the CPU, ~20% of a prompt-lookup step).
+        recompute_share: the share of the decoding time recomputing the candidates' values may take: after a
+            recomputation that took ``t`` seconds the next waits at least ``t / (recompute_share * plain)``
+            steps (``plain``: a plain step's predicted seconds), and at least `refresh` (a recomputation is
+            ~0.5 ms on the CPU: ~70% of a plain step of the shipped models at batch 1, where recomputing
+            every 4 steps cost ~10% of prompt lookup's time, and 1-2% of one of a 0.5B target's).
     """
 
     def __init__(self, costs: Optional[CostModel] = None, acceptance: Optional[AcceptanceModel] = None, *,
                  budgets: Sequence[int] = (2, 4, 8), max_probe_interval: int = 256, margin: float = 0.05,
                  explore: float = 0.01, calibrate: bool = True, calibration_budget: float = 0.05,
-                 timer: Callable[[], float] = time.perf_counter, refresh: int = 4, chains: bool = True):
+                 timer: Callable[[], float] = time.perf_counter, refresh: int = 4, chains: bool = True,
+                 recompute_share: float = 0.05):
         self.costs = costs
         self.acceptance = acceptance or AcceptanceModel()
         #: an acceptance model per verification mode (greedy, sampled): their rates differ
@@ -792,6 +810,9 @@ class Tuner:
         self.calibration_budget = float(calibration_budget)
         if int(refresh) < 1:
             raise ValueError(f"Tuner: refresh must be >= 1 step, got {refresh!r}")
+        if not 0 < float(recompute_share) <= 1:
+            raise ValueError(f"Tuner: recompute_share must be in (0, 1], got {recompute_share!r}")
+        self.recompute_share = float(recompute_share)
         self.timer = timer
         self.clock = 0
         self._probe: Dict[tuple, Tuple[int, int]] = {}  # kind -> (next step, interval)
@@ -810,7 +831,8 @@ class Tuner:
         #: choice's (shape, batch, price before the ratio)
         self._fix: Dict[tuple, float] = {}
         self._priced: Optional[tuple] = None
-        #: the last plan's draft (not a probe): (what it was chosen over, the shape); see plan
+        #: the last plan's draft (not a probe): (what it was chosen over, the groups' appends then, the shape,
+        #: its groups' positions); see plan
         self._last_draft = None
         self._every_idle = False  # whether every group was idle at the last plan
         self._plan_idle: frozenset = frozenset()  # the idle groups of the last plan that chose
@@ -821,9 +843,10 @@ class Tuner:
         self._accrual = 0.0  # the credit one step adds
         #: while plain steps run with no probe near, one in this many is observed (see observes)
         self.plain_sample = 16
-        #: a plan recomputes the candidates' values after observed drafts at most once in this many steps
-        #: (each recomputation prices every candidate again: most of a plan's cost, paid on most steps
-        #: where a drafter is chosen; a value a few steps old moves by a few observations' worth)
+        #: a plan recomputes the candidates' values after observed drafts at most once in this many steps,
+        #: and in as many more as recompute_share asks (each recomputation prices every candidate again: most
+        #: of a plan's cost, paid on most steps where a drafter is chosen; a value a few steps old moves by a
+        #: few observations' worth)
         self.refresh = int(refresh)
         #: whether the last plan's shape is a probe (a kind tried for what it could give, not the best one)
         self.probing = False
@@ -1064,13 +1087,14 @@ class Tuner:
         drawn = frozenset(drawn)
         memo = (groups, depth, budget, single, tuple(active), batch, drawn, drawn_only, free)
         last, cached = self._last_draft, self._plan_memo
-        inputs = (memo, ready, idle, tuple(pending), None if starting is None else tuple(starting))
+        inputs = (memo, ready, idle)
+        queued = (tuple(pending), None if starting is None else tuple(starting))
         if (last is not None and last[0] == inputs and cached is not None
-                and (cached[2] == self._version or self.clock - cached[3] < self.refresh)):
+                and (cached[2] == self._version or self.clock < cached[3]) and _same_appends(last, queued)):
             # the draft the last plan chose (not a probe) over the same requests, groups, matches and appends,
             # while the candidates' values it was chosen on stand (see refresh): again, without pricing every
             # candidate (a probe that comes due waits until they are recomputed)
-            return self._again(last[1])
+            return self._again(last[2])
         self._last_draft = None
         if cached is not None and cached[0] == memo and cached[2] == self._version and idle >= self._plan_idle \
                 and all(c <= self._plan_ready.get(i, 0) for i, c in counts.items()) and self.coast():
@@ -1087,8 +1111,14 @@ class Tuner:
             plain = costs.forward(1, batch) + costs.rest(NONE.key)
             if self._learns_fix():
                 self._priced = (NONE, batch, plain)
-            return self.choose([(NONE, self.value(NONE, active, 0), plain, len(active))])
-        if cached is None or cached[0] != memo or (cached[2] != self._version and self.clock - cached[3] >= self.refresh):
+            shape = self.choose([(NONE, self.value(NONE, active, 0), plain, len(active))])
+            # the last draft stays the one to repeat when the groups have something again (at batch 1 prompt
+            # lookup's match comes and goes: a step with one after a step without is priced as before)
+            self._last_draft = last
+            return shape
+        plain, learns = None, self._learns_fix()
+        if cached is None or cached[0] != memo or (cached[2] != self._version and self.clock >= cached[3]):
+            started = self.timer() if learns else 0.0
             # what only an observation of a draft changes (plain steps leave it as it is), for every shape
             # (those of idle groups are left out below: a prompt lookup's match comes and goes)
             base = []
@@ -1140,9 +1170,14 @@ class Tuner:
                 seconds = costs.forward(nodes, batch) + costs.rest(key) + sum(draft_of[g, d] for g in members)
                 base.append((shape, acceptance.total(key, rows, cap), seconds,
                              acceptance.total(key, rows, cap, optimistic=True), index))
-            self._plan_memo = (memo, base, self._version, self.clock)
-        plain = costs.forward(1, batch) + costs.rest(NONE.key)
-        learns = self._learns_fix()
+            # the next recomputation waits until the steps between make this one's time their recompute_share
+            plain = costs.forward(1, batch) + costs.rest(NONE.key)
+            # (injected costs are not in the timer's seconds: with them the values are recomputed every `refresh`)
+            wait = (self.timer() - started) / (self.recompute_share * plain) if plain > 0 and learns else 0.0
+            self._plan_memo = (memo, base, self._version, self.clock + max(self.refresh, math.ceil(wait)),
+                               self.clock)
+        if plain is None:
+            plain = costs.forward(1, batch) + costs.rest(NONE.key)
         fix = self._fix if learns else {}
         options = [(NONE, self.value(NONE, active, 0), plain * fix.get(NONE.key, 1.0), len(active))]
         update = [costs.update(g, pending[i], batch) if not starting or not starting[i] else
@@ -1175,7 +1210,12 @@ class Tuner:
             chosen = next(o for o in options if o[0] is shape)
             self._priced = (shape, batch, chosen[2] / fix.get(shape.key, 1.0))
         if shape.drafters and not self.probing and type(self).choose is Tuner.choose:  # (a subclass's own choice
-            self._last_draft = (inputs, shape)                                        # is asked every step)
+            index = next(o[4] for o in self._plan_memo[1] if o[0] is shape)         # is asked every step)
+            self._last_draft = (inputs, queued, shape, index)
+        elif not shape.drafters and last is not None and not idle.isdisjoint(last[3]):
+            # no draft while the last draft's groups have nothing to propose: that draft stays the one to
+            # repeat when they have something again (as at the plan where every group is idle)
+            self._last_draft = last
         return shape
 
     def _learns_fix(self) -> bool:
@@ -1289,6 +1329,11 @@ class Tuner:
         if shape.drafters:
             self._version += 1
             self.acceptance.observe(shape.key, accepted, cap)
+            cached = self._plan_memo
+            if self.probing and cached is not None:
+                # a probe's outcome is news (what a kind not chosen gives bounds its narrower and wider kinds):
+                # the values are recomputed `refresh` steps after the last time, not as late as the share asks
+                self._plan_memo = cached[:3] + (min(cached[3], cached[4] + self.refresh), cached[4])
             memo = (shape.key, shape.depth, shape.budget)
             self._nodes[memo] = _ema(self._nodes.get(memo), nodes, 0.2)
             if drafting and drafting[0] and shape.key in self._free:
