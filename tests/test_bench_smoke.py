@@ -8,6 +8,7 @@ output (the scripts compare token for token).
 """
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -49,7 +50,11 @@ def test_bench_e2e_shipped_models_and_overhead():
     # each row with drafters also as an auto row; autoregressive twice (the control row: the run's noise)
     taps = [r for r in t0 if r.strip().startswith("taps")]
     assert len(taps) == 6 and all(" yes " in r for r in taps), t0
-    assert sum(" auto " in r for r in taps) == 2 and all(sum(c.endswith("x") for c in r.split()) == 2 for r in taps), t0
+    # (the ratios to HF generate and to taps autoregressive, and the range of the per-round ratios)
+    assert sum(" auto " in r for r in taps) == 2 and all(sum(c.endswith("x") for c in r.split()) == 3 for r in taps), t0
+    control = next(r for r in taps if "(control)" in r)
+    low, high = (float(v) for v in re.search(r"([0-9.]+)-([0-9.]+)x", control).groups())
+    assert 0 < low <= high, control
     assert sum("taps autoregressive (control)" in r for r in taps) == 1, t0
     assert len(table_rows(out, "Shipped models, T=1")) == 8
     assert len(table_rows(out, "Where a taps step's time goes")) == 5
