@@ -215,8 +215,8 @@ def shipped_tables(args, device, dtype) -> None:
             vs_ar = f"{tps / base_ar:.2f}x" if base_ar else "-"
             spread = "-"
             if base_ar:
-                ratios = [per_round[name, r][0] / per_round[name, r][1] * per_round[plain, r][1] / per_round[plain, r][0]
-                          for r in range(args.repeats)]
+                ratios = [per_round[name, r][0] / per_round[name, r][1]
+                          / (per_round[plain, r][0] / per_round[plain, r][1]) for r in range(args.repeats)]
                 spread = f"{min(ratios):.2f}-{max(ratios):.2f}x"
             rows.append([name, f"{tps:.0f}", f"{tps / base:.2f}x", vs_ar, spread, tau, nodes, same, shapes])
         print_table(["row", "tokens/s", "vs HF generate", "vs taps autoregressive", "(per round)", "tau",
