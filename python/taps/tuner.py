@@ -1209,8 +1209,9 @@ class Tuner:
         if learns:  # what the choice was priced at, before its correction (observe compares the step with it)
             chosen = next(o for o in options if o[0] is shape)
             self._priced = (shape, batch, chosen[2] / fix.get(shape.key, 1.0))
-        if shape.drafters and not self.probing and type(self).choose is Tuner.choose:  # (a subclass's own choice
-            index = next(o[4] for o in self._plan_memo[1] if o[0] is shape)         # is asked every step)
+        if shape.drafters and not self.probing and type(self).choose is Tuner.choose:
+            # (a subclass's own choice is asked every step)
+            index = next(o[4] for o in self._plan_memo[1] if o[0] is shape)
             self._last_draft = (inputs, queued, shape, index)
         elif not shape.drafters and last is not None and not idle.isdisjoint(last[3]):
             # no draft while the last draft's groups have nothing to propose: that draft stays the one to
