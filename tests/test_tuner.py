@@ -990,6 +990,33 @@ def test_unobserved_plain_steps_read_no_clock():
     assert len(reads) < steps // 2, (len(reads), steps)
 
 
+def test_a_plain_step_is_timed_from_after_its_plan():
+    """A plain step's time, which the tuner prices plain steps by, leaves its plan's own work out (a
+    recomputation after a request joined or finished: plain steps that coast plan nothing); a drafted step's
+    keeps it. A clock that jumps by 1000 inside every plan: no plain step is observed at 1000 or more, every
+    drafted one is."""
+    m = em.greedy_models()
+    prompt = [5, 17, 42, 8, 61, 3, 9]
+    now = [0.0]
+
+    def timer():
+        now[0] += 1.0
+        return now[0]
+
+    # drafting priced near a tie: first tries, probes and plain steps that plan
+    tuner = Tuner(FixedCosts(lambda n, b: 1e-3 + 5e-4 * (n - 1), lambda g, d, b: 2e-4), timer=timer)
+    plan, observe = tuner.plan, tuner.observe
+    tuner.plan = lambda *a, **k: (now.__setitem__(0, now[0] + 1000.0), plan(*a, **k))[1]
+    seen = []
+    tuner.observe = lambda shape, *a, **k: (seen.append((shape, a[4])), observe(shape, *a, **k))[1]
+    dec = SpeculativeDecoder(m["target"], [m["eagle"]], strategy="single", depth=3, top_k=2, budget=8, tuner=tuner)
+    dec.generate([prompt], max_new_tokens=60)
+    plain = [t for s, t in seen if not s.drafters]
+    drafted = [t for s, t in seen if s.drafters]
+    assert plain and drafted, seen
+    assert max(plain) < 1000 and min(drafted) >= 1000, (plain, drafted)
+
+
 def test_values_are_refreshed_within_refresh_steps():
     """While drafts are observed every step, a plan prices the candidates again once in ``refresh``
     steps (their values then hold every observation so far), not every step; a plain step is not
