@@ -1104,19 +1104,18 @@ class Tuner:
             return NONE
         self._plan_idle = idle
         self._plan_ready = counts
+        plain, learns = costs.forward(1, batch) + costs.rest(NONE.key), self._learns_fix()
         if groups and len(idle) == len(groups):
             # no group has anything to propose (prompt lookup without a match): nothing to price, the choice
             # a plan whose every kind is left out would make (repeated while they stay idle, coast_token)
             self._every_idle = True
-            plain = costs.forward(1, batch) + costs.rest(NONE.key)
-            if self._learns_fix():
+            if learns:
                 self._priced = (NONE, batch, plain)
             shape = self.choose([(NONE, self.value(NONE, active, 0), plain, len(active))])
             # the last draft stays the one to repeat when the groups have something again (at batch 1 prompt
             # lookup's match comes and goes: a step with one after a step without is priced as before)
             self._last_draft = last
             return shape
-        plain, learns = None, self._learns_fix()
         if cached is None or cached[0] != memo or (cached[2] != self._version and self.clock >= cached[3]):
             started = self.timer() if learns else 0.0
             # what only an observation of a draft changes (plain steps leave it as it is), for every shape
@@ -1171,13 +1170,10 @@ class Tuner:
                 base.append((shape, acceptance.total(key, rows, cap), seconds,
                              acceptance.total(key, rows, cap, optimistic=True), index))
             # the next recomputation waits until the steps between make this one's time their recompute_share
-            plain = costs.forward(1, batch) + costs.rest(NONE.key)
             # (injected costs are not in the timer's seconds: with them the values are recomputed every `refresh`)
             wait = (self.timer() - started) / (self.recompute_share * plain) if plain > 0 and learns else 0.0
             self._plan_memo = (memo, base, self._version, self.clock + max(self.refresh, math.ceil(wait)),
                                self.clock)
-        if plain is None:
-            plain = costs.forward(1, batch) + costs.rest(NONE.key)
         fix = self._fix if learns else {}
         options = [(NONE, self.value(NONE, active, 0), plain * fix.get(NONE.key, 1.0), len(active))]
         update = [costs.update(g, pending[i], batch) if not starting or not starting[i] else
