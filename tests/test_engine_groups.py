@@ -250,8 +250,21 @@ def test_prompt_lookup_knows_whether_it_has_a_match_without_searching():
         d.bind(target)
         group = PromptLookupDrafter.make_group([d])
 
+        calls = [0]
+
         def check(g):
-            assert [g.has_draft(b) for b in range(g.batch)] == [bool(g.continuations(b, 1, 1)) for b in range(g.batch)]
+            # has_draft against a brute-force index of the history; the lazily kept index (brought up to date
+            # by a search) equals that index when searched, every third check (and every search finds
+            # something exactly where has_draft said so)
+            lo, hi = d.min_ngram, d.max_ngram + 1
+            refs = [_ngram_index(h, lo, hi) for h in g.history]
+            want = [any(len(ref.get(tuple(h[len(h) - n:]), ())) > 1 for n in range(lo, min(hi, len(h) + 1)))
+                    for h, ref in zip(g.history, refs)]
+            assert [g.has_draft(b) for b in range(g.batch)] == want
+            calls[0] += 1
+            if calls[0] % 3 == 0:
+                assert [bool(g.continuations(b, 1, 1)) for b in range(g.batch)] == want
+                assert g.index == refs
             assert g.lengths_b.tolist() == g.host_lengths == [len(h) for h in g.history]
             answers.update(g.matched)
 
@@ -270,6 +283,15 @@ def test_prompt_lookup_knows_whether_it_has_a_match_without_searching():
                 group.append_requests(extra)
                 check(group)
     assert answers == {False, True}
+
+
+def _ngram_index(hist, lo, hi):
+    """Every n-gram (lo <= n < hi) of `hist` -> the positions it ends at (exclusive ends), oldest first."""
+    index = {}
+    for end in range(1, len(hist) + 1):
+        for n in range(lo, min(hi, end + 1)):
+            index.setdefault(tuple(hist[end - n:end]), []).append(end)
+    return index
 
 
 def test_prompt_lookup_in_every_combining_strategy():
@@ -380,10 +402,14 @@ def test_prompt_lookup_indexes_a_prompt_as_token_by_token(max_ngram, min_ngram):
         bulk = LookupGroup(d)
         bulk.start(ids, torch.tensor(lengths), root, None, 512)
         step = LookupGroup(d)
-        step.history, step.index, step.matched = [[] for _ in rows], [{} for _ in rows], [False] * len(rows)
+        step.history, step.index, step.indexed = [[] for _ in rows], [{} for _ in rows], [0] * len(rows)
+        step.seen, step.matched = [set() for _ in rows], [False] * len(rows)
         for b, r in enumerate(rows):
             step._add(b, r + [int(root[b])])
-        assert bulk.history == step.history and bulk.index == step.index and bulk.matched == step.matched
+        assert bulk.history == step.history and bulk.seen == step.seen and bulk.matched == step.matched
+        # the index, made when a draft first searches it, is the brute-force one either way
+        refs = [_ngram_index(h, d.min_ngram, d.max_ngram + 1) for h in bulk.history]
+        assert [bulk._catch_up(b) for b in range(len(rows))] == refs == [step._catch_up(b) for b in range(len(rows))]
         if vocab == 3:  # both answers occur (the short prompts cannot repeat, the long ones do)
             assert any(bulk.matched) and not all(bulk.matched)
 
