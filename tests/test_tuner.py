@@ -484,8 +484,12 @@ def test_greedy_and_sampled_acceptance_kept_apart():
     tuner.begin(1, sampling=False)
     greedy = tuner.acceptance
     greedy.observe(((0,), 8), [3], cap=3)
+    fresh = AcceptanceModel().expected(((0,), 8), 0, 3)  # the prior alone
+    assert greedy.expected(((0,), 8), 0, 3) > fresh + 0.1  # (a table of greedy values built)
     tuner.begin(2, sampling=True)
     assert tuner.acceptance is not greedy and not tuner.acceptance.pooled
+    # nothing computed from greedy verification's counts is kept for sampling's
+    assert tuner.acceptance.expected(((0,), 8), 0, 3) == pytest.approx(fresh)
     tuner.begin(1, sampling=False)
     assert tuner.acceptance is greedy and ((0,), 8) in greedy.pooled
 
