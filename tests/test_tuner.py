@@ -1023,8 +1023,8 @@ def test_a_plain_step_is_timed_from_after_its_plan():
 
 def test_values_are_refreshed_within_refresh_steps():
     """While drafts are observed every step, a plan prices the candidates again once in ``refresh``
-    steps (their values then hold every observation so far), not every step; a plain step is not
-    repeated without planning from values that miss an observation."""
+    steps (their values then hold every observation so far), not every step; a plain step is repeated
+    without planning from values that miss an observation only until they are due."""
     with pytest.raises(ValueError, match="refresh"):
         Tuner(_cheap(), refresh=0)
     for refresh in (1, 3):
@@ -1053,7 +1053,16 @@ def test_values_are_refreshed_within_refresh_steps():
     assert tuner.plan([(0,)], lambda g, d: d, [0], [0], 1, 3, 8) == NONE  # priced again (long ago)
     tuner.observe(probe, [0], 3, 8, 1, 1e-3, {}, [])
     assert tuner.plan([(0,)], lambda g, d: d, [0], [0], 1, 3, 8) == NONE  # from values a step old
-    assert tuner.coast_token() is None
+    # that plain step is repeated from them without planning until they are due (refresh steps after they
+    # were computed), then priced again from values that hold both observations
+    memo, token = tuner._plan_memo, tuner.coast_token()
+    assert token is not None and memo[2] < tuner._version
+    coasted = 0
+    while tuner.coast(token):
+        coasted += 1
+    assert 1 <= coasted < 4 and tuner._plan_memo is memo
+    assert tuner.plan([(0,)], lambda g, d: d, [0], [0], 1, 3, 8) == NONE
+    assert tuner._plan_memo is not memo and tuner._plan_memo[2] == tuner._version
 
 
 def test_recomputing_the_values_takes_at_most_its_share_of_the_time():

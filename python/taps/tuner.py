@@ -850,6 +850,7 @@ class Tuner:
         self._last_draft = None
         self._every_idle = False  # whether every group was idle at the last plan
         self._plan_idle: frozenset = frozenset()  # the idle groups of the last plan that chose
+        self._plan_version = 0  # the version (below) at the last plan that priced the candidates
         self._version = 0  # counts observations of drafts (the plan's cached part depends on them)
         self._plain_until = 0  # while no draft is best: the clock of the next probe that could win
         self.explore = float(explore)
@@ -1104,21 +1105,24 @@ class Tuner:
         last, cached = self._last_draft, self._plan_memo
         inputs = (memo, ready, idle)
         queued = (tuple(pending), None if starting is None else tuple(starting))
-        if (last is not None and last[0] == inputs and cached is not None
-                and (cached[2] == self._version or self.clock < cached[3]) and _same_appends(last, queued)):
+        if (last is not None and last[0] == inputs and cached is not None and self._values_stand(cached)
+                and _same_appends(last, queued)):
             # the draft the last plan chose (not a probe) over the same requests, groups, matches and appends,
             # while the candidates' values it was chosen on stand (see refresh): again, without pricing every
             # candidate (a probe that comes due waits until they are recomputed)
             return self._again(last[2])
         self._last_draft = None
-        if cached is not None and cached[0] == memo and cached[2] == self._version and idle >= self._plan_idle \
+        if cached is not None and cached[0] == memo and self._plan_version == self._version \
+                and self._values_stand(cached) and idle >= self._plan_idle \
                 and all(c <= self._plan_ready.get(i, 0) for i, c in counts.items()) and self.coast():
-            # no draft was best and nothing a draft's value depends on changed since, while what drafting
+            # no draft was best and nothing a draft's value depends on changed since (no draft observed, the
+            # values it was priced on standing: current, or stale within the refresh), while what drafting
             # would cost only grew (its pending appends) and no group idle then has something now, nor has a
             # prompt lookup more requests to propose for: no draft again, until a probe is due
             return NONE
         self._plan_idle = idle
         self._plan_ready = counts
+        self._plan_version = self._version
         plain, learns = costs.forward(1, batch) + costs.rest(NONE.key), self._learns_fix()
         if groups and len(idle) == len(groups):
             # no group has anything to propose (prompt lookup without a match): nothing to price, the choice
@@ -1131,7 +1135,7 @@ class Tuner:
             # lookup's match comes and goes: a step with one after a step without is priced as before)
             self._last_draft = last
             return shape
-        if cached is None or cached[0] != memo or (cached[2] != self._version and self.clock >= cached[3]):
+        if cached is None or cached[0] != memo or not self._values_stand(cached):
             started = self.timer() if learns else 0.0
             # what only an observation of a draft changes (plain steps leave it as it is), for every shape
             # (those of idle groups are left out below: a prompt lookup's match comes and goes)
@@ -1253,7 +1257,7 @@ class Tuner:
         every group was idle, whatever the tuner learned since (nothing could draft)."""
         if self._every_idle:
             return CoastToken(None, self._version, self._plan_idle, every=True)
-        if self._plan_memo is None or self._plan_memo[2] != self._version:
+        if self._plan_memo is None or not self._values_stand(self._plan_memo):
             return None
         return CoastToken(self._plan_memo, self._version, self._plan_idle, tuple(sorted(self._plan_ready.items())))
 
@@ -1262,8 +1266,10 @@ class Tuner:
         """Another step of no draft without planning, where the caller knows that nothing :meth:`plan`'s
         arguments said changed since it returned no draft (the requests, the groups) and holds its
         :meth:`coast_token`: True (and the step counted) unless the tuner learned something since (a
-        draft observed; not asked when every group was idle then), a group idle at that plan is not idle now (``idle``: the groups idle now, asked
-        only when ``token.idle`` is not empty; derived from ``ready`` when not given), a group that proposes
+        draft observed; not asked when every group was idle then), the candidates' values that plan stood on
+        are due for their recomputation (stale ones, :meth:`_values_stand`), a group idle at that plan is not
+        idle now (``idle``: the groups idle now, asked only when ``token.idle`` is not empty; derived from
+        ``ready`` when not given), a group that proposes
         for some requests only has more of them now than then (``ready``, as :meth:`plan` takes it, asked
         only when ``token.idle`` or ``token.ready`` is not empty), or a probe could come due at the next step
         (then the caller plans)."""
@@ -1275,6 +1281,8 @@ class Tuner:
                                   or (token.ready and (ready is None or any(len(ready[i] or ()) > c
                                                                             for i, c in token.ready)))):
             return False
+        if token is not None and not token.every and not self._values_stand(token.memo):
+            return False  # (stale values due for their recomputation)
         if not self._probe_near() and (self._plan_memo is not None or (token is not None and token.every)):
             self.clock += 1
             self._accrue()
@@ -1324,6 +1332,11 @@ class Tuner:
         if shape.drafters or self._probe_near():
             return True
         return self.clock % self.plain_sample == 0
+
+    def _values_stand(self, memo: tuple) -> bool:
+        """Whether the candidates' values of a plan memo stand: computed since the last observation of a
+        draft, or stale within the wait it set for its recomputation (see refresh and recompute_share)."""
+        return memo[2] == self._version or self.clock < memo[3]
 
     def _probe_near(self) -> bool:
         """Whether a draft was chosen last, or a probe could come due at the next step."""
