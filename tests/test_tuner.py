@@ -8,6 +8,7 @@ calibration and online correction, the acceptance model and the catch-up of skip
 are tested on injected numbers.
 """
 
+import copy
 import itertools
 import math
 import operator
@@ -1147,6 +1148,56 @@ def test_a_best_draft_is_chosen_again_without_pricing_while_its_values_stand():
         shape = own.plan([(0,)], lambda g, d: d, [0], [0], 1, 3, 8)
         own.observe(shape, [shape.depth], shape.depth, shape.budget, 1, 1e-3, {}, [])
     assert own.asked == 12
+
+
+def test_requests_finishing_sum_the_values_over_the_others_without_recomputing():
+    """When requests of a batch finish (its rows stay), a plan sums each kind's values over the requests left
+    instead of computing every candidate's value and price again: the same values as a full recomputation
+    from the same counts, for trained drafters' kinds and prompt lookup's (valued per request with a match);
+    the values' age (their version and due step) is kept; more requests, or a new batch size, recompute."""
+    ready = [None, (0, 1, 2, 3)]
+
+    def plan(t, active, batch=4, groups=((0,), (1,))):
+        r = [None if x is None else tuple(b for b in x if b in active) for x in ready]
+        return t.plan(list(groups), lambda g, d: d if g == 0 else 2 * d, [0, 0], list(active), batch, 3, 8,
+                      ready=r)
+
+    tuner = Tuner(_cheap(draft=1e-4, forward=1e-3, per_node=1e-5), refresh=40)
+    tuner.begin(4, False)
+    gen = random.Random(0)
+    for step in range(30):
+        shape = plan(tuner, (0, 1, 2, 3))
+        cap = max(shape.depth, 1)
+        tuner.observe(shape, [gen.randint(0, cap) for _ in range(4)], cap, shape.budget, 4, 1e-3, {}, [])
+    tuner._plan_memo = None  # (computed afresh from the counts so far, as a full recomputation below is)
+    plan(tuner, (0, 1, 2, 3))
+    assert tuner._plan_memo[2] == tuner._version
+    memo, drafts = tuner._plan_memo, []
+    draft = tuner.costs.draft
+    tuner.costs.draft = lambda *a: (drafts.append(a), draft(*a))[1]
+    plan(tuner, (0, 2, 3))
+    assert not drafts and tuner._plan_memo[0] != memo[0] and tuner._plan_memo[2:] == memo[2:]
+    fresh = copy.deepcopy(tuner)
+    fresh._plan_memo = None
+    plan(fresh, (0, 2, 3))
+    drafts.clear()  # (the copy's prices go through the same counting function)
+    summed = {e[0]: e for e in tuner._plan_memo[1]}
+    for shape, value, seconds, upper, index in fresh._plan_memo[1]:
+        got = summed[shape]
+        assert got[2] == pytest.approx(seconds) and got[4] == index
+        if value is None:  # prompt lookup's kind: per-request values, summed when priced
+            assert got[1] is None
+            assert [[got[3][i][b] for b in (0, 2, 3)] for i in (0, 1)] == \
+                [pytest.approx([u[b] for b in (0, 2, 3)]) for u in upper]
+        else:
+            assert got[1] == pytest.approx(value) and got[3] == pytest.approx(upper)
+    plan(tuner, (0, 2))
+    assert not drafts
+    plan(tuner, (0, 1, 2))  # a request back (a join at the same size): everything again
+    assert drafts
+    drafts.clear()
+    plan(tuner, (0, 1), batch=3)  # a smaller batch: its forwards' prices change
+    assert drafts
 
 
 def test_a_best_draft_is_chosen_again_while_other_groups_queue_or_it_has_no_match():
