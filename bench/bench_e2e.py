@@ -165,8 +165,11 @@ def shipped_tables(args, device, dtype) -> None:
         per_round: Dict[tuple, list] = {(n, r): [0, 0.0] for n in names for r in range(args.repeats)}
         previous = None
         for rnd in range(args.repeats):
+            # the rows in reverse order every other round: no row always follows the same one (a row's place
+            # in a round moved its ratio by a few percent, the control row's included)
+            order = names if rnd % 2 == 0 else names[::-1]
             for i, p in enumerate(prompts):
-                for name in names:
+                for name in order:
                     if previous is not None and name.startswith("HF") != previous.startswith("HF"):
                         # the other model's run just took the caches (HF generate runs its own copy of the
                         # target): 4 untimed tokens first, so that no row pays for following it (the row after
@@ -222,7 +225,7 @@ def shipped_tables(args, device, dtype) -> None:
         print_table(["row", "tokens/s", "vs HF generate", "vs taps autoregressive", "(per round)", "tau",
                      "nodes/step", "= HF greedy", "auto: top shapes"], rows,
                     title=f"Shipped models, T={temperature:g} ({args.repeats} rounds, rows interleaved per prompt, "
-                          f"fastest per row and prompt; {args.clock} time)")
+                          f"in reverse every other round, fastest per row and prompt; {args.clock} time)")
 
     if args.profile:
         rows = []
@@ -292,8 +295,9 @@ def batch_table(args, device, dtype) -> None:
             run(dec)
         times = {n: [] for n in decoders}
         outputs = {}
-        for _ in range(args.repeats):
-            for name, dec in decoders.items():
+        for rnd in range(args.repeats):
+            # (in reverse order every other round, as in the batch-1 table)
+            for name, dec in (list(decoders.items()) if rnd % 2 == 0 else list(decoders.items())[::-1]):
                 _sync()
                 t0 = clock()
                 out = run(dec)
