@@ -111,6 +111,65 @@ def test_half_precision_prefill_runs_whole_blocks_of_tokens(monkeypatch):
     assert cache.lengths.tolist() == [11, 5] and out.hidden_states.shape == (2, 11, 32)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("arch", ARCHS)
+@torch.no_grad()
+def test_packed_prefill_equals_the_padded_one(arch, dtype):
+    """Several prompts into empty caches with their lengths on the host (TargetForward.prefill host_lengths)
+    run packed, each prompt a causal chain of a packed tree forward: the logits after each prompt, the hidden
+    states and captured layers at its tokens (fp32: zeros at the padding) and its tokens' K/V are the padded
+    prefill's (fp32 to 1e-5; bf16 within its rounding), for ragged, equal and one-token prompts; one prompt,
+    or caches that hold entries already, run as before."""
+    model = hf.use_taps_attention(_model(arch, dtype=dtype))
+    gen = torch.Generator().manual_seed(5)
+    fwd = TargetForward(model, lean=True)
+
+    def close(x, y):
+        if dtype == torch.float32:
+            torch.testing.assert_close(x, y, atol=1e-5, rtol=1e-5)
+        else:  # bf16: other rounding along the way (another attention kernel, other row blocks); 2% of the norm
+            assert float((x.float() - y.float()).norm()) <= 0.02 * float(y.float().norm()) + 1e-3
+    for lengths in ([13, 4, 1, 9, 13], [7, 7, 7], [1, 70]):
+        width = max(lengths)
+        ids = torch.zeros(len(lengths), width, dtype=torch.int64)
+        for b, n in enumerate(lengths):
+            ids[b, :n] = torch.randint(0, 97, (n,), generator=gen)
+        lens = torch.tensor(lengths)
+        outs, caches, trees = {}, {}, []
+        tree = fwd.tree
+        fwd.tree = lambda *a, **k: (trees.append(k.get("nodes")), tree(*a, **k))[1]
+        for packed in (False, True):
+            cache = caches[packed] = fwd.new_cache(len(lengths), width + 20)
+            outs[packed] = fwd.prefill(cache, ids, lens, 0, return_hidden=True, capture_layers=(0, 2),
+                                       host_lengths=lengths if packed else None)
+        del fwd.tree
+        assert trees == [lengths]  # the packed one only
+        a, b = outs[True], outs[False]
+        assert caches[True].lengths.tolist() == caches[False].lengths.tolist() == lengths
+        close(a.logits, b.logits)
+        real = torch.arange(width) < lens.unsqueeze(1)
+        assert a.hidden_states.shape == b.hidden_states.shape
+        close(a.hidden_states[real], b.hidden_states[real])
+        if dtype == torch.float32:  # (half precision computes filler slots up to whole blocks of rows)
+            assert not a.hidden_states[~real].any()
+        for i in (0, 2):
+            close(a.layers[i][real], b.layers[i][real])
+        for la, lb in zip(caches[True].layers, caches[False].layers):
+            for r, n in enumerate(lengths):
+                close(la.keys[r, :, :n], lb.keys[r, :, :n])
+                close(la.values[r, :, :n], lb.values[r, :, :n])
+    # one prompt, or caches holding entries: the prefill as before (no tree forward)
+    calls = []
+    tree = fwd.tree
+    fwd.tree = lambda *a, **k: (calls.append(1), tree(*a, **k))[1]
+    cache = fwd.new_cache(1, 20)
+    fwd.prefill(cache, ids[:1, :3], torch.tensor([3]), 0, host_lengths=[3])
+    cache = fwd.new_cache(2, 20)
+    fwd.prefill(cache, ids[:2, :3], torch.tensor([3, 2]), 0)
+    fwd.prefill(cache, ids[:2, :2], torch.tensor([2, 1]), 3, host_lengths=[2, 1])
+    assert not calls and cache.lengths.tolist() == [5, 3]
+
+
 def _random_tree(n, vocab, gen):
     parents = [-1] + [int(torch.randint(0, i, (1,), generator=gen)) for i in range(1, n)]
     tokens = torch.randint(0, vocab, (n,), generator=gen)

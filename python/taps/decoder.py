@@ -169,7 +169,8 @@ class SpeculativeDecoder:
         #: compute the target's lm_head only for the rows verification visits (None: on the CPU)
         self.lazy_head: Optional[bool] = None
         #: a ragged batch's tree forward computes each request's real nodes only, not B times the widest
-        #: tree's (the lean path on the CPU, where the node counts are on the host; see TargetForward.tree)
+        #: tree's (the lean path on the CPU, where the node counts are on the host; see TargetForward.tree),
+        #: and its prefill each prompt's tokens only, not B times the longest's (TargetForward.prefill)
         self.pack_trees = True
         #: with a tuner, a started drafter group far behind when requests join a running batch is parked
         #: (returned to not started, see _Pending.park); each started group then keeps its requests' history
@@ -384,7 +385,9 @@ class SpeculativeDecoder:
         state.capture = self.forward.capture_layers(g.target_features for g in groups)
         with prof.section("prefill"):
             pre = self.forward.prefill(state.cache, ids, lens, 0, return_hidden=self.needs_hidden,
-                                       capture_layers=state.capture)
+                                       capture_layers=state.capture,
+                                       host_lengths=host_lengths if device.type == "cpu" and self.pack_trees
+                                       else None)
             state.root = self.forward.sample(pre.logits, uniforms=state.coins(1, 1), generator=generator,
                                              **state.sample)
             for request, length, t in zip(requests, host_lengths, state.root.tolist()):

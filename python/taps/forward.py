@@ -22,7 +22,7 @@ from torch import Tensor, nn
 import taps_ops
 
 from . import hf
-from .kv import TreeAttend, cache_attend, causal_append, pack_bits
+from .kv import TreeAttend, cache_attend, causal_append, causal_bits, pack_bits
 from .lean import LeanCausalLM, Linear, lean_support, stack_key
 
 __all__ = ["TargetForward", "LAZY_HEAD_MIN", "LAZY_MIN_NODES"]
@@ -74,10 +74,11 @@ def packed_slots(nodes: Sequence[int], num: int, half: bool = False) -> List[int
     return slots
 
 
-def packs(nodes: Sequence[int], num: int) -> bool:
-    """Whether trees of ``nodes`` real nodes each, padded to ``num``, run packed (see :data:`PACK_MIN_PADDING`)."""
+def packs(nodes: Sequence[int], num: int, min_padding: float = PACK_MIN_PADDING) -> bool:
+    """Whether trees of ``nodes`` real nodes each, padded to ``num``, run packed: when at least `min_padding` of
+    the grid is padding (see :data:`PACK_MIN_PADDING`)."""
     padded = len(nodes) * num
-    return len(nodes) > 1 and padded - sum(nodes) >= PACK_MIN_PADDING * padded
+    return len(nodes) > 1 and padded - sum(nodes) >= min_padding * padded
 
 
 class _Packed:
@@ -141,11 +142,19 @@ class TargetForward:
         return cache
 
     def prefill(self, cache: hf.TreeKVCache, input_ids: Tensor, num_new: Tensor, longest: int,
-                return_hidden: bool = False, capture_layers: Sequence[int] = ()) -> hf.ForwardOutput:
+                return_hidden: bool = False, capture_layers: Sequence[int] = (),
+                host_lengths: Optional[Sequence[int]] = None) -> hf.ForwardOutput:
         """Append right-padded input_ids [B, T] (num_new [B] real tokens per row; ``longest`` =
         max(cache.lengths) on the host). Returns the logits after each row's last real token [B, V] and,
         when asked, the final hidden states [B, T, H] and the inputs of ``capture_layers`` ([B, T, H]
-        each); cache.lengths advances by num_new."""
+        each); cache.lengths advances by num_new.
+
+        ``host_lengths`` (num_new as host ints): on the lean path, several prompts into empty caches run packed:
+        only their real tokens are computed, each row's a causal chain of a packed tree forward (each row's
+        queries over its own keys only). The states returned at padding positions are then zeros (in half
+        precision, a filler slot's, see :func:`packed_slots`: no real token's). (Shipped
+        target, 8 prompts of 37-76 tokens, Zen 4: 23.7 ms against 33.1 padded in bf16, 33.9 against 45.3 in
+        fp32; 8 prompts of 58 tokens, no padding: 19.5 against 24.9 ms, 31.8 against 35.8.)"""
         if self.lean is None:
             return hf.prefill(self.model, cache, input_ids, num_new, return_hidden=return_hidden,
                               capture_layers=capture_layers)
@@ -153,6 +162,16 @@ class TargetForward:
         if longest + num > cache.max_len:
             raise ValueError(f"TargetForward.prefill: {longest + num} positions needed, the cache holds {cache.max_len}")
         hf.check_capture_layers(self.model, capture_layers)
+        if longest == 0 and host_lengths is not None and len(host_lengths) > 1:
+            device = input_ids.device
+            chain = causal_bits(num, device).unsqueeze(0).expand(batch, num, -1)
+            depth = torch.arange(num, device=device).unsqueeze(0).expand(batch, num)
+            out = self.tree(cache, input_ids, chain, depth, 0, capture_layers=capture_layers,
+                            nodes=list(host_lengths), min_padding=0.0)
+            cache.lengths.add_(num_new)
+            hidden = out.hidden_states
+            last = hidden[torch.arange(batch, device=device), (num_new - 1).clamp_min(0)]
+            return hf.ForwardOutput(self.head(last), hidden if return_hidden else None, out.layers)
         real = num
         rows = prefill_rows(num, self.lean.dtype, input_ids.device)
         if rows > num and longest + rows <= cache.max_len:
@@ -183,7 +202,7 @@ class TargetForward:
 
     def tree(self, cache: hf.TreeKVCache, tokens: Tensor, tree_mask: Tensor, depth: Tensor, longest: int,
              capture_layers: Sequence[int] = (), uniform: bool = False,
-             nodes: Optional[Sequence[int]] = None) -> hf.ForwardOutput:
+             nodes: Optional[Sequence[int]] = None, min_padding: float = PACK_MIN_PADDING) -> hf.ForwardOutput:
         """The verification forward over trees [B, N] (node i of request b written at cache position
         lengths[b] + i, rotary position lengths[b] + depth[b, i]; ``longest`` = max(cache.lengths) on the
         host; ``uniform``: every row holds ``longest`` entries, so the nodes' K/V are one plain copy into
@@ -209,7 +228,7 @@ class TargetForward:
         kv_lens = prefix + num
         kv = [(layer.keys, layer.values) for layer in cache.layers]
         batch = tokens.shape[0]
-        if nodes is not None and packs(nodes, num):
+        if nodes is not None and packs(nodes, num, min_padding):
             device = tokens.device
             half = self.lean.dtype in (torch.bfloat16, torch.float16)
             slots = torch.tensor(packed_slots(nodes, num, half), dtype=torch.int64, device=device)
