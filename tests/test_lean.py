@@ -168,6 +168,9 @@ def test_packed_prefill_equals_the_padded_one(arch, dtype):
     fwd.prefill(cache, ids[:2, :3], torch.tensor([3, 2]), 0)
     fwd.prefill(cache, ids[:2, :2], torch.tensor([2, 1]), 3, host_lengths=[2, 1])
     assert not calls and cache.lengths.tolist() == [5, 3]
+    for wrong in ([3], [3, 2, 1], [2, 3], [3, 3]):  # host lengths that are not num_new: refused
+        with pytest.raises(ValueError, match="host_lengths"):
+            fwd.prefill(fwd.new_cache(2, 20), ids[:2, :3], torch.tensor([3, 2]), 0, host_lengths=wrong)
 
 
 def _random_tree(n, vocab, gen):
