@@ -295,9 +295,10 @@ def batch_table(args, device, dtype) -> None:
             run(dec)
         times = {n: [] for n in decoders}
         outputs = {}
+        items = list(decoders.items())
         for rnd in range(args.repeats):
             # (in reverse order every other round, as in the batch-1 table)
-            for name, dec in (list(decoders.items()) if rnd % 2 == 0 else list(decoders.items())[::-1]):
+            for name, dec in (items if rnd % 2 == 0 else items[::-1]):
                 _sync()
                 t0 = clock()
                 out = run(dec)

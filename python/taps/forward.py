@@ -167,29 +167,28 @@ class TargetForward:
                 num_new.device.type == "cpu" and list(host_lengths) != num_new.tolist())):
             raise ValueError(f"TargetForward.prefill: host_lengths {list(host_lengths)} are not num_new "
                              f"{num_new.tolist()}")
+        real = num
         if longest == 0 and host_lengths is not None and len(host_lengths) > 1:
             device = input_ids.device
             chain = causal_bits(num, device).unsqueeze(0).expand(batch, num, -1)
             depth = torch.arange(num, device=device).unsqueeze(0).expand(batch, num)
             out = self.tree(cache, input_ids, chain, depth, 0, capture_layers=capture_layers,
                             nodes=list(host_lengths), min_padding=0.0)
-            cache.lengths.add_(num_new)
-            hidden = out.hidden_states
-            last = hidden[torch.arange(batch, device=device), (num_new - 1).clamp_min(0)]
-            return hf.ForwardOutput(self.head(last), hidden if return_hidden else None, out.layers)
-        real = num
-        rows = prefill_rows(num, self.lean.dtype, input_ids.device)
-        if rows > num and longest + rows <= cache.max_len:
-            # half precision on the CPU: padding tokens up to a multiple of PREFILL_HALF_ROWS (their K/V go
-            # past each row's length, where the next steps write; no real token sees them)
-            input_ids = torch.nn.functional.pad(input_ids, (0, rows - num), value=-1)
-            num = rows
-        positions, mask = causal_append(cache.lengths, longest, num)
-        kv = [(layer.keys, layer.values) for layer in cache.layers]
-        # from empty caches (longest 0: every row holds 0 entries) the K/V go to columns 0 .. T-1 of every
-        # row, a plain copy; otherwise to each row's own positions
-        attend = cache_attend(kv, self.lean.layers, mask, positions=positions, start=0 if longest == 0 else None)
-        hidden, layers = self._run(input_ids, positions, attend, capture_layers)
+            hidden, layers = out.hidden_states, out.layers
+        else:
+            rows = prefill_rows(num, self.lean.dtype, input_ids.device)
+            if rows > num and longest + rows <= cache.max_len:
+                # half precision on the CPU: padding tokens up to a multiple of PREFILL_HALF_ROWS (their K/V go
+                # past each row's length, where the next steps write; no real token sees them)
+                input_ids = torch.nn.functional.pad(input_ids, (0, rows - num), value=-1)
+                num = rows
+            positions, mask = causal_append(cache.lengths, longest, num)
+            kv = [(layer.keys, layer.values) for layer in cache.layers]
+            # from empty caches (longest 0: every row holds 0 entries) the K/V go to columns 0 .. T-1 of every
+            # row, a plain copy; otherwise to each row's own positions
+            attend = cache_attend(kv, self.lean.layers, mask, positions=positions,
+                                  start=0 if longest == 0 else None)
+            hidden, layers = self._run(input_ids, positions, attend, capture_layers)
         cache.lengths.add_(num_new)
         last = hidden[torch.arange(batch, device=hidden.device), (num_new - 1).clamp_min(0)]
         if num > real:

@@ -1299,13 +1299,12 @@ class Tuner:
         if ready is not None and not idle:
             idle = _idle(ready)
         if token is not None and ((not token.every and (token.memo is not self._plan_memo
-                                                         or token.version != self._version))
+                                                         or token.version != self._version
+                                                         or not self._values_stand(token.memo)))
                                   or (token.idle and not token.idle.issubset(idle))
                                   or (token.ready and (ready is None or any(len(ready[i] or ()) > c
                                                                             for i, c in token.ready)))):
             return False
-        if token is not None and not token.every and not self._values_stand(token.memo):
-            return False  # (stale values due for their recomputation)
         if not self._probe_near() and (self._plan_memo is not None or (token is not None and token.every)):
             self.clock += 1
             self._accrue()
