@@ -208,7 +208,7 @@ def test_prompt_lookup_candidates_literal():
     cand = d.draft(3, 1)
     assert cand.tokens[0, :3].tolist() == [7, 8, 5]
     # its own depth: continuations of up to 5 tokens in the decoder's 2 + 2 * 4 candidate slots
-    long = PromptLookupDrafter(max_ngram=2, min_ngram=1, confidence=0.5, depth=5)
+    long = PromptLookupDrafter(max_ngram=2, min_ngram=1, confidence=0.5, depth=5, repeat=False)
     long.bind(target)
     long.start(torch.tensor([prompt]), torch.tensor([len(prompt)]), torch.tensor([8]), None, 64)
     cand = long.draft(3, 2)
@@ -218,6 +218,33 @@ def test_prompt_lookup_candidates_literal():
     assert long.draft(3, 2).tokens[0].tolist() == [5, 6, 7, 9, 4, 7] + [-1] * 4
     with pytest.raises(ValueError, match="depth"):
         PromptLookupDrafter(depth=0)
+
+
+def test_prompt_lookup_continues_a_loop():
+    """A match whose continuation runs into the context's end is a loop: with repeat (the default) it is
+    continued as the span since the match again, up to the drafter's depth; a match whose continuation
+    stops before the end is left as it is; repeat=False stops at the end."""
+    from taps import PromptLookupDrafter
+    target = _llama(seed=1)
+    #        0  1  2  3  4  5  6  7   root 8: the context ends with (7, 8), last seen at 4-5
+    prompt = [7, 8, 9, 4, 7, 8, 5, 6, 7]
+    for repeat, first in ((True, [5, 6, 7, 8, 5, 6, 7]), (False, [5, 6, 7, 8])):
+        d = PromptLookupDrafter(max_ngram=2, min_ngram=1, confidence=0.5, depth=7, repeat=repeat)
+        d.bind(target)
+        d.start(torch.tensor([prompt]), torch.tensor([len(prompt)]), torch.tensor([8]), None, 64)
+        assert d.clone().repeat == repeat
+        conts = d._group.continuations(0, 7, 2)
+        # the older match (ends at 2) runs 7 tokens without reaching the end: as it is either way
+        assert conts == [first, [9, 4, 7, 8, 5, 6, 7]]
+        cand = d.draft(3, 2)  # 2 + 2 * 4 candidate slots: the first continuation whole, then the second's
+        assert cand.tokens[0].tolist()[:len(first)] == first
+    # a loop of period 1 (one token repeated) and of period 3, at depth 8
+    d = PromptLookupDrafter(max_ngram=3, min_ngram=2, depth=8)
+    d.bind(target)
+    rows = [[1, 2, 4, 4, 4], [1, 5, 6, 7, 5, 6]]
+    d.start(torch.tensor([r + [0] * (6 - len(r)) for r in rows]), torch.tensor([5, 6]), torch.tensor([4, 7]), None, 64)
+    assert d._group.continuations(0, 8, 1) == [[4] * 8]
+    assert d._group.continuations(1, 8, 1) == [[5, 6, 7, 5, 6, 7, 5, 6]]
 
 
 def test_prompt_lookup_leaves_single_token_matches_out_by_default():
@@ -360,7 +387,7 @@ def test_prompt_lookup_alone_keeps_its_first_continuation_deep():
     import taps_ops
     from taps import PromptLookupDrafter
     target = _llama(seed=1)
-    d = PromptLookupDrafter(max_ngram=2, min_ngram=1, confidence=0.5, depth=5, runner_up=0.05)
+    d = PromptLookupDrafter(max_ngram=2, min_ngram=1, confidence=0.5, depth=5, runner_up=0.05, repeat=False)
     d.bind(target)
     #        0  1  2  3  4  5  6  7   root 9
     prompt = [7, 8, 9, 4, 7, 8, 5, 6, 7]

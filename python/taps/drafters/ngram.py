@@ -8,8 +8,9 @@ combines cheaply with trained drafters: in ``merged`` / ``merged-budget`` / ``ad
 theirs, and a request takes whichever proposals the target accepts.
 
 The proposals of one request form a small trie: the continuations of up to ``top_k`` most recent
-matches (longest n-gram first), each up to ``depth`` tokens (the drafter's own, 8 by default, under
-greedy verification; the decoder's when it samples), merged on common prefixes. Scores are
+matches (longest n-gram first), each up to ``depth`` tokens (the drafter's own, 16 by default, under
+greedy verification; the decoder's when it samples; a continuation that runs into the context's end, a
+loop, repeated up to that length), merged on common prefixes. Scores are
 pseudo log-probs: ``log(match_confidence)`` per token, minus a penalty for later (older) matches, so that
 ``build_tree`` and ``merge_trees`` keep the most recent match's tokens first. Verification is unchanged,
 so decoding stays lossless whatever is proposed.
@@ -57,10 +58,14 @@ class PromptLookupDrafter(Drafter):
             against other drafters' candidates, the continuations are always taken level by level (as
             with 1): on the shipped models the first-deep order took 8% more steps in merged-budget trees
             and 6% fewer alone (bench/RESULTS.md).
+        repeat: a match whose continuation runs into the context's end (the text since the match repeats a
+            span of it: a loop) is continued as that span repeated, up to the chain's length, instead of
+            stopping at the end: the next tokens of a loop of period p are its last p tokens again.
+            Without it a loop shorter than the chain drafts one period a step.
     """
 
     def __init__(self, max_ngram: int = 3, min_ngram: Optional[int] = None, confidence: float = 0.6,
-                 depth: Optional[int] = 16, runner_up: float = 0.05):
+                 depth: Optional[int] = 16, runner_up: float = 0.05, repeat: bool = True):
         super().__init__()
         if min_ngram is None:
             min_ngram = min(2, int(max_ngram))
@@ -75,6 +80,7 @@ class PromptLookupDrafter(Drafter):
         self.max_ngram, self.min_ngram, self.confidence = int(max_ngram), int(min_ngram), float(confidence)
         self.depth = None if depth is None else int(depth)
         self.runner_up = float(runner_up)
+        self.repeat = bool(repeat)
         self._vocab = 0
         self._device = torch.device("cpu")
         self._group: Optional[LookupGroup] = None
@@ -88,7 +94,8 @@ class PromptLookupDrafter(Drafter):
         self._device = next(target.parameters()).device
 
     def clone(self) -> "PromptLookupDrafter":
-        twin = PromptLookupDrafter(self.max_ngram, self.min_ngram, self.confidence, self.depth, self.runner_up)
+        twin = PromptLookupDrafter(self.max_ngram, self.min_ngram, self.confidence, self.depth, self.runner_up,
+                                   self.repeat)
         twin._vocab, twin._device = self._vocab, self._device
         return twin
 
@@ -235,6 +242,7 @@ class LookupGroup(DraftGroup):
         """Up to top_k continuations of up to `depth` tokens after request b's context, most recent
         match of the longest n-gram first."""
         hist, index = self.history[b], self._catch_up(b)
+        repeat = self.d.repeat
         out: List[List[int]] = []
         end = len(hist)
         for n in range(self.d.max_ngram, self.d.min_ngram - 1, -1):
@@ -244,6 +252,10 @@ class LookupGroup(DraftGroup):
                 if pos >= end:  # the context's own last n-gram
                     continue
                 cont = hist[pos:pos + depth]
+                if repeat and pos + depth > end > pos:
+                    # the span since the match runs to the end: a loop of period end - pos, continued as the
+                    # span again (what the match predicts once the span has been emitted)
+                    cont = (cont * (depth // len(cont) + 1))[:depth]
                 if cont and cont not in out:
                     out.append(cont)
                 if len(out) >= top_k:
