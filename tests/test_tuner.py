@@ -62,6 +62,37 @@ def _greedy_drafters(names):
     return [made[n]() for n in names]
 
 
+@pytest.mark.parametrize("strategy", ["merged-budget", "adaptive"])
+def test_a_step_of_one_drafter_counts_its_accepted_tokens_as_the_path_does(strategy, monkeypatch):
+    """A step whose every node one drafter proposed (a tuner's kind of one drafter in a merged decoder) reads
+    that drafter's accepted tokens from the requests' accepted counts (SpeculativeDecoder._read_back): the
+    per-request counts and the strategy's running per-drafter sums equal what the gather over the accepted
+    path's sources gives, step by step (batch 3, forced shapes of every drafter set)."""
+    m = em.greedy_models()
+    prompts = [m["seqs"][0, :4].tolist(), m["seqs"][1, :9].tolist(), m["seqs"][2, :6].tolist()]
+    dec = SpeculativeDecoder(m["target"], _greedy_drafters(("eagle", "early_exit", "lookup")), strategy=strategy,
+                             depth=3, top_k=3, budget=8, route_steps=2, tuner=Cycling())
+    read_back = SpeculativeDecoder._read_back
+    alone = []
+
+    def both(self, state, tree, ver, path, drafted, nodes=None, plan=None):
+        before = self.strategy.accepted.clone()
+        gathered = read_back(self, state, tree, ver, path, drafted, nodes)  # (no plan: the path's sources)
+        after = self.strategy.accepted.clone()
+        self.strategy.accepted.copy_(before)
+        record = read_back(self, state, tree, ver, path, drafted, nodes, plan)
+        one = drafted and len(plan.drafting) == 1 and len(plan.drafting[0].members) == 1
+        alone.append(one)
+        assert record == gathered
+        assert torch.equal(self.strategy.accepted, after)
+        return record
+
+    monkeypatch.setattr(SpeculativeDecoder, "_read_back", both)
+    out = dec.generate(prompts, max_new_tokens=24)
+    assert sum(alone) >= 3 and not all(alone)
+    assert sum(sum(s.drafter_accepted) for s in out.stats) > 0
+
+
 @pytest.mark.parametrize("strategy,names", GREEDY_CASES, ids=[f"{s}-{'+'.join(n)}" for s, n in GREEDY_CASES])
 def test_forced_shapes_keep_greedy_output(strategy, names):
     m = em.greedy_models()

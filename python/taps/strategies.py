@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
-from typing import Callable, Dict, Iterator, List, Mapping, NamedTuple, Optional, Tuple, Type, Union
+from typing import Callable, Dict, Iterator, List, Mapping, NamedTuple, Optional, Sequence, Tuple, Type, Union
 
 import torch
 from torch import Tensor
@@ -288,6 +288,11 @@ class Strategy:
     def observe(self, accepted_by_drafter: Tensor) -> None:
         """Accepted draft tokens each drafter had proposed in the last step, [B, T]."""
         self.accepted += accepted_by_drafter.to(self.accepted.dtype)
+
+    def observe_drafter(self, drafter: int, accepted: Sequence[int]) -> None:
+        """The same for a step whose every node drafter `drafter` proposed: each request's accepted draft
+        tokens (host ints, [B]); the other drafters had none accepted."""
+        self.accepted[:, drafter] += torch.tensor(accepted, dtype=self.accepted.dtype, device=self.accepted.device)
 
 
 @register_strategy("single")
