@@ -1785,3 +1785,37 @@ def test_a_generations_first_plan_reads_the_last_ones_values_for_requests_withou
         assert tuner._plan_memo[4] > kept[4], change  # recomputed (at the clock then)
         batch = 2
         tuner.begin(batch, False)
+
+
+@pytest.mark.parametrize("batch", [1, 2])
+def test_a_coasting_step_ends_when_prompt_lookup_has_a_match(batch, monkeypatch):
+    """Where prompt lookup's drafts pay (a node costs a thousandth of a forward), a plain step that repeats
+    a plan of no draft (coasting, with the checks listed when that plan chose) ends at the first step where
+    the lookup has a match for more requests than at that plan: every step with a match drafts, every step
+    without coasts or plans no draft; the output is the target's greedy output."""
+    m = em.greedy_models()
+    prompts = [[5, 17, 42, 8, 61, 3, 5, 17, 42, 8, 61, 3, 5, 17], [9, 31, 4, 77, 20, 13, 2, 58]][:batch]
+    ref = SpeculativeDecoder(m["target"], [], strategy="autoregressive").generate(prompts, max_new_tokens=40)
+    steps = []
+    plan_of = SpeculativeDecoder._plan
+
+    def spy(self, state):
+        lookup = state.groups[0]
+        started = state.pending.started(lookup)
+        matched = sum(lookup.has_draft(b) for b in state.active()) if started else None
+        token = state.coast
+        plan = plan_of(self, state)
+        coasted = token is not None and state.coast is token  # (repeated without planning)
+        steps.append((matched, coasted, bool(plan.drafting), self.tuner.probing))
+        return plan
+    monkeypatch.setattr(SpeculativeDecoder, "_plan", spy)
+    tuner = Tuner(FixedCosts(lambda n, b: 1e-3 + 1e-6 * n, lambda g, d, b: 1e-6), explore=0.0)
+    dec = SpeculativeDecoder(m["target"], [PromptLookupDrafter()], strategy="single", depth=3, top_k=1, budget=4,
+                             tuner=tuner)
+    out = dec.generate(prompts, max_new_tokens=40)
+    assert out.tokens == ref.tokens
+    known = [s for s in steps if s[0] is not None]
+    assert any(s[1] for s in known) and any(s[2] for s in known), steps  # both coasting and drafting happened
+    for matched, coasted, drafted, probing in known:
+        assert drafted == (matched > 0) or probing, steps
+        assert not (coasted and matched)

@@ -50,7 +50,7 @@ from .kv import pack_bits
 from .lean import stack_key
 from .stats import Profiler, RequestStats, summarize
 from .strategies import Candidates, Combined, Strategy, make_strategy, root_tree, sampled_tree, strategy_class
-from .tuner import NONE, Shape, Tuner, identity, node_grid, shared_costs, time_call
+from .tuner import NONE, CoastToken, Shape, Tuner, identity, node_grid, shared_costs, time_call
 
 __all__ = ["SpeculativeDecoder", "GenerateOutput", "DecodeState", "RequestState", "check_same_tokenizer",
            "check_max_new_tokens", "DEFAULT_SETTINGS"]
@@ -503,11 +503,14 @@ class SpeculativeDecoder:
         if state.coast is not None and state.coast[1] == state.epoch:
             # the last plan chose no draft, and no request joined, finished or left since: no draft again
             # without the plan's bookkeeping while the groups idle then (a prompt lookup without a match)
-            # still are (a run of plain steps costs what autoregressive steps do; a free group is kept
-            # current every step, so asking it is a lookup of a flag per request)
-            token = state.coast[0]
-            ready = self._ready(groups, state.active()) if token.idle or token.ready else None
-            if tuner.coast(token, ready=ready):
+            # still are and the free groups have no more requests with a match than then (a free group is
+            # kept current every step, so asking it is a lookup of a flag per request); the checks that
+            # could fail were listed when the plan chose (_coast_checks: none once a plan with a match chose no
+            # draft at a batch of 1). A run of plain steps should cost what autoregressive steps do: within
+            # decoding, every microsecond of host work between two forwards costs about two.
+            token, _, checks, active = state.coast
+            if all(sum(g.has_draft(b) for b in active) <= most for g, most in checks) \
+                    and tuner.coast(token, checked=True):
                 return _Plan(NONE, [], 0)
         # a step that was coasting read no clock in step(): its time starts here
         started = self._now() if state.coast is not None else None
@@ -530,7 +533,7 @@ class SpeculativeDecoder:
             # repeated without planning until a probe could come due, while the groups idle now stay idle
             token = tuner.coast_token()
             if token is not None:
-                state.coast = (token, state.epoch)
+                state.coast = (token, state.epoch) + self._coast_checks(token, groups, active)
             return _Plan(shape, [], 0, updates=updates, started=started)
         chosen = set(shape.drafters)
         return _Plan(shape, [g for g in groups if chosen.issuperset(g.members)], shape.depth, updates=updates,
@@ -569,6 +572,16 @@ class SpeculativeDecoder:
         state.capture = self.forward.capture_layers(g.target_features for g in state.groups)
         state.retired += [t for g in retired for t in g.members]
         state.epoch += 1
+
+    @staticmethod
+    def _coast_checks(token: CoastToken, groups: Sequence[DraftGroup], active: List[int]) -> Tuple[tuple, List[int]]:
+        """What a coasting step must check for `token` (:meth:`Tuner.coast`'s conditions on the groups): per
+        free group idle at its plan, the group and 0 (no request may have a draft); per free group that had
+        drafts for some requests, the group and that count, unless it is the number of active requests (no
+        more could); with the active requests (they stay while the coast does: a finished one ends it)."""
+        checks = [(groups[i], 0) for i in token.idle]
+        checks += [(groups[i], count) for i, count in token.ready if count < len(active)]
+        return tuple(checks), active
 
     @staticmethod
     def _ready(groups: Sequence[DraftGroup], active: Sequence[int]) -> List[Optional[Tuple[int, ...]]]:

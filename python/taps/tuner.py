@@ -1334,7 +1334,7 @@ class Tuner:
         return CoastToken(self._plan_memo, self._version, self._plan_idle, tuple(sorted(self._plan_ready.items())))
 
     def coast(self, token: Optional["CoastToken"] = None, idle: Sequence[int] = (),
-              ready: Optional[Sequence[Optional[Sequence[int]]]] = None) -> bool:
+              ready: Optional[Sequence[Optional[Sequence[int]]]] = None, checked: bool = False) -> bool:
         """Another step of no draft without planning, where the caller knows that nothing :meth:`plan`'s
         arguments said changed since it returned no draft (the requests, the groups) and holds its
         :meth:`coast_token`: True (and the step counted) unless the tuner learned something since (a
@@ -1344,15 +1344,16 @@ class Tuner:
         ``ready`` when not given), a group that proposes
         for some requests only has more of them now than then (``ready``, as :meth:`plan` takes it, asked
         only when ``token.idle`` or ``token.ready`` is not empty), or a probe could come due at the next step
-        (then the caller plans)."""
-        if ready is not None and not idle:
+        (then the caller plans). ``checked``: the caller checked the groups' conditions itself (`idle` and
+        `ready` are not read)."""
+        if not checked and ready is not None and not idle:
             idle = _idle(ready)
         if token is not None and ((not token.every and (token.memo is not self._plan_memo
                                                          or token.version != self._version
                                                          or not self._values_stand(token.memo)))
-                                  or (token.idle and not token.idle.issubset(idle))
-                                  or (token.ready and (ready is None or any(len(ready[i] or ()) > c
-                                                                            for i, c in token.ready)))):
+                                  or (not checked and token.idle and not token.idle.issubset(idle))
+                                  or (not checked and token.ready
+                                      and (ready is None or any(len(ready[i] or ()) > c for i, c in token.ready)))):
             return False
         if not self._probe_near() and (self._plan_memo is not None or (token is not None and token.every)):
             self.clock += 1
