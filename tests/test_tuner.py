@@ -1819,3 +1819,40 @@ def test_a_coasting_step_ends_when_prompt_lookup_has_a_match(batch, monkeypatch)
     for matched, coasted, drafted, probing in known:
         assert drafted == (matched > 0) or probing, steps
         assert not (coasted and matched)
+
+
+def test_prompt_lookup_no_coast_check_asks_queues_its_appends():
+    """Where prompt lookup has matches but its trees never pay, a plan with a match that chooses no draft gives
+    a coast that asks the lookup nothing at a batch of 1 (no more requests could have a match): the lookup's
+    appends are then queued like a model drafter's (no host work per plain step) and appended in one call when
+    a plan next asks it; its context is then every token so far, and the output is the target's greedy
+    output."""
+    m = em.greedy_models()
+    prompt = [5, 17, 42, 8, 61, 3, 5, 17, 42, 8, 61, 3, 5, 17]
+    ref = SpeculativeDecoder(m["target"], [], strategy="autoregressive").generate([prompt], max_new_tokens=60)
+    queued, caught = [], []
+    step_of = SpeculativeDecoder.step
+
+    def spy(self, state):
+        lookup = state.groups[0] if state.groups else None
+        before = state.pending.tokens.get(id(lookup), 0) if state.pending is not None else 0
+        emitted = list(state.requests[0].tokens)
+        step_of(self, state)
+        if lookup is None or not state.pending.started(lookup):
+            return
+        now = state.pending.tokens[id(lookup)]
+        queued.append(now)
+        if now >= 10 and not caught:
+            state.epoch += 1  # (as a request joining or finishing would: the next step plans)
+        if before and now < before:  # caught up in this step's plan (this step's own append queued after)
+            # its context: the prompt and every token emitted before this step (the last one its root)
+            caught.append(lookup.history[0] == prompt + emitted)
+    tuner = Tuner(FixedCosts(lambda n, b: 1e-3 + 1e-2 * (n - 1), lambda g, d, b: 1e-6))
+    dec = SpeculativeDecoder(m["target"], [PromptLookupDrafter()], strategy="single", depth=3, top_k=1, budget=4,
+                             tuner=tuner)
+    import unittest.mock as mock
+    with mock.patch.object(SpeculativeDecoder, "step", spy):
+        out = dec.generate([prompt], max_new_tokens=60)
+    assert out.tokens[0] == ref.tokens[0]
+    assert max(queued) >= 10, queued  # a run of plain steps queued for the lookup
+    assert caught and all(caught), caught
