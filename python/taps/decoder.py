@@ -35,7 +35,7 @@ import numbers
 import time
 import warnings
 from dataclasses import dataclass, field
-from typing import Callable, Collection, Dict, Hashable, List, NamedTuple, Optional, Sequence, Tuple, Union
+from typing import Callable, Dict, Hashable, List, NamedTuple, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import Tensor, nn
@@ -508,7 +508,7 @@ class SpeculativeDecoder:
             # could fail were listed when the plan chose (_coast_checks: none once a plan with a match chose no
             # draft at a batch of 1). A run of plain steps should cost what autoregressive steps do: within
             # decoding, every microsecond of host work between two forwards costs about two.
-            token, _, checks, active, _ = state.coast
+            token, _, checks, active = state.coast
             if all(sum(g.has_draft(b) for b in active) <= most for g, most in checks) \
                     and tuner.coast(token, checked=True):
                 return _Plan(NONE, [], 0)
@@ -574,20 +574,14 @@ class SpeculativeDecoder:
         state.epoch += 1
 
     @staticmethod
-    def _coast_checks(token: CoastToken, groups: Sequence[DraftGroup],
-                      active: List[int]) -> Tuple[tuple, List[int], frozenset]:
+    def _coast_checks(token: CoastToken, groups: Sequence[DraftGroup], active: List[int]) -> Tuple[tuple, List[int]]:
         """What a coasting step must check for `token` (:meth:`Tuner.coast`'s conditions on the groups): per
         free group idle at its plan, the group and 0 (no request may have a draft); per free group that had
         drafts for some requests, the group and that count, unless it is the number of active requests (no
-        more could); with the active requests (they stay while the coast does: a finished one ends it) and the
-        ids of the free groups not checked (:meth:`_Pending.add`'s `lazy`)."""
+        more could); with the active requests (they stay while the coast does: a finished one ends it)."""
         checks = [(groups[i], 0) for i in token.idle]
         checks += [(groups[i], count) for i, count in token.ready if count < len(active)]
-        # the free groups no check asks queue their appends until the coast ends, as the other groups do
-        # (catch_up then appends them in one call): a prompt lookup's append per step of a coast where it could
-        # not change the answer (at T = 1 most steps) was host work between two forwards
-        lazy = frozenset(id(g) for g in groups if g.free_draft) - {id(g) for g, _ in checks}
-        return tuple(checks), active, lazy
+        return tuple(checks), active
 
     @staticmethod
     def _ready(groups: Sequence[DraftGroup], active: Sequence[int]) -> List[Optional[Tuple[int, ...]]]:
@@ -784,8 +778,7 @@ class SpeculativeDecoder:
                     feats = feats.gather(1, idx.unsqueeze(-1).expand(-1, -1, feats.shape[-1]))
                 features[spec] = feats
         if state.pending is not None:
-            state.pending.add(new_tokens, num_new, features, counts, record.tokens,
-                              lazy=state.coast[4] if state.coast is not None else ())
+            state.pending.add(new_tokens, num_new, features, counts, record.tokens)
         else:
             for g in groups:
                 g.advance(new_tokens, num_new, features.get(g.target_features), counts, record.tokens)
@@ -1170,15 +1163,13 @@ class _Pending:
         self.consumed: Dict[int, list] = {}
         self.keep_history = history
 
-    def add(self, tokens: Tensor, num_new: Tensor, features: Dict, num_host: List[int], tokens_host,
-            lazy: Collection[int] = ()) -> None:
-        """One step's accepted tokens and bonus [B, K] (num_new [B] real), features {spec: [B, K, H]}; `lazy`:
-        the ids of started free groups that queue it like the others (while a coast asks them nothing)."""
+    def add(self, tokens: Tensor, num_new: Tensor, features: Dict, num_host: List[int], tokens_host) -> None:
+        """One step's accepted tokens and bonus [B, K] (num_new [B] real), features {spec: [B, K, H]}."""
         entry = (tokens, num_new, features, num_host, tokens_host)
         most = max(num_host)
         for key in self.queue:
             group = self.free.get(key)
-            if group is not None and not self.queue[key] and key not in lazy:
+            if group is not None and not self.queue[key]:
                 # a started group whose draft runs no model (prompt lookup) is kept current: its append is
                 # host bookkeeping of a few microseconds, and the decoder asks it every plain step whether
                 # it has anything to propose
