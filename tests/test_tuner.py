@@ -1734,59 +1734,6 @@ def test_a_forward_is_priced_at_least_at_what_fewer_nodes_are():
             assert all(costs.forward(a, 1) <= costs.forward(b, 1) for a, b in zip(grid, grid[1:]))
 
 
-def test_a_generations_first_plan_reads_the_last_ones_values_for_requests_without_counts():
-    """begin() keeps the last plan's memo: while its values stand, the next generation's first plan reads each
-    candidate's value for its requests (none has counts of its own) from the pooled rows of the acceptance
-    tables those values came from, instead of recomputing them; equal to what the acceptance model gives the
-    new requests (per request for a group that proposes for some requests only); recomputed after a change of
-    batch size or of verification mode."""
-    tuner = Tuner(_cheap(draft=1e-5, forward=1e-3, per_node=1e-5), refresh=64)
-    groups, batch = [(0,), (1,)], 2
-    plan = lambda: tuner.plan(groups, lambda g, d: d, [0, 0], list(range(batch)), batch, 3, 8,  # noqa: E731
-                              ready=[None, tuple(range(batch))])
-    tuner.begin(batch, False)
-    rng = random.Random(3)
-    for _ in range(30):
-        shape = plan()
-        tuner.observe(shape, [rng.randint(0, shape.depth) for _ in range(batch)], shape.depth, shape.budget,
-                      batch, 1e-3, {}, [])
-    tuner._plan_memo = None  # a recomputation now, after the last observation: its values stand
-    plan()
-    old = tuner._plan_memo
-    assert old[2] == tuner._version
-    tuner.begin(batch, False)
-    plan()
-    new = tuner._plan_memo
-    assert new[4] == old[4] and new[2:4] == old[2:4]  # not recomputed
-    rows = tuple(range(batch))
-    acc = tuner.acceptance
-    checked = 0
-    for (shape, value, _, upper, _), cap in zip(new[1], [old[5][e[0]] for e in new[1]]):
-        want = [acc.per_request(shape.key, rows, cap, optimistic=o) for o in (False, True)]
-        if value is None:
-            assert value is None and upper[0] == pytest.approx(want[0]) and upper[1] == pytest.approx(want[1])
-        else:
-            assert value == pytest.approx(sum(want[0].values())) and upper == pytest.approx(sum(want[1].values()))
-        checked += 1
-    assert checked == len(old[1]) and any(e[1] is None for e in new[1]) and any(e[1] is not None for e in new[1])
-    # the requests' own counts made the last generation's values differ from the new requests'
-    assert [e[1] for e in old[1]] != [e[1] for e in new[1]]
-    for change in ("batch", "mode"):
-        tuner._plan_memo = None
-        plan()
-        kept = tuner._plan_memo
-        tuner.clock += 1
-        if change == "batch":
-            batch = 3
-            tuner.begin(batch, False)
-        else:
-            tuner.begin(batch, True)
-        plan()
-        assert tuner._plan_memo[4] > kept[4], change  # recomputed (at the clock then)
-        batch = 2
-        tuner.begin(batch, False)
-
-
 @pytest.mark.parametrize("batch", [1, 2])
 def test_a_coasting_step_ends_when_prompt_lookup_has_a_match(batch, monkeypatch):
     """Where prompt lookup's drafts pay (a node costs a thousandth of a forward), a plain step that repeats

@@ -709,18 +709,6 @@ class AcceptanceModel:
         sums = np.cumsum(reach, axis=-1)
         return _Table({k: i for i, k in enumerate(kinds)}, depth, batch, sums.tolist(), own)
 
-    def tables_of(self, drafter_sets) -> Dict[tuple, "_Table"]:
-        """The tables now kept for these sets of drafters (what values computed now were read from; a table is
-        replaced, never changed, when its drafters are observed)."""
-        return {d: self._tables[d] for d in drafter_sets if d in self._tables}
-
-    @staticmethod
-    def pooled_sum(table: "_Table", key: tuple, cap: int, optimistic: bool = False) -> float:
-        """E[accepted] to depth `cap` of kind `key` for a request without counts of its own, from `table`."""
-        if cap <= 0:
-            return 0.0
-        return table.sums[optimistic][table.kinds[key]][table.pooled_row][cap - 1]
-
     def probe_depth(self, key: tuple) -> int:
         """How deep a probe of kind `key` goes, at most, once it was tried: two levels past the deepest level
         at which any kind of its drafters had a draft accepted, or 1 if none ever was (to reach a level a
@@ -861,8 +849,6 @@ class Tuner:
         self._plan_ready: Dict[int, int] = {}  # per such group: the requests it could draft for at the last plan
         self._shape_memo = None
         self._plan_memo = None
-        #: the last generation's plan memo and acceptance model, at the next one's begin (see _fresh_memo)
-        self._fresh: Optional[tuple] = None
         #: per kind key: the running ratio of its steps' measured seconds to its price when chosen (at whatever
         #: batch: a server's changes every few steps), which scales its price (see observe); _priced: the last
         #: choice's (shape, batch, price before the ratio)
@@ -1024,7 +1010,7 @@ class Tuner:
         for name in self._STATE:
             if name in state:  # (a state saved before the name was kept: this tuner's own stays)
                 setattr(self, name, copy.deepcopy(state[name]))
-        self._plan_memo = self._shape_memo = self._last_draft = self._priced = self._fresh = None
+        self._plan_memo = self._shape_memo = self._last_draft = self._priced = None
         self._version += 1
 
     def save(self, path, fingerprint: Optional[dict] = None) -> None:
@@ -1071,14 +1057,9 @@ class Tuner:
             self._modes[sampling] = copy.deepcopy(self._modes[False])
             self._modes[sampling].pooled.clear()
             self._modes[sampling]._forget()  # (nothing computed from greedy verification's counts either)
-        # the last generation's values stand for the new requests as long as they would have for its own: a
-        # request without counts of its own has the pooled values of the tables they were computed from
-        # (_fresh_memo; a generation's first plan recomputed every candidate, 0.3-0.8 ms on the shipped models)
-        self._fresh = None if self._plan_memo is None else (self._plan_memo, self.acceptance)
         self.acceptance = self._modes[sampling]
         self.acceptance.reset(batch)
         self._plan_memo = self._last_draft = None
-        self._plan_version = -1  # (the new requests' first plan prices the candidates: no repeated answer)
 
     def plan(self, groups: Sequence[Tuple[int, ...]], caps: Callable[[int, int], int], pending: Sequence[int],
              active: Sequence[int], batch: int, depth: int, budget: int, single: bool = False,
@@ -1131,8 +1112,6 @@ class Tuner:
         drawn = frozenset(drawn)
         memo = (groups, depth, budget, single, tuple(active), batch, drawn, drawn_only, free)
         last, cached = self._last_draft, self._plan_memo
-        if cached is None and self._fresh is not None:
-            cached = self._plan_memo = self._fresh_memo(memo, tuple(active))
         inputs = (memo, ready, idle)
         queued = (tuple(pending), None if starting is None else tuple(starting))
         if (last is not None and last[0] == inputs and cached is not None and self._values_stand(cached)
@@ -1205,7 +1184,6 @@ class Tuner:
                     base.append((shape, None, (below, costs.rest(key) + sum(draft_of[g, d] for g in members)),
                                  (dict(acceptance.per_request(key, rows, cap)),
                                   dict(acceptance.per_request(key, rows, cap, optimistic=True))), index))
-                    caps_of[shape] = cap
                     continue
                 nodes = self._nodes.get((key, d, shape.budget))
                 if nodes is None:  # not run yet: its budget, or the most its groups' top-k drafts propose
@@ -1229,7 +1207,7 @@ class Tuner:
             # (injected costs are not in the timer's seconds: with them the values are recomputed every `refresh`)
             wait = (self.timer() - started) / (self.recompute_share * plain) if plain > 0 and learns else 0.0
             self._plan_memo = (memo, base, self._version, self.clock + max(self.refresh, math.ceil(wait)),
-                               self.clock, caps_of, acceptance.tables_of({shape.key[0] for shape in caps_of}))
+                               self.clock, caps_of)
         fix = self._fix if learns else {}
         options = [(NONE, self.value(NONE, active, 0), plain * fix.get(NONE.key, 1.0), len(active))]
         update = [costs.update(g, pending[i], batch) if not starting or not starting[i] else
@@ -1270,30 +1248,6 @@ class Tuner:
             # repeat when they have something again (as at the plan where every group is idle)
             self._last_draft = last
         return shape
-
-    def _fresh_memo(self, memo: tuple, rows: Tuple[int, ...]) -> Optional[tuple]:
-        """At a generation's first plan: the last generation's plan memo (kept by :meth:`begin`) for the new
-        requests `rows` (none with counts of its own: each kind's value is the pooled row of the acceptance table
-        it was computed from, the same for every request), with its version and recomputation due as they were;
-        None (a recomputation) unless it was computed by this acceptance model over the same groups, depth,
-        budget and batch size and its values stand. Read once."""
-        fresh, self._fresh = self._fresh, None
-        old, acceptance = fresh
-        if acceptance is not self.acceptance or old[0][:4] != memo[:4] or old[0][5:] != memo[5:] \
-                or not self._values_stand(old):
-            return None
-        caps_of, tables, base = old[5], old[6], []
-        for shape, value, seconds, upper, index in old[1]:
-            cap = caps_of[shape]
-            table = tables.get(shape.key[0])
-            if table is None or shape.key not in table.kinds or table.depth < cap:
-                return None
-            v, u = (1.0 + AcceptanceModel.pooled_sum(table, shape.key, cap, o) for o in (False, True))
-            if value is None:  # a kind of groups that propose for some requests only: per request
-                base.append((shape, None, seconds, ({b: v for b in rows}, {b: u for b in rows}), index))
-            else:
-                base.append((shape, v * len(rows), seconds, u * len(rows), index))
-        return (memo, base) + old[2:]
 
     def _fewer_rows(self, cached: tuple, rows: Tuple[int, ...]) -> list:
         """A plan memo's values over requests `rows` (a subset of those it was computed over): each kind's
