@@ -575,13 +575,10 @@ class SpeculativeDecoder:
 
     @staticmethod
     def _coast_checks(token: CoastToken, groups: Sequence[DraftGroup], active: List[int]) -> Tuple[tuple, List[int]]:
-        """What a coasting step must check for `token` (:meth:`Tuner.coast`'s conditions on the groups): per
-        free group idle at its plan, the group and 0 (no request may have a draft); per free group that had
-        drafts for some requests, the group and that count, unless it is the number of active requests (no
-        more could); with the active requests (they stay while the coast does: a finished one ends it)."""
-        checks = [(groups[i], 0) for i in token.idle]
-        checks += [(groups[i], count) for i, count in token.ready if count < len(active)]
-        return tuple(checks), active
+        """What a coasting step must check for `token` (:meth:`CoastToken.limits`, the conditions on the groups
+        :meth:`Tuner.coast` would check): each group and the most requests it may have a draft for; with the
+        active requests (they stay while the coast does: a finished one ends it)."""
+        return tuple((groups[i], most) for i, most in token.limits(len(active))), active
 
     @staticmethod
     def _ready(groups: Sequence[DraftGroup], active: Sequence[int]) -> List[Optional[Tuple[int, ...]]]:

@@ -78,6 +78,12 @@ class CoastToken(NamedTuple):
     #: was learned since
     every: bool = False
 
+    def limits(self, active: int) -> Tuple[Tuple[int, int], ...]:
+        """The conditions on the groups that can fail with `active` requests, as (group position, the most
+        requests it may have something to propose for): each group idle at the plan (0), and each free group
+        that had fewer requests with a draft than `active` (that count; no more could otherwise)."""
+        return tuple((i, 0) for i in self.idle) + tuple((i, count) for i, count in self.ready if count < active)
+
 
 class Shape(NamedTuple):
     """One step's draft: which drafters draft (their indices in the decoder, () = no draft), the

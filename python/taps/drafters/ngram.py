@@ -252,7 +252,7 @@ class LookupGroup(DraftGroup):
                 if pos >= end:  # the context's own last n-gram
                     continue
                 cont = hist[pos:pos + depth]
-                if repeat and pos + depth > end > pos:
+                if repeat and pos + depth > end:  # (pos < end here)
                     # the span since the match runs to the end: a loop of period end - pos, continued as the
                     # span again (what the match predicts once the span has been emitted)
                     cont = (cont * (depth // len(cont) + 1))[:depth]
