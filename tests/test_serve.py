@@ -10,7 +10,6 @@ leave free their batch rows; /health and /metrics answer.
 """
 
 import concurrent.futures
-import dataclasses
 import importlib.util
 import json
 import sys
@@ -48,12 +47,20 @@ def server(request, models):
             yield s
 
 
-def endless(models, engine="thread", **limits):
-    """A server whose requests never meet an EOS (they run to max_tokens); its engine a thread or a process
-    (whose requests take their EOS ids from the server's process: none here either)."""
-    if engine == "thread":
-        return BackgroundServer(ServeConfig(dtype="fp32", **limits), models=dataclasses.replace(models, eos_token_ids=[]))
-    server = BackgroundServer(ServeConfig(dtype="fp32", engine="process", **limits))
+@pytest.fixture(scope="module")
+def endless_target(tmp_path_factory, models):
+    """A random Llama folder whose context (65,536 positions) no test's request runs through: a request of
+    ENDLESS tokens lasts as long as the test keeps it, however fast the machine decodes."""
+    folder = tmp_path_factory.mktemp("endless") / "target"
+    _save_hf_target(folder, models, max_positions=1 << 16)
+    return folder
+
+
+def endless(folder, engine="thread", **limits):
+    """A server over the `endless_target` folder whose requests never meet an EOS (they run to max_tokens);
+    its engine a thread or a process (whose requests take their EOS ids from the server's process: none
+    here either)."""
+    server = BackgroundServer(ServeConfig(target=str(folder), dtype="fp32", engine=engine, **limits))
     server.models.eos_token_ids = []
     return server
 
@@ -306,14 +313,15 @@ def test_errors_through_the_openai_client(server):
     assert reply.status_code == 200, reply.text
 
 
-# runs to its max_tokens on an `endless` server: some 15 s of plain decoding
-LONG = {"messages": QUESTION, "max_tokens": 1500, "temperature": 0, "stream": True,
+# a request of plain decoding no `endless` server finishes while a test waits on it (60,000 tokens: 8 s
+# decoded some 6,700 of them on the dev CPU; the tests close or time it out within seconds)
+LONG = {"messages": QUESTION, "max_tokens": 60_000, "temperature": 0, "stream": True,
         "taps": {"strategy": "autoregressive"}}
 
 
 @pytest.mark.parametrize("engine", ["thread", "process"])
-def test_a_full_queue_gets_429_and_clients_that_leave_free_their_rows(models, engine):
-    with endless(models, engine, max_batch=1, max_queue=1) as server, httpx.Client(timeout=30) as h, \
+def test_a_full_queue_gets_429_and_clients_that_leave_free_their_rows(endless_target, engine):
+    with endless(endless_target, engine, max_batch=1, max_queue=1) as server, httpx.Client(timeout=30) as h, \
             concurrent.futures.ThreadPoolExecutor(1) as pool:
         url = server.url + "/v1/chat/completions"
         with h.stream("POST", url, json=LONG) as running:  # its headers come with its first token
@@ -323,7 +331,7 @@ def test_a_full_queue_gets_429_and_clients_that_leave_free_their_rows(models, en
             queued = pool.submit(httpx.post, url, json={**LONG, "stream": False}, timeout=1.5)
             wait_health(server, running=1, waiting=1, outstanding=2)
             with pytest.raises(openai.RateLimitError) as e:
-                client_of(server).chat.completions.create(model="taps-mini", messages=QUESTION, max_tokens=2)
+                client_of(server).chat.completions.create(model="target", messages=QUESTION, max_tokens=2)
             assert set(e.value.body) == ERROR_KEYS and e.value.response.headers["retry-after"] == "1"
             # the queued client gives up: its request leaves the queue
             with pytest.raises(httpx.ReadTimeout):
@@ -341,8 +349,8 @@ def test_a_full_queue_gets_429_and_clients_that_leave_free_their_rows(models, en
 
 
 @pytest.mark.parametrize("engine", ["thread", "process"])
-def test_requests_past_the_timeout_get_408(models, engine):
-    with endless(models, engine, timeout=1.0) as server, httpx.Client(timeout=30) as h:
+def test_requests_past_the_timeout_get_408(endless_target, engine):
+    with endless(endless_target, engine, timeout=1.0) as server, httpx.Client(timeout=30) as h:
         url = server.url + "/v1/chat/completions"
         h.post(url, json={**LONG, "stream": False, "max_tokens": 2})  # the decoder is made outside the timings
         r = h.post(url, json={**LONG, "stream": False})
@@ -650,12 +658,12 @@ def test_engine_kind():
         engine_kind(ServeConfig(engine="process"), models_given=True)
 
 
-def test_a_dead_engine_process_fails_its_requests_and_health():
+def test_a_dead_engine_process_fails_its_requests_and_health(endless_target):
     """The engine's process killed mid-answer: the running request ends with an error, /health turns 503
     with the reason, new requests get 503; the server still stops cleanly."""
     import signal
 
-    with endless(None, "process") as server, httpx.Client(timeout=30) as h:
+    with endless(endless_target, "process") as server, httpx.Client(timeout=30) as h:
         url = server.url + "/v1/chat/completions"
         engine = server.service.engine
         with h.stream("POST", url, json=LONG) as running:
