@@ -328,7 +328,7 @@ def test_a_full_queue_gets_429_and_clients_that_leave_free_their_rows(endless_ta
             lines = running.iter_lines()  # (kept: a dropped line iterator closes the response)
             first = next(ln for ln in lines if ln.startswith("data: "))
             assert json.loads(first[6:])["choices"][0]["delta"]["role"] == "assistant"
-            queued = pool.submit(httpx.post, url, json={**LONG, "stream": False}, timeout=1.5)
+            queued = pool.submit(httpx.post, url, json={**LONG, "stream": False}, timeout=3.0)
             wait_health(server, running=1, waiting=1, outstanding=2)
             with pytest.raises(openai.RateLimitError) as e:
                 client_of(server).chat.completions.create(model="target", messages=QUESTION, max_tokens=2)
