@@ -1696,21 +1696,45 @@ def test_a_kind_is_priced_at_what_its_steps_take():
 
     honest, slow = tuned(), tuned()
     assert all(s.drafters for s in run(honest, 1.0)[-20:])  # steps take their price: drafting pays
-    assert honest._fix[Shape((0,), 1, 4).key] == pytest.approx(1.0)
+    assert honest._price_fix(Shape((0,), 1, 4).key) == pytest.approx(1.0)
     plans = run(slow, 2.5)
     assert plans[0].drafters and not any(s.drafters for s in plans[-20:])
-    assert slow._fix[Shape((0,), 1, 4).key] > 1.5 and slow._fix.get(NONE.key, 1.0) == pytest.approx(1.0)
+    assert slow._price_fix(Shape((0,), 1, 4).key) > 1.5 and slow._price_fix(NONE.key) == pytest.approx(1.0)
     state = slow.state_dict()  # kept with what the tuner learned, and an older state without it loads
     other = tuned()
     other.load_state_dict(state)
-    assert other._fix == slow._fix
-    del state["_fix"]
+    assert other._fix == slow._fix and other._fix_set == slow._fix_set
+    del state["_fix"], state["_fix_set"]
     tuned().load_state_dict(state)
     fixed = Tuner(_cheap(draft=1e-5, forward=1e-3))
     fixed.begin(1, False)
     shape = fixed.plan([(0,)], lambda g, d: d, [0], [0], 1, 1, 4)
     fixed.observe(shape, [1], 1, 2.0, 1, 1.0, {}, [])
-    assert fixed._fix == {} and fixed._priced is None
+    assert fixed._fix == {} and fixed._fix_set == {} and fixed._priced is None
+
+
+def test_a_kind_seldom_chosen_is_priced_from_its_drafters_other_kinds():
+    """The running ratio of a set of drafters' steps to their prices scales every kind of that set: a kind never
+    run since (a probe, a kind chosen after a run of plain steps) is priced at it too, its own ratio kept against
+    it; another set's kinds and the no-draft step are not."""
+    costs = CostModel()
+    costs.set_forward(1, [(1, 1e-3), (4, 1.2e-3), (8, 1.4e-3)])
+    costs.set_draft((0,), 1, (1, 1e-4), (3, 3e-4))
+    costs.set_draft((1,), 1, (1, 1e-4), (3, 3e-4))
+    tuner = Tuner(costs, budgets=(4,), explore=0.0, refresh=1, calibrate=False, chains=False)
+    tuner.begin(1, False)
+    often, seldom, other = Shape((0,), 1, 4), Shape((0,), 1, 8), Shape((1,), 1, 4)
+    for _ in range(40):  # the often-run kind's steps take twice their price
+        tuner._priced = (often, 1, 1e-3, tuner._fix_set.get(often.key[0], 1.0))
+        tuner.observe(often, [1], 1, 4.0, 1, 2e-3, {}, [])
+    assert tuner._fix_set[(0,)] == pytest.approx(2.0, rel=0.05)
+    assert tuner._price_fix(seldom.key) == pytest.approx(2.0, rel=0.05)  # never run: its set's ratio
+    assert tuner._price_fix(often.key) == pytest.approx(2.0, rel=0.05)   # its own against the set's: ~1
+    assert tuner._price_fix(other.key) == 1.0 and tuner._price_fix(NONE.key) == 1.0
+    for _ in range(40):  # the seldom kind, once run, takes its price as the set's ratio predicts: it stays there
+        tuner._priced = (seldom, 1, 1e-3, tuner._fix_set[(0,)])
+        tuner.observe(seldom, [1], 1, 8.0, 1, 2e-3, {}, [])
+    assert tuner._price_fix(seldom.key) == pytest.approx(2.0, rel=0.05)
 
 
 def test_a_forward_is_priced_at_least_at_what_fewer_nodes_are():

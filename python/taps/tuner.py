@@ -856,9 +856,12 @@ class Tuner:
         self._shape_memo = None
         self._plan_memo = None
         #: per kind key: the running ratio of its steps' measured seconds to its price when chosen (at whatever
-        #: batch: a server's changes every few steps), which scales its price (see observe); _priced: the last
-        #: choice's (shape, batch, price before the ratio)
+        #: batch: a server's changes every few steps), which scales its price (see observe); _fix_set: per set of
+        #: drafters (a kind key's first part), the same ratio over every kind of that set, which scales the
+        #: prices of all of them (a drafted kind's _fix is then its own ratio to that: see _price_fix); _priced:
+        #: the last choice's (shape, batch, price before the ratios, the set's ratio then)
         self._fix: Dict[tuple, float] = {}
+        self._fix_set: Dict[tuple, float] = {}
         self._priced: Optional[tuple] = None
         #: the last plan's draft (not a probe): (what it was chosen over, the groups' appends then, the shape,
         #: its groups' positions); see plan
@@ -986,7 +989,8 @@ class Tuner:
     # -- the decoder's calls ------------------------------------------------------------------------------
     # -- what it learned, across processes -------------------------------------------------------------
     #: the attributes :meth:`state_dict` holds besides the cost model and the acceptance models
-    _STATE = ("clock", "_probe", "_nodes", "_extra", "_free", "_plain_until", "_credit", "_accrual", "_fix")
+    _STATE = ("clock", "_probe", "_nodes", "_extra", "_free", "_plain_until", "_credit", "_accrual", "_fix",
+              "_fix_set")
 
     def state_dict(self) -> dict:
         """What the tuner measured and learned (its cost model, the pooled acceptance of each verification mode,
@@ -1144,7 +1148,7 @@ class Tuner:
             # a plan whose every kind is left out would make (repeated while they stay idle, coast_token)
             self._every_idle = True
             if learns:
-                self._priced = (NONE, batch, plain)
+                self._priced = (NONE, batch, plain, 1.0)
             shape = self.choose([(NONE, self.value(NONE, active, 0), plain, len(active))])
             # the last draft stays the one to repeat when the groups have something again (at batch 1 prompt
             # lookup's match comes and goes: a step with one after a step without is priced as before)
@@ -1214,8 +1218,8 @@ class Tuner:
             wait = (self.timer() - started) / (self.recompute_share * plain) if plain > 0 and learns else 0.0
             self._plan_memo = (memo, base, self._version, self.clock + max(self.refresh, math.ceil(wait)),
                                self.clock, caps_of)
-        fix = self._fix if learns else {}
-        options = [(NONE, self.value(NONE, active, 0), plain * fix.get(NONE.key, 1.0), len(active))]
+        fix = self._price_fix if learns else (lambda key: 1.0)
+        options = [(NONE, self.value(NONE, active, 0), plain * fix(NONE.key), len(active))]
         update = [costs.update(g, pending[i], batch) if not starting or not starting[i] else
                   costs.start(g, starting[i], batch) + costs.update(g, pending[i] - starting[i], batch)
                   for i, g in enumerate(groups)]
@@ -1240,11 +1244,12 @@ class Tuner:
                 extra = appends[members] = sum(update[i] for i in members)
             # a draft step does all a plain step does and more: never predicted to cost less (each part's
             # online correction moves on its own, and a burst of load on a plain step can lift it past them)
-            options.append((shape, value, (max(seconds, plain) + extra) * fix.get(shape.key, 1.0), upper))
+            options.append((shape, value, (max(seconds, plain) + extra) * fix(shape.key), upper))
         shape = self.choose(options)
         if learns:  # what the choice was priced at, before its correction (observe compares the step with it)
             chosen = next(o for o in options if o[0] is shape)
-            self._priced = (shape, batch, chosen[2] / fix.get(shape.key, 1.0))
+            self._priced = (shape, batch, chosen[2] / fix(shape.key),
+                            self._fix_set.get(shape.key[0], 1.0) if shape.drafters else 1.0)
         if shape.drafters and not self.probing and type(self).choose is Tuner.choose:
             # (a subclass's own choice is asked every step)
             index = next(o[4] for o in self._plan_memo[1] if o[0] is shape)
@@ -1265,6 +1270,13 @@ class Tuner:
                 (entry[0], acceptance.total(entry[0].key, rows, caps_of[entry[0]]), entry[2],
                  acceptance.total(entry[0].key, rows, caps_of[entry[0]], optimistic=True), entry[4])
                 for entry in cached[1]]
+
+    def _price_fix(self, key: tuple) -> float:
+        """What a kind's predicted seconds are scaled by (see observe): the no-draft step's own running ratio;
+        a drafted kind's, the ratio of its set of drafters (every kind of them observed: the rarely chosen kinds,
+        probes, learn from them all) times its own to that."""
+        own = self._fix.get(key, 1.0)
+        return own if not key[0] else own * self._fix_set.get(key[0], 1.0)
 
     def _learns_fix(self) -> bool:
         """Whether steps correct the prices of the kinds as a whole (:attr:`_fix`): not with injected costs."""
@@ -1411,9 +1423,16 @@ class Tuner:
             # step out of every part (at batch 8 a prompt-lookup tree's forward priced at its mean nodes, a
             # residual that tracks the median of a skewed distribution: its kinds were priced 20-50% below
             # what their steps took, and chosen where they lost); each kind's price is scaled by its running
-            # ratio (each step moves it by at most a factor 2 times the averaging weight, as the parts')
-            ratio = min(max(total / priced[2], 0.5), 2.0)
-            self._fix[shape.key] = _ema(self._fix.get(shape.key, 1.0), ratio, self.costs.alpha)
+            # ratio (each step moves it by at most a factor 2 times the averaging weight, as the parts'). A drafted
+            # kind's ratio is also its set of drafters' (every kind of them moves it), and its own is kept against
+            # that: a kind chosen seldom, as a probe or after a run of plain steps, is priced from the set's steps
+            # too (an EAGLE head's seldom kinds at T = 1 took 2-2.5x their prices, their own ratios a few steps old)
+            key, alpha = shape.key, self.costs.alpha
+            if shape.drafters:
+                self._fix_set[key[0]] = _ema(self._fix_set.get(key[0], 1.0),
+                                             min(max(total / priced[2], 0.5), 2.0), alpha)
+            ratio = min(max(total / (priced[2] * priced[3]), 0.5), 2.0)
+            self._fix[key] = _ema(self._fix.get(key, 1.0), ratio, alpha)
 
 
 _STATE_VERSION = 1
