@@ -472,6 +472,35 @@ def test_probes_lose_at_most_their_share():
     assert free.choose([(NONE, 1.0, 1.0, 1.0), (even, 1.02, 1.0, 4.0)]) == even
 
 
+def test_a_probe_that_loses_more_than_its_charge_spends_the_rest():
+    """A probe is charged its predicted loss when chosen; observed, it also spends what it lost beyond that (its
+    seconds beyond what the best shape would take for the tokens it gave), so predictions that flatter a kind
+    cannot make probes lose more than the credit; one that lost less keeps its charge (no refund)."""
+    def probe_of(total, accepted):
+        tuner = Tuner(_cheap(), explore=0.05)
+        tuner.begin(1, False)
+        bad = Shape((0,), 3, 8)
+        # the first try (free: charged nothing), then steps until the kind is due and covered again
+        shape = tuner.choose([(NONE, 1.0, 1e-3, 1.0), (bad, 1.2, 1.5e-3, 4.0)])
+        assert shape == bad and tuner.probing
+        before = tuner._credit
+        tuner.observe(shape, [accepted], 3, 8.0, 1, total, {}, [])
+        return before, tuner._credit
+
+    # best rate: 1 token a millisecond; the probe gave 1 token in 5 ms: lost 4 ms beyond its charge of 0
+    before, after = probe_of(5e-3, 0)
+    assert after == pytest.approx(before - 4e-3)
+    before, after = probe_of(1e-3, 3)  # gave 4 tokens in 1 ms: it won, the credit stays
+    assert after == pytest.approx(before)
+    # no costs learned from the step (a kernel built for a new shape): nothing spent either
+    tuner = Tuner(_cheap(), explore=0.05)
+    tuner.begin(1, False)
+    shape = tuner.choose([(NONE, 1.0, 1e-3, 1.0), (Shape((0,), 3, 8), 1.2, 1.5e-3, 4.0)])
+    before = tuner._credit
+    tuner.observe(shape, [0], 3, 8.0, 1, 5e-3, {}, [], costs=False)
+    assert tuner._credit == before and tuner._charge is None
+
+
 def test_no_plan_while_no_probe_is_affordable():
     """While no draft is best and no probe is both due and covered by the credit, plan() answers no
     draft without evaluating the candidates again (the steps' credit still adds up); drafters that

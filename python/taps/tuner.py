@@ -30,8 +30,9 @@ much each part costs depends on the machine (ISA, dtype, threads, batch, a GPU o
   chance to reach each depth at most that of a wider kind of the same drafters observed since, whose tree
   holds its best nodes, and its estimate at least that of a narrower one observed since), and only as far as an
   exploration credit covers its predicted loss (the credit grows by a share ``explore`` of each step's
-  predicted time), so probes lose about that share at most, however many kinds there are and whatever a
-  tree costs at the batch size, and useless drafters cost a vanishing share of the steps.
+  predicted time; an observed probe also spends what it lost beyond that), so probes lose about that share
+  at most, however many kinds there are, whatever a tree costs at the batch size and however wrong the
+  predictions, and useless drafters cost a vanishing share of the steps.
 
 A group whose draft runs no model (prompt lookup) is asked before each plan whether it has anything to
 propose, and left out of the step's kinds when it has not (``plan(idle=)``).
@@ -873,6 +874,7 @@ class Tuner:
         self._plain_until = 0  # while no draft is best: the clock of the next probe that could win
         self.explore = float(explore)
         self._credit: Optional[float] = None  # seconds the probes may still lose (see choose)
+        self._charge: Optional[tuple] = None  # the last probe's charge, until it is observed (see observe)
         self._accrual = 0.0  # the credit one step adds
         #: while plain steps run with no probe near, one in this many is observed (see observes)
         self.plain_sample = 16
@@ -929,9 +931,10 @@ class Tuner:
         A kind's first try is free; the credit starts at what ``max_probe_interval`` steps add and holds
         at most that; it grows by ``explore`` times the best shape's predicted seconds every step, and a
         later probe spends its predicted loss: the seconds it takes beyond what the best shape would take for the
-        tokens it is expected to give. So probes cost about that share of the time whatever they cost
+        tokens it is expected to give; once observed, any probe (a first try too) also spends what it lost
+        beyond its charge (:meth:`observe`). So probes cost about that share of the time whatever they cost
         each (a tree over a batch of 8 costs several plain steps, one over a single request little more
-        than one)."""
+        than one) and however their predictions err."""
         margin = 1.0 + self.margin
         best_shape, best_value, best_seconds, _ = max(
             options, key=lambda o: o[1] / max(o[2], 1e-9) * (1.0 if o[0].drafters else margin))
@@ -976,6 +979,9 @@ class Tuner:
         shape, loss = due[key]
         self._credit -= loss
         self.probing = True
+        # what the probe was charged, the best shape's tokens per second, the active requests: its observation
+        # charges what it lost instead (see observe)
+        self._charge = (shape, loss, rate, options[0][1])
         interval = min(probe.get(key, (0, 1))[1] * 2, self.max_probe_interval)
         probe[key] = (clock + interval, interval)
         for other in {o[0].key for o in options}:
@@ -1110,6 +1116,7 @@ class Tuner:
         """
         costs = self.costs
         self.probing = self._every_idle = False
+        self._charge = None
         groups = tuple(groups)
         idle = frozenset(idle) if not single else frozenset()
         counts: Dict[int, int] = {}  # per group that proposes for some requests only: how many now
@@ -1412,8 +1419,21 @@ class Tuner:
         appends = [u for u in updates if not (len(u) > 3 and u[3])]
         for group, tokens, seconds in starts:  # measured even on a step whose forward paid one-off costs
             self.costs.observe_start(group, batch, tokens, seconds)
+        charge, self._charge = self._charge, None
         if not costs:
             return
+        if charge is not None and charge[0] == shape and charge[2] > 0 and self._credit is not None:
+            # a probe that lost more than it was charged spends the rest too: its seconds beyond what the best
+            # shape would have taken for the tokens it gave (each request that took part, its accepted drafts and
+            # one more; the others one each), so probes lose about `explore` of the time at most whatever the
+            # predictions' errors (at a batch of 8 prompt lookup's probes were valued 12% above what they gave
+            # and priced 12% below what they took, and lost several times their charge). One that lost less keeps
+            # its charge (refunded, the probes that won at T = 0 made room for more of prompt lookup's narrow
+            # kinds: 17% more drafted steps for the same tokens)
+            _, charged, rate, active = charge
+            took = [a for a in accepted if a is not None]
+            gave = sum(a + 1 for a in took) + max(active - len(took), 0)
+            self._credit -= max(total - gave / rate - charged, 0.0)
         predicted = sum(p for _, p in parts.values()) + sum(self.costs.update(g, t, batch) for g, t, _ in appends) \
             + sum(self.costs.start(g, t, batch) for g, t, _ in starts)
         self.costs.observe(shape.key, batch, total, predicted, parts, appends)
