@@ -475,9 +475,16 @@ def test_probes_lose_at_most_their_share():
 def test_a_probe_that_loses_more_than_its_charge_spends_the_rest():
     """A probe is charged its predicted loss when chosen; observed, it also spends what it lost beyond that (its
     seconds beyond what the best shape would take for the tokens it gave), so predictions that flatter a kind
-    cannot make probes lose more than the credit; one that lost less keeps its charge (no refund)."""
-    def probe_of(total, accepted):
-        tuner = Tuner(_cheap(), explore=0.05)
+    cannot make probes lose more than the credit; one that lost less keeps its charge (no refund). Injected
+    costs (FixedCosts, whose units need not be the timer's seconds) are charged their predictions only."""
+    def measured():
+        costs = CostModel()
+        costs.set_forward(1, [(1, 1e-3), (4, 1.2e-3), (8, 1.4e-3)])
+        costs.set_draft((0,), 1, (1, 1e-4), (3, 3e-4))
+        return costs
+
+    def probe_of(total, accepted, costs=None):
+        tuner = Tuner(costs or measured(), explore=0.05, calibrate=False)
         tuner.begin(1, False)
         bad = Shape((0,), 3, 8)
         # the first try (free: charged nothing), then steps until the kind is due and covered again
@@ -492,8 +499,10 @@ def test_a_probe_that_loses_more_than_its_charge_spends_the_rest():
     assert after == pytest.approx(before - 4e-3)
     before, after = probe_of(1e-3, 3)  # gave 4 tokens in 1 ms: it won, the credit stays
     assert after == pytest.approx(before)
+    before, after = probe_of(5e-3, 0, _cheap())
+    assert after == before
     # no costs learned from the step (a kernel built for a new shape): nothing spent either
-    tuner = Tuner(_cheap(), explore=0.05)
+    tuner = Tuner(measured(), explore=0.05, calibrate=False)
     tuner.begin(1, False)
     shape = tuner.choose([(NONE, 1.0, 1e-3, 1.0), (Shape((0,), 3, 8), 1.2, 1.5e-3, 4.0)])
     before = tuner._credit

@@ -1422,7 +1422,8 @@ class Tuner:
         charge, self._charge = self._charge, None
         if not costs:
             return
-        if charge is not None and charge[0] == shape and charge[2] > 0 and self._credit is not None:
+        if (charge is not None and charge[0] == shape and charge[2] > 0 and self._credit is not None
+                and self._learns_fix()):  # (injected costs need not be in the timer's seconds)
             # a probe that lost more than it was charged spends the rest too: its seconds beyond what the best
             # shape would have taken for the tokens it gave (each request that took part, its accepted drafts and
             # one more; the others one each), so probes lose about `explore` of the time at most whatever the
