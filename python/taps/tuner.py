@@ -1255,8 +1255,7 @@ class Tuner:
         shape = self.choose(options)
         if learns:  # what the choice was priced at, before its correction (observe compares the step with it)
             chosen = next(o for o in options if o[0] is shape)
-            self._priced = (shape, batch, chosen[2] / fix(shape.key),
-                            self._fix_set.get(shape.key[0], 1.0) if shape.drafters else 1.0)
+            self._priced = (shape, batch, chosen[2] / fix(shape.key), self._set_fix(shape.key))
         if shape.drafters and not self.probing and type(self).choose is Tuner.choose:
             # (a subclass's own choice is asked every step)
             index = next(o[4] for o in self._plan_memo[1] if o[0] is shape)
@@ -1282,8 +1281,11 @@ class Tuner:
         """What a kind's predicted seconds are scaled by (see observe): the no-draft step's own running ratio;
         a drafted kind's, the ratio of its set of drafters (every kind of them observed: the rarely chosen kinds,
         probes, learn from them all) times its own to that."""
-        own = self._fix.get(key, 1.0)
-        return own if not key[0] else own * self._fix_set.get(key[0], 1.0)
+        return self._fix.get(key, 1.0) * self._set_fix(key)
+
+    def _set_fix(self, key: tuple) -> float:
+        """The running ratio of a drafted kind's set of drafters (:attr:`_fix_set`); 1 for the no-draft step."""
+        return self._fix_set.get(key[0], 1.0) if key[0] else 1.0
 
     def _learns_fix(self) -> bool:
         """Whether steps correct the prices of the kinds as a whole (:attr:`_fix`): not with injected costs."""
@@ -1422,15 +1424,15 @@ class Tuner:
         charge, self._charge = self._charge, None
         if not costs:
             return
-        if (charge is not None and charge[0] == shape and charge[2] > 0 and self._credit is not None
-                and self._learns_fix()):  # (injected costs need not be in the timer's seconds)
+        if charge is not None and charge[0] == shape and charge[2] > 0 and self._learns_fix():
+            # (injected costs need not be in the timer's seconds)
             # a probe that lost more than it was charged spends the rest too: its seconds beyond what the best
             # shape would have taken for the tokens it gave (each request that took part, its accepted drafts and
             # one more; the others one each), so probes lose about `explore` of the time at most whatever the
             # predictions' errors (at a batch of 8 prompt lookup's probes were valued 12% above what they gave
-            # and priced 12% below what they took, and lost several times their charge). One that lost less keeps
-            # its charge (refunded, the probes that won at T = 0 made room for more of prompt lookup's narrow
-            # kinds: 17% more drafted steps for the same tokens)
+            # and priced 12% below what they took, and lost several times their charge). One that lost less gets
+            # nothing back (a refund let the probes that won at T = 0 make room for more of prompt lookup's
+            # narrow kinds: 17% more drafted steps for the same tokens)
             _, charged, rate, active = charge
             took = [a for a in accepted if a is not None]
             gave = sum(a + 1 for a in took) + max(active - len(took), 0)
