@@ -49,8 +49,8 @@ def server(request, models):
 
 @pytest.fixture(scope="module")
 def endless_target(tmp_path_factory, models):
-    """A random Llama folder whose context (65,536 positions) no test's request runs through: a request of
-    ENDLESS tokens lasts as long as the test keeps it, however fast the machine decodes."""
+    """A random Llama folder whose context (65,536 positions) no test's request runs through: a LONG request
+    (60,000 tokens) lasts as long as the test keeps it, however fast the machine decodes."""
     folder = tmp_path_factory.mktemp("endless") / "target"
     _save_hf_target(folder, models, max_positions=1 << 16)
     return folder

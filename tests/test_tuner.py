@@ -45,6 +45,16 @@ def _cheap(draft=1e-5, forward=1e-3, per_node=0.0):
     return FixedCosts(lambda n, b: forward + per_node * n, lambda g, d, b: draft * d, lambda g, t, b: draft)
 
 
+def _measured(*sets):
+    """A CostModel as calibration leaves it at batch 1 (a 1 ms plain step, 1.4 ms at 8 nodes), with each drafter
+    set of `sets` (default: drafter 0) at 0.1 ms a level."""
+    costs = CostModel()
+    costs.set_forward(1, [(1, 1e-3), (4, 1.2e-3), (8, 1.4e-3)])
+    for members in sets or ((0,),):
+        costs.set_draft(members, 1, (1, 1e-4), (3, 3e-4))
+    return costs
+
+
 GREEDY_CASES = [
     ("single", ("eagle",)),
     ("merged", ("eagle", "lookup")),
@@ -477,14 +487,8 @@ def test_a_probe_that_loses_more_than_its_charge_spends_the_rest():
     seconds beyond what the best shape would take for the tokens it gave), so predictions that flatter a kind
     cannot make probes lose more than the credit; one that lost less keeps its charge (no refund). Injected
     costs (FixedCosts, whose units need not be the timer's seconds) are charged their predictions only."""
-    def measured():
-        costs = CostModel()
-        costs.set_forward(1, [(1, 1e-3), (4, 1.2e-3), (8, 1.4e-3)])
-        costs.set_draft((0,), 1, (1, 1e-4), (3, 3e-4))
-        return costs
-
     def probe_of(total, accepted, costs=None):
-        tuner = Tuner(costs or measured(), explore=0.05, calibrate=False)
+        tuner = Tuner(costs or _measured(), explore=0.05, calibrate=False)
         tuner.begin(1, False)
         bad = Shape((0,), 3, 8)
         # the first try (free: charged nothing), then steps until the kind is due and covered again
@@ -502,7 +506,7 @@ def test_a_probe_that_loses_more_than_its_charge_spends_the_rest():
     before, after = probe_of(5e-3, 0, _cheap())
     assert after == before
     # no costs learned from the step (a kernel built for a new shape): nothing spent either
-    tuner = Tuner(measured(), explore=0.05, calibrate=False)
+    tuner = Tuner(_measured(), explore=0.05, calibrate=False)
     tuner.begin(1, False)
     shape = tuner.choose([(NONE, 1.0, 1e-3, 1.0), (Shape((0,), 3, 8), 1.2, 1.5e-3, 4.0)])
     before = tuner._credit
@@ -1713,10 +1717,7 @@ def test_a_kind_is_priced_at_what_its_steps_take():
     its steps' measured seconds to its price when chosen: a draft whose steps take 2.5x its price stops being
     chosen once its price says so, and plain steps keep their own ratio. Injected costs (FixedCosts) learn none."""
     def tuned():
-        costs = CostModel()
-        costs.set_forward(1, [(1, 1e-3), (4, 1.2e-3), (8, 1.4e-3)])
-        costs.set_draft((0,), 1, (1, 1e-4), (3, 3e-4))
-        tuner = Tuner(costs, budgets=(4,), explore=0.0, refresh=1, calibrate=False, chains=False)
+        tuner = Tuner(_measured(), budgets=(4,), explore=0.0, refresh=1, calibrate=False, chains=False)
         tuner.begin(1, False)
         return tuner
 
@@ -1755,11 +1756,7 @@ def test_a_kind_seldom_chosen_is_priced_from_its_drafters_other_kinds():
     """The running ratio of a set of drafters' steps to their prices scales every kind of that set: a kind never
     run since (a probe, a kind chosen after a run of plain steps) is priced at it too, its own ratio kept against
     it; another set's kinds and the no-draft step are not."""
-    costs = CostModel()
-    costs.set_forward(1, [(1, 1e-3), (4, 1.2e-3), (8, 1.4e-3)])
-    costs.set_draft((0,), 1, (1, 1e-4), (3, 3e-4))
-    costs.set_draft((1,), 1, (1, 1e-4), (3, 3e-4))
-    tuner = Tuner(costs, budgets=(4,), explore=0.0, refresh=1, calibrate=False, chains=False)
+    tuner = Tuner(_measured((0,), (1,)), budgets=(4,), explore=0.0, refresh=1, calibrate=False, chains=False)
     tuner.begin(1, False)
     often, seldom, other = Shape((0,), 1, 4), Shape((0,), 1, 8), Shape((1,), 1, 4)
     for _ in range(40):  # the often-run kind's steps take twice their price
