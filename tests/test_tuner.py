@@ -1802,19 +1802,26 @@ def test_a_coasting_step_ends_when_prompt_lookup_has_a_match(batch, monkeypatch)
     m = em.greedy_models()
     prompts = [[5, 17, 42, 8, 61, 3, 5, 17, 42, 8, 61, 3, 5, 17], [9, 31, 4, 77, 20, 13, 2, 58]][:batch]
     ref = SpeculativeDecoder(m["target"], [], strategy="autoregressive").generate(prompts, max_new_tokens=40)
-    steps = []
-    plan_of = SpeculativeDecoder._plan
+    steps, planned = [], []
+    plan_of, step_of = SpeculativeDecoder._plan, SpeculativeDecoder.step
 
-    def spy(self, state):
+    def spy_plan(self, state):
+        plan = plan_of(self, state)
+        planned.append((bool(plan.drafting), self.tuner.probing))
+        return plan
+
+    def spy_step(self, state):
         lookup = state.groups[0]
         started = state.pending.started(lookup)
         matched = sum(lookup.has_draft(b) for b in state.active()) if started else None
         token = state.coast
-        plan = plan_of(self, state)
+        planned.clear()
+        step_of(self, state)
         coasted = token is not None and state.coast is token  # (repeated without planning)
-        steps.append((matched, coasted, bool(plan.drafting), self.tuner.probing))
-        return plan
-    monkeypatch.setattr(SpeculativeDecoder, "_plan", spy)
+        assert coasted != bool(planned)
+        steps.append((matched, coasted) + (planned[0] if planned else (False, False)))
+    monkeypatch.setattr(SpeculativeDecoder, "_plan", spy_plan)
+    monkeypatch.setattr(SpeculativeDecoder, "step", spy_step)
     tuner = Tuner(FixedCosts(lambda n, b: 1e-3 + 1e-6 * n, lambda g, d, b: 1e-6), explore=0.0)
     dec = SpeculativeDecoder(m["target"], [PromptLookupDrafter()], strategy="single", depth=3, top_k=1, budget=4,
                              tuner=tuner)

@@ -421,7 +421,13 @@ class SpeculativeDecoder:
             # coasting reads it when it does (_plan)
             start = self._now() if self.tuner is not None and state.coast is None else None
             self._route(state)
-            plan = self._plan(state)
+            if state.coast is not None and self._coasts(state):
+                if not self.tuner.observes(NONE):
+                    self._plain_step(state)
+                    return
+                plan = _Plan(NONE, [], 0)
+            else:
+                plan = self._plan(state)
             self._retire(state, plan)
             timed = plan.shape is not None and self.tuner.observes(plan.shape)
             if timed and not plan.shape.drafters:
@@ -500,19 +506,7 @@ class SpeculativeDecoder:
                 groups = [g for g in groups if not g.free_draft or any(g.has_draft(b) for b in active)]
             return _Plan(None, groups, self.depth)
         groups = state.groups
-        if state.coast is not None and state.coast[1] == state.epoch:
-            # the last plan chose no draft, and no request joined, finished or left since: no draft again
-            # without the plan's bookkeeping while the groups idle then (a prompt lookup without a match)
-            # still are and the free groups have no more requests with a match than then (a free group is
-            # kept current every step, so asking it is a lookup of a flag per request); the checks that
-            # could fail were listed when the plan chose (_coast_checks: none once a plan with a match chose no
-            # draft at a batch of 1). A run of plain steps should cost what autoregressive steps do: within
-            # decoding, every microsecond of host work between two forwards costs about two.
-            token, _, checks, active = state.coast
-            if all(sum(g.has_draft(b) for b in active) <= most for g, most in checks) \
-                    and tuner.coast(token, checked=True):
-                return _Plan(NONE, [], 0)
-        # a step that was coasting read no clock in step(): its time starts here
+        # a step that was coasting (and stops: _coasts) read no clock in step(): its time starts here
         started = self._now() if state.coast is not None else None
         state.coast = None
         active = state.active()
@@ -538,6 +532,35 @@ class SpeculativeDecoder:
         chosen = set(shape.drafters)
         return _Plan(shape, [g for g in groups if chosen.issuperset(g.members)], shape.depth, updates=updates,
                      started=started)
+
+    def _coasts(self, state: "DecodeState") -> bool:
+        """Whether this step repeats the last plan's answer, no draft, without planning (the tuner's clock
+        counts it: :meth:`Tuner.coast`): the last plan chose no draft, no request joined, finished or left
+        since, the groups idle then (a prompt lookup without a match) still are and the free groups have no
+        more requests with a match than then (a free group is kept current every step, so asking it is a
+        lookup of a flag per request; the checks that could fail were listed when the plan chose,
+        :meth:`_coast_checks`: none once a plan with a match chose no draft at a batch of 1). A run of plain
+        steps should cost what autoregressive steps do: within decoding, every microsecond of host work
+        between two forwards costs about two."""
+        token, epoch, checks, active = state.coast
+        return (epoch == state.epoch and (not checks or all(sum(g.has_draft(b) for b in active) <= most
+                                                            for g, most in checks))
+                and self.tuner.coast(token, checked=True))
+
+    def _plain_step(self, state: "DecodeState") -> None:
+        """A coasting step the tuner does not time (:meth:`_coasts`, :meth:`Tuner.observes`): what
+        :meth:`step` does for a plain step, without the phases that do nothing in it (retiring, drafting,
+        a tree, timing): the target's one-token forward and verification, the commit, the tokens read back,
+        the groups' queued appends, the statistics."""
+        tree = root_tree(state.root)
+        nodes = [1] * state.batch
+        fwd, ver = self._verify(state, tree, nodes)
+        with state.prof.section("compact"):
+            path, num_new = self._commit(state, ver)
+        record = self._read_back(state, tree, ver, path, False, nodes)
+        with state.prof.section("draft_update"):
+            self._advance_drafters(state, _COASTING, fwd, ver, path, num_new, record)
+        self._record(state, _COASTING, tree, record, 0.0, 0.0, False, False, state.batch)
 
     def _retire(self, state: "DecodeState", plan: "_Plan") -> None:
         """Drop, for the rest of the batch, each drafter group that runs a model and that the tuner has not
@@ -710,6 +733,10 @@ class SpeculativeDecoder:
         accepted count, the tree's real nodes (unless `nodes` gives them), the accepted tokens each drafter
         had proposed (also given to the strategy) and the routing choice."""
         num_drafters = len(self.drafters)
+        if ver.tokens.shape[1] == 1 and nodes is not None and tree.choice is None:
+            # a plain step (no draft, nothing accepted): each request's token alone
+            return _HostRecord([[] if r.done else [t] for r, t in zip(state.requests, ver.tokens.view(-1).tolist())],
+                               [0] * len(state.requests), nodes, None, None)
         parts = [ver.tokens, ver.num_accepted.unsqueeze(1)]
         if nodes is None:
             parts.append((tree.tokens >= 0).sum(1, keepdim=True))
@@ -1085,6 +1112,10 @@ class _Plan:
     updates: list = field(default_factory=list)
     #: the tuner's clock when a step that was coasting planned (its time starts there); None otherwise
     started: Optional[float] = None
+
+
+#: the plan of :meth:`SpeculativeDecoder._plain_step` (read only: an untimed step records no parts)
+_COASTING = _Plan(NONE, [], 0)
 
 
 class _HostRecord(NamedTuple):
