@@ -1139,6 +1139,55 @@ def test_values_are_refreshed_within_refresh_steps():
     assert tuner._plan_memo is not memo and tuner._plan_memo[2] == tuner._version
 
 
+def test_a_new_batchs_first_plan_prices_the_values_computed_for_new_requests_before():
+    """A batch's first plan prices the candidates from the values a first plan computed for requests without
+    counts of their own (the pooled ones: what new requests start from) while those stand, computing none
+    again: the same values and choice as a recomputation when nothing was observed since; values computed
+    with a request's own counts are not kept for new requests; stale ones (a draft observed, `refresh` steps
+    passed) are computed again; each verification mode keeps its own; a loaded state drops them."""
+    tuner = Tuner(_cheap(draft=1e-5, forward=1e-3), refresh=40)
+    counted = []
+    total = tuner.acceptance.total
+    tuner.acceptance.total = lambda *a, **k: (counted.append(a), total(*a, **k))[1]
+
+    def plan(t=tuner):
+        return t.plan([(0,)], lambda g, d: d, [0], [0], 1, 3, 8)
+
+    tuner.begin(1, False)
+    first = plan()
+    assert first.drafters and counted
+    fresh = tuner._plan_memo
+    recomputing = copy.deepcopy(tuner)
+    recomputing._fresh = {}
+    tuner.begin(1, False)
+    counted.clear()
+    again = plan()
+    assert again.drafters and not counted and tuner._plan_memo is fresh
+    recomputing.begin(1, False)
+    assert plan(recomputing) == again and recomputing._plan_memo is not fresh
+    assert [e[:4] for e in recomputing._plan_memo[1]] == [e[:4] for e in fresh[1]]
+    # a request's own counts: values computed from them are not what new requests start from
+    tuner.observe(first, [0], first.depth, first.budget, 1, 1e-3, {}, [])
+    tuner._plan_memo = None
+    counted.clear()
+    plan()
+    assert counted and tuner._fresh[False] is fresh
+    # stale (a draft observed since they were computed, and their refresh passed): computed again
+    tuner.clock += 40
+    tuner.begin(1, False)
+    counted.clear()
+    plan()
+    assert counted and tuner._fresh[False] is tuner._plan_memo and tuner._plan_memo is not fresh
+    # each verification mode its own (a sampled batch's first plan computes its values)
+    tuner.begin(1, True)
+    tuner.acceptance.total = lambda *a, **k: (counted.append(a), total(*a, **k))[1]
+    counted.clear()
+    plan()
+    assert counted and tuner._fresh[True] is tuner._plan_memo and tuner._fresh[False] is not tuner._plan_memo
+    tuner.load_state_dict(tuner.state_dict())
+    assert tuner._fresh == {}
+
+
 def test_recomputing_the_values_takes_at_most_its_share_of_the_time():
     """With measured costs the values are recomputed after observed drafts once in as many steps as make a
     recomputation's own time (the tuner's timer) ``recompute_share`` of the plain steps' predicted time, and
