@@ -553,6 +553,35 @@ def test_join_pending_steps():
     assert tokens_host == [[5, 6, 8], [9]]
 
 
+def _join_reference(entries, spec):
+    """Queued steps joined with a tensor comparison per step (what _join computes from the host counts)."""
+    tokens = torch.cat([e[0] for e in entries], 1)
+    valid = torch.cat([torch.arange(e[0].shape[1]) < e[1].unsqueeze(1) for e in entries], 1)
+    order = torch.argsort((~valid).to(torch.int8), dim=1, stable=True)
+    feats = torch.cat([e[2][spec] for e in entries], 1)
+    return tokens.gather(1, order), sum(e[1] for e in entries), \
+        feats.gather(1, order.unsqueeze(-1).expand(-1, -1, feats.shape[-1]))
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_join_pending_steps_of_random_widths(seed):
+    """Queued steps of random widths and counts (0 for a finished request), plain one-token steps among them:
+    every row's real tokens and features first, in order, as the per-step tensor comparison gives them."""
+    gen = random.Random(seed)
+    batch, entries = gen.randint(1, 9), []
+    for _ in range(gen.randint(2, 40)):
+        width = 1 if gen.random() < 0.6 else gen.randint(1, 6)
+        counts = [gen.randint(0, width) for _ in range(batch)]
+        tokens = torch.randint(0, 1000, (batch, width))
+        entries.append((tokens, torch.tensor(counts), {"final": torch.randn(batch, width, 3)}, counts,
+                        [tokens[b, :counts[b]].tolist() for b in range(batch)]))
+    tokens, num, feats, num_host, tokens_host = _join(entries, "final")
+    want_tokens, want_num, want_feats = _join_reference(entries, "final")
+    assert torch.equal(tokens, want_tokens) and torch.equal(num, want_num) and torch.equal(feats, want_feats)
+    assert num_host == want_num.tolist()
+    assert tokens_host == [tokens[b, :num_host[b]].tolist() for b in range(batch)]
+
+
 def test_greedy_and_sampled_acceptance_kept_apart():
     tuner = Tuner(_cheap())
     tuner.begin(1, sampling=False)

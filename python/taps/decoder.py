@@ -37,6 +37,7 @@ import warnings
 from dataclasses import dataclass, field
 from typing import Callable, Dict, Hashable, List, NamedTuple, Optional, Sequence, Tuple, Union
 
+import numpy as np
 import torch
 from torch import Tensor, nn
 
@@ -1352,16 +1353,25 @@ def _join(entries: Sequence[tuple], spec):
         tokens, num_new, features, num_host, tokens_host = entries[0]
         return tokens, num_new, features.get(spec), num_host, tokens_host
     tokens = torch.cat([e[0] for e in entries], 1)
-    valid = torch.cat([torch.arange(e[0].shape[1], device=tokens.device) < e[1].unsqueeze(1) for e in entries], 1)
-    order = torch.argsort((~valid).to(torch.int8), dim=1, stable=True)
+    # each row's order of the columns, its real ones first, from the host counts (each step's num_new as host
+    # ints): a few array operations whatever the steps, where a tensor comparison per step cost ~0.4 ms a
+    # join of a batch of 8 after ~50 plain steps (at each drop of a server's batch, for every waiting group)
+    widths = np.array([e[0].shape[1] for e in entries])
+    counts = np.array([e[3] for e in entries]).T  # [B, steps]
+    step = np.repeat(np.arange(len(entries)), widths)  # each column's step
+    within = np.arange(widths.sum()) - np.repeat(np.cumsum(widths) - widths, widths)
+    order = np.argsort(within[None, :] >= counts[:, step], axis=1, kind="stable")
+    batch, width = order.shape
+    # (as flat rows: a gather along dim 1 with an expanded index took ~0.25 ms for [8, 60, 256] bf16 features)
+    flat = torch.from_numpy((order + np.arange(batch)[:, None] * width).reshape(-1)).to(tokens.device)
     features = None
     if spec is not None:
         feats = torch.cat([e[2][spec] for e in entries], 1)
-        features = feats.gather(1, order.unsqueeze(-1).expand(-1, -1, feats.shape[-1]))
-    num_new = sum(e[1] for e in entries)
-    num_host = [sum(e[3][b] for e in entries) for b in range(len(entries[0][3]))]
+        features = feats.reshape(batch * width, -1).index_select(0, flat).view(batch, width, -1)
+    num_host = counts.sum(1).tolist()
+    num_new = torch.tensor(num_host, dtype=entries[0][1].dtype, device=entries[0][1].device)
     tokens_host = [[t for e in entries for t in e[4][b][:e[3][b]]] for b in range(len(num_host))]
-    return tokens.gather(1, order), num_new, features, num_host, tokens_host
+    return tokens.reshape(-1).index_select(0, flat).view(batch, width), num_new, features, num_host, tokens_host
 
 
 def _scratch_tree(root: Tensor, nodes: int, top_k: int) -> Combined:
