@@ -229,13 +229,17 @@ class CostModel:
         self.start_rate: Dict[Tuple[tuple, int], float] = {}
         self.scale: Dict[tuple, float] = {}
         self.residual: Dict[tuple, float] = {}
+        #: a drafted step's seconds outside its timed parts (its plan, tree, commit, read-back and record: the
+        #: same work whatever the kind), running mean over every drafted step; a drafted kind's rest is this
+        #: plus its own residual
+        self.drafted_rest = 0.0
         #: forward()'s answers per (nodes, batch), and per ("floors", batch) the calibrated node counts with the most
         #: any of them up to each is predicted at; until a point or scale moves
         self._forward_memo: Dict[tuple, object] = {}
 
     #: what :meth:`state_dict` holds (the memo is rebuilt)
     _STATE = ("alpha", "reach", "forward_points", "draft_points", "update_fit", "_update_sums", "_update_seen", "scale",
-              "residual", "start_rate")
+              "residual", "start_rate", "drafted_rest")
 
     def state_dict(self) -> dict:
         """What the model measured and learned, as plain values (:func:`Tuner.save` writes it as JSON)."""
@@ -244,7 +248,8 @@ class CostModel:
     def load_state_dict(self, state: dict) -> None:
         for name in self._STATE:
             # (a state saved before starts were measured has none: they are measured anew)
-            setattr(self, name, copy.deepcopy(state.get(name, {}) if name == "start_rate" else state[name]))
+            default = {"start_rate": {}, "drafted_rest": 0.0}
+            setattr(self, name, copy.deepcopy(state.get(name, default[name]) if name in default else state[name]))
         self._forward_memo = {}
 
     # -- calibration -------------------------------------------------------------------------------
@@ -384,17 +389,18 @@ class CostModel:
         return max(_group_across(self.start_rate, group, batch, lambda b: self.start_rate[(group, b)] * tokens), 0.0)
 
     def rest(self, key: tuple) -> float:
-        """The residual of a draft kind (tree building, compaction, the loop's own work)."""
-        if key in self.residual:
-            return self.residual[key]
-        return self.residual.get(NONE.key, 0.0)
+        """The residual of a draft kind (tree building, compaction, the loop's own work): for a drafted kind
+        what every drafted step spends outside its timed parts (:attr:`drafted_rest`) and its own residual."""
+        if not key[0]:
+            return self.residual.get(key, 0.0)
+        return self.drafted_rest + self.residual.get(key, 0.0)
 
     # -- online correction -----------------------------------------------------------------------------
     def observe(self, key: tuple, batch: int, total: float, predicted_parts: float, parts: Dict[tuple, Tuple[float, float]],
-                updates: Sequence[Tuple[tuple, int, float]]) -> None:
+                updates: Sequence[Tuple[tuple, int, float]], timed_elsewhere: float = 0.0) -> None:
         """One step's measurements: total seconds, the parts' predictions summed, each timed part as
         {part key: (measured, predicted)}, and each group update as (group, tokens, seconds) (a group's
-        start: :meth:`observe_start`)."""
+        start: :meth:`observe_start`, its seconds in ``timed_elsewhere``)."""
         # Each measurement moves a part's scale by at most a factor 2 (a burst of load on a shared
         # machine, or a collection, must not undo the calibration); the residual moves by at most a
         # fifth of a tenth of the step per step (it tracks a median, robust to outliers).
@@ -406,9 +412,20 @@ class CostModel:
                     else _ema(self.scale[part], self.scale[part] * ratio, self.alpha)
         for group, tokens, seconds in updates:
             self._fit_update((group, batch), tokens, seconds)
+        timed = sum(m for m, _ in parts.values()) + sum(u[2] for u in updates) + timed_elsewhere
+        if key[0] and timed > 0:
+            # what this drafted step spent outside its timed parts moves the drafted steps' common rest at once
+            # (a sample counts as at most twice the rest, or half the timed parts while the rest is small: a
+            # preempted step moves it by a tenth at most); the kind's own
+            # residual then tracks what is left (drafted kinds seldom chosen, probes and T = 1's few drafts, had been
+            # priced 1.3-2x below what their steps took: a residual per kind that moves a few microseconds a step
+            # had not learned the ~0.35-0.5 ms every drafted step spends outside its parts)
+            outside = min(max(total - timed, 0.0), 2.0 * max(self.drafted_rest, 0.25 * timed))
+            self.drafted_rest = _ema(self.drafted_rest, outside, self.alpha)
         old = self.rest(key)
         step = 0.1 * (predicted_parts + max(old, 0.0))
-        self.residual[key] = old + min(max(total - predicted_parts - old, -step), step) * 2 * self.alpha
+        base = old - self.residual.get(key, 0.0)  # (a drafted kind: the common rest; else 0)
+        self.residual[key] = old - base + min(max(total - predicted_parts - old, -step), step) * 2 * self.alpha
 
 
 class FixedCosts(CostModel):
@@ -1458,7 +1475,7 @@ class Tuner:
             self._credit -= max(total - gave / rate - charged, 0.0)
         predicted = sum(p for _, p in parts.values()) + sum(self.costs.update(g, t, batch) for g, t, _ in appends) \
             + sum(self.costs.start(g, t, batch) for g, t, _ in starts)
-        self.costs.observe(shape.key, batch, total, predicted, parts, appends)
+        self.costs.observe(shape.key, batch, total, predicted, parts, appends, sum(s for _, _, s in starts))
         priced = self._priced
         if priced is not None and priced[0] == shape and priced[1] == batch and priced[2] > 0:  # (set where it learns)
             # the step against what its kind was priced at when chosen: the parts' corrections leave some of a
