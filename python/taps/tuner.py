@@ -240,15 +240,16 @@ class CostModel:
     #: what :meth:`state_dict` holds (the memo is rebuilt)
     _STATE = ("alpha", "reach", "forward_points", "draft_points", "update_fit", "_update_sums", "_update_seen", "scale",
               "residual", "start_rate", "drafted_rest")
+    #: what a state saved before a name was kept has for it (starts measured anew, no drafted steps' rest yet)
+    _STATE_DEFAULTS = {"start_rate": {}, "drafted_rest": 0.0}
 
     def state_dict(self) -> dict:
         """What the model measured and learned, as plain values (:func:`Tuner.save` writes it as JSON)."""
         return {name: copy.deepcopy(getattr(self, name)) for name in self._STATE}
 
     def load_state_dict(self, state: dict) -> None:
+        default = self._STATE_DEFAULTS
         for name in self._STATE:
-            # (a state saved before starts were measured has none: they are measured anew)
-            default = {"start_rate": {}, "drafted_rest": 0.0}
             setattr(self, name, copy.deepcopy(state.get(name, default[name]) if name in default else state[name]))
         self._forward_memo = {}
 
@@ -412,20 +413,20 @@ class CostModel:
                     else _ema(self.scale[part], self.scale[part] * ratio, self.alpha)
         for group, tokens, seconds in updates:
             self._fit_update((group, batch), tokens, seconds)
-        timed = sum(m for m, _ in parts.values()) + sum(u[2] for u in updates) + timed_elsewhere
-        if key[0] and timed > 0:
+        timed = (sum(m for m, _ in parts.values()) + sum(u[2] for u in updates) + timed_elsewhere) if key[0] else 0.0
+        if timed > 0:
             # what this drafted step spent outside its timed parts moves the drafted steps' common rest at once
             # (a sample counts as at most twice the rest, or half the timed parts while the rest is small: a
-            # preempted step moves it by a tenth at most); the kind's own
-            # residual then tracks what is left (drafted kinds seldom chosen, probes and T = 1's few drafts, had been
-            # priced 1.3-2x below what their steps took: a residual per kind that moves a few microseconds a step
-            # had not learned the ~0.35-0.5 ms every drafted step spends outside its parts)
+            # preempted step moves it by a tenth at most); the kind's own residual then tracks what is left
+            # (drafted kinds seldom chosen, probes and T = 1's few drafts, had been priced 1.3-2x below what their
+            # steps took: a residual per kind that moves a few microseconds a step had not learned the ~0.35-0.5 ms
+            # every drafted step spends outside its parts)
             outside = min(max(total - timed, 0.0), 2.0 * max(self.drafted_rest, 0.25 * timed))
             self.drafted_rest = _ema(self.drafted_rest, outside, self.alpha)
-        old = self.rest(key)
+        old = self.rest(key)  # (a drafted kind's: the common rest and its own residual)
         step = 0.1 * (predicted_parts + max(old, 0.0))
-        base = old - self.residual.get(key, 0.0)  # (a drafted kind: the common rest; else 0)
-        self.residual[key] = old - base + min(max(total - predicted_parts - old, -step), step) * 2 * self.alpha
+        moved = min(max(total - predicted_parts - old, -step), step) * 2 * self.alpha
+        self.residual[key] = self.residual.get(key, 0.0) + moved
 
 
 class FixedCosts(CostModel):
