@@ -25,8 +25,10 @@ same rounded weight: ``F.linear`` and oneDNN's over a packed copy (what a bfloat
 ``--cold``: weights read from memory, as a large model's layers are in a decoding step: each product cycles over
 enough copies of its weight (``--cold-mib`` together) that no cache holds the one it reads; the shapes of a
 0.5B Llama's layers (hidden 1280, MLP 3584) and the shipped head; columns: torch, taps with its software
-prefetches off and by default (``taps_ops._set_panel_prefetch``: 24 cache lines ahead for weights of >= 4 MiB
-with panels of >= 32 KiB), and the ratios.
+prefetches off, with the next output block's panels not asked ahead (``_set_panel_next(False)``; asked by the row
+blocks after the first, so only above 8 rows at avx512, 6 at avx2), and by default (both on; the streams' own
+prefetches, ``_set_panel_prefetch``: 24 cache lines ahead for weights of >= 4 MiB with panels of >= 32 KiB), and the
+ratios.
 
 torch runs at the process's own level: to compare on an AVX2-only machine from an AVX-512 one, set
 ``ATEN_CPU_CAPABILITY=avx2 MKL_ENABLE_INSTRUCTIONS=AVX2 ONEDNN_MAX_CPU_ISA=AVX2 TAPS_CPU_ISA=avx2``.
@@ -141,12 +143,13 @@ def cold_table(args) -> None:
     print(f"{machine_line()} | threads {torch.get_num_threads()}, fastest of {args.rounds} rounds; taps kernels at "
           f"{taps_ops.cpu_info()['isa']}, {'bfloat16' if args.bf16 else 'float32'} panels; weights read from memory "
           f"(each product cycles over {args.cold_mib} MiB of copies)")
-    head = (f"{'weight':>13} {'out x in':>10} {'rows':>4} {'torch us':>9} {'taps us':>8} {'prefetch us':>11} "
-            f"{'prefetch / off':>14} {'x torch':>7} {'GB/s':>6}")
+    head = (f"{'weight':>13} {'out x in':>10} {'rows':>4} {'torch us':>9} {'taps us':>8} {'no next us':>10} "
+            f"{'prefetch us':>11} {'prefetch / off':>14} {'/ no next':>9} {'x torch':>7} {'GB/s':>6}")
     print(head)
     print("-" * len(head))
     gen = torch.Generator().manual_seed(0)
     before = torch.ops.taps_ops._set_panel_prefetch(-1)
+    next_before = torch.ops.taps_ops._set_panel_next(True)
     try:
         for name, out, inner in shapes:
             copies = max(2, min(64, (args.cold_mib << 20) // (out * inner * 4)))
@@ -163,8 +166,9 @@ def cold_table(args) -> None:
                     packed = [_packed_bf16(w) for w in halves]
 
                 def cycle(fn, setting=None):
-                    if setting is not None:
-                        torch.ops.taps_ops._set_panel_prefetch(setting)
+                    if setting is not None:  # (streams' lines ahead, the next block asked ahead)
+                        torch.ops.taps_ops._set_panel_prefetch(setting[0])
+                        torch.ops.taps_ops._set_panel_next(setting[1])
                     t0 = time.perf_counter()
                     for i in range(copies):
                         fn(i)
@@ -177,19 +181,22 @@ def cold_table(args) -> None:
                         forms["packed"] = lambda: cycle(lambda i: torch.ops.mkldnn._linear_pointwise(
                             x, packed[i], None, "none", [], ""))
                 forms |= {
-                         "off": lambda: cycle(lambda i: taps_ops.panel_linear(x, panels[i]), 0),
-                         "on": lambda: cycle(lambda i: taps_ops.panel_linear(x, panels[i]), -1)}
+                         "off": lambda: cycle(lambda i: taps_ops.panel_linear(x, panels[i]), (0, False)),
+                         "no next": lambda: cycle(lambda i: taps_ops.panel_linear(x, panels[i]), (-1, False)),
+                         "on": lambda: cycle(lambda i: taps_ops.panel_linear(x, panels[i]), (-1, True))}
                 best = dict.fromkeys(forms, float("inf"))
                 for _ in range(args.rounds):
                     for key, fn in forms.items():
                         best[key] = min(best[key], fn())
-                t_torch = min(best[k] for k in forms if k not in ("off", "on"))
+                t_torch = min(best[k] for k in forms if k not in ("off", "no next", "on"))
                 print(f"{name:>13} {f'{out}x{inner}':>10} {rows:4} {t_torch * 1e6:9.1f} {best['off'] * 1e6:8.1f} "
-                      f"{best['on'] * 1e6:11.1f} {best['on'] / best['off']:13.3f}x {t_torch / best['on']:6.3f}x "
+                      f"{best['no next'] * 1e6:10.1f} {best['on'] * 1e6:11.1f} {best['on'] / best['off']:13.3f}x "
+                      f"{best['on'] / best['no next']:8.3f}x {t_torch / best['on']:6.3f}x "
                       f"{weight_bytes / best['on'] / 1e9:6.1f}", flush=True)
             del weights, transposed, panels
     finally:
         torch.ops.taps_ops._set_panel_prefetch(before)
+        torch.ops.taps_ops._set_panel_next(next_before)
 
 
 def _packed_bf16(weight):

@@ -190,15 +190,15 @@ def test_tree_op_benches_run(script, args, title, rows):
 
 
 def test_panel_linear_cold_bench_runs():
-    """bench_panel_linear.py --cold: a line per shape and row count with the prefetch ratio and the ratio to
-    torch (nothing timed)."""
+    """bench_panel_linear.py --cold: a line per shape and row count with the prefetch ratios (against no
+    prefetches and against no next-block prefetch) and the ratio to torch (nothing timed)."""
     out = run_bench("bench_panel_linear.py", "--cold", "--quick", "--rounds", "1", "--cold-mib", "8")
     assert "weights read from memory" in out, out
     lines = [ln for ln in out.splitlines() if ln.strip().startswith(("0.5B", "target head"))]
     assert len(lines) == 9, out
     for ln in lines:
         ratios = [float(c[:-1]) for c in ln.split() if c.endswith("x") and c[:-1].replace(".", "").isdigit()]
-        assert len(ratios) == 2 and all(r > 0 for r in ratios), ln
+        assert len(ratios) == 3 and all(r > 0 for r in ratios), ln
 
 
 @pytest.mark.parametrize("half", [False, True])

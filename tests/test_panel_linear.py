@@ -166,12 +166,15 @@ def test_the_same_bits_at_every_level_row_count_position_and_thread_count(restor
 
 def test_prefetches_change_no_bit(restore_level):
     """Software prefetches (by default for weights of >= 4 MiB with panels of >= 32 KiB: this one, both
-    dtypes) are hints: the same bits with them off, by the rule and forced at several distances, at every
-    level and row count; the setting is validated and restored."""
+    dtypes; and the next output block's panels, asked by the row blocks after the first) are hints: the same
+    bits with them off, by the rule and forced at several distances, at every level, row count and thread
+    count (each thread prefetches within its own output blocks); the settings are validated and restored."""
     gen = torch.Generator().manual_seed(5)
     weight, bias = torch.randn(2064, 1026, generator=gen), torch.randn(2064, generator=gen)
     x = torch.randn(19, 1026, generator=gen)
     before = torch.ops.taps_ops._set_panel_prefetch(-1)
+    next_before = torch.ops.taps_ops._set_panel_next(True)
+    threads = torch.get_num_threads()
     try:
         for dtype in (None, torch.bfloat16):
             panels = taps_ops.pack_panels(weight, dtype)
@@ -179,15 +182,23 @@ def test_prefetches_change_no_bit(restore_level):
                 taps_ops.set_cpu_isa(level)
                 for xs in (x, x.bfloat16()) if dtype is not None else (x,):   # bf16 x: the dot-product kernel too
                     torch.ops.taps_ops._set_panel_prefetch(0)
+                    assert torch.ops.taps_ops._set_panel_next(False) in (False, True)
                     plain = taps_ops.panel_linear(xs, panels, bias)
-                    for setting in (-1, 1, 24, 1000):
+                    for setting, ahead_next in ((-1, True), (1, False), (24, True), (1000, True), (0, True)):
                         assert torch.ops.taps_ops._set_panel_prefetch(setting) in (0, -1, 1, 24, 1000)
+                        torch.ops.taps_ops._set_panel_next(ahead_next)
                         for rows in (1, 5, 8, 9, 12, 16, 19):
                             assert torch.equal(taps_ops.panel_linear(xs[:rows], panels, bias), plain[:rows]), (level, setting)
+                    for n in (2, 3):
+                        torch.set_num_threads(n)
+                        assert torch.equal(taps_ops.panel_linear(xs, panels, bias), plain), (level, n)
+                    torch.set_num_threads(threads)
         with pytest.raises(ValueError, match="_set_panel_prefetch: lines must be -1"):
             torch.ops.taps_ops._set_panel_prefetch(-2)
     finally:
+        torch.set_num_threads(threads)
         torch.ops.taps_ops._set_panel_prefetch(before)
+        torch.ops.taps_ops._set_panel_next(next_before)
 
 
 def test_every_level_agrees_with_the_reference(restore_level):

@@ -65,6 +65,8 @@ inline bool at_least(Isa level) { return static_cast<int>(isa()) >= static_cast<
 }  // namespace taps::cpu
 
 namespace taps {
-// panel_linear's software prefetch setting (cpu/panel_linear.cpp; the op _set_panel_prefetch): returns the old one
+// panel_linear's software prefetch settings (cpu/panel_linear.cpp; the ops _set_panel_prefetch, _set_panel_next):
+// each returns the old one
 int64_t set_panel_prefetch_op(int64_t lines);
+bool set_panel_next_op(bool on);
 }  // namespace taps

@@ -57,6 +57,59 @@ struct Problem {
   int64_t ahead;        // software prefetch distance of the first row block, in cache lines; 0: no prefetches
 };
 
+// The next output block's panels asked into L2 by the row blocks after the first (NextBlock; kNextMinRows rows
+// and more): on by default; TAPS_PANEL_NEXT=0 (read at load) or the op _set_panel_next turn it off.
+// Why: at 16 rows (a draft tree's nodes) the first row block of each output block read its panels from memory
+// and the second computed from L2 with memory idle, so reading and computing took their sum: on the shipped
+// target's weights (read from memory in decoding), a prompt-lookup step's forward and verification ran 8-13%
+// faster with it, fp32 12% (bench/RESULTS.md). Hints only: the same bits.
+std::atomic<bool> next_setting{[] {
+  const char* env = std::getenv("TAPS_PANEL_NEXT");
+  return env == nullptr || std::strcmp(env, "0") != 0;
+}()};
+inline bool next_enabled() { return next_setting.load(std::memory_order_relaxed); }
+// ... for this many rows and more: two full row blocks at avx512 (8 rows each), three at avx2 (6); measured with
+// weights read from memory (bench_panel_linear.py --cold and a /tmp harness, Zen 4): 16-32 rows 5-22% faster on
+// the shipped target's head and MLP at avx512 (bf16 dot products and float32), 4-12% at avx2 (float32); 12 rows
+// at avx2 (two blocks of 6) 10-20% slower on the head, 9-12 rows at avx512 (one row block after the first holding
+// 1-4 rows) from -8% to +14%: the rows after the first must compute long enough to hide the next block's reads.
+constexpr int64_t kNextMinRows = 16;
+
+// The next output block's panels asked into L2 a few lines per step of the work of the row blocks after the
+// first (start(): the lines from `first` to `last` spread over `steps` calls of step()), so that its first row
+// block reads L2 instead of waiting on memory.
+struct NextBlock {
+  const char* line = nullptr;
+  const char* end = nullptr;
+  int64_t per_step = 0;
+  void start(const char* first, const char* last, int64_t steps) {
+    line = reinterpret_cast<const char*>(reinterpret_cast<uintptr_t>(first) & ~uintptr_t{63});
+    end = last;
+    const int64_t lines = (end - line + 63) / 64;
+    per_step = steps > 0 ? (lines + steps - 1) / steps : lines;
+  }
+  __attribute__((always_inline)) inline void step() {
+    for (int64_t n = per_step; n > 0 && line < end; --n, line += 64) __builtin_prefetch(line, 0, kPrefetchLocality);
+  }
+};
+
+// The NextBlock of a call of `rows` rows over `vectors` output vectors whose next output block is the bytes
+// [first, last) (none below kNextMinRows rows or without a next block): its lines spread over the block() calls of
+// the row blocks after the first (max_rows rows a block; vecs(rows of a block) vectors a call, as the kernels'
+// row_block makes them, one vector at a time past the last whole group), `per_call` steps each.
+inline NextBlock next_block(const char* first, const char* last, int64_t rows, int64_t vectors, int64_t per_call,
+                            int max_rows, int (*vecs)(int)) {
+  NextBlock nb;
+  if (last <= first || rows < kNextMinRows) return nb;
+  int64_t steps = 0;
+  for (int64_t r = max_rows; r < rows; r += max_rows) {
+    const int64_t kv = vecs(static_cast<int>(std::min<int64_t>(max_rows, rows - r)));
+    steps += (vectors / kv + vectors % kv) * per_call;
+  }
+  nb.start(first, last, steps);
+  return nb;
+}
+
 // Prefetches (see panel_linear_kernel.h's rows_times_block): kPrefetchLines lines ahead for weights of at
 // least kPrefetchMinBytes (no L2 holds them between calls) whose panels are at least kPrefetchMinPanel bytes
 // long (streams long enough to run ahead in). Measured on an Intel Xeon (bench/RESULTS.md): 10-25% faster at
@@ -128,7 +181,7 @@ using avx512::S;
 
 template <int RB, int KV, bool PF>
 inline void block(const uint32_t* xs, const uint16_t* x, int64_t ldx, const uint16_t* panels, int64_t stride,
-                  int64_t in, float* y, int64_t ldy, const float* bias, int64_t v0, int64_t shift) {
+                  int64_t in, float* y, int64_t ldy, const float* bias, int64_t v0, int64_t shift, NextBlock& nb) {
   const int64_t pairs = in / 2;
   const uint16_t* w[KV];
 #pragma GCC unroll 8
@@ -139,6 +192,7 @@ inline void block(const uint32_t* xs, const uint16_t* x, int64_t ldx, const uint
 #pragma GCC unroll 8
     for (int v = 0; v < KV; ++v) acc[r][v] = _mm512_setzero_ps();
   for (int64_t j = 0; j < pairs; ++j) {
+    nb.step();
     __m512i b[KV];
 #pragma GCC unroll 8
     for (int v = 0; v < KV; ++v) {
@@ -174,7 +228,7 @@ inline void block(const uint32_t* xs, const uint16_t* x, int64_t ldx, const uint
 }
 
 template <int RB, bool PF>
-inline void row_block(const Problem& p, int64_t r, int64_t v_lo, int64_t v_hi, int64_t shift) {
+inline void row_block(const Problem& p, int64_t r, int64_t v_lo, int64_t v_hi, int64_t shift, NextBlock& nb) {
   constexpr int KV = S::vecs(RB);
   const uint32_t* xs = p.xs + r * (p.in / 2);
   const uint16_t* x = p.xh + r * p.in;
@@ -182,31 +236,36 @@ inline void row_block(const Problem& p, int64_t r, int64_t v_lo, int64_t v_hi, i
   float* y = p.y + r * p.out;
   int64_t v = v_lo;
   for (; v + KV <= v_hi; v += KV)
-    block<RB, KV, PF>(xs, x, p.in, panels, p.panel_stride, p.in, y, p.out, p.bias, v, shift);
-  for (; v < v_hi; ++v) block<RB, 1, PF>(xs, x, p.in, panels, p.panel_stride, p.in, y, p.out, p.bias, v, shift);
+    block<RB, KV, PF>(xs, x, p.in, panels, p.panel_stride, p.in, y, p.out, p.bias, v, shift, nb);
+  for (; v < v_hi; ++v) block<RB, 1, PF>(xs, x, p.in, panels, p.panel_stride, p.in, y, p.out, p.bias, v, shift, nb);
 }
 
 template <int RB>
-inline void rows_block(const Problem& p, int64_t r, int64_t v_lo, int64_t v_hi, int64_t shift) {
-  if (shift > 0) row_block<RB, true>(p, r, v_lo, v_hi, shift);
-  else row_block<RB, false>(p, r, v_lo, v_hi, 0);
+inline void rows_block(const Problem& p, int64_t r, int64_t v_lo, int64_t v_hi, int64_t shift, NextBlock& nb) {
+  if (shift > 0) row_block<RB, true>(p, r, v_lo, v_hi, shift, nb);
+  else row_block<RB, false>(p, r, v_lo, v_hi, 0, nb);
 }
 
-// Every row of x times the panels [panel_lo, panel_hi), as the other levels' rows_times_block.
-inline void run(const Problem& p, int64_t panel_lo, int64_t panel_hi) {
+// Every row of x times the panels [panel_lo, panel_hi), as the other levels' rows_times_block (the row blocks
+// after the first ask the panels [panel_hi, next_hi), the next output block's, into L2).
+inline void run(const Problem& p, int64_t panel_lo, int64_t panel_hi, int64_t next_hi) {
   constexpr int64_t kLine = 32;  // bfloat16 elements of a cache line
+  const char* base = static_cast<const char*>(p.panels);
+  NextBlock none, nb = next_block(base + panel_hi * p.panel_stride * 2, base + next_hi * p.panel_stride * 2, p.rows,
+                                  panel_hi - panel_lo, p.in / 2, S::kMaxRows, &S::vecs);  // (a vector is a panel here)
   for (int64_t r = 0; r < p.rows;) {
     const int64_t rb = std::min<int64_t>(S::kMaxRows, p.rows - r);
     const int64_t shift = r == 0 ? p.ahead * kLine : 0;
+    NextBlock& f = r == 0 ? none : nb;
     switch (rb) {
-      case 1: rows_block<1>(p, r, panel_lo, panel_hi, shift); break;
-      case 2: rows_block<2>(p, r, panel_lo, panel_hi, shift); break;
-      case 3: rows_block<3>(p, r, panel_lo, panel_hi, shift); break;
-      case 4: rows_block<4>(p, r, panel_lo, panel_hi, shift); break;
-      case 5: rows_block<5>(p, r, panel_lo, panel_hi, shift); break;
-      case 6: rows_block<6>(p, r, panel_lo, panel_hi, shift); break;
-      case 7: rows_block<7>(p, r, panel_lo, panel_hi, shift); break;
-      default: rows_block<8>(p, r, panel_lo, panel_hi, shift); break;
+      case 1: rows_block<1>(p, r, panel_lo, panel_hi, shift, f); break;
+      case 2: rows_block<2>(p, r, panel_lo, panel_hi, shift, f); break;
+      case 3: rows_block<3>(p, r, panel_lo, panel_hi, shift, f); break;
+      case 4: rows_block<4>(p, r, panel_lo, panel_hi, shift, f); break;
+      case 5: rows_block<5>(p, r, panel_lo, panel_hi, shift, f); break;
+      case 6: rows_block<6>(p, r, panel_lo, panel_hi, shift, f); break;
+      case 7: rows_block<7>(p, r, panel_lo, panel_hi, shift, f); break;
+      default: rows_block<8>(p, r, panel_lo, panel_hi, shift, f); break;
     }
     r += rb;
   }
@@ -389,25 +448,26 @@ at::Tensor panel_linear_cpu(const at::Tensor& x_in, const at::Tensor& panels, co
   at::parallel_for(0, blocks, 1, [&](int64_t lo, int64_t hi) {
     for (int64_t blk = lo; blk < hi; ++blk) {
       const int64_t p_lo = blk * block, p_hi = std::min(num_panels, p_lo + block);
+      const int64_t next_hi = blk + 1 < hi && panel_cpu::next_enabled() ? std::min(num_panels, p_hi + block) : p_hi;
 #if defined(TAPS_CPU_X86)
       if (dot) {
-        panel_cpu::avx512_bf16::run(p, p_lo, p_hi);
+        panel_cpu::avx512_bf16::run(p, p_lo, p_hi, next_hi);
         continue;
       }
       if (static_cast<int>(level) >= static_cast<int>(cpu::Isa::kAvx512)) {
-        panel_cpu::avx512::panel::run(p, p_lo, p_hi);
+        panel_cpu::avx512::panel::run(p, p_lo, p_hi, next_hi);
         continue;
       }
       if (level == cpu::Isa::kAvx2) {
-        panel_cpu::avx2::panel::run(p, p_lo, p_hi);
+        panel_cpu::avx2::panel::run(p, p_lo, p_hi, next_hi);
         continue;
       }
       if (host_fma) {
-        panel_cpu::generic_fma::panel::run(p, p_lo, p_hi);
+        panel_cpu::generic_fma::panel::run(p, p_lo, p_hi, next_hi);
         continue;
       }
 #endif
-      panel_cpu::generic::panel::run(p, p_lo, p_hi);
+      panel_cpu::generic::panel::run(p, p_lo, p_hi, next_hi);
     }
   });
   return result();
@@ -416,6 +476,8 @@ at::Tensor panel_linear_cpu(const at::Tensor& x_in, const at::Tensor& panels, co
 }  // namespace
 
 TORCH_LIBRARY_IMPL(taps_ops, CPU, m) { m.impl("panel_linear", &panel_linear_cpu); }
+
+bool set_panel_next_op(bool on) { return panel_cpu::next_setting.exchange(on); }
 
 int64_t set_panel_prefetch_op(int64_t lines) {
   TORCH_CHECK_VALUE(lines >= -1, "taps_ops: _set_panel_prefetch: lines must be -1 (by the weight's size), 0 (never) "

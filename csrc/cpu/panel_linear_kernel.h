@@ -77,12 +77,13 @@ inline void finish(F (&acc)[RB][KV], float* y, int64_t ldy, const float* bias, i
 // Rows x[0 .. RB) times output vectors v0 .. v0 + KV (each of L outputs), float32 panels.
 template <int RB, int KV, bool PF>
 inline void block(const float* x, int64_t ldx, const float* panels, int64_t stride, int64_t in, float* y, int64_t ldy,
-                  const float* bias, int64_t v0, int64_t shift) {
+                  const float* bias, int64_t v0, int64_t shift, NextBlock& nb) {
   const float* w[KV];
   streams<KV>(w, panels, stride, v0);
   F acc[RB][KV];
   zero(acc);
   for (int64_t i = 0; i < in; ++i) {
+    nb.step();
     F b[KV];
     if constexpr (PF) prefetch<KV>(w, i * kPanelWidth + shift);
 #pragma GCC unroll 8
@@ -99,7 +100,7 @@ inline void block(const float* x, int64_t ldx, const float* panels, int64_t stri
 // of its last pair only (x has no input `in`).
 template <int RB, int KV, bool PF>
 inline void block(const float* x, int64_t ldx, const uint16_t* panels, int64_t stride, int64_t in, float* y,
-                  int64_t ldy, const float* bias, int64_t v0, int64_t shift) {
+                  int64_t ldy, const float* bias, int64_t v0, int64_t shift, NextBlock& nb) {
   const uint16_t* w[KV];
   streams<KV>(w, panels, stride, v0);
   F acc[RB][KV];
@@ -108,6 +109,7 @@ inline void block(const float* x, int64_t ldx, const uint16_t* panels, int64_t s
     // both halves of a pair's vectors from one load each (2 * KV weight registers: AVX-512's 32 hold them)
     const int64_t pairs = in / 2;
     for (int64_t j = 0; j < pairs; ++j) {
+      nb.step();
       F lo[KV], hi[KV];
       if constexpr (PF) prefetch<KV>(w, j * 2 * kPanelWidth + shift);
 #pragma GCC unroll 8
@@ -127,6 +129,7 @@ inline void block(const float* x, int64_t ldx, const uint16_t* panels, int64_t s
   } else {
     // one half at a time, the line loaded twice (the second load hits L1): the registers of float32 panels
     for (int64_t i = 0; i < in; ++i) {
+      nb.step();
       const int64_t pair = (i / 2) * 2 * kPanelWidth;
       F b[KV];
       if (i % 2 == 0) {
@@ -146,54 +149,64 @@ inline void block(const float* x, int64_t ldx, const uint16_t* panels, int64_t s
 // Rows x[0 .. RB) times the output vectors [v_lo, v_hi): KV at a time, the rest one by one.
 template <typename WT, int RB, int KV, bool PF>
 inline void row_block(const float* x, int64_t ldx, const WT* panels, int64_t stride, int64_t in, float* y,
-                      int64_t ldy, const float* bias, int64_t v_lo, int64_t v_hi, int64_t shift) {
+                      int64_t ldy, const float* bias, int64_t v_lo, int64_t v_hi, int64_t shift, NextBlock& nb) {
   int64_t v = v_lo;
-  for (; v + KV <= v_hi; v += KV) block<RB, KV, PF>(x, ldx, panels, stride, in, y, ldy, bias, v, shift);
-  for (; v < v_hi; ++v) block<RB, 1, PF>(x, ldx, panels, stride, in, y, ldy, bias, v, shift);
+  for (; v + KV <= v_hi; v += KV) block<RB, KV, PF>(x, ldx, panels, stride, in, y, ldy, bias, v, shift, nb);
+  for (; v < v_hi; ++v) block<RB, 1, PF>(x, ldx, panels, stride, in, y, ldy, bias, v, shift, nb);
 }
 
 // Rows x[0 .. RB) times the output vectors [v_lo, v_hi) with RB's register block (RB <= S::kMaxRows).
 // With a prefetch shift (elements of WT past each weight stream's read; 0: none) or without.
 template <typename WT, int RB>
-inline void rows_block(const Problem& p, int64_t r, int64_t v_lo, int64_t v_hi, int64_t shift) {
+inline void rows_block(const Problem& p, int64_t r, int64_t v_lo, int64_t v_hi, int64_t shift, NextBlock& nb) {
   if (shift > 0)
     row_block<WT, RB, S::vecs(RB), true>(p.x + r * p.in, p.in, static_cast<const WT*>(p.panels), p.panel_stride, p.in,
-                                         p.y + r * p.out, p.out, p.bias, v_lo, v_hi, shift);
+                                         p.y + r * p.out, p.out, p.bias, v_lo, v_hi, shift, nb);
   else
     row_block<WT, RB, S::vecs(RB), false>(p.x + r * p.in, p.in, static_cast<const WT*>(p.panels), p.panel_stride,
-                                          p.in, p.y + r * p.out, p.out, p.bias, v_lo, v_hi, 0);
+                                          p.in, p.y + r * p.out, p.out, p.bias, v_lo, v_hi, 0, nb);
 }
 
 // Every row of x times the output vectors [v_lo, v_hi) (a block that stays in L2 while the row blocks
 // pass over it): blocks of S::kMaxRows rows, then one block of the rest, so that up to kMaxRows rows
 // read the weight once. The first row block reads the block's panels from memory: with p.ahead > 0 it
-// prefetches each weight stream p.ahead cache lines past its read.
+// prefetches each weight stream p.ahead cache lines past its read. The row blocks after it read them from L2
+// and leave memory idle: from kNextMinRows rows they ask the next output block's panels (bytes [next_first,
+// next_last)) into L2 (NextBlock), so that its first row block reads L2 too.
 template <typename WT>
-inline void rows_times_block(const Problem& p, int64_t v_lo, int64_t v_hi) {
+inline void rows_times_block(const Problem& p, int64_t v_lo, int64_t v_hi, const char* next_first, const char* next_last) {
   constexpr int64_t kLine = 64 / sizeof(WT);  // elements of a cache line: one step of a stream
+  const int64_t per_call = S::kPairsAtOnce && sizeof(WT) == 2 ? p.in / 2 : p.in;  // NextBlock steps of a block()
+  NextBlock none, nb = next_block(next_first, next_last, p.rows, v_hi - v_lo, per_call, S::kMaxRows, &S::vecs);
   for (int64_t r = 0; r < p.rows;) {
     const int64_t rb = std::min<int64_t>(S::kMaxRows, p.rows - r);
     const int64_t shift = r == 0 ? p.ahead * kLine : 0;
+    NextBlock& f = r == 0 ? none : nb;
     switch (rb) {
-      case 1: rows_block<WT, 1>(p, r, v_lo, v_hi, shift); break;
-      case 2: rows_block<WT, 2>(p, r, v_lo, v_hi, shift); break;
-      case 3: rows_block<WT, 3>(p, r, v_lo, v_hi, shift); break;
-      case 4: rows_block<WT, 4>(p, r, v_lo, v_hi, shift); break;
-      case 5: rows_block<WT, 5>(p, r, v_lo, v_hi, shift); break;
-      case 6: rows_block<WT, 6>(p, r, v_lo, v_hi, shift); break;
-      case 7: if constexpr (S::kMaxRows >= 7) rows_block<WT, 7>(p, r, v_lo, v_hi, shift); break;
-      default: if constexpr (S::kMaxRows >= 8) rows_block<WT, 8>(p, r, v_lo, v_hi, shift); break;
+      case 1: rows_block<WT, 1>(p, r, v_lo, v_hi, shift, f); break;
+      case 2: rows_block<WT, 2>(p, r, v_lo, v_hi, shift, f); break;
+      case 3: rows_block<WT, 3>(p, r, v_lo, v_hi, shift, f); break;
+      case 4: rows_block<WT, 4>(p, r, v_lo, v_hi, shift, f); break;
+      case 5: rows_block<WT, 5>(p, r, v_lo, v_hi, shift, f); break;
+      case 6: rows_block<WT, 6>(p, r, v_lo, v_hi, shift, f); break;
+      case 7: if constexpr (S::kMaxRows >= 7) rows_block<WT, 7>(p, r, v_lo, v_hi, shift, f); break;
+      default: if constexpr (S::kMaxRows >= 8) rows_block<WT, 8>(p, r, v_lo, v_hi, shift, f); break;
     }
     r += rb;
   }
 }
 
-// Every row of x times the output panels [panel_lo, panel_hi) (float32 or bfloat16 panels, p.bf16).
-inline void run(const Problem& p, int64_t panel_lo, int64_t panel_hi) {
+// Every row of x times the output panels [panel_lo, panel_hi) (float32 or bfloat16 panels, p.bf16); the panels
+// [panel_hi, next_hi) are the next output block's (see rows_times_block).
+inline void run(const Problem& p, int64_t panel_lo, int64_t panel_hi, int64_t next_hi) {
+  const char* base = static_cast<const char*>(p.panels);
+  const int64_t bytes = p.panel_stride * (p.bf16 ? 2 : 4);  // of a panel
   if (p.bf16)
-    rows_times_block<uint16_t>(p, panel_lo * kVecsPerPanel, panel_hi * kVecsPerPanel);
+    rows_times_block<uint16_t>(p, panel_lo * kVecsPerPanel, panel_hi * kVecsPerPanel, base + panel_hi * bytes,
+                               base + next_hi * bytes);
   else
-    rows_times_block<float>(p, panel_lo * kVecsPerPanel, panel_hi * kVecsPerPanel);
+    rows_times_block<float>(p, panel_lo * kVecsPerPanel, panel_hi * kVecsPerPanel, base + panel_hi * bytes,
+                            base + next_hi * bytes);
 }
 
 }  // namespace panel

@@ -60,7 +60,7 @@ def _load_library():
 #: the ops this package's Python side calls; a library built from older sources lacks some
 _OPS = ("verify_tree", "build_tree", "merge_trees", "tree_attention", "compact_kv", "rms_norm", "rope_",
         "expand_level", "decoder_layer", "panel_linear", "_cpu_isa", "_set_cpu_isa", "_cpu_features",
-        "_set_panel_prefetch")
+        "_set_panel_prefetch", "_set_panel_next")
 
 
 # the latest argument each op gained (a library that lacks it was built before it)
