@@ -57,22 +57,24 @@ struct Problem {
   int64_t ahead;        // software prefetch distance of the first row block, in cache lines; 0: no prefetches
 };
 
-// The next output block's panels asked into L2 by the row blocks after the first (NextBlock; kNextMinRows rows
-// and more): on by default; TAPS_PANEL_NEXT=0 (read at load) or the op _set_panel_next turn it off.
-// Why: at 16 rows (a draft tree's nodes) the first row block of each output block read its panels from memory
-// and the second computed from L2 with memory idle, so reading and computing took their sum: on the shipped
-// target's weights (read from memory in decoding), a prompt-lookup step's forward and verification ran 8-13%
-// faster with it, fp32 12% (bench/RESULTS.md). Hints only: the same bits.
+// The next output block's panels asked into L2 by the row blocks after the first (NextBlock), from kNextMinRows
+// rows on: on by default; TAPS_PANEL_NEXT=0 (read at load) or the op _set_panel_next turn it off. Why: at 16 rows
+// (a draft tree's nodes) the first row block of each output block read its panels from memory and the next ones
+// computed from L2 with memory idle, so reading and computing took their sum; on the shipped target's weights
+// (read from memory in decoding) a prompt-lookup step's 16-node forward and verification ran 6% (bf16) and 11%
+// (fp32) faster with it (bench/RESULTS.md). Hints only: the same bits.
 std::atomic<bool> next_setting{[] {
   const char* env = std::getenv("TAPS_PANEL_NEXT");
   return env == nullptr || std::strcmp(env, "0") != 0;
 }()};
 inline bool next_enabled() { return next_setting.load(std::memory_order_relaxed); }
-// ... for this many rows and more: two full row blocks at avx512 (8 rows each), three at avx2 (6); measured with
-// weights read from memory (bench_panel_linear.py --cold and a /tmp harness, Zen 4): 16-32 rows 5-22% faster on
-// the shipped target's head and MLP at avx512 (bf16 dot products and float32), 4-12% at avx2 (float32); 12 rows
-// at avx2 (two blocks of 6) 10-20% slower on the head, 9-12 rows at avx512 (one row block after the first holding
-// 1-4 rows) from -8% to +14%: the rows after the first must compute long enough to hide the next block's reads.
+
+// The fewest rows whose later row blocks ask for the next output block: two full row blocks at avx512 (8 rows
+// each), three at avx2 (6). Measured with weights read from memory (bench_panel_linear.py --cold and a /tmp
+// harness, Zen 4): 16-32 rows 5-22% faster on the shipped target's head and MLP at avx512 (bf16 dot products and
+// float32), 4-12% at avx2 (float32); 12 rows at avx2 (two blocks of 6) ~18% slower on the head, 9-12 rows at avx512
+// (a row block of 1-4 rows after the first) -8% to +14%: the rows after the first must compute long enough to
+// hide the next block's reads.
 constexpr int64_t kNextMinRows = 16;
 
 // The next output block's panels asked into L2 a few lines per step of the work of the row blocks after the
