@@ -21,6 +21,7 @@
 #include <vector>
 
 #include "checks/checks.h"
+#include "cpu/cpu_isa.h"
 
 namespace taps {
 namespace {
@@ -118,6 +119,13 @@ at::Tensor project(const at::Tensor& x, const at::Tensor& w, const OptTensor& b)
     return y.view({x.size(0), x.size(1), w.size(0)});
   }
   return at::linear(x, w, b);
+}
+
+// Before a projection by panels `w`: the panels `then` of the projection after it are the ones its last output
+// block asks into L2 (taps::follow_panels; from 16 rows, a draft tree's, whose products overlap reading the
+// weights with computing). Only between two single-weight panel products (one panel_linear call each).
+void follow(const at::Tensor& w, const at::Tensor& then, int64_t groups) {
+  if (is_panels(w, groups) && is_panels(then, groups)) taps::follow_panels(then);
 }
 
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps) {
@@ -365,6 +373,7 @@ at::Tensor decoder_layer(const at::Tensor& x, const OptTensor& emb_in, const c10
     h = in_norm.has_value() ? rms_norm(x, *in_norm, eps[0]) : x;
 
   const int64_t qkv_rows = packed ? 1 : gb;  // packed: one row of M tokens
+  follow(qkv_w, o_w, groups);
   at::Tensor qkv = project(h, qkv_w, qkv_b).view({qkv_rows, tokens, heads + 2 * kv_heads, head_dim});
   at::Tensor q, k, v;
   if (fused_rope) {
@@ -409,7 +418,9 @@ at::Tensor decoder_layer(const at::Tensor& x, const OptTensor& emb_in, const c10
     attn = out.transpose(1, 2).reshape({groups, x.size(1), heads * head_dim});
   }
 
+  follow(o_w, gate_up_w, groups);
   at::Tensor y = x + project(attn, o_w, o_b);
+  follow(gate_up_w, down_w, groups);
   const at::Tensor gate_up = project(rms_norm(y, post_norm, eps[2]), gate_up_w, gate_up_b);
   const int64_t inter = inter2 / 2;
   return y + project(at::silu(gate_up.slice(-1, 0, inter)) * gate_up.slice(-1, inter), down_w, down_b);

@@ -20,6 +20,10 @@
 #include <string>
 #include <vector>
 
+namespace at {
+class Tensor;
+}
+
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
 #define TAPS_CPU_X86 1
 // Function attributes for code compiled for one level. AVX2 without fma: GCC contracts a * b + c into
@@ -69,4 +73,8 @@ namespace taps {
 // each returns the old one
 int64_t set_panel_prefetch_op(int64_t lines);
 bool set_panel_next_op(bool on);
+// The panels (taps_ops.pack_panels, on the CPU) of the weight the caller multiplies after its next panel_linear
+// call on this thread: that call's last output block asks their first output block into L2 (a hint; the
+// composite decoder_layer sets it between its projections).
+void follow_panels(const at::Tensor& panels);
 }  // namespace taps

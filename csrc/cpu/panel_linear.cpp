@@ -112,6 +112,18 @@ inline NextBlock next_block(const char* first, const char* last, int64_t rows, i
   return nb;
 }
 
+// The weight this thread's next panel_linear call's caller multiplies after it (follow_panels): the first output
+// block of its panels, which that call's last output block asks into L2 as it asks for its own next block (no
+// block of a product asks for its first one). Taken, and cleared, by the next panel_linear call on the thread.
+thread_local const char* follow_first = nullptr;
+thread_local const char* follow_last = nullptr;
+
+// Output blocks of about kBlockBytes of weight, in whole groups of kBlockPanels panels (every kernel configuration's
+// vectors divide such a group: no output of a full group goes through the one-vector tail): panels per block.
+inline int64_t block_panels(int64_t panel_bytes) {
+  return std::max<int64_t>(1, kBlockBytes / (panel_bytes * kBlockPanels)) * kBlockPanels;
+}
+
 // Prefetches (see panel_linear_kernel.h's rows_times_block): kPrefetchLines lines ahead for weights of at
 // least kPrefetchMinBytes (no L2 holds them between calls) whose panels are at least kPrefetchMinPanel bytes
 // long (streams long enough to run ahead in). Measured on an Intel Xeon (bench/RESULTS.md): 10-25% faster at
@@ -249,12 +261,11 @@ inline void rows_block(const Problem& p, int64_t r, int64_t v_lo, int64_t v_hi, 
 }
 
 // Every row of x times the panels [panel_lo, panel_hi), as the other levels' rows_times_block (the row blocks
-// after the first ask the panels [panel_hi, next_hi), the next output block's, into L2).
-inline void run(const Problem& p, int64_t panel_lo, int64_t panel_hi, int64_t next_hi) {
+// after the first ask the bytes [next_first, next_last), the next output block's, into L2).
+inline void run(const Problem& p, int64_t panel_lo, int64_t panel_hi, const char* next_first, const char* next_last) {
   constexpr int64_t kLine = 32;  // bfloat16 elements of a cache line
-  const char* base = static_cast<const char*>(p.panels);
-  NextBlock none, nb = next_block(base + panel_hi * p.panel_stride * 2, base + next_hi * p.panel_stride * 2, p.rows,
-                                  panel_hi - panel_lo, p.in / 2, S::kMaxRows, &S::vecs);  // (a vector is a panel here)
+  NextBlock none, nb = next_block(next_first, next_last, p.rows, panel_hi - panel_lo, p.in / 2, S::kMaxRows,
+                                  &S::vecs);  // (a vector is a panel here)
   for (int64_t r = 0; r < p.rows;) {
     const int64_t rb = std::min<int64_t>(S::kMaxRows, p.rows - r);
     const int64_t shift = r == 0 ? p.ahead * kLine : 0;
@@ -354,6 +365,10 @@ using S = ScalarS;
 namespace {
 
 at::Tensor panel_linear_cpu(const at::Tensor& x_in, const at::Tensor& panels, const std::optional<at::Tensor>& bias) {
+  // this call's follow hint (follow_panels), taken whatever happens below
+  const char* const follow_first = panel_cpu::follow_first;
+  const char* const follow_last = panel_cpu::follow_last;
+  panel_cpu::follow_first = panel_cpu::follow_last = nullptr;
   TORCH_CHECK_VALUE(x_in.defined() && panels.defined(), "taps_ops: panel_linear: x and panels must be defined");
   const bool bf16 = panels.scalar_type() == at::kBFloat16;
   const bool half_x = x_in.defined() && x_in.scalar_type() == at::kBFloat16;
@@ -440,36 +455,44 @@ at::Tensor panel_linear_cpu(const at::Tensor& x_in, const at::Tensor& panels, co
   const panel_cpu::Problem p{dot ? nullptr : x.data_ptr<float>(), xh, dot ? swapped.data() : nullptr,
                             panels.data_ptr(), bias_ptr, y.data_ptr<float>(), rows, in, out, panels.stride(0), bf16,
                             ahead};
-  // output blocks of about kBlockBytes of weight, in whole groups of kBlockPanels panels (every kernel
-  // configuration's vectors divide such a group: no output of a full group goes through the one-vector tail)
-  const int64_t group = panel_cpu::kBlockPanels;
-  const int64_t block =
-      std::max<int64_t>(1, panel_cpu::kBlockBytes / (in * panel_cpu::kPanelWidth * element * group)) * group;
+  const int64_t panel_bytes = panels.stride(0) * element;
+  const int64_t block = panel_cpu::block_panels(panel_bytes);
   const int64_t blocks = (num_panels + block - 1) / block;
+  const char* const base = static_cast<const char*>(panels.data_ptr());
   [[maybe_unused]] const bool host_fma = static_cast<int>(cpu::host_isa()) >= static_cast<int>(cpu::Isa::kAvx2);
   at::parallel_for(0, blocks, 1, [&](int64_t lo, int64_t hi) {
     for (int64_t blk = lo; blk < hi; ++blk) {
       const int64_t p_lo = blk * block, p_hi = std::min(num_panels, p_lo + block);
-      const int64_t next_hi = blk + 1 < hi && panel_cpu::next_enabled() ? std::min(num_panels, p_hi + block) : p_hi;
+      // the bytes its row blocks after the first ask into L2: the next output block of this thread's, or after
+      // the product's last block the first of the weight the caller multiplies next (follow_panels); none off
+      const char* next_first = nullptr;
+      const char* next_last = nullptr;
+      if (blk + 1 < hi) {
+        next_first = base + p_hi * panel_bytes;
+        next_last = base + std::min(num_panels, p_hi + block) * panel_bytes;
+      } else if (blk + 1 == blocks) {
+        next_first = follow_first, next_last = follow_last;
+      }
+      if (!panel_cpu::next_enabled()) next_last = next_first;
 #if defined(TAPS_CPU_X86)
       if (dot) {
-        panel_cpu::avx512_bf16::run(p, p_lo, p_hi, next_hi);
+        panel_cpu::avx512_bf16::run(p, p_lo, p_hi, next_first, next_last);
         continue;
       }
       if (static_cast<int>(level) >= static_cast<int>(cpu::Isa::kAvx512)) {
-        panel_cpu::avx512::panel::run(p, p_lo, p_hi, next_hi);
+        panel_cpu::avx512::panel::run(p, p_lo, p_hi, next_first, next_last);
         continue;
       }
       if (level == cpu::Isa::kAvx2) {
-        panel_cpu::avx2::panel::run(p, p_lo, p_hi, next_hi);
+        panel_cpu::avx2::panel::run(p, p_lo, p_hi, next_first, next_last);
         continue;
       }
       if (host_fma) {
-        panel_cpu::generic_fma::panel::run(p, p_lo, p_hi, next_hi);
+        panel_cpu::generic_fma::panel::run(p, p_lo, p_hi, next_first, next_last);
         continue;
       }
 #endif
-      panel_cpu::generic::panel::run(p, p_lo, p_hi, next_hi);
+      panel_cpu::generic::panel::run(p, p_lo, p_hi, next_first, next_last);
     }
   });
   return result();
@@ -480,6 +503,17 @@ at::Tensor panel_linear_cpu(const at::Tensor& x_in, const at::Tensor& panels, co
 TORCH_LIBRARY_IMPL(taps_ops, CPU, m) { m.impl("panel_linear", &panel_linear_cpu); }
 
 bool set_panel_next_op(bool on) { return panel_cpu::next_setting.exchange(on); }
+
+void follow_panels(const at::Tensor& panels) {
+  if (!panels.defined() || panels.device().type() != c10::DeviceType::CPU || panels.dim() < 3 || panels.size(0) < 1) {
+    panel_cpu::follow_first = panel_cpu::follow_last = nullptr;
+    return;
+  }
+  const int64_t panel_bytes = panels.stride(0) * static_cast<int64_t>(panels.element_size());
+  const char* first = static_cast<const char*>(panels.data_ptr());
+  panel_cpu::follow_first = first;
+  panel_cpu::follow_last = first + std::min(panels.size(0), panel_cpu::block_panels(panel_bytes)) * panel_bytes;
+}
 
 int64_t set_panel_prefetch_op(int64_t lines) {
   TORCH_CHECK_VALUE(lines >= -1, "taps_ops: _set_panel_prefetch: lines must be -1 (by the weight's size), 0 (never) "

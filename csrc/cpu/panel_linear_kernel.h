@@ -196,17 +196,13 @@ inline void rows_times_block(const Problem& p, int64_t v_lo, int64_t v_hi, const
   }
 }
 
-// Every row of x times the output panels [panel_lo, panel_hi) (float32 or bfloat16 panels, p.bf16); the panels
-// [panel_hi, next_hi) are the next output block's (see rows_times_block).
-inline void run(const Problem& p, int64_t panel_lo, int64_t panel_hi, int64_t next_hi) {
-  const char* base = static_cast<const char*>(p.panels);
-  const int64_t bytes = p.panel_stride * (p.bf16 ? 2 : 4);  // of a panel
+// Every row of x times the output panels [panel_lo, panel_hi) (float32 or bfloat16 panels, p.bf16); the bytes
+// [next_first, next_last) are the next output block's (see rows_times_block).
+inline void run(const Problem& p, int64_t panel_lo, int64_t panel_hi, const char* next_first, const char* next_last) {
   if (p.bf16)
-    rows_times_block<uint16_t>(p, panel_lo * kVecsPerPanel, panel_hi * kVecsPerPanel, base + panel_hi * bytes,
-                               base + next_hi * bytes);
+    rows_times_block<uint16_t>(p, panel_lo * kVecsPerPanel, panel_hi * kVecsPerPanel, next_first, next_last);
   else
-    rows_times_block<float>(p, panel_lo * kVecsPerPanel, panel_hi * kVecsPerPanel, base + panel_hi * bytes,
-                            base + next_hi * bytes);
+    rows_times_block<float>(p, panel_lo * kVecsPerPanel, panel_hi * kVecsPerPanel, next_first, next_last);
 }
 
 }  // namespace panel
