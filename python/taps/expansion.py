@@ -31,7 +31,7 @@ import torch
 from torch import Tensor
 
 import taps_ops
-from taps.kv import NodeMask, pack_bits
+from .kv import NodeMask, pack_bits
 
 __all__ = ["DraftCandidates", "DraftSampler", "SampledDraft", "expand", "expand_sampled", "num_candidates",
            "scratch_positions", "target_probs"]
