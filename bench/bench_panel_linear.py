@@ -26,7 +26,7 @@ same rounded weight: ``F.linear`` and oneDNN's over a packed copy (what a bfloat
 enough copies of its weight (``--cold-mib`` together) that no cache holds the one it reads; the shapes of a
 0.5B Llama's layers (hidden 1280, MLP 3584) and the shipped head; columns: torch, taps with its software
 prefetches off, with the next output block's panels not asked ahead (``_set_panel_next(False)``; asked by the row
-blocks after the first, so only above 8 rows at avx512, 6 at avx2), and by default (both on; the streams' own
+blocks after the first, from 16 rows on), and by default (both on; the streams' own
 prefetches, ``_set_panel_prefetch``: 24 cache lines ahead for weights of >= 4 MiB with panels of >= 32 KiB), and the
 ratios.
 

@@ -234,7 +234,8 @@ TORCH_LIBRARY(taps_ops, m) {
   // _set_panel_prefetch(lines): panel_linear's software prefetch distance (-1: by the weight's size, the
   // default; 0: never; N: always N cache lines); returns the previous setting (cpu/panel_linear.cpp).
   m.def("_set_panel_prefetch(int lines) -> int", &taps::set_panel_prefetch_op);
-  // _set_panel_next(on): whether panel_linear's row blocks after the first prefetch the next output block (the
-  // default: on); returns the previous setting (cpu/panel_linear.cpp).
+  // _set_panel_next(on): whether panel_linear's row blocks after the first prefetch the next output block, or after
+  // the last block the first of the panels decoder_layer multiplies next (the default: on); returns the previous
+  // setting (cpu/panel_linear.cpp).
   m.def("_set_panel_next(bool on) -> bool", &taps::set_panel_next_op);
 }

@@ -58,7 +58,8 @@ struct Problem {
 };
 
 // The next output block's panels asked into L2 by the row blocks after the first (NextBlock), from kNextMinRows
-// rows on: on by default; TAPS_PANEL_NEXT=0 (read at load) or the op _set_panel_next turn it off. Why: at 16 rows
+// rows on (and after a product's last block, the first block of the panels its caller multiplies next:
+// follow_panels): on by default; TAPS_PANEL_NEXT=0 (read at load) or the op _set_panel_next turn it off. Why: at 16 rows
 // (a draft tree's nodes) the first row block of each output block read its panels from memory and the next ones
 // computed from L2 with memory idle, so reading and computing took their sum; on the shipped target's weights
 // (read from memory in decoding) a prompt-lookup step's 16-node forward and verification ran 6% (bf16) and 11%
@@ -459,6 +460,7 @@ at::Tensor panel_linear_cpu(const at::Tensor& x_in, const at::Tensor& panels, co
   const int64_t block = panel_cpu::block_panels(panel_bytes);
   const int64_t blocks = (num_panels + block - 1) / block;
   const char* const base = static_cast<const char*>(panels.data_ptr());
+  const bool ask_next = panel_cpu::next_enabled();  // (one setting for the whole call)
   [[maybe_unused]] const bool host_fma = static_cast<int>(cpu::host_isa()) >= static_cast<int>(cpu::Isa::kAvx2);
   at::parallel_for(0, blocks, 1, [&](int64_t lo, int64_t hi) {
     for (int64_t blk = lo; blk < hi; ++blk) {
@@ -467,13 +469,12 @@ at::Tensor panel_linear_cpu(const at::Tensor& x_in, const at::Tensor& panels, co
       // the product's last block the first of the weight the caller multiplies next (follow_panels); none off
       const char* next_first = nullptr;
       const char* next_last = nullptr;
-      if (blk + 1 < hi) {
+      if (ask_next && blk + 1 < hi) {
         next_first = base + p_hi * panel_bytes;
         next_last = base + std::min(num_panels, p_hi + block) * panel_bytes;
-      } else if (blk + 1 == blocks) {
+      } else if (ask_next && blk + 1 == blocks) {
         next_first = follow_first, next_last = follow_last;
       }
-      if (!panel_cpu::next_enabled()) next_last = next_first;
 #if defined(TAPS_CPU_X86)
       if (dot) {
         panel_cpu::avx512_bf16::run(p, p_lo, p_hi, next_first, next_last);
