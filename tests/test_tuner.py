@@ -1939,3 +1939,79 @@ def test_a_coasting_step_ends_when_prompt_lookup_has_a_match(batch, monkeypatch)
     for matched, coasted, drafted, probing in known:
         assert drafted == (matched > 0) or probing, steps
         assert not (coasted and matched)
+
+
+def _useless_and_reference(new=40):
+    """The greedy target, prompts, their autoregressive outputs and a drafter whose proposals the target never
+    produces here."""
+    m = em.greedy_models()
+    prompts = [m["seqs"][i, :6].tolist() for i in range(3)]
+    ref = SpeculativeDecoder(m["target"], [], strategy="autoregressive").generate(prompts, max_new_tokens=new)
+    produced = {t for row in ref.tokens for t in row}
+    useless = ModelDrafter(m["other"]).set_draft_vocab(torch.tensor([t for t in range(96) if t not in produced][:16]))
+    return m, prompts, ref, useless
+
+
+def test_a_drafter_the_tuner_never_chooses_is_left_out_of_the_next_generations(monkeypatch):
+    """Greedy generations of 40 steps where drafting never pays (a useless drafter, a draft priced at ten
+    forwards): after two in which the tuner chose it on no step (probes apart) the drafter is left out of the
+    next generation, tried again in the one after, then left out of 2, 4, 8, 16, 16 ... in a row; left out, it
+    is not started and every step is an autoregressive one (no tuner plan); the output is the target's greedy
+    one throughout. A sampled generation is judged apart (its first two start the drafter)."""
+    import taps.decoder as decoder_module
+
+    m, prompts, ref, useless = _useless_and_reference()
+    dec = SpeculativeDecoder(m["target"], [useless], strategy="single", depth=3, top_k=3, budget=6,
+                             tuner=Tuner(_cheap(draft=1e-2, forward=1e-3)))
+    starts, plans = [], []
+    start_of, plan_of = decoder_module._Pending.__init__, SpeculativeDecoder._plan
+    monkeypatch.setattr(decoder_module._Pending, "__init__",
+                        lambda self, groups, *a, **k: (starts.append(len(groups)), start_of(self, groups, *a, **k))[1])
+    monkeypatch.setattr(SpeculativeDecoder, "_plan", lambda self, state: (plans.append(self.tuner), plan_of(self, state))[1])
+    left = []
+    for i in range(40):
+        starts.clear(), plans.clear()
+        out = dec.generate([prompts[i % 3]], max_new_tokens=40)
+        assert out.tokens[0] == ref.tokens[i % 3], i
+        left.append(bool(out.summary["left_out"]))
+        if left[-1]:
+            assert out.summary["left_out"] == [0] and not starts and all(t is None for t in plans) and out.steps == 39
+        else:
+            assert starts == [1] and all(t is dec.tuner for t in plans)
+    kept = [i for i, x in enumerate(left) if not x]
+    assert kept == [0, 1, 3, 6, 11, 20, 37], kept
+    assert dec.tuner is not None
+    sampled = [dec.generate([prompts[0]], max_new_tokens=40, temperature=1.0, seed=s).summary["left_out"]
+               for s in range(3)]
+    assert sampled == [[], [], [0]], sampled
+
+
+def test_a_drafter_the_tuner_chooses_is_never_left_out():
+    """A perfect cheap drafter (the target itself) is chosen on most steps: never left out; with
+    ``leave_out_after=None`` no drafter is, however idle; a generation under 8 steps judges nothing."""
+    m, prompts, ref, useless = _useless_and_reference()
+    good = SpeculativeDecoder(m["target"], [ModelDrafter(m["target"])], strategy="single", depth=3, top_k=2,
+                              budget=6, tuner=Tuner(_cheap(draft=1e-5, forward=1e-3)))
+    for i in range(5):
+        out = good.generate([prompts[i % 3]], max_new_tokens=40)
+        assert out.summary["left_out"] == [] and out.tokens[0] == ref.tokens[i % 3]
+    for after, new, expect in ((None, 40, []), (2, 8, [])):
+        dec = SpeculativeDecoder(m["target"], [useless], strategy="single", depth=3, top_k=3, budget=6,
+                                 tuner=Tuner(_cheap(draft=1e-2, forward=1e-3)))
+        dec.leave_out_after = after
+        assert [dec.generate([prompts[i % 3]], max_new_tokens=new).summary["left_out"] for i in range(6)] == [expect] * 6
+
+
+def test_only_the_idle_group_of_several_is_left_out():
+    """Merged-budget over a perfect cheap drafter and a useless dear one (two groups): the useless group is left
+    out from the third generation (of 12-15 steps each); the other drafts on; greedy output unchanged."""
+    m, prompts, ref, useless = _useless_and_reference()
+    costs = FixedCosts(lambda n, b: 1e-3, lambda g, d, b: (1e-2 if 1 in g else 1e-5) * d,
+                       lambda g, t, b: 1e-2 if 1 in g else 1e-5)
+    dec = SpeculativeDecoder(m["target"], [ModelDrafter(m["target"]), useless], strategy="merged-budget", depth=3,
+                             top_k=2, budget=6, tuner=Tuner(costs))
+    assert [tuple(g.members) for g in dec._draft_groups()] == [(0,), (1,)]
+    outs = [dec.generate([prompts[i % 3]], max_new_tokens=40) for i in range(3)]
+    assert [o.summary["left_out"] for o in outs] == [[], [], [1]]
+    assert all(o.tokens[0] == ref.tokens[i % 3] for i, o in enumerate(outs))
+    assert outs[2].summary["tau"] > 2 and outs[2].summary["drafter_share"][1] == 0.0

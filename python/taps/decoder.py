@@ -183,6 +183,15 @@ class SpeculativeDecoder:
         #: a drafter that does not pay still costs its upkeep at every join, drop and plan. None (the default
         #: here; ``taps serve`` takes RETIRE_AFTER): never, so a drafter that pays in bursts stays
         self.retire_after: Optional[int] = None
+        #: with a tuner: a drafter group the tuner chose (its probes apart) on at most one step in
+        #: IDLE_SHARE of :meth:`generate`'s for this many generations in a row (of one verification mode:
+        #: greedy or sampled; generations of MIN_VERDICT_STEPS steps or more) is left out of the next
+        #: generations of that mode, tried again after 1, 2, 4, ... up to LEAVE_OUT_MOST left out: its
+        #: upkeep on the plain steps (queued appends, the plan's and the coast's checks of it) is gone, and a
+        #: generation that leaves out every group runs autoregressive steps. None: never left out
+        self.leave_out_after: Optional[int] = LEAVE_OUT_AFTER
+        #: (sampling, group members) -> [generations idle in a row, generations still to leave it out]
+        self._idle: Dict[Tuple[bool, Tuple[int, ...]], List[int]] = {}
         #: (rows, requests, tree width) of the target forwards run so far (see _first_shape)
         self._shapes_run: set = set()
         self._groups: Optional[Tuple[tuple, List[DraftGroup]]] = None
@@ -333,22 +342,69 @@ class SpeculativeDecoder:
         if max_new_tokens == 0:
             for r in requests:
                 r.stats.finish_reason = "length"
-        else:
+        left_out: List[int] = []
+        if max_new_tokens > 0:
             groups = self._draft_groups()
+            tuner, sampling = self.tuner, _samples(sample)
+            kept = self._leave_out(groups, sampling)
+            left_out = sorted(t for g in groups if g not in kept for t in g.members)
+            if tuner is not None and not kept:
+                self.tuner = None  # every group left out: the generation's steps are autoregressive ones
             try:
-                state = self.start(rows, requests, sample, groups, prof, generator=generator, on_tokens=on_tokens)
+                state = self.start(rows, requests, sample, kept, prof, generator=generator, on_tokens=on_tokens)
                 while not state.finished:
                     self.step(state)
             finally:
+                self.tuner = tuner
                 for g in groups:
                     g.release()
+            if tuner is not None and kept:
+                self._judge_idle(kept, state, prof.steps, sampling)
+            elif tuner is not None:  # (each step a plain one: what a tuner's statistics call it)
+                for r in requests:
+                    r.stats.draft_shapes = ["none"] * len(r.stats.tree_nodes)
         for r in requests:
             r.stats.new_tokens = len(r.tokens)
         tokens = [r.tokens for r in requests]
         text = None if self.tokenizer is None else [self.tokenizer.decode(t) for t in tokens]
         stats = [r.stats for r in requests]
-        return GenerateOutput(tokens, text, stats, summarize(stats), prof.per_step() if profile else None,
-                              prof.steps)
+        summary = summarize(stats)
+        if self.tuner is not None:
+            summary["left_out"] = left_out
+        return GenerateOutput(tokens, text, stats, summary, prof.per_step() if profile else None, prof.steps)
+
+    def _leave_out(self, groups: List[DraftGroup], sampling: bool) -> List[DraftGroup]:
+        """The groups a generation in this verification mode starts (:attr:`leave_out_after`): all but
+        those the last generations left idle, each left out for its count of generations."""
+        if self.tuner is None or self.leave_out_after is None:
+            return list(groups)
+        kept = []
+        for g in groups:
+            idle = self._idle.get((sampling, tuple(g.members)))
+            if idle is not None and idle[1] > 0:
+                idle[1] -= 1
+            else:
+                kept.append(g)
+        return kept
+
+    def _judge_idle(self, kept: List[DraftGroup], state: "DecodeState", steps: int, sampling: bool) -> None:
+        """After a generation that started groups `kept`: each one the tuner chose (probes apart) on at most
+        one step in IDLE_SHARE (a group of a routing strategy's subset counts for its whole group) was idle;
+        idle for :attr:`leave_out_after` generations in a row, it is left out of the next ones (1, 2, 4, ...,
+        LEAVE_OUT_MOST); chosen more often, its count starts over. A generation of fewer than
+        MIN_VERDICT_STEPS steps judges nothing."""
+        if self.leave_out_after is None or steps < MIN_VERDICT_STEPS:
+            return
+        for g in kept:
+            members = tuple(g.members)
+            chosen = sum(n for m, n in state.chosen.items() if set(m) <= set(members))
+            idle = self._idle.setdefault((sampling, members), [0, 0])
+            if chosen * IDLE_SHARE > steps:
+                idle[0] = idle[1] = 0
+                continue
+            idle[0] += 1
+            if idle[0] >= self.leave_out_after:
+                idle[1] = min(2 ** (idle[0] - self.leave_out_after), LEAVE_OUT_MOST)
 
     # -- a batch of requests: start, step ------------------------------------------------------------
     def start(self, rows: List[List[int]], requests: List["RequestState"], sample: dict, groups: List[DraftGroup],
@@ -430,6 +486,10 @@ class SpeculativeDecoder:
             else:
                 plan = self._plan(state)
             self._retire(state, plan)
+            if plan.drafting and plan.shape is not None and not self.tuner.probing:
+                for g in plan.drafting:  # (what the tuner chose, for _judge_idle)
+                    key = tuple(g.members)
+                    state.chosen[key] = state.chosen.get(key, 0) + 1
             timed = plan.shape is not None and self.tuner.observes(plan.shape)
             if timed and not plan.shape.drafters:
                 # a plain step is timed from after its plan: the plan's own work (a recomputation after a request
@@ -673,7 +733,7 @@ class SpeculativeDecoder:
             with self.strategy.step_budget(None if plan.shape is None else plan.shape.budget):
                 tree = self.strategy.combine(cands, state.root)
         else:
-            tree = self.strategy.combine(None, state.root) if not state.groups else root_tree(state.root)
+            tree = root_tree(state.root)
         if tree.tokens.shape[1] == 1:  # the root alone (a plain step): nothing to count or trim
             return tree, [1] * batch
         if state.root.device.type != "cpu":
@@ -1059,6 +1119,8 @@ class DecodeState:
         #: drafters (indices) of the groups retired so far
         self.unchosen: Dict[int, int] = {}
         self.retired: List[int] = []
+        #: with a tuner: steps it chose each group (its members) to draft, probes apart
+        self.chosen: Dict[Tuple[int, ...], int] = {}
 
     @property
     def batch(self) -> int:
@@ -1165,6 +1227,16 @@ def _join_sample(a: dict, batch_a: int, b: dict, batch_b: int) -> dict:
 #: a started drafter group (one that runs a model) behind by this many tokens (a request's most) when requests join
 #: the batch is returned to not started (:meth:`_Pending.park`) rather than brought up to date
 PARK_AFTER_TOKENS = 8
+
+#: SpeculativeDecoder.leave_out_after: generations in a row (of one verification mode) in which the tuner chose a
+#: drafter group on at most one step in IDLE_SHARE (its probes apart) before the next generations leave it out,
+#: 1, 2, 4, ... up to LEAVE_OUT_MOST of them between the generations that try it again; a generation of fewer than
+#: MIN_VERDICT_STEPS steps judges nothing. On the shipped models the EAGLE heads' upkeep on plain steps (their
+#: queued appends, the plans' and coasts' checks) cost the auto rows 2-8% where the tuner never chose them
+LEAVE_OUT_AFTER = 2
+IDLE_SHARE = 32
+LEAVE_OUT_MOST = 16
+MIN_VERDICT_STEPS = 8
 
 #: taps serve's SpeculativeDecoder.retire_after: steps a drafter group that runs a model may go unchosen by the
 #: tuner (probes apart) before it leaves the batch (the tuner's probes of a kind that could still win come

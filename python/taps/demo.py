@@ -64,6 +64,13 @@ def _top_shapes(stats, top: int = 3) -> str:
     return ", ".join(f"{label} {count / steps:.0%}" for label, count in list(hist.items())[:top])
 
 
+def _left_out(out, names) -> str:
+    """``; left out: math, chat`` for the drafters a tuned generation left out (idle in the generations before it:
+    ``SpeculativeDecoder.leave_out_after``); names past `names` are prompt lookup's."""
+    left = out.summary.get("left_out") or []
+    return "; left out (idle before): " + ", ".join(names[t] if t < len(names) else "prompt lookup" for t in left) if left else ""
+
+
 class _Marker:
     """Streams decoded text, marking the tokens a step accepted from the drafts (all but the step's last)."""
 
@@ -259,8 +266,8 @@ def demo(args) -> int:
             print(f"--- with prompt lookup and budget=\"auto\" (`--lookup --budget auto`; its tuner warmed up on two "
                   f"other answers): taps {speed_auto:.0f} "
                   f"tokens/s, {speed_auto / speed_hf:.2f}x Hugging Face generate, {speed_auto / speed_own:.2f}x taps "
-                  f"autoregressive (tau {a.tau:.2f}; the tuner's drafts: {_top_shapes(a)}); same output: "
-                  f"{auto.tokens[0] == out.tokens[0]}")
+                  f"autoregressive (tau {a.tau:.2f}; the tuner's drafts: {_top_shapes(a)}{_left_out(auto, names)}); "
+                  f"same output: {auto.tokens[0] == out.tokens[0]}")
 
     if not limit:
         print(f"\ndemo finished in {time.time() - t0:.0f}s")
