@@ -1987,7 +1987,8 @@ def test_a_drafter_the_tuner_never_chooses_is_left_out_of_the_next_generations(m
 
 
 def test_a_drafter_the_tuner_chooses_is_never_left_out():
-    """A perfect cheap drafter (the target itself) is chosen on most steps: never left out; with
+    """A perfect cheap drafter (the target itself) is chosen on most steps: never left out; nor is prompt
+    lookup, even where the tuner never drafts with it (its drafts priced at ten forwards); with
     ``leave_out_after=None`` no drafter is, however idle; a generation under 8 steps judges nothing."""
     m, prompts, ref, useless = _useless_and_reference()
     good = SpeculativeDecoder(m["target"], [ModelDrafter(m["target"])], strategy="single", depth=3, top_k=2,
@@ -1995,6 +1996,11 @@ def test_a_drafter_the_tuner_chooses_is_never_left_out():
     for i in range(5):
         out = good.generate([prompts[i % 3]], max_new_tokens=40)
         assert out.summary["left_out"] == [] and out.tokens[0] == ref.tokens[i % 3]
+    lookup = SpeculativeDecoder(m["target"], [PromptLookupDrafter()], strategy="single", depth=3, top_k=2, budget=6,
+                                tuner=Tuner(_cheap(draft=1e-2, forward=1e-3)))
+    outs = [lookup.generate([prompts[i % 3]], max_new_tokens=40) for i in range(5)]
+    assert all(o.summary["left_out"] == [] and o.tokens[0] == ref.tokens[i % 3] for i, o in enumerate(outs))
+    assert sum(o.summary["shape_histogram"].get("none", 0) for o in outs) >= 0.9 * sum(o.steps for o in outs)
     for after, new, expect in ((None, 40, []), (2, 8, [])):
         dec = SpeculativeDecoder(m["target"], [useless], strategy="single", depth=3, top_k=3, budget=6,
                                  tuner=Tuner(_cheap(draft=1e-2, forward=1e-3)))

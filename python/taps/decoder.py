@@ -183,12 +183,13 @@ class SpeculativeDecoder:
         #: a drafter that does not pay still costs its upkeep at every join, drop and plan. None (the default
         #: here; ``taps serve`` takes RETIRE_AFTER): never, so a drafter that pays in bursts stays
         self.retire_after: Optional[int] = None
-        #: with a tuner: a drafter group the tuner chose (its probes apart) on at most one step in
-        #: IDLE_SHARE of :meth:`generate`'s for this many generations in a row (of one verification mode:
-        #: greedy or sampled; generations of MIN_VERDICT_STEPS steps or more) is left out of the next
-        #: generations of that mode, tried again after 1, 2, 4, ... up to LEAVE_OUT_MOST left out: its
+        #: with a tuner: a drafter group that runs a model and that the tuner chose (its probes apart) on at
+        #: most one step in IDLE_SHARE of :meth:`generate`'s for this many generations in a row (of one
+        #: verification mode: greedy or sampled; generations of MIN_VERDICT_STEPS steps or more) is left out of
+        #: the next generations of that mode, tried again after 1, 2, 4, ... up to LEAVE_OUT_MOST left out: its
         #: upkeep on the plain steps (queued appends, the plan's and the coast's checks of it) is gone, and a
-        #: generation that leaves out every group runs autoregressive steps. None: never left out
+        #: generation that leaves out every group runs autoregressive steps. Prompt lookup is never left out
+        #: (whether it pays depends on the prompt, and it costs little to keep). None: never left out
         self.leave_out_after: Optional[int] = LEAVE_OUT_AFTER
         #: (sampling, group members) -> [generations idle in a row, generations still to leave it out]
         self._idle: Dict[Tuple[bool, Tuple[int, ...]], List[int]] = {}
@@ -380,7 +381,7 @@ class SpeculativeDecoder:
             return list(groups)
         kept = []
         for g in groups:
-            idle = self._idle.get((sampling, tuple(g.members)))
+            idle = None if g.free_draft else self._idle.get((sampling, tuple(g.members)))
             if idle is not None and idle[1] > 0:
                 idle[1] -= 1
             else:
@@ -388,14 +389,16 @@ class SpeculativeDecoder:
         return kept
 
     def _judge_idle(self, kept: List[DraftGroup], state: "DecodeState", steps: int, sampling: bool) -> None:
-        """After a generation that started groups `kept`: each one the tuner chose (probes apart) on at most
-        one step in IDLE_SHARE (a group of a routing strategy's subset counts for its whole group) was idle;
+        """After a generation that started groups `kept`: each one that runs a model and that the tuner chose
+        (probes apart) on at most one step in IDLE_SHARE (a group of a routing strategy's subset counts for its whole group) was idle;
         idle for :attr:`leave_out_after` generations in a row, it is left out of the next ones (1, 2, 4, ...,
         LEAVE_OUT_MOST); chosen more often, its count starts over. A generation of fewer than
         MIN_VERDICT_STEPS steps judges nothing."""
         if self.leave_out_after is None or steps < MIN_VERDICT_STEPS:
             return
         for g in kept:
+            if g.free_draft:
+                continue
             members = tuple(g.members)
             chosen = sum(n for m, n in state.chosen.items() if set(m) <= set(members))
             idle = self._idle.setdefault((sampling, members), [0, 0])
@@ -1229,7 +1232,7 @@ def _join_sample(a: dict, batch_a: int, b: dict, batch_b: int) -> dict:
 PARK_AFTER_TOKENS = 8
 
 #: SpeculativeDecoder.leave_out_after: generations in a row (of one verification mode) in which the tuner chose a
-#: drafter group on at most one step in IDLE_SHARE (its probes apart) before the next generations leave it out,
+#: drafter group that runs a model on at most one step in IDLE_SHARE (its probes apart) before the next generations leave it out,
 #: 1, 2, 4, ... up to LEAVE_OUT_MOST of them between the generations that try it again; a generation of fewer than
 #: MIN_VERDICT_STEPS steps judges nothing. On the shipped models the EAGLE heads' upkeep on plain steps (their
 #: queued appends, the plans' and coasts' checks) cost the auto rows 2-8% where the tuner never chose them
