@@ -140,9 +140,11 @@ def main(argv=None) -> int:
             ap.error(f"--drafters: unknown {unknown}; the server has {sorted(models.drafters)}")
 
     def decoder(strategy, names=(), auto=True):
-        return SpeculativeDecoder(models.target, [models.drafters[n] for n in names], strategy, depth=cfg.depth,
-                                  top_k=cfg.top_k, budget="auto" if auto else cfg.budget if cfg.budget != "auto" else None,
-                                  tokenizer=models.tokenizer)
+        dec = SpeculativeDecoder(models.target, [models.drafters[n] for n in names], strategy, depth=cfg.depth,
+                                 top_k=cfg.top_k, budget="auto" if auto else cfg.budget if cfg.budget != "auto" else None,
+                                 tokenizer=models.tokenizer)
+        dec.retire_after = None if cfg.retire_after == "never" else int(cfg.retire_after)  # as taps serve's
+        return dec
 
     rows = {"taps autoregressive": decoder("autoregressive"), "control (autoregressive)": decoder("autoregressive")}
     for names in sets:
