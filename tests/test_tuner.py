@@ -2021,3 +2021,16 @@ def test_only_the_idle_group_of_several_is_left_out():
     assert [o.summary["left_out"] for o in outs] == [[], [], [1]]
     assert all(o.tokens[0] == ref.tokens[i % 3] for i, o in enumerate(outs))
     assert outs[2].summary["tau"] > 2 and outs[2].summary["drafter_share"][1] == 0.0
+
+
+def test_a_generation_with_its_drafter_left_out_samples_the_target():
+    """Two sampled generations in which drafting never pays (a draft priced at ten forwards) leave the drafter out
+    of the third; that generation's sampled sequences follow the target's distribution (chi-square)."""
+    m = em.sampling_models()
+    dec = SpeculativeDecoder(m["target"], [m["eagle"]], strategy="single", depth=3, top_k=2, budget=6,
+                             tuner=Tuner(_cheap(draft=1e-2, forward=1e-3)))
+    for s in range(2):
+        assert dec.generate([PROMPT], max_new_tokens=12, temperature=1.0, seed=s).summary["left_out"] == []
+    out = dec.generate([PROMPT] * 2000, max_new_tokens=STEPS, temperature=1.0, seed=78)
+    assert out.summary["left_out"] == [0] and out.summary["shape_histogram"] == {"none": 2000 * (STEPS - 1)}
+    assert_samples_follow(out.tokens, PROMPT, 1.0, 0, 1.0, what="left out: ")
