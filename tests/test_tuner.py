@@ -2001,6 +2001,9 @@ def test_a_drafter_the_tuner_chooses_is_never_left_out():
     outs = [lookup.generate([prompts[i % 3]], max_new_tokens=40) for i in range(5)]
     assert all(o.summary["left_out"] == [] and o.tokens[0] == ref.tokens[i % 3] for i, o in enumerate(outs))
     assert sum(o.summary["shape_histogram"].get("none", 0) for o in outs) >= 0.9 * sum(o.steps for o in outs)
+    for bad in (0, -1, 1.5, True, "2"):
+        with pytest.raises(ValueError, match="leave_out_after must be None or an integer >= 1"):
+            good.leave_out_after = bad
     for after, new, expect in ((None, 40, []), (2, 8, [])):
         dec = SpeculativeDecoder(m["target"], [useless], strategy="single", depth=3, top_k=3, budget=6,
                                  tuner=Tuner(_cheap(draft=1e-2, forward=1e-3)))

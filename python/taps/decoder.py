@@ -207,6 +207,18 @@ class SpeculativeDecoder:
     def device(self) -> torch.device:
         return next(self.target.parameters()).device
 
+    @property
+    def leave_out_after(self) -> Optional[int]:
+        """Generations in a row a drafter group may go (almost) unchosen by the tuner before the next ones leave
+        it out (see ``__init__``); None: never left out."""
+        return self._leave_out_after
+
+    @leave_out_after.setter
+    def leave_out_after(self, value: Optional[int]) -> None:
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise ValueError(f"leave_out_after must be None or an integer >= 1, got {value!r}")
+        self._leave_out_after = value
+
     # -- the tuner's state across processes --------------------------------------------------------------
     def tuner_fingerprint(self) -> dict:
         """What a tuner's measurements and acceptance hold for: the target and drafters (their class,
