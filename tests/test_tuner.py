@@ -1967,7 +1967,8 @@ def test_a_drafter_the_tuner_never_chooses_is_left_out_of_the_next_generations(m
     start_of, plan_of = decoder_module._Pending.__init__, SpeculativeDecoder._plan
     monkeypatch.setattr(decoder_module._Pending, "__init__",
                         lambda self, groups, *a, **k: (starts.append(len(groups)), start_of(self, groups, *a, **k))[1])
-    monkeypatch.setattr(SpeculativeDecoder, "_plan", lambda self, state: (plans.append(self.tuner), plan_of(self, state))[1])
+    monkeypatch.setattr(SpeculativeDecoder, "_plan",
+                        lambda self, state: (plans.append(self.tuner), plan_of(self, state))[1])
     left = []
     for i in range(40):
         starts.clear(), plans.clear()
@@ -2008,7 +2009,8 @@ def test_a_drafter_the_tuner_chooses_is_never_left_out():
         dec = SpeculativeDecoder(m["target"], [useless], strategy="single", depth=3, top_k=3, budget=6,
                                  tuner=Tuner(_cheap(draft=1e-2, forward=1e-3)))
         dec.leave_out_after = after
-        assert [dec.generate([prompts[i % 3]], max_new_tokens=new).summary["left_out"] for i in range(6)] == [expect] * 6
+        left = [dec.generate([prompts[i % 3]], max_new_tokens=new).summary["left_out"] for i in range(6)]
+        assert left == [expect] * 6, (after, new, left)
 
 
 def test_only_the_idle_group_of_several_is_left_out():

@@ -65,10 +65,12 @@ def _top_shapes(stats, top: int = 3) -> str:
 
 
 def _left_out(out, names) -> str:
-    """``; left out: math, chat`` for the drafters a tuned generation left out (idle in the generations before it:
-    ``SpeculativeDecoder.leave_out_after``); names past `names` are prompt lookup's."""
+    """``; left out (idle before): the math drafter, ...`` for the drafters a tuned generation left out (idle in
+    the generations before it: ``SpeculativeDecoder.leave_out_after``); "" for none. Past `names`: prompt lookup."""
     left = out.summary.get("left_out") or []
-    return "; left out (idle before): " + ", ".join(names[t] if t < len(names) else "prompt lookup" for t in left) if left else ""
+    if not left:
+        return ""
+    return "; left out (idle before): " + ", ".join(names[t] if t < len(names) else "prompt lookup" for t in left)
 
 
 class _Marker:
