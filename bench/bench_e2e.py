@@ -370,7 +370,9 @@ def overhead_table(args, device) -> None:
                 for name, ds in cases]
     # the tuned decoder's plain steps: a tuner whose costs make every draft lose (a drafter level costs a
     # second), so it runs no draft at all; what such a step costs beyond an autoregressive one is the
-    # controller's own overhead, which a run where no draft pays pays on every step
+    # controller's own overhead, which a run where no draft pays pays on every step (the drafters are kept in
+    # every generation, leave_out_after None: left out, the row would time autoregressive steps; a server's
+    # continuous batch, which leaves out nothing, pays it until it retires its groups)
     timer = tuner_clock(args, clock)
     never = lambda: Tuner(FixedCosts(lambda n, b: 1e-3 * n, lambda g, d, b: 1.0), timer=timer)  # noqa: E731
     for name, ds in (("single", [PromptLookupDrafter()]), ("single", eagles[:1]),
@@ -378,6 +380,7 @@ def overhead_table(args, device) -> None:
         cases.append((name + " auto, no draft pays", ds))
         decoders.append(SpeculativeDecoder(target, ds, strategy=name, depth=depth, top_k=top_k, budget=budget,
                                            tuner=never()))
+        decoders[-1].leave_out_after = None
     hf_target.generate(ids, **hf_kw)  # warm-up
     for dec in decoders:
         dec.generate(prompt, max_new_tokens=8)
