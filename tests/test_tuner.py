@@ -1989,7 +1989,9 @@ def test_a_drafter_the_tuner_never_chooses_is_left_out_of_the_next_generations(m
 
 def test_a_drafter_the_tuner_chooses_is_never_left_out():
     """A perfect cheap drafter (the target itself) is chosen on most steps: never left out; nor is prompt
-    lookup, even where the tuner never drafts with it (its drafts priced at ten forwards); with
+    lookup in greedy generations (nor in a batch where some request is greedy), even where the tuner never drafts
+    with it (its drafts priced at ten forwards), while generations where every request samples leave it out
+    like any idle drafter; with
     ``leave_out_after=None`` no drafter is, however idle; a generation under 8 steps judges nothing."""
     m, prompts, ref, useless = _useless_and_reference()
     good = SpeculativeDecoder(m["target"], [ModelDrafter(m["target"])], strategy="single", depth=3, top_k=2,
@@ -2002,6 +2004,13 @@ def test_a_drafter_the_tuner_chooses_is_never_left_out():
     outs = [lookup.generate([prompts[i % 3]], max_new_tokens=40) for i in range(5)]
     assert all(o.summary["left_out"] == [] and o.tokens[0] == ref.tokens[i % 3] for i, o in enumerate(outs))
     assert sum(o.summary["shape_histogram"].get("none", 0) for o in outs) >= 0.9 * sum(o.steps for o in outs)
+    mixed = torch.tensor([0.0, 1.0])
+    left = [lookup.generate([prompts[0], prompts[1]], max_new_tokens=20, temperature=mixed, seed=i).summary["left_out"]
+            for i in range(4)]
+    assert left == [[]] * 4, left
+    left = [lookup.generate([prompts[i % 3]], max_new_tokens=20, temperature=1.0, seed=i).summary["left_out"]
+            for i in range(4)]
+    assert left == [[], [], [0], []], left
     for bad in (0, -1, 1.5, True, "2"):
         with pytest.raises(ValueError, match="leave_out_after must be None or an integer >= 1"):
             good.leave_out_after = bad

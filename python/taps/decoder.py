@@ -188,8 +188,10 @@ class SpeculativeDecoder:
         #: verification mode: greedy or sampled; generations of MIN_VERDICT_STEPS steps or more) is left out of
         #: the next generations of that mode, tried again after 1, 2, 4, ... up to LEAVE_OUT_MOST left out: its
         #: upkeep on the plain steps (queued appends, the plan's and the coast's checks of it) is gone, and a
-        #: generation that leaves out every group runs autoregressive steps. Prompt lookup is never left out
-        #: (whether it pays depends on the prompt, and it costs little to keep). None: never left out
+        #: generation that leaves out every group runs autoregressive steps. Prompt lookup is left out only from
+        #: generations where every request samples (greedy, whether it pays depends on the prompt's loops: left
+        #: out after two prompts without, it missed the next ones'; at T > 0 its upkeep cost the T = 1 rows
+        #: ~3%). None: never left out
         self.leave_out_after: Optional[int] = LEAVE_OUT_AFTER
         #: (sampling, group members) -> [generations idle in a row, generations still to leave it out]
         self._idle: Dict[Tuple[bool, Tuple[int, ...]], List[int]] = {}
@@ -359,7 +361,9 @@ class SpeculativeDecoder:
         if max_new_tokens > 0:
             groups = self._draft_groups()
             tuner, sampling = self.tuner, _samples(sample)
-            kept = self._leave_out(groups, sampling)
+            # prompt lookup is judged only where every request samples (see __init__)
+            free_judged = _all_sample(sample)
+            kept = self._leave_out(groups, sampling, free_judged)
             left_out = sorted(t for g in groups if g not in kept for t in g.members)
             if tuner is not None and not kept:
                 self.tuner = None  # every group left out: the generation's steps are autoregressive ones
@@ -372,7 +376,7 @@ class SpeculativeDecoder:
                 for g in groups:
                     g.release()
             if tuner is not None and kept:
-                self._judge_idle(kept, state, prof.steps, sampling)
+                self._judge_idle(kept, state, prof.steps, sampling, free_judged)
             elif tuner is not None:  # (each step a plain one: what a tuner's statistics call it)
                 for r in requests:
                     r.stats.draft_shapes = ["none"] * len(r.stats.tree_nodes)
@@ -386,30 +390,33 @@ class SpeculativeDecoder:
             summary["left_out"] = left_out
         return GenerateOutput(tokens, text, stats, summary, prof.per_step() if profile else None, prof.steps)
 
-    def _leave_out(self, groups: List[DraftGroup], sampling: bool) -> List[DraftGroup]:
+    def _leave_out(self, groups: List[DraftGroup], sampling: bool, free_judged: bool) -> List[DraftGroup]:
         """The groups a generation in this verification mode starts (:attr:`leave_out_after`): all but
-        those the last generations left idle, each left out for its count of generations."""
+        those the last generations left idle, each left out for its count of generations (prompt lookup only
+        where `free_judged`: every request samples)."""
         if self.tuner is None or self.leave_out_after is None:
             return list(groups)
         kept = []
         for g in groups:
-            idle = None if g.free_draft else self._idle.get((sampling, tuple(g.members)))
+            idle = None if g.free_draft and not free_judged else self._idle.get((sampling, tuple(g.members)))
             if idle is not None and idle[1] > 0:
                 idle[1] -= 1
             else:
                 kept.append(g)
         return kept
 
-    def _judge_idle(self, kept: List[DraftGroup], state: "DecodeState", steps: int, sampling: bool) -> None:
-        """After a generation that started groups `kept`: each one that runs a model and that the tuner chose
-        (probes apart) on at most one step in IDLE_SHARE was idle (the steps a routing strategy's subset of a
-        group drafted count for the group); idle for :attr:`leave_out_after` generations in a row, it is left out
-        of the next ones (1, 2, 4, ..., LEAVE_OUT_MOST); chosen more often, its count starts over. A generation
-        of fewer than MIN_VERDICT_STEPS steps judges nothing."""
+    def _judge_idle(self, kept: List[DraftGroup], state: "DecodeState", steps: int, sampling: bool,
+                    free_judged: bool) -> None:
+        """After a generation that started groups `kept`: each one that runs a model (and prompt lookup where
+        `free_judged`) and that the tuner chose (probes apart) on at most one step in IDLE_SHARE was idle (the
+        steps a routing strategy's subset of a group drafted count for the group); idle for
+        :attr:`leave_out_after` generations in a row, it is left out of the next ones (1, 2, 4, ...,
+        LEAVE_OUT_MOST); chosen more often, its count starts over. A generation of fewer than MIN_VERDICT_STEPS
+        steps judges nothing."""
         if self.leave_out_after is None or steps < MIN_VERDICT_STEPS:
             return
         for g in kept:
-            if g.free_draft:
+            if g.free_draft and not free_judged:
                 continue
             members = tuple(g.members)
             chosen = sum(n for m, n in state.chosen.items() if set(m) <= set(members))
@@ -1248,8 +1255,9 @@ PARK_AFTER_TOKENS = 8
 #: leave it out, 1, 2, 4, ... up to LEAVE_OUT_MOST of them between the generations that try it again; a generation of
 #: fewer than MIN_VERDICT_STEPS steps judges nothing. On the shipped models the EAGLE heads' upkeep on plain steps
 #: (their queued appends, the plans' and coasts' checks) cost the auto rows 2-8% where the tuner never chose them.
-#: Prompt lookup is never left out: judged too, it was left out after two prompts with few matches and missed the
-#: loops of the next ones (merged-budget + lookup auto, fp32, T = 0: 1.10x instead of 1.5x; bench/RESULTS.md)
+#: Prompt lookup is left out only where every request samples: judged greedy too, it was left out after two prompts
+#: with few matches and missed the loops of the next ones (merged-budget + lookup auto, fp32, T = 0: 1.10x instead of
+#: 1.5x; bench/RESULTS.md)
 LEAVE_OUT_AFTER = 2
 IDLE_SHARE = 32
 LEAVE_OUT_MOST = 16
