@@ -143,7 +143,7 @@ def main(argv=None) -> int:
         dec = SpeculativeDecoder(models.target, [models.drafters[n] for n in names], strategy, depth=cfg.depth,
                                  top_k=cfg.top_k, budget="auto" if auto else cfg.budget if cfg.budget != "auto" else None,
                                  tokenizer=models.tokenizer)
-        dec.retire_after = None if cfg.retire_after == "never" else int(cfg.retire_after)  # as taps serve's
+        dec.retire_after = cfg.retire_steps  # as taps serve's
         return dec
 
     rows = {"taps autoregressive": decoder("autoregressive"), "control (autoregressive)": decoder("autoregressive")}

@@ -121,6 +121,11 @@ class ServeConfig:
     def shipped_target(self) -> bool:
         return self.target is None
 
+    @property
+    def retire_steps(self) -> Optional[int]:
+        """:attr:`retire_after` as ``SpeculativeDecoder.retire_after`` takes it (None for "never")."""
+        return None if self.retire_after == "never" else int(self.retire_after)
+
     def check(self) -> "ServeConfig":
         """ValueError unless the drafters, the default drafters and the strategy go together."""
         if not self.shipped_target:

@@ -369,7 +369,7 @@ class Engine:
                                      key.strategy, depth=cfg.depth, top_k=cfg.top_k,
                                      budget="auto" if key.auto else None if cfg.budget == "auto" else cfg.budget,
                                      tokenizer=self.models.tokenizer)
-        decoder.retire_after = None if cfg.retire_after == "never" else int(cfg.retire_after)
+        decoder.retire_after = cfg.retire_steps
         batch = self._batches[key] = ContinuousBatch(decoder, max_batch=cfg.max_batch)
         self._decoders[key] = decoder
         path = self._tuner_path(key)
