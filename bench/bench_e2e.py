@@ -4,7 +4,9 @@
     PYTHONPATH=python python bench/bench_e2e.py --threads 1 --overhead-only # negligible-compute models
 
 Table 1 (shipped models: the target and the hass drafters of models/, 3 GSM8K + 3 MT-Bench prompts with the
-chat template, batch 1; "lookup" rows add taps' own prompt-lookup drafter, taps.PromptLookupDrafter):
+chat template, batch 1; "lookup" rows add taps' own prompt-lookup drafter, taps.PromptLookupDrafter; "store"
+rows the same drafter with the shipped token store of the target's own answers to training prompts,
+models/stores/greedy, ``PromptLookupDrafter(store=taps.models.load_store())``):
 tokens/s of Hugging Face ``generate`` on its own copy of the target (untouched by taps: its own attention,
 its own cache), of HF's prompt-lookup decoding (``prompt_lookup_num_tokens``), and of every taps strategy
 with ``SpeculativeDecoder``'s defaults (or ``--depth/--top-k/--budget``), and of every strategy again with
@@ -51,7 +53,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import print_table  # noqa: E402
 
 ROWS = ("autoregressive", "math", "chat", "average", "route-confidence", "route-entropy", "merged",
-        "merged-budget", "adaptive", "lookup", "merged-budget+lookup", "merged+lookup")
+        "merged-budget", "adaptive", "lookup", "merged-budget+lookup", "merged+lookup", "store",
+        "merged-budget+store")
 #: row -> (strategy, drafter data names)
 ROW_SPECS = {"autoregressive": ("autoregressive", ()), "math": ("single", ("math",)),
              "chat": ("single", ("chat",)), "average": ("average", ("math", "chat")),
@@ -59,8 +62,21 @@ ROW_SPECS = {"autoregressive": ("autoregressive", ()), "math": ("single", ("math
              "route-entropy": ("route-entropy", ("math", "chat")), "merged": ("merged", ("math", "chat")),
              "merged-budget": ("merged-budget", ("math", "chat")), "adaptive": ("adaptive", ("math", "chat")),
              "lookup": ("single", ("lookup",)), "merged-budget+lookup": ("merged-budget", ("math", "chat", "lookup")),
-             "merged+lookup": ("merged", ("math", "chat", "lookup"))}
+             "merged+lookup": ("merged", ("math", "chat", "lookup")), "store": ("single", ("store",)),
+             "merged-budget+store": ("merged-budget", ("math", "chat", "store"))}
 PHASES = ("draft_forward", "draft", "tree", "target_forward", "target_head", "verify", "compact", "draft_update", "step")
+
+
+def make_drafters(names, drafters, args, models):
+    """The drafters of a row: the trained heads by data name, prompt lookup ("lookup") and prompt lookup with
+    the shipped token store ("store", loaded once)."""
+    from taps import PromptLookupDrafter
+
+    kw = {} if args.lookup_depth is None else dict(depth=args.lookup_depth)
+    if "store" in names and "store" not in drafters:
+        drafters["store"] = models.load_store()
+    return [PromptLookupDrafter(**kw) if n == "lookup" else PromptLookupDrafter(store=drafters["store"], **kw)
+            if n == "store" else drafters[n] for n in names]
 
 
 def _sync() -> None:
@@ -114,7 +130,7 @@ def tuner_clock(args, clock):
 
 
 def shipped_tables(args, device, dtype) -> None:
-    from taps import PromptLookupDrafter, SpeculativeDecoder, Tuner, models
+    from taps import SpeculativeDecoder, Tuner, models
     from taps.data import load_eval_prompts
 
     target, tok = models.load_target(dtype=dtype)
@@ -134,13 +150,11 @@ def shipped_tables(args, device, dtype) -> None:
     clock = time.process_time if args.clock == "process" else time.perf_counter
     for row in args.rows:
         strategy, names = ROW_SPECS[row]
-        lookup_kw = {} if args.lookup_depth is None else dict(depth=args.lookup_depth)
         for auto in (False, True) if args.auto and names else (False,):
             # the tuner measures with its own default clock (wall) unless --tuner-clock says otherwise
             kw = dict(settings, tuner=Tuner(timer=tuner_clock(args, clock))) if auto else settings
-            dec = SpeculativeDecoder(target, [PromptLookupDrafter(**lookup_kw) if n == "lookup" else drafters[n]
-                                              for n in names], strategy=strategy, sampled_drafts=args.sampled_drafts,
-                                    **kw)
+            dec = SpeculativeDecoder(target, make_drafters(names, drafters, args, models), strategy=strategy,
+                                     sampled_drafts=args.sampled_drafts, **kw)
             name = f"{row} auto" if auto else row
             decoders[name] = dec
             runners[f"taps {name}"] = TapsRunner(dec, tok.eos_id)
@@ -252,7 +266,7 @@ def batch_table(args, device, dtype) -> None:
     docstring)."""
     import statistics
 
-    from taps import PromptLookupDrafter, SpeculativeDecoder, Tuner, models
+    from taps import SpeculativeDecoder, Tuner, models
     from taps.data import load_eval_prompts
 
     target, tok = models.load_target(dtype=dtype)
@@ -267,7 +281,6 @@ def batch_table(args, device, dtype) -> None:
     settings = {k: v for k, v in dict(depth=args.depth, top_k=args.top_k, budget=args.budget).items()
                 if v is not None}
     clock = time.process_time if args.clock == "process" else time.perf_counter
-    lookup_kw = {} if args.lookup_depth is None else dict(depth=args.lookup_depth)
     # a second autoregressive decoder: its ratio to the first is the noise of the measurement
     decoders = {"autoregressive": SpeculativeDecoder(target, [], strategy="autoregressive"),
                 "autoregressive (control)": SpeculativeDecoder(target, [], strategy="autoregressive")}
@@ -279,9 +292,8 @@ def batch_table(args, device, dtype) -> None:
             if not auto and args.batch_auto_only:
                 continue
             kw = dict(settings, tuner=Tuner(timer=tuner_clock(args, clock))) if auto else settings
-            dec = SpeculativeDecoder(target, [PromptLookupDrafter(**lookup_kw) if n == "lookup" else drafters[n]
-                                              for n in names], strategy=strategy, sampled_drafts=args.sampled_drafts,
-                                    **kw)
+            dec = SpeculativeDecoder(target, make_drafters(names, drafters, args, models), strategy=strategy,
+                                     sampled_drafts=args.sampled_drafts, **kw)
             dec.pack_trees = not args.no_pack
             decoders[f"{row} auto" if auto else row] = dec
     print(f"device {device}, {torch.get_num_threads()} thread(s), {str(dtype).replace('torch.', '')}; "

@@ -154,6 +154,37 @@ def load_target(path: Optional[PathLike] = None, dtype: torch.dtype = torch.floa
     return model.eval(), ChatTokenizer.from_pretrained(folder)
 
 
+def load_store(name: str = "greedy", path: Optional[PathLike] = None, target: Optional[PathLike] = None,
+               verify: bool = True):
+    """Load token store ``<stores folder>/<name>`` (a :class:`taps.drafters.store.TokenStore`, for
+    ``PromptLookupDrafter(store=...)``; built by ``taps train store``).
+
+    Args:
+        name: the store's folder name (default ``"greedy"``: the shipped target's greedy answers).
+        path: the stores folder (default ``models_dir() / "stores"``).
+        target: the target folder the store must have been built from (default ``models_dir() / "target"``;
+            its manifest's weights digest is compared with the store's).
+        verify: check the files against the store's manifest.json first, and the target's digest.
+    """
+    from .drafters.store import TokenStore
+
+    folder = (Path(path) if path is not None else models_dir() / "stores") / name
+    file = folder / "store.npz"
+    if not file.is_file():
+        raise FileNotFoundError(f"no token store in {folder} (expected store.npz; build one with `taps train store`)")
+    if verify:
+        verify_manifest(folder)
+        built_for = json.loads((folder / MANIFEST).read_text()).get("target_weights_sha256")
+        tfolder = Path(target) if target is not None else models_dir() / "target"
+        tman = tfolder / MANIFEST
+        if built_for and tman.is_file():
+            have = _manifest_files(json.loads(tman.read_text()), tman).get("model.safetensors")
+            if have and have != built_for:
+                raise ValueError(f"{folder}: the store was built from another target (weights sha256 {built_for[:12]}..., "
+                                 f"{tfolder} has {have[:12]}...); rebuild it with `taps train store`")
+    return TokenStore.load(file)
+
+
 def drafter_dir(family: str, data: str, path: Optional[PathLike] = None) -> Path:
     """``<drafters folder>/<family>-<data>`` (drafters folder default ``models_dir() / "drafters"``)."""
     root = Path(path) if path is not None else models_dir() / "drafters"

@@ -6,6 +6,7 @@
     taps train drafter   --family eagle2|hass|eagle3 --data math|chat|mixed [--tokens 1000000] [--name NAME] ...
     taps train average   models/drafters/A models/drafters/B --out models/drafters/A-B-avg
     taps train vocab     [--target models/target] [--tokens 1000000]
+    taps train store     [--target models/target] [--out models/stores/greedy] [--math 4000] [--chat 3000]
 
 ``add_train_subcommands(subparsers)`` registers them under a ``train`` command of an argparse
 sub-parser set; ``python -m taps.train ...`` runs the same commands without the main CLI. ``drafter``
@@ -116,6 +117,14 @@ def _vocab(args) -> int:
 
 
 @_rank0_only
+def _store(args) -> int:
+    from .store import write_store
+
+    write_store(args)
+    return 0
+
+
+@_rank0_only
 def _average(args) -> int:
     from .drafter import average_checkpoints
 
@@ -124,7 +133,7 @@ def _average(args) -> int:
 
 
 def add_train_subcommands(subparsers) -> argparse.ArgumentParser:
-    """Register ``train tokenizer|target|drafter|average`` on ``subparsers`` (from add_subparsers())."""
+    """Register ``train tokenizer|target|drafter|average|vocab|store`` on ``subparsers`` (from add_subparsers())."""
     from pathlib import Path
 
     from ..arguments import float_at_least, int_at_least
@@ -173,6 +182,13 @@ def add_train_subcommands(subparsers) -> argparse.ArgumentParser:
     vo.add_argument("--shared-data", type=Path, default=None,
                     help="folder of the shared training data (default ../shared/data or $TAPS_SHARED_DATA)")
     vo.set_defaults(func=_vocab)
+
+    from .store import add_store_arguments
+
+    st = sub.add_parser("store", help="a token store of the target's own answers to training prompts, for prompt "
+                                      "lookup (PromptLookupDrafter(store=...))")
+    add_store_arguments(st)
+    st.set_defaults(func=_store)
     return train
 
 
