@@ -222,6 +222,13 @@ TORCH_LIBRARY(taps_ops, m) {
   // sums rounded once (AVX512-BF16's dot products at the avx512 level where the CPU has them: the same bits).
   // CPU only (cpu/panel_linear.cpp); no data checks, so no validate flag.
   m.def("panel_linear(Tensor x, Tensor panels, Tensor? bias=None) -> Tensor");
+  // A token store's continuation of a context (cpu/token_store.cpp; host data, CPU only): tokens [L] i32 (-1
+  // between sequences), ends [M] i64, cols [K, M] i32 (the reversed suffix array taps.drafters.store builds);
+  // context: the context's last tokens -> [n, lo, hi, continuation...]: the longest suffix matched (<= K
+  // tokens), its range of ends, and (n >= min_ngram) up to depth tokens voted over its first `vote` occurrences.
+  m.def(
+      "token_store_continuation(Tensor tokens, Tensor ends, Tensor cols, int[] context, int depth, int min_ngram, "
+      "int vote) -> int[]");
   // The CPU kernels' instruction-set level (cpu/cpu_isa.h): scalar, avx2, avx512 or amx. _cpu_isa: the one in
   // force; _cpu_host_isa: the best this CPU runs; _set_cpu_isa(level): cap the kernels there (<= the host's),
   // returns the level in force; _cpu_features: the CPU features the kernels look at. No tensors: catch-all.

@@ -48,6 +48,12 @@ def _decoder_layer_without_weights():
                                           torch.ones(1, 2, 1, dtype=torch.int64), torch.tensor([2]), 0.5)
 
 
+def _store(tokens=(-1, 3, 4, -1), ends=(1, 2), cols=((3, 4), (-1, 3)), depth=2, vote=4):
+    return lambda: taps_ops.token_store_continuation(
+        torch.tensor(tokens, dtype=torch.int32), torch.tensor(ends), torch.tensor(cols, dtype=torch.int32), [3],
+        depth, 1, vote)
+
+
 CASES = [
     ("verify_tree: parent not topological", _verify(parents=torch.tensor([[-1, 2, 0]]))),
     ("verify_tree: integer logits", _verify(logits=torch.zeros(1, 3, 7, dtype=torch.int64))),
@@ -70,6 +76,12 @@ CASES = [
     ("expand_level: k of 0", lambda: taps_ops.expand_level(torch.randn(1, 2, 7), torch.zeros(1, 2),
                                                             torch.tensor([[-1, -1]]), 0)),
     ("decoder_layer: too few weights", _decoder_layer_without_weights()),
+    ("token_store_continuation: ends past the tokens", _store(ends=(9, 2))),
+    ("token_store_continuation: ends of another length", _store(ends=(1,))),
+    ("token_store_continuation: int64 cols", lambda: taps_ops.token_store_continuation(
+        torch.tensor([-1, 3], dtype=torch.int32), torch.tensor([1]), torch.tensor([[3]]), [3], 1)),
+    ("token_store_continuation: negative depth", _store(depth=-1)),
+    ("token_store_continuation: vote 0", _store(vote=0)),
 ]
 
 

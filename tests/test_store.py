@@ -269,3 +269,47 @@ def test_shipped_store():
     target, tok = models.load_target()
     context = tok.encode_chat([{"role": "user", "content": "What is 12 plus 30?"}], add_generation_prompt=True)
     assert store.continuation(context, 8)[0], "the chat template's end is in every stored prompt"
+
+
+def test_op_inputs_are_checked():
+    """token_store_continuation: every malformed input raises ValueError (fuzzed), never reads out of bounds;
+    unsorted columns give some answer; device tensors elsewhere are refused."""
+    import taps_ops
+
+    store = TokenStore([[1, 2, 3, 1, 2, 4], [2, 3]], 8)
+    good = (store._tokens_t, store._ends_t, store._cols_t)
+    assert taps_ops.token_store_continuation(*good, [1, 2], 3, 1, 32)[0] == 2
+    rng = random.Random(0)
+    bad = [
+        lambda t, e, c: (t.long(), e, c), lambda t, e, c: (t, e.int(), c), lambda t, e, c: (t, e, c.long()),
+        lambda t, e, c: (t[None], e, c), lambda t, e, c: (t, e[:-1], c), lambda t, e, c: (t, e, c[:, :-1]),
+        lambda t, e, c: (t[::2], e, c), lambda t, e, c: (t, e, c.t().contiguous().t()),
+        lambda t, e, c: (t, e + 10 ** 6, c), lambda t, e, c: (t, e - 10 ** 6, c), lambda t, e, c: (t, e, c[0]),
+    ]
+    for make in bad:
+        t, e, c = make(*good)
+        with pytest.raises(ValueError, match="^taps_ops: token_store_continuation"):
+            taps_ops.token_store_continuation(t, e, c, [1, 2], 3, 1, 32)
+    for depth, min_n, vote in ((-1, 1, 1), (1, -1, 1), (1, 1, 0)):
+        with pytest.raises(ValueError, match="^taps_ops"):
+            taps_ops.token_store_continuation(*good, [1, 2], depth, min_n, vote)
+    with pytest.raises(ValueError, match="CPU tensor"):
+        taps_ops.token_store_continuation(good[0].to("meta"), good[1], good[2], [1], 1)
+    # ids no store holds, an empty context, and shuffled (unsorted) columns: answers, in bounds
+    assert taps_ops.token_store_continuation(*good, [-5, 2 ** 40], 3) == (0, 0, 0, [])
+    assert taps_ops.token_store_continuation(*good, [], 3) == (0, 0, 0, [])
+    for _ in range(50):
+        perm = torch.randperm(good[1].numel())
+        n, lo, hi, cont = taps_ops.token_store_continuation(good[0], good[1][perm].contiguous(),
+                                                            good[2][:, perm].contiguous(),
+                                                            [rng.randrange(8) for _ in range(3)], 4)
+        assert 0 <= lo <= hi <= good[1].numel() and len(cont) <= 4
+
+
+def test_vote_ties_go_to_the_first_occurrence():
+    """A tie at a level goes to the token of the first of the tied occurrences in the index's order (the
+    ends' order), whichever it is, and the continuation then follows it."""
+    store = TokenStore([[5, 1, 2], [5, 3, 4]], 8)
+    first = int(store.tokens[store.ends[store.match([5])[1]] + 1])
+    cont, n = store.continuation([5], 3, min_ngram=1)
+    assert n == 1 and cont == ([1, 2] if first == 1 else [3, 4])

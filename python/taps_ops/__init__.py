@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import math
 import os
-from typing import Dict, NamedTuple, Optional, Sequence, Union
+from typing import Dict, List, NamedTuple, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import Tensor
@@ -60,7 +60,7 @@ def _load_library():
 #: the ops this package's Python side calls; a library built from older sources lacks some
 _OPS = ("verify_tree", "build_tree", "merge_trees", "tree_attention", "compact_kv", "rms_norm", "rope_",
         "expand_level", "decoder_layer", "panel_linear", "_cpu_isa", "_set_cpu_isa", "_cpu_features",
-        "_set_panel_prefetch", "_set_panel_next")
+        "_set_panel_prefetch", "_set_panel_next", "token_store_continuation")
 
 
 # the latest argument each op gained (a library that lacks it was built before it)
@@ -89,7 +89,7 @@ _panel_linear_fast = getattr(_library, "panel_linear", None)
 __all__ = [
     "VerifyOutput", "Tree", "MergedTree", "verify_tree", "build_tree", "merge_trees",
     "tree_attention", "compact_kv", "rms_norm", "rope_", "pack_panels", "panel_linear", "PANEL_WIDTH", "ExpandLevel", "expand_level", "decoder_layer",
-    "has_cuda_kernels", "cpu_info", "set_cpu_isa", "native_half_matmul", "CPU_ISA_LEVELS",
+    "token_store_continuation", "has_cuda_kernels", "cpu_info", "set_cpu_isa", "native_half_matmul", "CPU_ISA_LEVELS",
 ]
 
 Scalar = Union[float, int, Tensor]
@@ -483,6 +483,39 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     pass on an H200 (2026-12-04).
     """
     return torch.ops.taps_ops.rms_norm.default(x, weight, float(eps))
+
+
+def token_store_continuation(tokens: Tensor, ends: Tensor, cols: Tensor, context: Sequence[int], depth: int,
+                             min_ngram: int = 1, vote: int = 32) -> Tuple[int, int, int, List[int]]:
+    """The longest suffix of `context` in a token store and the continuation voted over its occurrences
+    (the search and vote of :class:`taps.drafters.store.TokenStore`, which builds the arrays; CPU, host data).
+
+    Args:
+        tokens: [L] int32, the store's sequences with -1 before, between and after them.
+        ends: [M] int64, the positions of the store's tokens sorted by the reversed text ending at each.
+        cols: [K, M] int32, ``cols[j, i]`` the token j places before ``ends[i]`` (-1 past its sequence's
+            start): each column sorted within the ranges where the columns before it are equal.
+        context: token ids (its last K are read).
+        depth: the most continuation tokens (>= 0).
+        min_ngram: a shorter match proposes nothing (>= 0).
+        vote: the most occurrences voted (>= 1), the first ones of the matched range.
+
+    Returns:
+        (n, lo, hi, continuation): the suffix length matched (0 .. K), the range ``ends[lo:hi]`` of its
+        occurrences, and when ``n >= max(min_ngram, 1)`` up to `depth` tokens: at each level the token most of
+        the voted occurrences still agreeing with the continuation go on with (ties: the first in index order),
+        stopping where most reach their sequence's end. Reads are bounds-checked (an end outside tokens raises
+        ValueError); unsorted columns give unspecified matches, never out-of-bounds reads.
+    """
+    for name, t in (("tokens", tokens), ("ends", ends), ("cols", cols)):
+        if not isinstance(t, Tensor) or t.device.type != "cpu":
+            raise ValueError(f"taps_ops: token_store_continuation: {name} must be a CPU tensor, got "
+                             f"{t.device if isinstance(t, Tensor) else type(t).__name__}")
+    got = _token_store_op(tokens, ends, cols, context, int(depth), int(min_ngram), int(vote))
+    return got[0], got[1], got[2], got[3:]
+
+
+_token_store_op = torch.ops.taps_ops.token_store_continuation.default
 
 
 #: Outputs per panel of :func:`pack_panels`.

@@ -12,17 +12,20 @@ the one before, ...), so that a context's last token, then its last two, ... nar
 positions: a longest match takes one binary search per matched token. The continuation is voted over up
 to ``vote`` of the matching positions: at each level, the token most of the positions still agreeing with
 the vote so far continue with (on the shipped models the first match's continuation alone gave 3.3
-tokens a drafted step against 5.2 for the vote; bench/RESULTS.md).
+tokens a drafted step against 5.2 for the vote; bench/RESULTS.md). Both run in one C++ call,
+:func:`taps_ops.token_store_continuation`.
 """
 
 from __future__ import annotations
 
 import json
-from collections import Counter
 from pathlib import Path
-from typing import Dict, Iterable, List, Optional, Sequence, Tuple, Union
+from typing import Iterable, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
+import torch
+
+import taps_ops
 
 __all__ = ["TokenStore"]
 
@@ -81,7 +84,6 @@ class TokenStore:
 
     def _build(self, tokens: np.ndarray) -> None:
         self.tokens = tokens  # -1 before, between and after the sequences (then MAX_DEPTH more)
-        self._tokens_list: Optional[List[int]] = None
         real = np.flatnonzero(tokens >= 0)
         self.num_tokens = int(real.size)
         # columns: the token at each position, the one before, ... (-1 from the sequence's start on)
@@ -92,18 +94,15 @@ class TokenStore:
         order = np.lexsort(cols[::-1]) if real.size else np.zeros(0, dtype=np.int64)
         self.ends = real[order]  # the positions, sorted by the reversed text ending at them
         self.cols = np.stack([c[order] for c in cols]) if real.size else np.zeros((self.max_ngram, 0), np.int32)
-        # the range of each last token (the first narrowing, a dict lookup instead of two binary searches)
-        first: Dict[int, Tuple[int, int]] = {}
-        if real.size:
-            vals, starts, counts = np.unique(self.cols[0], return_index=True, return_counts=True)
-            first = {int(v): (int(s), int(s + c)) for v, s, c in zip(vals, starts, counts)}
-        self._first = first
         if self.max_ngram >= 2 and real.size:
             ok = self.cols[1] >= 0
             self._pairs = set((self.cols[0][ok].astype(np.int64) * self.vocab_size + self.cols[1][ok]).tolist())
         else:
             self._pairs = set()
-        self._memo: Dict[Tuple[int, int, int], List[int]] = {}
+        # the op's views of the arrays (sharing their memory)
+        self._tokens_t = torch.from_numpy(self.tokens)
+        self._ends_t = torch.from_numpy(np.ascontiguousarray(self.ends, dtype=np.int64))
+        self._cols_t = torch.from_numpy(np.ascontiguousarray(self.cols, dtype=np.int32))
 
     def __len__(self) -> int:
         return self.num_tokens
@@ -119,78 +118,19 @@ class TokenStore:
     def match(self, context: Sequence[int]) -> Tuple[int, int, int]:
         """The longest suffix of `context` (up to ``max_ngram`` tokens) found in the store: (its length, the
         range lo, hi of the matching positions in the index); length 0 when the last token is absent."""
-        n = len(context)
-        if n == 0:
-            return 0, 0, 0
-        rng = self._first.get(int(context[-1]))
-        if rng is None:
-            return 0, 0, 0
-        lo, hi = rng
-        got = 1
-        cols = self.cols
-        top = min(self.max_ngram, n)
-        for j in range(1, top):
-            t = int(context[-1 - j])
-            if hi - lo <= 16:
-                # a few positions left: the rest compared on the host (two binary searches a token cost more)
-                rest = cols[j:top, lo:hi].T.tolist()
-                want = [int(context[-1 - i]) for i in range(j, top)]
-                for i, w in enumerate(want):
-                    keep = [r for r in range(hi - lo) if rest[r][i] == w]
-                    if not keep:
-                        return got, lo, hi
-                    # rows are sorted, so the rows that agree so far are contiguous
-                    lo, hi = lo + keep[0], lo + keep[-1] + 1
-                    rest = rest[keep[0]:keep[-1] + 1]
-                    got = j + i + 1
-                return got, lo, hi
-            col, key = cols[j, lo:hi], np.int32(t)
-            # (a scalar of the column's dtype: with a Python int numpy converts the whole column, 20x slower)
-            a = int(col.searchsorted(key, "left"))
-            b = int(col.searchsorted(key, "right"))
-            if a == b:
-                break
-            lo, hi = lo + a, lo + b
-            got = j + 1
-        return got, lo, hi
+        n, lo, hi, _ = taps_ops.token_store_continuation(self._tokens_t, self._ends_t, self._cols_t,
+                                                         [int(t) for t in context[-self.max_ngram:]], 0, 0, self.vote)
+        return n, lo, hi
 
     def continuation(self, context: Sequence[int], depth: int, min_ngram: int = 2) -> Tuple[List[int], int]:
         """The voted continuation (up to `depth` tokens, <= MAX_DEPTH) after the longest suffix of `context`
-        found in the store, and that suffix's length; ([], n) when it is shorter than `min_ngram`."""
-        depth = min(int(depth), MAX_DEPTH)
-        n, lo, hi = self.match(context)
-        if n < min_ngram or depth < 1:
-            return [], n
-        key = (lo, hi, depth)
-        got = self._memo.get(key)
-        if got is None:
-            if len(self._memo) >= 1 << 16:
-                self._memo.clear()
-            got = self._memo[key] = self._vote(self.ends[lo:min(hi, lo + self.vote)] + 1, depth)
-        return got, n
-
-    def _vote(self, starts: np.ndarray, depth: int) -> List[int]:
-        rows = self.tokens[starts[:, None] + np.arange(depth)]
-        distinct = Counter(map(tuple, rows.tolist()))
-        out: List[int] = []
-        cands = list(distinct.items())  # (row, how many positions continue with it)
-        for d in range(depth):
-            if len(cands) == 1:
-                row = cands[0][0]
-                for t in row[d:]:
-                    if t < 0:
-                        break
-                    out.append(t)
-                break
-            votes: Dict[int, int] = {}
-            for row, c in cands:
-                votes[row[d]] = votes.get(row[d], 0) + c
-            t = max(votes, key=votes.get)
-            if t < 0:
-                break
-            out.append(t)
-            cands = [(row, c) for row, c in cands if row[d] == t]
-        return out
+        found in the store, and that suffix's length; ([], n) when it is shorter than `min_ngram`.
+        (One ``taps_ops.token_store_continuation`` call: the search and the vote in C++, 2-5 us; the same
+        in Python cost 50-200 us a draft on the shipped models.)"""
+        n, _, _, cont = taps_ops.token_store_continuation(
+            self._tokens_t, self._ends_t, self._cols_t, [int(t) for t in context[-self.max_ngram:]],
+            max(0, min(int(depth), MAX_DEPTH)), max(int(min_ngram), 1), self.vote)
+        return cont, n
 
     # -- files
     def save(self, path: Union[str, Path]) -> Path:
