@@ -36,6 +36,11 @@ def test_missing_and_corrupted_model_files(tmp_path, monkeypatch, capsys):
     _one_line_error(capsys, cli.main(["demo", "--quick"]), "model.safetensors", "does not match")
 
 
+def test_missing_token_store(capsys):
+    _one_line_error(capsys, cli.main(["demo", "--quick", "--store", "nonesuch"]), "taps demo: error",
+                    "no token store", "taps train store")
+
+
 # (argv, words the error line must hold): bad values and names of every subcommand; each must fail
 # before a model or a data file is read
 BAD_ARGUMENTS = [
@@ -68,6 +73,9 @@ BAD_ARGUMENTS = [
     (["tour", "--bogus"], "--bogus"),
     (["info", "--bogus"], "--bogus"),
     (["train", "tokenizer", "--vocab-size", "x"], "--vocab-size"),
+    (["train", "store", "--math", "-1"], "--math"),
+    (["train", "store", "--new-tokens", "0"], "--new-tokens"),
+    (["train", "store", "--temperature", "-1"], "--temperature"),
     (["train", "tokenizer", "--chat-fraction", "2"], "--chat-fraction"),
     (["train", "target", "--tokens", "0"], "--tokens"),
     (["train", "target", "--lr", "0"], "--lr"),

@@ -39,6 +39,10 @@ def add_demo_arguments(p) -> None:
                    help="add taps' prompt-lookup drafter (taps.PromptLookupDrafter, no weights) to the streamed "
                         "answers' drafters (with --strategy single: it alone, the fastest CPU row of "
                         "bench/RESULTS.md; e.g. --strategy merged-budget --lookup)")
+    p.add_argument("--store", default=None,
+                   help="the token store prompt lookup also proposes from (models/stores/NAME, `taps train store`; "
+                        "default: greedy, the shipped target's greedy answers to training prompts, when present; "
+                        "none: no store)")
     p.add_argument("--depth", type=int_at_least(1), default=None, help="default: SpeculativeDecoder's for the device")
     p.add_argument("--top-k", type=int_at_least(1), default=None, help="default: SpeculativeDecoder's for the device")
     p.add_argument("--budget", type=or_auto(int_at_least(2)), default=None,
@@ -184,6 +188,8 @@ def demo(args) -> int:
         target.to(device)  # the drafters load onto the target's device
         drafters = {name: models.load_drafter(args.family, name, target, draft_vocab=args.draft_vocab or None)
                     for name in have}
+        store_name = args.store or ("greedy" if (models.models_dir() / "stores" / "greedy").is_dir() else "none")
+        store = None if store_name == "none" else models.load_store(store_name)
     reference = copy.deepcopy(target)  # Hugging Face generate on its own copy, untouched by taps
     n_t = sum(p.numel() for p in target.parameters())
     n_d = sum(p.numel() for p in drafters["math"].parameters())
@@ -193,17 +199,21 @@ def demo(args) -> int:
           f"{_target_story(models.models_dir() / 'target')}: it writes fluent-looking nonsense, as a model that "
           "small does; what the demo shows is how many of the drafters' tokens the target accepts, and the speed.\n"
           f"Drafters: {args.family} {', '.join(sorted(drafters))} ({n_d / 1e6:.2f}M parameters each, plus the target's "
-          f"embeddings and lm_head); every file matches its manifest sha256. Loaded in {time.time() - t0:.1f}s.\n")
+          f"embeddings and lm_head); "
+          + (f"prompt lookup's token store: models/stores/{store_name} ({store.num_sequences:,} answers of the target "
+             f"to training prompts, {len(store):,} tokens); " if store is not None else "")
+          + f"every file matches its manifest sha256. Loaded in {time.time() - t0:.1f}s.\n")
 
     settings = {k: v for k, v in dict(depth=args.depth, top_k=args.top_k, budget=args.budget).items() if v is not None}
     pair = [drafters["math"], drafters["chat"]]
     # single: the math drafter alone, or with --lookup the prompt-lookup drafter alone (bench_e2e's lookup row)
     streamed = {"single": [] if args.lookup else pair[:1], "autoregressive": []}.get(args.strategy, pair)
-    names = ["the math drafter", "the chat drafter"][:len(streamed)] + (["prompt lookup"] if args.lookup else [])
+    lookup_name = "prompt lookup" + (" with its token store" if store is not None else "")
+    names = ["the math drafter", "the chat drafter"][:len(streamed)] + ([lookup_name] if args.lookup else [])
     if args.lookup:
         from .drafters import PromptLookupDrafter
 
-        streamed = streamed + [PromptLookupDrafter()]
+        streamed = streamed + [PromptLookupDrafter(store=store)]
     merged = SpeculativeDecoder(target, streamed, strategy=args.strategy, **settings)
     mark = "green" if color else "[brackets]"
     vocab = f"{args.draft_vocab} most frequent tokens" if args.draft_vocab else "the whole vocabulary"
@@ -223,7 +233,7 @@ def demo(args) -> int:
     if merged.tuner is None and args.strategy not in ("average", "autoregressive"):
         from .drafters import PromptLookupDrafter
 
-        extra = [] if args.lookup else [PromptLookupDrafter()]
+        extra = [] if args.lookup else [PromptLookupDrafter(store=store)]
         tuned = SpeculativeDecoder(target, streamed + extra, strategy=args.strategy,
                                    **dict(settings, budget="auto"))
     for dec in (merged, own) + ((tuned,) if tuned is not None else ()):  # one-time setup outside the timings
@@ -265,7 +275,7 @@ def demo(args) -> int:
         if tuned is not None:
             a = auto.stats[0]
             speed_auto = a.new_tokens / dt_auto
-            print(f"--- with prompt lookup and budget=\"auto\" (`--lookup --budget auto`; its tuner warmed up on two "
+            print(f"--- with {lookup_name} and budget=\"auto\" (`--lookup --budget auto`; its tuner warmed up on two "
                   f"other answers): taps {speed_auto:.0f} "
                   f"tokens/s, {speed_auto / speed_hf:.2f}x Hugging Face generate, {speed_auto / speed_own:.2f}x taps "
                   f"autoregressive (tau {a.tau:.2f}; the tuner's drafts: {_top_shapes(a)}{_left_out(auto, names)}); "
