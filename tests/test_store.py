@@ -174,13 +174,14 @@ def test_greedy_with_a_store_equals_autoregressive():
     prompts = [[rng.randrange(32) for _ in range(rng.randrange(2, 9))] for _ in range(6)]
     ar = SpeculativeDecoder(target, [], strategy="autoregressive").generate(prompts, max_new_tokens=20)
     # a store alone (no match of the context's own: min_ngram 3 is rare in 20 tokens) and beside the context
-    for kw in (dict(max_ngram=3, min_ngram=3), dict()):
+    for kw in (dict(max_ngram=3, min_ngram=3, store_ngram=3), dict(store_ngram=2), dict()):
         dec = SpeculativeDecoder(target, [PromptLookupDrafter(store=store, **kw)], strategy="single")
         out = dec.generate(prompts, max_new_tokens=20)
         assert [list(t) for t in out.tokens] == [list(t) for t in ar.tokens]
-        assert out.summary["tau"] > 1.7, "the store's drafts are hardly accepted: nothing is tested"
-        plain = SpeculativeDecoder(target, [PromptLookupDrafter(**kw)], strategy="single")
-        assert plain.generate(prompts, max_new_tokens=20).summary["tau"] < out.summary["tau"] - 0.2
+        if kw:
+            assert out.summary["tau"] > 1.7, "the store's drafts are hardly accepted: nothing is tested"
+            plain = SpeculativeDecoder(target, [PromptLookupDrafter(**kw)], strategy="single")
+            assert plain.generate(prompts, max_new_tokens=20).summary["tau"] < out.summary["tau"] - 0.2
 
 
 def test_sampling_with_a_store_follows_the_target():
@@ -190,8 +191,8 @@ def test_sampling_with_a_store_follows_the_target():
     # what the target said before after this prompt and after others (sampled: a store of its greedy answers
     # would propose one path only)
     store = _target_store(target, count=100, new=6, temperature=1.0, also=[PROMPT] * 100)
-    dec = SpeculativeDecoder(target, [PromptLookupDrafter(store=store)], strategy="single", depth=3, top_k=2,
-                             budget=6)
+    dec = SpeculativeDecoder(target, [PromptLookupDrafter(store=store, store_ngram=2)], strategy="single", depth=3,
+                             top_k=2, budget=6)
     out = dec.generate([PROMPT] * SAMPLES, max_new_tokens=STEPS, temperature=1.0, seed=99)
     assert out.summary["tau"] > 1.3, f"tau {out.summary['tau']:.2f}: the store's drafts are hardly accepted"
     assert_samples_follow(out.tokens, PROMPT, 1.0, 0, 1.0)
@@ -203,7 +204,7 @@ def test_store_continuation_ranked_by_match_length():
     target = em.sampling_models()["target"]
 
     def conts(context, store, top_k=4, **kw):
-        d = PromptLookupDrafter(store=store, **kw)
+        d = PromptLookupDrafter(store=store, **{"store_ngram": kw.get("min_ngram", 2), **kw})
         d.bind(target)
         g = PromptLookupDrafter.make_group([d])
         ids = torch.tensor([context[:-1]])
@@ -223,6 +224,13 @@ def test_store_continuation_ranked_by_match_length():
     assert conts(fresh, two) == ([[25]], True)
     assert conts(fresh, short) == ([], False)
     assert conts(fresh, short, min_ngram=1)[0] == [[30, 31]]
+    # store_ngram: the shortest store match that proposes (and makes a draft), found by a search past 2
+    fresh3 = [9, 5, 6, 7]
+    assert conts(fresh3, long, store_ngram=3) == ([[20, 21]], True)
+    assert conts(fresh3, long, store_ngram=4) == ([], False)
+    assert conts(fresh3, two, store_ngram=3) == ([], False)
+    with pytest.raises(ValueError, match="store_ngram"):
+        PromptLookupDrafter(store=long, store_ngram=0)
 
 
 def test_train_store_command_and_load_store(tmp_path):

@@ -11,7 +11,7 @@ operations of a continuous-batching loop). One module per drafter kind:
 - :mod:`taps.drafters.eagle3`: :class:`Eagle3Drafter`, the EAGLE-3 head over target features at three
   depths and its own draft vocabulary;
 - :mod:`taps.drafters.ngram`: :class:`PromptLookupDrafter`, proposals copied from earlier in the context
-  (no model).
+  (no model), and with a :class:`~taps.drafters.store.TokenStore` (:mod:`taps.drafters.store`) from a corpus.
 
 Beside them: :mod:`taps.drafters.heads` (what the two feature heads share), :mod:`taps.drafters.average`
 (:func:`average_drafters`, the weight-space mean), :mod:`taps.drafters.checkpoint` (the heads' files) and
@@ -27,7 +27,8 @@ from .heads import head_key
 from .load import load_drafter
 from .ngram import PromptLookupDrafter
 from .small_lm import ModelDrafter
+from .store import TokenStore
 
 __all__ = ["DraftCandidates", "Drafter", "DraftGroup", "ModelDrafter", "EagleDrafter", "Eagle3Drafter",
-           "PromptLookupDrafter", "average_drafters", "head_key", "load_drafter", "make_groups",
+           "PromptLookupDrafter", "TokenStore", "average_drafters", "head_key", "load_drafter", "make_groups",
            "target_vocab_size", "target_hidden_size"]
