@@ -101,6 +101,11 @@ def test_flags_win_over_the_file(tmp_path):
     ('[drafters]\nx = {kind = "lookup", max_ngram = 0}', "max_ngram"),
     ('[drafters]\nx = {kind = "lookup", width = 3}', "width"),
     ('[drafters]\n"bad name" = "lookup"', "bad name"),
+    ('[drafters]\nx = {kind = "lookup", store = "nonesuch"}', "no token store named 'nonesuch'"),
+    ('[drafters]\nx = {kind = "lookup", store = "stores/none"}', "no token store at"),
+    ('[drafters]\nx = {kind = "lookup", store = "s.npz"}', "no token store at"),
+    ('[drafters]\nx = {kind = "lookup", store = 3}', "store must be"),
+    ('[drafters]\nx = {kind = "lookup", store = "greedy", store_ngram = 0}', "store_ngram"),
     ('default_drafters = ["nope"]', "nope"),
     ('target = "nowhere"', "not a model folder"),
     ("this is = not toml", "not valid TOML"),
@@ -109,6 +114,22 @@ def test_bad_config_files_are_one_line_errors(tmp_path, text, words):
     with pytest.raises(ValueError) as e:
         settings(tmp_path, [], text)
     assert words in str(e.value) and "\n" not in str(e.value)
+
+
+def test_lookup_with_a_token_store(tmp_path):
+    """A lookup drafter's store: the name of a shipped one, or a path relative to the config file (a store
+    folder or a .npz file); the engine loads it into the drafter."""
+    from taps import models
+    from taps.drafters import TokenStore
+    from taps.serve.engine import _load_store
+
+    cfg = settings(tmp_path, [], '[drafters]\nlookup = {kind = "lookup", store = "greedy", store_ngram = 3}')
+    assert cfg.drafters["lookup"] == DrafterSpec("lookup", None, {"store": "greedy", "store_ngram": 3})
+    assert _load_store("greedy", None).num_sequences == models.load_store().num_sequences
+    TokenStore([[1, 2, 3]], 8).save(tmp_path / "mine.npz")
+    cfg = settings(tmp_path, [], '[drafters]\nlookup = {kind = "lookup", store = "mine.npz"}')
+    path = cfg.drafters["lookup"].options["store"]
+    assert path == str(tmp_path / "mine.npz") and _load_store(path, None).continuation([1, 2], 3) == ([3], 2)
 
 
 def test_shipped_drafters_need_the_shipped_target(tmp_path):

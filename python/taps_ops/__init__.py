@@ -159,6 +159,7 @@ _OP_MAX_ISA = {
     "build_tree": "scalar",       # scalar tree logic (no vector path to choose)
     "merge_trees": "scalar",
     "compact_kv": "scalar",       # memcpy
+    "token_store_continuation": "scalar",  # binary searches and a vote on the host
 }
 
 

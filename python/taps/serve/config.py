@@ -18,6 +18,7 @@ from the file's folder)::
     eagle = "eagle:/models/EAGLE3-LLaMA3.1-Instruct-8B"
     small = {kind = "model", path = "/models/Llama-3.2-1B-Instruct"}
     lookup = {kind = "lookup", max_ngram = 3}
+    # recalled = {kind = "lookup", store = "greedy"}   # prompt lookup with a token store (models/stores/greedy)
 
     [limits]
     max_batch = 16                # requests decoded at once
@@ -30,7 +31,8 @@ Drafter kinds: ``shipped`` (PATH is a shipped drafter, ``<family>-<data>`` such 
 shipped target), ``eagle`` (an EAGLE-1/2, HASS or EAGLE-3 checkpoint folder:
 ``EagleDrafter.from_pretrained``), ``model`` (a small causal LM folder sharing the target's tokenizer:
 ``ModelDrafter``), ``lookup`` (``PromptLookupDrafter``, no path; options ``max_ngram``, ``min_ngram``,
-``depth``). Without drafters named, the shipped target gets ``math`` (``shipped:hass-math``), ``chat``
+``depth``, ``store`` (a token store it also proposes from: a name in models/stores such as ``greedy``, the shipped
+target's, or a path to a store folder or .npz file; ``taps train store``) and ``store_ngram``). Without drafters named, the shipped target gets ``math`` (``shipped:hass-math``), ``chat``
 (``shipped:hass-chat``) and ``lookup``; another target gets ``lookup``.
 
 Every value is checked here, before a model loads: a bad one raises ValueError with one line naming
@@ -55,7 +57,7 @@ __all__ = ["DrafterSpec", "ServeConfig", "DRAFTER_KINDS", "add_serve_arguments",
 DRAFTER_KINDS = {"shipped": True, "eagle": True, "model": True, "lookup": False}
 #: options a drafter kind takes beyond its path
 _KIND_OPTIONS = {"shipped": {"draft_vocab"}, "eagle": set(), "model": set(),
-                 "lookup": {"max_ngram", "min_ngram", "depth"}}
+                 "lookup": {"max_ngram", "min_ngram", "depth", "store", "store_ngram"}}
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
 _TOP_KEYS = {"target", "dtype", "device", "model_name", "host", "port", "strategy", "default_drafters", "depth",
              "top_k", "budget", "threads", "draft_vocab", "drafters", "limits", "log_level", "tuner_dir",
@@ -211,6 +213,27 @@ def _check_folder(path: str, where: str) -> str:
     return str(folder)
 
 
+def _check_store(value: Any, where: str, base: Optional[Path] = None) -> str:
+    """A lookup drafter's token store: a store folder (store.npz and its manifest, `taps train store`) or a
+    .npz file, by path (relative to the config file's folder), or the name of one in models/stores."""
+    if not isinstance(value, str) or not value:
+        raise ValueError(f"{where} must be a store's name (models/stores/NAME) or path, got {value!r}")
+    path = Path(value)
+    if path.suffix == ".npz" or len(path.parts) > 1 or path.is_absolute():
+        if base is not None and not path.is_absolute():
+            path = base / path
+        if not (path.is_file() if path.suffix == ".npz" else (path / "store.npz").is_file()):
+            raise ValueError(f"{where}: no token store at {path} (a folder with store.npz, or a .npz file; "
+                             "`taps train store` builds one)")
+        return str(path)
+    from ..models import models_dir
+
+    if not _NAME.match(value) or not (models_dir() / "stores" / value / "store.npz").is_file():
+        raise ValueError(f"{where}: no token store named {value!r} in {models_dir() / 'stores'} "
+                         "(`taps train store --out` builds one)")
+    return value
+
+
 def parse_drafter(text: str, where: str = "--drafter") -> "tuple[str, DrafterSpec]":
     """``NAME=KIND[:PATH]`` -> (name, spec); ValueError naming `where` on a bad one."""
     name, eq, rest = text.partition("=")
@@ -256,7 +279,10 @@ def _spec_from_dict(raw: Any, where: str, base: Optional[Path] = None) -> Drafte
         raise ValueError(f"{where}: unknown option(s) {', '.join(sorted(unknown))} for a {kind} drafter "
                          f"(options: {allowed})")
     for key, value in raw.items():
-        _check_int(value, f"{where} {key}", 0 if key == "draft_vocab" else 1)
+        if key == "store":
+            raw[key] = _check_store(value, f"{where} store", base)
+        else:
+            _check_int(value, f"{where} {key}", 0 if key == "draft_vocab" else 1)
     if kind == "lookup" and raw.get("min_ngram", 1) > raw.get("max_ngram", max(3, raw.get("min_ngram", 1))):
         # (an unset min_ngram is min(2, max_ngram): PromptLookupDrafter's default)
         raise ValueError(f"{where}: min_ngram must be <= max_ngram")

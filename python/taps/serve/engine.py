@@ -38,6 +38,22 @@ __all__ = ["BatchKey", "ModelSet", "Output", "Submission", "Engine", "ProcessEng
 log = logging.getLogger("taps.serve")
 
 
+def _load_store(spec: str, target_folder: Optional[str]):
+    """A lookup drafter's token store from its config value (checked by taps.serve.config): a path to a store
+    folder (its manifest checked) or .npz file, or a name in models/stores (checked against the target)."""
+    from pathlib import Path
+
+    from .. import models
+    from ..drafters import TokenStore
+
+    path = Path(spec)
+    if path.suffix == ".npz":
+        return TokenStore.load(path)
+    if len(path.parts) > 1 or path.is_absolute():
+        return models.load_store(path.name, path=path.parent, target=target_folder)
+    return models.load_store(spec, target=target_folder)
+
+
 @dataclass(frozen=True)
 class BatchKey:
     """What one decoder decodes with: a strategy, the drafters by name, and whether a tuner chooses each
@@ -159,7 +175,10 @@ def load_models(cfg: ServeConfig, weights: bool = True) -> ModelSet:
             drafters[key] = ModelDrafter.from_pretrained(spec.path, dtype=dtype)
             drafters[key].bind(target)
         else:
-            drafters[key] = PromptLookupDrafter(**spec.options)
+            options = dict(spec.options)
+            if "store" in options:
+                options["store"] = _load_store(options["store"], None if cfg.shipped_target else cfg.target)
+            drafters[key] = PromptLookupDrafter(**options)
             drafters[key].bind(target)
     config = target.config
     context = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
