@@ -206,19 +206,21 @@ def test_info_reports_this_installation(capsys):
     assert report["cpu"]["ops"] == cpu["ops"] and report["library"]["cuda_kernels"] == taps_ops.has_cuda_kernels()
     assert len(report["gpus"]) == (torch.cuda.device_count() if torch.cuda.is_available() else 0)
     assert report["models"]["target"] and "hass" in report["models"]["drafters"]
+    assert report["models"]["stores"] == ["greedy"] and "token stores greedy" in text
 
 
 def test_info_verify_names_a_corrupted_file(tmp_path, monkeypatch, capsys):
     models = tmp_path / "models"
     shutil.copytree(REPO_ROOT / "models" / "target", models / "target")
     shutil.copytree(REPO_ROOT / "models" / "drafters" / "hass-math", models / "drafters" / "hass-math")
+    shutil.copytree(REPO_ROOT / "models" / "stores" / "greedy", models / "stores" / "greedy")
     monkeypatch.setenv("TAPS_MODELS_DIR", str(models))
     assert cli.main(["info", "--verify"]) == 0
-    assert "2 of 2 folders match" in capsys.readouterr().out
+    assert "3 of 3 folders match" in capsys.readouterr().out
     weights = models / "drafters" / "hass-math" / "model.safetensors"
     data = bytearray(weights.read_bytes())
     data[0] ^= 0xFF
     weights.write_bytes(bytes(data))
     assert cli.main(["info", "--verify"]) == 1
     out = capsys.readouterr().out
-    assert "1 of 2 folders match" in out and "hass-math: FAILED" in out and "model.safetensors" in out, out
+    assert "2 of 3 folders match" in out and "hass-math: FAILED" in out and "model.safetensors" in out, out

@@ -103,7 +103,8 @@ def test_demo_quick(capsys):
     assert out.count("identical to the target's own greedy output (Hugging Face generate): True") == 2
     assert "5.2M-parameter" in out and "nonsense" in out and ", fp32, " in out
     # beside each fixed-settings answer, the same drafters with prompt lookup and a tuner: the same tokens
-    assert out.count('with prompt lookup and budget="auto"') == 2 and out.count("; same output: True") == 2
+    assert out.count('with prompt lookup with its token store and budget="auto"') == 2
+    assert out.count("; same output: True") == 2
     assert "Loading weights" not in captured.err + out  # Hugging Face's progress bar stays off
     for row in ("math", "chat", "avg", "route-confidence", "merged", "adaptive"):
         assert f"\n{row} " in out or f" {row} " in out

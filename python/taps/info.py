@@ -57,10 +57,12 @@ def collect(verify: bool = False) -> Dict[str, object]:
     dtype = models.resolve_dtype("auto", device)
     root = models.models_dir()
     shipped = {"folder": str(root), "target": (root / "target" / "config.json").is_file(),
-               "drafters": models.available_drafters()}
+               "drafters": models.available_drafters(),
+               "stores": sorted(f.name for f in (root / "stores").glob("*") if (f / "store.npz").is_file())}
     if verify:
         checked = {}
-        for folder in [root / "tokenizer", root / "target"] + sorted((root / "drafters").glob("*")):
+        for folder in ([root / "tokenizer", root / "target"] + sorted((root / "drafters").glob("*"))
+                       + sorted((root / "stores").glob("*"))):
             if (folder / "manifest.json").is_file():
                 try:
                     models.verify_manifest(folder)
@@ -103,7 +105,8 @@ def format_report(r: Dict[str, object]) -> str:
         lines.append("GPU: none visible to torch")
     lines.append(f"--device auto -> {auto['device']}, --dtype auto -> {auto['dtype']}")
     drafters = "; ".join(f"{fam}: {', '.join(names)}" for fam, names in m["drafters"].items()) or "none"
-    lines.append(f"shipped models in {m['folder']}: target {'yes' if m['target'] else 'MISSING'}; drafters {drafters}")
+    lines.append(f"shipped models in {m['folder']}: target {'yes' if m['target'] else 'MISSING'}; drafters {drafters}; "
+                 f"token stores {', '.join(m.get('stores', [])) or 'none'}")
     if "sha256" in m:
         bad = {k: s for k, s in m["sha256"].items() if s != "ok"}
         lines.append(f"  sha256: {len(m['sha256']) - len(bad)} of {len(m['sha256'])} folders match their manifests"
