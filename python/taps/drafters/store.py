@@ -125,7 +125,7 @@ class TokenStore:
     def continuation(self, context: Sequence[int], depth: int, min_ngram: int = 2) -> Tuple[List[int], int]:
         """The voted continuation (up to `depth` tokens, <= MAX_DEPTH) after the longest suffix of `context`
         found in the store, and that suffix's length; ([], n) when it is shorter than `min_ngram`.
-        (One ``taps_ops.token_store_continuation`` call: the search and the vote in C++, 2-5 us; the same
+        (One ``taps_ops.token_store_continuation`` call: the search and the vote in C++, 7-9 us; the same
         in Python cost 50-200 us a draft on the shipped models.)"""
         n, _, _, cont = taps_ops.token_store_continuation(
             self._tokens_t, self._ends_t, self._cols_t, [int(t) for t in context[-self.max_ngram:]],
