@@ -154,6 +154,12 @@ def load_target(path: Optional[PathLike] = None, dtype: torch.dtype = torch.floa
     return model.eval(), ChatTokenizer.from_pretrained(folder)
 
 
+def weights_digest(folder: PathLike) -> Optional[str]:
+    """The sha256 of a model folder's ``model.safetensors`` as its manifest.json lists it (None if unlisted)."""
+    path = Path(folder) / MANIFEST
+    return _manifest_files(json.loads(path.read_text()), path).get("model.safetensors")
+
+
 def load_store(name: str = "greedy", path: Optional[PathLike] = None, target: Optional[PathLike] = None,
                verify: bool = True):
     """Load token store ``<stores folder>/<name>`` (a :class:`taps.drafters.store.TokenStore`, for
@@ -176,9 +182,8 @@ def load_store(name: str = "greedy", path: Optional[PathLike] = None, target: Op
         verify_manifest(folder)
         built_for = json.loads((folder / MANIFEST).read_text()).get("target_weights_sha256")
         tfolder = Path(target) if target is not None else models_dir() / "target"
-        tman = tfolder / MANIFEST
-        if built_for and tman.is_file():
-            have = _manifest_files(json.loads(tman.read_text()), tman).get("model.safetensors")
+        if built_for and (tfolder / MANIFEST).is_file():
+            have = weights_digest(tfolder)
             if have and have != built_for:
                 raise ValueError(f"{folder}: the store was built from another target (weights sha256 {built_for[:12]}..., "
                                  f"{tfolder} has {have[:12]}...); rebuild it with `taps train store`")

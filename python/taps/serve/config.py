@@ -213,13 +213,20 @@ def _check_folder(path: str, where: str) -> str:
     return str(folder)
 
 
+def store_path(value: str) -> Optional[Path]:
+    """A lookup drafter's ``store`` value as a path (a .npz file, or a store folder named with a folder or as an
+    absolute path), or None for the name of a store in models/stores."""
+    path = Path(value)
+    return path if path.suffix == ".npz" or len(path.parts) > 1 or path.is_absolute() else None
+
+
 def _check_store(value: Any, where: str, base: Optional[Path] = None) -> str:
     """A lookup drafter's token store: a store folder (store.npz and its manifest, `taps train store`) or a
     .npz file, by path (relative to the config file's folder), or the name of one in models/stores."""
     if not isinstance(value, str) or not value:
         raise ValueError(f"{where} must be a store's name (models/stores/NAME) or path, got {value!r}")
-    path = Path(value)
-    if path.suffix == ".npz" or len(path.parts) > 1 or path.is_absolute():
+    path = store_path(value)
+    if path is not None:
         if base is not None and not path.is_absolute():
             path = base / path
         if not (path.is_file() if path.suffix == ".npz" else (path / "store.npz").is_file()):

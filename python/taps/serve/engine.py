@@ -30,7 +30,7 @@ from typing import Any, Callable, Deque, Dict, Hashable, List, Optional, Sequenc
 import torch
 
 from ..arguments import resolve_device
-from .config import ServeConfig
+from .config import ServeConfig, store_path
 from .text import TextStream
 
 __all__ = ["BatchKey", "ModelSet", "Output", "Submission", "Engine", "ProcessEngine", "load_models"]
@@ -41,17 +41,15 @@ log = logging.getLogger("taps.serve")
 def _load_store(spec: str, target_folder: Optional[str]):
     """A lookup drafter's token store from its config value (checked by taps.serve.config): a path to a store
     folder (its manifest checked) or .npz file, or a name in models/stores (checked against the target)."""
-    from pathlib import Path
-
     from .. import models
     from ..drafters import TokenStore
 
-    path = Path(spec)
+    path = store_path(spec)
+    if path is None:
+        return models.load_store(spec, target=target_folder)
     if path.suffix == ".npz":
         return TokenStore.load(path)
-    if len(path.parts) > 1 or path.is_absolute():
-        return models.load_store(path.name, path=path.parent, target=target_folder)
-    return models.load_store(spec, target=target_folder)
+    return models.load_store(path.name, path=path.parent, target=target_folder)
 
 
 @dataclass(frozen=True)

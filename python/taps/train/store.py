@@ -67,6 +67,7 @@ def build_store(target, tok, prompts: Sequence[Sequence[dict]], *, new_tokens: i
     from tqdm import tqdm
 
     from ..decoder import SpeculativeDecoder
+    from ..drafters.base import target_vocab_size
 
     if new_tokens < 1 or batch < 1 or max_prompt < 1:
         raise ValueError("build_store: new_tokens, batch and max_prompt must be >= 1")
@@ -79,13 +80,7 @@ def build_store(target, tok, prompts: Sequence[Sequence[dict]], *, new_tokens: i
             out = decoder.generate(chunk, max_new_tokens=new_tokens, temperature=temperature, seed=seed + i)
             sequences += [list(p) + list(t) for p, t in zip(chunk, out.tokens)]
             bar.update(len(chunk))
-    return TokenStore(sequences, _vocab(target), meta=meta)
-
-
-def _vocab(target) -> int:
-    from ..drafters.base import target_vocab_size
-
-    return target_vocab_size(target)
+    return TokenStore(sequences, target_vocab_size(target), meta=meta)
 
 
 def write_store(args) -> Path:
@@ -93,7 +88,7 @@ def write_store(args) -> Path:
     import torch
 
     from ..files import sha256_file
-    from ..models import MANIFEST, load_target
+    from ..models import MANIFEST, load_target, weights_digest
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -105,8 +100,7 @@ def write_store(args) -> Path:
     print(f"[train store] {len(prompts)} prompts ({counts}), "
           f"{args.new_tokens} new tokens each, T = {args.temperature}", flush=True)
     started = time.time()
-    target_manifest = json.loads((Path(args.target) / MANIFEST).read_text())
-    meta = {"target_weights_sha256": target_manifest["files"]["model.safetensors"],
+    meta = {"target_weights_sha256": weights_digest(args.target),
             "prompts": facts, "new_tokens": args.new_tokens, "temperature": args.temperature, "seed": args.seed}
     store = build_store(target, tok, prompts, new_tokens=args.new_tokens, batch=args.batch,
                         temperature=args.temperature, seed=args.seed, meta=meta)
