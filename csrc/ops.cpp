@@ -229,6 +229,21 @@ TORCH_LIBRARY(taps_ops, m) {
   m.def(
       "token_store_continuation(Tensor tokens, Tensor ends, Tensor cols, int[] context, int depth, int min_ngram, "
       "int vote) -> int[]");
+  // An n-gram table's logits for context rows (cpu/ngram_table.cpp; host data, CPU only): keys [K] i64 (uint64
+  // bits, sorted as uint64), counts [K] i64, starts [K + 1] i64, ids [E] i64, logp [E] f32 (the table
+  // taps.drafters.table builds), contexts [R, W] i64 (-1: shorter) -> [R, vocab] f32: floor, and the entries of
+  // each row's longest context held (<= max_order tokens, counts >= min_count; order 0, key 0, when none).
+  m.def(
+      "ngram_table_logits(Tensor keys, Tensor counts, Tensor starts, Tensor ids, Tensor logp, Tensor contexts, "
+      "int vocab, int max_order, int min_count, float floor) -> Tensor");
+  // Sampled chains from the same table: width draws at each request's root (contexts row b), each continued by one
+  // draw a level to depth levels, q = softmax(logp / temperature[b]) over a node's context's entries; uniforms
+  // [B, width * depth] f32 -> tokens, parents [B, M] i64, scores [B, M] f32 (cumulative log q), probs
+  // [B, 1 + M, vocab] f32 (the q each node's children were drawn from; M = width * depth).
+  m.def(
+      "ngram_table_draw(Tensor keys, Tensor counts, Tensor starts, Tensor ids, Tensor logp, Tensor contexts, "
+      "Tensor uniforms, Tensor temperature, int width, int depth, int vocab, int max_order, int min_count) -> "
+      "(Tensor, Tensor, Tensor, Tensor)");
   // The CPU kernels' instruction-set level (cpu/cpu_isa.h): scalar, avx2, avx512 or amx. _cpu_isa: the one in
   // force; _cpu_host_isa: the best this CPU runs; _set_cpu_isa(level): cap the kernels there (<= the host's),
   // returns the level in force; _cpu_features: the CPU features the kernels look at. No tensors: catch-all.

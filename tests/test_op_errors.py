@@ -54,6 +54,16 @@ def _store(tokens=(-1, 3, 4, -1), ends=(1, 2), cols=((3, 4), (-1, 3)), depth=2, 
         depth, 1, vote)
 
 
+def _table(op, keys=(0, 9), starts=(0, 1, 2), contexts=((1, 2),), temperature=1.0):
+    # (vocab 4: the 1-token context (3,) has key 1 * 5 + 4 = 9)
+    arrays = (torch.tensor(keys), torch.tensor([3, 1]), torch.tensor(starts), torch.tensor([1, 2]),
+              torch.tensor([-1.0, -2.0]))
+    if op == "logits":
+        return lambda: taps_ops.ngram_table_logits(*arrays, torch.tensor(contexts), 4, 1)
+    return lambda: taps_ops.ngram_table_draw(*arrays, torch.tensor(contexts), torch.rand(1, 2),
+                                             torch.tensor([temperature]), 1, 2, 4, 1)
+
+
 CASES = [
     ("verify_tree: parent not topological", _verify(parents=torch.tensor([[-1, 2, 0]]))),
     ("verify_tree: integer logits", _verify(logits=torch.zeros(1, 3, 7, dtype=torch.int64))),
@@ -82,6 +92,10 @@ CASES = [
         torch.tensor([-1, 3], dtype=torch.int32), torch.tensor([1]), torch.tensor([[3]]), [3], 1)),
     ("token_store_continuation: negative depth", _store(depth=-1)),
     ("token_store_continuation: vote 0", _store(vote=0)),
+    ("ngram_table_logits: context past the vocabulary", _table("logits", contexts=((3, 9),))),
+    ("ngram_table_logits: no order-0 context", _table("logits", keys=(5, 9))),
+    ("ngram_table_draw: temperature 0", _table("draw", temperature=0.0)),
+    ("ngram_table_draw: start past the entries", _table("draw", starts=(0, 1, 7), contexts=((1, 3),))),
 ]
 
 

@@ -5,7 +5,8 @@ Public names (imported lazily, so ``import taps`` stays light for the CLI):
 - drafters: :class:`Drafter`, :class:`ModelDrafter` (an independent small causal LM),
   :class:`EagleDrafter` (EAGLE-1/2 / HASS feature head), :class:`Eagle3Drafter` (EAGLE-3 head),
   :class:`PromptLookupDrafter` (n-gram matches in the context, no model; ``store=`` a :class:`TokenStore`, the
-  continuations of a corpus too), :func:`average_drafters`
+  continuations of a corpus too), :class:`NgramTableDrafter` (draws from an :class:`NgramTable` of the target's
+  own distributions, no model), :func:`average_drafters`
 - :func:`expand`: the EAGLE-2 tree expansion every drafter uses
 - strategies: :data:`STRATEGIES`, :func:`strategy_names`, :func:`make_strategy`, :func:`register_strategy`
 - :class:`SpeculativeDecoder` and its :class:`GenerateOutput`; :class:`RequestStats`, :class:`Profiler`
@@ -21,6 +22,7 @@ _EXPORTS = {
     "DraftCandidates": "drafters", "Drafter": "drafters", "EagleDrafter": "drafters",
     "ModelDrafter": "drafters", "average_drafters": "drafters", "Eagle3Drafter": "drafters",
     "expand": "expansion", "PromptLookupDrafter": "drafters", "TokenStore": "drafters",
+    "NgramTable": "drafters", "NgramTableDrafter": "drafters",
     "STRATEGIES": "strategies", "make_strategy": "strategies", "register_strategy": "strategies",
     "strategy_names": "strategies",
     "Profiler": "stats", "RequestStats": "stats", "summarize": "stats",

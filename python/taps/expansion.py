@@ -220,13 +220,20 @@ class DraftSampler:
         return q
 
     def draw(self, q: Tensor, count: int) -> Tensor:
-        """[R, F, count] independent draws (with replacement) from each row of q [R, F, V']."""
+        """[R, F, count] independent draws (with replacement) from each row of q [R, F, V'], by inverse CDF:
+        the first token whose cumulative mass exceeds a uniform times the row's total, the product held below
+        the total (so the token found has a positive increment: one of zero mass is never drawn). One cumulative
+        sum a row; ``torch.multinomial`` draws a single sample by the exponential trick, one random number and
+        logarithm per token: 192 against 27 us at V' = 8192 (bench/RESULTS.md)."""
         rows, front, vocab = q.shape
+        cdf = q.reshape(rows * front, vocab).float().cumsum(-1)
         if self.generators is None:
-            return torch.multinomial(q.reshape(rows * front, vocab), count, replacement=True,
-                                     generator=self.generator).view(rows, front, count)
-        return torch.stack([torch.multinomial(q[r], count, replacement=True, generator=g)
-                            for r, g in enumerate(self.generators)])
+            u = torch.rand((rows, front * count), generator=self.generator, device=q.device)
+        else:
+            u = torch.stack([torch.rand(front * count, generator=g, device=q.device) for g in self.generators])
+        total = cdf[:, -1:]
+        u = torch.minimum(u.view(rows * front, count) * total, torch.nextafter(total, torch.zeros_like(total)))
+        return torch.searchsorted(cdf, u, right=True).view(rows, front, count)
 
 
 class SampledDraft(NamedTuple):

@@ -60,7 +60,8 @@ def _load_library():
 #: the ops this package's Python side calls; a library built from older sources lacks some
 _OPS = ("verify_tree", "build_tree", "merge_trees", "tree_attention", "compact_kv", "rms_norm", "rope_",
         "expand_level", "decoder_layer", "panel_linear", "_cpu_isa", "_set_cpu_isa", "_cpu_features",
-        "_set_panel_prefetch", "_set_panel_next", "token_store_continuation")
+        "_set_panel_prefetch", "_set_panel_next", "token_store_continuation", "ngram_table_logits",
+        "ngram_table_draw")
 
 
 # the latest argument each op gained (a library that lacks it was built before it)
@@ -89,7 +90,7 @@ _panel_linear_fast = getattr(_library, "panel_linear", None)
 __all__ = [
     "VerifyOutput", "Tree", "MergedTree", "verify_tree", "build_tree", "merge_trees",
     "tree_attention", "compact_kv", "rms_norm", "rope_", "pack_panels", "panel_linear", "PANEL_WIDTH", "ExpandLevel", "expand_level", "decoder_layer",
-    "token_store_continuation", "has_cuda_kernels", "cpu_info", "set_cpu_isa", "native_half_matmul", "CPU_ISA_LEVELS",
+    "token_store_continuation", "ngram_table_logits", "ngram_table_draw", "has_cuda_kernels", "cpu_info", "set_cpu_isa", "native_half_matmul", "CPU_ISA_LEVELS",
 ]
 
 Scalar = Union[float, int, Tensor]
@@ -160,6 +161,8 @@ _OP_MAX_ISA = {
     "merge_trees": "scalar",
     "compact_kv": "scalar",       # memcpy
     "token_store_continuation": "scalar",  # binary searches and a vote on the host
+    "ngram_table_logits": "scalar",        # binary searches and a row fill on the host
+    "ngram_table_draw": "scalar",
 }
 
 
@@ -517,6 +520,66 @@ def token_store_continuation(tokens: Tensor, ends: Tensor, cols: Tensor, context
 
 
 _token_store_op = torch.ops.taps_ops.token_store_continuation.default
+
+
+def ngram_table_logits(keys: Tensor, counts: Tensor, starts: Tensor, ids: Tensor, logp: Tensor, contexts: Tensor,
+                       vocab: int, max_order: int, min_count: int = 1, floor: float = -27.631021) -> Tensor:
+    """Logits [R, vocab] float32 of the longest context an n-gram table holds for each context row (the lookup
+    of :class:`taps.drafters.table.NgramTable`, which builds the arrays; CPU, host data).
+
+    Args:
+        keys: [K] int64 holding uint64 keys, sorted as uint64 and distinct: a context t_1 .. t_n (oldest first)
+            is ``n * b**n + (t_1 + 1) * b**(n - 1) + ... + (t_n + 1)`` modulo 2**64, b = vocab + 1; key 0 (the
+            order-0 context, the corpus average) must be present.
+        counts: [K] int64 positions each context averaged; starts: [K + 1] int64, context i's entries
+            ``starts[i]:starts[i + 1]``; ids: [E] int64 token ids; logp: [E] float32 their logits.
+        contexts: [R, W] int64, each row's last W tokens, oldest first, -1 where the context is shorter.
+        vocab: the vocabulary (>= 1); max_order: the longest context tried (>= 0); min_count: the fewest
+            positions a context needs to be used.
+        floor: the logit of every token the chosen context's entries do not hold.
+
+    Every read is bounds-checked (a start outside the entries or an id outside the vocabulary raises
+    ValueError); unsorted keys give unspecified matches, never out-of-bounds reads.
+    """
+    for name, t in (("keys", keys), ("counts", counts), ("starts", starts), ("ids", ids), ("logp", logp),
+                    ("contexts", contexts)):
+        if not isinstance(t, Tensor):
+            raise ValueError(f"taps_ops: ngram_table_logits: {name} must be a tensor, got {type(t).__name__}")
+    return _ngram_table_op(keys, counts, starts, ids, logp, contexts, int(vocab), int(max_order), int(min_count),
+                           float(floor))
+
+
+_ngram_table_op = torch.ops.taps_ops.ngram_table_logits.default
+
+
+def ngram_table_draw(keys: Tensor, counts: Tensor, starts: Tensor, ids: Tensor, logp: Tensor, contexts: Tensor,
+                     uniforms: Tensor, temperature: Tensor, width: int, depth: int, vocab: int, max_order: int,
+                     min_count: int = 1) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Sampled chains from an n-gram table (the table and contexts as :func:`ngram_table_logits` takes them; CPU,
+    host data): for each request b, `width` draws from q at its root (context row b), each continued by one
+    draw a level from q at its node, to `depth` levels; q at a node is softmax(logp / temperature[b]) over the
+    entries of its context's longest suffix the table holds (zero elsewhere).
+
+    Args:
+        uniforms: [B, width * depth] float32 in [0, 1): draw i of request b uses uniforms[b, i] (inverse CDF
+            over the entries in their order; a token of zero mass is never drawn).
+        temperature: [B] float32, finite and > 0.
+
+    Returns:
+        (tokens, parents, scores, probs): [B, M] int64 / int64 / float32 (M = width * depth; level l's chain c
+        is candidate (l - 1) * width + c, its parent the chain's previous candidate, -1 at level 1; scores the
+        cumulative log q) and probs [B, 1 + M, vocab] float32: row 0 the root's q, row 1 + m the q candidate m's
+        child was drawn from, zeros for the last level (what ``verify_tree(draft_probs=...)`` reads).
+    """
+    for name, t in (("keys", keys), ("counts", counts), ("starts", starts), ("ids", ids), ("logp", logp),
+                    ("contexts", contexts), ("uniforms", uniforms), ("temperature", temperature)):
+        if not isinstance(t, Tensor):
+            raise ValueError(f"taps_ops: ngram_table_draw: {name} must be a tensor, got {type(t).__name__}")
+    return tuple(_ngram_draw_op(keys, counts, starts, ids, logp, contexts, uniforms, temperature, int(width),
+                                int(depth), int(vocab), int(max_order), int(min_count)))
+
+
+_ngram_draw_op = torch.ops.taps_ops.ngram_table_draw.default
 
 
 #: Outputs per panel of :func:`pack_panels`.

@@ -11,7 +11,9 @@ operations of a continuous-batching loop). One module per drafter kind:
 - :mod:`taps.drafters.eagle3`: :class:`Eagle3Drafter`, the EAGLE-3 head over target features at three
   depths and its own draft vocabulary;
 - :mod:`taps.drafters.ngram`: :class:`PromptLookupDrafter`, proposals copied from earlier in the context
-  (no model), and with a :class:`~taps.drafters.store.TokenStore` (:mod:`taps.drafters.store`) from a corpus.
+  (no model), and with a :class:`~taps.drafters.store.TokenStore` (:mod:`taps.drafters.store`) from a corpus;
+- :mod:`taps.drafters.table`: :class:`NgramTableDrafter`, chains drawn from an :class:`NgramTable` of the
+  target's own next-token distributions per context (no model).
 
 Beside them: :mod:`taps.drafters.heads` (what the two feature heads share), :mod:`taps.drafters.average`
 (:func:`average_drafters`, the weight-space mean), :mod:`taps.drafters.checkpoint` (the heads' files) and
@@ -28,7 +30,8 @@ from .load import load_drafter
 from .ngram import PromptLookupDrafter
 from .small_lm import ModelDrafter
 from .store import TokenStore
+from .table import NgramTable, NgramTableDrafter
 
 __all__ = ["DraftCandidates", "Drafter", "DraftGroup", "ModelDrafter", "EagleDrafter", "Eagle3Drafter",
-           "PromptLookupDrafter", "TokenStore", "average_drafters", "head_key", "load_drafter", "make_groups",
+           "PromptLookupDrafter", "TokenStore", "NgramTable", "NgramTableDrafter", "average_drafters", "head_key", "load_drafter", "make_groups",
            "target_vocab_size", "target_hidden_size"]

@@ -7,6 +7,7 @@
     taps train average   models/drafters/A models/drafters/B --out models/drafters/A-B-avg
     taps train vocab     [--target models/target] [--tokens 1000000]
     taps train store     [--target models/target] [--out models/stores/greedy] [--math 4000] [--chat 3000]
+    taps train table     [--target models/target] [--out models/tables/t1] [--math 3000] [--chat 2000]
 
 ``add_train_subcommands(subparsers)`` registers them under a ``train`` command of an argparse
 sub-parser set; ``python -m taps.train ...`` runs the same commands without the main CLI. ``drafter``
@@ -125,6 +126,14 @@ def _store(args) -> int:
 
 
 @_rank0_only
+def _table(args) -> int:
+    from .table import write_table
+
+    write_table(args)
+    return 0
+
+
+@_rank0_only
 def _average(args) -> int:
     from .drafter import average_checkpoints
 
@@ -133,7 +142,7 @@ def _average(args) -> int:
 
 
 def add_train_subcommands(subparsers) -> argparse.ArgumentParser:
-    """Register ``train tokenizer|target|drafter|average|vocab|store`` on ``subparsers`` (from add_subparsers())."""
+    """Register ``train tokenizer|target|drafter|average|vocab|store|table`` on ``subparsers`` (from add_subparsers())."""
     from pathlib import Path
 
     from ..arguments import float_at_least, int_at_least
@@ -189,6 +198,13 @@ def add_train_subcommands(subparsers) -> argparse.ArgumentParser:
                                       "lookup (PromptLookupDrafter(store=...))")
     add_store_arguments(st)
     st.set_defaults(func=_store)
+
+    from .table import add_table_arguments
+
+    ta = sub.add_parser("table", help="an n-gram table of the target's own next-token distributions, for "
+                                      "NgramTableDrafter (sampled drafts without a drafter model)")
+    add_table_arguments(ta)
+    ta.set_defaults(func=_table)
     return train
 
 

@@ -117,17 +117,22 @@ def write_store(args) -> Path:
     return out
 
 
-def add_store_arguments(p) -> None:
+def add_answer_arguments(p, out: Path, math: int, chat: int, temperature: float, seed: int) -> None:
+    """The arguments of a command that has the target answer training prompts (``taps train store`` / ``table``)."""
     from ..arguments import float_at_least, int_at_least
 
     p.add_argument("--target", type=Path, default=REPO_ROOT / "models" / "target")
-    p.add_argument("--out", type=Path, default=REPO_ROOT / "models" / "stores" / "greedy")
-    p.add_argument("--math", type=int_at_least(0), default=4000, help="GSM8K / MATH training prompts")
-    p.add_argument("--chat", type=int_at_least(0), default=3000, help="ShareGPT first turns")
+    p.add_argument("--out", type=Path, default=out)
+    p.add_argument("--math", type=int_at_least(0), default=math, help="GSM8K / MATH training prompts")
+    p.add_argument("--chat", type=int_at_least(0), default=chat, help="ShareGPT first turns")
     p.add_argument("--new-tokens", type=int_at_least(1), default=128, help="tokens the target answers each with")
     p.add_argument("--batch", type=int_at_least(1), default=8, help="prompts decoded together")
-    p.add_argument("--temperature", type=float_at_least(0), default=0.0)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--temperature", type=float_at_least(0), default=temperature)
+    p.add_argument("--seed", type=int, default=seed)
     p.add_argument("--threads", type=int_at_least(0), default=0, help="torch threads (0: torch's default)")
     p.add_argument("--shared-data", type=Path, default=None,
                    help="folder of the shared training data (default ../shared/data or $TAPS_SHARED_DATA)")
+
+
+def add_store_arguments(p) -> None:
+    add_answer_arguments(p, REPO_ROOT / "models" / "stores" / "greedy", 4000, 3000, 0.0, 0)
