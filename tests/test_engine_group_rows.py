@@ -16,7 +16,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 import taps_ops  # noqa: E402,F401
-from taps import EagleDrafter, ModelDrafter, PromptLookupDrafter  # noqa: E402
+from taps import EagleDrafter, ModelDrafter, NgramTable, NgramTableDrafter, PromptLookupDrafter  # noqa: E402
 from taps.drafters import Drafter, make_groups  # noqa: E402
 from taps.drafters.eagle3 import Eagle3Drafter  # noqa: E402
 
@@ -103,6 +103,16 @@ def _hf_lm(seed):
     return transformers.LlamaForCausalLM(cfg).eval()
 
 
+def _ngram_table():
+    """An n-gram table over the prompts' contexts, random distributions at each position."""
+    import numpy as np
+
+    rng = np.random.default_rng(3)
+    rows = [(np.asarray(p), rng.integers(0, VOCAB, (len(p) - 1, 6)), rng.random((len(p) - 1, 6)), 0)
+            for p in PROMPTS for _ in range(3)]
+    return NgramTable.from_distributions(rows, VOCAB, max_order=2, entries=5, min_count=1)
+
+
 KINDS = {  # kind: (drafters for a target, the group class expected)
     "lean-lm": (lambda t: [ModelDrafter(em.llama(VOCAB, 16, 1, seed=5, head_scale=4.0))], "_LeanLMGroup"),
     "lean-lm-pair": (lambda t: [ModelDrafter(em.llama(VOCAB, 16, 1, seed=s, head_scale=4.0)) for s in (5, 6)],
@@ -113,6 +123,7 @@ KINDS = {  # kind: (drafters for a target, the group class expected)
     "eagle3": (lambda t: [_eagle3(t, 2)], "_Eagle3Group"),
     "prompt-lookup": (lambda t: [PromptLookupDrafter(max_ngram=2, depth=None)], "LookupGroup"),
     "interface": (lambda t: [TableDrafter(9)], "_InterfaceGroup"),
+    "ngram-table": (lambda t: [NgramTableDrafter(_ngram_table())], "TableGroup"),
 }
 
 

@@ -351,6 +351,7 @@ class TableGroup(DraftGroup):
 
     def __init__(self, drafter: NgramTableDrafter):
         self._lengths: Optional[Tensor] = None
+        self._stale = False
         super().__init__([drafter])
         self.d = drafter
         self.order = max(drafter.table.max_order, 1)
@@ -361,13 +362,19 @@ class TableGroup(DraftGroup):
     # the [B] lengths tensor is made from the host lengths when read (the decoder appends every step)
     @property
     def lengths_b(self) -> Optional[Tensor]:
-        if self._lengths is None and self.host_lengths:
+        if self._stale:
             self._lengths = torch.tensor(self.host_lengths, dtype=torch.int64, device=self.d._device)
+            self._stale = False
         return self._lengths
 
     @lengths_b.setter
     def lengths_b(self, value: Optional[Tensor]) -> None:
-        self._lengths = value
+        self._lengths, self._stale = value, False
+
+    def _changed(self) -> None:
+        """The requests' tokens changed: the lengths tensor and the root's logits are made again when read."""
+        self._stale = True
+        self._root = None
 
     @property
     def root_logits(self) -> Optional[Tensor]:
@@ -391,8 +398,7 @@ class TableGroup(DraftGroup):
         for b, (row, n, r) in enumerate(zip(ids, lens, roots)):
             self._set(b, row[max(0, int(n) - self.order):int(n)] + [r])
         self.host_lengths = [int(n) + 1 for n in lens]
-        self._lengths = None
-        self._root = None
+        self._changed()
 
     def advance(self, tokens, num_new, hidden, num_new_host=None, tokens_host=None):
         rows = tokens_host if tokens_host is not None else tokens.tolist()
@@ -402,8 +408,7 @@ class TableGroup(DraftGroup):
             if n:
                 self._set(b, row[:n])
                 self.host_lengths[b] += n
-        self._lengths = None
-        self._root = None
+        self._changed()
 
     def forward_nodes(self, tokens, parent_slot, write_start, rope_pos, mask, level):
         rows, k = tokens.shape
@@ -441,14 +446,12 @@ class TableGroup(DraftGroup):
 
     def release(self) -> None:
         super().release()
-        self.tail, self._front, self._root, self._lengths = [], None, None, None
+        self.tail, self._front, self._root = [], None, None
 
     def _select_state(self, keep, index, rows):
         self.tail = [self.tail[b] for b in keep]
-        self._lengths = None
-        self._root = None
+        self._changed()
 
     def _join_state(self, other):
         self.tail = self.tail + other.tail
-        self._lengths = None
-        self._root = None
+        self._changed()
