@@ -432,7 +432,8 @@ class TableGroup(DraftGroup):
         k = max(1, int(width))
         count = k * int(depth)
         if sampler.generators is None:
-            uniforms = torch.rand((batch, count), generator=sampler.generator)
+            gen = sampler.generator
+            uniforms = torch.rand((batch, count), generator=gen, device=None if gen is None else gen.device).cpu()
         else:
             uniforms = torch.stack([torch.rand(count, generator=g, device=g.device).cpu() for g in sampler.generators])
         temp = torch.as_tensor(sampler.temperature, dtype=torch.float32).cpu().reshape(-1).expand(batch).contiguous()
