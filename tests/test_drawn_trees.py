@@ -114,3 +114,20 @@ def test_a_draw_from_the_targets_own_distribution_is_accepted(device):
                                generator=torch.Generator(device=device).manual_seed(10))
     assert out.num_accepted.tolist() == [1] * batch
     assert out.tokens[:, 0].tolist() == tree.tokens[:, 1].tolist()   # the first draw, whatever it is
+
+
+def test_draws_never_take_a_token_of_zero_mass(monkeypatch):
+    """Inverse-CDF draws: tokens of zero mass (between, before and after the others) are never drawn, also when
+    the uniform is the largest float below 1 (its product with the row's total may round up to the total)."""
+    q = torch.zeros(3, 1, 9)
+    q[0, 0, [1, 4]] = torch.tensor([0.25, 0.75])
+    q[1, 0, 0] = 1.0
+    q[2, 0, [2, 3, 5]] = torch.tensor([1 / 3, 1 / 3, 1 / 3])
+    sampler = DraftSampler(1.0, generator=torch.Generator().manual_seed(9))
+    draws = sampler.draw(q, 5000)
+    for r in range(3):
+        assert set(draws[r].flatten().tolist()) == set(torch.nonzero(q[r, 0]).flatten().tolist())
+    top = 1.0 - 2.0 ** -24
+    monkeypatch.setattr(torch, "rand", lambda *a, **k: torch.full(a[0], top))
+    edge = sampler.draw(q, 3)
+    assert edge[:, 0, 0].tolist() == [4, 0, 5], "the largest uniform takes the last token of positive mass"

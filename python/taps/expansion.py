@@ -221,18 +221,19 @@ class DraftSampler:
 
     def draw(self, q: Tensor, count: int) -> Tensor:
         """[R, F, count] independent draws (with replacement) from each row of q [R, F, V'], by inverse CDF:
-        the first token whose cumulative mass exceeds a uniform times the row's total, the product held below
-        the total (so the token found has a positive increment: one of zero mass is never drawn). One cumulative
-        sum a row; ``torch.multinomial`` draws a single sample by the exponential trick, one random number and
-        logarithm per token: 192 against 27 us at V' = 8192 (bench/RESULTS.md)."""
+        the first token whose cumulative mass exceeds a uniform times the row's total (a positive increment: a
+        token of zero mass is never drawn). One cumulative sum a row; ``torch.multinomial`` draws a single sample
+        by the exponential trick, a random number and a logarithm per token: 192 against 27 us at V' = 8192
+        (bench/RESULTS.md)."""
         rows, front, vocab = q.shape
         cdf = q.reshape(rows * front, vocab).float().cumsum(-1)
         if self.generators is None:
             u = torch.rand((rows, front * count), generator=self.generator, device=q.device)
         else:
             u = torch.stack([torch.rand(front * count, generator=g, device=q.device) for g in self.generators])
-        total = cdf[:, -1:]
-        u = torch.minimum(u.view(rows * front, count) * total, torch.nextafter(total, torch.zeros_like(total)))
+        # u < 1, so u * total < total (a product of floats rounds to the total only from a half ulp below it,
+        # which (1 - 2^-24) * total never is): the first cumulative mass above it is a token of positive mass
+        u = u.view(rows * front, count) * cdf[:, -1:]
         return torch.searchsorted(cdf, u, right=True).view(rows, front, count)
 
 
