@@ -304,3 +304,31 @@ def test_train_table_command(tmp_path):
     assert manifest["contexts"] == table.num_contexts > 3 and table.vocab_size == 8192
     assert manifest["target_weights_sha256"] and manifest["prompts"]["math"]["used"] == 3
     assert table.counts[table._zero] == 3 * 6, "order 0 averages every answer position"
+
+
+def test_frontier_contexts():
+    """A frontier node's logits are the table's for the request's last tokens, its ancestors and itself."""
+    table = _small_table(seed=12)
+    drafter = NgramTableDrafter(table)
+    group = NgramTableDrafter.make_group([drafter])
+    drafter._vocab = table.vocab_size
+    group.start(torch.tensor([[1, 2, 3, 4], [5, 0, 0, 0]]), torch.tensor([4, 1]), torch.tensor([2, 3]), None, 64)
+    tails = [[3, 4, 2], [-1, 5, 3]]
+    assert group.tail == tails
+    assert torch.equal(group.root_logits, table.reference_logits(np.asarray(tails)))
+    lv1 = torch.tensor([[1, 5], [0, 2]])
+    got = group.forward_nodes(lv1, None, 0, None, None, 1)
+    for b in range(2):
+        for k in range(2):
+            ctx = np.asarray([tails[b][1:] + [int(lv1[b, k])]])
+            assert torch.equal(got[b, k], table.reference_logits(ctx)[0])
+    lv2, slots = torch.tensor([[4, 3], [1, 1]]), torch.tensor([[1, 0], [1, 1]])
+    got = group.forward_nodes(lv2, slots, 0, None, None, 2)
+    for b in range(2):
+        for k in range(2):
+            parent = int(lv1[b, slots[b, k]])
+            ctx = np.asarray([tails[b][2:] + [parent, int(lv2[b, k])]])
+            assert torch.equal(got[b, k], table.reference_logits(ctx)[0])
+    group.advance(torch.tensor([[7, 8, -1], [9, -1, -1]]), torch.tensor([2, 1]), None)
+    assert group.tail == [[2, 7, 8], [5, 3, 9]] and group.host_lengths == [7, 3]
+    assert group.lengths_b.tolist() == [7, 3]
