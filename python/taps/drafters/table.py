@@ -276,7 +276,8 @@ class NgramTableDrafter(Drafter):
     """Drafts from an :class:`NgramTable` of the target's own distributions (see the module docstring).
 
     Args:
-        table: the table (``taps.models.load_table`` for a shipped one, :meth:`NgramTable.load` for a file).
+        table: the table (:meth:`NgramTable.load` of a file `taps train table` wrote, or
+            :meth:`NgramTable.from_distributions`).
         min_count: the fewest corpus positions a context needs to be used (a shorter context otherwise).
     """
 
