@@ -96,7 +96,7 @@ def test_table_against_brute_force(seed, vocab, max_order, min_count, entries):
 def test_save_and_load(tmp_path):
     rng = np.random.default_rng(5)
     rows = _random_corpus(rng, 20, 300, 4)
-    for vocab in (300, 70000):
+    for vocab in (300, 65536, 70000):
         table = NgramTable.from_distributions(rows, vocab, max_order=3, entries=4, min_count=1, meta={"a": 1})
         table.save(tmp_path / "t.npz")
         back = NgramTable.load(tmp_path / "t.npz")

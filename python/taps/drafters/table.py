@@ -199,14 +199,15 @@ class NgramTable:
 
     # -- files --------------------------------------------------------------------------------------
     def save(self, path: Union[str, Path]) -> None:
-        """Write the table as one compressed .npz (ids as int16 / int32, log-probabilities as float16)."""
-        small = self.vocab_size <= np.iinfo(np.int16).max + 1
-        np.savez_compressed(path, keys=self.keys, counts=self.counts.astype(np.int32), sizes=np.diff(self.starts).astype(np.int16),
-                            ids=(self.ids - (32768 if small else 0)).astype(np.int16 if small else np.int32),
+        """Write the table as one compressed .npz (ids as uint16 where the vocabulary fits, else int32;
+        log-probabilities as float16)."""
+        small = self.vocab_size <= np.iinfo(np.uint16).max + 1
+        np.savez_compressed(path, keys=self.keys, counts=self.counts, sizes=np.diff(self.starts).astype(np.int32),
+                            ids=self.ids.astype(np.uint16 if small else np.int32),
                             logp=self.logp.astype(np.float16),
                             header=np.frombuffer(json.dumps({"format": "taps-ngram-table", "version": 1,
                                                              "vocab_size": self.vocab_size,
-                                                             "max_order": self.max_order, "small_ids": small,
+                                                             "max_order": self.max_order,
                                                              "meta": self.meta}).encode(), dtype=np.uint8))
 
     @classmethod
@@ -219,7 +220,7 @@ class NgramTable:
                 header = json.loads(bytes(f["header"]).decode())
                 if header.get("format") != "taps-ngram-table":
                     raise ValueError("not an n-gram table")
-                ids = f["ids"].astype(np.int64) + (32768 if header["small_ids"] else 0)
+                ids = f["ids"].astype(np.int64)
                 sizes = f["sizes"].astype(np.int64)
                 return cls(f["keys"], f["counts"], np.r_[0, np.cumsum(sizes)], ids,
                            f["logp"].astype(np.float32), header["vocab_size"], header["max_order"], header.get("meta"))
