@@ -6,7 +6,8 @@
 Table 1 (shipped models: the target and the hass drafters of models/, 3 GSM8K + 3 MT-Bench prompts with the
 chat template, batch 1; "lookup" rows add taps' own prompt-lookup drafter, taps.PromptLookupDrafter; "store"
 rows the same drafter with the shipped token store of the target's own answers to training prompts,
-models/stores/greedy, ``PromptLookupDrafter(store=taps.models.load_store())``):
+models/stores/greedy, ``PromptLookupDrafter(store=taps.models.load_store())``; the "table" row, with
+``--table PATH``, ``taps.NgramTableDrafter`` over a table ``taps train table`` wrote):
 tokens/s of Hugging Face ``generate`` on its own copy of the target (untouched by taps: its own attention,
 its own cache), of HF's prompt-lookup decoding (``prompt_lookup_num_tokens``), and of every taps strategy
 with ``SpeculativeDecoder``'s defaults (or ``--depth/--top-k/--budget``), and of every strategy again with
@@ -54,7 +55,7 @@ from common import print_table  # noqa: E402
 
 ROWS = ("autoregressive", "math", "chat", "average", "route-confidence", "route-entropy", "merged",
         "merged-budget", "adaptive", "lookup", "merged-budget+lookup", "merged+lookup", "store",
-        "merged-budget+store")
+        "merged-budget+store", "table")
 #: row -> (strategy, drafter data names)
 ROW_SPECS = {"autoregressive": ("autoregressive", ()), "math": ("single", ("math",)),
              "chat": ("single", ("chat",)), "average": ("average", ("math", "chat")),
@@ -63,20 +64,32 @@ ROW_SPECS = {"autoregressive": ("autoregressive", ()), "math": ("single", ("math
              "merged-budget": ("merged-budget", ("math", "chat")), "adaptive": ("adaptive", ("math", "chat")),
              "lookup": ("single", ("lookup",)), "merged-budget+lookup": ("merged-budget", ("math", "chat", "lookup")),
              "merged+lookup": ("merged", ("math", "chat", "lookup")), "store": ("single", ("store",)),
-             "merged-budget+store": ("merged-budget", ("math", "chat", "store"))}
+             "merged-budget+store": ("merged-budget", ("math", "chat", "store")), "table": ("single", ("table",))}
 PHASES = ("draft_forward", "draft", "tree", "target_forward", "target_head", "verify", "compact", "draft_update", "step")
 
 
 def make_drafters(names, drafters, args, models):
-    """The drafters of a row: the trained heads by data name, prompt lookup ("lookup") and prompt lookup with
-    the shipped token store ("store", loaded once)."""
-    from taps import PromptLookupDrafter
+    """The drafters of a row: the trained heads by data name, prompt lookup ("lookup"), prompt lookup with
+    the shipped token store ("store", loaded once) and an n-gram table drafter ("table": ``--table PATH``, a
+    file ``taps train table`` wrote; none is shipped)."""
+    from taps import NgramTable, NgramTableDrafter, PromptLookupDrafter
 
     kw = {} if args.lookup_depth is None else dict(depth=args.lookup_depth)
     if "store" in names and "store" not in drafters:
         drafters["store"] = models.load_store()
-    return [PromptLookupDrafter(**kw) if n == "lookup" else PromptLookupDrafter(store=drafters["store"], **kw)
-            if n == "store" else drafters[n] for n in names]
+    if "table" in names and "table" not in drafters:
+        drafters["table"] = NgramTable.load(args.table)
+    out = []
+    for n in names:
+        if n == "lookup":
+            out.append(PromptLookupDrafter(**kw))
+        elif n == "store":
+            out.append(PromptLookupDrafter(store=drafters["store"], **kw))
+        elif n == "table":
+            out.append(NgramTableDrafter(drafters["table"]))
+        else:
+            out.append(drafters[n])
+    return out
 
 
 def _sync() -> None:
@@ -443,6 +456,8 @@ def main() -> None:
     ap.add_argument("--draft-vocab", type=int, default=1024,
                     help="drafters propose only the N most frequent target tokens (0: the whole vocabulary)")
     ap.add_argument("--depth", type=int, default=None)
+    ap.add_argument("--table", default=None,
+                    help="the n-gram table file of the 'table' row (taps train table's table.npz; none is shipped)")
     ap.add_argument("--lookup-depth", type=int, default=None,
                     help="tokens per prompt-lookup continuation (default: the drafter's own default)")
     ap.add_argument("--top-k", type=int, default=None)
@@ -466,6 +481,10 @@ def main() -> None:
     ap.add_argument("--overhead-rounds", type=int, default=5, help="rounds of the overhead table (fastest kept)")
     args = ap.parse_args()
     args.sampled_drafts = {"auto": "auto", "on": True, "off": False}[args.sampled_drafts]
+    if "table" in args.rows and not args.table:
+        if args.rows != list(ROWS):
+            ap.error("the 'table' row needs --table PATH (a file `taps train table` wrote; none is shipped)")
+        args.rows = [r for r in args.rows if r != "table"]  # the default rows: every row but this one
     torch.set_num_threads(args.threads)
     device = torch.device(args.device)
     from taps.models import resolve_dtype

@@ -11,7 +11,8 @@
 # STEPS picks the steps and their order (default "test bench-core e2e engine sanitize probe bench-rest";
 # the library is always loaded first). bench-core: tree_attention and verify_tree; bench-rest: the other op
 # benchmarks; engine: bench/bench_e2e.py on the shipped models on the GPU (fp32, greedy = HF greedy; batch 1,
-# then a ragged batch of 8); probe: bench/probe_cuda.py's knob sweeps.
+# then a ragged batch of 8); probe: bench/probe_cuda.py's knob sweeps; table (not in the default STEPS): a
+# small n-gram table of the shipped target (bench/table_from_test_prompts.py) and its drawn chains at T = 1.
 # e2e: bench/bench_e2e_synthetic.py, a Llama-3-8B-shaped target (random weights, bf16) with an EAGLE-shaped
 # drafter of controlled acceptance, tokens/s against Hugging Face generate and taps autoregressive.
 # TAPS_PREBUILT=path/to/taps_ops_dev_cuda.so: use that library when it loads with its CUDA kernels (built with
@@ -132,6 +133,22 @@ run_engine() {
   tail -n 14 "$LOGS/bench_e2e_cuda_batch.txt" >>"$summary"
 }
 
+run_table() {
+  afford 120 "table" || return
+  step "n-gram table drafter at T = 1 on the GPU (shipped models, fp32): does a drawn 3-node chain (tau ~1.5) pay where a few nodes cost what one does?"
+  timeout "$(cap 60)" "$PY" bench/table_from_test_prompts.py --device cuda --prompts 400 --threads 8 \
+    --out "$OUT/t1_table.npz" >"$LOGS/table_build.txt" 2>&1
+  say "table build rc=$?"
+  tail -n 1 "$LOGS/table_build.txt" >>"$summary"
+  [ -f "$OUT/t1_table.npz" ] || return
+  timeout "$(cap 90)" "$PY" bench/bench_e2e.py --device cuda --dtype fp32 --temperatures 1 --repeats 2 --prompts 3 \
+    --new-tokens 64 --rows autoregressive table --table "$OUT/t1_table.npz" --sampled-drafts on --depth 2 --top-k 1 \
+    --budget 3 >"$LOGS/bench_e2e_cuda_table.txt" 2>&1
+  say "table bench rc=$?"
+  tail -n 8 "$LOGS/bench_e2e_cuda_table.txt" >>"$summary"
+  rm -f "$OUT/t1_table.npz"
+}
+
 run_probe() {
   afford 60 "probe" || return
   step "probe: tree_attention's key splits and validation, verify_tree's cluster size (bench/probe_cuda.py)"
@@ -157,7 +174,8 @@ for s in $STEPS; do
     e2e) run_e2e ;;
     engine) run_engine ;;
     probe) run_probe ;;
-    *) say "unknown step $s (accepted: build test bench bench-core bench-rest e2e engine probe sanitize)" ;;
+    table) run_table ;;
+    *) say "unknown step $s (accepted: build test bench bench-core bench-rest e2e engine probe sanitize table)" ;;
   esac
 done
 tar czf "$OUT/logs.tgz" -C "$LOGS" .

@@ -62,6 +62,20 @@ def test_bench_e2e_shipped_models_and_overhead():
     assert any(r.strip().startswith("taps merged") for r in overhead)
 
 
+def test_table_drafter_bench_runs(tmp_path):
+    """bench/gpu_check.sh's "table" step at tiny settings: a table from held-out GSM8K test problems, then the
+    bench's table row (drawn chains at T = 1, greedy at T = 0: output equal to HF's)."""
+    table = tmp_path / "t.npz"
+    out = run_bench("table_from_test_prompts.py", "--out", str(table), "--prompts", "12", "--new-tokens", "12")
+    assert "contexts" in out and table.is_file()
+    out = run_bench("bench_e2e.py", "--rows", "autoregressive", "table", "--table", str(table), "--prompts", "1",
+                    "--new-tokens", "8", "--repeats", "1", "--temperatures", "0", "1", "--dtype", "fp32",
+                    "--sampled-drafts", "on", "--depth", "2", "--top-k", "1", "--budget", "3", "--lookup", "0")
+    t0 = [r for r in table_rows(out, "Shipped models, T=0") if "table" in r]
+    assert len(t0) == 2 and all(" yes " in r for r in t0), t0
+    assert sum("table" in r for r in table_rows(out, "Shipped models, T=1")) == 2
+
+
 def test_bench_e2e_ragged_batch():
     out = run_bench("bench_e2e.py", "--batch", "4", "--rows", "merged-budget", "lookup", "--new-tokens", "8",
                     "--repeats", "1", "--temperatures", "0", "--dtype", "fp32", "--clock", "process")
