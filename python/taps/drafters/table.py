@@ -18,7 +18,7 @@ decoding stays lossless whatever the table holds (a wrong or even another model'
 never correctness).
 
 Contexts are keyed by one 64-bit number: the order, then the tokens, as digits in base V + 1 (exact when
-(V + 1) ** (max_order + 1) < 2 ** 64, e.g. V <= 7131 at order 4; past that the same arithmetic wraps, a hash
+(V + 1) ** (max_order + 1) < 2 ** 64: V <= 65534 at order 3, V <= 7130 at order 4; past that the same arithmetic wraps, a hash
 whose rare collisions only cost acceptance).
 """
 
@@ -26,9 +26,8 @@ from __future__ import annotations
 
 import json
 import math
-import sys
 from pathlib import Path
-from typing import Dict, Iterable, List, Optional, Sequence, Tuple, Union
+from typing import Iterable, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 import torch
