@@ -126,6 +126,36 @@ def test_greedy_answers_equal_generate(server, models, strategy, drafters):
     assert plain.choices[0].text == text and plain.usage.completion_tokens == len(tokens)
 
 
+def test_a_table_drafter_serves_greedy_and_sampled_requests(tmp_path, models):
+    """A server with an n-gram table drafter (config kind "table"): greedy answers equal autoregressive
+    decoding's, seeded sampled ones repeat, its drafts are accepted."""
+    import dataclasses
+
+    from taps import NgramTable, NgramTableDrafter
+    from taps.serve.config import DrafterSpec
+    from taps.train.table import build_table
+
+    questions = ["What is 12 plus 30?", "Name three colours.", "What is 5 times 6?", "Write a short poem."]
+    prompts = [models.encode_chat([{"role": "user", "content": q}]) for q in questions * 2]
+    table = build_table(models.target, prompts, new_tokens=16, seed=3, min_count=1, quiet=True)
+    table.save(tmp_path / "t.npz")
+    cfg = ServeConfig(dtype="fp32", drafters={"t": DrafterSpec("table", str(tmp_path / "t.npz"))})
+    drafter = NgramTableDrafter(NgramTable.load(tmp_path / "t.npz"))
+    drafter.bind(models.target)
+    with BackgroundServer(cfg, models=dataclasses.replace(models, drafters={"t": drafter})) as server:
+        client = client_of(server)
+        taps = {"strategy": "single", "drafters": ["t"]}
+        reply = client.chat.completions.create(model="taps-mini", messages=QUESTION, max_tokens=32, temperature=0,
+                                               extra_body={"taps": taps})
+        _, text = reference(models, models.encode_chat(QUESTION), "autoregressive", [], None, 32)
+        assert reply.choices[0].message.content == text and extra(reply, "taps")["drafters"] == ["t"]
+        sampled = [client.chat.completions.create(model="taps-mini", messages=[{"role": "user", "content": q}],
+                                                  max_tokens=32, temperature=1.0, seed=7, extra_body={"taps": taps})
+                   for q in questions[:2] * 2]
+        assert [r.choices[0].message.content for r in sampled[:2]] == [r.choices[0].message.content for r in sampled[2:]]
+        assert max(extra(r, "taps")["tau"] for r in sampled) > 1.0, "no draft of the table was accepted"
+
+
 def test_streaming_gives_the_same_answer(server, models):
     client = client_of(server)
     whole = client.chat.completions.create(model="taps-mini", messages=QUESTION, max_tokens=48, temperature=0)

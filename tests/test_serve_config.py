@@ -106,6 +106,9 @@ def test_flags_win_over_the_file(tmp_path):
     ('[drafters]\nx = {kind = "lookup", store = "s.npz"}', "no token store at"),
     ('[drafters]\nx = {kind = "lookup", store = 3}', "store must be"),
     ('[drafters]\nx = {kind = "lookup", store = "greedy", store_ngram = 0}', "store_ngram"),
+    ('[drafters]\nx = "table"', "needs a path"),
+    ('[drafters]\nx = "table:none.npz"', "no n-gram table at"),
+    ('[drafters]\nx = {kind = "table", path = "t.npz", width = 2}', "no n-gram table at"),
     ('default_drafters = ["nope"]', "nope"),
     ('target = "nowhere"', "not a model folder"),
     ("this is = not toml", "not valid TOML"),
@@ -130,6 +133,27 @@ def test_lookup_with_a_token_store(tmp_path):
     cfg = settings(tmp_path, [], '[drafters]\nlookup = {kind = "lookup", store = "mine.npz"}')
     path = cfg.drafters["lookup"].options["store"]
     assert path == str(tmp_path / "mine.npz") and _load_store(path, None).continuation([1, 2], 3) == ([3], 2)
+
+
+def test_table_drafter(tmp_path):
+    """A table drafter: a .npz file or a folder holding table.npz (relative to the config file), min_count
+    checked; the engine loads it into an NgramTableDrafter bound to the target."""
+    import numpy as np
+
+    from taps import NgramTable, NgramTableDrafter
+    from taps.serve.engine import load_models
+
+    table = NgramTable(np.array([0], np.uint64), [1], [0, 1], [5], [0.0], 8192, 0)
+    (tmp_path / "t").mkdir()
+    table.save(tmp_path / "t" / "table.npz")
+    cfg = settings(tmp_path, [], '[drafters]\nt = {kind = "table", path = "t", min_count = 2}')
+    assert cfg.drafters["t"] == DrafterSpec("table", str(tmp_path / "t" / "table.npz"), {"min_count": 2})
+    with pytest.raises(ValueError, match="min_count"):
+        settings(tmp_path, [], '[drafters]\nt = {kind = "table", path = "t/table.npz", min_count = 0}')
+    with pytest.raises(ValueError, match="unknown option"):
+        settings(tmp_path, [], '[drafters]\nt = {kind = "table", path = "t", store = "greedy"}')
+    drafter = load_models(cfg).drafters["t"]
+    assert isinstance(drafter, NgramTableDrafter) and drafter.min_count == 2 and drafter.vocab_size == 8192
 
 
 def test_shipped_drafters_need_the_shipped_target(tmp_path):

@@ -32,7 +32,10 @@ shipped target), ``eagle`` (an EAGLE-1/2, HASS or EAGLE-3 checkpoint folder:
 ``EagleDrafter.from_pretrained``), ``model`` (a small causal LM folder sharing the target's tokenizer:
 ``ModelDrafter``), ``lookup`` (``PromptLookupDrafter``, no path; options ``max_ngram``, ``min_ngram``,
 ``depth``, ``store`` (a token store it also proposes from: a name in models/stores such as ``greedy``, the shipped
-target's, or a path to a store folder or .npz file; ``taps train store``) and ``store_ngram``). Without drafters named, the shipped target gets ``math`` (``shipped:hass-math``), ``chat``
+target's, or a path to a store folder or .npz file; ``taps train store``) and ``store_ngram``), ``table`` (PATH is an
+n-gram table of the target's distributions, a .npz file or a folder holding table.npz, ``taps train table``:
+``NgramTableDrafter``, drawn drafts where a request samples; option ``min_count``). Without drafters named, the
+shipped target gets ``math`` (``shipped:hass-math``), ``chat``
 (``shipped:hass-chat``) and ``lookup``; another target gets ``lookup``.
 
 Every value is checked here, before a model loads: a bad one raises ValueError with one line naming
@@ -54,10 +57,10 @@ __all__ = ["DrafterSpec", "ServeConfig", "DRAFTER_KINDS", "add_serve_arguments",
            "SERVE_DESCRIPTION", "SERVE_EPILOG"]
 
 #: drafter kinds and whether they take a path
-DRAFTER_KINDS = {"shipped": True, "eagle": True, "model": True, "lookup": False}
+DRAFTER_KINDS = {"shipped": True, "eagle": True, "model": True, "lookup": False, "table": True}
 #: options a drafter kind takes beyond its path
 _KIND_OPTIONS = {"shipped": {"draft_vocab"}, "eagle": set(), "model": set(),
-                 "lookup": {"max_ngram", "min_ngram", "depth", "store", "store_ngram"}}
+                 "lookup": {"max_ngram", "min_ngram", "depth", "store", "store_ngram"}, "table": {"min_count"}}
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
 _TOP_KEYS = {"target", "dtype", "device", "model_name", "host", "port", "strategy", "default_drafters", "depth",
              "top_k", "budget", "threads", "draft_vocab", "drafters", "limits", "log_level", "tuner_dir",
@@ -213,6 +216,17 @@ def _check_folder(path: str, where: str) -> str:
     return str(folder)
 
 
+def _check_table(path: str, where: str) -> str:
+    """A table drafter's path: a .npz file, or a folder holding table.npz (`taps train table`); the file's path."""
+    file = Path(path)
+    if file.suffix != ".npz":
+        file = file / "table.npz"
+    if not file.is_file():
+        raise ValueError(f"{where}: no n-gram table at {path} (a .npz file, or a folder with table.npz; "
+                         "`taps train table` builds one)")
+    return str(file)
+
+
 def store_path(value: str) -> Optional[Path]:
     """A lookup drafter's ``store`` value as a path (a .npz file, or a store folder named with a folder or as an
     absolute path), or None for the name of a store in models/stores."""
@@ -277,7 +291,7 @@ def _spec_from_dict(raw: Any, where: str, base: Optional[Path] = None) -> Drafte
         else:
             if base is not None:
                 path = str(base / path)
-            path = _check_folder(path, where)
+            path = _check_table(path, where) if kind == "table" else _check_folder(path, where)
     elif path is not None:
         raise ValueError(f"{where}: a {kind} drafter takes no path")
     unknown = set(raw) - _KIND_OPTIONS[kind]

@@ -136,7 +136,8 @@ def load_models(cfg: ServeConfig, weights: bool = True) -> ModelSet:
     weights read and no drafters loaded (the names map to None; the engine's process loads and checks
     them)."""
     from .. import models
-    from ..drafters import EagleDrafter, ModelDrafter, PromptLookupDrafter, target_vocab_size
+    from ..drafters import (EagleDrafter, ModelDrafter, NgramTable, NgramTableDrafter, PromptLookupDrafter,
+                            target_vocab_size)
 
     device = resolve_device(cfg.device)
     dtype = models.resolve_dtype(cfg.dtype, device)
@@ -171,6 +172,9 @@ def load_models(cfg: ServeConfig, weights: bool = True) -> ModelSet:
             drafters[key] = EagleDrafter.from_pretrained(spec.path, target=target, dtype=dtype)
         elif spec.kind == "model":
             drafters[key] = ModelDrafter.from_pretrained(spec.path, dtype=dtype)
+            drafters[key].bind(target)
+        elif spec.kind == "table":
+            drafters[key] = NgramTableDrafter(NgramTable.load(spec.path), **spec.options)
             drafters[key].bind(target)
         else:
             options = dict(spec.options)
