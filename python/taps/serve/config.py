@@ -405,7 +405,8 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--drafter", type=drafter, action="append", metavar="NAME=KIND[:PATH]",
                    help="a drafter requests may name (repeat the flag); kinds: shipped:<family>-<data> (e.g. "
                         "shipped:hass-math), eagle:PATH (EAGLE / HASS / EAGLE-3 checkpoint), model:PATH (a small LM "
-                        "sharing the tokenizer), lookup (prompt lookup). Default: math, chat and lookup for the "
+                        "sharing the tokenizer), lookup (prompt lookup), table:PATH (an n-gram table, taps train table). "
+                        "Default: math, chat and lookup for the "
                         "shipped target, lookup for another")
     g.add_argument("--draft-vocab", type=int_at_least(0), metavar="N",
                    help="shipped drafters propose only the N most frequent tokens (default 1024; 0: all)")
