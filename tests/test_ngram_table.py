@@ -332,3 +332,26 @@ def test_frontier_contexts():
     group.advance(torch.tensor([[7, 8, -1], [9, -1, -1]]), torch.tensor([2, 1]), None)
     assert group.tail == [[2, 7, 8], [5, 3, 9]] and group.host_lengths == [7, 3]
     assert group.lengths_b.tolist() == [7, 3]
+
+
+def test_the_drafter_interface_on_its_own():
+    """bind / start / draft / advance / release without a decoder: the candidates are the expansion's over the
+    table's logits (children of the root: the root context's most likely entries)."""
+    target = em.sampling_models()["target"]
+    table = _target_table(target, count=40, new=6)
+    drafter = NgramTableDrafter(table)
+    with pytest.raises(RuntimeError, match="start"):
+        drafter.draft(2, 2)
+    drafter.bind(target)
+    drafter.start(torch.tensor([[3, 9, 1, 30]]), torch.tensor([4]), torch.tensor([5]), None, 64)
+    cand = drafter.draft(2, 2)
+    assert cand.tokens.shape == (1, 2 + 2 * 2) and cand.parents[0, :2].tolist() == [-1, -1]
+    logits = table.reference_logits(np.asarray([[1, 30, 5]]))[0]
+    # (values, not ids: entries of equal logits may come in either order)
+    assert logits[cand.tokens[0, :2]].tolist() == logits.topk(2).values.tolist()
+    assert drafter.lengths.tolist() == [5]
+    drafter.advance(torch.tensor([[7, 2]]), torch.tensor([2]), None)
+    assert drafter.lengths.tolist() == [7]
+    drafter.release()
+    with pytest.raises(RuntimeError, match="start"):
+        drafter.lengths
