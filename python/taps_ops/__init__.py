@@ -90,7 +90,7 @@ _panel_linear_fast = getattr(_library, "panel_linear", None)
 __all__ = [
     "VerifyOutput", "Tree", "MergedTree", "verify_tree", "build_tree", "merge_trees",
     "tree_attention", "compact_kv", "rms_norm", "rope_", "pack_panels", "panel_linear", "PANEL_WIDTH", "ExpandLevel", "expand_level", "decoder_layer",
-    "token_store_continuation", "ngram_table_logits", "ngram_table_draw", "has_cuda_kernels", "cpu_info", "set_cpu_isa", "native_half_matmul", "CPU_ISA_LEVELS",
+    "token_store_continuation", "ngram_table_logits", "ngram_table_draw", "NGRAM_FLOOR_LOGIT", "has_cuda_kernels", "cpu_info", "set_cpu_isa", "native_half_matmul", "CPU_ISA_LEVELS",
 ]
 
 Scalar = Union[float, int, Tensor]
@@ -489,6 +489,19 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     return torch.ops.taps_ops.rms_norm.default(x, weight, float(eps))
 
 
+def _host_tensors(op: str, **tensors) -> None:
+    """The host-data ops' (token stores, n-gram tables) check of their tensor arguments: each a tensor on the CPU
+    (ValueError naming the op and the argument otherwise)."""
+    for name, t in tensors.items():
+        if not isinstance(t, Tensor) or t.device.type != "cpu":
+            raise ValueError(f"taps_ops: {op}: {name} must be a tensor, a CPU tensor (host data), got "
+                             f"{t.device if isinstance(t, Tensor) else type(t).__name__}")
+
+
+#: the logit :func:`ngram_table_logits` gives tokens a context's entries do not hold (q ~1e-12 of their mass)
+NGRAM_FLOOR_LOGIT = math.log(1e-12)
+
+
 def token_store_continuation(tokens: Tensor, ends: Tensor, cols: Tensor, context: Sequence[int], depth: int,
                              min_ngram: int = 1, vote: int = 32) -> Tuple[int, int, int, List[int]]:
     """The longest suffix of `context` in a token store and the continuation voted over its occurrences
@@ -511,10 +524,7 @@ def token_store_continuation(tokens: Tensor, ends: Tensor, cols: Tensor, context
         stopping where most reach their sequence's end. Reads are bounds-checked (an end outside tokens raises
         ValueError); unsorted columns give unspecified matches, never out-of-bounds reads.
     """
-    for name, t in (("tokens", tokens), ("ends", ends), ("cols", cols)):
-        if not isinstance(t, Tensor) or t.device.type != "cpu":
-            raise ValueError(f"taps_ops: token_store_continuation: {name} must be a CPU tensor, got "
-                             f"{t.device if isinstance(t, Tensor) else type(t).__name__}")
+    _host_tensors("token_store_continuation", tokens=tokens, ends=ends, cols=cols)
     got = _token_store_op(tokens, ends, cols, context, int(depth), int(min_ngram), int(vote))
     return got[0], got[1], got[2], got[3:]
 
@@ -523,7 +533,7 @@ _token_store_op = torch.ops.taps_ops.token_store_continuation.default
 
 
 def ngram_table_logits(keys: Tensor, counts: Tensor, starts: Tensor, ids: Tensor, logp: Tensor, contexts: Tensor,
-                       vocab: int, max_order: int, min_count: int = 1, floor: float = -27.631021) -> Tensor:
+                       vocab: int, max_order: int, min_count: int = 1, floor: float = NGRAM_FLOOR_LOGIT) -> Tensor:
     """Logits [R, vocab] float32 of the longest context an n-gram table holds for each context row (the lookup
     of :class:`taps.drafters.table.NgramTable`, which builds the arrays; CPU, host data).
 
@@ -541,10 +551,8 @@ def ngram_table_logits(keys: Tensor, counts: Tensor, starts: Tensor, ids: Tensor
     Every read is bounds-checked (a start outside the entries or an id outside the vocabulary raises
     ValueError); unsorted keys give unspecified matches, never out-of-bounds reads.
     """
-    for name, t in (("keys", keys), ("counts", counts), ("starts", starts), ("ids", ids), ("logp", logp),
-                    ("contexts", contexts)):
-        if not isinstance(t, Tensor):
-            raise ValueError(f"taps_ops: ngram_table_logits: {name} must be a tensor, got {type(t).__name__}")
+    _host_tensors("ngram_table_logits", keys=keys, counts=counts, starts=starts, ids=ids, logp=logp,
+                  contexts=contexts)
     return _ngram_table_op(keys, counts, starts, ids, logp, contexts, int(vocab), int(max_order), int(min_count),
                            float(floor))
 
@@ -571,10 +579,8 @@ def ngram_table_draw(keys: Tensor, counts: Tensor, starts: Tensor, ids: Tensor, 
         cumulative log q) and probs [B, 1 + M, vocab] float32: row 0 the root's q, row 1 + m the q candidate m's
         child was drawn from, zeros for the last level (what ``verify_tree(draft_probs=...)`` reads).
     """
-    for name, t in (("keys", keys), ("counts", counts), ("starts", starts), ("ids", ids), ("logp", logp),
-                    ("contexts", contexts), ("uniforms", uniforms), ("temperature", temperature)):
-        if not isinstance(t, Tensor):
-            raise ValueError(f"taps_ops: ngram_table_draw: {name} must be a tensor, got {type(t).__name__}")
+    _host_tensors("ngram_table_draw", keys=keys, counts=counts, starts=starts, ids=ids, logp=logp,
+                  contexts=contexts, uniforms=uniforms, temperature=temperature)
     return tuple(_ngram_draw_op(keys, counts, starts, ids, logp, contexts, uniforms, temperature, int(width),
                                 int(depth), int(vocab), int(max_order), int(min_count)))
 

@@ -47,7 +47,7 @@ from ..expansion import DraftCandidates, DraftSampler, SampledDraft, expand, exp
 from ..kv import NodeMask, cache_attend, causal_append, causal_bits, grown_length
 from ..lean import Linear, Positions
 
-__all__ = ["Drafter", "DraftGroup", "SoloMixin", "make_groups", "target_vocab_size", "target_hidden_size",
+__all__ = ["Drafter", "DraftGroup", "HostLengths", "SoloMixin", "make_groups", "target_vocab_size", "target_hidden_size",
            "head_rows", "join_rows"]
 
 
@@ -509,6 +509,34 @@ class DraftGroup:
                 setattr(self, name, join_rows(mine, getattr(other, name), self.groups))
         self.kv = [[join_rows(a, b, self.groups) for a, b in zip(mine, theirs)]
                    for mine, theirs in zip(self.kv, other.kv)]
+
+
+class HostLengths:
+    """For groups whose requests' state lives on the host (prompt lookup, n-gram tables), mixed in before
+    :class:`DraftGroup`: the [B] lengths tensor is made from ``host_lengths`` when read (a draft, a change of the
+    requests), not at every append (the decoder appends to every group every step, plain ones included).
+    :meth:`_lengths_changed` after the host lengths move; the tensor stays on the device it was last set on."""
+
+    _lengths: Optional[Tensor] = None
+    _lengths_current = True
+    _lengths_device = torch.device("cpu")
+
+    @property
+    def lengths_b(self) -> Optional[Tensor]:
+        if not self._lengths_current:
+            self._lengths = torch.tensor(self.host_lengths, dtype=torch.int64, device=self._lengths_device)
+            self._lengths_current = True
+        return self._lengths
+
+    @lengths_b.setter
+    def lengths_b(self, value: Optional[Tensor]) -> None:
+        self._lengths, self._lengths_current = value, True
+        if value is not None:
+            self._lengths_device = value.device
+
+    def _lengths_changed(self) -> None:
+        """The host lengths moved: the tensor is made again when read (a released group keeps none)."""
+        self._lengths_current = self._lengths is None
 
 
 def join_rows(a: Tensor, b: Tensor, groups: int) -> Tensor:

@@ -26,7 +26,7 @@ import torch
 from torch import Tensor, nn
 
 from ..expansion import DraftCandidates, num_candidates
-from .base import DraftGroup, Drafter, target_vocab_size
+from .base import DraftGroup, Drafter, HostLengths, target_vocab_size
 from .store import TokenStore
 
 __all__ = ["PromptLookupDrafter", "LookupGroup"]
@@ -154,15 +154,12 @@ class PromptLookupDrafter(Drafter):
         self._group = None
 
 
-class LookupGroup(DraftGroup):
+class LookupGroup(HostLengths, DraftGroup):
     """The prompt-lookup drafter's state: each request's tokens and an index of their n-grams (host)."""
 
     free_draft = True
 
     def __init__(self, drafter: PromptLookupDrafter):
-        self._lengths: Optional[Tensor] = None
-        self._lengths_current = True
-        self._lengths_device = torch.device("cpu")
         super().__init__([drafter])
         self.d = drafter
         self.history: List[List[int]] = []
@@ -174,21 +171,6 @@ class LookupGroup(DraftGroup):
         self.seen: List[set] = []
         #: per request: whether its context's last n-gram (of a length tried) occurred before (has_draft)
         self.matched: List[bool] = []
-
-    # The [B] lengths tensor is built from the host lengths when it is read (a draft, a change of the
-    # requests), not at every append: the decoder appends to this group every step, plain ones included.
-    @property
-    def lengths_b(self) -> Optional[Tensor]:
-        if not self._lengths_current:
-            self._lengths = torch.tensor(self.host_lengths, dtype=torch.int64, device=self._lengths_device)
-            self._lengths_current = True
-        return self._lengths
-
-    @lengths_b.setter
-    def lengths_b(self, value: Optional[Tensor]) -> None:
-        self._lengths, self._lengths_current = value, True
-        if value is not None:
-            self._lengths_device = value.device
 
     # Every step, plain ones included, appends each request's new tokens and says whether its last n-gram
     # occurred before (the decoder asks whether the group has a draft on every plain step of a tuner's):
@@ -271,7 +253,7 @@ class LookupGroup(DraftGroup):
             if n:
                 self._add(b, row if len(row) == n else row[:int(n)])
                 lengths[b] = len(self.history[b])
-        self._lengths_current = self._lengths is None
+        self._lengths_changed()
 
     def continuations(self, b: int, depth: int, top_k: int) -> List[List[int]]:
         """Up to top_k continuations of up to `depth` tokens after request b's context, most recent

@@ -25,7 +25,6 @@ whose rare collisions only cost acceptance).
 from __future__ import annotations
 
 import json
-import math
 from pathlib import Path
 from typing import Iterable, List, Optional, Sequence, Tuple, Union
 
@@ -36,13 +35,15 @@ from torch import Tensor, nn
 import taps_ops
 
 from ..expansion import DraftCandidates, DraftSampler, SampledDraft
-from .base import DraftGroup, Drafter, target_vocab_size
+from .base import DraftGroup, Drafter, HostLengths, SoloMixin, target_vocab_size
 
 __all__ = ["NgramTable", "NgramTableDrafter"]
 
 #: the logit of a token a context's entries do not hold: q gives it ~1e-12 of the entries' mass (a draw from
 #: it stays possible, and lossless, but rare)
-FLOOR_LOGIT = math.log(1e-12)
+FLOOR_LOGIT = taps_ops.NGRAM_FLOOR_LOGIT
+#: the key of no context (a position with fewer tokens before it than the order)
+_NO_KEY = np.uint64(np.iinfo(np.uint64).max)
 
 
 def _ranges(lo: np.ndarray, sizes: np.ndarray) -> np.ndarray:
@@ -142,7 +143,7 @@ class NgramTable:
                 continue
             for order in range(max_order + 1):
                 keys = context_keys(tokens[:-1], order, vocab_size)[rows]
-                per_order[order].append(np.where(rows >= order - 1, keys, np.uint64(np.iinfo(np.uint64).max)))
+                per_order[order].append(np.where(rows >= order - 1, keys, _NO_KEY))
             all_ids.append(ids[rows])
             all_probs.append(probs[rows])
         if not all_ids:
@@ -151,10 +152,9 @@ class NgramTable:
         probs = np.concatenate(all_probs)
         width = ids.shape[1]
         out_keys, out_counts, out_ids, out_logp, out_sizes = [], [], [], [], []
-        missing = np.uint64(np.iinfo(np.uint64).max)
         for order in range(max_order + 1):
             keys = np.concatenate(per_order[order])
-            valid = keys != missing
+            valid = keys != _NO_KEY
             uniq, inverse, counts = np.unique(keys[valid], return_inverse=True, return_counts=True)
             keep = counts >= (1 if order == 0 else min_count)
             # sum each context's probabilities per token: (context, token) pairs, sorted
@@ -272,7 +272,7 @@ class NgramTable:
         return out
 
 
-class NgramTableDrafter(Drafter):
+class NgramTableDrafter(SoloMixin, Drafter):
     """Drafts from an :class:`NgramTable` of the target's own distributions (see the module docstring).
 
     Args:
@@ -290,7 +290,6 @@ class NgramTableDrafter(Drafter):
         self.table, self.min_count = table, int(min_count)
         self._vocab = 0
         self._device = torch.device("cpu")
-        self._group: Optional[TableGroup] = None
 
     @property
     def vocab_size(self) -> int:
@@ -315,67 +314,20 @@ class NgramTableDrafter(Drafter):
             raise ValueError("NgramTableDrafter: drafters run one at a time")
         return TableGroup(drafters[0])
 
-    # the single-drafter interface, through a group of one
-    def _solo(self) -> "TableGroup":
-        if self._group is None:
-            raise RuntimeError("NgramTableDrafter: call start() first")
-        return self._group
 
-    def start(self, input_ids, prompt_lens, root, hidden, max_len):
-        self._group = TableGroup(self)
-        self._group.start(input_ids, prompt_lens, root, hidden, max_len)
-
-    def advance(self, tokens, num_new, hidden):
-        self._solo().advance(tokens, num_new, hidden)
-
-    def draft(self, depth: int, top_k: int, profiler=None, with_entropy: bool = True) -> DraftCandidates:
-        return self._solo().draft(depth, top_k, profiler, with_entropy)
-
-    @property
-    def lengths(self) -> Tensor:
-        return self._solo().lengths_b
-
-    @property
-    def root_logits(self) -> Tensor:
-        return self._solo().root_logits
-
-    def release(self) -> None:
-        super().release()
-        self._group = None
-
-
-class TableGroup(DraftGroup):
+class TableGroup(HostLengths, DraftGroup):
     """An :class:`NgramTableDrafter`'s state: each request's last ``max_order`` tokens (host). Its "forward"
     over a frontier is the table's lookup of each node's context (the parent's, shifted, with the node)."""
 
     _row_state = ()
 
     def __init__(self, drafter: NgramTableDrafter):
-        self._lengths: Optional[Tensor] = None
-        self._stale = False
         super().__init__([drafter])
         self.d = drafter
         self.order = max(drafter.table.max_order, 1)
         self.tail: List[List[int]] = []       # per request: its last `order` tokens, oldest first
         self._root: Optional[Tensor] = None   # root_logits, made when first read after an append
         self._front: Optional[np.ndarray] = None  # [R, F, order] the last frontier's contexts
-
-    # the [B] lengths tensor is made from the host lengths when read (the decoder appends every step)
-    @property
-    def lengths_b(self) -> Optional[Tensor]:
-        if self._stale:
-            self._lengths = torch.tensor(self.host_lengths, dtype=torch.int64, device=self.d._device)
-            self._stale = False
-        return self._lengths
-
-    @lengths_b.setter
-    def lengths_b(self, value: Optional[Tensor]) -> None:
-        self._lengths, self._stale = value, False
-
-    def _changed(self) -> None:
-        """The requests' tokens changed: the lengths tensor and the root's logits are made again when read."""
-        self._stale = True
-        self._root = None
 
     @property
     def root_logits(self) -> Optional[Tensor]:
@@ -399,7 +351,8 @@ class TableGroup(DraftGroup):
         for b, (row, n, r) in enumerate(zip(ids, lens, roots)):
             self._set(b, row[max(0, int(n) - self.order):int(n)] + [r])
         self.host_lengths = [int(n) + 1 for n in lens]
-        self._changed()
+        self.lengths_b = torch.tensor(self.host_lengths, dtype=torch.int64, device=self.d._device)
+        self._root = None
 
     def advance(self, tokens, num_new, hidden, num_new_host=None, tokens_host=None):
         rows = tokens_host if tokens_host is not None else tokens.tolist()
@@ -409,7 +362,8 @@ class TableGroup(DraftGroup):
             if n:
                 self._set(b, row[:n])
                 self.host_lengths[b] += n
-        self._changed()
+        self._lengths_changed()
+        self._root = None
 
     def forward_nodes(self, tokens, parent_slot, write_start, rope_pos, mask, level):
         rows, k = tokens.shape
@@ -451,9 +405,11 @@ class TableGroup(DraftGroup):
         self.tail, self._front, self._root = [], None, None
 
     def _select_state(self, keep, index, rows):
+        super()._select_state(keep, index, rows)
         self.tail = [self.tail[b] for b in keep]
-        self._changed()
+        self._root = None
 
     def _join_state(self, other):
+        super()._join_state(other)
         self.tail = self.tail + other.tail
-        self._changed()
+        self._root = None
