@@ -216,11 +216,14 @@ def _check_folder(path: str, where: str) -> str:
     return str(folder)
 
 
+def data_file(path: Path, name: str) -> Path:
+    """A token store's or n-gram table's file: `path` itself when it names a .npz file, else `name` in that folder."""
+    return path if path.suffix == ".npz" else path / name
+
+
 def _check_table(path: str, where: str) -> str:
     """A table drafter's path: a .npz file, or a folder holding table.npz (`taps train table`); the file's path."""
-    file = Path(path)
-    if file.suffix != ".npz":
-        file = file / "table.npz"
+    file = data_file(Path(path), "table.npz")
     if not file.is_file():
         raise ValueError(f"{where}: no n-gram table at {path} (a .npz file, or a folder with table.npz; "
                          "`taps train table` builds one)")
@@ -243,7 +246,7 @@ def _check_store(value: Any, where: str, base: Optional[Path] = None) -> str:
     if path is not None:
         if base is not None and not path.is_absolute():
             path = base / path
-        if not (path.is_file() if path.suffix == ".npz" else (path / "store.npz").is_file()):
+        if not data_file(path, "store.npz").is_file():
             raise ValueError(f"{where}: no token store at {path} (a folder with store.npz, or a .npz file; "
                              "`taps train store` builds one)")
         return str(path)
