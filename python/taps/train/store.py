@@ -15,13 +15,13 @@ import random
 import sys
 import time
 from pathlib import Path
-from typing import List, Optional, Sequence
+from typing import Callable, Iterator, List, Optional, Sequence, Tuple
 
 from ..data import eval_prompt_keys, normalize_prompt
 from ..drafters.store import TokenStore
 from .data import REPO_ROOT, chat_training_examples, math_training_examples
 
-__all__ = ["first_turn", "store_prompts", "build_store", "write_store"]
+__all__ = ["first_turn", "store_prompts", "answers", "build_store", "write_store"]
 
 STORE_FILE = "store.npz"
 
@@ -53,6 +53,23 @@ def store_prompts(math: int, chat: int, seed: int = 0, shared=None, sharegpt=Non
     return out, facts
 
 
+def answers(target, encoded: Sequence[Sequence[int]], *, new_tokens: int, batch: int, temperature: float, seed: int,
+            desc: str, quiet: bool = False) -> Iterator[Tuple[List[int], List[int]]]:
+    """(prompt, answer) for each of `encoded` (token id lists), in order: the target's autoregressive decoding in
+    ragged batches of `batch` (batch i draws with seed + i), a progress bar named `desc` over the prompts."""
+    from tqdm import tqdm
+
+    from ..decoder import SpeculativeDecoder
+
+    decoder = SpeculativeDecoder(target, [], strategy="autoregressive")
+    with tqdm(total=len(encoded), desc=desc, unit="prompt", disable=quiet, file=sys.stderr) as bar:
+        for i in range(0, len(encoded), batch):
+            chunk = encoded[i:i + batch]
+            out = decoder.generate(chunk, max_new_tokens=new_tokens, temperature=temperature, seed=seed + i)
+            yield from ((list(p), list(t)) for p, t in zip(chunk, out.tokens))
+            bar.update(len(chunk))
+
+
 def build_store(target, tok, prompts: Sequence[Sequence[dict]], *, new_tokens: int = 128, batch: int = 8,
                 temperature: float = 0.0, seed: int = 0, max_prompt: int = 512, quiet: bool = False,
                 meta: Optional[dict] = None) -> TokenStore:
@@ -64,55 +81,60 @@ def build_store(target, tok, prompts: Sequence[Sequence[dict]], *, new_tokens: i
         temperature, seed: greedy by default; at T > 0 each batch draws with seed + its index.
         max_prompt: a longer prompt keeps its last `max_prompt` tokens.
     """
-    from tqdm import tqdm
-
-    from ..decoder import SpeculativeDecoder
     from ..drafters.base import target_vocab_size
 
     if new_tokens < 1 or batch < 1 or max_prompt < 1:
         raise ValueError("build_store: new_tokens, batch and max_prompt must be >= 1")
-    decoder = SpeculativeDecoder(target, [], strategy="autoregressive")
     encoded = [tok.encode_chat(m, add_generation_prompt=True)[-max_prompt:] for m in prompts]
-    sequences = []
-    with tqdm(total=len(encoded), desc="taps train store", unit="prompt", disable=quiet, file=sys.stderr) as bar:
-        for i in range(0, len(encoded), batch):
-            chunk = encoded[i:i + batch]
-            out = decoder.generate(chunk, max_new_tokens=new_tokens, temperature=temperature, seed=seed + i)
-            sequences += [list(p) + list(t) for p, t in zip(chunk, out.tokens)]
-            bar.update(len(chunk))
+    sequences = [p + t for p, t in answers(target, encoded, new_tokens=new_tokens, batch=batch,
+                                           temperature=temperature, seed=seed, desc="taps train store", quiet=quiet)]
     return TokenStore(sequences, target_vocab_size(target), meta=meta)
 
 
-def write_store(args) -> Path:
-    """``taps train store``: build a store of the target's answers and write it with its manifest."""
+def start_answers(args, what: str, detail: str = ""):
+    """What ``taps train store`` / ``table`` (`what`) start with: torch threads, the target and its tokenizer, the
+    prompts (a line saying how many), the facts every manifest holds. Returns (target, tok, prompts, meta,
+    start time)."""
     import torch
 
-    from ..files import sha256_file
-    from ..models import MANIFEST, load_target, weights_digest
+    from ..models import load_target, weights_digest
 
     if args.threads:
         torch.set_num_threads(args.threads)
     target, tok = load_target(args.target)
     prompts, facts = store_prompts(args.math, args.chat, args.seed, args.shared_data)
     if not prompts:
-        raise ValueError("taps train store: no prompts (--math and --chat are both 0)")
+        raise ValueError(f"taps train {what}: no prompts (--math and --chat are both 0)")
     counts = ", ".join(f"{k} {v['used']}" for k, v in facts.items())
-    print(f"[train store] {len(prompts)} prompts ({counts}), "
-          f"{args.new_tokens} new tokens each, T = {args.temperature}", flush=True)
-    started = time.time()
+    print(f"[train {what}] {len(prompts)} prompts ({counts}), "
+          f"{args.new_tokens} new tokens each, T = {args.temperature}{detail}", flush=True)
     meta = {"target_weights_sha256": weights_digest(args.target),
             "prompts": facts, "new_tokens": args.new_tokens, "temperature": args.temperature, "seed": args.seed}
+    return target, tok, prompts, meta, time.time()
+
+
+def save_with_manifest(out: Path, file: str, save: Callable[[Path], None], manifest: dict) -> None:
+    """`save` the product as out/file, then out's manifest.json: `manifest` and the file's sha256."""
+    from ..files import sha256_file
+    from ..models import MANIFEST
+
+    out.mkdir(parents=True, exist_ok=True)
+    save(out / file)
+    manifest = {**manifest, "files": {file: sha256_file(out / file)}}
+    (out / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
+
+
+def write_store(args) -> Path:
+    """``taps train store``: build a store of the target's answers and write it with its manifest."""
+    target, tok, prompts, meta, started = start_answers(args, "store")
     store = build_store(target, tok, prompts, new_tokens=args.new_tokens, batch=args.batch,
                         temperature=args.temperature, seed=args.seed, meta=meta)
     out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    store.save(out / STORE_FILE)
-    manifest = {"kind": "store", **meta, "sequences": store.num_sequences, "tokens": store.num_tokens,
-                "elapsed_s": round(time.time() - started, 1),
-                "command": (f"taps train store --math {args.math} --chat {args.chat} --new-tokens {args.new_tokens} "
-                            f"--temperature {args.temperature} --seed {args.seed}"),
-                "files": {STORE_FILE: sha256_file(out / STORE_FILE)}}
-    (out / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
+    save_with_manifest(out, STORE_FILE, store.save, {
+        "kind": "store", **meta, "sequences": store.num_sequences, "tokens": store.num_tokens,
+        "elapsed_s": round(time.time() - started, 1),
+        "command": (f"taps train store --math {args.math} --chat {args.chat} --new-tokens {args.new_tokens} "
+                    f"--temperature {args.temperature} --seed {args.seed}")})
     print(f"[train store] saved {out}: {store}", flush=True)
     return out
 

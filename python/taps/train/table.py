@@ -9,8 +9,6 @@ is averaged per context of up to ``max_order`` tokens (:meth:`NgramTable.from_di
 
 from __future__ import annotations
 
-import json
-import sys
 import time
 from pathlib import Path
 from typing import Optional, Sequence
@@ -36,10 +34,9 @@ def build_table(target, prompts: Sequence[Sequence[int]], *, new_tokens: int = 1
     """
     import numpy as np
     import torch
-    from tqdm import tqdm
 
-    from ..decoder import SpeculativeDecoder
     from ..drafters.base import target_vocab_size
+    from .store import answers
 
     if new_tokens < 1 or batch < 1 or keep < 1:
         raise ValueError("build_table: new_tokens, batch and keep must be >= 1")
@@ -47,58 +44,35 @@ def build_table(target, prompts: Sequence[Sequence[int]], *, new_tokens: int = 1
     if not prompts or any(not p for p in prompts):
         raise ValueError("build_table: need at least one prompt, none of them empty")
     vocab = target_vocab_size(target)
-    decoder = SpeculativeDecoder(target, [], strategy="autoregressive")
     device = next(target.parameters()).device
     rows = []
-    with tqdm(total=len(prompts), desc="taps train table", unit="prompt", disable=quiet, file=sys.stderr) as bar:
-        for i in range(0, len(prompts), batch):
-            chunk = prompts[i:i + batch]
-            out = decoder.generate(chunk, max_new_tokens=new_tokens, temperature=temperature, seed=seed + i)
-            for p, t in zip(chunk, out.tokens):
-                seq = p + list(t)
-                with torch.no_grad():
-                    logits = target(torch.tensor([seq], device=device)).logits[0, :-1].float()
-                top = torch.softmax(logits, -1).topk(min(keep, vocab), -1)
-                rows.append((np.asarray(seq), top.indices.cpu().numpy(), top.values.cpu().numpy(), len(p) - 1))
-            bar.update(len(chunk))
+    for p, t in answers(target, prompts, new_tokens=new_tokens, batch=batch, temperature=temperature, seed=seed,
+                        desc="taps train table", quiet=quiet):
+        seq = p + t
+        with torch.no_grad():
+            logits = target(torch.tensor([seq], device=device)).logits[0, :-1].float()
+        top = torch.softmax(logits, -1).topk(min(keep, vocab), -1)
+        rows.append((np.asarray(seq), top.indices.cpu().numpy(), top.values.cpu().numpy(), len(p) - 1))
     return NgramTable.from_distributions(rows, vocab, max_order=max_order, entries=entries, min_count=min_count,
                                          meta=meta)
 
 
 def write_table(args) -> Path:
     """``taps train table``: build a table of the target's distributions and write it with its manifest."""
-    import torch
+    from .store import save_with_manifest, start_answers
 
-    from ..files import sha256_file
-    from ..models import MANIFEST, load_target, weights_digest
-    from .store import store_prompts
-
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    target, tok = load_target(args.target, dtype=torch.float32)
-    prompts, facts = store_prompts(args.math, args.chat, args.seed, args.shared_data)
-    if not prompts:
-        raise ValueError("taps train table: no prompts (--math and --chat are both 0)")
+    target, tok, prompts, meta, started = start_answers(args, "table", f", contexts of up to {args.max_order} tokens")
     encoded = [tok.encode_chat(m, add_generation_prompt=True)[-512:] for m in prompts]
-    counts = ", ".join(f"{k} {v['used']}" for k, v in facts.items())
-    print(f"[train table] {len(prompts)} prompts ({counts}), {args.new_tokens} new tokens each, "
-          f"T = {args.temperature}, contexts of up to {args.max_order} tokens", flush=True)
-    started = time.time()
-    meta = {"target_weights_sha256": weights_digest(args.target), "prompts": facts, "new_tokens": args.new_tokens,
-            "temperature": args.temperature, "seed": args.seed}
     table = build_table(target, encoded, new_tokens=args.new_tokens, batch=args.batch,
                         temperature=args.temperature, seed=args.seed, max_order=args.max_order,
                         entries=args.entries, min_count=args.min_count, meta=meta)
     out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    table.save(out / TABLE_FILE)
-    manifest = {"kind": "ngram-table", **meta, "contexts": table.num_contexts, "max_order": table.max_order,
-                "entries": args.entries, "min_count": args.min_count, "elapsed_s": round(time.time() - started, 1),
-                "command": (f"taps train table --math {args.math} --chat {args.chat} --new-tokens {args.new_tokens} "
-                            f"--temperature {args.temperature} --max-order {args.max_order} --entries "
-                            f"{args.entries} --min-count {args.min_count} --seed {args.seed}"),
-                "files": {TABLE_FILE: sha256_file(out / TABLE_FILE)}}
-    (out / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
+    save_with_manifest(out, TABLE_FILE, table.save, {
+        "kind": "ngram-table", **meta, "contexts": table.num_contexts, "max_order": table.max_order,
+        "entries": args.entries, "min_count": args.min_count, "elapsed_s": round(time.time() - started, 1),
+        "command": (f"taps train table --math {args.math} --chat {args.chat} --new-tokens {args.new_tokens} "
+                    f"--temperature {args.temperature} --max-order {args.max_order} --entries "
+                    f"{args.entries} --min-count {args.min_count} --seed {args.seed}")})
     print(f"[train table] saved {out / TABLE_FILE}: {table.num_contexts} contexts", flush=True)
     return out
 
