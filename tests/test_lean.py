@@ -386,6 +386,34 @@ def test_lazy_head_verification_equals_the_full_logits(sample):
 
 
 @torch.no_grad()
+def test_lazy_head_by_default_only_where_first_child_chains_are_short(monkeypatch):
+    """The default (lazy=None, a head counted large): a chain (every node on the first-child chain) gets one
+    product over all its rows; a bushy tree gets its first-child chain's rows first; both give the full
+    result."""
+    import taps.forward as tf
+
+    monkeypatch.setattr(tf, "LAZY_HEAD_MIN", 0)
+    model = hf.use_taps_attention(_model("llama", vocab=50))
+    fwd = TargetForward(model)
+    fwd.new_cache(1, 8)
+    rows, head = [], fwd.logits
+    monkeypatch.setattr(fwd, "logits", lambda h: rows.append((h.numel() // h.shape[-1], h.dim())) or head(h))
+    gen = torch.Generator().manual_seed(3)
+    hidden = torch.randn(2, 16, 32, generator=gen)
+    tokens = torch.randint(0, 50, (2, 16), generator=gen)
+    uniforms = torch.rand(2, 16, generator=gen)
+    chain = torch.arange(-1, 15).repeat(2, 1)
+    bushy = torch.tensor([-1] + [0] * 5 + [1 + (i // 2) for i in range(10)]).repeat(2, 1)  # chains 0, 1, 6
+    for parents, first in ((chain, (32, 3)), (bushy, (6, 2))):  # (rows, 3: the [B, N, H] states as they are)
+        full = fwd.verify(hidden, tokens, parents, lazy=False, uniforms=uniforms)
+        rows.clear()
+        out = fwd.verify(hidden, tokens, parents, uniforms=uniforms)
+        assert rows[0] == first and sum(r for r, _ in rows) <= 32, rows
+        for a, b in zip(full, out):
+            assert torch.equal(a, b)
+
+
+@torch.no_grad()
 def test_forwards_of_one_target_share_its_packed_weights():
     """Decoders of one target keep one packed copy of its weights (the lean model's fused projections are
     as large as the weights), rebuilt for all of them when a parameter changes, and freed with the last."""

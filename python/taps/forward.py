@@ -22,17 +22,22 @@ from torch import Tensor, nn
 import taps_ops
 
 from . import hf
-from .kv import TreeAttend, cache_attend, causal_append, causal_bits, pack_bits
+from .kv import TreeAttend, cache_attend, causal_append, causal_bits
 from .lean import LeanCausalLM, Linear, lean_support, stack_key
 
-__all__ = ["TargetForward", "LAZY_HEAD_MIN", "LAZY_MIN_NODES"]
+__all__ = ["TargetForward", "LAZY_HEAD_MIN", "LAZY_MIN_NODES", "LAZY_MAX_CHAIN"]
 
 #: lm_head size (vocabulary x hidden) and tree size from which verification computes only the visited rows
-#: on the CPU by default: the lazy walk's fixed cost (a few operations, a zeroed logits buffer) equals about
-#: 24 rows of the shipped target's head (bench: 593 us lazy vs 502 us full at 16 nodes, 586 vs 661 at 24,
-#: 632 vs 994 at 41; development CPU, bf16)
+#: on the CPU by default (:meth:`TargetForward.verify`; the lazy walk's own cost is a host loop over the nodes and
+#: one more walk when the path leaves the first-child chain, ~30-50 us; the shipped target's head costs ~23 us a
+#: row in bf16, ~40 in fp32, Zen 4)
 LAZY_HEAD_MIN = 1 << 20
-LAZY_MIN_NODES = 24
+LAZY_MIN_NODES = 12
+#: by default the lazy head is used only when the trees' first-child chains hold at most this share of their
+#: real nodes: a chain (prompt lookup's, a token store's) has every node on it, and computing its rows in
+#: chunks as the walk goes measured slower than one product over all of them (a second call re-reads the whole
+#: head: store rows 3-6% slower in fp32 and bf16)
+LAZY_MAX_CHAIN = 0.5
 #: a batch of trees runs packed (its real nodes only, :meth:`TargetForward.tree`) when its padding is at least
 #: this share of its [B, N] grid (packing adds a few index operations per layer)
 PACK_MIN_PADDING = 0.25
@@ -292,54 +297,92 @@ class TargetForward:
                **sample) -> taps_ops.VerifyOutput:
         """``taps_ops.verify_tree`` of trees [B, N] from the final hidden states [B, N, H] of a tree forward.
 
-        The walk reads the logits of the nodes it visits only (the accepted path). ``lazy`` (needs the
-        trees' ``tree_mask``; default: on the CPU, for heads of at least :data:`LAZY_HEAD_MIN` weights and
-        trees of :data:`LAZY_MIN_NODES` nodes or more) computes the lm_head for those rows instead of all
-        N: first for each tree's *first-child chain* (the root, its best child, that child's best child,
-        ...: siblings are ordered best first), then, when the walk reached a node whose row was not
-        computed, for that node's chain, and the walk is run again with the same coins until every node on its path was
-        computed. The result is exactly that of the full-logits walk (the same rows, the same coins). On a
-        GPU the full head is one cheap matrix product and needs no host decisions: the default there.
+        The walk reads the logits of the nodes it visits only (the accepted path). ``lazy`` (default: on the
+        CPU, for heads of at least :data:`LAZY_HEAD_MIN` weights, trees of :data:`LAZY_MIN_NODES` nodes or more
+        and first-child chains of at most :data:`LAZY_MAX_CHAIN` of the real nodes) computes the lm_head for
+        those rows instead of all N: first for each tree's *first-child chain* (the root, its best child, that
+        child's best child, ...: siblings are ordered best first), then, when the walk reached a node whose row
+        was not computed, for the chain below that node, and the walk is run again with the same coins until
+        every node on its path was computed (an EAGLE tree of 16 nodes and depth 3 costs about 4 rows). The
+        result is exactly that of the full-logits walk (the same rows, the same coins). On a GPU the full head
+        is one cheap matrix product and needs no host decisions: the default there.
+        ``tree_mask`` is not read (kept for callers that pass it).
         ``uniforms [B, N]``: the coins (default: drawn from `generator`). ``packed``: a packed forward's
         (slots, hidden [M, H]) (:attr:`hf.ForwardOutput.packed`): without the lazy head, the head runs over
         those M rows only (the other slots' logits, padding the walk never reads, are not written).
         """
         batch, num, _ = hidden.shape
-        if lazy is None:  # on the CPU, where the head is a large share of the step
+        auto = lazy is None
+        if auto:  # on the CPU, where the head is a large share of the step
             lazy = hidden.device.type == "cpu" and self.head.weight.numel() >= LAZY_HEAD_MIN and num >= LAZY_MIN_NODES
         if uniforms is None:
             uniforms = torch.rand((batch, num), generator=generator, device=hidden.device, dtype=torch.float32)
-        if not lazy or num == 1 or tree_mask is None:
-            if packed is not None:
-                slots, rows = packed
-                logits = self.logits(rows)
-                # the padding slots' logits are not written (B x N x V floats): the walk reads the rows of the
-                # nodes it visits, real nodes only (a padding node has no parent); one grid of up to
-                # LOGITS_GRID_KEEP floats kept for the decoder's steps (a new one each step paid its pages'
-                # first touch, ~0.1 ms at 8 x 16 x 8192)
-                size = batch * num * logits.shape[-1]
-                grid = self._logits_grid
-                if grid is None or grid.numel() < size or grid.dtype != logits.dtype or grid.device != logits.device:
-                    grid = logits.new_empty(size)
-                    self._logits_grid = grid if size <= LOGITS_GRID_KEEP else None
-                grid = grid[:size].view(batch * num, -1).index_copy_(0, slots, logits).view(batch, num, -1)
-                return taps_ops.verify_tree(grid, tokens, parents, uniforms=uniforms, **sample)
-            return taps_ops.verify_tree(self.logits(hidden), tokens, parents, uniforms=uniforms, **sample)
-        chains = _FirstChildChains(tokens, parents, tree_mask)
-        logits = hidden.new_zeros((batch, num, self.head.weight.shape[0]))
-        done = torch.zeros((batch, num), dtype=torch.bool, device=hidden.device)
-        start = torch.zeros(batch, dtype=torch.int64, device=hidden.device)  # the roots
-        while True:
-            rows = chains.below(start) & ~done
-            logits[rows] = self.logits(hidden[rows])
-            done |= rows
-            ver = taps_ops.verify_tree(logits, tokens, parents, uniforms=uniforms, **sample)
-            missing = ~done.gather(1, ver.path.clamp_min(0)) & (ver.path >= 0)   # [B, N]
-            if not bool(missing.any()):
+        if lazy and num > 1:
+            ver = self._lazy_verify(hidden, tokens, parents, uniforms, sample, auto)
+            if ver is not None:
                 return ver
-            # per request, the first path node whose row is missing (its chain is computed next)
-            first = missing.long().argmax(1)
-            start = torch.where(missing.any(1), ver.path.gather(1, first.unsqueeze(1)).squeeze(1), 0)
+        if packed is not None:
+            slots, rows = packed
+            logits = self.logits(rows)
+            # the padding slots' logits are not written (B x N x V floats): the walk reads the rows of the
+            # nodes it visits, real nodes only (a padding node has no parent)
+            grid = self._grid(batch * num * logits.shape[-1], logits)
+            grid = grid.view(batch * num, -1).index_copy_(0, slots, logits).view(batch, num, -1)
+            return taps_ops.verify_tree(grid, tokens, parents, uniforms=uniforms, **sample)
+        return taps_ops.verify_tree(self.logits(hidden), tokens, parents, uniforms=uniforms, **sample)
+
+    def _grid(self, size: int, like: Tensor) -> Tensor:
+        """A logits buffer of `size` elements of `like`'s dtype and device, kept for the next step up to
+        :data:`LOGITS_GRID_KEEP` elements (a new one each step paid its pages' first touch, ~0.1 ms at 8 x 16 x
+        8192). Its rows hold earlier steps' logits (finite values; zeros when new): a walk reads the rows of the
+        nodes it visits only, and those are written first."""
+        grid = self._logits_grid
+        if grid is None or grid.numel() < size or grid.dtype != like.dtype or grid.device != like.device:
+            grid = like.new_zeros(size)
+            self._logits_grid = grid if size <= LOGITS_GRID_KEEP else None
+        return grid[:size]
+
+    def _lazy_verify(self, hidden: Tensor, tokens: Tensor, parents: Tensor, uniforms: Tensor, sample: dict,
+                     auto: bool) -> Optional[taps_ops.VerifyOutput]:
+        """:meth:`verify` with the lm_head computed for the rows the walk visits (see there); None when `auto`
+        and the first-child chains hold more than :data:`LAZY_MAX_CHAIN` of the real nodes (the caller then
+        computes every row)."""
+        batch, num, width = hidden.shape
+        # each node's first child (lowest index), on the host: ~1 us a node, against tens of tensor operations
+        first = [[-1] * num for _ in range(batch)]
+        real = 0
+        for b, (row, toks) in enumerate(zip(parents.tolist(), tokens.tolist())):
+            kids = first[b]
+            for i in range(num - 1, 0, -1):
+                if row[i] >= 0 and toks[i] >= 0:
+                    kids[row[i]] = i
+                    real += 1
+        done = [[False] * num for _ in range(batch)]
+        starts = [0] * batch  # the roots
+        flat = hidden.reshape(batch * num, width)
+        grid = None
+        while True:
+            rows = []
+            for b, node in enumerate(starts):
+                seen, kids = done[b], first[b]
+                while node >= 0:
+                    if not seen[node]:
+                        seen[node] = True
+                        rows.append(b * num + node)
+                    node = kids[node]
+            if grid is None and auto and len(rows) - batch > LAZY_MAX_CHAIN * real:
+                return None  # (both counts without the roots)
+            index = torch.tensor(rows, dtype=torch.int64, device=hidden.device)
+            logits = self.logits(flat.index_select(0, index))
+            if grid is None:
+                grid = self._grid(batch * num * logits.shape[-1], logits).view(batch * num, -1)
+            _put_rows(grid, rows, logits, index)
+            ver = taps_ops.verify_tree(grid.view(batch, num, -1), tokens, parents, uniforms=uniforms, **sample)
+            # per request, the first node of its path whose row is missing (-1: none): its chain is computed next
+            starts = [next((node for node in path if node >= 0 and not seen[node]), -1)
+                      for path, seen in zip(ver.path.tolist(), done)]
+            if max(starts) < 0:
+                return ver
 
 
 def _unpack(rows: Tensor, slots: Tensor, batch: int, num: int) -> Tensor:
@@ -347,27 +390,21 @@ def _unpack(rows: Tensor, slots: Tensor, batch: int, num: int) -> Tensor:
     return rows.new_zeros((batch * num, rows.shape[-1])).index_copy_(0, slots, rows).view(batch, num, -1)
 
 
-class _FirstChildChains:
-    """Which nodes of trees [B, N] lie on the first-child chain below a given node, from the ancestor
-    bitmask: node i is on the chain below s when s is an ancestor-or-self of i and every node of the path
-    from s (excluded) to i is its parent's first child (lowest index)."""
+#: the most runs of consecutive rows :func:`_put_rows` copies one by one (more: one index_copy_)
+PUT_ROWS_RUNS = 4
 
-    def __init__(self, tokens: Tensor, parents: Tensor, tree_mask: Tensor):
-        batch, num = tokens.shape
-        words = tree_mask.shape[-1]
-        idx = torch.arange(num, device=tokens.device)
-        real = (parents >= 0) & (tokens >= 0)
-        first = torch.full((batch, num + 1), num, dtype=torch.int64, device=tokens.device)
-        first.scatter_reduce_(1, torch.where(real, parents, num), idx.expand(batch, num), "amin")
-        is_first = (first[:, :num].gather(1, parents.clamp_min(0)) == idx) & real
-        self.not_first = pack_bits(~is_first, words)                 # [B, W]
-        self.mask, self.real, self.words = tree_mask, tokens >= 0, words
 
-    def below(self, start: Tensor) -> Tensor:
-        """[B, N] bool: the nodes on the first-child chain below start [B] (start itself included)."""
-        batch, num, words = self.mask.shape
-        anc = self.mask.gather(1, start.view(batch, 1, 1).expand(batch, 1, words))       # [B, 1, W]
-        word = self.mask.gather(2, (start // 64).view(batch, 1, 1).expand(batch, num, 1)).squeeze(-1)
-        under = ((word >> (start % 64).view(batch, 1)) & 1).bool()                       # start is an ancestor
-        clean = ((self.mask & ~anc & self.not_first.unsqueeze(1)) == 0).all(-1)
-        return under & clean & self.real
+def _put_rows(grid: Tensor, rows: Sequence[int], values: Tensor, index: Tensor) -> None:
+    """grid[rows[i]] = values[i] (host ints `rows`, `index` the same as a tensor): a slice copy per run of
+    consecutive rows when there are few (a run's copy costs a few microseconds; ``index_copy_`` of 8 bf16 rows
+    of 8,192 logits 29 us against 5), else one ``index_copy_``."""
+    runs, start = [], 0
+    for i in range(1, len(rows) + 1):
+        if i == len(rows) or rows[i] != rows[i - 1] + 1:
+            runs.append((start, i))
+            start = i
+    if len(runs) > PUT_ROWS_RUNS:
+        grid.index_copy_(0, index, values)
+        return
+    for a, b in runs:
+        grid[rows[a]:rows[a] + b - a].copy_(values[a:b])
