@@ -222,6 +222,11 @@ TORCH_LIBRARY(taps_ops, m) {
   // sums rounded once (AVX512-BF16's dot products at the avx512 level where the CPU has them: the same bits).
   // CPU only (cpu/panel_linear.cpp); no data checks, so no validate flag.
   m.def("panel_linear(Tensor x, Tensor panels, Tensor? bias=None) -> Tensor");
+  // The argmax of panel_linear(x, panels) per row (ties to the lowest id), bit for bit, from an int8 screen of the
+  // same weight: screen [out / 16, ceil(in / 4), 16, 4] i8, meta [3, out] f32 (scales, the screen's row sums and
+  // |row|_1: taps_ops.pack_head_screen); x [..., in] f32 (or bf16 over bf16 panels) -> [...] i64. CPU only
+  // (cpu/head_argmax.cpp).
+  m.def("head_argmax(Tensor x, Tensor screen, Tensor meta, Tensor panels) -> Tensor");
   // A token store's continuation of a context (cpu/token_store.cpp; host data, CPU only): tokens [L] i32 (-1
   // between sequences), ends [M] i64, cols [K, M] i32 (the reversed suffix array taps.drafters.store builds);
   // context: the context's last tokens -> [n, lo, hi, continuation...]: the longest suffix matched (<= K

@@ -503,6 +503,11 @@ at::Tensor panel_linear_cpu(const at::Tensor& x_in, const at::Tensor& panels, co
 
 TORCH_LIBRARY_IMPL(taps_ops, CPU, m) { m.impl("panel_linear", &panel_linear_cpu); }
 
+// panel_linear without a bias, for the CPU ops built on it (head_argmax's exact rows)
+at::Tensor panel_linear_call(const at::Tensor& x, const at::Tensor& panels) {
+  return panel_linear_cpu(x, panels, std::nullopt);
+}
+
 bool set_panel_next_op(bool on) { return panel_cpu::next_setting.exchange(on); }
 
 void follow_panels(const at::Tensor& panels) {

@@ -130,6 +130,7 @@ class TargetForward:
         self.lean: Optional[LeanCausalLM] = None
         self._packed: Optional[_Packed] = None
         self._logits_grid: Optional[Tensor] = None  # reused by packed verifications (see verify)
+        self._onehot: Optional[Tensor] = None       # greedy verification's zeroed one-hot grid (see verify)
         self.head = Linear(model.get_output_embeddings().weight, model.get_output_embeddings().bias)
 
     def new_cache(self, batch: int, max_len: int) -> hf.TreeKVCache:
@@ -317,10 +318,16 @@ class TargetForward:
             lazy = hidden.device.type == "cpu" and self.head.weight.numel() >= LAZY_HEAD_MIN and num >= LAZY_MIN_NODES
         if uniforms is None:
             uniforms = torch.rand((batch, num), generator=generator, device=hidden.device, dtype=torch.float32)
+        # greedy (temperature 0, no drawn draft): the head's argmax per row is all the walk reads
+        greedy = _greedy(sample) and self.head.screens(hidden if packed is None else packed[1])
         if lazy and num > 1:
-            ver = self._lazy_verify(hidden, tokens, parents, uniforms, sample, auto)
+            ver = self._lazy_verify(hidden, tokens, parents, uniforms, sample, auto, greedy)
             if ver is not None:
                 return ver
+        if greedy:
+            slots, rows = packed if packed is not None else (None, hidden.reshape(batch * num, -1))
+            index = torch.arange(batch * num, device=rows.device) if slots is None else slots
+            return self._onehot_verify(index, rows, (batch, num), tokens, parents, uniforms, sample)
         if packed is not None:
             slots, rows = packed
             logits = self.logits(rows)
@@ -342,8 +349,32 @@ class TargetForward:
             self._logits_grid = grid if size <= LOGITS_GRID_KEEP else None
         return grid[:size]
 
+    def _onehot_grid(self, size: int, device: torch.device) -> Tensor:
+        """A zeroed bf16 buffer of `size` elements for greedy verification's one-hot rows (kept for the next step
+        up to :data:`LOGITS_GRID_KEEP` elements; its users set ones and clear them again)."""
+        grid = self._onehot
+        if grid is None or grid.numel() < size or grid.device != device:
+            grid = torch.zeros(size, dtype=torch.bfloat16, device=device)
+            self._onehot = grid if size <= LOGITS_GRID_KEEP else None
+        return grid[:size]
+
+    def _onehot_verify(self, index: Tensor, rows: Tensor, shape: Tuple[int, int], tokens: Tensor, parents: Tensor,
+                       uniforms: Tensor, sample: dict) -> taps_ops.VerifyOutput:
+        """Greedy verification from the head's argmax of hidden `rows` at flat [B * N] positions `index`: a bf16
+        grid [B, N, V] of zeros with a one at each computed row's argmax (the walk reads visited rows only, and
+        at temperature 0 a row's argmax is all it reads of it)."""
+        batch, num = shape
+        vocab = self.head.weight.shape[0]
+        grid = self._onehot_grid(batch * num * vocab, rows.device)
+        at = index * vocab + self.head.argmax(rows)
+        grid.index_fill_(0, at, 1.0)
+        try:
+            return taps_ops.verify_tree(grid.view(batch, num, vocab), tokens, parents, uniforms=uniforms, **sample)
+        finally:
+            grid.index_fill_(0, at, 0.0)
+
     def _lazy_verify(self, hidden: Tensor, tokens: Tensor, parents: Tensor, uniforms: Tensor, sample: dict,
-                     auto: bool) -> Optional[taps_ops.VerifyOutput]:
+                     auto: bool, greedy: bool = False) -> Optional[taps_ops.VerifyOutput]:
         """:meth:`verify` with the lm_head computed for the rows the walk visits (see there); None when `auto`
         and the first-child chains hold more than :data:`LAZY_MAX_CHAIN` of the real nodes (the caller then
         computes every row)."""
@@ -360,29 +391,52 @@ class TargetForward:
         done = [[False] * num for _ in range(batch)]
         starts = [0] * batch  # the roots
         flat = hidden.reshape(batch * num, width)
-        grid = None
-        while True:
-            rows = []
-            for b, node in enumerate(starts):
-                seen, kids = done[b], first[b]
-                while node >= 0:
-                    if not seen[node]:
-                        seen[node] = True
-                        rows.append(b * num + node)
-                    node = kids[node]
-            if grid is None and auto and len(rows) - batch > LAZY_MAX_CHAIN * real:
-                return None  # (both counts without the roots)
-            index = torch.tensor(rows, dtype=torch.int64, device=hidden.device)
-            logits = self.logits(flat.index_select(0, index))
-            if grid is None:
-                grid = self._grid(batch * num * logits.shape[-1], logits).view(batch * num, -1)
-            _put_rows(grid, rows, logits, index)
-            ver = taps_ops.verify_tree(grid.view(batch, num, -1), tokens, parents, uniforms=uniforms, **sample)
-            # per request, the first node of its path whose row is missing (-1: none): its chain is computed next
-            starts = [next((node for node in path if node >= 0 and not seen[node]), -1)
-                      for path, seen in zip(ver.path.tolist(), done)]
-            if max(starts) < 0:
-                return ver
+        grid, marks = None, []
+        vocab = self.head.weight.shape[0]
+        try:
+            while True:
+                rows = []
+                for b, node in enumerate(starts):
+                    seen, kids = done[b], first[b]
+                    while node >= 0:
+                        if not seen[node]:
+                            seen[node] = True
+                            rows.append(b * num + node)
+                        node = kids[node]
+                if grid is None and auto and len(rows) - batch > LAZY_MAX_CHAIN * real:
+                    return None  # (both counts without the roots)
+                index = torch.tensor(rows, dtype=torch.int64, device=hidden.device)
+                states = flat.index_select(0, index)
+                if greedy:  # one-hot rows of the head's argmax (see _onehot_verify)
+                    if grid is None:
+                        grid = self._onehot_grid(batch * num * vocab, hidden.device)
+                    marks.append(index * vocab + self.head.argmax(states))
+                    grid.index_fill_(0, marks[-1], 1.0)
+                else:
+                    logits = self.logits(states)
+                    if grid is None:
+                        grid = self._grid(batch * num * logits.shape[-1], logits)
+                    _put_rows(grid.view(batch * num, -1), rows, logits, index)
+                ver = taps_ops.verify_tree(grid.view(batch, num, -1), tokens, parents, uniforms=uniforms, **sample)
+                # per request, the first node of its path whose row is missing (-1: none): its chain is computed next
+                starts = [next((node for node in path if node >= 0 and not seen[node]), -1)
+                          for path, seen in zip(ver.path.tolist(), done)]
+                if max(starts) < 0:
+                    return ver
+        finally:
+            for at in marks:
+                grid.index_fill_(0, at, 0.0)
+
+
+def _greedy(sample: dict) -> bool:
+    """Whether verification with these settings is greedy: temperature 0 for every request (a scalar, or a CPU
+    tensor of zeros) and no drawn draft."""
+    if sample.get("draft_probs") is not None:
+        return False
+    temperature = sample.get("temperature", 0.0)
+    if isinstance(temperature, Tensor):
+        return temperature.device.type == "cpu" and not bool(temperature.any())
+    return float(temperature) == 0.0
 
 
 def _unpack(rows: Tensor, slots: Tensor, batch: int, num: int) -> Tensor:

@@ -79,7 +79,7 @@ class Linear:
         biases: matching bias(es) or None.
     """
 
-    __slots__ = ("weight", "bias", "stacked", "packed", "widened", "half", "transposed", "panels")
+    __slots__ = ("weight", "bias", "stacked", "packed", "widened", "half", "transposed", "panels", "screen")
 
     def __init__(self, weights, biases=None):
         self.packed = None
@@ -87,6 +87,7 @@ class Linear:
         self.half: Optional[torch.dtype] = None   # a widened weight's own dtype (its values are exact in it)
         self.transposed: Optional[Tensor] = None  # [in, out] contiguous: products as x @ W^T laid out NN
         self.panels: Optional[Tensor] = None      # taps_ops.pack_panels copy: products by taps_ops.panel_linear
+        self.screen: Optional[Tuple[Tensor, Tensor]] = None  # taps_ops.pack_head_screen, built by argmax()
         if isinstance(weights, (list, tuple)):
             if len(weights) == 1:
                 weights, biases = weights[0], (biases[0] if biases is not None else None)
@@ -260,6 +261,26 @@ class Linear:
             return self._product(x.float()).to(x.dtype)
         return self._product(x)
 
+    def screens(self, x: Tensor) -> bool:
+        """Whether greedy verification takes its argmax from :meth:`argmax`: a CPU weight kept as panels without
+        a bias, not stacked, autograd off, :data:`HEAD_SCREEN` on, the CPU kernels at the avx2 level or above
+        (the scalar screen measured 0.6x the scalar product), and float32 x (float32 logits). bfloat16 x
+        over bfloat16 panels (bf16 logits) is left to the full product: there the product already runs on
+        AVX512-BF16's dot products and the screen keeps one bf16 step of margin, and decoding measured no gain
+        (the op itself takes it: :func:`taps_ops.head_argmax`)."""
+        return (self.panels is not None and not self.stacked and self.bias is None and HEAD_SCREEN
+                and x.dtype == torch.float32 and x.device.type == "cpu" and not torch.is_grad_enabled()
+                and taps_ops.cpu_level() != "scalar")
+
+    def argmax(self, x: Tensor) -> Tensor:
+        """``self(x).argmax(-1)`` (ties to the lowest id) where :meth:`screens` says yes, by
+        :func:`taps_ops.head_argmax`: an int8 screen of the weight (built at the first call, a quarter of a
+        float32 weight's bytes) and the panels of the outputs that could be the maximum, bit for bit the full
+        product's argmax at a fraction of its cost."""
+        if self.screen is None:
+            self.screen = taps_ops.pack_head_screen(self.weight)
+        return taps_ops.head_argmax(x, *self.screen, self.panels)
+
     def _panels_product(self, x: Tensor) -> Tensor:
         if not self.stacked:
             return _panel_linear(x, self.panels, self.bias)
@@ -283,6 +304,10 @@ class Linear:
         return torch.bmm(x, self.weight)
 
 
+#: greedy verification's argmax of a float32 head kept as panels through its int8 screen (:meth:`Linear.argmax`,
+#: ``taps_ops.head_argmax``: the same tokens as the full product; fp32 shipped target, Zen 4: taps autoregressive
+#: 1.18x, token-store rows 1.11x faster); TAPS_HEAD_SCREEN=0 turns it off
+HEAD_SCREEN = os.environ.get("TAPS_HEAD_SCREEN", "1") != "0"
 #: float32 weights of at least this many output rows called with ``Linear.pack(choose_layout=True)`` (heads)
 #: have their layout timed at load (a few milliseconds for a 32,000-row head)
 LAYOUT_MIN_ROWS = 4096

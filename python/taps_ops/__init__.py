@@ -61,7 +61,7 @@ def _load_library():
 _OPS = ("verify_tree", "build_tree", "merge_trees", "tree_attention", "compact_kv", "rms_norm", "rope_",
         "expand_level", "decoder_layer", "panel_linear", "_cpu_isa", "_set_cpu_isa", "_cpu_features",
         "_set_panel_prefetch", "_set_panel_next", "token_store_continuation", "ngram_table_logits",
-        "ngram_table_draw")
+        "ngram_table_draw", "head_argmax")
 
 
 # the latest argument each op gained (a library that lacks it was built before it)
@@ -89,8 +89,8 @@ _panel_linear_fast = getattr(_library, "panel_linear", None)
 
 __all__ = [
     "VerifyOutput", "Tree", "MergedTree", "verify_tree", "build_tree", "merge_trees",
-    "tree_attention", "compact_kv", "rms_norm", "rope_", "pack_panels", "panel_linear", "PANEL_WIDTH", "ExpandLevel", "expand_level", "decoder_layer",
-    "token_store_continuation", "ngram_table_logits", "ngram_table_draw", "NGRAM_FLOOR_LOGIT", "has_cuda_kernels", "cpu_info", "set_cpu_isa", "native_half_matmul", "CPU_ISA_LEVELS",
+    "tree_attention", "compact_kv", "rms_norm", "rope_", "pack_panels", "panel_linear", "PANEL_WIDTH", "pack_head_screen", "head_argmax", "ExpandLevel", "expand_level", "decoder_layer",
+    "token_store_continuation", "ngram_table_logits", "ngram_table_draw", "NGRAM_FLOOR_LOGIT", "has_cuda_kernels", "cpu_info", "set_cpu_isa", "cpu_level", "native_half_matmul", "CPU_ISA_LEVELS",
 ]
 
 Scalar = Union[float, int, Tensor]
@@ -157,6 +157,7 @@ _OP_MAX_ISA = {
     "rope_": "avx512",            # explicit AVX2 / AVX-512 (+ AVX512-BF16 rounding) vectors
     "expand_level": "avx2",
     "panel_linear": "avx512",     # register-blocked FMA kernels AVX-512 / AVX2 + FMA / scalar std::fma (same bits)
+    "head_argmax": "avx512",      # int8 screen: AVX512-VNNI (avx512 level on a VNNI host, else AVX2's) / AVX2 / scalar
     "build_tree": "scalar",       # scalar tree logic (no vector path to choose)
     "merge_trees": "scalar",
     "compact_kv": "scalar",       # memcpy
@@ -227,13 +228,21 @@ def set_cpu_isa(level: str) -> str:
     this CPU cannot run."""
     if level not in CPU_ISA_LEVELS:
         raise ValueError(f"taps_ops.set_cpu_isa: level must be one of {', '.join(CPU_ISA_LEVELS)}, got {level!r}")
+    global _LEVEL
     previous = torch.ops.taps_ops._cpu_isa()
     torch.ops.taps_ops._set_cpu_isa(level)
+    _LEVEL = torch.ops.taps_ops._cpu_isa()
     return previous
 
 
+def cpu_level() -> str:
+    """The CPU kernels' level in force (what :func:`cpu_info` reports as ``isa``), without a call into the
+    library: for per-step decisions."""
+    return _LEVEL
+
+
 # Read the level once at import: a bad TAPS_CPU_ISA is a clear ValueError here, not at the first op call.
-torch.ops.taps_ops._cpu_isa()
+_LEVEL = torch.ops.taps_ops._cpu_isa()
 
 
 def _per_request(value: Scalar, batch: int, dtype: torch.dtype, device: torch.device, name: str) -> Tensor:
@@ -691,6 +700,75 @@ def panel_linear(x: Tensor, panels: Tensor, bias: Optional[Tensor] = None) -> Te
         if isinstance(t, Tensor) and t.device.type != "cpu":
             raise ValueError(f"taps_ops: panel_linear: a CPU op, got {name} on {t.device}")
     return _panel_linear_op(x, panels, bias)
+
+
+def pack_head_screen(weight: Tensor) -> Tuple[Tensor, Tensor]:
+    """The int8 screen of a linear head [out, in] that :func:`head_argmax` reads beside its panels: ``(screen,
+    meta)``, screen [out / 16, ceil(in / 4), 16, 4] int8 (element [p, g, o, k] = q[16p + o, 4g + k], zero past
+    in; q = round(W / s) per output row, s = max|W_row| / 127) and meta [3, out] float32 (s, sum(q_row),
+    sum|q_row|). A copy (a quarter of the float32 weight's bytes); out must be a multiple of 16 and every
+    weight finite.
+
+    Args:
+        weight: [out, in] float32 or bfloat16 (the values the panels hold).
+    """
+    if not isinstance(weight, Tensor) or weight.dim() != 2:
+        raise ValueError(f"taps_ops: pack_head_screen: weight must be a 2-D tensor [out, in], got "
+                         f"{tuple(weight.shape) if isinstance(weight, Tensor) else type(weight).__name__}")
+    if weight.dtype not in (torch.float32, torch.bfloat16):
+        raise ValueError(f"taps_ops: pack_head_screen: weight must be float32 or bfloat16, got {weight.dtype}")
+    out, inner = weight.shape
+    if out % PANEL_WIDTH != 0:
+        raise ValueError(f"taps_ops: pack_head_screen: out = {out} features must be a multiple of {PANEL_WIDTH}")
+    w = weight.detach().to(torch.float64)
+    if not bool(torch.isfinite(w).all()):
+        raise ValueError("taps_ops: pack_head_screen: the weight holds non-finite values")
+    scale = (w.abs().amax(1) / 127).to(torch.float32)
+    safe = torch.where(scale > 0, scale.double(), torch.ones_like(w[:, 0]))
+    q = torch.round(w / safe.unsqueeze(1)).clamp_(-127, 127).to(torch.int8)
+    groups = (inner + 3) // 4
+    padded = torch.zeros((out, groups * 4), dtype=torch.int8, device=weight.device)
+    padded[:, :inner] = q
+    screen = padded.view(out // PANEL_WIDTH, PANEL_WIDTH, groups, 4).transpose(1, 2).contiguous()
+    meta = torch.stack([scale, q.sum(1, dtype=torch.int64).float(), q.abs().sum(1, dtype=torch.int64).float()])
+    return screen, meta
+
+
+_head_argmax_op = torch.ops.taps_ops.head_argmax.default
+
+
+def head_argmax(x: Tensor, screen: Tensor, meta: Tensor, panels: Tensor) -> Tensor:
+    """``panel_linear(x, panels).argmax(-1)`` (ties to the lowest id), bit for bit, at a fraction of its cost:
+    the greedy token of each row under a head kept as panels, for verification at temperature 0.
+
+    An int8 screen of the same weight (:func:`pack_head_screen`) and x quantized per row to 7 bits give each
+    output an approximate logit and a rigorous bound on its distance to the exact one (the quantization of
+    both, and the float32 rounding of the exact sum); only the panels holding outputs that could be the
+    maximum (one bfloat16 step wider when x is bfloat16: its logits are rounded so) are multiplied exactly, by
+    panel_linear's own kernel, and the argmax is taken among them. Rows that are not finite or all zero, or
+    whose screen keeps more than 256 candidates, get the full product. The integer sums are exact at every
+    level (AVX512-VNNI at the avx512 level where the CPU has it, else AVX2, else scalar), so the result is
+    the same at every level.
+
+    Args:
+        x: [..., in] float32, or bfloat16 over bfloat16 panels.
+        screen, meta: :func:`pack_head_screen` of the weight the panels hold.
+        panels: :func:`pack_panels` of that weight (no bias).
+
+    Returns:
+        [...] int64. CPU only; tensors elsewhere raise ValueError.
+    """
+    for name, t in (("x", x), ("screen", screen), ("meta", meta), ("panels", panels)):
+        if not isinstance(t, Tensor):
+            raise ValueError(f"taps_ops: head_argmax: {name} must be a tensor, got {type(t).__name__}")
+        if t.device.type != "cpu":
+            raise ValueError(f"taps_ops: head_argmax: a CPU op, got {name} on {t.device}")
+    if panels.dim() == 3 and x.dtype != torch.float32:
+        raise ValueError(f"taps_ops: head_argmax: float32 panels take float32 x, got {x.dtype}")
+    if panels.dim() == 4 and panels.dtype != torch.bfloat16 or panels.dim() == 3 and panels.dtype != torch.float32:
+        raise ValueError(f"taps_ops: head_argmax: panels must be float32 [out / 16, in, 16] or bfloat16 "
+                         f"[out / 16, ceil(in / 2), 16, 2] (pack_panels), got {panels.dtype} {tuple(panels.shape)}")
+    return _head_argmax_op(x, screen, meta, panels)
 
 
 def rope_(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:

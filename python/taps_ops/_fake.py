@@ -52,6 +52,11 @@ def _panel_linear_fake(x, panels, bias=None):
     return x.new_empty((*x.shape[:-1], panels.shape[0] * panels.shape[2]))
 
 
+@torch.library.register_fake("taps_ops::head_argmax")
+def _head_argmax_fake(x, screen, meta, panels):
+    return x.new_empty(x.shape[:-1], dtype=torch.int64)
+
+
 @torch.library.register_fake("taps_ops::rope_")
 def _rope_fake(x, cos, sin):
     return None

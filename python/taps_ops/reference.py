@@ -505,6 +505,14 @@ def panel_linear_ref(x: Tensor, panels: Tensor, bias: Optional[Tensor] = None) -
     return y if bias is None else y + bias.double()
 
 
+def head_argmax_ref(x: Tensor, screen: Tensor, meta: Tensor, panels: Tensor) -> Tensor:
+    """The argmax (ties to the lowest id) of :func:`panel_linear_ref`'s float64 product: what
+    :func:`taps_ops.head_argmax` gives wherever a row's two largest logits lie further apart than float32 (for
+    bfloat16 x, bfloat16) rounding; the op's own contract is the float32 kernel's argmax bit for bit. The screen
+    and meta are not read (the reference needs no screen)."""
+    return panel_linear_ref(x, panels).argmax(-1)
+
+
 def rms_norm_ref(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     """Hugging Face's Llama RMSNorm, ``weight * (x.float() * rsqrt(mean(x.float()^2) + eps)).to(x.dtype)``,
     for weight [H] or [G, H] (x's rows in G consecutive blocks, as in :func:`taps_ops.rms_norm`)."""
