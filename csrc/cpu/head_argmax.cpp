@@ -30,6 +30,10 @@
 #include "checks/checks.h"
 #include "cpu/cpu_isa.h"
 
+#if defined(TAPS_CPU_X86)
+#include <immintrin.h>
+#endif
+
 namespace taps {
 
 at::Tensor panel_linear_call(const at::Tensor& x, const at::Tensor& panels);  // cpu/panel_linear.cpp
@@ -74,7 +78,6 @@ void screen_scalar(const QRow* rows, int64_t nrows, const int8_t* screen, int64_
 }
 
 #if defined(TAPS_CPU_X86)
-#include <immintrin.h>
 
 // AVX512-VNNI: a panel's 16 outputs are one vector of int32 sums; a group of 4 inputs is one vpdpbusd per row
 // and panel (the row's 4 u8 broadcast, the panel's 64 int8). Blocks of up to 4 rows x 4 panels.
