@@ -309,3 +309,26 @@ def test_greedy_decoding_of_the_shipped_target_is_the_same_through_the_screen(mo
             outs[screen] = [dec.generate([p], max_new_tokens=40, eos_token_id=tok.eos_id).tokens[0] for p in prompts]
             assert bool(calls) == screen
         assert outs[False] == outs[True]
+
+
+@torch.no_grad()
+def test_bf16_heads_use_the_screen_only_without_bf16_dot_products(monkeypatch, restore_level):
+    """A widened bf16 head over bf16 panels (bf16 logits): greedy verification takes the screen's argmax at the
+    avx2 level (no AVX512-BF16 dot products there), with the full logits' result; float32 x always can."""
+    from taps import lean
+
+    gen = torch.Generator().manual_seed(8)
+    head = lean.Linear(torch.randn(96, 32, generator=gen).bfloat16().float())
+    head.widened, head.half = True, torch.bfloat16
+    head.panels = taps_ops.pack_panels(head.weight, torch.bfloat16)
+    x = torch.randn(6, 32, generator=gen).bfloat16()
+    assert head.screens(x.float())
+    taps_ops.set_cpu_isa("avx2")
+    assert head.screens(x)
+    assert torch.equal(head.argmax(x), head(x).argmax(-1))
+    taps_ops.set_cpu_isa("scalar")
+    assert not head.screens(x) and not head.screens(x.float())
+    monkeypatch.setattr(lean, "_BF16_DOT", True)
+    for level in RUNNABLE:
+        taps_ops.set_cpu_isa(level)
+        assert head.screens(x) == (level == "avx2")

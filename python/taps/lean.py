@@ -264,13 +264,17 @@ class Linear:
     def screens(self, x: Tensor) -> bool:
         """Whether greedy verification takes its argmax from :meth:`argmax`: a CPU weight kept as panels without
         a bias, not stacked, autograd off, :data:`HEAD_SCREEN` on, the CPU kernels at the avx2 level or above
-        (the scalar screen measured 0.6x the scalar product), and float32 x (float32 logits). bfloat16 x
-        over bfloat16 panels (bf16 logits) is left to the full product: there the product already runs on
-        AVX512-BF16's dot products and the screen keeps one bf16 step of margin, and decoding measured no gain
-        (the op itself takes it: :func:`taps_ops.head_argmax`)."""
-        return (self.panels is not None and not self.stacked and self.bias is None and HEAD_SCREEN
-                and x.dtype == torch.float32 and x.device.type == "cpu" and not torch.is_grad_enabled()
-                and taps_ops.cpu_level() != "scalar")
+        (the scalar screen measured 0.6x the scalar product), and float32 x (float32 logits), or bfloat16 x over
+        bfloat16 panels (bf16 logits) where the product has no AVX512-BF16 dot products: with them the product is
+        already twice as fast and the screen, which keeps one bf16 step of margin, measured no gain in decoding
+        (the op itself takes both: :func:`taps_ops.head_argmax`)."""
+        if (self.panels is None or self.stacked or self.bias is not None or not HEAD_SCREEN
+                or x.device.type != "cpu" or torch.is_grad_enabled() or taps_ops.cpu_level() == "scalar"):
+            return False
+        if x.dtype == torch.float32:
+            return True
+        return (x.dtype == torch.bfloat16 and self.widened and self.panels.dtype == torch.bfloat16
+                and not _bf16_dot_products())
 
     def argmax(self, x: Tensor) -> Tensor:
         """``self(x).argmax(-1)`` (ties to the lowest id) where :meth:`screens` says yes, by
@@ -304,10 +308,19 @@ class Linear:
         return torch.bmm(x, self.weight)
 
 
-#: greedy verification's argmax of a float32 head kept as panels through its int8 screen (:meth:`Linear.argmax`,
-#: ``taps_ops.head_argmax``: the same tokens as the full product; fp32 shipped target, Zen 4: taps autoregressive
-#: 1.18x, token-store rows 1.11x faster); TAPS_HEAD_SCREEN=0 turns it off
+#: greedy verification's argmax of a head kept as panels through its int8 screen (:meth:`Linear.screens`,
+#: :meth:`Linear.argmax`, ``taps_ops.head_argmax``: the same tokens as the full product; shipped target, Zen 4:
+#: fp32 taps autoregressive 1.18x and token-store rows 1.09-1.11x faster, bf16 at emulated AVX2 1.03x / 1.03x);
+#: TAPS_HEAD_SCREEN=0 turns it off
 HEAD_SCREEN = os.environ.get("TAPS_HEAD_SCREEN", "1") != "0"
+_BF16_DOT = "avx512_bf16" in taps_ops.cpu_info()["features"]
+
+
+def _bf16_dot_products() -> bool:
+    """Whether panel_linear multiplies bfloat16 x by AVX512-BF16's dot products at the level in force."""
+    return _BF16_DOT and taps_ops.cpu_level() in ("avx512", "amx")
+
+
 #: float32 weights of at least this many output rows called with ``Linear.pack(choose_layout=True)`` (heads)
 #: have their layout timed at load (a few milliseconds for a 32,000-row head)
 LAYOUT_MIN_ROWS = 4096
