@@ -351,3 +351,35 @@ def test_fast_entry_keeps_modes_autograd_and_profiler():
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
         taps_ops.panel_linear(x, panels, bias)
     assert any(e.name == "taps_ops::panel_linear" for e in prof.events())
+
+
+def test_bf16_results_round_as_torch_does_at_the_edges(restore_level):
+    """bfloat16 x: the float32 sums are rounded to bfloat16 as ``Tensor.bfloat16()`` rounds them, bit for bit,
+    also where they are NaN (NaN wherever torch's is), infinite, round up to infinity or are ties (denormals
+    left out: AVX512-BF16's dot products flush them, as documented)."""
+    gen = torch.Generator().manual_seed(5)
+    weight = torch.randn(48, 8, generator=gen)
+    weight[0] = 0
+    weight[1, 0] = 3e38                      # x[:, 0] = 2 overflows to inf
+    half = taps_ops.pack_panels(weight, torch.bfloat16)
+    x = torch.randn(6, 8, generator=gen).bfloat16()
+    x[0, 0] = float("nan")
+    x[1, 0] = float("inf")
+    x[2, 0] = 2.0
+    x[4, 0] = -float("inf")
+    # ties to even and rounding up to infinity: y[:, i] = x[:, i] through an identity weight
+    f = torch.tensor([1.0 + 2 ** -8, 1.0 + 3 * 2 ** -8, 3.3895e38, -3.3895e38, 1.0, 2.0])
+    eye = taps_ops.pack_panels(torch.eye(16)[:, :6].contiguous(), torch.bfloat16)
+    for level in RUNNABLE:
+        taps_ops.set_cpu_isa(level)
+        y = taps_ops.panel_linear(x, half)
+        want = taps_ops.panel_linear(x.float(), half).bfloat16()
+        nan = want.isnan()   # (NaN bits differ within torch itself: its vector loop writes 0xFFFF, its tail 0x7FC0)
+        assert torch.equal(y.isnan(), nan), level
+        assert torch.equal(y[~nan].view(torch.int16), want[~nan].view(torch.int16)), level
+        sums = taps_ops.panel_linear(f.unsqueeze(0), eye)   # float32 x: the exact values
+        assert torch.equal(sums[0, :6], f)
+        z = taps_ops.panel_linear(f.bfloat16().float().unsqueeze(0), eye).bfloat16()
+        assert torch.equal(taps_ops.panel_linear(f.bfloat16().unsqueeze(0), eye).view(torch.int16),
+                           z.view(torch.int16)), level
+        assert torch.equal(sums.bfloat16()[0, :6].view(torch.int16), f.bfloat16().view(torch.int16))

@@ -57,6 +57,17 @@ struct Problem {
   int64_t ahead;        // software prefetch distance of the first row block, in cache lines; 0: no prefetches
 };
 
+// float32 -> bfloat16, round to nearest even, NaN -> 0x7FC0: c10::BFloat16's conversion (what at::to does), bit for
+// bit, as integer operations the compiler vectorises.
+inline void round_to_bf16(const float* src, uint16_t* dst, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) {
+    uint32_t bits;
+    std::memcpy(&bits, src + i, sizeof bits);
+    const uint32_t rounded = (bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16;
+    dst[i] = static_cast<uint16_t>((bits & 0x7FFFFFFFu) > 0x7F800000u ? 0x7FC0u : rounded);
+  }
+}
+
 // The next output block's panels asked into L2 by the row blocks after the first (NextBlock), from kNextMinRows
 // rows on (and after a product's last block, the first block of the panels its caller multiplies next:
 // follow_panels): on by default; TAPS_PANEL_NEXT=0 (read at load) or the op _set_panel_next turn it off. Why: at 16 rows
@@ -421,8 +432,25 @@ at::Tensor panel_linear_cpu(const at::Tensor& x_in, const at::Tensor& panels, co
   std::vector<int64_t> shape(x_in.sizes().begin(), x_in.sizes().end());
   shape.back() = out;
   // float32 sums; bfloat16 x gets them rounded to bfloat16 once, at the end
-  at::Tensor y = at::empty(shape, x_in.options().dtype(at::kFloat).memory_format(at::MemoryFormat::Contiguous));
-  const auto result = [&] { return half_x ? y.to(at::kBFloat16) : y; };
+  // bfloat16 x: the float32 sums go to this thread's scratch buffer and are rounded into the bfloat16 result by
+  // round_to_bf16 (at::to's rounding, bit for bit, without its dispatch and float32 temporary: ~3 us a call, 17
+  // calls a token of the shipped target)
+  at::Tensor y;
+  thread_local std::vector<float> scratch;
+  if (half_x) {
+    int64_t total = 1;
+    for (const int64_t d : shape) total *= d;
+    scratch.resize(static_cast<size_t>(std::max<int64_t>(1, total)));
+    y = at::from_blob(scratch.data(), shape, at::TensorOptions().dtype(at::kFloat));
+  } else {
+    y = at::empty(shape, x_in.options().dtype(at::kFloat).memory_format(at::MemoryFormat::Contiguous));
+  }
+  const auto result = [&] {
+    if (!half_x) return y;
+    at::Tensor h = at::empty(shape, x_in.options().dtype(at::kBFloat16).memory_format(at::MemoryFormat::Contiguous));
+    panel_cpu::round_to_bf16(y.data_ptr<float>(), reinterpret_cast<uint16_t*>(h.data_ptr<at::BFloat16>()), y.numel());
+    return h;
+  };
   const int64_t rows = in > 0 ? x_in.numel() / in : y.numel() / std::max<int64_t>(out, 1);
   if (rows == 0 || out == 0) return result();
   if (in == 0) {  // empty sums
