@@ -44,7 +44,7 @@ constexpr int64_t kPanel = 16;          // outputs per panel
 constexpr int64_t kGroup = 4;           // inputs per 32-bit lane of the screen
 constexpr int kXLevels = 63;            // x quantized to [-63, 63], stored as u8 x + 64 in [1, 127]
 constexpr int kXOffset = 64;
-constexpr int64_t kMaxCandidates = 256; // per row; more: the full product for every row
+constexpr int64_t kMaxCandidates = 256; // per row; more: that row gets the full product
 constexpr int64_t kBlockPanels = 32;    // screen panels per output block (4 KiB each at in = 256): stays in L2
 
 // One row of x quantized: its u8 lanes (groups of 4 inputs), scale t (x ~ t * (u - 64)), |x|_1.
