@@ -246,13 +246,17 @@ __attribute__((target("avx2,fma"))) RowBounds bounds_avx2(const int32_t* acc, co
 
 // The outputs v in [from, out) with hi[v] >= threshold, ascending, appended to c; false once c holds more than
 // `most`.
-bool scan_scalar(const float* hi, int64_t from, int64_t out, float threshold, std::vector<int64_t>& c, int64_t most) {
+bool scan_from(const float* hi, int64_t from, int64_t out, float threshold, std::vector<int64_t>& c, int64_t most) {
   for (int64_t v = from; v < out; ++v)
     if (hi[v] >= threshold) {
       c.push_back(v);
       if (static_cast<int64_t>(c.size()) > most) return false;
     }
   return true;
+}
+
+bool scan_scalar(const float* hi, int64_t out, float threshold, std::vector<int64_t>& c, int64_t most) {
+  return scan_from(hi, 0, out, threshold, c, most);
 }
 
 #if defined(TAPS_CPU_X86)
@@ -269,7 +273,7 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq"))) bool scan_avx512(c
       mask &= mask - 1;
     }
   }
-  return scan_scalar(hi, v, out, threshold, c, most);
+  return scan_from(hi, v, out, threshold, c, most);
 }
 
 __attribute__((target("avx2,fma"))) bool scan_avx2(const float* hi, int64_t out, float threshold,
@@ -284,7 +288,7 @@ __attribute__((target("avx2,fma"))) bool scan_avx2(const float* hi, int64_t out,
       mask &= mask - 1;
     }
   }
-  return scan_scalar(hi, v, out, threshold, c, most);
+  return scan_from(hi, v, out, threshold, c, most);
 }
 #endif
 
@@ -297,13 +301,20 @@ bool host_vnni() {
 #endif
 }
 
-// The screen level this call runs: avx512 (with VNNI on the host), avx2, or scalar.
-ScreenFn screen_fn() {
+// The kernels of the level in force: avx512 (its screen AVX512-VNNI's where the host has it, else AVX2's), avx2, or
+// scalar.
+struct Kernels {
+  ScreenFn screen;
+  RowBounds (*bounds)(const int32_t*, const int32_t*, const float*, const float*, int64_t, float, float, float, float*);
+  bool (*scan)(const float*, int64_t, float, std::vector<int64_t>&, int64_t);
+};
+
+Kernels kernels() {
 #if defined(TAPS_CPU_X86)
-  if (cpu::at_least(cpu::Isa::kAvx512) && host_vnni()) return &screen_vnni;
-  if (cpu::at_least(cpu::Isa::kAvx2)) return &screen_avx2;
+  if (cpu::at_least(cpu::Isa::kAvx512)) return {host_vnni() ? &screen_vnni : &screen_avx2, &bounds_avx512, &scan_avx512};
+  if (cpu::at_least(cpu::Isa::kAvx2)) return {&screen_avx2, &bounds_avx2, &scan_avx2};
 #endif
-  return &screen_scalar;
+  return {&screen_scalar, &bounds_scalar, &scan_scalar};
 }
 
 // x's row (float32 values) quantized; ok = false for a row that is not finite or all zero (it gets the full product).
@@ -415,11 +426,11 @@ at::Tensor head_argmax_cpu(const at::Tensor& x_in, const at::Tensor& screen, con
 
   // integer sums [n, out], block by block (a block of screen panels stays in L2 while the rows pass)
   std::vector<int32_t> acc(static_cast<size_t>(n * out));
+  const Kernels k = kernels();
   if (n > 0) {
-    const ScreenFn fn = screen_fn();
     const int8_t* s = screen.data_ptr<int8_t>();
     for (int64_t p = 0; p < num_panels; p += kBlockPanels)
-      fn(q.data(), n, s, groups, p, std::min(num_panels, p + kBlockPanels), acc.data(), out);
+      k.screen(q.data(), n, s, groups, p, std::min(num_panels, p + kBlockPanels), acc.data(), out);
   }
 
   // bounds and candidates per row
@@ -429,8 +440,6 @@ at::Tensor head_argmax_cpu(const at::Tensor& x_in, const at::Tensor& screen, con
   std::vector<int32_t> offset(static_cast<size_t>(out));
   for (int64_t v = 0; v < out; ++v) offset[v] = kXOffset * static_cast<int32_t>(qsum[v]);
   std::vector<float> hi(static_cast<size_t>(out));
-  [[maybe_unused]] const bool wide = cpu::at_least(cpu::Isa::kAvx512);
-  [[maybe_unused]] const bool mid = cpu::at_least(cpu::Isa::kAvx2);
   std::vector<std::vector<int64_t>> cands(static_cast<size_t>(n));
   std::vector<int64_t> kept_rows;  // screened rows whose candidates are few enough
   for (int64_t i = 0; i < n; ++i) {
@@ -439,25 +448,12 @@ at::Tensor head_argmax_cpu(const at::Tensor& x_in, const at::Tensor& screen, con
     const float c1 = static_cast<float>((0.5 * l1 + 2.0 * (in + 2) * std::ldexp(1.0, -24) * l1 * 128.0) * (1.0 + 1e-5));
     const float c2 = static_cast<float>(0.5 * row.t * (1.0 + 1e-5));
     const int32_t* a = acc.data() + i * out;
-    RowBounds rb;
-#if defined(TAPS_CPU_X86)
-    if (wide) rb = bounds_avx512(a, offset.data(), scale, qabs, out, row.t, c1, c2, hi.data());
-    else if (mid) rb = bounds_avx2(a, offset.data(), scale, qabs, out, row.t, c1, c2, hi.data());
-    else
-#endif
-      rb = bounds_scalar(a, offset.data(), scale, qabs, out, row.t, c1, c2, hi.data());
+    const RowBounds rb = k.bounds(a, offset.data(), scale, qabs, out, row.t, c1, c2, hi.data());
     // the comparisons' own roundings (1e-5 of the magnitudes), and for bf16 logits one bf16 step (2^-7 of a
     // value's magnitude, 2^-6 to spare): a value that close to the winner's may round to a tie with it
     const float margin = rb.magnitude * (half ? 0.015625f + 1e-5f : 1e-5f) + 1e-30f;
     const float threshold = rb.lower - margin;
-    bool kept = false;
-#if defined(TAPS_CPU_X86)
-    if (wide) kept = scan_avx512(hi.data(), out, threshold, cands[i], kMaxCandidates);
-    else if (mid) kept = scan_avx2(hi.data(), out, threshold, cands[i], kMaxCandidates);
-    else
-#endif
-      kept = scan_scalar(hi.data(), 0, out, threshold, cands[i], kMaxCandidates);
-    if (kept) {
+    if (k.scan(hi.data(), out, threshold, cands[i], kMaxCandidates)) {
       kept_rows.push_back(i);
     } else {
       plain.push_back(screened[i]);
@@ -481,14 +477,14 @@ at::Tensor head_argmax_cpu(const at::Tensor& x_in, const at::Tensor& screen, con
         panel_linear_call(rows_of(originals), panels.index_select(0, long_index(chosen))).to(at::kFloat);
     const float* e = exact.data_ptr<float>();
     const int64_t width = exact.size(1);
-    for (size_t k = 0; k < kept_rows.size(); ++k) {
+    for (size_t j = 0; j < kept_rows.size(); ++j) {
       int64_t arg = -1;
       float top = 0.0f;
-      for (int64_t v : cands[kept_rows[k]]) {  // ascending ids: a tie keeps the lowest
-        const float val = e[static_cast<int64_t>(k) * width + panel_of[v / kPanel] * kPanel + v % kPanel];
+      for (int64_t v : cands[kept_rows[j]]) {  // ascending ids: a tie keeps the lowest
+        const float val = e[static_cast<int64_t>(j) * width + panel_of[v / kPanel] * kPanel + v % kPanel];
         if (arg < 0 || val > top) arg = v, top = val;
       }
-      best[originals[k]] = arg;
+      best[originals[j]] = arg;
     }
   }
   // the full product's argmax (ties to the lowest id, as at::argmax) for the other rows
@@ -496,7 +492,7 @@ at::Tensor head_argmax_cpu(const at::Tensor& x_in, const at::Tensor& screen, con
     std::sort(plain.begin(), plain.end());
     const at::Tensor full = panel_linear_call(rows_of(plain), panels).argmax(-1);
     const int64_t* f = full.data_ptr<int64_t>();
-    for (size_t k = 0; k < plain.size(); ++k) best[plain[k]] = f[k];
+    for (size_t j = 0; j < plain.size(); ++j) best[plain[j]] = f[j];
   }
   return result;
 }
