@@ -383,3 +383,14 @@ def test_bf16_results_round_as_torch_does_at_the_edges(restore_level):
         assert torch.equal(taps_ops.panel_linear(f.bfloat16().unsqueeze(0), eye).view(torch.int16),
                            z.view(torch.int16)), level
         assert torch.equal(sums.bfloat16()[0, :6].view(torch.int16), f.bfloat16().view(torch.int16))
+
+
+def test_bf16_results_past_the_kept_scratch_round_the_same():
+    """A bfloat16 product larger than the per-thread scratch panel_linear keeps (2^20 floats: here 130 x 8192)
+    gets a temporary and the same rounding; smaller ones after it still agree."""
+    gen = torch.Generator().manual_seed(9)
+    half = taps_ops.pack_panels(torch.randn(8192, 8, generator=gen), torch.bfloat16)
+    for rows in (130, 3, 129):
+        x = torch.randn(rows, 8, generator=gen).bfloat16()
+        y = taps_ops.panel_linear(x, half)
+        assert torch.equal(y.view(torch.int16), taps_ops.panel_linear(x.float(), half).bfloat16().view(torch.int16))

@@ -431,16 +431,17 @@ at::Tensor panel_linear_cpu(const at::Tensor& x_in, const at::Tensor& panels, co
   }
   std::vector<int64_t> shape(x_in.sizes().begin(), x_in.sizes().end());
   shape.back() = out;
-  // float32 sums; bfloat16 x gets them rounded to bfloat16 once, at the end
-  // bfloat16 x: the float32 sums go to this thread's scratch buffer and are rounded into the bfloat16 result by
-  // round_to_bf16 (at::to's rounding, bit for bit, without its dispatch and float32 temporary: ~3 us a call, 17
-  // calls a token of the shipped target)
-  at::Tensor y;
+  // float32 sums; bfloat16 x gets them rounded to bfloat16 once, at the end, by round_to_bf16 (at::to's rounding,
+  // bit for bit, without its dispatch: ~1 us a small product), from this thread's scratch buffer where they fit in
+  // kScratchKeep floats (a decoding step's products; a larger one, a long prefill's, gets a temporary: a buffer
+  // kept at its size would hold that memory for good)
+  constexpr int64_t kScratchKeep = int64_t{1} << 20;
+  int64_t total = 1;
+  for (const int64_t d : shape) total *= d;
   thread_local std::vector<float> scratch;
-  if (half_x) {
-    int64_t total = 1;
-    for (const int64_t d : shape) total *= d;
-    scratch.resize(static_cast<size_t>(std::max<int64_t>(1, total)));
+  at::Tensor y;
+  if (half_x && total <= kScratchKeep) {
+    if (static_cast<int64_t>(scratch.size()) < std::max<int64_t>(total, 1)) scratch.resize(static_cast<size_t>(std::max<int64_t>(total, 1)));
     y = at::from_blob(scratch.data(), shape, at::TensorOptions().dtype(at::kFloat));
   } else {
     y = at::empty(shape, x_in.options().dtype(at::kFloat).memory_format(at::MemoryFormat::Contiguous));
