@@ -333,29 +333,21 @@ class TargetForward:
             logits = self.logits(rows)
             # the padding slots' logits are not written (B x N x V floats): the walk reads the rows of the
             # nodes it visits, real nodes only (a padding node has no parent)
-            grid = self._grid(batch * num * logits.shape[-1], logits)
+            grid = self._kept("_logits_grid", batch * num * logits.shape[-1], logits.dtype, logits.device)
             grid = grid.view(batch * num, -1).index_copy_(0, slots, logits).view(batch, num, -1)
             return taps_ops.verify_tree(grid, tokens, parents, uniforms=uniforms, **sample)
         return taps_ops.verify_tree(self.logits(hidden), tokens, parents, uniforms=uniforms, **sample)
 
-    def _grid(self, size: int, like: Tensor) -> Tensor:
-        """A logits buffer of `size` elements of `like`'s dtype and device, kept for the next step up to
-        :data:`LOGITS_GRID_KEEP` elements (a new one each step paid its pages' first touch, ~0.1 ms at 8 x 16 x
-        8192). Its rows hold earlier steps' logits (finite values; zeros when new): a walk reads the rows of the
-        nodes it visits only, and those are written first."""
-        grid = self._logits_grid
-        if grid is None or grid.numel() < size or grid.dtype != like.dtype or grid.device != like.device:
-            grid = like.new_zeros(size)
-            self._logits_grid = grid if size <= LOGITS_GRID_KEEP else None
-        return grid[:size]
-
-    def _onehot_grid(self, size: int, device: torch.device) -> Tensor:
-        """A zeroed bf16 buffer of `size` elements for greedy verification's one-hot rows (kept for the next step
-        up to :data:`LOGITS_GRID_KEEP` elements; its users set ones and clear them again)."""
-        grid = self._onehot
-        if grid is None or grid.numel() < size or grid.device != device:
-            grid = torch.zeros(size, dtype=torch.bfloat16, device=device)
-            self._onehot = grid if size <= LOGITS_GRID_KEEP else None
+    def _kept(self, name: str, size: int, dtype: torch.dtype, device: torch.device) -> Tensor:
+        """`size` elements of the buffer kept in attribute `name` (zeros when new; kept for the next step up to
+        :data:`LOGITS_GRID_KEEP` elements: a new one each step paid its pages' first touch, ~0.1 ms at 8 x 16 x
+        8192). The logits grid (``_logits_grid``) holds earlier steps' logits (finite values): a walk reads the rows
+        of the nodes it visits only, and those are written first. The one-hot grid (``_onehot``, bf16) is left
+        zeroed by its users, which set ones and clear them again."""
+        grid = getattr(self, name)
+        if grid is None or grid.numel() < size or grid.dtype != dtype or grid.device != device:
+            grid = torch.zeros(size, dtype=dtype, device=device)
+            setattr(self, name, grid if size <= LOGITS_GRID_KEEP else None)
         return grid[:size]
 
     def _onehot_verify(self, index: Tensor, rows: Tensor, shape: Tuple[int, int], tokens: Tensor, parents: Tensor,
@@ -365,7 +357,7 @@ class TargetForward:
         at temperature 0 a row's argmax is all it reads of it)."""
         batch, num = shape
         vocab = self.head.weight.shape[0]
-        grid = self._onehot_grid(batch * num * vocab, rows.device)
+        grid = self._kept("_onehot", batch * num * vocab, torch.bfloat16, rows.device)
         at = index * vocab + self.head.argmax(rows)
         grid.index_fill_(0, at, 1.0)
         try:
@@ -409,13 +401,14 @@ class TargetForward:
                 states = flat.index_select(0, index)
                 if greedy:  # one-hot rows of the head's argmax (see _onehot_verify)
                     if grid is None:
-                        grid = self._onehot_grid(batch * num * vocab, hidden.device)
+                        grid = self._kept("_onehot", batch * num * vocab, torch.bfloat16, hidden.device)
                     marks.append(index * vocab + self.head.argmax(states))
                     grid.index_fill_(0, marks[-1], 1.0)
                 else:
                     logits = self.logits(states)
                     if grid is None:
-                        grid = self._grid(batch * num * logits.shape[-1], logits)
+                        grid = self._kept("_logits_grid", batch * num * logits.shape[-1], logits.dtype,
+                                          logits.device)
                     _put_rows(grid.view(batch * num, -1), rows, logits, index)
                 ver = taps_ops.verify_tree(grid.view(batch, num, -1), tokens, parents, uniforms=uniforms, **sample)
                 # per request, the first node of its path whose row is missing (-1: none): its chain is computed next

@@ -313,7 +313,7 @@ class Linear:
 #: fp32 taps autoregressive 1.18x and token-store rows 1.09-1.11x faster, bf16 at emulated AVX2 1.03x / 1.03x);
 #: TAPS_HEAD_SCREEN=0 turns it off
 HEAD_SCREEN = os.environ.get("TAPS_HEAD_SCREEN", "1") != "0"
-_BF16_DOT = "avx512_bf16" in taps_ops.cpu_info()["features"]
+_BF16_DOT = "avx512_bf16" in torch.ops.taps_ops._cpu_features()   # (cpu_info() would also read /proc/cpuinfo)
 
 
 def _bf16_dot_products() -> bool:
