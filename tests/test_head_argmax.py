@@ -144,11 +144,12 @@ def _valid():
 
 
 BAD = {
-    "x dtype": (lambda a: a.update(x=a["x"].double()), "float32 panels take float32 x"),
+    "x dtype": (lambda a: a.update(x=a["x"].double()), "x must be float32 or bfloat16"),
     "x dtype bf16 panels": (lambda a: a.update(x=a["x"].double(), panels=taps_ops.pack_panels(torch.randn(32, 12),
                                                                                              torch.bfloat16)),
                             "x must be float32 or bfloat16"),
-    "x bf16 over fp32 panels": (lambda a: a.update(x=a["x"].bfloat16()), "float32 panels take float32 x"),
+    "x bf16 over fp32 panels": (lambda a: a.update(x=a["x"].bfloat16()),
+                                "float32 panels must be \\[out / 16, in, 16\\] .* over float32 x"),
     "x width": (lambda a: a.update(x=torch.randn(3, 17)), "does not match the screen's ceil"),
     "x scalar": (lambda a: a.update(x=torch.tensor(1.0)), "at least 1 dimension"),
     "screen dtype": (lambda a: a.update(screen=a["screen"].to(torch.uint8)), "screen must be a contiguous int8"),

@@ -763,12 +763,7 @@ def head_argmax(x: Tensor, screen: Tensor, meta: Tensor, panels: Tensor) -> Tens
             raise ValueError(f"taps_ops: head_argmax: {name} must be a tensor, got {type(t).__name__}")
         if t.device.type != "cpu":
             raise ValueError(f"taps_ops: head_argmax: a CPU op, got {name} on {t.device}")
-    if panels.dim() == 3 and x.dtype != torch.float32:
-        raise ValueError(f"taps_ops: head_argmax: float32 panels take float32 x, got {x.dtype}")
-    if panels.dim() == 4 and panels.dtype != torch.bfloat16 or panels.dim() == 3 and panels.dtype != torch.float32:
-        raise ValueError(f"taps_ops: head_argmax: panels must be float32 [out / 16, in, 16] or bfloat16 "
-                         f"[out / 16, ceil(in / 2), 16, 2] (pack_panels), got {panels.dtype} {tuple(panels.shape)}")
-    return _head_argmax_op(x, screen, meta, panels)
+    return _head_argmax_op(x, screen, meta, panels)   # (dtypes and shapes are checked by the op)
 
 
 def rope_(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
