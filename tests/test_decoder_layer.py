@@ -617,14 +617,14 @@ def test_widened_bf16_engine_equals_its_autoregressive_decoding(monkeypatch):
 
 
 def test_bf16_panels_on_a_native_bf16_cpu_engine_equals_its_autoregressive_decoding(monkeypatch):
-    """On a CPU with bf16 products below the amx level, the lean forwards keep the bf16 projections that time
+    """On a CPU with bf16 products, the lean forwards keep the bf16 projections that time
     faster as bfloat16 panels (taps.lean.native_half_layout; forced here for every weight), and their bf16
-    activations go to panel_linear as they are (AVX512-BF16's dot products where the CPU has them): decoding
+    activations go to panel_linear as they are (AVX512-BF16's dot products where the CPU has them, AMX tiles at the
+    amx level): decoding
     with drafts still emits what the engine's own autoregressive decoding does (one layout a weight for every
     row count), token for token."""
     from taps import lean
     monkeypatch.setattr(taps_ops, "native_half_matmul", lambda dtype: True)
-    monkeypatch.setattr(lean, "kernels_level", lambda: "avx512")
     asked = []
     monkeypatch.setattr(lean, "native_half_layout", lambda shape, repeats=3: asked.append(shape) or "panels_bf16")
     spec, plain = _bf16_engine_and_its_autoregressive_decoding()

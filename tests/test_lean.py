@@ -620,16 +620,15 @@ def test_a_widened_bf16_weight_may_be_kept_as_bf16_panels(monkeypatch):
 
 
 def test_a_native_bf16_weight_is_kept_as_bf16_panels_where_they_time_faster(monkeypatch):
-    """On a CPU with bf16 products below the amx level, Linear.pack times oneDNN's bf16 kernel against bfloat16
-    panels (native_half_layout) for each bfloat16 weight that panels fit; where the panels win, the weight is
-    widened and kept as them: its products are the widened float32 panels' bit for bit, whatever the row
-    count. Where oneDNN wins, at the amx level, with TAPS_PANELS_BF16=0 and for shapes panels do not fit, the
-    weight stays bfloat16; stacked weights (a drafter group's) are kept as one group's would be."""
+    """On a CPU with bf16 products, Linear.pack times oneDNN's bf16 kernel against bfloat16 panels
+    (native_half_layout) for each bfloat16 weight that panels fit, at every level (at amx the panels multiply
+    bf16 x on AMX tiles); where the panels win, the weight is widened and kept as them: its products are
+    the widened float32 panels' bit for bit below the amx level, whatever the row count. Where oneDNN wins, with
+    TAPS_PANELS_BF16=0 and for shapes panels do not fit, the weight stays bfloat16; stacked weights (a drafter
+    group's) are kept as one group's would be."""
     from taps import lean
 
     monkeypatch.setattr(taps_ops, "native_half_matmul", lambda dtype: True)
-    level = {"isa": "avx512"}
-    monkeypatch.setattr(lean, "kernels_level", lambda: level["isa"])
     choice, asked = {"layout": "panels_bf16"}, []
     monkeypatch.setattr(lean, "native_half_layout", lambda shape, repeats=3: asked.append(shape) or choice["layout"])
     torch.manual_seed(0)
@@ -653,10 +652,6 @@ def test_a_native_bf16_weight_is_kept_as_bf16_panels_where_they_time_faster(monk
     choice["layout"] = "packed"
     assert kept_bf16(lean.Linear(weight).pack()) and asked == [(48, 24)]
     choice["layout"] = "panels_bf16"
-    asked.clear()
-    level["isa"] = "amx"
-    assert kept_bf16(lean.Linear(weight).pack())
-    level["isa"] = "avx512"
     monkeypatch.setattr(lean, "PANELS_BF16", False)
     assert kept_bf16(lean.Linear(weight).pack())
     monkeypatch.setattr(lean, "PANELS_BF16", True)
@@ -678,9 +673,6 @@ def test_a_native_bf16_weight_is_kept_as_bf16_panels_where_they_time_faster(monk
     choice["layout"] = "packed"
     assert not lean.Linear([weight, other]).pack().widened   # (oneDNN's bmm, as before)
     choice["layout"] = "panels_bf16"
-    level["isa"] = "amx"
-    assert not lean.Linear([weight, other]).pack().widened
-    level["isa"] = "avx512"
     asked.clear()
     for shape in ((40, 24), (16, 24), (48, 23)):   # outputs not whole panels, one panel, an odd input count
         assert kept_bf16(lean.Linear(torch.randn(*shape).bfloat16()).pack())

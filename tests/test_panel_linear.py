@@ -101,12 +101,19 @@ def test_bf16_panels_are_float32_panels_of_the_same_values(shape, restore_level)
         _close(y, panel_linear_ref(x, half, bias), shape[1])
 
 
+def _tiles(level, inner):
+    """Whether panel_linear multiplies bfloat16 x over bfloat16 panels on AMX tiles: the amx level, `in` a
+    multiple of 32 (and the process allowed the tile state, which Linux grants unless a policy forbids it)."""
+    return level == "amx" and inner % 32 == 0 and inner > 0
+
+
 @pytest.mark.parametrize("shape", [(16, 1), (32, 7), (48, 64), (272, 129), (1024, 256), (160, 2)])
 def test_bf16_x_over_bf16_panels(shape, restore_level):
     """bfloat16 x over bfloat16 panels: the float32 sums of x widened, rounded to bfloat16 once (+ bias before
     the rounding), the same bits at every level, row count (1-19: every row block of AVX512-BF16's dot-product
     kernel, which the avx512 level runs on a CPU that has it) and position; within bfloat16 rounding of the
-    float64 product."""
+    float64 product. At the amx level with `in` a multiple of 32 the AMX tiles' own sums: the same bits for any
+    row count, position and thread count, not the other levels' (tdpbf16ps sums each 32 inputs its own way)."""
     gen = torch.Generator().manual_seed(shape[1] + 1)
     weight, bias = torch.randn(*shape, generator=gen), torch.randn(shape[0], generator=gen)
     half = taps_ops.pack_panels(weight, torch.bfloat16)
@@ -117,14 +124,16 @@ def test_bf16_x_over_bf16_panels(shape, restore_level):
         for b in (None, bias):
             y = taps_ops.panel_linear(x, half, b)
             assert y.dtype == torch.bfloat16 and y.shape == (19, shape[0])
-            assert torch.equal(y, taps_ops.panel_linear(x.float(), half, b).bfloat16()), level
+            if not _tiles(level, shape[1]):
+                assert torch.equal(y, taps_ops.panel_linear(x.float(), half, b).bfloat16()), level
             for rows in range(1, 10):
                 for start in (0, 19 - rows):
                     assert torch.equal(taps_ops.panel_linear(x[start:start + rows], half, b), y[start:start + rows])
             ref = panel_linear_ref(x.float(), half, b)
             torch.testing.assert_close(y.double(), ref, rtol=2 ** -7, atol=1e-5 * shape[1])
-        first = y if first is None else first
-        assert torch.equal(y, first), level
+        if not _tiles(level, shape[1]):
+            first = y if first is None else first
+            assert torch.equal(y, first), level
         threads = torch.get_num_threads()
         try:
             for n in (2, 3):   # the output blocks split between threads: the same bits
@@ -136,6 +145,90 @@ def test_bf16_x_over_bf16_panels(shape, restore_level):
     empty = taps_ops.pack_panels(torch.randn(32, 0), torch.bfloat16)
     assert torch.equal(taps_ops.panel_linear(torch.randn(3, 0).bfloat16(), empty, bias[:32] if shape[0] >= 32 else None),
                        (bias[:32] if shape[0] >= 32 else torch.zeros(32)).bfloat16().expand(3, 32))
+
+
+AMX = "amx" in RUNNABLE
+
+
+@pytest.mark.skipif(not AMX, reason="AMX tiles: this CPU has no AMX-BF16")
+@pytest.mark.parametrize("out,inner", [(16, 32), (48, 64), (272, 96), (1040, 256), (256, 768), (64, 4096)])
+def test_amx_tiles(out, inner, restore_level):
+    """bfloat16 x over bfloat16 panels at the amx level (`in` a multiple of 32): AMX tiles, rows in blocks of up
+    to 16, four panels a step and the tails (1-3 panels). Each row's bits depend on that row alone: any row count
+    (1-40: one to three tile row blocks and their remainders), position and thread count give the same; within
+    float32 rounding of the float64 product before the bf16 rounding (the sums near the other levels' to a few
+    float32 ulps), with and without a bias."""
+    gen = torch.Generator().manual_seed(out + inner)
+    weight, bias = torch.randn(out, inner, generator=gen), torch.randn(out, generator=gen)
+    half = taps_ops.pack_panels(weight, torch.bfloat16)
+    x = torch.randn(40, inner, generator=gen).bfloat16()
+    taps_ops.set_cpu_isa("avx512")
+    other = taps_ops.panel_linear(x, half, bias)
+    taps_ops.set_cpu_isa("amx")
+    for b in (None, bias):
+        y = taps_ops.panel_linear(x, half, b)
+        ref = panel_linear_ref(x.float(), half, b)
+        torch.testing.assert_close(y.double(), ref, rtol=2 ** -7, atol=1e-5 * inner)
+        for rows in (1, 2, 3, 5, 15, 16, 17, 31, 32, 33, 40):
+            for start in {0, 40 - rows, min(7, 40 - rows)}:
+                assert torch.equal(taps_ops.panel_linear(x[start:start + rows], half, b), y[start:start + rows]), (rows, start)
+        threads = torch.get_num_threads()
+        try:
+            for n in (2, 3):
+                torch.set_num_threads(n)
+                assert torch.equal(taps_ops.panel_linear(x, half, b), y), n
+        finally:
+            torch.set_num_threads(threads)
+    # the sums before the rounding: a few float32 ulps from the dot-product / widened kernels' (differences of one
+    # bf16 step where a sum sits at a rounding boundary, rarely)
+    torch.testing.assert_close(y.float(), other.float(), rtol=2 ** -7, atol=1e-5 * inner)
+    assert (y != other).float().mean() < 0.02
+
+
+@pytest.mark.skipif(not AMX, reason="AMX tiles: this CPU has no AMX-BF16")
+def test_amx_tiles_specials(restore_level):
+    """Non-finite x and weights propagate as in the other kernels (inf, NaN); a zero row gives the bias; `in`
+    not a multiple of 32 keeps the other levels' kernel at the amx level (the same bits as avx512)."""
+    taps_ops.set_cpu_isa("amx")
+    gen = torch.Generator().manual_seed(3)
+    weight, bias = torch.randn(64, 64, generator=gen), torch.randn(64, generator=gen)
+    weight[5, 3] = float("inf")
+    weight[9, 0] = float("nan")
+    half = taps_ops.pack_panels(weight, torch.bfloat16)
+    x = torch.randn(4, 64, generator=gen).bfloat16()
+    x[2] = 0
+    x[3, 10] = float("nan")
+    y = taps_ops.panel_linear(x, half, bias).float()
+    assert torch.isinf(y[:2, 5]).all() and torch.isnan(y[:, 9]).all() and torch.isnan(y[3]).all()
+    assert torch.isnan(y[2, 5])                                # 0 * inf
+    keep = [i for i in range(64) if i not in (5, 9)]
+    assert torch.equal(y[2, keep], bias.bfloat16().float()[keep])
+    odd = taps_ops.pack_panels(torch.randn(48, 70, generator=gen), torch.bfloat16)
+    xo = torch.randn(9, 70, generator=gen).bfloat16()
+    at_amx = taps_ops.panel_linear(xo, odd)
+    taps_ops.set_cpu_isa("avx512")
+    assert torch.equal(at_amx, taps_ops.panel_linear(xo, odd))
+
+
+@pytest.mark.skipif(not AMX, reason="AMX tiles: this CPU has no AMX-BF16")
+def test_amx_tiles_switch():
+    """TAPS_PANEL_AMX=0 (read at load) leaves the tiles out: the amx level then gives the avx512 level's bits."""
+    import subprocess
+    import sys
+    code = ("import torch, taps_ops\n"
+            "g = torch.Generator().manual_seed(0)\n"
+            "p = taps_ops.pack_panels(torch.randn(4096, 512, generator=g), torch.bfloat16)\n"
+            "x = torch.randn(32, 512, generator=g).bfloat16()\n"
+            "taps_ops.set_cpu_isa('amx'); a = taps_ops.panel_linear(x, p)\n"
+            "taps_ops.set_cpu_isa('avx512'); b = taps_ops.panel_linear(x, p)\n"
+            "print(int(torch.equal(a, b)))\n")
+    import os
+    out = {}
+    for flag in ("0", "1"):
+        env = dict(os.environ, TAPS_PANEL_AMX=flag)
+        out[flag] = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                                   check=True).stdout.strip()
+    assert out == {"0": "1", "1": "0"}
 
 
 def test_the_same_bits_at_every_level_row_count_position_and_thread_count(restore_level):

@@ -13,6 +13,10 @@
 #if defined(TAPS_CPU_X86)
 #include <immintrin.h>
 #endif
+#if defined(__linux__)
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
 
 namespace taps::cpu {
 namespace {
@@ -108,6 +112,20 @@ bool host_avx512_bf16() {
     return std::find(features.begin(), features.end(), "avx512_bf16") != features.end();
   }();
   return has;
+}
+
+bool amx_tiles_ready() {
+  static const bool ready = [] {
+    if (host_isa() != Isa::kAmx) return false;
+#if defined(__linux__) && defined(SYS_arch_prctl)
+    constexpr int kReqXcompPerm = 0x1023;   // ARCH_REQ_XCOMP_PERM
+    constexpr int kXtiledata = 18;          // XFEATURE_XTILEDATA
+    return syscall(SYS_arch_prctl, kReqXcompPerm, kXtiledata) == 0;
+#else
+    return false;
+#endif
+  }();
+  return ready;
 }
 
 namespace {

@@ -11,8 +11,8 @@
 //           level avx2 and above run, so that the level forced on such a host is not a libm call per term)
 //   avx2    AVX2 + FMA + F16C (every x86-64 CPU since 2013-2015: Haswell, Zen)
 //   avx512  AVX-512 F/BW/VL/DQ (Skylake-SP and later, Zen 4)
-//   amx     AVX-512 plus AMX-BF16 tiles (Sapphire Rapids and later): only the opt-in bf16 brgemm path of
-//           tree_attention uses it
+//   amx     AVX-512 plus AMX-BF16 tiles (Sapphire Rapids and later): panel_linear's bfloat16 x over bfloat16
+//           panels (tile products, cpu/panel_linear.cpp) and tree_attention's bf16 brgemm path
 // Kernels whose results the op contract pins bit for bit (rms_norm, rope_, expand_level) use their AVX2
 // code without FMA contraction, so every level gives the same bits.
 #pragma once
@@ -55,6 +55,9 @@ std::vector<std::string> host_features();
 // Whether this CPU has AVX512-BF16's dot product (vdpbf16ps; cpuid, read once). Kernels that use it do so at
 // the avx512 level and above; its results are pinned to a fused multiply-add sequence the other levels run.
 bool host_avx512_bf16();
+// Whether this process may use AMX tiles: the host has AMX-BF16 and (Linux) the kernel granted the tile data
+// state (arch_prctl ARCH_REQ_XCOMP_PERM, asked once). False elsewhere; kernels then keep their AVX-512 code.
+bool amx_tiles_ready();
 
 // The ops behind taps_ops.cpu_info(), taps_ops.set_cpu_isa() and the benchmarks' measured peak (schemas in
 // csrc/ops.cpp).

@@ -4,6 +4,8 @@
 // are read (exact; no bf16 instructions needed): half the weight bytes, the arithmetic of float32. bfloat16 x
 // over them: on a CPU with AVX512-BF16 (at the avx512 level) its dot product, whose two fused multiply-adds run
 // in the same order (avx512_bf16 below): twice the multiply-adds per instruction, the same bits.
+// At the amx level bfloat16 x over bfloat16 panels (`in` a multiple of 32) multiply on AMX tiles instead (amx
+// below): the hardware's own sums, the same bits for any row count but not the other levels'.
 //
 // Why an op: BLAS libraries tune their float32 GEMMs for many rows. At 2-16 rows and decoding's shapes the
 // ones measured on the development CPUs take 1.5-2.5x the time of one row (bench/RESULTS.md, "A few rows
@@ -161,6 +163,16 @@ inline bool dot_enabled() {
   return on;
 }
 
+// bfloat16 x's AMX tile kernel (amx below) at the amx level: TAPS_PANEL_AMX=0 (read at load) leaves it out, to
+// compare against the dot-product kernel.
+inline bool amx_enabled() {
+  static const bool on = [] {
+    const char* env = std::getenv("TAPS_PANEL_AMX");
+    return env == nullptr || std::strcmp(env, "0") != 0;
+  }();
+  return on;
+}
+
 }  // namespace panel_cpu
 
 #if defined(TAPS_CPU_X86)
@@ -296,6 +308,80 @@ inline void run(const Problem& p, int64_t panel_lo, int64_t panel_hi, const char
   }
 }
 }  // namespace panel_cpu::avx512_bf16
+#pragma GCC pop_options
+
+// bfloat16 x over bfloat16 panels on AMX tiles (the amx level, `in` a multiple of 32). A bfloat16 panel is already
+// AMX's B-tile layout: each 64-byte line holds one input pair for its 16 outputs, so 16 consecutive lines (1 KiB,
+// inputs 32s .. 32s + 31) are one B tile, loaded with a 64-byte stride; x's rows (up to 16) at those inputs are the A
+// tile, and C holds the rows' 16 float32 sums of one panel. Two panels a step share the A tile, each with its own B
+// tile (tiles: C 0-1, A 2, B 3-4): measured on an AMX Xeon with the weights read from L3, four panels a step over
+// three B tiles (one reloaded within the step, after the product that reads it) took 5-15% longer at one row, two
+// as long as the AVX512-BF16 dot products (bench/RESULTS.md). tdpbf16ps has its own order and rounding within each
+// 32-input step (measured on a Sapphire Rapids-class Xeon: not one fused multiply-add per term), so these sums
+// differ from the other levels' in the last bits; each row's still depends on that row alone (not on the row count,
+// the row's position or the threads), so a draft tree's products at this level give a plain step's bits. Work per B
+// tile: 16 x 32 x rows multiply-adds for 1 KiB of weight: bound by reading the weight at any row count up to 16.
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,amx-tile,amx-bf16")
+namespace panel_cpu::amx {
+
+struct alignas(64) TileConfig {
+  uint8_t palette;
+  uint8_t start_row;
+  uint8_t reserved[14];
+  uint16_t colsb[16];
+  uint8_t rows[16];
+};
+
+inline void configure(int rows) {
+  TileConfig c{};
+  c.palette = 1;
+  for (int t = 0; t < 3; ++t) c.rows[t] = static_cast<uint8_t>(rows), c.colsb[t] = 64;   // C 0-1, A 2
+  for (int t = 3; t < 5; ++t) c.rows[t] = 16, c.colsb[t] = 64;                           // B 3-4
+  _tile_loadconfig(&c);
+}
+
+// NP (1-2) panels from w (panel stride `stride` elements) times the A rows of x (stride ldx bytes), `steps` steps of
+// 32 inputs; the sums stored into y (stride ldy bytes), panel j at y + 16 j.
+template <int NP>
+inline void panels(const uint16_t* x, int64_t ldx, const uint16_t* w, int64_t stride, int64_t steps, float* y,
+                   int64_t ldy) {
+  constexpr int64_t kStep = 16 * 2 * kPanelWidth;   // elements of a B tile: 16 pairs of 16 outputs
+  _tile_zero(0);
+  if constexpr (NP > 1) _tile_zero(1);
+  for (int64_t s = 0; s < steps; ++s) {
+    _tile_loadd(2, x + s * 32, ldx);
+    _tile_loadd(3, w + s * kStep, 64);
+    if constexpr (NP > 1) _tile_loadd(4, w + stride + s * kStep, 64);
+    _tile_dpbf16ps(0, 2, 3);
+    if constexpr (NP > 1) _tile_dpbf16ps(1, 2, 4);
+  }
+  _tile_stored(0, y, ldy);
+  if constexpr (NP > 1) _tile_stored(1, y + kPanelWidth, ldy);
+}
+
+// Every row of x times the panels [panel_lo, panel_hi): row blocks of up to 16 (one tile configuration per block
+// size), two panels at a time, then the bias.
+inline void run(const Problem& p, int64_t panel_lo, int64_t panel_hi) {
+  const auto* w = static_cast<const uint16_t*>(p.panels);
+  const int64_t steps = p.in / 32;
+  const int64_t ldx = p.in * 2, ldy = p.out * 4;
+  int configured = 0;
+  for (int64_t r = 0; r < p.rows; r += 16) {
+    const int rb = static_cast<int>(std::min<int64_t>(16, p.rows - r));
+    if (rb != configured) configure(rb), configured = rb;
+    const uint16_t* x = p.xh + r * p.in;
+    float* y = p.y + r * p.out;
+    int64_t v = panel_lo;
+    for (; v + 2 <= panel_hi; v += 2) panels<2>(x, ldx, w + v * p.panel_stride, p.panel_stride, steps, y + v * kPanelWidth, ldy);
+    if (v < panel_hi) panels<1>(x, ldx, w + v * p.panel_stride, p.panel_stride, steps, y + v * kPanelWidth, ldy);
+    if (p.bias != nullptr)
+      for (int64_t i = 0; i < rb; ++i)
+        for (int64_t o = panel_lo * kPanelWidth; o < panel_hi * kPanelWidth; ++o) y[i * p.out + o] += p.bias[o];
+  }
+  _tile_release();
+}
+}  // namespace panel_cpu::amx
 #pragma GCC pop_options
 
 #pragma GCC push_options
@@ -460,9 +546,12 @@ at::Tensor panel_linear_cpu(const at::Tensor& x_in, const at::Tensor& panels, co
   }
   const cpu::Isa level = cpu::isa();
   // bfloat16 x: AVX512-BF16's dot products where the level and the host allow, else x widened (the same bits)
-  const bool dot = half_x && panel_cpu::dot_enabled() && static_cast<int>(level) >= static_cast<int>(cpu::Isa::kAvx512) &&
-                   cpu::host_avx512_bf16();
-  const at::Tensor x = half_x && !dot ? x_in.to(at::kFloat, /*non_blocking=*/false, /*copy=*/false,
+  // (at the amx level, `in` a multiple of 32: AMX tiles, the same x)
+  const bool tiles = half_x && in % 32 == 0 && level == cpu::Isa::kAmx && panel_cpu::amx_enabled() &&
+                     cpu::amx_tiles_ready();
+  const bool dot = !tiles && half_x && panel_cpu::dot_enabled() &&
+                   static_cast<int>(level) >= static_cast<int>(cpu::Isa::kAvx512) && cpu::host_avx512_bf16();
+  const at::Tensor x = half_x && !dot && !tiles ? x_in.to(at::kFloat, /*non_blocking=*/false, /*copy=*/false,
                                                 at::MemoryFormat::Contiguous)
                                       : x_in.contiguous();
   const int64_t num_panels = panels.size(0);
@@ -482,7 +571,8 @@ at::Tensor panel_linear_cpu(const at::Tensor& x_in, const at::Tensor& panels, co
       for (int64_t j = 0; j < pairs; ++j)
         swapped[r * pairs + j] = static_cast<uint32_t>(xh[r * in + 2 * j + 1]) | (static_cast<uint32_t>(xh[r * in + 2 * j]) << 16);
   }
-  const panel_cpu::Problem p{dot ? nullptr : x.data_ptr<float>(), xh, dot ? swapped.data() : nullptr,
+  if (tiles) xh = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
+  const panel_cpu::Problem p{dot || tiles ? nullptr : x.data_ptr<float>(), xh, dot ? swapped.data() : nullptr,
                             panels.data_ptr(), bias_ptr, y.data_ptr<float>(), rows, in, out, panels.stride(0), bf16,
                             ahead};
   const int64_t panel_bytes = panels.stride(0) * element;
@@ -505,6 +595,10 @@ at::Tensor panel_linear_cpu(const at::Tensor& x_in, const at::Tensor& panels, co
         next_first = follow_first, next_last = follow_last;
       }
 #if defined(TAPS_CPU_X86)
+      if (tiles) {
+        panel_cpu::amx::run(p, p_lo, p_hi);
+        continue;
+      }
       if (dot) {
         panel_cpu::avx512_bf16::run(p, p_lo, p_hi, next_first, next_last);
         continue;

@@ -164,11 +164,12 @@ class Linear:
 
     def _native_half_panels_pay(self) -> bool:
         """On a CPU with hardware bf16 products: whether this bfloat16 weight multiplies faster as bfloat16
-        panels (:func:`taps_ops.panel_linear` over bf16 x: AVX512-BF16's dot products) than in oneDNN's bf16
-        kernel (:func:`native_half_layout`, timed once per shape and thread count). On a CPU with AVX512-BF16 and
-        no AMX, oneDNN's kernel costs ~20 us more a call at a decoding step's few rows than the panels, which
-        read the same bytes. Not at the kernels' amx level (``TAPS_CPU_ISA`` lowers it):
-        there oneDNN's products run on AMX and the timing was never measured against them. G > 1 stacked weights
+        panels (:func:`taps_ops.panel_linear` over bf16 x: AVX512-BF16's dot products, or AMX tiles at the amx
+        level where `in` is a multiple of 32) than in oneDNN's bf16 kernel (:func:`native_half_layout`, timed once
+        per shape and thread count). On a CPU with AVX512-BF16 and no AMX, oneDNN's kernel costs ~20 us more a
+        call at a decoding step's few rows than the panels, which read the same bytes; on an AMX Xeon oneDNN's
+        AMX kernel 20-50 us a call at 1-16 rows against the tiles' 10-57 us (the shipped target's projections,
+        weights read from L3; bench/RESULTS.md). G > 1 stacked weights
         (a drafter group's, else multiplied by ``bmm``, slower at a step's rows than both) follow one group's
         weight: kept as each group's panels where that weight would be."""
         w = self.weight
@@ -177,7 +178,7 @@ class Linear:
                 return False
             w = w[0].t()
         if (w.dtype != torch.bfloat16 or not PANELS_BF16 or not panel_shape_fits(w, None if self.stacked else self.bias)
-                or w.shape[1] % 2 or kernels_level() == "amx"):
+                or w.shape[1] % 2):
             return False
         return native_half_layout(tuple(w.shape)) == "panels_bf16"
 
@@ -477,17 +478,14 @@ def small_layout(shape: Tuple[int, int], panels: bool = True, repeats: int = 3, 
 _NATIVE_HALF_LAYOUT: dict = {}
 
 
-def kernels_level() -> str:
-    """The taps CPU kernels' instruction-set level (``taps_ops.cpu_info()["isa"]``: scalar, avx2, avx512, amx)."""
-    return torch.ops.taps_ops._cpu_isa()
-
-
 def native_half_layout(shape: Tuple[int, int], repeats: int = 3) -> str:
     """Which layout of a bfloat16 [out, in] projection of bfloat16 x [1, R, in] multiplies fastest on a CPU
     with hardware bf16 products: ``"packed"`` (oneDNN's bf16 kernel over its blocked copy, :func:`pack_weight`,
     or ``F.linear`` where there is none) or ``"panels_bf16"`` (:func:`taps_ops.panel_linear` of the bf16 x over
     bfloat16 panels: float32 sums rounded to bfloat16 once, what a widened weight runs). The two differ in
-    rounding (float32 sums in another order), not in what they compute.
+    rounding (float32 sums in another order), not in what they compute. At the amx level the panels multiply
+    bf16 x on AMX tiles (`in` a multiple of 32): 1.1-3.6x faster than oneDNN's AMX kernel at 1-16 rows on an AMX
+    Xeon, and about as fast at 16 rows as at 1.
 
     Timed as a decoding step meets the weight: after the other layers' weights went through the caches (each
     call reads the next of copies that hold at least :data:`HALF_LAYOUT_COLD_BYTES` together, at most 64) and at the rows of

@@ -156,7 +156,8 @@ _OP_MAX_ISA = {
     "rms_norm": "avx512",         # row loops for AVX2 (no FMA: the same bits at every level); bf16 rows with
     "rope_": "avx512",            # explicit AVX2 / AVX-512 (+ AVX512-BF16 rounding) vectors
     "expand_level": "avx2",
-    "panel_linear": "avx512",     # register-blocked FMA kernels AVX-512 / AVX2 + FMA / scalar std::fma (same bits)
+    "panel_linear": "amx",        # register-blocked FMA kernels AVX-512 / AVX2 + FMA / scalar std::fma (same bits);
+                                  # amx: bf16 x over bf16 panels on AMX tiles (in % 32 == 0; TAPS_PANEL_AMX=0: no)
     "head_argmax": "avx512",      # int8 screen: AVX512-VNNI (avx512 level on a VNNI host, else AVX2's) / AVX2 / scalar
     "build_tree": "scalar",       # scalar tree logic (no vector path to choose)
     "merge_trees": "scalar",
