@@ -411,6 +411,41 @@ def test_lazy_head_by_default_only_where_first_child_chains_are_short(monkeypatc
         assert rows[0] == first and sum(r for r, _ in rows) <= 32, rows
         for a, b in zip(full, out):
             assert torch.equal(a, b)
+    # a head whose products run on AMX tiles (a 16-row product about a one-row one): one product, never lazy
+    monkeypatch.setattr(type(fwd.head), "tiles", lambda self, x: True)
+    rows.clear()
+    out = fwd.verify(hidden, tokens, bushy, uniforms=uniforms)
+    assert rows == [(32, 3)]
+    for a, b in zip(fwd.verify(hidden, tokens, bushy, lazy=False, uniforms=uniforms), out):
+        assert torch.equal(a, b)
+
+
+def test_which_products_run_on_amx_tiles(monkeypatch):
+    """Linear.tiles: bfloat16 x over bfloat16 panels, in a multiple of 32, autograd off, at the amx level (what
+    panel_linear multiplies on tiles), not with TAPS_PANEL_AMX=0, not stacked weights, not float32 x."""
+    from taps import lean
+
+    monkeypatch.setattr(taps_ops, "cpu_level", lambda: "amx")
+    lin = lean.Linear(torch.randn(64, 64).bfloat16())
+    lin.half, lin.widened = torch.bfloat16, True
+    lin.weight = lin.weight.float()
+    lin.panels = taps_ops.pack_panels(lin.weight, torch.bfloat16)
+    x = torch.randn(3, 64).bfloat16()
+    with torch.no_grad():
+        assert lin.tiles(x)
+        assert not lin.tiles(x.float())
+        monkeypatch.setattr(lean, "PANEL_AMX", False)
+        assert not lin.tiles(x)
+        monkeypatch.setattr(lean, "PANEL_AMX", True)
+        monkeypatch.setattr(taps_ops, "cpu_level", lambda: "avx512")
+        assert not lin.tiles(x)
+        monkeypatch.setattr(taps_ops, "cpu_level", lambda: "amx")
+        odd = lean.Linear(torch.randn(64, 48))
+        odd.panels = taps_ops.pack_panels(odd.weight, torch.bfloat16)
+        assert not odd.tiles(torch.randn(2, 48).bfloat16())
+        lin.panels = taps_ops.pack_panels(lin.weight)      # float32 panels
+        assert not lin.tiles(x)
+    assert not lean.Linear(torch.randn(64, 64)).tiles(x)   # no panels
 
 
 @torch.no_grad()

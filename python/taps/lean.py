@@ -262,6 +262,14 @@ class Linear:
             return self._product(x.float()).to(x.dtype)
         return self._product(x)
 
+    def tiles(self, x: Tensor) -> bool:
+        """Whether products of x by this weight run on AMX tiles (:func:`taps_ops.panel_linear` at the amx level:
+        bfloat16 x over bfloat16 panels, ``in`` a multiple of 32, :data:`PANEL_AMX`): there a 16-row product costs
+        1.0-1.2x a one-row one (AMX Xeon, the shipped target's shapes), so computing fewer rows saves ~nothing."""
+        return (self.panels is not None and self.panels.dtype == torch.bfloat16 and not self.stacked and PANEL_AMX
+                and x.dtype == torch.bfloat16 and x.device.type == "cpu" and x.shape[-1] % 32 == 0
+                and not torch.is_grad_enabled() and taps_ops.cpu_level() == "amx")
+
     def screens(self, x: Tensor) -> bool:
         """Whether greedy verification takes its argmax from :meth:`argmax`: a CPU weight kept as panels without
         a bias, not stacked, autograd off, :data:`HEAD_SCREEN` on, the CPU kernels at the avx2 level or above
@@ -314,6 +322,9 @@ class Linear:
 #: fp32 taps autoregressive 1.18x and token-store rows 1.09-1.11x faster, bf16 at emulated AVX2 1.03x / 1.03x);
 #: TAPS_HEAD_SCREEN=0 turns it off
 HEAD_SCREEN = os.environ.get("TAPS_HEAD_SCREEN", "1") != "0"
+#: panel_linear's AMX tiles at the amx level (TAPS_PANEL_AMX=0, read by the op at load, turns them off; read here
+#: for :meth:`Linear.tiles`)
+PANEL_AMX = os.environ.get("TAPS_PANEL_AMX", "1") != "0"
 _BF16_DOT = "avx512_bf16" in torch.ops.taps_ops._cpu_features()   # (cpu_info() would also read /proc/cpuinfo)
 
 
