@@ -168,7 +168,7 @@ class Linear:
         level where `in` is a multiple of 32) than in oneDNN's bf16 kernel (:func:`native_half_layout`, timed once
         per shape and thread count). On a CPU with AVX512-BF16 and no AMX, oneDNN's kernel costs ~20 us more a
         call at a decoding step's few rows than the panels, which read the same bytes; on an AMX Xeon oneDNN's
-        AMX kernel 20-50 us a call at 1-16 rows against the tiles' 10-57 us (the shipped target's projections,
+        AMX kernel 40-83 us a call at 1-16 rows against the tiles' 9-46 us (the shipped target's projections,
         weights read from L3; bench/RESULTS.md). G > 1 stacked weights
         (a drafter group's, else multiplied by ``bmm``, slower at a step's rows than both) follow one group's
         weight: kept as each group's panels where that weight would be."""
@@ -495,8 +495,8 @@ def native_half_layout(shape: Tuple[int, int], repeats: int = 3) -> str:
     or ``F.linear`` where there is none) or ``"panels_bf16"`` (:func:`taps_ops.panel_linear` of the bf16 x over
     bfloat16 panels: float32 sums rounded to bfloat16 once, what a widened weight runs). The two differ in
     rounding (float32 sums in another order), not in what they compute. At the amx level the panels multiply
-    bf16 x on AMX tiles (`in` a multiple of 32): 1.1-3.6x faster than oneDNN's AMX kernel at 1-16 rows on an AMX
-    Xeon, and about as fast at 16 rows as at 1.
+    bf16 x on AMX tiles (`in` a multiple of 32): 1.4-4.7x faster than oneDNN's AMX kernel at 1-16 rows on an AMX
+    Xeon (the shipped target's shapes), and about as fast at 16 rows as at 1.
 
     Timed as a decoding step meets the weight: after the other layers' weights went through the caches (each
     call reads the next of copies that hold at least :data:`HALF_LAYOUT_COLD_BYTES` together, at most 64) and at the rows of
