@@ -659,9 +659,10 @@ at::Tensor panel_linear_cpu(const at::Tensor& x_in, const at::Tensor& panels, co
                      cpu::amx_tiles_ready();
   const bool dot = !tiles && half_x && panel_cpu::dot_enabled() &&
                    static_cast<int>(level) >= static_cast<int>(cpu::Isa::kAvx512) && cpu::host_avx512_bf16();
-  const at::Tensor x = half_x && !dot && !tiles ? x_in.to(at::kFloat, /*non_blocking=*/false, /*copy=*/false,
-                                                at::MemoryFormat::Contiguous)
-                                      : x_in.contiguous();
+  const bool keep_half = dot || tiles;  // x read as bfloat16 (else widened to float32 here)
+  const at::Tensor x = half_x && !keep_half ? x_in.to(at::kFloat, /*non_blocking=*/false, /*copy=*/false,
+                                                      at::MemoryFormat::Contiguous)
+                                            : x_in.contiguous();
   const int64_t num_panels = panels.size(0);
   const int64_t element = bf16 ? 2 : 4;
   const int64_t setting = panel_cpu::prefetch_setting.load(std::memory_order_relaxed);
@@ -670,17 +671,15 @@ at::Tensor panel_linear_cpu(const at::Tensor& x_in, const at::Tensor& panels, co
   const int64_t ahead = setting >= 0 ? setting : streams ? panel_cpu::kPrefetchLines : 0;
   // the dot-product kernel's x: each row's pairs as 32-bit lanes with the halves swapped (see avx512_bf16 above)
   std::vector<uint32_t> swapped;
-  const uint16_t* xh = nullptr;
+  const uint16_t* xh = keep_half ? reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>()) : nullptr;
   if (dot) {
-    xh = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
     const int64_t pairs = in / 2;
     swapped.resize(static_cast<size_t>(rows * pairs));
     for (int64_t r = 0; r < rows; ++r)
       for (int64_t j = 0; j < pairs; ++j)
         swapped[r * pairs + j] = static_cast<uint32_t>(xh[r * in + 2 * j + 1]) | (static_cast<uint32_t>(xh[r * in + 2 * j]) << 16);
   }
-  if (tiles) xh = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
-  const panel_cpu::Problem p{dot || tiles ? nullptr : x.data_ptr<float>(), xh, dot ? swapped.data() : nullptr,
+  const panel_cpu::Problem p{keep_half ? nullptr : x.data_ptr<float>(), xh, dot ? swapped.data() : nullptr,
                             panels.data_ptr(), bias_ptr, y.data_ptr<float>(), rows, in, out, panels.stride(0), bf16,
                             ahead};
   const int64_t panel_bytes = panels.stride(0) * element;
