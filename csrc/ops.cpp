@@ -20,6 +20,7 @@
 #include <cmath>
 #include <initializer_list>
 #include <optional>
+#include <vector>
 
 #include "cpu/cpu_isa.h"
 
@@ -129,11 +130,103 @@ PyObject* panel_linear_py(PyObject* /*self*/, PyObject* const* args, Py_ssize_t 
   END_HANDLE_TH_ERRORS
 }
 
+// A Python int (not a bool) as int64 into `out`; false for anything else (the caller returns NotImplemented).
+bool exact_int(PyObject* o, int64_t& out) {
+  if (!PyLong_CheckExact(o)) return false;
+  const long long v = PyLong_AsLongLong(o);
+  if (v == -1 && PyErr_Occurred()) {
+    PyErr_Clear();
+    return false;
+  }
+  out = v;
+  return true;
+}
+
+// taps_ops._C.decoder_layer(x, emb, weights, eps, dims, cos, sin, keys, values, write_start, tree_mask, kv_lens,
+// tree_nodes, scale, write_positions, rows): the engine calls it once per layer per step; torch.ops' schema parsing
+// and boxing of its 16 arguments (a list of 11 optional tensors among them) cost ~20 us a call, as much as a
+// one-row layer's four products on the shipped target (bench/RESULTS.md). Lists must be exact lists (of exact
+// tensors or None, floats, ints), else NotImplemented.
+PyObject* decoder_layer_py(PyObject* /*self*/, PyObject* const* args, Py_ssize_t nargs) {
+  HANDLE_TH_ERRORS
+  if (nargs != 16) {
+    PyErr_SetString(PyExc_TypeError, "taps_ops._C.decoder_layer takes 16 positional arguments");
+    return nullptr;
+  }
+  PyObject *weights_arg = args[2], *eps_arg = args[3], *dims_arg = args[4];
+  if (at::impl::torch_function_mode_enabled() || !plain_tensors(args, 1) || !plain_tensors(args + 1, 1, true) ||
+      !plain_tensors(args + 5, 4) || !plain_tensors(args + 10, 2) || !plain_tensors(args + 14, 2, true) ||
+      !PyList_CheckExact(weights_arg) || !PyList_CheckExact(eps_arg) || !PyList_CheckExact(dims_arg) ||
+      !PyFloat_CheckExact(args[13]) || (args[12] != Py_None && !PyLong_CheckExact(args[12])))
+    Py_RETURN_NOTIMPLEMENTED;
+  int64_t write_start = 0;
+  if (!exact_int(args[9], write_start)) Py_RETURN_NOTIMPLEMENTED;
+  std::optional<int64_t> tree_nodes;
+  if (args[12] != Py_None) {
+    int64_t nodes = 0;
+    if (!exact_int(args[12], nodes)) Py_RETURN_NOTIMPLEMENTED;
+    tree_nodes = nodes;
+  }
+  const Py_ssize_t num_weights = PyList_GET_SIZE(weights_arg);
+  if (!plain_tensors(&PyList_GET_ITEM(weights_arg, 0), static_cast<int>(num_weights), true))
+    Py_RETURN_NOTIMPLEMENTED;
+  c10::List<std::optional<at::Tensor>> weights;
+  weights.reserve(static_cast<size_t>(num_weights));
+  bool grad_inputs = false;
+  for (Py_ssize_t i = 0; i < num_weights; ++i) {
+    PyObject* w = PyList_GET_ITEM(weights_arg, i);
+    if (w == Py_None) {
+      weights.push_back(std::nullopt);
+    } else {
+      const at::Tensor& t = THPVariable_Unpack(w);
+      grad_inputs = grad_inputs || t.requires_grad();
+      weights.push_back(t);
+    }
+  }
+  std::vector<double> eps(static_cast<size_t>(PyList_GET_SIZE(eps_arg)));
+  for (size_t i = 0; i < eps.size(); ++i) {
+    PyObject* e = PyList_GET_ITEM(eps_arg, static_cast<Py_ssize_t>(i));
+    if (!PyFloat_CheckExact(e)) Py_RETURN_NOTIMPLEMENTED;
+    eps[i] = PyFloat_AS_DOUBLE(e);
+  }
+  std::vector<int64_t> dims(static_cast<size_t>(PyList_GET_SIZE(dims_arg)));
+  for (size_t i = 0; i < dims.size(); ++i)
+    if (!exact_int(PyList_GET_ITEM(dims_arg, static_cast<Py_ssize_t>(i)), dims[i])) Py_RETURN_NOTIMPLEMENTED;
+  using OptTensor = std::optional<at::Tensor>;
+  static const auto op =
+      c10::Dispatcher::singleton()
+          .findSchemaOrThrow("taps_ops::decoder_layer", "")
+          .typed<at::Tensor(const at::Tensor&, const OptTensor&, const c10::List<OptTensor>&, at::ArrayRef<double>,
+                            at::IntArrayRef, const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                            int64_t, const at::Tensor&, const at::Tensor&, std::optional<int64_t>, double,
+                            const OptTensor&, const OptTensor&)>();
+  auto optional = [&](PyObject* o) -> OptTensor {
+    if (o == Py_None) return std::nullopt;
+    return THPVariable_Unpack(o);
+  };
+  const at::Tensor& x = THPVariable_Unpack(args[0]);
+  const OptTensor emb = optional(args[1]), write_positions = optional(args[14]), rows = optional(args[15]);
+  const at::Tensor &cos = THPVariable_Unpack(args[5]), &sin = THPVariable_Unpack(args[6]);
+  const at::Tensor &keys = THPVariable_Unpack(args[7]), &values = THPVariable_Unpack(args[8]);
+  const at::Tensor &tree_mask = THPVariable_Unpack(args[10]), &kv_lens = THPVariable_Unpack(args[11]);
+  const double scale = PyFloat_AS_DOUBLE(args[13]);
+  const bool grad = at::GradMode::is_enabled() &&
+                    (grad_inputs || needs_grad({&x, emb ? &*emb : nullptr, &cos, &sin, &keys, &values}));
+  at::Tensor out = call_typed(grad, [&] {
+    return op.call(x, emb, weights, eps, dims, cos, sin, keys, values, write_start, tree_mask, kv_lens, tree_nodes,
+                   scale, write_positions, rows);
+  });
+  return THPVariable_Wrap(std::move(out));
+  END_HANDLE_TH_ERRORS
+}
+
 PyMethodDef module_methods[] = {
     {"tree_attention", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(tree_attention_py)),
      METH_FASTCALL, "tree_attention through the dispatcher's typed call (see taps_ops.tree_attention)"},
     {"panel_linear", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(panel_linear_py)), METH_FASTCALL,
      "panel_linear through the dispatcher's typed call (see taps_ops.panel_linear)"},
+    {"decoder_layer", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(decoder_layer_py)), METH_FASTCALL,
+     "decoder_layer through the dispatcher's typed call (see taps_ops.decoder_layer)"},
     {nullptr, nullptr, 0, nullptr},
 };
 
@@ -141,7 +234,7 @@ PyMethodDef module_methods[] = {
 
 extern "C" {
 // `import taps_ops._C` loads this shared library, whose static initialisers register the ops; the module's
-// functions are the wrappers' fast entries to tree_attention and panel_linear.
+// functions are the wrappers' fast entries to tree_attention, panel_linear and decoder_layer.
 PyObject* PyInit__C(void) {
   static struct PyModuleDef module_def = {PyModuleDef_HEAD_INIT, "_C", nullptr, -1, module_methods};
   return PyModule_Create(&module_def);

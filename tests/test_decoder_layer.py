@@ -414,6 +414,84 @@ def test_bad_inputs_raise_clear_errors(table, case, monkeypatch):
             _call(args)
 
 
+def _torch_ops_call(args):
+    a = dict(args)
+    return torch.ops.taps_ops.decoder_layer.default(
+        a["x"], a.get("emb"), a["weights"], a["eps"], a["dims"], a["cos"], a["sin"], a["keys"], a["values"],
+        a["write_start"], a["tree_mask"], a["kv_lens"], a["tree_nodes"], float(a["scale"]), a.get("write_positions"),
+        a.get("rows"))
+
+
+def _fast_args(a):
+    return (a["x"], a.get("emb"), a["weights"], a["eps"], a["dims"], a["cos"], a["sin"], a["keys"], a["values"],
+            a["write_start"], a["tree_mask"], a["kv_lens"], a["tree_nodes"], float(a["scale"]), a.get("write_positions"),
+            a.get("rows"))
+
+
+@pytest.mark.parametrize("table", ["grid", "packed", "stacked panels"])
+@torch.no_grad()
+def test_fast_entry_same_as_torch_ops(table):
+    """taps_ops.decoder_layer takes a fast entry (taps_ops._C.decoder_layer) for plain tensors and exact lists,
+    torch.ops for anything else: the same output and the same K/V written either way; arguments it does not take
+    return NotImplemented (the wrapper then takes torch.ops, which converts or rejects them)."""
+    valid = BAD_TABLES[table][0]
+    results = []
+    for call in (_torch_ops_call, _call, lambda a: taps_ops._decoder_layer_fast(*_fast_args(a))):
+        args = valid()
+        if call is not _torch_ops_call and taps_ops._decoder_layer_fast is None:
+            pytest.skip("a library without the fast entry")
+        results.append((call(args), args["keys"], args["values"]))
+    for out, keys, values in results[1:]:
+        assert torch.equal(out, results[0][0]) and torch.equal(keys, results[0][1])
+        assert torch.equal(values, results[0][2])
+    fast = taps_ops._decoder_layer_fast
+    args = valid()
+    declined = {"weights as a tuple": lambda a: a.update(weights=tuple(a["weights"])),
+                "eps as a tuple": lambda a: a.update(eps=tuple(a["eps"])),
+                "an int among eps": lambda a: a["eps"].__setitem__(0, 1),
+                "a float among dims": lambda a: a["dims"].__setitem__(0, 6.0),
+                "a bool among dims": lambda a: a["dims"].__setitem__(3, True),
+                "write_start a tensor": lambda a: a.update(write_start=torch.tensor(a["write_start"])),
+                "write_start a bool": lambda a: a.update(write_start=False),
+                "tree_nodes a float": lambda a: a.update(tree_nodes=4.0),
+                "a number among weights": lambda a: a["weights"].__setitem__(3, 1.0),
+                "x a list": lambda a: a.update(x=a["x"].tolist())}
+    for name, change in declined.items():
+        a = valid()
+        change(a)
+        assert fast(*_fast_args(a)) is NotImplemented, name
+    # the wrapper converts sequences and numbers as it always did
+    a = valid()
+    a.update(weights=tuple(a["weights"]), eps=tuple(a["eps"]), dims=tuple(a["dims"]))
+    assert torch.equal(_call(a), results[0][0])
+    with pytest.raises(TypeError, match="16 positional arguments"):
+        fast(*_fast_args(args)[:-1])
+
+
+def test_fast_entry_keeps_modes_autograd_and_profiler():
+    """The fast entry still dispatches: torch-function and dispatch modes, tensor subclasses and the profiler
+    see the op as through torch.ops; its errors are the op's."""
+    from conftest import assert_modes_see_op
+    args = _valid_call()
+    with torch.no_grad():
+        want = _call(_valid_call())
+        assert_modes_see_op(lambda: _call(_valid_call()), torch.ops.taps_ops.decoder_layer.default, want)
+
+        class Sub(torch.Tensor):
+            pass
+
+        a = _valid_call()
+        a["x"] = a["x"].as_subclass(Sub)
+        assert torch.equal(_call(a), want)
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            _call(args)
+        assert any(e.name == "taps_ops::decoder_layer" for e in prof.events())
+        bad = _valid_call()
+        bad["dims"][0] = 5
+        with pytest.raises(ValueError, match="heads a multiple of kv_heads"):
+            taps_ops._decoder_layer_fast(*_fast_args(bad)) if taps_ops._decoder_layer_fast else _call(bad)
+
+
 @torch.no_grad()
 def test_stacked_panels_multiply_each_group_by_its_own_weight():
     """A group's stacked panels: each group's rows through its own weight's panels (panel_linear), the bias

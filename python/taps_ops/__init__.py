@@ -81,11 +81,12 @@ def _check_library(path: str, fix: str) -> None:
                           f"op(s) {', '.join(missing)}; {fix}")
 
 
-# tree_attention's and panel_linear's entries without torch.ops' argument parsing (None in a library built
+# tree_attention's, panel_linear's and decoder_layer's entries without torch.ops' argument parsing (None in a library built
 # without them)
 _library = _load_library()
 _tree_attention_fast = getattr(_library, "tree_attention", None)
 _panel_linear_fast = getattr(_library, "panel_linear", None)
+_decoder_layer_fast = getattr(_library, "decoder_layer", None)
 
 __all__ = [
     "VerifyOutput", "Tree", "MergedTree", "verify_tree", "build_tree", "merge_trees",
@@ -887,10 +888,18 @@ def decoder_layer(x: Tensor, weights: Sequence[Optional[Tensor]], eps: Sequence[
         CPU; on CUDA it runs the same ops (its test against the CPU passes on an H200, 2026-12-04).
     """
     # lists pass through as they are (the engine calls this once per layer with prepared lists)
+    weights = weights if type(weights) is list else list(weights)
+    eps = eps if type(eps) is list else [float(e) for e in eps]
+    dims = dims if type(dims) is list else [int(d) for d in dims]
+    scale = float(scale)
+    if _decoder_layer_fast is not None and not torch.compiler.is_compiling():
+        out = _decoder_layer_fast(x, emb, weights, eps, dims, cos, sin, keys, values, write_start, tree_mask, kv_lens,
+                                  tree_nodes, scale, write_positions, rows)
+        if out is not NotImplemented:
+            return out
     return torch.ops.taps_ops.decoder_layer.default(
-        x, emb, weights if type(weights) is list else list(weights),
-        eps if type(eps) is list else [float(e) for e in eps], dims if type(dims) is list else [int(d) for d in dims],
-        cos, sin, keys, values, int(write_start), tree_mask, kv_lens, tree_nodes, float(scale), write_positions, rows)
+        x, emb, weights, eps, dims, cos, sin, keys, values, int(write_start), tree_mask, kv_lens, tree_nodes, scale,
+        write_positions, rows)
 
 
 from . import _fake  # noqa: E402,F401  (shape functions for torch.compile / FakeTensor)
