@@ -153,6 +153,30 @@ def test_op_equals_the_python_layer_bit_for_bit(arch, groups, dtype, no_in_norm,
     _check_equal(_both(run, keys, values))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("tokens", [700, 1500])
+@torch.no_grad()
+def test_long_inputs_op_equals_the_python_layer(dtype, tokens):
+    """The op's elementwise steps and layout copies run as loops up to 64 Ki elements a tensor and through ATen's
+    kernels beyond (a prefill): both equal the Python layer bit for bit (700 tokens: gate_up's 56 Ki elements in
+    the loops, 1,500: every step through ATen), also where the residual stream holds infinities and NaN."""
+    models = _layers("qwen2", 2, dtype, use_sliding_window=False)
+    w = LayerWeights([m.model.layers[0] for m in models]).pack()
+    x, keys, values, bits, kv_lens, start = _inputs(w, 2, 1, tokens, tokens, 3, dtype)
+    x[0, 5, 3], x[1, 7, 0], x[0, 9, :] = float("inf"), float("nan"), -float("inf")
+    cos, sin = _rope(models, w, 2, tokens, start, dtype)
+
+    def run(k, v, use_op):
+        attend = TreeAttend([(k, v)], [w], bits, kv_lens, tokens, start)
+        callback = attend if use_op else (lambda *a: attend(*a))
+        return decoder_layer(w, 0, x, cos, sin, callback, 1, tokens)
+
+    (a, ka, va), (b, kb, vb) = _both(run, keys, values)
+    assert a.dtype == b.dtype and a.shape == b.shape
+    assert torch.equal(a.isnan(), b.isnan()) and torch.equal(a.nan_to_num(), b.nan_to_num())
+    assert torch.equal(ka.nan_to_num(), kb.nan_to_num()) and torch.equal(va.nan_to_num(), vb.nan_to_num())
+
+
 @pytest.mark.parametrize("arch,groups,dtype", [("llama", 1, torch.float32), ("qwen2", 1, torch.bfloat16),
                                                 ("llama", 2, torch.bfloat16), ("llama", 3, torch.float32)])
 @torch.no_grad()

@@ -16,6 +16,7 @@
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/library.h>
 
+#include <cstring>
 #include <optional>
 #include <string>
 #include <vector>
@@ -238,6 +239,80 @@ OptTensor opt(const c10::List<OptTensor>& weights, Slot slot) {
   return t;
 }
 
+// The layer's elementwise steps and layout copies as plain loops on the CPU (the residual adds, silu(gate) * up's
+// product, the new K/V to the cache, the attention's heads to rows): in a decoding step each ATen operator costs
+// 3-5 us of dispatch, allocation and iterator setup, its code and metadata cold after the weights streamed through
+// the caches (bench/RESULTS.md), for a few hundred elements of work. The same values bit for bit: an add or a
+// product of two float32 numbers, or of two bfloat16 ones in float32 rounded once to nearest even (c10::BFloat16,
+// as ATen's kernels compute them); a copy is a copy. Up to kLoopElements elements (decoding steps and draft trees);
+// longer inputs (prefill) keep ATen's vectorised kernels.
+constexpr int64_t kLoopElements = 64 * 1024;
+
+bool cpu_loop_ok(const at::Tensor& t) {
+  return t.is_cpu() && t.is_contiguous() && t.numel() <= kLoopElements &&
+         (t.scalar_type() == at::kFloat || t.scalar_type() == at::kBFloat16);
+}
+
+// y += x elementwise (y a fresh product result of x's shape and dtype: at::add(x, y)'s values)
+void add_into(const at::Tensor& x, at::Tensor& y) {
+  if (!(cpu_loop_ok(x) && cpu_loop_ok(y) && x.sizes() == y.sizes() && x.scalar_type() == y.scalar_type())) {
+    y = x + y;
+    return;
+  }
+  const int64_t n = y.numel();
+  if (y.scalar_type() == at::kFloat) {
+    const float* a = x.data_ptr<float>();
+    float* b = y.data_ptr<float>();
+    for (int64_t i = 0; i < n; ++i) b[i] = a[i] + b[i];
+  } else {
+    const c10::BFloat16* a = x.data_ptr<c10::BFloat16>();
+    c10::BFloat16* b = y.data_ptr<c10::BFloat16>();
+    for (int64_t i = 0; i < n; ++i) b[i] = c10::BFloat16(static_cast<float>(a[i]) + static_cast<float>(b[i]));
+  }
+}
+
+// silu(gate) * up of gate_up [..., 2 * inter] (gate first): at::silu(gate) (ATen's own, its exponentials), then the
+// product in place of silu's result
+at::Tensor silu_times_up(const at::Tensor& gate_up, int64_t inter) {
+  const at::Tensor gate = gate_up.slice(-1, 0, inter), up = gate_up.slice(-1, inter);
+  at::Tensor s = at::silu(gate);
+  if (!(cpu_loop_ok(gate_up) && cpu_loop_ok(s) && s.scalar_type() == gate_up.scalar_type())) return s * up;
+  const int64_t rows = gate_up.numel() / (2 * inter);
+  if (s.scalar_type() == at::kFloat) {
+    const float* u = gate_up.data_ptr<float>() + inter;
+    float* o = s.data_ptr<float>();
+    for (int64_t r = 0; r < rows; ++r, u += 2 * inter, o += inter)
+      for (int64_t i = 0; i < inter; ++i) o[i] = o[i] * u[i];
+  } else {
+    const c10::BFloat16* u = gate_up.data_ptr<c10::BFloat16>() + inter;
+    c10::BFloat16* o = s.data_ptr<c10::BFloat16>();
+    for (int64_t r = 0; r < rows; ++r, u += 2 * inter, o += inter)
+      for (int64_t i = 0; i < inter; ++i) o[i] = c10::BFloat16(static_cast<float>(o[i]) * static_cast<float>(u[i]));
+  }
+  return s;
+}
+
+// Whether src [A, B, C, D] and dst (any 4-d shape) are CPU tensors of one float32 / bfloat16 dtype whose last
+// dimension is contiguous: copy_rows below can move their D-element rows with memcpy.
+bool rows_copyable(const at::Tensor& src, const at::Tensor& dst) {
+  return src.is_cpu() && dst.is_cpu() && src.dim() == 4 && dst.dim() == 4 && src.scalar_type() == dst.scalar_type() &&
+         (src.scalar_type() == at::kFloat || src.scalar_type() == at::kBFloat16) && src.stride(3) == 1 &&
+         dst.stride(3) == 1 && src.size(3) == dst.size(3);
+}
+
+// dst[a, c, b, :] = src[a, b, c, :] for src [A, B, C, D] (dst [A, C, B, D]: a transposed view's copy_)
+void copy_rows_transposed(const at::Tensor& src, const at::Tensor& dst) {
+  const int64_t bytes = src.size(3) * src.element_size();
+  const char* s = static_cast<const char*>(src.data_ptr());
+  char* d = static_cast<char*>(dst.data_ptr());
+  const int64_t es = src.element_size();
+  for (int64_t a = 0; a < src.size(0); ++a)
+    for (int64_t b = 0; b < src.size(1); ++b)
+      for (int64_t c = 0; c < src.size(2); ++c)
+        std::memcpy(d + (a * dst.stride(0) + c * dst.stride(1) + b * dst.stride(2)) * es,
+                    s + (a * src.stride(0) + b * src.stride(1) + c * src.stride(2)) * es, static_cast<size_t>(bytes));
+}
+
 at::Tensor decoder_layer(const at::Tensor& x, const OptTensor& emb_in, const c10::List<OptTensor>& weights,
                          at::ArrayRef<double> eps, at::IntArrayRef dims, const at::Tensor& cos, const at::Tensor& sin,
                          const at::Tensor& keys, const at::Tensor& values, int64_t write_start,
@@ -411,19 +486,33 @@ at::Tensor decoder_layer(const at::Tensor& x, const OptTensor& emb_in, const c10
       at::Tensor(keys).index_put_({rows, Slice(), *write_positions}, k);  // (a handle: the op's in-place arguments)
       at::Tensor(values).index_put_({rows, Slice(), *write_positions}, v);
     } else {
-      keys.slice(2, write_start, write_start + tokens).copy_(k.transpose(1, 2));
-      values.slice(2, write_start, write_start + tokens).copy_(v.transpose(1, 2));
+      const at::Tensor key_cols = keys.slice(2, write_start, write_start + tokens);
+      const at::Tensor value_cols = values.slice(2, write_start, write_start + tokens);
+      if (rows_copyable(k, key_cols) && rows_copyable(v, value_cols)) {
+        copy_rows_transposed(k, key_cols);
+        copy_rows_transposed(v, value_cols);
+      } else {
+        at::Tensor(key_cols).copy_(k.transpose(1, 2));
+        at::Tensor(value_cols).copy_(v.transpose(1, 2));
+      }
     }
     const at::Tensor out = tree_attention(q.transpose(1, 2), keys, values, tree_mask, kv_lens, scale, tree_nodes);
-    attn = out.transpose(1, 2).reshape({groups, x.size(1), heads * head_dim});
+    if (out.is_contiguous() && rows_copyable(out, out) && out.numel() <= kLoopElements) {
+      attn = at::empty({groups, x.size(1), heads * head_dim}, out.options());
+      copy_rows_transposed(out, attn.view({gb, tokens, heads, head_dim}));
+    } else {
+      attn = out.transpose(1, 2).reshape({groups, x.size(1), heads * head_dim});
+    }
   }
 
   follow(o_w, gate_up_w, groups);
-  at::Tensor y = x + project(attn, o_w, o_b);
+  at::Tensor y = project(attn, o_w, o_b);
+  add_into(x, y);  // y = x + attn @ o
   follow(gate_up_w, down_w, groups);
   const at::Tensor gate_up = project(rms_norm(y, post_norm, eps[2]), gate_up_w, gate_up_b);
-  const int64_t inter = inter2 / 2;
-  return y + project(at::silu(gate_up.slice(-1, 0, inter)) * gate_up.slice(-1, inter), down_w, down_b);
+  at::Tensor out = project(silu_times_up(gate_up, inter2 / 2), down_w, down_b);
+  add_into(y, out);
+  return out;
 }
 
 }  // namespace
