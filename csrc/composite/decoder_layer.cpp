@@ -3,9 +3,10 @@
 //
 // Why an op: at decoding's sizes a layer is some 25 torch operators, and called one by one from Python
 // each costs 2-4 us of interpreter and dispatch before its kernel runs, more than many of the kernels
-// themselves. Here the same operators run in the same order from C++ (the ATen ops, taps_ops' own
-// rms_norm / rope_ / tree_attention through the dispatcher), so the result equals the Python path's bit
-// for bit, for a fraction of the host time.
+// themselves. Here the same arithmetic runs in the same order from C++ (taps_ops' own rms_norm / rope_ /
+// tree_attention / panel_linear through the dispatcher, ATen's silu; on the CPU the adds, the products and the
+// copies between them as plain loops up to kLoopElements, ATen's ops beyond and on other devices), so the
+// result equals the Python path's bit for bit, for a fraction of the host time.
 //
 // One implementation for every device (registered for the CPU and CUDA keys): it only calls other ops,
 // which dispatch on the inputs' device. Inference only (no autograd formula); the lean path calls it with

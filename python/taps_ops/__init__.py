@@ -850,8 +850,10 @@ def decoder_layer(x: Tensor, weights: Sequence[Optional[Tensor]], eps: Sequence[
                   emb: Optional[Tensor] = None, write_positions: Optional[Tensor] = None,
                   rows: Optional[Tensor] = None) -> Tensor:
     """One Llama decoder layer with tree attention over a KV cache, in one call: the lean forward's layer
-    (``taps.lean.decoder_layer`` with a ``taps.kv.TreeAttend``), the same operators in the same order, so
-    the output is the same bit for bit, without the host cost of some 25 operator calls from Python.
+    (``taps.lean.decoder_layer`` with a ``taps.kv.TreeAttend``), the same arithmetic in the same order, so
+    the output is the same bit for bit, without the host cost of some 25 operator calls from Python (on the
+    CPU its adds, products and copies between the kernels run as plain loops; plain tensors and exact lists
+    take the fast entry ``taps_ops._C.decoder_layer``, anything else torch.ops).
 
     ``h = rms_norm(x, in_norm)`` (or x without an input norm; EAGLE-3, with ``emb``:
     ``cat(rms_norm(emb, in_norm), rms_norm(x, hidden_norm))``); ``q, k, v = h @ qkv``; q and k rotated
