@@ -147,6 +147,29 @@ def test_seeded_request_does_not_depend_on_neighbours():
     assert again["me"] != alone["me"]  # another seed, other draws (12 tokens at T=0.9)
 
 
+def test_greedy_requests_draw_no_coins():
+    """A greedy request's coins are never read (verification takes the argmax): its generator is left where its
+    seed put it, beside sampled neighbours, which draw theirs; the outputs are those of solo decoding."""
+    m = em.sampling_models()
+    dec = SpeculativeDecoder(m["target"], [m["eagle"]], strategy="single", depth=3, top_k=2, budget=6)
+    greedy = SamplingParams(max_new_tokens=10, seed=5)
+    sampled = SamplingParams(max_new_tokens=10, temperature=0.8, seed=6)
+    batch = ContinuousBatch(dec)
+    generators = {}
+    real_add = batch.add
+
+    def add(rid, prompt, params):
+        real_add(rid, prompt, params)
+        generators[rid] = batch._waiting[-1][0].coins
+    batch.add = add
+    together, _, _ = _run(batch, {0: [("g", SAMPLING_PROMPTS[0], greedy)], 1: [("s", SAMPLING_PROMPTS[1], sampled)]})
+    assert torch.equal(generators["g"].get_state(), torch.Generator().manual_seed(5).get_state())
+    assert not torch.equal(generators["s"].get_state(), torch.Generator().manual_seed(6).get_state())
+    for rid, prompt, params in (("g", SAMPLING_PROMPTS[0], greedy), ("s", SAMPLING_PROMPTS[1], sampled)):
+        alone, _, _ = _run(ContinuousBatch(dec), {0: [(rid, prompt, params)]})
+        assert alone[rid] == together[rid]
+
+
 def test_samples_follow_the_target_when_requests_join_at_different_steps():
     m = em.sampling_models()
     steps, temperature, top_p = 3, 1.0, 0.9
