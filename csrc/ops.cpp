@@ -168,7 +168,7 @@ PyObject* decoder_layer_py(PyObject* /*self*/, PyObject* const* args, Py_ssize_t
     tree_nodes = nodes;
   }
   const Py_ssize_t num_weights = PyList_GET_SIZE(weights_arg);
-  if (!plain_tensors(&PyList_GET_ITEM(weights_arg, 0), static_cast<int>(num_weights), true))
+  if (!plain_tensors(PySequence_Fast_ITEMS(weights_arg), static_cast<int>(num_weights), true))
     Py_RETURN_NOTIMPLEMENTED;
   c10::List<std::optional<at::Tensor>> weights;
   weights.reserve(static_cast<size_t>(num_weights));
