@@ -294,7 +294,7 @@ at::Tensor silu_times_up(const at::Tensor& gate_up, int64_t inter) {
 }
 
 // Whether src [A, B, C, D] and dst (any 4-d shape) are CPU tensors of one float32 / bfloat16 dtype whose last
-// dimension is contiguous: copy_rows below can move their D-element rows with memcpy.
+// dimension is contiguous: copy_rows_transposed below can move their D-element rows with memcpy.
 bool rows_copyable(const at::Tensor& src, const at::Tensor& dst) {
   return src.is_cpu() && dst.is_cpu() && src.dim() == 4 && dst.dim() == 4 && src.scalar_type() == dst.scalar_type() &&
          (src.scalar_type() == at::kFloat || src.scalar_type() == at::kBFloat16) && src.stride(3) == 1 &&
