@@ -29,7 +29,8 @@ control row, shows the measurement's noise); rows in interleaved rounds, each ro
 (at T=0); for the auto rows the draft shapes chosen most often. Tree forwards of ragged trees run packed (each
 request's real nodes only, ``SpeculativeDecoder.pack_trees``); ``--no-pack`` runs them over the padded grid.
 
-Table 2: where a taps step's time goes (``generate(profile=True)``), ms per step and phase.
+Table 2 (``--profile``, one per temperature): where a taps step's time goes (``generate(profile=True)``), ms per
+step and phase, and the tokens a step emitted.
 
 Table 3 (``--overhead``): pure host overhead with models whose compute is negligible (hidden 64, vocab 512,
 4 target layers, 1-layer drafters): ms per decoding step of HF ``generate`` (per token) and of a taps step
@@ -254,24 +255,25 @@ def shipped_tables(args, device, dtype) -> None:
                     title=f"Shipped models, T={temperature:g} ({args.repeats} rounds, rows interleaved per prompt, "
                           f"in reverse every other round, fastest per row and prompt; {args.clock} time)")
 
-    if args.profile:
+    for temperature in (args.temperatures if args.profile else ()):  # a table per temperature
         rows = []
         for row, dec in decoders.items():
             runner = TapsRunner(dec, tok.eos_id)
-            runner(prompts[:1], 8, 0.0, 0, profile=True)
-            outs, stats = runner(prompts, args.new_tokens, 0.0, args.seed, profile=True)
+            runner(prompts[:1], 8, temperature, 0, profile=True)
+            outs, stats = runner(prompts, args.new_tokens, temperature, args.seed, profile=True)
             steps = sum(s.steps for s in stats)
+            tokens = sum(len(o) - 1 for o in outs)  # (the first token of each comes from the prefill)
             tot = {}
             for s in stats:
                 for k, v in s.profile.items():
                     tot[k] = tot.get(k, 0.0) + v * s.steps
             per = {k: v / steps * 1e3 for k, v in tot.items()}
             total = sum(per.get(k, 0.0) for k in PHASES)  # sections are exclusive ("step" = the rest)
-            rows.append([row, f"{total:.2f}"] + [f"{per.get(k, 0.0):.2f}" for k in PHASES])
-        print_table(["row", "ms/step", "draft fwd", "expand", "tree", "target fwd", "target head", "verify",
-                     "compact", "draft update", "glue"], rows,
-                    title="Where a taps step's time goes, T=0 (ms per step; draft fwd / draft update = drafter "
-                          "forwards, expand = the expansion around them, glue = the rest of the loop)")
+            rows.append([row, f"{total:.2f}", f"{tokens / steps:.2f}"] + [f"{per.get(k, 0.0):.2f}" for k in PHASES])
+        print_table(["row", "ms/step", "tokens/step", "draft fwd", "expand", "tree", "target fwd", "target head",
+                     "verify", "compact", "draft update", "glue"], rows,
+                    title=f"Where a taps step's time goes, T={temperature:g} (ms per step; draft fwd / draft update = "
+                          "drafter forwards, expand = the expansion around them, glue = the rest of the loop)")
 
 
 def batch_table(args, device, dtype) -> None:

@@ -57,7 +57,11 @@ def test_bench_e2e_shipped_models_and_overhead():
     assert 0 < low <= high, control
     assert sum("taps autoregressive (control)" in r for r in taps) == 1, t0
     assert len(table_rows(out, "Shipped models, T=1")) == 8
-    assert len(table_rows(out, "Where a taps step's time goes")) == 5
+    # a profile table per temperature, each row with the tokens a step emitted (1.00 for autoregressive decoding)
+    for t in ("0", "1"):
+        prof = table_rows(out, f"Where a taps step's time goes, T={t} ")
+        assert len(prof) == 5, prof
+        assert prof[0].split()[:3] == ["autoregressive", prof[0].split()[1], "1.00"], prof
     overhead = table_rows(out, "Pure host overhead")
     assert any(r.strip().startswith("taps merged") for r in overhead)
 
