@@ -360,9 +360,9 @@ class SpeculativeDecoder:
         left_out: List[int] = []
         if max_new_tokens > 0:
             groups = self._draft_groups()
-            tuner, sampling = self.tuner, _samples(sample)
+            tuner = self.tuner
             # prompt lookup is judged only where every request samples (see __init__)
-            free_judged = _all_sample(sample)
+            sampling, free_judged, _ = _sample_modes(sample, len(requests))
             kept = self._leave_out(groups, sampling, free_judged)
             left_out = sorted(t for g in groups if g not in kept for t in g.members)
             if tuner is not None and not kept:
@@ -988,11 +988,11 @@ class SpeculativeDecoder:
     def _begin(self, state: "DecodeState", added: int = 0) -> None:
         """After the batch changed: the sampling mode of the drafters and the tuner, and the costs the
         tuner lacks for the new batch size."""
-        sampling = _samples(state.sample)
+        sampling, all_sample, greedy = _sample_modes(state.sample, state.batch)
         for g in state.groups:
             g.sampling = sampling
-        changed, state.sampling, state.all_sample = sampling != state.sampling, sampling, _all_sample(state.sample)
-        state.greedy_rows = _greedy_rows(state.sample, state.batch)
+        changed, state.sampling, state.all_sample = sampling != state.sampling, sampling, all_sample
+        state.greedy_rows = greedy
         if self.tuner is None:
             return
         if changed:
@@ -1128,11 +1128,9 @@ class DecodeState:
         self.starts: Dict[int, tuple] = {}
         #: groups of drafters the strategy stops drafting with are dropped (False where requests join later)
         self.can_drop = True
-        self.sampling = _samples(sample)
-        #: every request samples (a temperature above 0 for each): drafts may be drawn
-        self.all_sample = _all_sample(sample)
-        #: per request, whether it is greedy (temperature 0): it draws no coins (:meth:`coins`)
-        self.greedy_rows = _greedy_rows(sample, len(requests))
+        #: some request samples; every request samples (drafts may be drawn); per request, whether it is greedy
+        #: (temperature 0: it draws no coins, :meth:`coins`)
+        self.sampling, self.all_sample, self.greedy_rows = _sample_modes(sample, len(requests))
         #: this step's drawn tree: (the distributions it was drawn from [B, 1 + M, V'], the drafter's
         #: token_map), None for a top-k tree (SpeculativeDecoder(sampled_drafts=))
         self.draft_probs: Optional[tuple] = None
@@ -1224,20 +1222,13 @@ class _HostRecord(NamedTuple):
     route: Optional[List[int]]
 
 
-def _samples(sample: dict) -> bool:
-    """Whether verification with these settings samples (a temperature above 0 for some request)."""
-    return bool(torch.as_tensor(sample["temperature"]).gt(0).any())
-
-
-def _all_sample(sample: dict) -> bool:
-    """Whether every request samples (a temperature above 0 for each)."""
-    return bool(torch.as_tensor(sample["temperature"]).gt(0).all())
-
-
-def _greedy_rows(sample: dict, batch: int) -> List[bool]:
-    """Per request of a batch of `batch`, whether it is greedy (temperature 0)."""
+def _sample_modes(sample: dict, batch: int) -> Tuple[bool, bool, List[bool]]:
+    """For a batch of `batch` (>= 1) requests with these settings, from one read of the temperatures: whether
+    verification samples (a temperature above 0 for some request), whether every request samples, and per
+    request whether it is greedy (temperature 0)."""
     flags = torch.as_tensor(sample["temperature"]).le(0)
-    return flags.expand(batch).tolist() if flags.dim() == 0 else flags.tolist()
+    greedy = flags.expand(batch).tolist() if flags.dim() == 0 else flags.tolist()
+    return not all(greedy), not any(greedy), greedy
 
 
 def _select_sample(sample: dict, index: Tensor, batch: int) -> dict:
