@@ -157,7 +157,7 @@ PyObject* decoder_layer_py(PyObject* /*self*/, PyObject* const* args, Py_ssize_t
   if (at::impl::torch_function_mode_enabled() || !plain_tensors(args, 1) || !plain_tensors(args + 1, 1, true) ||
       !plain_tensors(args + 5, 4) || !plain_tensors(args + 10, 2) || !plain_tensors(args + 14, 2, true) ||
       !PyList_CheckExact(weights_arg) || !PyList_CheckExact(eps_arg) || !PyList_CheckExact(dims_arg) ||
-      !PyFloat_CheckExact(args[13]) || (args[12] != Py_None && !PyLong_CheckExact(args[12])))
+      !PyFloat_CheckExact(args[13]))
     Py_RETURN_NOTIMPLEMENTED;
   int64_t write_start = 0;
   if (!exact_int(args[9], write_start)) Py_RETURN_NOTIMPLEMENTED;

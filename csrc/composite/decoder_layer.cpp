@@ -498,7 +498,7 @@ at::Tensor decoder_layer(const at::Tensor& x, const OptTensor& emb_in, const c10
       }
     }
     const at::Tensor out = tree_attention(q.transpose(1, 2), keys, values, tree_mask, kv_lens, scale, tree_nodes);
-    if (out.is_contiguous() && rows_copyable(out, out) && out.numel() <= kLoopElements) {
+    if (cpu_loop_ok(out) && out.dim() == 4) {
       attn = at::empty({groups, x.size(1), heads * head_dim}, out.options());
       copy_rows_transposed(out, attn.view({gb, tokens, heads, head_dim}));
     } else {
