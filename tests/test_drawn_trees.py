@@ -131,3 +131,29 @@ def test_draws_never_take_a_token_of_zero_mass(monkeypatch):
     monkeypatch.setattr(torch, "rand", lambda *a, **k: torch.full(a[0], top))
     edge = sampler.draw(q, 3)
     assert edge[:, 0, 0].tolist() == [4, 0, 5], "the largest uniform takes the last token of positive mass"
+
+
+@pytest.mark.parametrize("batch,width,depth", [(1, 1, 1), (1, 1, 3), (3, 2, 3), (2, 3, 1), (5, 1, 7), (2, 4, 17)])
+def test_the_drawn_layout_equals_build_tree(batch, width, depth):
+    """sampled_tree(..., depth): the roots and candidates on the drawn layout's shared fields equal the tree
+    ``build_tree`` makes of the same candidates (every field), for odd batches, widths and depths (a mask past
+    one 64-bit word included); the shared fields are not written by a later call."""
+    gen = torch.Generator().manual_seed(batch * 100 + width * 10 + depth)
+    m = width * depth
+    index = torch.arange(m)
+    parents = torch.where(index < width, -1, index - width).expand(batch, m).clone()
+    for drafters in ((0,), (1, 3)):
+        tokens = torch.randint(0, 50, (1, batch, m), generator=gen)
+        scores = -torch.rand((1, batch, m), generator=gen).cumsum(-1)
+        cands = Candidates(scores, tokens, parents.unsqueeze(0), torch.zeros(1, batch), drafters)
+        root = torch.randint(0, 50, (batch,), generator=gen)
+        built, laid = sampled_tree(cands, root), sampled_tree(cands, root, depth)
+        for field in ("tokens", "parents", "depth", "tree_mask", "source"):
+            assert torch.equal(getattr(laid, field), getattr(built, field)), field
+        again = sampled_tree(cands._replace(tokens=tokens + 1), root + 1, depth)
+        assert torch.equal(again.tokens, torch.cat([(root + 1).view(batch, 1), tokens[0] + 1], 1))
+        assert torch.equal(laid.tree_mask, built.tree_mask) and again.tree_mask is laid.tree_mask
+    odd = Candidates(torch.zeros(1, 1, 3), torch.ones(1, 1, 3, dtype=torch.int64),
+                     torch.tensor([[[-1, 0, 1]]]), torch.zeros(1, 1), (0,))
+    with pytest.raises(ValueError, match="3 candidates are not 2 levels"):
+        sampled_tree(odd, torch.tensor([4]), 2)

@@ -171,6 +171,49 @@ def test_sampled_drafts_sample_the_target(name, temperature, top_k, top_p, lean)
     assert_samples_follow(out.tokens, PROMPT, temperature, top_k, top_p)
 
 
+@pytest.mark.parametrize("name,temperature,lean", [("eagle", 1.0, None), ("eagle2", 0.8, False), ("copy", 1.0, None)])
+def test_sampled_chains_sample_the_target(name, temperature, lean):
+    """One drawn chain a request (top_k 1: the tree is the drawn layout as it is, and an accepted path, a prefix
+    of its chain, is committed where its K/V were written, with no compaction) follows the target's
+    distribution; its first step runs every request on that path, the next ones with finished requests beside."""
+    m = em.sampling_models()
+    dec = SpeculativeDecoder(m["target"], _drafters((name,)), strategy="single", depth=3, top_k=1, budget=4,
+                             lean=lean, sampled_drafts=True)
+    out = dec.generate([PROMPT] * SAMPLES, max_new_tokens=STEPS, temperature=temperature, seed=77)
+    assert out.summary["tau"] > 1.3, f"tau {out.summary['tau']:.2f}: acceptance is hardly exercised"
+    assert_samples_follow(out.tokens, PROMPT, temperature, 0, 1.0)
+
+
+@pytest.mark.parametrize("name", ["eagle", "copy"])
+def test_the_drawn_layout_and_its_commit_change_no_token(monkeypatch, name):
+    """Drawn trees of one or two chains a request, 40 tokens of a ragged batch at T = 1 under a seed: the same
+    tokens with the drawn layout's tree and a chain's commit without compaction as with ``build_tree``'s tree and
+    ``compact_kv`` (the same coins: any K/V left where it does not belong changes later draws)."""
+    from taps import decoder as decoder_module
+    from taps.strategies import sampled_tree as laid_out
+
+    m = em.sampling_models()
+    prompts = [PROMPT, [7, 2, 2, 19, 4, 11, 8], [25, 6], [3, 9, 1, 30, 2]]
+
+    def run(width):
+        dec = SpeculativeDecoder(m["target"], _drafters((name,)), strategy="single", depth=3, top_k=width,
+                                 budget=1 + 3 * width, sampled_drafts=True)
+        out = dec.generate(prompts, max_new_tokens=40, temperature=1.0, seed=12)
+        return out.tokens, out.summary["tau"]
+
+    fast = {w: run(w) for w in (1, 2)}
+    original = SpeculativeDecoder._commit
+
+    def commit(self, state, ver):
+        state.chain = False
+        return original(self, state, ver)
+    monkeypatch.setattr(decoder_module, "sampled_tree", lambda cands, root, depth=None: laid_out(cands, root))
+    monkeypatch.setattr(SpeculativeDecoder, "_commit", commit)
+    for width, (tokens, tau) in fast.items():
+        assert tau > 1.3, f"width {width}: tau {tau:.2f}, hardly accepted"
+        assert run(width)[0] == tokens, f"width {width}"
+
+
 @pytest.mark.parametrize("strategy", ["merged", "merged-budget", "adaptive"])
 def test_drawn_from_the_mean_of_two_heads_samples_the_target(strategy):
     """Two EAGLE heads of one shape (one batched group): the merging strategies' tree at T > 0 drawn from the

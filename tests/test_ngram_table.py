@@ -266,16 +266,17 @@ def test_greedy_with_a_table_equals_autoregressive():
     assert out.summary["tau"] > 1.5, "the table's drafts are hardly accepted: nothing is tested"
 
 
-@pytest.mark.parametrize("sampled", [True, False])
-def test_sampling_with_a_table_follows_the_target(sampled):
-    """Drawn chains (the op) and top-k trees (the generic expansion over the table's logits), chi-square against
-    the target's exact distribution; drawn chains accept more at T = 1."""
+@pytest.mark.parametrize("sampled,width", [(True, 2), (True, 1), (False, 2)])
+def test_sampling_with_a_table_follows_the_target(sampled, width):
+    """Drawn chains (the op; two a request, or one: committed with no compaction) and top-k trees (the generic
+    expansion over the table's logits), chi-square against the target's exact distribution; drawn chains accept
+    more at T = 1."""
     from test_engine_sampling import PROMPT, SAMPLES, STEPS, assert_samples_follow
 
     target = em.sampling_models()["target"]
     table = _target_table(target, count=100, new=6, also=[PROMPT] * 100)
-    dec = SpeculativeDecoder(target, [NgramTableDrafter(table)], strategy="single", depth=3, top_k=2, budget=7,
-                             sampled_drafts=sampled)
+    dec = SpeculativeDecoder(target, [NgramTableDrafter(table)], strategy="single", depth=3, top_k=width,
+                             budget=1 + 3 * width, sampled_drafts=sampled)
     out = dec.generate([PROMPT] * SAMPLES, max_new_tokens=STEPS, temperature=1.0, seed=99)
     assert out.summary["tau"] > (1.6 if sampled else 1.2), f"tau {out.summary['tau']:.2f}: hardly accepted"
     assert_samples_follow(out.tokens, PROMPT, 1.0, 0, 1.0)

@@ -749,7 +749,13 @@ class SpeculativeDecoder:
         """The tree to verify: the strategy's combination of the candidates (the root alone without); and
         on the CPU each request's real nodes (root included; None elsewhere: a host read is a sync there)."""
         batch = state.root.shape[0]
+        state.chain = False
         if cands is not None and state.draft_probs is not None:  # drawn: every draw, in order
+            if not any(r.done for r in state.requests):  # every candidate a real draw: the drawn layout as it is
+                tree = sampled_tree(cands, state.root, plan.depth)
+                # one chain a request: its accepted path is a prefix of the tree, where the K/V already are
+                state.chain = tree.tokens.shape[1] == plan.depth + 1
+                return tree, [tree.tokens.shape[1]] * batch if state.root.device.type == "cpu" else None
             tree = sampled_tree(cands, state.root)
         elif cands is not None:
             with self.strategy.step_budget(None if plan.shape is None else plan.shape.budget):
@@ -806,7 +812,10 @@ class SpeculativeDecoder:
             num_new = (accepted + 1).masked_fill(done_t, 0)
         else:
             num_new = accepted + 1
-        self.forward.commit(state.cache, path, num_new, validate=state.sample["validate"])
+        if state.chain:  # every accepted path a prefix of its chain: its K/V are in place (compaction moves nothing)
+            state.cache.lengths.add_(num_new)
+        else:
+            self.forward.commit(state.cache, path, num_new, validate=state.sample["validate"])
         state.root = ver.tokens.gather(1, accepted.unsqueeze(1)).squeeze(1)
         return path, num_new
 
@@ -1134,6 +1143,8 @@ class DecodeState:
         #: this step's drawn tree: (the distributions it was drawn from [B, 1 + M, V'], the drafter's
         #: token_map), None for a top-k tree (SpeculativeDecoder(sampled_drafts=))
         self.draft_probs: Optional[tuple] = None
+        #: this step's tree is one drawn chain a request (its accepted paths are prefixes: nothing to compact)
+        self.chain = False
         #: counts the changes a tuner's plan depends on (requests finishing, joining or leaving, groups
         #: dropped); coast: (the tuner's coast token, epoch) after a plan of no draft
         self.epoch = 0

@@ -101,21 +101,61 @@ def _one_tree(cands: Candidates, budget: int, root: Tensor) -> Combined:
     return Combined(tree.tokens, tree.parents, tree.depth, tree.tree_mask, source << t if t else source, None)
 
 
-def sampled_tree(cands: Candidates, root: Tensor) -> Combined:
+def sampled_tree(cands: Candidates, root: Tensor, depth: Optional[int] = None) -> Combined:
     """The tree of drawn candidates (:func:`taps.expansion.expand_sampled`, one slab [1, B, M], drawn from
     the drafter ``cands.drafters`` or from the mean of theirs: each node's source holds all their bits):
     every candidate kept, node 1 + m = candidate m, so siblings stay in the order they were drawn (what
     recursive rejection sampling needs: a tree that kept or ordered draws by their probability would
-    verify a biased sample). One ``build_tree`` with scores falling with the candidate index does it."""
+    verify a biased sample). One ``build_tree`` with scores falling with the candidate index does it.
+
+    ``depth``: the draft's levels, where every candidate is a real draw in the drawn layout (level l's chain
+    c is candidate (l - 1) * width + c, its parent the chain's previous candidate, width = M / depth: what
+    ``expand_sampled`` and ``taps_ops.ngram_table_draw`` return, with no padding): the tree is then the roots
+    and candidates side by side on that layout's parents, depths, mask and source (:func:`_drawn_fields`,
+    made once per shape), with no ``build_tree``."""
     t, b, m = cands.scores.shape
     if t != 1:
         raise ValueError(f"sampled_tree: one slab of drawn candidates, got {t}")
+    bits = sum(1 << d for d in set(cands.drafters))
+    if depth is not None:
+        if depth < 1 or m % depth:
+            raise ValueError(f"sampled_tree: {m} candidates are not {depth} levels of chains")
+        parents, depths, mask, source = _drawn_fields(b, m // depth, depth, bits, root.device)
+        return Combined(torch.cat([root.view(b, 1), cands.tokens[0]], 1), parents, depths, mask, source, None)
     order = -torch.arange(m, dtype=torch.float32, device=root.device).expand(b, m)
     tree = taps_ops.build_tree(order, cands.tokens[0], cands.parents[0], m + 1, root_tokens=root,
                                validate=root.device.type == "cpu")
-    bits = sum(1 << d for d in set(cands.drafters))
     source = (tree.candidate_index >= 0).long() * bits
     return Combined(tree.tokens, tree.parents, tree.depth, tree.tree_mask, source, None)
+
+
+_DRAWN_FIELDS: Dict[tuple, Tuple[Tensor, Tensor, Tensor, Tensor]] = {}
+
+
+def _drawn_fields(batch: int, width: int, depth: int, bits: int, device) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+    """parents, depth, tree_mask and source [B, 1 + width * depth] of a drawn tree (`width` chains of `depth`
+    draws under each root): the same for every draft of that shape, so built once (by ``build_tree`` itself, on
+    the layout's parents) and shared: read them, never write them (a drawn step's tree cost ~50 us of small ops
+    on the CPU)."""
+    def make():
+        m = width * depth
+        index = torch.arange(m, device=device)
+        parents = torch.where(index < width, -1, index - width).expand(batch, m)
+        zeros = torch.zeros((batch, m), dtype=torch.int64, device=device)
+        tree = taps_ops.build_tree(-index.float().expand(batch, m), zeros, parents, m + 1,
+                                   root_tokens=zeros[:, 0], validate=True)
+        return tree.parents, tree.depth, tree.tree_mask, (tree.candidate_index >= 0).long() * bits
+    return _shared(_DRAWN_FIELDS, (batch, width, depth, bits, device), make)
+
+
+def _shared(cache: dict, key: tuple, make: Callable[[], tuple]) -> tuple:
+    """``cache[key]``, made by `make` when missing (at most 256 kept: the cache is emptied past that)."""
+    fields = cache.get(key)
+    if fields is None:
+        if len(cache) > 256:
+            cache.clear()
+        fields = cache[key] = make()
+    return fields
 
 
 def _draft_nodes(tokens: Tensor) -> Tensor:
@@ -169,14 +209,10 @@ def root_tree(root: Tensor) -> Combined:
     constants shared by every call of the batch size and device (made once: four tensors a step cost about
     12 us): read them, never write them."""
     batch = root.shape[0]
-    key = (batch, root.device)
-    fields = _ROOT_FIELDS.get(key)
-    if fields is None:
-        if len(_ROOT_FIELDS) > 256:
-            _ROOT_FIELDS.clear()
+    def make():
         ones = torch.ones((batch, 1), dtype=torch.int64, device=root.device)
-        fields = _ROOT_FIELDS[key] = (-ones, ones * 0, ones.view(batch, 1, 1))
-    parents, zeros, mask = fields
+        return -ones, ones * 0, ones.view(batch, 1, 1)
+    parents, zeros, mask = _shared(_ROOT_FIELDS, (batch, root.device), make)
     return Combined(root.view(batch, 1), parents, zeros, mask, zeros, None)
 
 
