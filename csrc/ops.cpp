@@ -337,11 +337,12 @@ TORCH_LIBRARY(taps_ops, m) {
   // Sampled chains from the same table: width draws at each request's root (contexts row b), each continued by one
   // draw a level to depth levels, q = softmax(logp / temperature[b]) over a node's context's entries; uniforms
   // [B, width * depth] f32 -> tokens, parents [B, M] i64, scores [B, M] f32 (cumulative log q), probs
-  // [B, 1 + M, vocab] f32 (the q each node's children were drawn from; M = width * depth).
+  // [B, 1 + M, vocab] f32 (the q each node's children were drawn from; M = width * depth), written into `out`
+  // when given (cleared first).
   m.def(
       "ngram_table_draw(Tensor keys, Tensor counts, Tensor starts, Tensor ids, Tensor logp, Tensor contexts, "
-      "Tensor uniforms, Tensor temperature, int width, int depth, int vocab, int max_order, int min_count) -> "
-      "(Tensor, Tensor, Tensor, Tensor)");
+      "Tensor uniforms, Tensor temperature, int width, int depth, int vocab, int max_order, int min_count, "
+      "Tensor? out=None) -> (Tensor, Tensor, Tensor, Tensor)");
   // The CPU kernels' instruction-set level (cpu/cpu_isa.h): scalar, avx2, avx512 or amx. _cpu_isa: the one in
   // force; _cpu_host_isa: the best this CPU runs; _set_cpu_isa(level): cap the kernels there (<= the host's),
   // returns the level in force; _cpu_features: the CPU features the kernels look at. No tensors: catch-all.

@@ -21,6 +21,7 @@ import pytest
 import torch
 
 import taps_ops
+from sampling_checks import assert_matches_reference
 from taps_ops.reference import (expand_level_ref, rms_norm_ref, rope_ref, tree_attention_dense_mask,
                                 tree_attention_ref)
 
@@ -229,6 +230,33 @@ def test_verify_tree_agrees_at_every_level(at_level, dtype):
             assert torch.equal(a, b), level
         assert torch.equal(sampled[level].tokens, ref[0]), level
         assert torch.equal(sampled[level].num_accepted, ref[1]), level
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_verify_tree_drawn_children_agree_at_every_level(at_level, dtype):
+    """Drawn children (draft_probs): the residual passes after a rejection (vectorised per level, the block skip
+    of the draw past the children across a 2,048-token block edge) give the reference's tokens at every level,
+    chains of one child and siblings of three, requests with no child accepted, some, and all."""
+    gen = torch.Generator().manual_seed(5)
+    batch, vocab = 24, 4999
+    parents = torch.tensor([[-1, 0, 1, 2, 0, 0, 4, 5]] * batch)
+    logits = torch.randn(batch, 8, vocab, generator=gen) * 2
+    tokens = torch.randint(0, vocab, (batch, 8), generator=gen)
+    for b in range(0, batch, 2):  # half the requests: the draft's tokens likely under the target
+        for i in range(1, 8):
+            logits[b, parents[0, i], tokens[b, i]] += 6.0
+    logits = logits.to(dtype)
+    draft = torch.softmax(torch.randn(batch, 8, vocab, generator=gen) * 3, -1)
+    draft.scatter_add_(2, tokens.roll(-1, 1).unsqueeze(-1), torch.full((batch, 8, 1), 0.4))
+    draft = draft / draft.sum(-1, keepdim=True)
+    coins = torch.rand(batch, 8, generator=gen)
+    outs = _per_level(at_level, lambda: taps_ops.verify_tree(logits, tokens, parents, temperature=0.9,
+                                                             draft_probs=draft, uniforms=coins))
+    args, kwargs = (logits, tokens, parents), dict(temperature=0.9, draft_probs=draft, uniforms=coins)
+    accepted = set()
+    for level in RUNNABLE:
+        accepted |= set(assert_matches_reference(outs[level], args, kwargs).tolist())
+    assert {0, 1} <= accepted and max(accepted) >= 2, accepted
 
 
 # ---- the op suites under each lower level ---------------------------------------------------------------

@@ -252,3 +252,37 @@ def test_a_user_registered_strategy_decodes_end_to_end():
     assert combined and all(d == (0,) for d in combined)
     with pytest.raises(ValueError, match="unknown strategy 'second-oly'"):
         SpeculativeDecoder(target, [near], strategy="second-oly")
+
+
+def test_host_tallies_are_added_when_read():
+    """observe_drafter queues each step's host counts; the tally read afterwards (accepted, directly or through
+    requests joining and leaving) equals the tally added at once, step by step, also past the 64 steps a queue
+    holds."""
+    gen = torch.Generator().manual_seed(3)
+    lazy, eager = make_strategy("adaptive", 3, 9), make_strategy("adaptive", 3, 9)
+    for s in (lazy, eager):
+        s.reset(4, torch.device("cpu"))
+
+    def step():
+        drafter = int(torch.randint(0, 3, (1,), generator=gen))
+        counts = torch.randint(0, 5, (eager.accepted.shape[0],), generator=gen).tolist()
+        lazy.observe_drafter(drafter, counts)
+        eager.accepted[:, drafter] += torch.tensor(counts, dtype=torch.float64)
+
+    for _ in range(70):  # (past the queue's 64)
+        step()
+    assert torch.equal(lazy.accepted, eager.accepted)
+    for _ in range(5):
+        step()
+    keep = torch.tensor([3, 0, 2])
+    for s in (lazy, eager):
+        s.select_requests(keep)
+        s.add_requests(2, torch.device("cpu"))
+    for _ in range(7):
+        step()
+    mixed = torch.randint(0, 3, (5, 3), generator=gen)
+    lazy.observe(mixed)
+    eager.accepted += mixed.double()
+    for _ in range(3):
+        step()
+    assert lazy.accepted.shape == (5, 3) and torch.equal(lazy.accepted, eager.accepted)

@@ -158,6 +158,16 @@ def test_draw_structure_and_rows(width, depth, temperature):
                                                                table.vocab_size, table.max_order, 1)
     m = width * depth
     assert tokens.shape == parents.shape == scores.shape == (batch, m) and probs.shape == (batch, 1 + m, 23)
+    # into a kept buffer (stale values in it, as a decoder's last draft leaves them): the same draft, in the buffer
+    out = torch.full((batch, 1 + m, 23), float("nan"))
+    again = taps_ops.ngram_table_draw(*table._t, contexts, uniforms, temp, width, depth, table.vocab_size,
+                                      table.max_order, 1, out=out)
+    assert again[3] is out and torch.equal(out, probs)
+    assert all(torch.equal(a, b) for a, b in zip(again[:3], (tokens, parents, scores)))
+    # one temperature as a Python number: the same draft
+    number = taps_ops.ngram_table_draw(*table._t, contexts, uniforms, temperature, width, depth, table.vocab_size,
+                                       table.max_order, 1)
+    assert all(torch.equal(a, b) for a, b in zip(number, (tokens, parents, scores, probs)))
 
     def q_of(ctx):
         z = table.reference_logits(np.asarray([ctx[-3:]]), 1)[0].double() / temperature
@@ -209,8 +219,8 @@ def test_op_inputs_are_checked():
     def logits(*a, ctxs=ctx, vocab=23, order=3, mc=1):
         return taps_ops.ngram_table_logits(*a, ctxs, vocab, order, mc)
 
-    def draw(*a, ctxs=ctx, un=u, temp=t, width=1, depth=2, vocab=23):
-        return taps_ops.ngram_table_draw(*a, ctxs, un, temp, width, depth, vocab, 3, 1)
+    def draw(*a, ctxs=ctx, un=u, temp=t, width=1, depth=2, vocab=23, out=None):
+        return taps_ops.ngram_table_draw(*a, ctxs, un, temp, width, depth, vocab, 3, 1, out=out)
 
     assert logits(k, c, s, i, lp).shape == (1, 23) and draw(k, c, s, i, lp)[3].shape == (1, 3, 23)
     bad_arrays = [
@@ -230,9 +240,14 @@ def test_op_inputs_are_checked():
             logits(k, c, s, i, lp, **kw)
     for kw in (dict(un=torch.rand(1, 3)), dict(un=torch.rand(2, 2)), dict(un=u.double()), dict(temp=torch.zeros(1)),
                dict(temp=torch.full((1,), float("inf"))), dict(temp=torch.ones(2)), dict(width=0), dict(depth=0),
-               dict(ctxs=torch.tensor([[99, 1, 2]]))):
+               dict(ctxs=torch.tensor([[99, 1, 2]])), dict(out=torch.zeros(1, 2, 23)), dict(out=torch.zeros(2, 3, 23)),
+               dict(out=torch.zeros(1, 3, 22)), dict(out=torch.zeros(1, 3, 23, dtype=torch.float64)),
+               dict(out=torch.zeros(3, 23)), dict(out=torch.zeros(1, 23, 3).transpose(1, 2)), dict(temp=0.0),
+               dict(temp=-1.0), dict(temp=float("nan"))):
         with pytest.raises(ValueError, match="^taps_ops: ngram_table_draw"):
             draw(k, c, s, i, lp, **kw)
+    with pytest.raises(ValueError, match="out must be a tensor, a CPU tensor"):
+        draw(k, c, s, i, lp, out=torch.zeros(1, 3, 23).numpy())
     with pytest.raises(ValueError, match="must be a tensor"):
         taps_ops.ngram_table_logits(k.numpy(), c, s, i, lp, ctx, 23, 3)
     # shuffled (unsorted) keys, key 0 first (else the op says it lacks one): some answer, in bounds

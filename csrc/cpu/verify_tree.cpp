@@ -8,6 +8,7 @@
 #include <c10/util/Half.h>
 #include <torch/library.h>
 
+#include <type_traits>
 #include <vector>
 
 #include "checks/checks.h"
@@ -86,6 +87,57 @@ struct CpuOps {
     for (int64_t v = vocab - 1; v >= 0; --v)  // rounding fallback: the last positive token
       if (g(v) > 0.0f) return FindResult{-1, v};
     return FindResult{-1, -1};
+  }
+
+  // The residual passes of a drawn node (verify::residual_passes): vectorised over the row where the draft's
+  // probabilities are float32 (the decoder's drafts), the core's generic passes otherwise.
+  static constexpr bool kResidualPasses = true;
+
+  template <typename scalar_t, typename prob_t>
+  float residual_sum(const scalar_t* row, const prob_t* q, int64_t vocab, const Target& t, const float* rz,
+                     int32_t level) const {
+    if constexpr (std::is_same_v<prob_t, float>) {
+      return rows::row_residual_sum(row, q, vocab, dtype_of<scalar_t>(),
+                                    rows::Residual{t.max, t.inv_temperature, t.threshold, t.z, rz, level, true}, isa);
+    } else {
+      return sum(vocab, [&](int64_t v) { return verify::residual_excess(t, float(row[v]), float(q[v]), rz, level); });
+    }
+  }
+
+  // The draw from a drawn node's residual (level 0: the target weights): skip whole blocks by their vectorised
+  // sums, then scan the block where the running sum crosses x token by token (the core's scalar weights), as
+  // scan_find_target does.
+  template <typename scalar_t, typename prob_t>
+  FindResult residual_find(const scalar_t* row, const prob_t* q, int64_t vocab, const Target& t, const float* rz,
+                           int32_t level, float x) const {
+    auto g = [&](int64_t v) { return verify::residual_weight(t, float(row[v]), float(q[v]), rz, level); };
+    if constexpr (!std::is_same_v<prob_t, float>) {
+      return scan_find(vocab, g, x);
+    } else {
+      constexpr int64_t kBlock = 2048;
+      const rows::Residual r{t.max, t.inv_temperature, t.threshold, t.z, rz, level, false};
+      float acc = 0.0f;
+      int64_t start = 0;
+      for (; start < vocab; start += kBlock) {
+        const int64_t len = start + kBlock < vocab ? kBlock : vocab - start;
+        const float block =
+            level == 0 ? rows::row_sum_exp(row + start, len, dtype_of<scalar_t>(), t.max, t.inv_temperature,
+                                           t.threshold, isa)
+                       : rows::row_residual_sum(row + start, q + start, len, dtype_of<scalar_t>(), r, isa);
+        if (acc + block > x) break;
+        acc += block;
+      }
+      for (int64_t v = start; v < vocab; ++v) {
+        const float w = g(v);
+        if (w > 0.0f) {
+          acc += w;
+          if (x < acc) return FindResult{v, v};
+        }
+      }
+      for (int64_t v = vocab - 1; v >= 0; --v)  // rounding fallback: the last positive token
+        if (g(v) > 0.0f) return FindResult{-1, v};
+      return FindResult{-1, -1};
+    }
   }
 
   template <class G>

@@ -1,5 +1,6 @@
 // verify_tree, CPU: the hot per-row passes of its kernel (cpu/verify_tree.cpp, their only user): max
-// (NaN-aware), first index of a value, and the sum of target weights sum(x >= thr ? exp((x - m) * inv_t) : 0). A portable scalar version, an AVX2 + FMA
+// (NaN-aware), first index of a value, the sum of target weights sum(x >= thr ? exp((x - m) * inv_t) : 0), and
+// the sums of a drawn node's rejection residuals (row_residual_sum). A portable scalar version, an AVX2 + FMA
 // version and an AVX-512 version (per-function target attributes), chosen per call by the kernels'
 // instruction-set level (cpu/cpu_isa.h; TAPS_CPU_ISA / taps_ops.set_cpu_isa force a lower one). Rows are
 // float32, bfloat16 or float16, passed as raw bits so this header needs no torch types.
@@ -61,6 +62,37 @@ inline float row_sum_exp_scalar(const void* row, int64_t n, Dtype t, float m, fl
     const float x = load_scalar(row, i, t);
     s += x >= thr ? expf((x - m) * inv_t) : 0.0f;
   }
+  return s;
+}
+
+// The residual of the recursive rejection after `level` rejections at a drawn node (the core's residual_at on
+// the target weight w(x) = x >= thr ? exp((x - m) * inv_t) : 0 and the draft's q, one float division per level
+// as there): r_0 = w / z, r_l = max(r_{l-1} - q, 0) / rz[l - 1]. row_residual_sum returns the sum over the row
+// of r_level (excess false: the mass a draw past the children scans) or of max(r_level - q, 0) (excess true:
+// the normaliser of the next level).
+struct Residual {
+  float m, inv_t, thr, z;
+  const float* rz;  // [level] the earlier levels' normalisers
+  int32_t level;
+  bool excess;
+};
+
+inline float residual_scalar(float x, float q, const Residual& r) {
+  float v = (x >= r.thr ? expf((x - r.m) * r.inv_t) : 0.0f) / r.z;
+  for (int32_t l = 0; l < r.level; ++l) {
+    v = v - q;
+    v = (v > 0.0f ? v : 0.0f) / r.rz[l];
+  }
+  if (r.excess) {
+    v = v - q;
+    v = v > 0.0f ? v : 0.0f;
+  }
+  return v;
+}
+
+inline float row_residual_sum_scalar(const void* row, const float* q, int64_t n, Dtype t, const Residual& r) {
+  float s = 0.0f;
+  for (int64_t i = 0; i < n; ++i) s += residual_scalar(load_scalar(row, i, t), q[i], r);
   return s;
 }
 
@@ -132,6 +164,26 @@ TAPS_AVX512_FN float row_sum_exp_avx512(const void* row, int64_t n, Dtype t, flo
   }
   return s;
 }
+// (max(a, 0) returns 0 for a NaN a, as the scalar `a > 0 ? a : 0` does; exp16 returns 0 below -87.3)
+TAPS_AVX512_FN float row_residual_sum_avx512(const void* row, const float* q, int64_t n, Dtype t, const Residual& r) {
+  const __m512 vm = _mm512_set1_ps(r.m), vi = _mm512_set1_ps(r.inv_t), vt = _mm512_set1_ps(r.thr),
+               vz = _mm512_set1_ps(r.z), zero = _mm512_setzero_ps();
+  __m512 s0 = zero;
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) {
+    const __m512 x = load16(row, i, t), vq = _mm512_loadu_ps(q + i);
+    const __m512 w = simd::exp16(_mm512_mul_ps(_mm512_sub_ps(x, vm), vi));
+    __m512 v = _mm512_div_ps(_mm512_maskz_mov_ps(_mm512_cmp_ps_mask(x, vt, _CMP_GE_OQ), w), vz);
+    for (int32_t l = 0; l < r.level; ++l)
+      v = _mm512_div_ps(_mm512_max_ps(_mm512_sub_ps(v, vq), zero), _mm512_set1_ps(r.rz[l]));
+    if (r.excess) v = _mm512_max_ps(_mm512_sub_ps(v, vq), zero);
+    s0 = _mm512_add_ps(s0, v);
+  }
+  float s = _mm512_reduce_add_ps(s0);
+  for (; i < n; ++i) s += residual_scalar(load_scalar(row, i, t), q[i], r);
+  return s;
+}
+
 // ---- AVX2 + FMA: the AVX-512 passes on 8 lanes --------------------------------------------------------
 TAPS_AVX2_FN __m256 load8(const void* row, int64_t i, Dtype t) {
   if (t == Dtype::kF32) return _mm256_loadu_ps(static_cast<const float*>(row) + i);
@@ -197,6 +249,24 @@ TAPS_AVX2_FN float row_sum_exp_avx2(const void* row, int64_t n, Dtype t, float m
   }
   return s;
 }
+TAPS_AVX2_FN float row_residual_sum_avx2(const void* row, const float* q, int64_t n, Dtype t, const Residual& r) {
+  const __m256 vm = _mm256_set1_ps(r.m), vi = _mm256_set1_ps(r.inv_t), vt = _mm256_set1_ps(r.thr),
+               vz = _mm256_set1_ps(r.z), zero = _mm256_setzero_ps();
+  __m256 s0 = zero;
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    const __m256 x = load8(row, i, t), vq = _mm256_loadu_ps(q + i);
+    const __m256 w = simd::exp8(_mm256_mul_ps(_mm256_sub_ps(x, vm), vi));
+    __m256 v = _mm256_div_ps(_mm256_and_ps(_mm256_cmp_ps(x, vt, _CMP_GE_OQ), w), vz);
+    for (int32_t l = 0; l < r.level; ++l)
+      v = _mm256_div_ps(_mm256_max_ps(_mm256_sub_ps(v, vq), zero), _mm256_set1_ps(r.rz[l]));
+    if (r.excess) v = _mm256_max_ps(_mm256_sub_ps(v, vq), zero);
+    s0 = _mm256_add_ps(s0, v);
+  }
+  float s = simd::hsum8(s0);
+  for (; i < n; ++i) s += residual_scalar(load_scalar(row, i, t), q[i], r);
+  return s;
+}
 #endif  // TAPS_ROW_AVX512
 
 // Each pass takes the level it runs at (cpu::isa(), read once per op call on the calling thread).
@@ -222,6 +292,14 @@ inline float row_sum_exp(const void* row, int64_t n, Dtype t, float m, float inv
   if (isa >= cpu::Isa::kAvx2) return row_sum_exp_avx2(row, n, t, m, inv_t, thr);
 #endif
   return row_sum_exp_scalar(row, n, t, m, inv_t, thr);
+}
+
+inline float row_residual_sum(const void* row, const float* q, int64_t n, Dtype t, const Residual& r, cpu::Isa isa) {
+#ifdef TAPS_ROW_AVX512
+  if (isa >= cpu::Isa::kAvx512) return row_residual_sum_avx512(row, q, n, t, r);
+  if (isa >= cpu::Isa::kAvx2) return row_residual_sum_avx2(row, q, n, t, r);
+#endif
+  return row_residual_sum_scalar(row, q, n, t, r);
 }
 
 }  // namespace rows

@@ -572,8 +572,9 @@ _ngram_table_op = torch.ops.taps_ops.ngram_table_logits.default
 
 
 def ngram_table_draw(keys: Tensor, counts: Tensor, starts: Tensor, ids: Tensor, logp: Tensor, contexts: Tensor,
-                     uniforms: Tensor, temperature: Tensor, width: int, depth: int, vocab: int, max_order: int,
-                     min_count: int = 1) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+                     uniforms: Tensor, temperature: Union[Tensor, float], width: int, depth: int, vocab: int,
+                     max_order: int, min_count: int = 1,
+                     out: Optional[Tensor] = None) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
     """Sampled chains from an n-gram table (the table and contexts as :func:`ngram_table_logits` takes them; CPU,
     host data): for each request b, `width` draws from q at its root (context row b), each continued by one
     draw a level from q at its node, to `depth` levels; q at a node is softmax(logp / temperature[b]) over the
@@ -582,7 +583,9 @@ def ngram_table_draw(keys: Tensor, counts: Tensor, starts: Tensor, ids: Tensor, 
     Args:
         uniforms: [B, width * depth] float32 in [0, 1): draw i of request b uses uniforms[b, i] (inverse CDF
             over the entries in their order; a token of zero mass is never drawn).
-        temperature: [B] float32, finite and > 0.
+        temperature: [B] float32, finite and > 0, or one Python number for every request.
+        out: a contiguous float32 CPU tensor [B, 1 + M, vocab] to write probs into (cleared first) and return as
+            probs, in place of a new one (a decoder keeps one: a fresh 128 KiB a draft cost ~20 us of page faults).
 
     Returns:
         (tokens, parents, scores, probs): [B, M] int64 / int64 / float32 (M = width * depth; level l's chain c
@@ -590,10 +593,15 @@ def ngram_table_draw(keys: Tensor, counts: Tensor, starts: Tensor, ids: Tensor, 
         cumulative log q) and probs [B, 1 + M, vocab] float32: row 0 the root's q, row 1 + m the q candidate m's
         child was drawn from, zeros for the last level (what ``verify_tree(draft_probs=...)`` reads).
     """
+    if isinstance(temperature, (int, float)) and not isinstance(temperature, bool) and isinstance(contexts, Tensor):
+        # (made once per value and batch: the op checks it)
+        temperature = _per_request(temperature, contexts.shape[0] if contexts.dim() else 0, torch.float32,
+                                   torch.device("cpu"), "temperature")
     _host_tensors("ngram_table_draw", keys=keys, counts=counts, starts=starts, ids=ids, logp=logp,
-                  contexts=contexts, uniforms=uniforms, temperature=temperature)
+                  contexts=contexts, uniforms=uniforms, temperature=temperature,
+                  **({} if out is None else {"out": out}))
     return tuple(_ngram_draw_op(keys, counts, starts, ids, logp, contexts, uniforms, temperature, int(width),
-                                int(depth), int(vocab), int(max_order), int(min_count)))
+                                int(depth), int(vocab), int(max_order), int(min_count), out))
 
 
 _ngram_draw_op = torch.ops.taps_ops.ngram_table_draw.default

@@ -27,6 +27,7 @@
 #pragma once
 #include <cmath>
 #include <cstdint>
+#include <type_traits>
 
 #include "taps/common.h"
 
@@ -278,6 +279,27 @@ TAPS_HD float residual_at(float w_over_z, float q, const float* residual_z, int3
   return r;
 }
 
+// max(r_level - q, 0) at a token: the mass a rejection at `level` leaves (summed: the next level's normaliser).
+TAPS_HD float residual_excess(const Target& t, float x, float q, const float* residual_z, int32_t level) {
+  const float e = residual_at(target_weight(t, x) / t.z, q, residual_z, level) - q;
+  return e > 0.0f ? e : 0.0f;
+}
+
+// The weight a draw past a drawn node's children gives a token: the target weight with no rejection at the node
+// (level 0; total t.z), the residual r_level after `level` rejections (total 1).
+TAPS_HD float residual_weight(const Target& t, float x, float q, const float* residual_z, int32_t level) {
+  return level == 0 ? target_weight(t, x) : residual_at(target_weight(t, x) / t.z, q, residual_z, level);
+}
+
+// Backends that offer the residual passes as their own ops (static constexpr bool kResidualPasses = true and
+// residual_sum(row, q, V, target, residual_z, level) -> float, the sum of residual_excess over the row;
+// residual_find(row, q, V, target, residual_z, level, t) -> FindResult, scan_find of residual_weight): the CPU's
+// vectorised ones. Others (the CUDA block backend) run the generic ops.sum / ops.scan_find over the same terms.
+template <class Ops, class = void>
+struct residual_passes : std::false_type {};
+template <class Ops>
+struct residual_passes<Ops, std::void_t<decltype(Ops::kResidualPasses)>> : std::bool_constant<Ops::kResidualPasses> {};
+
 // Output rows of one request: out_tokens [N], path [N] (pre-filled with -1 by the caller),
 // num_accepted [1], error [1].
 struct Outputs {
@@ -392,13 +414,14 @@ TAPS_HD void verify_walk(Ops& ops, const Request<scalar_t, prob_t>& rq, const Sc
         ops.sync();
         if (st.pick >= 0 || st.error != kNoError) break;
         // rejected: r <- max(r - q, 0) / sum(max(r - q, 0))
-        auto excess = [&](int64_t v) {
-          const float r = residual_at(target_weight(target, float(row[v])) / target.z, float(qrow[v]),
-                                      s.residual_z, level);
-          const float e = r - float(qrow[v]);
-          return e > 0.0f ? e : 0.0f;
-        };
-        const float z = ops.sum(rq.vocab, excess);
+        float z;
+        if constexpr (residual_passes<Ops>::value) {
+          z = ops.residual_sum(row, qrow, rq.vocab, target, s.residual_z, level);
+        } else {
+          z = ops.sum(rq.vocab, [&](int64_t v) {
+            return residual_excess(target, float(row[v]), float(qrow[v]), s.residual_z, level);
+          });
+        }
         if (ops.kLeader && z > 0.0f) {
           s.residual_z[level] = z;
           st.residual_level = level + 1;
@@ -408,13 +431,15 @@ TAPS_HD void verify_walk(Ops& ops, const Request<scalar_t, prob_t>& rq, const Sc
       if (st.error != kNoError) break;
       if (st.pick < 0) {
         const int32_t level = st.residual_level;
-        auto r = [&](int64_t v) {
-          return level == 0 ? target_weight(target, float(row[v]))
-                            : residual_at(target_weight(target, float(row[v])) / target.z, float(qrow[v]),
-                                          s.residual_z, level);
-        };
         const float total = level == 0 ? target.z : 1.0f;
-        const FindResult found = ops.scan_find(rq.vocab, r, st.coin * total);
+        FindResult found;
+        if constexpr (residual_passes<Ops>::value) {
+          found = ops.residual_find(row, qrow, rq.vocab, target, s.residual_z, level, st.coin * total);
+        } else {
+          found = ops.scan_find(rq.vocab, [&](int64_t v) {
+            return residual_weight(target, float(row[v]), float(qrow[v]), s.residual_z, level);
+          }, st.coin * total);
+        }
         if (ops.kLeader) st.emit = found.first >= 0 ? found.first : (found.last >= 0 ? found.last : argmax);
       }
     }

@@ -328,6 +328,8 @@ class TableGroup(HostLengths, DraftGroup):
         self.tail: List[List[int]] = []       # per request: its last `order` tokens, oldest first
         self._root: Optional[Tensor] = None   # root_logits, made when first read after an append
         self._front: Optional[np.ndarray] = None  # [R, F, order] the last frontier's contexts
+        #: the drawn drafts' probs, one buffer rewritten each draft (a draft's probs are read before the next)
+        self._probs: Optional[Tensor] = None
 
     @property
     def root_logits(self) -> Optional[Tensor]:
@@ -382,27 +384,36 @@ class TableGroup(HostLengths, DraftGroup):
         """Sampled chains drawn straight from the table (``taps_ops.ngram_table_draw``: every level of every
         chain in one host call): `width` draws at each request's root, each continued by one draw a level, q at
         a node = softmax(log q_table / T) over its context's entries. The sampler's temperature applies; its
-        top-k / top-p do not (q may be any distribution its draws come from: verification stays lossless)."""
+        top-k / top-p do not (q may be any distribution its draws come from: verification stays lossless). On the
+        CPU the probs are a buffer the group rewrites at its next draft."""
         batch = len(self.tail)
         k = max(1, int(width))
         count = k * int(depth)
-        if sampler.generators is None:
-            gen = sampler.generator
+        gens = sampler.generators
+        if gens is None or len(gens) == 1:  # (one request's own generator: the same draws as its row of the stack)
+            gen = sampler.generator if gens is None else gens[0]
             uniforms = torch.rand((batch, count), generator=gen, device=None if gen is None else gen.device).cpu()
         else:
-            uniforms = torch.stack([torch.rand(count, generator=g, device=g.device).cpu() for g in sampler.generators])
-        temp = torch.as_tensor(sampler.temperature, dtype=torch.float32).cpu().reshape(-1).expand(batch).contiguous()
+            uniforms = torch.stack([torch.rand(count, generator=g, device=g.device).cpu() for g in gens])
+        temp = sampler.temperature
+        if not isinstance(temp, (int, float)):  # (a number: the op's wrapper makes its tensor once per value)
+            temp = torch.as_tensor(temp, dtype=torch.float32).cpu().reshape(-1).expand(batch).contiguous()
         table = self.d.table
+        shape = (batch, 1 + count, table.vocab_size)
+        if self._probs is None or self._probs.shape != shape:
+            self._probs = torch.empty(shape)
         tokens, parents, scores, probs = taps_ops.ngram_table_draw(
             *table._t, torch.tensor(self.tail, dtype=torch.int64), uniforms.float(), temp, k, int(depth),
-            table.vocab_size, table.max_order, self.d.min_count)
+            table.vocab_size, table.max_order, self.d.min_count, out=self._probs)
         device = self.d._device
+        if device.type == "cpu":
+            return SampledDraft(DraftCandidates(scores, tokens, parents, scores.new_zeros(batch)), probs)
         return SampledDraft(DraftCandidates(scores.to(device), tokens.to(device), parents.to(device),
                                             torch.zeros(batch, device=device)), probs.to(device))
 
     def release(self) -> None:
         super().release()
-        self.tail, self._front, self._root = [], None, None
+        self.tail, self._front, self._root, self._probs = [], None, None, None
 
     def _select_state(self, keep, index, rows):
         super()._select_state(keep, index, rows)
