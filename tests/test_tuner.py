@@ -2048,3 +2048,73 @@ def test_a_generation_with_its_drafter_left_out_samples_the_target():
     out = dec.generate([PROMPT] * 2000, max_new_tokens=STEPS, temperature=1.0, seed=78)
     assert out.summary["left_out"] == [0] and out.summary["shape_histogram"] == {"none": 2000 * (STEPS - 1)}
     assert_samples_follow(out.tokens, PROMPT, 1.0, 0, 1.0, what="left out: ")
+
+
+def test_a_drawn_draft_is_priced_by_its_own_calibration():
+    """CostModel.draft(drawn=True): the group's top-k expansion's cost until its drawn draft is calibrated, then
+    its own points and its own online scale (an n-gram table's drawn chain is one host call, its top-k tree an
+    expansion over its logits)."""
+    from taps.tuner import DRAWN
+
+    costs = _measured()
+    assert costs.draft((0,), 3, 1, drawn=True) == costs.draft((0,), 3, 1) == pytest.approx(3e-4)
+    assert costs.draft_key((0,), 1, True) == (0,)
+    assert costs.needs_draft((0, DRAWN), 1)
+    costs.set_draft((0, DRAWN), 1, (1, 2e-5), (3, 4e-5))
+    assert not costs.needs_draft((0, DRAWN), 1) and costs.draft_key((0,), 1, True) == (0, DRAWN)
+    assert costs.draft((0,), 3, 1, drawn=True) == pytest.approx(4e-5)
+    assert costs.draft((0,), 2, 2, drawn=True) == pytest.approx(2 * 3e-5)  # (a batch of 2: scaled from batch 1)
+    assert costs.draft((0,), 3, 1) == pytest.approx(3e-4)
+    costs.observe(((0, DRAWN), 4), 1, 1.5e-3, 1.3e-3, {("draft", (0, DRAWN), 3, 1): (8e-5, 4e-5)}, [])
+    assert costs.draft((0,), 3, 1, drawn=True) > 4e-5 and costs.draft((0,), 3, 1) == pytest.approx(3e-4)
+
+
+def test_a_step_after_another_kind_corrects_no_cost():
+    """Tuner.observe(warm=False): the kind's acceptance is learned, its costs are not (a probe among plain steps
+    runs code and data they evicted), and what it lost beyond its charge is still spent from the credit."""
+    tuner = Tuner(_measured())
+    tuner.begin(1, False)
+    shape = Shape((0,), 3, 4)
+    parts = {("forward", 1, 4): (3e-3, 1.2e-3), ("draft", (0,), 3, 1): (9e-4, 3e-4)}
+    before = copy.deepcopy(tuner.costs.state_dict())
+    tuner._charge = (shape, 0.0, 1000.0, 1)
+    credit = tuner._credit = 1.0
+    tuner.observe(shape, [1], 3, 4.0, 1, 4e-3, dict(parts), [], warm=False)
+    assert tuner.costs.state_dict() == before
+    assert tuner.acceptance.trials(shape.key, 0, 1) > 0
+    assert tuner._credit < credit  # (4 ms for 2 tokens at 1,000 tokens/s: 2 ms lost)
+    tuner.observe(shape, [1], 3, 4.0, 1, 4e-3, dict(parts), [])
+    assert tuner.costs.scale[("forward", 1, 4)] > 1.0 and tuner.costs.scale[("draft", (0,), 3, 1)] > 1.0
+
+
+def test_the_decoder_calibrates_drawn_drafts_and_reports_warm_steps(monkeypatch):
+    """At T = 1 with drawn drafts allowed, the tuner's cost model gets the group's drawn draft calibrated apart
+    (from a private generator: the same tokens as a decoder whose drawn draft was calibrated before); every step's
+    observation is warm exactly when the step before it ran the same kind."""
+    from taps.tuner import DRAWN
+
+    m = em.sampling_models()
+    calls = []
+    observe = Tuner.observe
+
+    def spy(self, shape, *args, warm=True, **kwargs):
+        calls.append((shape.key, warm))
+        return observe(self, shape, *args, warm=warm, **kwargs)
+    monkeypatch.setattr(Tuner, "observe", spy)
+
+    def run(tuner):
+        dec = SpeculativeDecoder(m["target"], [ModelDrafter(m["target"])], strategy="single", depth=3, top_k=1,
+                                 budget=4, tuner=tuner, sampled_drafts=True)
+        return dec.generate([PROMPT, [7, 2, 2, 19]], max_new_tokens=30, temperature=1.0, seed=4).tokens
+
+    tuner = Cycling()
+    tuner.costs = CostModel()
+    tuner.costs.set_forward(2, [(1, 1e-3), (4, 1.2e-3)])
+    first = run(tuner)
+    assert ((0, DRAWN), 2) in tuner.costs.draft_points and ((0,), 2) in tuner.costs.draft_points
+    kinds = [k for k, _ in calls]
+    assert [w for _, w in calls] == [False] + [a == b for a, b in zip(kinds, kinds[1:])]
+    assert True in [w for _, w in calls] and False in [w for _, w in calls[1:]]
+    calibrated = Cycling()
+    calibrated.costs = copy.deepcopy(tuner.costs)
+    assert run(calibrated) == first  # (no calibration this time: the requests' draws are the same)

@@ -51,7 +51,7 @@ from .kv import pack_bits
 from .lean import stack_key
 from .stats import Profiler, RequestStats, summarize
 from .strategies import Candidates, Combined, Strategy, make_strategy, root_tree, sampled_tree, strategy_class
-from .tuner import NONE, CoastToken, Shape, Tuner, identity, node_grid, shared_costs, time_call
+from .tuner import DRAWN, NONE, CoastToken, Shape, Tuner, identity, node_grid, shared_costs, time_call
 
 __all__ = ["SpeculativeDecoder", "GenerateOutput", "DecodeState", "RequestState", "check_same_tokenizer",
            "check_max_new_tokens", "DEFAULT_SETTINGS"]
@@ -480,7 +480,7 @@ class SpeculativeDecoder:
                 else:
                     state.starts[id(g)] = args
         if self.tuner is not None:
-            state.pending = _Pending(groups, state.starts, lambda g: self._calibrate_group(g, state.batch),
+            state.pending = _Pending(groups, state.starts, lambda g: self._calibrate_group(g, state),
                                      self.tuner.timer, history=self.park_groups)
             if fresh:
                 with prof.section("calibrate"):
@@ -721,9 +721,10 @@ class SpeculativeDecoder:
             else:
                 drafted.append(g.draft(plan.depth, self.top_k, state.prof, self.strategy.needs_entropy))
             if plan.shape is not None:
-                members = tuple(g.members)
-                plan.parts[("draft", members, plan.depth, state.batch)] = (
-                    self._now() - t0, self.tuner.costs.draft(members, plan.depth, state.batch))
+                costs, members = self.tuner.costs, tuple(g.members)
+                key = costs.draft_key(members, state.batch, sampled)
+                plan.parts[("draft", key, plan.depth, state.batch)] = (
+                    self._now() - t0, costs.draft(members, plan.depth, state.batch, drawn=sampled))
         if not drafted:
             return None
         order = tuple(t for g in plan.drafting for t in g.members)
@@ -833,10 +834,10 @@ class SpeculativeDecoder:
         if nodes is None:
             parts.append((tree.tokens >= 0).sum(1, keepdim=True))
         by_drafter = num_drafters > 0 and drafted
-        # one drafter drafted the step's every node (the tuner chose one, e.g. prompt lookup of a merged
-        # decoder): its accepted tokens are each request's accepted count, read back anyway (no gather of the
-        # path's sources: ~50 us a step on the CPU)
-        alone = (plan.drafting[0].members[0] if by_drafter and num_drafters > 1 and plan is not None
+        # one drafter drafted the step's every node (the decoder's only one, or the tuner chose one, e.g. prompt
+        # lookup of a merged decoder): its accepted tokens are each request's accepted count, read back anyway (no
+        # gather of the path's sources: ~50 us a step on the CPU; with one drafter, no count of the path: ~20 us)
+        alone = (plan.drafting[0].members[0] if by_drafter and plan is not None
                  and len(plan.drafting) == 1 and len(plan.drafting[0].members) == 1 else None)
         if by_drafter and alone is None:
             on_path = path[:, 1:]
@@ -938,8 +939,11 @@ class SpeculativeDecoder:
             # or for prompt lookup the kind's (Tuner.forward_part)
             part, predicted = tuner.forward_part(plan.shape, nodes, state.batch)
             plan.parts[part] = (forward_seconds, predicted)
+            # (a step after a step of another kind corrects no cost: Tuner.observe's warm)
+            warm = state.last_kind == plan.shape.key
             tuner.observe(plan.shape, observed, min(cap, plan.shape.budget - 1), nodes, state.batch, seconds,
-                          plan.parts, plan.updates, costs=not first, drafting=(drafting, below))
+                          plan.parts, plan.updates, costs=not first, drafting=(drafting, below), warm=warm)
+        state.last_kind = None if plan.shape is None else plan.shape.key
 
     # -- requests joining and leaving a running batch --------------------------------------------------
     def join(self, state: "DecodeState", other: "DecodeState") -> None:
@@ -1011,7 +1015,7 @@ class SpeculativeDecoder:
         self._calibrate(state)
         for g in state.groups:
             if state.pending.started(g):
-                self._calibrate_group(g, state.batch)
+                self._calibrate_group(g, state)
 
     # -- the tuner's cost measurements -----------------------------------------------------------------
     def _calibrate(self, state: "DecodeState") -> None:
@@ -1056,17 +1060,30 @@ class SpeculativeDecoder:
                                         budget=tuner.calibration_budget)))
         costs.set_forward(batch, points)
 
-    def _calibrate_group(self, g: DraftGroup, batch: int) -> None:
+    def _calibrate_group(self, g: DraftGroup, state: "DecodeState") -> None:
         """Measure a started group's expansion at depth 1 and at the decoder's depth when the tuner's cost
-        model lacks it (scratch entries only: nothing is committed)."""
-        costs, members = self.tuner.costs, tuple(g.members)
-        if self.tuner.calibrate and costs.needs_draft(members, batch):
-            sync = torch.cuda.synchronize if self.device.type == "cuda" else None
+        model lacks it (scratch entries only: nothing is committed); where the group may draw its drafts (every
+        request samples), its drawn draft too, from a private generator (the requests' draws are left as they
+        are)."""
+        costs, members, batch = self.tuner.costs, tuple(g.members), state.batch
+        if not self.tuner.calibrate:
+            return
+        sync = torch.cuda.synchronize if self.device.type == "cuda" else None
+        timing = dict(sync=sync, timer=self.tuner.timer, budget=self.tuner.calibration_budget)
+        if costs.needs_draft(members, batch):
             entropy = self.strategy.needs_entropy
-            timing = dict(sync=sync, timer=self.tuner.timer, budget=self.tuner.calibration_budget)
             shallow = time_call(lambda: g.draft(1, self.top_k, None, entropy), **timing)
             deep = time_call(lambda: g.draft(self.depth, self.top_k, None, entropy), **timing)
             costs.set_draft(members, batch, (1, shallow), (self.depth, deep))
+        drawn = members + (DRAWN,)
+        if self._may_draw(state, g) and costs.needs_draft(drawn, batch):
+            sampler = DraftSampler(state.sample["temperature"], state.sample["top_k"], state.sample["top_p"],
+                                   generator=torch.Generator(device=self.device).manual_seed(0))
+            width = max(1, (self.budget - 1) // max(self.depth, 1))  # (as _draft's, at the decoder's settings)
+            width = min(width, self.top_k) if self.depth > 1 else width
+            shallow = time_call(lambda: g.draft_sampled(1, width, sampler), **timing)
+            deep = time_call(lambda: g.draft_sampled(self.depth, width, sampler), **timing)
+            costs.set_draft(drawn, batch, (1, shallow), (self.depth, deep))
 
 
 def check_max_new_tokens(value) -> int:
@@ -1145,6 +1162,8 @@ class DecodeState:
         self.draft_probs: Optional[tuple] = None
         #: this step's tree is one drawn chain a request (its accepted paths are prefixes: nothing to compact)
         self.chain = False
+        #: the last step's draft kind (Shape.key; None before the first or with fixed settings)
+        self.last_kind: Optional[tuple] = None
         #: counts the changes a tuner's plan depends on (requests finishing, joining or leaving, groups
         #: dropped); coast: (the tuner's coast token, epoch) after a plan of no draft
         self.epoch = 0

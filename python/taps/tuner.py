@@ -321,13 +321,23 @@ class CostModel:
             seconds = _across(self.forward_points, batch, lambda b: _interpolate(self.forward_points[b], nodes))
         return seconds * self.scale.get(("forward", batch, round(nodes)), 1.0)
 
-    def draft(self, group: tuple, depth: int, batch: int) -> float:
-        """Group's expansion of `depth` levels."""
+    def draft(self, group: tuple, depth: int, batch: int, drawn: bool = False) -> float:
+        """Group's expansion of `depth` levels; ``drawn``: its drawn draft (:meth:`draft_key`: measured apart
+        where calibrated, the top-k expansion's cost until then)."""
+        key = self.draft_key(group, batch, drawn)
         def at(b):
-            d0, t0, d1, t1 = self.draft_points[(group, b)]
+            d0, t0, d1, t1 = self.draft_points[(key, b)]
             slope = (t1 - t0) / (d1 - d0) if d1 > d0 else 0.0
             return max(t0 + slope * (depth - d0), 0.0)
-        return _group_across(self.draft_points, group, batch, at) * self.scale.get(("draft", group, depth, batch), 1.0)
+        return _group_across(self.draft_points, key, batch, at) * self.scale.get(("draft", key, depth, batch), 1.0)
+
+    def draft_key(self, group: tuple, batch: int, drawn: bool) -> tuple:
+        """What a group's draft is priced and corrected under: the group; for a drawn draft the group followed by
+        :data:`DRAWN` once calibrated (an n-gram table's drawn chains are one host call, its top-k tree an
+        expansion over its logits: 0.16 against 0.58 ms on the shipped target)."""
+        if drawn and _batches_of(self.draft_points, group + (DRAWN,)):
+            return group + (DRAWN,)
+        return group
 
     def _fit_update(self, key: tuple, tokens: int, seconds: float) -> None:
         """Least squares of seconds = a + b * tokens over the measured appends, older ones forgotten
@@ -434,7 +444,8 @@ class FixedCosts(CostModel):
 
     Args:
         forward: ``forward(nodes, batch) -> seconds``.
-        draft: ``draft(drafters, depth, batch) -> seconds`` (drafters: the group's drafter indices).
+        draft: ``draft(drafters, depth, batch) -> seconds`` (drafters: the group's drafter indices; a drawn draft
+            costs what its top-k expansion does).
         update: ``update(drafters, tokens, batch) -> seconds``.
         rest: seconds of everything else in a step.
     """
@@ -456,7 +467,7 @@ class FixedCosts(CostModel):
     def forward_part(self, nodes, batch):
         return self._forward(nodes, batch)
 
-    def draft(self, group, depth, batch):
+    def draft(self, group, depth, batch, drawn=False):
         return self._draft(group, depth, batch)
 
     def update(self, group, tokens, batch):
@@ -1211,7 +1222,9 @@ class Tuner:
             # the parts shapes share, each computed once: a group's depth cap and expansion per depth
             cap_of = {(g, d): caps(position[g], d) for g in groups for d in range(1, depth + 1)}
             acceptance.horizon = max([depth] + [min(budget - 1, c) for c in cap_of.values()])
-            draft_of = {(g, d): costs.draft(g, d, batch) for g in groups for d in range(1, depth + 1)}
+            draft_of = {(g, d, False): costs.draft(g, d, batch) for g in groups for d in range(1, depth + 1)}
+            draft_of.update({(groups[i], d, True): costs.draft(groups[i], d, batch, drawn=True) for i in drawn
+                             for d in range(1, depth + 1)})
             most = None if candidates is None else {(g, d): candidates(position[g], d) for g in groups
                                                     for d in range(1, depth + 1)}
             for shape, members, key, index in self._shapes(groups, depth, budget, single, drawn, drawn_only):
@@ -1233,7 +1246,7 @@ class Tuner:
                     self._free.add(key)
                     # each active request's E[accepted + 1] and its optimistic one (copies: the acceptance
                     # model's memo is dropped at the kind's next observation, these are kept to the refresh)
-                    base.append((shape, None, (below, costs.rest(key) + sum(draft_of[g, d] for g in members)),
+                    base.append((shape, None, (below, costs.rest(key) + sum(draft_of[g, d, False] for g in members)),
                                  (dict(acceptance.per_request(key, rows, cap)),
                                   dict(acceptance.per_request(key, rows, cap, optimistic=True))), index))
                     continue
@@ -1251,7 +1264,7 @@ class Tuner:
                              if k[0] == key[0] and dd >= d and n >= shape.budget]
                     if wider:
                         nodes = min(nodes, min(wider))
-                seconds = costs.forward(nodes, batch) + costs.rest(key) + sum(draft_of[g, d] for g in members)
+                seconds = costs.forward(nodes, batch) + costs.rest(key) + sum(draft_of[g, d, shape.drawn] for g in members)
                 base.append((shape, acceptance.total(key, rows, cap), seconds,
                              acceptance.total(key, rows, cap, optimistic=True), index))
                 caps_of[shape] = cap
@@ -1434,13 +1447,17 @@ class Tuner:
 
     def observe(self, shape: Shape, accepted: Sequence[Optional[int]], cap: int, nodes: float, batch: int,
                 total: float, parts: Dict[tuple, Tuple[float, float]], updates, costs: bool = True,
-                drafting: Optional[Tuple[int, int]] = None) -> None:
+                drafting: Optional[Tuple[int, int]] = None, warm: bool = True) -> None:
         """What a step of `shape` gave: accepted draft tokens per request (None: finished before it, or
         nothing drafted for it), the nominal tree depth, the nodes per request the forward ran, the step's
         seconds, its timed parts ({part: (measured, predicted)}) and group updates ((drafters, tokens,
         seconds)); ``costs=False``: the times correct no cost (a step that paid one-off costs, e.g. a kernel
         built for a new shape); ``drafting``: (the requests whose tree held more than its root, their nodes
-        below the roots)."""
+        below the roots); ``warm=False``: the step followed a step of another kind, so its times correct no cost
+        either (a probe's step after plain ones runs code and data the plain steps evicted: on the CPU a drawn
+        table chain probed among plain steps took ~1.4x what it takes in a run of them, and the kinds' prices,
+        learned from their probes, kept them from being chosen), while what it lost still counts against the
+        exploration credit."""
         if shape.drafters:
             self._version += 1
             self.acceptance.observe(shape.key, accepted, cap)
@@ -1474,6 +1491,8 @@ class Tuner:
             took = [a for a in accepted if a is not None]
             gave = sum(a + 1 for a in took) + max(active - len(took), 0)
             self._credit -= max(total - gave / rate - charged, 0.0)
+        if not warm:
+            return
         predicted = sum(p for _, p in parts.values()) + sum(self.costs.update(g, t, batch) for g, t, _ in appends) \
             + sum(self.costs.start(g, t, batch) for g, t, _ in starts)
         self.costs.observe(shape.key, batch, total, predicted, parts, appends, sum(s for _, _, s in starts))
