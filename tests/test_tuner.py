@@ -2069,37 +2069,42 @@ def test_a_drawn_draft_is_priced_by_its_own_calibration():
     assert costs.draft((0,), 3, 1, drawn=True) > 4e-5 and costs.draft((0,), 3, 1) == pytest.approx(3e-4)
 
 
-def test_a_step_after_another_kind_corrects_no_cost():
-    """Tuner.observe(warm=False): the kind's acceptance is learned, its costs are not (a probe among plain steps
-    runs code and data they evicted), and what it lost beyond its charge is still spent from the credit."""
-    tuner = Tuner(_measured())
-    tuner.begin(1, False)
+def test_a_probe_after_another_kind_corrects_no_cost():
+    """Tuner.observe(switched=True) of a probe: the kind's acceptance is learned, its costs are not (a probe among
+    plain steps runs code and data they evicted), and what it lost beyond its charge is still spent from the
+    credit; a chosen kind's step after a switch, and a probe after a step of its own kind, correct its costs."""
     shape = Shape((0,), 3, 4)
     parts = {("forward", 1, 4): (3e-3, 1.2e-3), ("draft", (0,), 3, 1): (9e-4, 3e-4)}
-    before = copy.deepcopy(tuner.costs.state_dict())
-    tuner._charge = (shape, 0.0, 1000.0, 1)
-    credit = tuner._credit = 1.0
-    tuner.observe(shape, [1], 3, 4.0, 1, 4e-3, dict(parts), [], warm=False)
-    assert tuner.costs.state_dict() == before
-    assert tuner.acceptance.trials(shape.key, 0, 1) > 0
-    assert tuner._credit < credit  # (4 ms for 2 tokens at 1,000 tokens/s: 2 ms lost)
-    tuner.observe(shape, [1], 3, 4.0, 1, 4e-3, dict(parts), [])
-    assert tuner.costs.scale[("forward", 1, 4)] > 1.0 and tuner.costs.scale[("draft", (0,), 3, 1)] > 1.0
+
+    def observed(probing, switched):
+        tuner = Tuner(_measured())
+        tuner.begin(1, False)
+        tuner.probing = probing
+        tuner._charge = (shape, 0.0, 1000.0, 1)
+        tuner._credit = 1.0
+        before = copy.deepcopy(tuner.costs.state_dict())
+        tuner.observe(shape, [1], 3, 4.0, 1, 4e-3, dict(parts), [], switched=switched)
+        assert tuner.acceptance.trials(shape.key, 0, 1) > 0
+        assert tuner._credit < 1.0  # (4 ms for 2 tokens at 1,000 tokens/s: 2 ms lost)
+        return tuner.costs.state_dict() != before
+
+    assert not observed(probing=True, switched=True)
+    assert observed(probing=False, switched=True) and observed(probing=True, switched=False)
 
 
-def test_the_decoder_calibrates_drawn_drafts_and_reports_warm_steps(monkeypatch):
+def test_the_decoder_calibrates_drawn_drafts_and_reports_switches(monkeypatch):
     """At T = 1 with drawn drafts allowed, the tuner's cost model gets the group's drawn draft calibrated apart
     (from a private generator: the same tokens as a decoder whose drawn draft was calibrated before); every step's
-    observation is warm exactly when the step before it ran the same kind."""
+    observation says whether the step before it ran another kind."""
     from taps.tuner import DRAWN
 
     m = em.sampling_models()
     calls = []
     observe = Tuner.observe
 
-    def spy(self, shape, *args, warm=True, **kwargs):
-        calls.append((shape.key, warm))
-        return observe(self, shape, *args, warm=warm, **kwargs)
+    def spy(self, shape, *args, switched=False, **kwargs):
+        calls.append((shape.key, switched))
+        return observe(self, shape, *args, switched=switched, **kwargs)
     monkeypatch.setattr(Tuner, "observe", spy)
 
     def run(tuner):
@@ -2113,8 +2118,8 @@ def test_the_decoder_calibrates_drawn_drafts_and_reports_warm_steps(monkeypatch)
     first = run(tuner)
     assert ((0, DRAWN), 2) in tuner.costs.draft_points and ((0,), 2) in tuner.costs.draft_points
     kinds = [k for k, _ in calls]
-    assert [w for _, w in calls] == [False] + [a == b for a, b in zip(kinds, kinds[1:])]
-    assert True in [w for _, w in calls] and False in [w for _, w in calls[1:]]
+    assert [w for _, w in calls] == [True] + [a != b for a, b in zip(kinds, kinds[1:])]
+    assert True in [w for _, w in calls[1:]] and False in [w for _, w in calls]
     calibrated = Cycling()
     calibrated.costs = copy.deepcopy(tuner.costs)
     assert run(calibrated) == first  # (no calibration this time: the requests' draws are the same)

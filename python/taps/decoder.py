@@ -939,10 +939,10 @@ class SpeculativeDecoder:
             # or for prompt lookup the kind's (Tuner.forward_part)
             part, predicted = tuner.forward_part(plan.shape, nodes, state.batch)
             plan.parts[part] = (forward_seconds, predicted)
-            # (a step after a step of another kind corrects no cost: Tuner.observe's warm)
-            warm = state.last_kind == plan.shape.key
+            # (a probe after a step of another kind corrects no cost: Tuner.observe's switched)
             tuner.observe(plan.shape, observed, min(cap, plan.shape.budget - 1), nodes, state.batch, seconds,
-                          plan.parts, plan.updates, costs=not first, drafting=(drafting, below), warm=warm)
+                          plan.parts, plan.updates, costs=not first, drafting=(drafting, below),
+                          switched=state.last_kind != plan.shape.key)
         state.last_kind = None if plan.shape is None else plan.shape.key
 
     # -- requests joining and leaving a running batch --------------------------------------------------

@@ -1447,17 +1447,18 @@ class Tuner:
 
     def observe(self, shape: Shape, accepted: Sequence[Optional[int]], cap: int, nodes: float, batch: int,
                 total: float, parts: Dict[tuple, Tuple[float, float]], updates, costs: bool = True,
-                drafting: Optional[Tuple[int, int]] = None, warm: bool = True) -> None:
+                drafting: Optional[Tuple[int, int]] = None, switched: bool = False) -> None:
         """What a step of `shape` gave: accepted draft tokens per request (None: finished before it, or
         nothing drafted for it), the nominal tree depth, the nodes per request the forward ran, the step's
         seconds, its timed parts ({part: (measured, predicted)}) and group updates ((drafters, tokens,
         seconds)); ``costs=False``: the times correct no cost (a step that paid one-off costs, e.g. a kernel
         built for a new shape); ``drafting``: (the requests whose tree held more than its root, their nodes
-        below the roots); ``warm=False``: the step followed a step of another kind, so its times correct no cost
-        either (a probe's step after plain ones runs code and data the plain steps evicted: on the CPU a drawn
-        table chain probed among plain steps took ~1.4x what it takes in a run of them, and the kinds' prices,
-        learned from their probes, kept them from being chosen), while what it lost still counts against the
-        exploration credit."""
+        below the roots); ``switched``: the step followed a step of another kind. A probe that did corrects no
+        cost (it ran code and data the steps before it evicted: on the CPU a drawn table chain probed among plain
+        steps took ~1.4x what it takes in a run of them, and a kind priced by its probes alone was never chosen to
+        show it), while what it lost still counts against the exploration credit; a chosen kind's steps correct its
+        costs, its first after a switch too (a kind whose runs are short, prompt lookup's at T = 1, pays the switch
+        on many of its steps)."""
         if shape.drafters:
             self._version += 1
             self.acceptance.observe(shape.key, accepted, cap)
@@ -1491,7 +1492,7 @@ class Tuner:
             took = [a for a in accepted if a is not None]
             gave = sum(a + 1 for a in took) + max(active - len(took), 0)
             self._credit -= max(total - gave / rate - charged, 0.0)
-        if not warm:
+        if switched and self.probing:
             return
         predicted = sum(p for _, p in parts.values()) + sum(self.costs.update(g, t, batch) for g, t, _ in appends) \
             + sum(self.costs.start(g, t, batch) for g, t, _ in starts)
