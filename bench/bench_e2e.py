@@ -6,8 +6,10 @@
 Table 1 (shipped models: the target and the hass drafters of models/, 3 GSM8K + 3 MT-Bench prompts with the
 chat template, batch 1; "lookup" rows add taps' own prompt-lookup drafter, taps.PromptLookupDrafter; "store"
 rows the same drafter with the shipped token store of the target's own answers to training prompts,
-models/stores/greedy, ``PromptLookupDrafter(store=taps.models.load_store())``; the "table" row, with
-``--table PATH``, ``taps.NgramTableDrafter`` over a table ``taps train table`` wrote):
+models/stores/greedy, ``PromptLookupDrafter(store=taps.models.load_store())``; the "table" row
+``taps.NgramTableDrafter`` over the shipped n-gram table of the target's T = 1 answers, models/tables/sampled
+(``taps.models.load_table()``, or ``--table PATH``), drafting chains of ``--table-depth`` tokens unless
+``--depth/--top-k/--budget`` are given):
 tokens/s of Hugging Face ``generate`` on its own copy of the target (untouched by taps: its own attention,
 its own cache), of HF's prompt-lookup decoding (``prompt_lookup_num_tokens``), and of every taps strategy
 with ``SpeculativeDecoder``'s defaults (or ``--depth/--top-k/--budget``), and of every strategy again with
@@ -71,15 +73,15 @@ PHASES = ("draft_forward", "draft", "tree", "target_forward", "target_head", "ve
 
 def make_drafters(names, drafters, args, models):
     """The drafters of a row: the trained heads by data name, prompt lookup ("lookup"), prompt lookup with
-    the shipped token store ("store", loaded once) and an n-gram table drafter ("table": ``--table PATH``, a
-    file ``taps train table`` wrote; none is shipped)."""
+    the shipped token store ("store", loaded once) and an n-gram table drafter ("table": the shipped table, or
+    ``--table PATH``, a file ``taps train table`` wrote)."""
     from taps import NgramTable, NgramTableDrafter, PromptLookupDrafter
 
     kw = {} if args.lookup_depth is None else dict(depth=args.lookup_depth)
     if "store" in names and "store" not in drafters:
         drafters["store"] = models.load_store()
     if "table" in names and "table" not in drafters:
-        drafters["table"] = NgramTable.load(args.table)
+        drafters["table"] = NgramTable.load(args.table) if args.table else models.load_table()
     out = []
     for n in names:
         if n == "lookup":
@@ -91,6 +93,15 @@ def make_drafters(names, drafters, args, models):
         else:
             out.append(drafters[n])
     return out
+
+
+def row_settings(row: str, settings: dict, args) -> dict:
+    """A row's decoder settings: those given (``--depth/--top-k/--budget``); with none given, the table row's
+    chains of ``--table-depth`` tokens (a table draws chains well; its top-k trees, from a few entries a
+    context, are accepted little), the defaults for the others."""
+    if row == "table" and not settings:
+        return dict(depth=args.table_depth, top_k=1, budget=args.table_depth + 1)
+    return settings
 
 
 def _sync() -> None:
@@ -166,7 +177,8 @@ def shipped_tables(args, device, dtype) -> None:
         strategy, names = ROW_SPECS[row]
         for auto in (False, True) if args.auto and names else (False,):
             # the tuner measures with its own default clock (wall) unless --tuner-clock says otherwise
-            kw = dict(settings, tuner=Tuner(timer=tuner_clock(args, clock))) if auto else settings
+            own = row_settings(row, settings, args)
+            kw = dict(own, tuner=Tuner(timer=tuner_clock(args, clock))) if auto else own
             dec = SpeculativeDecoder(target, make_drafters(names, drafters, args, models), strategy=strategy,
                                      sampled_drafts=args.sampled_drafts, **kw)
             name = f"{row} auto" if auto else row
@@ -179,7 +191,8 @@ def shipped_tables(args, device, dtype) -> None:
     print(f"device {device}, {torch.get_num_threads()} thread(s), {str(dtype).replace('torch.', '')}; "
           f"shipped target + {args.family} drafters; {len(prompts)} prompts (GSM8K, MT-Bench), "
           f"{args.new_tokens} new tokens, batch 1; draft vocabulary {args.draft_vocab or 'full'}; taps settings: "
-          + (f"depth {first.depth}, top_k {first.top_k}, budget {first.budget}" if first else "-"))
+          + (f"depth {first.depth}, top_k {first.top_k}, budget {first.budget}" if first else "-")
+          + (f" (the table row: chains of {args.table_depth})" if "table" in args.rows and not settings else ""))
 
     for temperature in args.temperatures:
         for name, runner in runners.items():  # warm-up
@@ -306,7 +319,8 @@ def batch_table(args, device, dtype) -> None:
         for auto in (False, True) if args.auto else (False,):
             if not auto and args.batch_auto_only:
                 continue
-            kw = dict(settings, tuner=Tuner(timer=tuner_clock(args, clock))) if auto else settings
+            own = row_settings(row, settings, args)
+            kw = dict(own, tuner=Tuner(timer=tuner_clock(args, clock))) if auto else own
             dec = SpeculativeDecoder(target, make_drafters(names, drafters, args, models), strategy=strategy,
                                      sampled_drafts=args.sampled_drafts, **kw)
             dec.pack_trees = not args.no_pack
@@ -459,7 +473,11 @@ def main() -> None:
                     help="drafters propose only the N most frequent target tokens (0: the whole vocabulary)")
     ap.add_argument("--depth", type=int, default=None)
     ap.add_argument("--table", default=None,
-                    help="the n-gram table file of the 'table' row (taps train table's table.npz; none is shipped)")
+                    help="the n-gram table file of the 'table' row (taps train table's table.npz; default: the "
+                         "shipped one, models/tables/sampled)")
+    ap.add_argument("--table-depth", type=int, default=3,
+                    help="the table row's chains (top_k 1, budget depth + 1) where --depth/--top-k/--budget are not "
+                         "given")
     ap.add_argument("--lookup-depth", type=int, default=None,
                     help="tokens per prompt-lookup continuation (default: the drafter's own default)")
     ap.add_argument("--top-k", type=int, default=None)
@@ -483,10 +501,8 @@ def main() -> None:
     ap.add_argument("--overhead-rounds", type=int, default=5, help="rounds of the overhead table (fastest kept)")
     args = ap.parse_args()
     args.sampled_drafts = {"auto": "auto", "on": True, "off": False}[args.sampled_drafts]
-    if "table" in args.rows and not args.table:
-        if args.rows != list(ROWS):
-            ap.error("the 'table' row needs --table PATH (a file `taps train table` wrote; none is shipped)")
-        args.rows = [r for r in args.rows if r != "table"]  # the default rows: every row but this one
+    if args.table_depth < 1:
+        ap.error(f"--table-depth must be >= 1, got {args.table_depth}")
     torch.set_num_threads(args.threads)
     device = torch.device(args.device)
     from taps.models import resolve_dtype

@@ -320,6 +320,17 @@ def test_train_table_command(tmp_path):
     assert manifest["contexts"] == table.num_contexts > 3 and table.vocab_size == 8192
     assert manifest["target_weights_sha256"] and manifest["prompts"]["math"]["used"] == 3
     assert table.counts[table._zero] == 3 * 6, "order 0 averages every answer position"
+    # models.load_table: by folder name under a tables folder, checked against its manifest and its target
+    from taps import models
+
+    loaded = models.load_table("t", path=tmp_path)
+    assert loaded.num_contexts == table.num_contexts and np.array_equal(loaded.keys, table.keys)
+    with pytest.raises(FileNotFoundError, match="taps train table"):
+        models.load_table("none", path=tmp_path)
+    manifest["target_weights_sha256"] = "0" * 64
+    (out / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(ValueError, match="n-gram table was built from another target"):
+        models.load_table("t", path=tmp_path)
 
 
 def test_frontier_contexts():

@@ -150,3 +150,25 @@ def test_ragged_batch_with_prompt_lookup_past_max_new(target_and_tok):
     assert out.tokens == [solo.generate([p], max_new_tokens=32, eos_token_id=tok.eos_id).tokens[0] for p in prompts]
     # the case the test is for: a request accepted more in one step than the decoder's depth
     assert max(max(s.accepted, default=0) for s in out.stats) > dec.depth
+
+
+def test_shipped_table():
+    """models/tables/sampled: its manifest holds, it was built from the shipped target (models.load_table checks
+    both), and its drawn chains at T = 1 are accepted (a few prompts' tokens per step well above one)."""
+    from taps import NgramTableDrafter
+    from taps.data import load_eval_prompts
+
+    folder = models.models_dir() / "tables" / "sampled"
+    models.verify_manifest(folder)
+    manifest = json.loads((folder / "manifest.json").read_text())
+    target_sha = json.loads((models.models_dir() / "target" / "manifest.json").read_text())["files"]["model.safetensors"]
+    assert manifest["kind"] == "ngram-table" and manifest["target_weights_sha256"] == target_sha
+    assert "command" in manifest and manifest["temperature"] == 1.0
+    table = models.load_table()
+    assert table.num_contexts == manifest["contexts"] and table.vocab_size == 8192
+    target, tok = models.load_target()
+    dec = SpeculativeDecoder(target, [NgramTableDrafter(table)], strategy="single", depth=3, top_k=1, budget=4,
+                             sampled_drafts=True)
+    prompts = [tok.encode_chat(ex.messages, add_generation_prompt=True) for ex in load_eval_prompts("gsm8k")[:2]]
+    out = dec.generate(prompts, max_new_tokens=48, temperature=1.0, seed=0)
+    assert out.summary["tau"] > 1.3, out.summary["tau"]

@@ -34,7 +34,8 @@ import torch
 from .files import sha256_file
 
 __all__ = ["MODELS_DIR", "FAMILIES", "DATA_NAMES", "DTYPES", "models_dir", "verify_manifest", "load_target",
-           "available_drafters", "drafter_dir", "load_drafter", "draft_vocab", "resolve_dtype"]
+           "available_drafters", "drafter_dir", "load_drafter", "draft_vocab", "resolve_dtype", "load_store",
+           "load_table"]
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 #: The models folder as of import time (``$TAPS_MODELS_DIR`` or the repository's ``models/``);
@@ -174,10 +175,34 @@ def load_store(name: str = "greedy", path: Optional[PathLike] = None, target: Op
     """
     from .drafters.store import TokenStore
 
-    folder = (Path(path) if path is not None else models_dir() / "stores") / name
-    file = folder / "store.npz"
+    return TokenStore.load(_built_file("token store", "stores", "store.npz", "taps train store", name, path, target,
+                                       verify))
+
+
+def load_table(name: str = "sampled", path: Optional[PathLike] = None, target: Optional[PathLike] = None,
+               verify: bool = True):
+    """Load n-gram table ``<tables folder>/<name>`` (a :class:`taps.drafters.table.NgramTable`, for
+    ``NgramTableDrafter``; built by ``taps train table``).
+
+    Args:
+        name: the table's folder name (default ``"sampled"``: the shipped target's T = 1 answers).
+        path: the tables folder (default ``models_dir() / "tables"``).
+        target, verify: as :func:`load_store`'s.
+    """
+    from .drafters.table import NgramTable
+
+    return NgramTable.load(_built_file("n-gram table", "tables", "table.npz", "taps train table", name, path, target,
+                                       verify))
+
+
+def _built_file(what: str, kind: str, filename: str, command: str, name: str, path: Optional[PathLike],
+                target: Optional[PathLike], verify: bool) -> Path:
+    """The data file of ``<kind folder>/<name>`` (default folder ``models_dir() / kind``), checked against its
+    manifest and the target it was built from when `verify`."""
+    folder = (Path(path) if path is not None else models_dir() / kind) / name
+    file = folder / filename
     if not file.is_file():
-        raise FileNotFoundError(f"no token store in {folder} (expected store.npz; build one with `taps train store`)")
+        raise FileNotFoundError(f"no {what} in {folder} (expected {filename}; build one with `{command}`)")
     if verify:
         verify_manifest(folder)
         built_for = json.loads((folder / MANIFEST).read_text()).get("target_weights_sha256")
@@ -185,9 +210,9 @@ def load_store(name: str = "greedy", path: Optional[PathLike] = None, target: Op
         if built_for and (tfolder / MANIFEST).is_file():
             have = weights_digest(tfolder)
             if have and have != built_for:
-                raise ValueError(f"{folder}: the store was built from another target (weights sha256 {built_for[:12]}..., "
-                                 f"{tfolder} has {have[:12]}...); rebuild it with `taps train store`")
-    return TokenStore.load(file)
+                raise ValueError(f"{folder}: the {what} was built from another target (weights sha256 "
+                                 f"{built_for[:12]}..., {tfolder} has {have[:12]}...); rebuild it with `{command}`")
+    return file
 
 
 def drafter_dir(family: str, data: str, path: Optional[PathLike] = None) -> Path:
