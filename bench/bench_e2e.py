@@ -8,8 +8,8 @@ chat template, batch 1; "lookup" rows add taps' own prompt-lookup drafter, taps.
 rows the same drafter with the shipped token store of the target's own answers to training prompts,
 models/stores/greedy, ``PromptLookupDrafter(store=taps.models.load_store())``; the "table" row
 ``taps.NgramTableDrafter`` over the shipped n-gram table of the target's T = 1 answers, models/tables/sampled
-(``taps.models.load_table()``, or ``--table PATH``), drafting chains of ``--table-depth`` tokens unless
-``--depth/--top-k/--budget`` are given):
+(``taps.models.load_table()``, or ``--table PATH``), drafting chains of ``--table-depth`` tokens, drawn at T > 0,
+unless ``--depth/--top-k/--budget`` are given):
 tokens/s of Hugging Face ``generate`` on its own copy of the target (untouched by taps: its own attention,
 its own cache), of HF's prompt-lookup decoding (``prompt_lookup_num_tokens``), and of every taps strategy
 with ``SpeculativeDecoder``'s defaults (or ``--depth/--top-k/--budget``), and of every strategy again with
@@ -96,12 +96,15 @@ def make_drafters(names, drafters, args, models):
 
 
 def row_settings(row: str, settings: dict, args) -> dict:
-    """A row's decoder settings: those given (``--depth/--top-k/--budget``); with none given, the table row's
-    chains of ``--table-depth`` tokens (a table draws chains well; its top-k trees, from a few entries a
-    context, are accepted little), the defaults for the others."""
+    """A row's decoder settings: those given (``--depth/--top-k/--budget``, ``--sampled-drafts``); with none
+    given, the table row's chains of ``--table-depth`` tokens, drawn where every request samples (a table draws
+    chains well; its top-1 guesses, deterministic, are accepted little), the defaults for the others."""
+    own = dict(settings, sampled_drafts=args.sampled_drafts)
     if row == "table" and not settings:
-        return dict(depth=args.table_depth, top_k=1, budget=args.table_depth + 1)
-    return settings
+        own.update(depth=args.table_depth, top_k=1, budget=args.table_depth + 1)
+        if args.sampled_drafts == "auto":
+            own["sampled_drafts"] = True
+    return own
 
 
 def _sync() -> None:
@@ -179,8 +182,7 @@ def shipped_tables(args, device, dtype) -> None:
             # the tuner measures with its own default clock (wall) unless --tuner-clock says otherwise
             own = row_settings(row, settings, args)
             kw = dict(own, tuner=Tuner(timer=tuner_clock(args, clock))) if auto else own
-            dec = SpeculativeDecoder(target, make_drafters(names, drafters, args, models), strategy=strategy,
-                                     sampled_drafts=args.sampled_drafts, **kw)
+            dec = SpeculativeDecoder(target, make_drafters(names, drafters, args, models), strategy=strategy, **kw)
             name = f"{row} auto" if auto else row
             decoders[name] = dec
             runners[f"taps {name}"] = TapsRunner(dec, tok.eos_id)
@@ -192,7 +194,8 @@ def shipped_tables(args, device, dtype) -> None:
           f"shipped target + {args.family} drafters; {len(prompts)} prompts (GSM8K, MT-Bench), "
           f"{args.new_tokens} new tokens, batch 1; draft vocabulary {args.draft_vocab or 'full'}; taps settings: "
           + (f"depth {first.depth}, top_k {first.top_k}, budget {first.budget}" if first else "-")
-          + (f" (the table row: chains of {args.table_depth})" if "table" in args.rows and not settings else ""))
+          + (f" (the table row: chains of {args.table_depth}, drawn at T > 0)" if "table" in args.rows and not settings
+             else ""))
 
     for temperature in args.temperatures:
         for name, runner in runners.items():  # warm-up
@@ -321,8 +324,7 @@ def batch_table(args, device, dtype) -> None:
                 continue
             own = row_settings(row, settings, args)
             kw = dict(own, tuner=Tuner(timer=tuner_clock(args, clock))) if auto else own
-            dec = SpeculativeDecoder(target, make_drafters(names, drafters, args, models), strategy=strategy,
-                                     sampled_drafts=args.sampled_drafts, **kw)
+            dec = SpeculativeDecoder(target, make_drafters(names, drafters, args, models), strategy=strategy, **kw)
             dec.pack_trees = not args.no_pack
             decoders[f"{row} auto" if auto else row] = dec
     print(f"device {device}, {torch.get_num_threads()} thread(s), {str(dtype).replace('torch.', '')}; "

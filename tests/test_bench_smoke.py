@@ -86,7 +86,7 @@ def test_bench_e2e_shipped_table_row():
     out = run_bench("bench_e2e.py", "--rows", "autoregressive", "table", "--prompts", "1", "--new-tokens", "8",
                     "--repeats", "1", "--temperatures", "0", "1", "--dtype", "fp32", "--lookup", "0",
                     "--table-depth", "2")
-    assert "(the table row: chains of 2)" in out
+    assert "(the table row: chains of 2, drawn at T > 0)" in out
     t0 = [r for r in table_rows(out, "Shipped models, T=0") if "table" in r]
     assert len(t0) == 2 and all(" yes " in r for r in t0), t0
     assert sum("table" in r for r in table_rows(out, "Shipped models, T=1")) == 2
