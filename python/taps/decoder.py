@@ -830,7 +830,7 @@ class SpeculativeDecoder:
             # a plain step (no draft, nothing accepted): each request's token alone
             return _HostRecord([[] if r.done else [t] for r, t in zip(state.requests, ver.tokens.view(-1).tolist())],
                                [0] * len(state.requests), nodes, None, None)
-        parts = [ver.tokens, ver.num_accepted.unsqueeze(1)]
+        parts = [ver.tokens, ver.num_accepted]  # (the counts as a column where more parts follow)
         if nodes is None:
             parts.append((tree.tokens >= 0).sum(1, keepdim=True))
         by_drafter = num_drafters > 0 and drafted
@@ -851,7 +851,10 @@ class SpeculativeDecoder:
             parts.append(counts)
         if tree.choice is not None:
             parts.append(tree.choice.unsqueeze(1))
-        host = torch.cat(parts, 1).tolist()
+        if len(parts) == 2:  # tokens and accepted counts alone: two reads, no copy into one tensor (~5 us)
+            host = [row + [a] for row, a in zip(ver.tokens.tolist(), ver.num_accepted.tolist())]
+        else:
+            host = torch.cat([parts[0], parts[1].unsqueeze(1), *parts[2:]], 1).tolist()
         n = ver.tokens.shape[1]
         first = n + 2 if nodes is None else n + 1  # the first per-drafter count
         record = _HostRecord([], [], [] if nodes is None else nodes, [] if by_drafter else None,
