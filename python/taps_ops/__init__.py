@@ -261,6 +261,8 @@ def _per_request(value: Scalar, batch: int, dtype: torch.dtype, device: torch.de
         raise ValueError(f"taps_ops: {name} must be a Python number or a tensor, got {type(value).__name__}")
     if dtype == torch.int64 and not float(value).is_integer():
         raise ValueError(f"taps_ops: {name} must be an integer, got {value!r}")
+    if not math.isfinite(value):  # (an invalid setting the op rejects: not kept, a NaN key matches nothing)
+        return torch.full((batch,), value, dtype=dtype, device=device)
     # the same few settings every step: made once (the ops only read them; about 3 us each otherwise)
     key = (value, batch, dtype, device)
     made = _PER_REQUEST.get(key)
