@@ -1316,6 +1316,26 @@ def test_a_best_draft_is_chosen_again_without_pricing_while_its_values_stand():
     plan(pending=1)  # appends changed: chosen afresh
     plan(active=(0,))  # a request finished: chosen afresh
     assert len(chosen) == before + 2
+    # the chosen group's appends of another length, priced the same (_cheap: one price whatever the tokens): again;
+    # priced otherwise (a cost per token): afresh
+    first = plan(pending=1)
+    before = len(chosen)
+    assert plan(pending=3) == plan(pending=2) == first and len(chosen) == before
+    per_token = Tuner(FixedCosts(lambda n, b: 1e-3, lambda g, d, b: 1e-5 * d, lambda g, t, b: 1e-6 * t), refresh=4)
+    per_token.begin(2, False)
+    asked = []
+    choose_pt = per_token.choose
+    per_token.choose = lambda options: (asked.append(1), choose_pt(options))[1]
+    plan_pt = lambda pending: per_token.plan([(0,)], lambda g, d: d, [pending], [0, 1], 2, 3, 8)  # noqa: E731
+    for _ in range(30):
+        shape = plan_pt(1)
+        per_token.observe(shape, [shape.depth] * 2, shape.depth, shape.budget, 2, 1e-3, {}, [])
+    assert shape.drafters
+    first = plan_pt(1)
+    before = len(asked)
+    assert plan_pt(1) == first and len(asked) == before  # (values standing: again)
+    plan_pt(2)
+    assert len(asked) == before + 1
 
     class Own(Tuner):
         def choose(self, options):

@@ -168,15 +168,16 @@ def _group_across(table: dict, group: tuple, batch: int, at: Callable[[int], flo
     return at(batch) if (group, batch) in table else _across(_batches_of(table, group), batch, at)
 
 
-def _same_appends(last: tuple, appends: tuple) -> bool:
+def _same_appends(last: tuple, appends: tuple, same_cost: Callable[[int, int, int], bool] = lambda i, n, p: n == p) -> bool:
     """Whether the groups' appends (pending, starting) leave the last plan's draft (``Tuner._last_draft``) the
-    best: its own groups' as they were, the others' as they were or more (what drafting with those others would
-    cost only grew: a drafter group not chosen queues the steps it has yet to append)."""
+    best: its own groups' as they were (or priced the same: ``same_cost(position, tokens now, tokens then)``), the
+    others' as they were or more (what drafting with those others would cost only grew: a drafter group not chosen
+    queues the steps it has yet to append)."""
     (pending, starting), index = last[1], last[3]
     now, now_starting = appends
     if starting != now_starting:
         return False
-    return all(n == p if i in index else n >= p for i, (n, p) in enumerate(zip(now, pending)))
+    return all(same_cost(i, n, p) if i in index else n >= p for i, (n, p) in enumerate(zip(now, pending)))
 
 
 def _idle(ready: Sequence[Optional[Sequence[int]]]) -> Tuple[int, ...]:
@@ -1178,8 +1179,11 @@ class Tuner:
         inputs = (memo, ready, idle)
         queued = (tuple(pending), None if starting is None else tuple(starting))
         if (last is not None and last[0] == inputs and cached is not None and self._values_stand(cached)
-                and _same_appends(last, queued)):
-            # the draft the last plan chose (not a probe) over the same requests, groups, matches and appends,
+                and _same_appends(last, queued, lambda i, n, p: n == p or costs.update(groups[i], n, batch)
+                                  == costs.update(groups[i], p, batch))):
+            # the draft the last plan chose (not a probe) over the same requests, groups, matches and appends (its
+            # own groups' priced the same: a host drafter's append costs nothing whatever its tokens, where drawn
+            # chains' varying accepted counts had sent ~70% of a table's drafted steps through the whole plan),
             # while the candidates' values it was chosen on stand (see refresh): again, without pricing every
             # candidate (a probe that comes due waits until they are recomputed)
             return self._again(last[2])
