@@ -18,8 +18,8 @@
 
 #include <algorithm>
 #include <cmath>
-#include <optional>
 #include <cstdint>
+#include <optional>
 #include <tuple>
 #include <utility>
 #include <vector>

@@ -58,24 +58,16 @@ struct CpuOps {
     return rows::row_sum_exp(row, vocab, dtype_of<scalar_t>(), t.max, t.inv_temperature, t.threshold, isa);
   }
 
-  // The draw past the children: skip whole blocks by their vectorised weight sums (child tokens'
-  // weights taken out), then scan the block where the running sum crosses t token by token.
-  template <typename scalar_t>
-  FindResult scan_find_target(const scalar_t* row, int64_t vocab, const Target& t, const verify::Scratch& s,
-                              int32_t distinct, float x) const {
+  // The first v whose running weight g(0) + ... + g(v) exceeds x (weights >= 0): whole blocks of kBlock tokens
+  // skipped by block_sum(start, end), the vectorised sum of the same weights, then the block where the running sum
+  // crosses x scanned token by token; the rounding fallback: the last token of positive weight.
+  template <class BlockSum, class G>
+  static FindResult block_find(int64_t vocab, BlockSum&& block_sum, const G& g, float x) {
     constexpr int64_t kBlock = 2048;
-    auto g = [&](int64_t v) {
-      return verify::is_child_token(s, distinct, v) ? 0.0f : verify::target_weight(t, float(row[v]));
-    };
     float acc = 0.0f;
     int64_t start = 0;
-    int32_t next_child = 0;
     for (; start < vocab; start += kBlock) {
-      const int64_t end = start + kBlock < vocab ? start + kBlock : vocab;
-      float block = rows::row_sum_exp(row + start, end - start, dtype_of<scalar_t>(), t.max, t.inv_temperature,
-                                      t.threshold, isa);
-      for (; next_child < distinct && s.sorted_tokens[next_child] < end; ++next_child)
-        block -= verify::target_weight(t, float(row[s.sorted_tokens[next_child]]));
+      const float block = block_sum(start, start + kBlock < vocab ? start + kBlock : vocab);
       if (acc + block > x) break;
       acc += block;
     }
@@ -84,9 +76,28 @@ struct CpuOps {
       acc += w;
       if (w > 0.0f && x < acc) return FindResult{v, v};
     }
-    for (int64_t v = vocab - 1; v >= 0; --v)  // rounding fallback: the last positive token
+    for (int64_t v = vocab - 1; v >= 0; --v)
       if (g(v) > 0.0f) return FindResult{-1, v};
     return FindResult{-1, -1};
+  }
+
+  // The draw past the children: block_find over the target weights, the child tokens' weights taken out of their
+  // blocks' sums.
+  template <typename scalar_t>
+  FindResult scan_find_target(const scalar_t* row, int64_t vocab, const Target& t, const verify::Scratch& s,
+                              int32_t distinct, float x) const {
+    auto g = [&](int64_t v) {
+      return verify::is_child_token(s, distinct, v) ? 0.0f : verify::target_weight(t, float(row[v]));
+    };
+    int32_t next_child = 0;
+    auto block_sum = [&](int64_t start, int64_t end) {
+      float block = rows::row_sum_exp(row + start, end - start, dtype_of<scalar_t>(), t.max, t.inv_temperature,
+                                      t.threshold, isa);
+      for (; next_child < distinct && s.sorted_tokens[next_child] < end; ++next_child)
+        block -= verify::target_weight(t, float(row[s.sorted_tokens[next_child]]));
+      return block;
+    };
+    return block_find(vocab, block_sum, g, x);
   }
 
   // The residual passes of a drawn node (verify::residual_passes): vectorised over the row where the draft's
@@ -104,9 +115,8 @@ struct CpuOps {
     }
   }
 
-  // The draw from a drawn node's residual (level 0: the target weights): skip whole blocks by their vectorised
-  // sums, then scan the block where the running sum crosses x token by token (the core's scalar weights), as
-  // scan_find_target does.
+  // The draw from a drawn node's residual (level 0: the target weights): block_find over its weights, the blocks
+  // summed by the vectorised passes.
   template <typename scalar_t, typename prob_t>
   FindResult residual_find(const scalar_t* row, const prob_t* q, int64_t vocab, const Target& t, const float* rz,
                            int32_t level, float x) const {
@@ -114,29 +124,13 @@ struct CpuOps {
     if constexpr (!std::is_same_v<prob_t, float>) {
       return scan_find(vocab, g, x);
     } else {
-      constexpr int64_t kBlock = 2048;
       const rows::Residual r{t.max, t.inv_temperature, t.threshold, t.z, rz, level, false};
-      float acc = 0.0f;
-      int64_t start = 0;
-      for (; start < vocab; start += kBlock) {
-        const int64_t len = start + kBlock < vocab ? kBlock : vocab - start;
-        const float block =
-            level == 0 ? rows::row_sum_exp(row + start, len, dtype_of<scalar_t>(), t.max, t.inv_temperature,
-                                           t.threshold, isa)
-                       : rows::row_residual_sum(row + start, q + start, len, dtype_of<scalar_t>(), r, isa);
-        if (acc + block > x) break;
-        acc += block;
-      }
-      for (int64_t v = start; v < vocab; ++v) {
-        const float w = g(v);
-        if (w > 0.0f) {
-          acc += w;
-          if (x < acc) return FindResult{v, v};
-        }
-      }
-      for (int64_t v = vocab - 1; v >= 0; --v)  // rounding fallback: the last positive token
-        if (g(v) > 0.0f) return FindResult{-1, v};
-      return FindResult{-1, -1};
+      auto block_sum = [&](int64_t start, int64_t end) {
+        return level == 0 ? rows::row_sum_exp(row + start, end - start, dtype_of<scalar_t>(), t.max,
+                                              t.inv_temperature, t.threshold, isa)
+                          : rows::row_residual_sum(row + start, q + start, end - start, dtype_of<scalar_t>(), r, isa);
+      };
+      return block_find(vocab, block_sum, g, x);
     }
   }
 
