@@ -711,10 +711,7 @@ class SpeculativeDecoder:
             g.alone = alone
             t0 = self._now()
             if sampled:
-                budget = self.budget if plan.shape is None else plan.shape.budget
-                width = max(1, (budget - 1) // max(plan.depth, 1))
-                if plan.depth > 1:  # the expansion's scratch columns hold top_k nodes a level
-                    width = min(width, self.top_k)
+                width = self._drawn_width(self.budget if plan.shape is None else plan.shape.budget, plan.depth)
                 draft = g.draft_sampled(plan.depth, width, state.sampler(), state.prof)
                 state.draft_probs = (draft.probs, g.token_map)
                 drafted.append(draft.candidates)
@@ -745,6 +742,12 @@ class SpeculativeDecoder:
             drop[done] = True
             cands = cands._replace(tokens=cands.tokens.masked_fill(drop.view(1, -1, 1), -1))
         return cands
+
+    def _drawn_width(self, budget: int, depth: int) -> int:
+        """The chains a drawn draft of `depth` levels under a node budget draws at each root (the expansion's
+        scratch columns hold top_k nodes a level)."""
+        width = max(1, (budget - 1) // max(depth, 1))
+        return min(width, self.top_k) if depth > 1 else width
 
     def _tree(self, state: "DecodeState", plan: "_Plan", cands: Optional[Candidates]) -> Tuple[Combined, Optional[List[int]]]:
         """The tree to verify: the strategy's combination of the candidates (the root alone without); and
@@ -1082,8 +1085,7 @@ class SpeculativeDecoder:
         if self._may_draw(state, g) and costs.needs_draft(drawn, batch):
             sampler = DraftSampler(state.sample["temperature"], state.sample["top_k"], state.sample["top_p"],
                                    generator=torch.Generator(device=self.device).manual_seed(0))
-            width = max(1, (self.budget - 1) // max(self.depth, 1))  # (as _draft's, at the decoder's settings)
-            width = min(width, self.top_k) if self.depth > 1 else width
+            width = self._drawn_width(self.budget, self.depth)
             shallow = time_call(lambda: g.draft_sampled(1, width, sampler), **timing)
             deep = time_call(lambda: g.draft_sampled(self.depth, width, sampler), **timing)
             costs.set_draft(drawn, batch, (1, shallow), (self.depth, deep))

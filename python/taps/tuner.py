@@ -168,7 +168,7 @@ def _group_across(table: dict, group: tuple, batch: int, at: Callable[[int], flo
     return at(batch) if (group, batch) in table else _across(_batches_of(table, group), batch, at)
 
 
-def _same_appends(last: tuple, appends: tuple, same_cost: Callable[[int, int, int], bool] = lambda i, n, p: n == p) -> bool:
+def _same_appends(last: tuple, appends: tuple, same_cost: Callable[[int, int, int], bool]) -> bool:
     """Whether the groups' appends (pending, starting) leave the last plan's draft (``Tuner._last_draft``) the
     best: its own groups' as they were (or priced the same: ``same_cost(position, tokens now, tokens then)``), the
     others' as they were or more (what drafting with those others would cost only grew: a drafter group not chosen
