@@ -212,6 +212,9 @@ def main(argv=None) -> int:
     ap.add_argument("--seeds", action="store_true", help="give request i the seed i")
     ap.add_argument("--threads", type=int, default=0, help="in-process server: torch threads (0: torch's default)")
     ap.add_argument("--dtype", default="auto", help="in-process server: auto, fp32 or bf16")
+    ap.add_argument("--config", metavar="FILE",
+                    help="in-process server: its settings from a `taps serve --config` file (drafters, strategy, "
+                         "budget, ...); --dtype, --threads, --engine and the concurrency as max batch over it")
     ap.add_argument("--engine", choices=("process", "thread"), default="process",
                     help="in-process server: where its decoding loop runs (ServeConfig.engine; default process)")
     args = ap.parse_args(argv)
@@ -227,8 +230,16 @@ def main(argv=None) -> int:
 
         if args.threads:
             torch.set_num_threads(args.threads)
-        server = BackgroundServer(ServeConfig(dtype=args.dtype, max_batch=max(args.concurrency, 1),
-                                              engine=args.engine)).start()
+        if args.config:
+            from taps.serve.config import add_serve_arguments, config_from_args
+
+            serve_args = argparse.ArgumentParser()
+            add_serve_arguments(serve_args)
+            config = config_from_args(serve_args.parse_args(["--config", args.config]))
+            config.dtype, config.max_batch, config.engine = args.dtype, max(args.concurrency, 1), args.engine
+        else:
+            config = ServeConfig(dtype=args.dtype, max_batch=max(args.concurrency, 1), engine=args.engine)
+        server = BackgroundServer(config).start()
         url = server.url
     try:
         card = httpx.get(f"{url}/v1/models", timeout=10).json()["data"][0]

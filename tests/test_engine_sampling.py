@@ -262,16 +262,66 @@ def test_sampled_drafts_in_a_ragged_batch():
         assert_samples_follow(rows, prompt, temperature, top_k, top_p, what=f"prompt {g}: ")
 
 
-def test_sampled_drafts_only_where_every_request_samples():
-    """A batch with a greedy request verifies top-k trees: the greedy request's output is the target's
-    greedy output, the sampled ones still follow the target."""
+def _count_drawn(monkeypatch):
+    """Counts of the drafter groups' drawn drafts (``draft_sampled``) from here on."""
+    from taps.drafters.base import DraftGroup
+    from taps.drafters.table import TableGroup
+
+    calls = []
+    for cls in (DraftGroup, TableGroup):
+        original = cls.draft_sampled
+
+        def counted(self, *a, _original=original, **k):
+            calls.append(1)
+            return _original(self, *a, **k)
+        monkeypatch.setattr(cls, "draft_sampled", counted)
+    return calls
+
+
+def test_sampled_drafts_beside_a_greedy_request(monkeypatch):
+    """A batch with a greedy request still draws its trees (the greedy request's q all on the drafter's argmax):
+    the greedy request's output is the target's greedy output, the sampled ones still follow the target."""
     m = em.sampling_models()
     dec = SpeculativeDecoder(m["target"], _drafters(("eagle",)), strategy="single", depth=3, top_k=2, budget=7,
                              sampled_drafts=True)
+    drawn = _count_drawn(monkeypatch)
     temps = torch.tensor([1.0] * SAMPLES + [0.0])
     out = dec.generate([PROMPT] * (SAMPLES + 1), max_new_tokens=STEPS, temperature=temps, seed=8)
+    assert drawn, "no drawn draft"
     assert out.tokens[-1] == em.greedy_reference(m["target"], PROMPT, STEPS)
     assert_samples_follow(out.tokens[:-1], PROMPT, 1.0, 0, 1.0)
+
+
+@pytest.mark.parametrize("name", ["eagle", "table"])
+def test_greedy_requests_of_a_sampled_batch_keep_their_greedy_tokens(monkeypatch, name):
+    """Greedy requests of a ragged batch whose other requests sample, 24 tokens each, every step drawn (the
+    greedy ones draft their drafter's modes: the EAGLE head's argmax, the n-gram table's most likely entry): each
+    greedy request's tokens are its greedy continuation, and they are accepted (the modes' chains are a top-1
+    tree)."""
+    m = em.sampling_models()
+    if name == "table":
+        from taps import NgramTableDrafter
+        from test_ngram_table import _target_table
+
+        drafters = [NgramTableDrafter(_target_table(m["target"], count=100, new=8, temperature=0.0))]
+    else:
+        drafters = _drafters((name,))
+    dec = SpeculativeDecoder(m["target"], drafters, strategy="single", depth=3, top_k=1, budget=4,
+                             sampled_drafts=True)
+    drawn = _count_drawn(monkeypatch)
+    prompts = [PROMPT, [7, 2, 2, 19, 4, 11, 8], [25, 6], [3, 9, 1, 30, 2], [11, 4]]
+    temps = torch.tensor([0.0, 1.0, 0.0, 0.7, 0.0])
+    out = dec.generate(prompts, max_new_tokens=24, temperature=temps, seed=5)
+    assert len(drawn) == out.steps, "a step drafted other than drawn"
+    # the same greedy requests alone, drafting top-1 chains (the drafter's argmax at each level): the same tokens,
+    # and the same drafts accepted step by step
+    del drawn[:]
+    alone = dec.generate([prompts[b] for b in (0, 2, 4)], max_new_tokens=24, temperature=0.0)
+    assert not drawn
+    for i, b in enumerate((0, 2, 4)):
+        assert out.tokens[b] == em.greedy_reference(m["target"], prompts[b], 24), f"request {b}"
+        assert out.stats[b].accepted == alone.stats[i].accepted, f"request {b}: other drafts than top-1 chains"
+    assert alone.summary["tau"] > 1.5, f"tau {alone.summary['tau']:.2f}: hardly accepted, nothing is tested"
 
 
 def test_sampled_drafts_reproducible_under_a_seed():

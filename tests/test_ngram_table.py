@@ -198,6 +198,37 @@ def test_draw_structure_and_rows(width, depth, temperature):
                     assert probs[b, 1 + lv * width + c].abs().sum() == 0, "the leaves draw nothing"
 
 
+def test_draw_at_temperature_zero_takes_the_modes():
+    """A request at temperature 0 (beside sampling ones) draws the chain of its contexts' most likely entries (ties
+    to the lowest id) whatever its uniforms, q all on that entry, scores 0; the sampling requests draw as they do
+    alone."""
+    table = _small_table(seed=9)
+    rng = np.random.default_rng(4)
+    batch, width, depth = 6, 2, 3
+    contexts = torch.from_numpy(rng.integers(-1, 6, (batch, 3)))
+    uniforms = torch.from_numpy(rng.random((batch, width * depth)).astype(np.float32))
+    temps = torch.tensor([0.0, 1.0, 0.0, 0.7, 0.0, 1.3])
+    args = (table.vocab_size, table.max_order, 1)
+    tokens, parents, scores, probs = taps_ops.ngram_table_draw(*table._t, contexts, uniforms, temps, width, depth, *args)
+    sampled = [1, 3, 5]
+    alone = taps_ops.ngram_table_draw(*table._t, contexts[sampled], uniforms[sampled], temps[sampled], width, depth,
+                                      *args)
+    for got, want in zip((tokens, parents, scores, probs), alone):
+        assert torch.equal(got[sampled], want)
+    other = taps_ops.ngram_table_draw(*table._t, contexts, torch.rand(batch, width * depth), temps, width, depth, *args)
+    for b in (0, 2, 4):
+        assert torch.equal(other[0][b], tokens[b]), "a greedy request's draft depends on its uniforms"
+        chain = contexts[b].tolist()
+        for lv in range(depth):
+            z = table.reference_logits(np.asarray([chain[-3:]]), 1)[0]
+            mode = int(z.argmax())  # (the first of equal largest: the lowest id)
+            row = probs[b, 0 if lv == 0 else 1 + (lv - 1) * width]
+            assert row[mode] == 1 and row.sum() == 1, f"request {b} level {lv}: q is not all on the mode"
+            for c in range(width):
+                assert tokens[b, lv * width + c] == mode and scores[b, lv * width + c] == 0
+            chain.append(mode)
+
+
 @pytest.mark.parametrize("temperature", [1.0, 0.6])
 def test_draws_follow_q(temperature):
     table = _small_table(seed=8)
@@ -238,11 +269,11 @@ def test_op_inputs_are_checked():
                dict(ctxs=ctx.int()), dict(vocab=0), dict(order=-1), dict(mc=-1)):
         with pytest.raises(ValueError, match="^taps_ops: ngram_table_logits"):
             logits(k, c, s, i, lp, **kw)
-    for kw in (dict(un=torch.rand(1, 3)), dict(un=torch.rand(2, 2)), dict(un=u.double()), dict(temp=torch.zeros(1)),
+    for kw in (dict(un=torch.rand(1, 3)), dict(un=torch.rand(2, 2)), dict(un=u.double()), dict(temp=torch.full((1,), -0.5)),
                dict(temp=torch.full((1,), float("inf"))), dict(temp=torch.ones(2)), dict(width=0), dict(depth=0),
                dict(ctxs=torch.tensor([[99, 1, 2]])), dict(out=torch.zeros(1, 2, 23)), dict(out=torch.zeros(2, 3, 23)),
                dict(out=torch.zeros(1, 3, 22)), dict(out=torch.zeros(1, 3, 23, dtype=torch.float64)),
-               dict(out=torch.zeros(3, 23)), dict(out=torch.zeros(1, 23, 3).transpose(1, 2)), dict(temp=0.0),
+               dict(out=torch.zeros(3, 23)), dict(out=torch.zeros(1, 23, 3).transpose(1, 2)), dict(temp=-1e-6),
                dict(temp=-1.0), dict(temp=float("nan"))):
         with pytest.raises(ValueError, match="^taps_ops: ngram_table_draw"):
             draw(k, c, s, i, lp, **kw)

@@ -161,8 +161,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> ngram_table_draw_cpu(
   const float* u = un.data_ptr<float>();
   const float* tp = temp.data_ptr<float>();
   for (int64_t b = 0; b < batch; ++b) {
-    TORCH_CHECK_VALUE(tp[b] > 0 && std::isfinite(tp[b]), "taps_ops: ", op, ": temperature[", b, "] = ", tp[b],
-                      " must be finite and > 0");
+    TORCH_CHECK_VALUE(tp[b] >= 0 && std::isfinite(tp[b]), "taps_ops: ", op, ": temperature[", b, "] = ", tp[b],
+                      " must be finite and >= 0");
   }
   const auto i64 = at::dtype(at::kLong);
   at::Tensor tokens = at::empty({batch, m}, i64), parents = at::empty({batch, m}, i64);
@@ -186,10 +186,22 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> ngram_table_draw_cpu(
   float* pr = probs.data_ptr<float>();
   std::vector<int64_t> chain(w + depth);  // a chain's context: the row, then its drawn tokens
   std::vector<float> q;
-  // q of the context chain[0 .. n) into row `out` of probs; returns the entries' range
+  // q of the context chain[0 .. n) into row `out` of probs; returns the entries' range. Temperature 0: all of q
+  // on the entry of the largest logp (ties to the lowest id), the greedy limit: the chain of the table's modes.
   const auto dist = [&](int64_t n, float t, float* out) {
     const auto [lo, hi] = table.entries(table.find(chain.data(), n), op);
     q.resize(hi - lo);
+    if (t == 0.f) {
+      int64_t best = lo;
+      for (int64_t e = lo + 1; e < hi; ++e) {
+        if (table.logp[e] > table.logp[best] || (table.logp[e] == table.logp[best] && table.ids[e] < table.ids[best]))
+          best = e;
+      }
+      std::fill(q.begin(), q.end(), 0.f);
+      q[best - lo] = 1.f;
+      out[table.ids[best]] += 1.f;
+      return std::make_pair(lo, hi);
+    }
     float top = -INFINITY, sum = 0.f;
     for (int64_t e = lo; e < hi; ++e) top = std::max(top, table.logp[e] / t);
     for (int64_t e = lo; e < hi; ++e) sum += (q[e - lo] = std::exp(table.logp[e] / t - top));

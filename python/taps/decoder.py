@@ -115,7 +115,7 @@ class SpeculativeDecoder:
         tuner: a :class:`taps.tuner.Tuner` that chooses each step's drafters, depth and node budget
             (within depth / budget), or no draft at all, by measured costs and running acceptance; None:
             the fixed settings every step. Ignored without drafters.
-        sampled_drafts: where every request samples (temperature > 0) and one drafter group drafts a step
+        sampled_drafts: where some request samples (temperature > 0) and one drafter group drafts a step
             (one model drafter, or drafters of one shape batched together, e.g. two EAGLE heads of a target:
             then the mean of their distributions), its tree may be *drawn* instead of taken as top-k
             (:func:`taps.expansion.expand_sampled`: ``(budget - 1) // depth`` independent draws at the root,
@@ -127,7 +127,9 @@ class SpeculativeDecoder:
             tuner weighs the drawn shapes beside the top-k ones by their measured acceptance; with fixed
             settings, top-k trees. True: drawn wherever allowed. False: never. Not for prompt lookup (no
             distribution), steps where drafters of different groups draft (their trees would be merged), or
-            the routing strategies (they rank trees by their draws).
+            the routing strategies (they rank trees by their draws). A greedy request of such a batch draws
+            from q all on its drafter's argmax (its chains are the drafter's modes), which verification at
+            temperature 0 accepts as a top-1 chain: its tokens stay the target's greedy ones.
     """
 
     def __init__(self, target: nn.Module, drafters: Sequence[Drafter] = (), strategy: str = "single", *,
@@ -202,7 +204,7 @@ class SpeculativeDecoder:
         self.tuner: Optional[Tuner] = tuner if drafters else None
         if sampled_drafts not in (True, False, "auto"):
             raise ValueError(f"sampled_drafts must be True, False or 'auto', got {sampled_drafts!r}")
-        #: drawn trees where every request samples and one drafter group drafts (see the class docstring)
+        #: drawn trees where some request samples and one drafter group drafts (see the class docstring)
         self.sampled_drafts = sampled_drafts
 
     @property
@@ -553,8 +555,9 @@ class SpeculativeDecoder:
 
     def _may_draw(self, state: "DecodeState", group: DraftGroup) -> bool:
         """Whether a step where `group` drafts alone (one drafter, or several of one shape batched: their
-        mean distribution) may draw its tree."""
-        return (self.sampled_drafts is not False and state.all_sample and self.strategy.takes_sampled
+        mean distribution) may draw its tree: where some request samples (a greedy request beside it drafts its
+        drafter's modes, which verification at temperature 0 accepts exactly as a top-1 chain)."""
+        return (self.sampled_drafts is not False and state.sampling and self.strategy.takes_sampled
                 and not group.free_draft)
 
     def _now(self) -> float:
@@ -1007,10 +1010,10 @@ class SpeculativeDecoder:
     def _begin(self, state: "DecodeState", added: int = 0) -> None:
         """After the batch changed: the sampling mode of the drafters and the tuner, and the costs the
         tuner lacks for the new batch size."""
-        sampling, all_sample, greedy = _sample_modes(state.sample, state.batch)
+        sampling, _, greedy = _sample_modes(state.sample, state.batch)
         for g in state.groups:
             g.sampling = sampling
-        changed, state.sampling, state.all_sample = sampling != state.sampling, sampling, all_sample
+        changed, state.sampling = sampling != state.sampling, sampling
         state.greedy_rows = greedy
         if self.tuner is None:
             return
@@ -1159,9 +1162,9 @@ class DecodeState:
         self.starts: Dict[int, tuple] = {}
         #: groups of drafters the strategy stops drafting with are dropped (False where requests join later)
         self.can_drop = True
-        #: some request samples; every request samples (drafts may be drawn); per request, whether it is greedy
+        #: some request samples (drafts may be drawn); per request, whether it is greedy
         #: (temperature 0: it draws no coins, :meth:`coins`)
-        self.sampling, self.all_sample, self.greedy_rows = _sample_modes(sample, len(requests))
+        self.sampling, _, self.greedy_rows = _sample_modes(sample, len(requests))
         #: this step's drawn tree: (the distributions it was drawn from [B, 1 + M, V'], the drafter's
         #: token_map), None for a top-k tree (SpeculativeDecoder(sampled_drafts=))
         self.draft_probs: Optional[tuple] = None

@@ -179,7 +179,8 @@ class DraftSampler:
     draw.
 
     Args:
-        temperature: a Python float > 0 or a [R] tensor (> 0), one per row.
+        temperature: a Python float or a [R] tensor (>= 0), one per row; a row at 0 (a greedy request of a
+            batch whose others sample) has q all on its argmax (ties to the lowest id), the greedy limit.
         top_k, top_p: as ``taps_ops.verify_tree`` takes them (scalars or [R] tensors; 0 / 1 = off).
         generator: the random source of every row (None: torch's default one).
         generators: one generator per row instead (a request's own: its draws do not depend on its
@@ -200,6 +201,10 @@ class DraftSampler:
         """q [R, F, V'] float32 from the drafter's logits [R, F, V']."""
         rows, device = logits.shape[0], logits.device
         temp = self._per_row(self.temperature, rows, device, torch.float32).view(rows, 1, 1)
+        greedy = None
+        if (bool((temp == 0).any()) if isinstance(self.temperature, Tensor) else self.temperature == 0):
+            greedy = temp == 0
+            temp = torch.where(greedy, torch.ones_like(temp), temp)
         scaled = logits.float() / temp
         top_k = self._per_row(self.top_k, rows, device, torch.int64)
         top_p = self._per_row(self.top_p, rows, device, torch.float32)
@@ -217,6 +222,9 @@ class DraftSampler:
             drop = before >= top_p.view(rows, 1, 1)
             q = q.masked_fill(torch.zeros_like(drop).scatter(-1, order, drop), 0.0)
             q = q / q.sum(-1, keepdim=True)
+        if greedy is not None:
+            mode = torch.zeros_like(q).scatter_(-1, logits.argmax(-1, keepdim=True), 1.0)
+            q = torch.where(greedy, mode, q)
         return q
 
     def draw(self, q: Tensor, count: int) -> Tensor:

@@ -1144,7 +1144,7 @@ class Tuner:
             idle: positions of groups that have nothing to propose this step (a prompt lookup without a
                 match): no kind with one of them is a candidate (unless ``single``).
             drawn: positions of groups whose kinds of that group alone may be drawn too (:attr:`Shape.drawn`:
-                every request samples); ``drawn_only``: those kinds are drawn only.
+                some request samples); ``drawn_only``: those kinds are drawn only.
             candidates: ``candidates(group position, depth)``: the most nodes below the root that group's
                 top-k draft of `depth` levels proposes (an EAGLE expansion: top_k + (depth - 1) top_k^2). A
                 top-k shape not yet run is predicted at its budget's nodes or, when fewer, at its groups'

@@ -580,12 +580,14 @@ def ngram_table_draw(keys: Tensor, counts: Tensor, starts: Tensor, ids: Tensor, 
     """Sampled chains from an n-gram table (the table and contexts as :func:`ngram_table_logits` takes them; CPU,
     host data): for each request b, `width` draws from q at its root (context row b), each continued by one
     draw a level from q at its node, to `depth` levels; q at a node is softmax(logp / temperature[b]) over the
-    entries of its context's longest suffix the table holds (zero elsewhere).
+    entries of its context's longest suffix the table holds (zero elsewhere); at temperature 0, q is all on the
+    entry of the largest logp (ties to the lowest id): the chain of the table's modes, for a greedy request of a
+    batch whose other requests sample (``verify_tree`` at temperature 0 accepts exactly its argmax path).
 
     Args:
         uniforms: [B, width * depth] float32 in [0, 1): draw i of request b uses uniforms[b, i] (inverse CDF
             over the entries in their order; a token of zero mass is never drawn).
-        temperature: [B] float32, finite and > 0, or one Python number for every request.
+        temperature: [B] float32, finite and >= 0, or one Python number for every request.
         out: a contiguous float32 CPU tensor [B, 1 + M, vocab] to write probs into (cleared first) and return as
             probs, in place of a new one (a decoder keeps one: a fresh 128 KiB a draft cost ~20 us of page faults).
 

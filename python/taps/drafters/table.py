@@ -9,7 +9,7 @@ target's *distribution*, not of a text.
 :class:`NgramTableDrafter` proposes from it: after each node of a draft, the distribution of the longest
 context the table holds (at least ``min_count`` corpus positions; the order-0 average when none). It runs
 no model: a draft is a few binary searches a level. Under greedy verification its trees are the top-k
-trees of every drafter; where every request samples, the decoder may *draw* its trees
+trees of every drafter; where some request samples, the decoder may *draw* its trees
 (``SpeculativeDecoder(sampled_drafts=)``) and verify them by recursive rejection sampling, where a draw is
 accepted with probability 1 - TV(target, table) at its node: at temperature 1 the target's distributions
 are wide (its most likely token holds ~0.3 of the mass on the shipped models), so a deterministic guess is
