@@ -312,6 +312,56 @@ def test_greedy_with_a_table_equals_autoregressive():
     assert out.summary["tau"] > 1.5, "the table's drafts are hardly accepted: nothing is tested"
 
 
+def test_a_tuned_table_is_kept_current_through_plain_steps():
+    """Under a tuner, a started table group is appended to at every step, plain ones included (its append sets
+    each request's last tokens: nothing is queued until it next drafts), through requests joining and leaving;
+    every request's greedy tokens are the target's."""
+    import random
+
+    from taps.batching import ContinuousBatch, SamplingParams
+    from taps.tuner import FixedCosts, Tuner
+
+    class Blocks(Tuner):  # drafts (any shape) for 2 steps, then none for 5, in turn
+        def __init__(self):
+            super().__init__(FixedCosts(lambda n, b: 1e-3, lambda g, d, b: 1e-3))
+            self.rng = random.Random(3)
+
+        def choose(self, options):
+            self.clock += 1
+            if (self.clock - 1) % 7 >= 2 or len(options) == 1:
+                return options[0][0]
+            return options[1 + self.rng.randrange(len(options) - 1)][0]
+
+    target = em.sampling_models()["target"]
+    table = _target_table(target, count=100, new=8, temperature=0.0)
+    dec = SpeculativeDecoder(target, [NgramTableDrafter(table)], strategy="single", depth=3, top_k=2, budget=6,
+                             tuner=Blocks())
+    gen = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(0, 32, (int(n),), generator=gen).tolist() for n in (3, 6, 2, 5)]
+    batch = ContinuousBatch(dec, max_batch=3)
+    for i in range(3):
+        batch.add(i, prompts[i], SamplingParams(max_new_tokens=40 + 8 * i, eos_token_id=[]))
+    out, checked = {i: [] for i in range(4)}, 0
+    for step in range(80):
+        if step == 6:
+            batch.add(3, prompts[3], SamplingParams(max_new_tokens=40, eos_token_id=[]))
+        for event in batch.step():
+            out[event.request_id] += event.tokens
+        state = batch.state
+        if state is None:
+            break
+        for g in state.groups:
+            if state.pending.started(g):
+                assert not state.pending.queue[id(g)], f"step {step}: the table's appends were queued"
+                for b, request in enumerate(state.requests):
+                    seq = prompts[request.key] + request.tokens
+                    assert g.tail[b][-len(seq):] == seq[-table.max_order:], f"step {step} request {b}"
+                checked += 1
+    assert checked > 10, (checked, step)
+    for i, p in enumerate(prompts):
+        assert out[i] == em.greedy_reference(target, p, len(out[i])) and len(out[i]) == (40 if i == 3 else 40 + 8 * i)
+
+
 @pytest.mark.parametrize("sampled,width", [(True, 2), (True, 1), (False, 2)])
 def test_sampling_with_a_table_follows_the_target(sampled, width):
     """Drawn chains (the op; two a request, or one: committed with no compaction) and top-k trees (the generic

@@ -1129,8 +1129,9 @@ def test_unobserved_plain_steps_read_no_clock():
 def test_a_plain_step_is_timed_from_after_its_plan():
     """A plain step's time, which the tuner prices plain steps by, leaves its plan's own work out (a
     recomputation after a request joined or finished: plain steps that coast plan nothing); a drafted step's
-    keeps it. A clock that jumps by 1000 inside every plan: no plain step is observed at 1000 or more, every
-    drafted one is."""
+    keeps it but for the recomputation of the candidates' values (held to recompute_share of the time, not a
+    cost of the step that follows it). A clock that jumps by 1000 inside every plan and by 10**6 inside every
+    recomputation: no plain step is observed at 1000 or more, every drafted one is, none at 10**6."""
     m = em.greedy_models()
     prompt = [5, 17, 42, 8, 61, 3, 9]
     now = [0.0]
@@ -1143,14 +1144,17 @@ def test_a_plain_step_is_timed_from_after_its_plan():
     tuner = Tuner(FixedCosts(lambda n, b: 1e-3 + 5e-4 * (n - 1), lambda g, d, b: 2e-4), timer=timer)
     plan, observe = tuner.plan, tuner.observe
     tuner.plan = lambda *a, **k: (now.__setitem__(0, now[0] + 1000.0), plan(*a, **k))[1]
+    tuner._learns_fix = lambda: True  # (as a tuner on measured costs: it times its recomputations)
+    shapes, recomputed = tuner._shapes, []
+    tuner._shapes = lambda *a, **k: (now.__setitem__(0, now[0] + 1e6), recomputed.append(1), shapes(*a, **k))[2]
     seen = []
     tuner.observe = lambda shape, *a, **k: (seen.append((shape, a[4])), observe(shape, *a, **k))[1]
     dec = SpeculativeDecoder(m["target"], [m["eagle"]], strategy="single", depth=3, top_k=2, budget=8, tuner=tuner)
     dec.generate([prompt], max_new_tokens=60)
     plain = [t for s, t in seen if not s.drafters]
     drafted = [t for s, t in seen if s.drafters]
-    assert plain and drafted, seen
-    assert max(plain) < 1000 and min(drafted) >= 1000, (plain, drafted)
+    assert plain and drafted and len(recomputed) >= 2, (seen, recomputed)
+    assert max(plain) < 1000 and 1000 <= min(drafted) and max(drafted) < 1e6, (plain, drafted)
 
 
 def test_values_are_refreshed_within_refresh_steps():

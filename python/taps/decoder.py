@@ -539,8 +539,8 @@ class SpeculativeDecoder:
             forward_seconds = self._now() - t0 if timed else 0.0
             with prof.section("draft_update"):
                 self._advance_drafters(state, plan, fwd, ver, path, num_new, record)
-            self._record(state, plan, tree, record, forward_seconds, self._now() - start if timed else 0.0, timed,
-                         first, rows)
+            self._record(state, plan, tree, record, forward_seconds,
+                         self._now() - start - plan.recomputed if timed else 0.0, timed, first, rows)
 
     def _first_shape(self, rows: int, batch: int, width: int) -> bool:
         """Whether this step's target forward ran a shape (rows computed, requests, tree width) this decoder
@@ -617,7 +617,7 @@ class SpeculativeDecoder:
             return _Plan(shape, [], 0, updates=updates, started=started)
         chosen = set(shape.drafters)
         return _Plan(shape, [g for g in groups if chosen.issuperset(g.members)], shape.depth, updates=updates,
-                     started=started)
+                     started=started, recomputed=tuner.recomputed)
 
     def _coasts(self, state: "DecodeState") -> bool:
         """Whether this step repeats the last plan's answer, no draft, without planning (the tuner's clock
@@ -653,14 +653,15 @@ class SpeculativeDecoder:
         chosen (its probes apart) for :attr:`retire_after` steps in a row: its start arguments or state, its
         queued steps and history are released, and the tuner's plans, joins and drops no longer carry it
         (in a server on a CPU, where the shipped heads seldom pay at a batch of 8, that upkeep cost more than
-        the tuner's draft choices gained). Prompt lookup is never retired (kept current at little cost, and
-        its matches come and go), nor the batch's last group; a batch made afresh has every group again."""
+        the tuner's draft choices gained). Groups kept current (prompt lookup, an n-gram table: at little cost;
+        prompt lookup's matches come and go) are never retired, nor the batch's last group; a batch made afresh
+        has every group again."""
         if self.retire_after is None or state.pending is None or plan.shape is None:
             return
         chosen = set() if self.tuner.probing else set(plan.shape.drafters)
         retired = []
         for g in state.groups:
-            if g.free_draft:
+            if g.kept_current:
                 continue
             if chosen and chosen.issuperset(g.members):
                 state.unchosen[id(g)] = 0
@@ -1242,6 +1243,8 @@ class _Plan:
     updates: list = field(default_factory=list)
     #: the tuner's clock when a step that was coasting planned (its time starts there); None otherwise
     started: Optional[float] = None
+    #: seconds the plan spent recomputing the tuner's values (Tuner.recomputed): not the step's own time
+    recomputed: float = 0.0
 
 
 #: the plan of :meth:`SpeculativeDecoder._plain_step` (read only: an untimed step records no parts)
@@ -1325,7 +1328,8 @@ class _Pending:
         self.tokens: Dict[int, int] = {id(g): 0 for g in groups}
         self.spec: Dict[int, object] = {id(g): g.target_features for g in groups}
         self.starts, self.on_start, self.timer = starts, on_start, timer
-        #: started groups whose draft runs no model: appended to at once, never queued
+        #: started groups kept current (DraftGroup.kept_current: prompt lookup, an n-gram table): appended to at
+        #: once, never queued
         self.free: Dict[int, DraftGroup] = {}
         #: per started group that runs a model: the start arguments it started from (with steps folded in) and
         #: the steps it appended since, what :meth:`park` returns it to
@@ -1340,9 +1344,9 @@ class _Pending:
         for key in self.queue:
             group = self.free.get(key)
             if group is not None and not self.queue[key]:
-                # a started group whose draft runs no model (prompt lookup) is kept current: its append is
-                # host bookkeeping of a few microseconds, and the decoder asks it every plain step whether
-                # it has anything to propose
+                # a started group kept current (prompt lookup, an n-gram table): its append is host
+                # bookkeeping of a few microseconds (prompt lookup is asked every plain step whether it has
+                # anything to propose)
                 group.advance(tokens, num_new, None, num_host, tokens_host)
                 continue
             self.queue[key].append(entry)
@@ -1467,7 +1471,7 @@ class _Pending:
                 # its start, timed (the tuner prices a group not started by its measured starts)
                 out.append((tuple(g.members), tokens, self.timer() - t0, True))
                 self.on_start(g)
-                if g.free_draft:
+                if g.kept_current:
                     self.free[id(g)] = g
                 elif self.keep_history:
                     self.history[id(g)], self.consumed[id(g)] = args, []

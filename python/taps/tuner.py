@@ -898,6 +898,12 @@ class Tuner:
         self._fix: Dict[tuple, float] = {}
         self._fix_set: Dict[tuple, float] = {}
         self._priced: Optional[tuple] = None
+        #: seconds the last plan spent recomputing the candidates' values (0 when it did not): the decoder leaves
+        #: them out of the step it times (a drafted step's time includes its plan, which after a run of plain
+        #: steps recomputes: at T = 1 the first drawn chain after plain steps read 1.2x a chain's time with it,
+        #: and those steps' prices kept the table's auto row at plain steps in some runs); the recomputations
+        #: are held to recompute_share of the time instead
+        self.recomputed = 0.0
         #: the last plan's draft (not a probe): (what it was chosen over, the groups' appends then, the shape,
         #: its groups' positions); see plan
         self._last_draft = None
@@ -1164,6 +1170,7 @@ class Tuner:
         costs = self.costs
         self.probing = self._every_idle = False
         self._charge = None
+        self.recomputed = 0.0
         groups = tuple(groups)
         idle = frozenset(idle) if not single else frozenset()
         counts: Dict[int, int] = {}  # per group that proposes for some requests only: how many now
@@ -1276,7 +1283,8 @@ class Tuner:
                 caps_of[shape] = cap
             # the next recomputation waits until the steps between make this one's time their recompute_share
             # (injected costs are not in the timer's seconds: with them the values are recomputed every `refresh`)
-            wait = (self.timer() - started) / (self.recompute_share * plain) if plain > 0 and learns else 0.0
+            self.recomputed = self.timer() - started if learns else 0.0
+            wait = self.recomputed / (self.recompute_share * plain) if plain > 0 and learns else 0.0
             self._plan_memo = (memo, base, self._version, self.clock + max(self.refresh, math.ceil(wait)),
                                self.clock, caps_of)
             if all(not acceptance.requests[b] for b in rows):  # every value the pooled one (see begin)

@@ -261,6 +261,10 @@ class DraftGroup:
     node_mask_append_limit = 256
     #: drafting runs no model (prompt lookup): the tuner asks :meth:`has_draft` before it plans a step
     free_draft = False
+    #: once started, appended to at every step, never queued (a tuner's plain steps queue the others' appends
+    #: until they next draft): groups whose append is host bookkeeping of a few microseconds (prompt lookup, an
+    #: n-gram table), for which catching up at a draft after a run of plain steps cost more than keeping up
+    kept_current = False
 
     def __init__(self, drafters: Sequence[Drafter]):
         self.drafters = list(drafters)

@@ -158,6 +158,7 @@ class LookupGroup(HostLengths, DraftGroup):
     """The prompt-lookup drafter's state: each request's tokens and an index of their n-grams (host)."""
 
     free_draft = True
+    kept_current = True
 
     def __init__(self, drafter: PromptLookupDrafter):
         super().__init__([drafter])

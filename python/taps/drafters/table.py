@@ -320,6 +320,8 @@ class TableGroup(HostLengths, DraftGroup):
     over a frontier is the table's lookup of each node's context (the parent's, shifted, with the node)."""
 
     _row_state = ()
+    #: (an append sets each request's tail: a few list operations)
+    kept_current = True
 
     def __init__(self, drafter: NgramTableDrafter):
         super().__init__([drafter])
