@@ -313,10 +313,12 @@ def test_greedy_requests_of_a_sampled_batch_keep_their_greedy_tokens(monkeypatch
     temps = torch.tensor([0.0, 1.0, 0.0, 0.7, 0.0])
     out = dec.generate(prompts, max_new_tokens=24, temperature=temps, seed=5)
     assert len(drawn) == out.steps, "a step drafted other than drawn"
-    # the same greedy requests alone, drafting top-1 chains (the drafter's argmax at each level): the same tokens,
-    # and the same drafts accepted step by step
+    # the same greedy requests alone, drafting top-1 chains (the drafter's argmax at each level, by the top-k
+    # expansion): the same tokens, and the same drafts accepted step by step
     del drawn[:]
-    alone = dec.generate([prompts[b] for b in (0, 2, 4)], max_new_tokens=24, temperature=0.0)
+    top1 = SpeculativeDecoder(m["target"], drafters, strategy="single", depth=3, top_k=1, budget=4,
+                              sampled_drafts=False)
+    alone = top1.generate([prompts[b] for b in (0, 2, 4)], max_new_tokens=24, temperature=0.0)
     assert not drawn
     for i, b in enumerate((0, 2, 4)):
         assert out.tokens[b] == em.greedy_reference(m["target"], prompts[b], 24), f"request {b}"

@@ -312,6 +312,35 @@ def test_greedy_with_a_table_equals_autoregressive():
     assert out.summary["tau"] > 1.5, "the table's drafts are hardly accepted: nothing is tested"
 
 
+def test_greedy_table_chains_are_drawn_as_its_modes(monkeypatch):
+    """Where no request samples, a table group still draws (``sampled_drafts=True``; its draw is its cheap draft):
+    one chain of its modes a request, every step, accepted step by step as the top-1 chains of the expansion over
+    the table's logits (``sampled_drafts=False``), and the tokens are the target's greedy ones."""
+    from taps.drafters.table import TableGroup
+
+    target = em.sampling_models()["target"]
+    table = _target_table(target, temperature=0.0)
+    gen = torch.Generator().manual_seed(12)
+    prompts = [torch.randint(0, 32, (int(n),), generator=gen).tolist() for n in (4, 7, 2)]
+    runs = {}
+    for sampled in (True, False):
+        calls = []
+        original = TableGroup.draft_sampled
+        monkeypatch.setattr(TableGroup, "draft_sampled",
+                            lambda self, depth, width, *a, **k: calls.append(width) or original(self, depth, width, *a, **k))
+        dec = SpeculativeDecoder(target, [NgramTableDrafter(table)], strategy="single", depth=3, top_k=2, budget=7,
+                                 sampled_drafts=sampled)
+        out = dec.generate(prompts, max_new_tokens=20)
+        runs[sampled] = out
+        assert (calls == [1] * out.steps) if sampled else not calls, calls
+    ar = SpeculativeDecoder(target, [], strategy="autoregressive").generate(prompts, max_new_tokens=20)
+    assert runs[True].tokens == ar.tokens
+    top1 = SpeculativeDecoder(target, [NgramTableDrafter(table)], strategy="single", depth=3, top_k=1, budget=4,
+                              sampled_drafts=False).generate(prompts, max_new_tokens=20)
+    assert [s.accepted for s in runs[True].stats] == [s.accepted for s in top1.stats]
+    assert runs[True].summary["tau"] > 1.5
+
+
 def test_a_tuned_table_is_kept_current_through_plain_steps():
     """Under a tuner, a started table group is appended to at every step, plain ones included (its append sets
     each request's last tokens: nothing is queued until it next drafts), through requests joining and leaving;

@@ -129,7 +129,9 @@ class SpeculativeDecoder:
             distribution), steps where drafters of different groups draft (their trees would be merged), or
             the routing strategies (they rank trees by their draws). A greedy request of such a batch draws
             from q all on its drafter's argmax (its chains are the drafter's modes), which verification at
-            temperature 0 accepts as a top-1 chain: its tokens stay the target's greedy ones.
+            temperature 0 accepts as a top-1 chain: its tokens stay the target's greedy ones. An n-gram
+            table (:attr:`taps.drafters.base.DraftGroup.draws_greedy`) draws where no request samples too: one
+            chain of its modes a request, its cheap draft (one host call against the expansion over its logits).
     """
 
     def __init__(self, target: nn.Module, drafters: Sequence[Drafter] = (), strategy: str = "single", *,
@@ -556,9 +558,10 @@ class SpeculativeDecoder:
     def _may_draw(self, state: "DecodeState", group: DraftGroup) -> bool:
         """Whether a step where `group` drafts alone (one drafter, or several of one shape batched: their
         mean distribution) may draw its tree: where some request samples (a greedy request beside it drafts its
-        drafter's modes, which verification at temperature 0 accepts exactly as a top-1 chain)."""
-        return (self.sampled_drafts is not False and state.sampling and self.strategy.takes_sampled
-                and not group.free_draft)
+        drafter's modes, which verification at temperature 0 accepts exactly as a top-1 chain), or where the
+        group's drawn draft is its cheap greedy one too (:attr:`DraftGroup.draws_greedy`: an n-gram table)."""
+        return (self.sampled_drafts is not False and (state.sampling or group.draws_greedy)
+                and self.strategy.takes_sampled and not group.free_draft)
 
     def _now(self) -> float:
         return self.tuner.timer() if self.tuner is not None else time.perf_counter()
@@ -715,7 +718,8 @@ class SpeculativeDecoder:
             g.alone = alone
             t0 = self._now()
             if sampled:
-                width = self._drawn_width(self.budget if plan.shape is None else plan.shape.budget, plan.depth)
+                width = self._drawn_width(self.budget if plan.shape is None else plan.shape.budget, plan.depth,
+                                          state.sampling)
                 draft = g.draft_sampled(plan.depth, width, state.sampler(), state.prof)
                 state.draft_probs = (draft.probs, g.token_map)
                 drafted.append(draft.candidates)
@@ -747,9 +751,12 @@ class SpeculativeDecoder:
             cands = cands._replace(tokens=cands.tokens.masked_fill(drop.view(1, -1, 1), -1))
         return cands
 
-    def _drawn_width(self, budget: int, depth: int) -> int:
+    def _drawn_width(self, budget: int, depth: int, sampling: bool = True) -> int:
         """The chains a drawn draft of `depth` levels under a node budget draws at each root (the expansion's
-        scratch columns hold top_k nodes a level)."""
+        scratch columns hold top_k nodes a level); one where no request samples (every chain of a greedy
+        request is its drafter's modes)."""
+        if not sampling:
+            return 1
         width = max(1, (budget - 1) // max(depth, 1))
         return min(width, self.top_k) if depth > 1 else width
 
@@ -1089,7 +1096,7 @@ class SpeculativeDecoder:
         if self._may_draw(state, g) and costs.needs_draft(drawn, batch):
             sampler = DraftSampler(state.sample["temperature"], state.sample["top_k"], state.sample["top_p"],
                                    generator=torch.Generator(device=self.device).manual_seed(0))
-            width = self._drawn_width(self.budget, self.depth)
+            width = self._drawn_width(self.budget, self.depth, state.sampling)
             shallow = time_call(lambda: g.draft_sampled(1, width, sampler), **timing)
             deep = time_call(lambda: g.draft_sampled(self.depth, width, sampler), **timing)
             costs.set_draft(drawn, batch, (1, shallow), (self.depth, deep))

@@ -265,6 +265,10 @@ class DraftGroup:
     #: until they next draft): groups whose append is host bookkeeping of a few microseconds (prompt lookup, an
     #: n-gram table), for which catching up at a draft after a run of plain steps cost more than keeping up
     kept_current = False
+    #: its drawn draft is also its cheap greedy one: where no request samples the decoder may draw it too, the
+    #: chain of its modes (an n-gram table: one host call, where its top-k tree is the generic expansion over
+    #: the table's logits); verification at temperature 0 accepts it as a top-1 chain
+    draws_greedy = False
 
     def __init__(self, drafters: Sequence[Drafter]):
         self.drafters = list(drafters)

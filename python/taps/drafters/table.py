@@ -322,6 +322,8 @@ class TableGroup(HostLengths, DraftGroup):
     _row_state = ()
     #: (an append sets each request's tail: a few list operations)
     kept_current = True
+    #: (ngram_table_draw at temperature 0: the modes' chain, ~15 us against ~0.5 ms for the top-k expansion)
+    draws_greedy = True
 
     def __init__(self, drafter: NgramTableDrafter):
         super().__init__([drafter])
