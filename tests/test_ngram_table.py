@@ -322,12 +322,12 @@ def test_greedy_table_chains_are_drawn_as_its_modes(monkeypatch):
     table = _target_table(target, temperature=0.0)
     gen = torch.Generator().manual_seed(12)
     prompts = [torch.randint(0, 32, (int(n),), generator=gen).tolist() for n in (4, 7, 2)]
-    runs = {}
+    runs, calls = {}, []
+    original = TableGroup.draft_sampled
+    monkeypatch.setattr(TableGroup, "draft_sampled",
+                        lambda self, depth, width, *a, **k: calls.append(width) or original(self, depth, width, *a, **k))
     for sampled in (True, False):
-        calls = []
-        original = TableGroup.draft_sampled
-        monkeypatch.setattr(TableGroup, "draft_sampled",
-                            lambda self, depth, width, *a, **k: calls.append(width) or original(self, depth, width, *a, **k))
+        calls.clear()
         dec = SpeculativeDecoder(target, [NgramTableDrafter(table)], strategy="single", depth=3, top_k=2, budget=7,
                                  sampled_drafts=sampled)
         out = dec.generate(prompts, max_new_tokens=20)
@@ -335,6 +335,16 @@ def test_greedy_table_chains_are_drawn_as_its_modes(monkeypatch):
         assert (calls == [1] * out.steps) if sampled else not calls, calls
     ar = SpeculativeDecoder(target, [], strategy="autoregressive").generate(prompts, max_new_tokens=20)
     assert runs[True].tokens == ar.tokens
+    # sampled_drafts="auto" (the default) draws a table's drafts too, with fixed settings and with a tuner (whose
+    # candidates hold no top-k tree of the table), greedy and at mixed temperatures
+    calls.clear()
+    dec = SpeculativeDecoder(target, [NgramTableDrafter(table)], strategy="single", depth=3, top_k=2, budget=7)
+    assert dec.generate(prompts, max_new_tokens=20).tokens == ar.tokens and len(calls) > 5
+    tuned = SpeculativeDecoder(target, [NgramTableDrafter(table)], strategy="single", depth=3, top_k=2, budget="auto")
+    for temps in (0.0, torch.tensor([0.0, 1.0, 0.5])):
+        out = tuned.generate(prompts, max_new_tokens=20, temperature=temps, seed=1)
+        shapes = {x for st in out.stats for x in st.draft_shapes}
+        assert shapes and all(x == "none" or x.endswith("drawn") for x in shapes), shapes
     top1 = SpeculativeDecoder(target, [NgramTableDrafter(table)], strategy="single", depth=3, top_k=1, budget=4,
                               sampled_drafts=False).generate(prompts, max_new_tokens=20)
     assert [s.accepted for s in runs[True].stats] == [s.accepted for s in top1.stats]

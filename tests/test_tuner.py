@@ -2094,25 +2094,28 @@ def test_a_drawn_draft_is_priced_by_its_own_calibration():
 
 
 def test_a_probe_after_another_kind_corrects_no_cost():
-    """Tuner.observe(switched=True) of a probe: the kind's acceptance is learned, its costs are not (a probe among
-    plain steps runs code and data they evicted), and what it lost beyond its charge is still spent from the
-    credit; a chosen kind's step after a switch, and a probe after a step of its own kind, correct its costs."""
+    """Tuner.observe(switched=True) of a probe that took longer than its price: the kind's acceptance is learned,
+    its costs are not (a probe among plain steps runs code and data they evicted), and what it lost beyond its
+    charge is still spent from the credit; one that took less than its price corrects them (cold as it ran, the
+    kind costs at most that), as do a chosen kind's step after a switch and a probe after a step of its own kind."""
     shape = Shape((0,), 3, 4)
     parts = {("forward", 1, 4): (3e-3, 1.2e-3), ("draft", (0,), 3, 1): (9e-4, 3e-4)}
 
-    def observed(probing, switched):
+    def observed(probing, switched, price=2e-3):
         tuner = Tuner(_measured())
         tuner.begin(1, False)
         tuner.probing = probing
         tuner._charge = (shape, 0.0, 1000.0, 1)
+        tuner._priced = (shape, 1, price, 1.0)
         tuner._credit = 1.0
-        before = copy.deepcopy(tuner.costs.state_dict())
+        before = copy.deepcopy((tuner.costs.state_dict(), tuner._fix))
         tuner.observe(shape, [1], 3, 4.0, 1, 4e-3, dict(parts), [], switched=switched)
         assert tuner.acceptance.trials(shape.key, 0, 1) > 0
         assert tuner._credit < 1.0  # (4 ms for 2 tokens at 1,000 tokens/s: 2 ms lost)
-        return tuner.costs.state_dict() != before
+        return (tuner.costs.state_dict(), tuner._fix) != before
 
     assert not observed(probing=True, switched=True)
+    assert observed(probing=True, switched=True, price=5e-3)
     assert observed(probing=False, switched=True) and observed(probing=True, switched=False)
 
 

@@ -125,13 +125,15 @@ class SpeculativeDecoder:
             mass on those k tokens only: drawn trees accept more at high temperatures (shipped drafters,
             T = 1: tau 1.6 -> 2.4-2.7), top-k trees at low ones (T = 0.3-0.5). ``"auto"`` (default): a
             tuner weighs the drawn shapes beside the top-k ones by their measured acceptance; with fixed
-            settings, top-k trees. True: drawn wherever allowed. False: never. Not for prompt lookup (no
+            settings, top-k trees (an n-gram table's drafts drawn, its top-k trees left out of a tuner's
+            candidates too: see below). True: drawn wherever allowed. False: never. Not for prompt lookup (no
             distribution), steps where drafters of different groups draft (their trees would be merged), or
             the routing strategies (they rank trees by their draws). A greedy request of such a batch draws
             from q all on its drafter's argmax (its chains are the drafter's modes), which verification at
             temperature 0 accepts as a top-1 chain: its tokens stay the target's greedy ones. An n-gram
             table (:attr:`taps.drafters.base.DraftGroup.draws_greedy`) draws where no request samples too: one
-            chain of its modes a request, its cheap draft (one host call against the expansion over its logits).
+            chain of its modes a request, its cheap draft (one host call against the expansion over its logits);
+            unless ``sampled_drafts=False``, its drafts are drawn, with fixed settings or a tuner.
     """
 
     def __init__(self, target: nn.Module, drafters: Sequence[Drafter] = (), strategy: str = "single", *,
@@ -609,7 +611,8 @@ class SpeculativeDecoder:
         drawn = tuple(i for i, g in enumerate(groups) if self._may_draw(state, g))
         shape = tuner.plan([tuple(g.members) for g in groups], lambda i, d: groups[i].tree_depth(d, self.top_k),
                            [state.pending.count(g) for g in groups], active, state.batch, self.depth, self.budget,
-                           drawn=drawn, drawn_only=self.sampled_drafts is True,
+                           drawn=drawn, drawn_only=True if self.sampled_drafts is True else
+                           [i for i in drawn if groups[i].draws_greedy],
                            candidates=lambda i, d: num_candidates(d, self.top_k), ready=ready,
                            starting=[state.pending.start_tokens(g) for g in groups])
         if not shape.drafters:  # a plain step (most steps where no draft pays: kept lean)
@@ -712,7 +715,7 @@ class SpeculativeDecoder:
         if plan.shape is not None:
             sampled = plan.shape.drawn
         else:
-            sampled = (len(plan.drafting) == 1 and self.sampled_drafts is True
+            sampled = (len(plan.drafting) == 1 and (self.sampled_drafts is True or plan.drafting[0].draws_greedy)
                        and self._may_draw(state, plan.drafting[0]))
         for g in plan.drafting:
             g.alone = alone

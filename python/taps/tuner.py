@@ -57,7 +57,7 @@ import math
 import time
 import weakref
 from dataclasses import dataclass, field
-from typing import Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
@@ -1132,7 +1132,7 @@ class Tuner:
 
     def plan(self, groups: Sequence[Tuple[int, ...]], caps: Callable[[int, int], int], pending: Sequence[int],
              active: Sequence[int], batch: int, depth: int, budget: int, single: bool = False,
-             idle: Sequence[int] = (), drawn: Sequence[int] = (), drawn_only: bool = False,
+             idle: Sequence[int] = (), drawn: Sequence[int] = (), drawn_only: Union[bool, Sequence[int]] = False,
              candidates: Optional[Callable[[int, int], int]] = None,
              ready: Optional[Sequence[Optional[Sequence[int]]]] = None,
              starting: Optional[Sequence[int]] = None) -> Shape:
@@ -1150,7 +1150,9 @@ class Tuner:
             idle: positions of groups that have nothing to propose this step (a prompt lookup without a
                 match): no kind with one of them is a candidate (unless ``single``).
             drawn: positions of groups whose kinds of that group alone may be drawn too (:attr:`Shape.drawn`:
-                some request samples); ``drawn_only``: those kinds are drawn only.
+                some request samples); ``drawn_only``: those kinds are drawn only (True), or those of the groups at
+                these positions (an n-gram table's: its drawn chain is also its cheap greedy draft, its top-k tree
+                the generic expansion over its logits).
             candidates: ``candidates(group position, depth)``: the most nodes below the root that group's
                 top-k draft of `depth` levels proposes (an EAGLE expansion: top_k + (depth - 1) top_k^2). A
                 top-k shape not yet run is predicted at its budget's nodes or, when fewer, at its groups'
@@ -1181,6 +1183,7 @@ class Tuner:
                 idle = idle | set(_idle(ready))
         free = None if ready is None else tuple(r is not None for r in ready)
         drawn = frozenset(drawn)
+        drawn_only = drawn_only if isinstance(drawn_only, bool) else frozenset(drawn_only)
         memo = (groups, depth, budget, single, tuple(active), batch, drawn, drawn_only, free)
         last, cached = self._last_draft, self._plan_memo
         inputs = (memo, ready, idle)
@@ -1414,8 +1417,9 @@ class Tuner:
             for members in self.kinds(groups, single):
                 index = tuple(position[g] for g in members)
                 may_draw = len(index) == 1 and index[0] in drawn  # one group alone: its shapes drawn too
+                only = may_draw and (drawn_only if isinstance(drawn_only, bool) else index[0] in drawn_only)
                 for shape in self.candidates([members], depth, budget):
-                    if not (may_draw and drawn_only):
+                    if not only:
                         out.append((shape, members, shape.key, index))
                     if may_draw:
                         shape = shape._replace(drawn=True)
@@ -1506,12 +1510,16 @@ class Tuner:
             took = [a for a in accepted if a is not None]
             gave = sum(a + 1 for a in took) + max(active - len(took), 0)
             self._credit -= max(total - gave / rate - charged, 0.0)
-        if switched and self.probing:
+        priced = self._priced
+        if switched and self.probing and (priced is None or priced[0] != shape or priced[1] != batch or
+                                          total >= priced[2] * priced[3] * self._fix.get(shape.key, 1.0)):
+            # (a probe that took less than its price, cold as it ran, corrects it: a kind priced out by a few slow
+            # steps, then only probed among plain steps, kept its price; at a batch of 8 the table's drawn chains,
+            # 12% above a plain step's tokens per second, stayed priced out for whole loads)
             return
         predicted = sum(p for _, p in parts.values()) + sum(self.costs.update(g, t, batch) for g, t, _ in appends) \
             + sum(self.costs.start(g, t, batch) for g, t, _ in starts)
         self.costs.observe(shape.key, batch, total, predicted, parts, appends, sum(s for _, _, s in starts))
-        priced = self._priced
         if priced is not None and priced[0] == shape and priced[1] == batch and priced[2] > 0:  # (set where it learns)
             # the step against what its kind was priced at when chosen: the parts' corrections leave some of a
             # step out of every part (at batch 8 a prompt-lookup tree's forward priced at its mean nodes, a
