@@ -37,6 +37,9 @@ import taps_ops
 from ..expansion import DraftCandidates, DraftSampler, SampledDraft
 from .base import DraftGroup, Drafter, HostLengths, SoloMixin, target_vocab_size
 
+#: taps_ops.ngram_table_draw's op, called by the table group without the wrapper's Python checks
+_DRAW_OP = torch.ops.taps_ops.ngram_table_draw.default
+
 __all__ = ["NgramTable", "NgramTableDrafter"]
 
 #: the logit of a token a context's entries do not hold: q gives it ~1e-12 of the entries' mass (a draw from
@@ -334,6 +337,10 @@ class TableGroup(HostLengths, DraftGroup):
         self._front: Optional[np.ndarray] = None  # [R, F, order] the last frontier's contexts
         #: the drawn drafts' probs, one buffer rewritten each draft (a draft's probs are read before the next)
         self._probs: Optional[Tensor] = None
+        #: the tails as an int64 array [B, order] (a tensor shares it), kept with each append; None: made at the next
+        #: draw (after a start, join or drop)
+        self._ctx: Optional[np.ndarray] = None
+        self._ctx_t: Optional[Tensor] = None
 
     @property
     def root_logits(self) -> Optional[Tensor]:
@@ -349,11 +356,20 @@ class TableGroup(HostLengths, DraftGroup):
     def _set(self, b: int, new: Sequence[int]) -> None:
         tail = (self.tail[b] + [int(t) for t in new])[-self.order:]
         self.tail[b] = [-1] * (self.order - len(tail)) + tail
+        if self._ctx is not None:
+            self._ctx[b] = self.tail[b]
+
+    def _contexts(self) -> Tensor:
+        """The tails as an int64 CPU tensor [B, order] (what ngram_table_draw reads)."""
+        if self._ctx is None or len(self._ctx) != len(self.tail):
+            self._ctx = np.asarray(self.tail, dtype=np.int64).reshape(len(self.tail), self.order)
+            self._ctx_t = torch.from_numpy(self._ctx)
+        return self._ctx_t
 
     def start(self, input_ids, prompt_lens, root, hidden, max_len, prompt_lens_host=None):
         ids, roots = input_ids.tolist(), root.tolist()
         lens = prompt_lens_host if prompt_lens_host is not None else prompt_lens.tolist()
-        self.tail = [[] for _ in ids]
+        self.tail, self._ctx = [[] for _ in ids], None
         for b, (row, n, r) in enumerate(zip(ids, lens, roots)):
             self._set(b, row[max(0, int(n) - self.order):int(n)] + [r])
         self.host_lengths = [int(n) + 1 for n in lens]
@@ -400,15 +416,18 @@ class TableGroup(HostLengths, DraftGroup):
         else:
             uniforms = torch.stack([torch.rand(count, generator=g, device=g.device).cpu() for g in gens])
         temp = sampler.temperature
-        if not isinstance(temp, (int, float)):  # (a number: the op's wrapper makes its tensor once per value)
+        if isinstance(temp, (int, float)):  # (made once per value and batch)
+            temp = taps_ops._per_request(temp, batch, torch.float32, torch.device("cpu"), "temperature")
+        else:
             temp = torch.as_tensor(temp, dtype=torch.float32).cpu().reshape(-1).expand(batch).contiguous()
         table = self.d.table
         shape = (batch, 1 + count, table.vocab_size)
         if self._probs is None or self._probs.shape != shape:
             self._probs = torch.empty(shape)
-        tokens, parents, scores, probs = taps_ops.ngram_table_draw(
-            *table._t, torch.tensor(self.tail, dtype=torch.int64), uniforms.float(), temp, k, int(depth),
-            table.vocab_size, table.max_order, self.d.min_count, out=self._probs)
+        # the op itself (its checks in C++: the wrapper's Python ones cost ~15 us a draft on arrays made here)
+        tokens, parents, scores, probs = _DRAW_OP(
+            *table._t, self._contexts(), uniforms, temp, k, int(depth), table.vocab_size, table.max_order,
+            self.d.min_count, self._probs)
         device = self.d._device
         if device.type == "cpu":
             return SampledDraft(DraftCandidates(scores, tokens, parents, scores.new_zeros(batch)), probs)
@@ -417,14 +436,14 @@ class TableGroup(HostLengths, DraftGroup):
 
     def release(self) -> None:
         super().release()
-        self.tail, self._front, self._root, self._probs = [], None, None, None
+        self.tail, self._front, self._root, self._probs, self._ctx = [], None, None, None, None
 
     def _select_state(self, keep, index, rows):
         super()._select_state(keep, index, rows)
         self.tail = [self.tail[b] for b in keep]
-        self._root = None
+        self._root = self._ctx = None
 
     def _join_state(self, other):
         super()._join_state(other)
         self.tail = self.tail + other.tail
-        self._root = None
+        self._root = self._ctx = None
