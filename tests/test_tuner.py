@@ -2166,3 +2166,24 @@ def test_the_decoder_calibrates_drawn_drafts_and_reports_switches(monkeypatch):
     calibrated = Cycling()
     calibrated.costs = copy.deepcopy(tuner.costs)
     assert run(calibrated) == first  # (no calibration this time: the requests' draws are the same)
+
+
+def test_drawn_shapes_that_draw_the_same_tree_are_one_kind():
+    """With the decoder's drawn node counts (``plan(drawn_nodes=)``), a drawn shape that runs fewer nodes than its
+    budget is left out where the drawn shape of that many nodes at its depth is a candidate (at top_k 1 a budget of
+    4 at depth 2 draws the 3-node chain a budget of 3 does); the top-k shapes stay; without drawn_nodes every
+    budget is a kind."""
+    tuner = Tuner(FixedCosts(lambda n, b: 1e-3, lambda g, d, b: 1e-3))
+    chains = lambda budget, depth: 1 + depth  # noqa: E731  (one chain: top_k 1)
+    both = tuner._shapes(((0,),), 3, 4, False, frozenset({0}), False, chains)
+    drawn = {(s.depth, s.budget) for s, *_ in both if s.drawn}
+    topk = {(s.depth, s.budget) for s, *_ in both if not s.drawn}
+    assert drawn == {(1, 2), (2, 3), (3, 4)}, drawn
+    assert {(2, 4), (1, 3), (1, 4)} <= topk
+    every = tuner._shapes(((0,),), 3, 4, False, frozenset({0}), False, None)
+    assert {(s.depth, s.budget) for s, *_ in every if s.drawn} == {(s.depth, s.budget) for s, *_ in every if not s.drawn}
+    # two chains a level where the budget allows (1 + 2 * depth nodes): budget 4 at depth 1 is its own tree (3 nodes
+    # there: left out for (1, 3)), budget 8 at depth 3 draws 7
+    wide = lambda budget, depth: 1 + min(2, (budget - 1) // depth) * depth  # noqa: E731
+    drawn = {(s.depth, s.budget) for s, *_ in tuner._shapes(((0,),), 3, 8, False, frozenset({0}), False, wide) if s.drawn}
+    assert (1, 4) not in drawn and (1, 3) in drawn and (3, 8) in drawn and (2, 4) not in drawn, drawn

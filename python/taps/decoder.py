@@ -614,7 +614,8 @@ class SpeculativeDecoder:
                            drawn=drawn, drawn_only=True if self.sampled_drafts is True else
                            [i for i in drawn if groups[i].draws_greedy],
                            candidates=lambda i, d: num_candidates(d, self.top_k), ready=ready,
-                           starting=[state.pending.start_tokens(g) for g in groups])
+                           starting=[state.pending.start_tokens(g) for g in groups],
+                           drawn_nodes=self._drawn_nodes if state.sampling else self._greedy_drawn_nodes)
         if not shape.drafters:  # a plain step (most steps where no draft pays: kept lean)
             # repeated without planning until a probe could come due, while the groups idle now stay idle
             token = tuner.coast_token()
@@ -753,6 +754,15 @@ class SpeculativeDecoder:
             drop[done] = True
             cands = cands._replace(tokens=cands.tokens.masked_fill(drop.view(1, -1, 1), -1))
         return cands
+
+    def _drawn_nodes(self, budget: int, depth: int) -> int:
+        """The nodes (root included) a drawn draft of `depth` levels under `budget` runs where some request samples."""
+        return 1 + self._drawn_width(budget, depth) * depth
+
+    @staticmethod
+    def _greedy_drawn_nodes(budget: int, depth: int) -> int:
+        """The same where no request samples: one chain."""
+        return 1 + depth
 
     def _drawn_width(self, budget: int, depth: int, sampling: bool = True) -> int:
         """The chains a drawn draft of `depth` levels under a node budget draws at each root (the expansion's

@@ -1135,7 +1135,8 @@ class Tuner:
              idle: Sequence[int] = (), drawn: Sequence[int] = (), drawn_only: Union[bool, Sequence[int]] = False,
              candidates: Optional[Callable[[int, int], int]] = None,
              ready: Optional[Sequence[Optional[Sequence[int]]]] = None,
-             starting: Optional[Sequence[int]] = None) -> Shape:
+             starting: Optional[Sequence[int]] = None,
+             drawn_nodes: Optional[Callable[[int, int], int]] = None) -> Shape:
         """This step's draft.
 
         Args:
@@ -1168,6 +1169,11 @@ class Tuner:
             starting: per group, the tokens of `pending` that it would start on (a group not started yet:
                 its prompts and the steps folded into them), priced as a start (:meth:`CostModel.start`), the
                 rest as an append; None: every group started.
+            drawn_nodes: ``drawn_nodes(budget, depth)``: the nodes (root included) a drawn draft of that budget
+                and depth runs; a drawn shape that runs fewer nodes than its budget, where the drawn shape of
+                that many nodes at its depth is a candidate too, is left out (the same tree under two kinds:
+                at depth 2 and top_k 1 a budget of 4 draws the 3-node chain a budget of 3 does, and the two
+                kinds had split its observations, first tries and probes).
         """
         costs = self.costs
         self.probing = self._every_idle = False
@@ -1243,7 +1249,8 @@ class Tuner:
                              for d in range(1, depth + 1)})
             most = None if candidates is None else {(g, d): candidates(position[g], d) for g in groups
                                                     for d in range(1, depth + 1)}
-            for shape, members, key, index in self._shapes(groups, depth, budget, single, drawn, drawn_only):
+            for shape, members, key, index in self._shapes(groups, depth, budget, single, drawn, drawn_only,
+                                                           drawn_nodes):
                 d = shape.depth
                 cap = min(shape.budget - 1, max(cap_of[g, d] for g in members))
                 if free is not None and all(free[i] for i in index):
@@ -1409,8 +1416,11 @@ class Tuner:
             return True
         return False
 
-    def _shapes(self, groups, depth, budget, single, drawn=frozenset(), drawn_only=False):
-        memo = (groups, depth, budget, single, drawn, drawn_only)
+    def _shapes(self, groups, depth, budget, single, drawn=frozenset(), drawn_only=False, drawn_nodes=None):
+        # (the drawn nodes by the cells they differ in: a decoder's rule is the same every step of a mode)
+        sizes = None if drawn_nodes is None else tuple(drawn_nodes(n, d) for n in range(2, budget + 1)
+                                                       for d in range(1, depth + 1))
+        memo = (groups, depth, budget, single, drawn, drawn_only, sizes)
         if self._shape_memo is None or self._shape_memo[0] != memo:
             out = []
             position = {g: i for i, g in enumerate(groups)}
@@ -1418,10 +1428,16 @@ class Tuner:
                 index = tuple(position[g] for g in members)
                 may_draw = len(index) == 1 and index[0] in drawn  # one group alone: its shapes drawn too
                 only = may_draw and (drawn_only if isinstance(drawn_only, bool) else index[0] in drawn_only)
-                for shape in self.candidates([members], depth, budget):
+                shapes = self.candidates([members], depth, budget)
+                held = {(s.depth, s.budget) for s in shapes}
+                for shape in shapes:
                     if not only:
                         out.append((shape, members, shape.key, index))
                     if may_draw:
+                        if drawn_nodes is not None:
+                            nodes = drawn_nodes(shape.budget, shape.depth)
+                            if nodes < shape.budget and (shape.depth, nodes) in held:
+                                continue  # (the drawn shape of `nodes` nodes at this depth draws the same tree)
                         shape = shape._replace(drawn=True)
                         out.append((shape, members, shape.key, index))
             self._shape_memo = (memo, out)
