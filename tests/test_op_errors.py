@@ -94,7 +94,7 @@ CASES = [
     ("token_store_continuation: vote 0", _store(vote=0)),
     ("ngram_table_logits: context past the vocabulary", _table("logits", contexts=((3, 9),))),
     ("ngram_table_logits: no order-0 context", _table("logits", keys=(5, 9))),
-    ("ngram_table_draw: temperature 0", _table("draw", temperature=0.0)),
+    ("ngram_table_draw: temperature below 0", _table("draw", temperature=-0.5)),
     ("ngram_table_draw: start past the entries", _table("draw", starts=(0, 1, 7), contexts=((1, 3),))),
 ]
 
