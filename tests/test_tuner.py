@@ -2187,3 +2187,44 @@ def test_drawn_shapes_that_draw_the_same_tree_are_one_kind():
     wide = lambda budget, depth: 1 + min(2, (budget - 1) // depth) * depth  # noqa: E731
     drawn = {(s.depth, s.budget) for s, *_ in tuner._shapes(((0,),), 3, 8, False, frozenset({0}), False, wide) if s.drawn}
     assert (1, 4) not in drawn and (1, 3) in drawn and (3, 8) in drawn and (2, 4) not in drawn, drawn
+
+
+def test_drafted_steps_of_a_kept_current_group_repeat_without_planning(monkeypatch):
+    """A drafted kind the tuner keeps choosing, of groups kept current (an n-gram table) and no group asked for
+    matches: of each DRAFT_COAST + 1 steps in a row, one plans and is timed and the rest repeat its plan (no plan, no
+    clock, no cost observation), every step's acceptance observed; a join or drop ends the repeats. The output is
+    the target's greedy one."""
+    import numpy as np
+
+    import taps.decoder as decoder_module
+    from taps import NgramTable, NgramTableDrafter
+    from taps.drafters import target_vocab_size
+
+    m = em.greedy_models()
+    prompts = [m["seqs"][i, :6].tolist() for i in range(3)]
+    ref = SpeculativeDecoder(m["target"], [], strategy="autoregressive").generate(prompts, max_new_tokens=40)
+    # a table of the target's own continuations (orders 0-2 over its greedy outputs): its chains are accepted
+    seqs = [p + r for p, r in zip(prompts, ref.tokens)]
+    vocab = target_vocab_size(m["target"])
+    rows = []
+    for seq in seqs:
+        ids = np.array([[t] for t in seq[1:]])
+        rows.append((np.array(seq), ids, np.ones((len(seq) - 1, 1)), 0))
+    table = NgramTable.from_distributions(rows, vocab, max_order=2, entries=4, min_count=1)
+    calls = {"plan": 0, "observe": 0, "accepted": 0}
+    for name, key in (("plan", "plan"), ("observe", "observe"), ("observe_accepted", "accepted")):
+        original = getattr(Tuner, name)
+        monkeypatch.setattr(Tuner, name, lambda self, *a, _o=original, _k=key, **k: (
+            calls.__setitem__(_k, calls[_k] + 1), _o(self, *a, **k))[1])
+    dec = SpeculativeDecoder(m["target"], [NgramTableDrafter(table)], strategy="single", depth=3, top_k=1, budget=4,
+                             tuner=Tuner(_cheap(draft=1e-6, forward=1e-3)))
+    out = dec.generate(prompts[:1], max_new_tokens=40)
+    assert out.tokens[0] == ref.tokens[0]
+    drafted = sum(1 for x in out.stats[0].draft_shapes if x != "none")
+    assert drafted >= 6 and out.summary["tau"] > 2, (drafted, out.summary)
+    assert calls["accepted"] >= drafted // 2, calls
+    assert calls["plan"] + calls["accepted"] <= out.steps + 1 and calls["observe"] + calls["accepted"] >= drafted, calls
+    assert decoder_module.DRAFT_COAST >= 1
+    # a batch whose requests finish apart: repeats end at each finish, and every request's output is its greedy one
+    out = dec.generate(prompts, max_new_tokens=40)
+    assert out.tokens == ref.tokens

@@ -1365,6 +1365,27 @@ class Tuner:
         """Whether steps correct the prices of the kinds as a whole (:attr:`_fix`): not with injected costs."""
         return not isinstance(self.costs, FixedCosts)
 
+    def repeats(self, shape: Shape, step: bool = False) -> bool:
+        """Whether a plan now would repeat `shape`, the draft the last plan chose (not a probe), without pricing,
+        as far as the tuner knows (the caller vouches that the requests, groups and appends are the same): the
+        candidates' values it was chosen on stand. ``step``: the caller runs that step now without planning, and
+        it is counted as a repeat (:meth:`_again`)."""
+        last, cached = self._last_draft, self._plan_memo
+        if last is None or last[2] != shape or cached is None or not self._values_stand(cached):
+            return False
+        if step:
+            self._again(shape)
+            self.probing = False
+        return True
+
+    def observe_accepted(self, shape: Shape, accepted: Sequence[Optional[int]], cap: int, nodes: float) -> None:
+        """What a drafted step the decoder repeated without planning or timing gave (:meth:`repeats`): the
+        accepted draft tokens per request (the kind's acceptance), no cost."""
+        self._version += 1
+        self.acceptance.observe(shape.key, accepted, cap)
+        memo = (shape.key, shape.depth, shape.budget)
+        self._nodes[memo] = _ema(self._nodes.get(memo), nodes, 0.2)
+
     def _again(self, shape: Shape) -> Shape:
         """:meth:`choose`'s bookkeeping of a step where `shape`, the best, is chosen again without pricing."""
         self.clock += 1
