@@ -414,7 +414,8 @@ class SpeculativeDecoder:
     def _judge_idle(self, kept: List[DraftGroup], state: "DecodeState", steps: int, sampling: bool,
                     free_judged: bool) -> None:
         """After a generation that started groups `kept`: each one that runs a model (and prompt lookup where
-        `free_judged`; never an n-gram table, kept current at little cost: :func:`_judged`) and that the tuner chose (probes apart) on at most one step in IDLE_SHARE was idle (the
+        `free_judged`; never an n-gram table, kept current at little cost: :func:`_judged`) and that the tuner
+        chose (probes apart) on at most one step in IDLE_SHARE was idle (the
         steps a routing strategy's subset of a group drafted count for the group); idle for
         :attr:`leave_out_after` generations in a row, it is left out of the next ones (1, 2, 4, ...,
         LEAVE_OUT_MOST); chosen more often, its count starts over. A generation of fewer than MIN_VERDICT_STEPS
@@ -781,7 +782,8 @@ class SpeculativeDecoder:
         return cands
 
     def _drawn_nodes(self, budget: int, depth: int) -> int:
-        """The nodes (root included) a drawn draft of `depth` levels under `budget` runs where some request samples."""
+        """The nodes (root included) a drawn draft of `depth` levels under `budget` runs where some request
+        samples."""
         return 1 + self._drawn_width(budget, depth) * depth
 
     @staticmethod
