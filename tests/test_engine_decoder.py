@@ -256,10 +256,13 @@ def test_packed_batches_decode_what_padded_ones_do(kind, monkeypatch):
 
 @pytest.mark.parametrize("kind", ["eagle", "lookup"])
 def test_finished_requests_draft_nothing(kind, monkeypatch):
-    """A request that finished (EOS) while the others go on stays a row of the batch, but proposes nothing:
-    its tree is its root on every later step (the target's forward computes no node of it), and every
-    request's output is the target's greedy output with that EOS."""
+    """A request that finished (EOS) while the others go on stays a row of the batch (while the finished ones are
+    fewer than 1 / DROP_SHARE of its rows; here with drops off), but proposes nothing: its tree is its root on every
+    later step (the target's forward computes no node of it), and every request's output is the target's greedy
+    output with that EOS. With drops on, the finished request leaves the batch: the later steps run fewer rows, and
+    the outputs are the same."""
     from taps import PromptLookupDrafter
+    import taps.decoder as decoder_module
 
     m = _models()
     prompts = PROMPTS + [PROMPTS[1][::-1]]
@@ -279,9 +282,16 @@ def test_finished_requests_draft_nothing(kind, monkeypatch):
     monkeypatch.setattr(SpeculativeDecoder, "_verify", spy)
     drafter = m["eagle"] if kind == "eagle" else PromptLookupDrafter(max_ngram=2, min_ngram=1)
     dec = SpeculativeDecoder(m["target"], [drafter], strategy="single", depth=3, top_k=3, budget=8)
+    monkeypatch.setattr(decoder_module, "DROP_SHARE", None)
     out = dec.generate(prompts, max_new_tokens=NEW, eos_token_id=eos)
     assert out.tokens == ref
     late = [(done, nodes) for done, nodes in trees if any(done)]
     assert late and any(max(nodes) > 1 for _, nodes in late)  # the others still drafted
     for done, nodes in late:
         assert all(n == 1 for d, n in zip(done, nodes) if d), (done, nodes)
+    monkeypatch.setattr(decoder_module, "DROP_SHARE", len(prompts))
+    trees.clear()
+    out = dec.generate(prompts, max_new_tokens=NEW, eos_token_id=eos)
+    assert out.tokens == ref
+    rows = [len(done) for done, _ in trees]
+    assert rows[0] == len(prompts) and min(rows) < len(prompts) and rows == sorted(rows, reverse=True), rows
