@@ -8,8 +8,8 @@ chat template, batch 1; "lookup" rows add taps' own prompt-lookup drafter, taps.
 rows the same drafter with the shipped token store of the target's own answers to training prompts,
 models/stores/greedy, ``PromptLookupDrafter(store=taps.models.load_store())``; the "table" row
 ``taps.NgramTableDrafter`` over the shipped n-gram table of the target's T = 1 answers, models/tables/sampled
-(``taps.models.load_table()``, or ``--table PATH``), drafting chains of ``--table-depth`` tokens, drawn at T > 0,
-unless ``--depth/--top-k/--budget`` are given):
+(``taps.models.load_table()``, or ``--table PATH``), drafting chains of ``--table-depth`` tokens (drawn: the table's
+modes at T = 0), unless ``--depth/--top-k/--budget`` are given):
 tokens/s of Hugging Face ``generate`` on its own copy of the target (untouched by taps: its own attention,
 its own cache), of HF's prompt-lookup decoding (``prompt_lookup_num_tokens``), and of every taps strategy
 with ``SpeculativeDecoder``'s defaults (or ``--depth/--top-k/--budget``), and of every strategy again with
@@ -97,13 +97,11 @@ def make_drafters(names, drafters, args, models):
 
 def row_settings(row: str, settings: dict, args) -> dict:
     """A row's decoder settings: those given (``--depth/--top-k/--budget``, ``--sampled-drafts``); with none
-    given, the table row's chains of ``--table-depth`` tokens, drawn where every request samples (a table draws
-    chains well; its top-1 guesses, deterministic, are accepted little), the defaults for the others."""
+    given, the table row's chains of ``--table-depth`` tokens (a table's drafts are drawn unless
+    ``--sampled-drafts off``: the chain of its modes at T = 0), the defaults for the others."""
     own = dict(settings, sampled_drafts=args.sampled_drafts)
     if row == "table" and not settings:
         own.update(depth=args.table_depth, top_k=1, budget=args.table_depth + 1)
-        if args.sampled_drafts == "auto":
-            own["sampled_drafts"] = True
     return own
 
 

@@ -2212,10 +2212,18 @@ def test_drafted_steps_of_a_kept_current_group_repeat_without_planning(monkeypat
         rows.append((np.array(seq), ids, np.ones((len(seq) - 1, 1)), 0))
     table = NgramTable.from_distributions(rows, vocab, max_order=2, entries=4, min_count=1)
     calls = {"plan": 0, "observe": 0, "accepted": 0}
-    for name, key in (("plan", "plan"), ("observe", "observe"), ("observe_accepted", "accepted")):
+    for name, key in (("plan", "plan"), ("observe", "observe")):
         original = getattr(Tuner, name)
         monkeypatch.setattr(Tuner, name, lambda self, *a, _o=original, _k=key, **k: (
             calls.__setitem__(_k, calls[_k] + 1), _o(self, *a, **k))[1])
+    # the steps repeated without planning (each reports its acceptance alone: Tuner.observe_accepted)
+    accepted_of = decoder_module.SpeculativeDecoder._record
+
+    def record(self, state, plan, *a, **k):
+        if plan.coasted:
+            calls["accepted"] += 1
+        return accepted_of(self, state, plan, *a, **k)
+    monkeypatch.setattr(decoder_module.SpeculativeDecoder, "_record", record)
     dec = SpeculativeDecoder(m["target"], [NgramTableDrafter(table)], strategy="single", depth=3, top_k=1, budget=4,
                              tuner=Tuner(_cheap(draft=1e-6, forward=1e-3)))
     out = dec.generate(prompts[:1], max_new_tokens=40)

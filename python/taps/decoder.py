@@ -31,6 +31,7 @@ between steps (:meth:`SpeculativeDecoder.join`, :meth:`SpeculativeDecoder.drop`;
 
 from __future__ import annotations
 
+import functools
 import numbers
 import time
 import warnings
@@ -626,7 +627,7 @@ class SpeculativeDecoder:
                            [i for i in drawn if groups[i].draws_greedy],
                            candidates=lambda i, d: num_candidates(d, self.top_k), ready=ready,
                            starting=[state.pending.start_tokens(g) for g in groups],
-                           drawn_nodes=self._drawn_nodes if state.sampling else self._greedy_drawn_nodes)
+                           drawn_nodes=functools.partial(self._drawn_nodes, sampling=state.sampling))
         if not shape.drafters:  # a plain step (most steps where no draft pays: kept lean)
             # repeated without planning until a probe could come due, while the groups idle now stay idle
             token = tuner.coast_token()
@@ -782,15 +783,10 @@ class SpeculativeDecoder:
             cands = cands._replace(tokens=cands.tokens.masked_fill(drop.view(1, -1, 1), -1))
         return cands
 
-    def _drawn_nodes(self, budget: int, depth: int) -> int:
-        """The nodes (root included) a drawn draft of `depth` levels under `budget` runs where some request
-        samples."""
-        return 1 + self._drawn_width(budget, depth) * depth
-
-    @staticmethod
-    def _greedy_drawn_nodes(budget: int, depth: int) -> int:
-        """The same where no request samples: one chain."""
-        return 1 + depth
+    def _drawn_nodes(self, budget: int, depth: int, sampling: bool = True) -> int:
+        """The nodes (root included) a drawn draft of `depth` levels under `budget` runs (:meth:`_drawn_width`
+        chains)."""
+        return 1 + self._drawn_width(budget, depth, sampling) * depth
 
     def _drawn_width(self, budget: int, depth: int, sampling: bool = True) -> int:
         """The chains a drawn draft of `depth` levels under a node budget draws at each root (the expansion's
@@ -988,20 +984,21 @@ class SpeculativeDecoder:
             if record.route is not None:
                 stats.route_decisions.append(record.route[b])
             state.emit(request, new)
-        if plan.coasted:
-            cap = max([g.tree_depth(plan.depth, self.top_k) for g in plan.drafting], default=0)
-            self.tuner.observe_accepted(plan.shape, observed, min(cap, plan.shape.budget - 1), rows / state.batch)
-        if timed:
+        if plan.coasted or timed:
             # nodes per request: a batch's trees are as wide as its widest (trimmed on the CPU), and a packed
             # forward costs about what its rows spread over every request would
             tuner, nodes = self.tuner, rows / state.batch
-            cap = max([g.tree_depth(plan.depth, self.top_k) for g in plan.drafting], default=0)
+            cap = min(max([g.tree_depth(plan.depth, self.top_k) for g in plan.drafting], default=0),
+                      plan.shape.budget - 1)
+        if plan.coasted:
+            tuner.observe_accepted(plan.shape, observed, cap, nodes)
+        if timed:
             # measured against that node count's own prediction (its scale is what the measurement corrects),
             # or for prompt lookup the kind's (Tuner.forward_part)
             part, predicted = tuner.forward_part(plan.shape, nodes, state.batch)
             plan.parts[part] = (forward_seconds, predicted)
             # (a probe after a step of another kind corrects no cost: Tuner.observe's switched)
-            tuner.observe(plan.shape, observed, min(cap, plan.shape.budget - 1), nodes, state.batch, seconds,
+            tuner.observe(plan.shape, observed, cap, nodes, state.batch, seconds,
                           plan.parts, plan.updates, costs=not first, drafting=(drafting, below),
                           switched=state.last_kind != plan.shape.key)
         state.last_kind = None if plan.shape is None else plan.shape.key

@@ -1379,8 +1379,9 @@ class Tuner:
         return True
 
     def observe_accepted(self, shape: Shape, accepted: Sequence[Optional[int]], cap: int, nodes: float) -> None:
-        """What a drafted step the decoder repeated without planning or timing gave (:meth:`repeats`): the
-        accepted draft tokens per request (the kind's acceptance), no cost."""
+        """What a drafted step gave besides its time: the accepted draft tokens per request (the kind's acceptance)
+        and its nodes per request; all a drafted step the decoder repeated without planning or timing reports
+        (:meth:`repeats`), and the first part of :meth:`observe`."""
         self._version += 1
         self.acceptance.observe(shape.key, accepted, cap)
         memo = (shape.key, shape.depth, shape.budget)
@@ -1515,17 +1516,15 @@ class Tuner:
         costs, its first after a switch too (a kind whose runs are short, prompt lookup's at T = 1, pays the switch
         on many of its steps)."""
         if shape.drafters:
-            self._version += 1
-            self.acceptance.observe(shape.key, accepted, cap)
+            self.observe_accepted(shape, accepted, cap, nodes)
             cached = self._plan_memo
             if self.probing and cached is not None:
                 # a probe's outcome is news (what a kind not chosen gives bounds its narrower and wider kinds):
                 # the values are recomputed `refresh` steps after the last time, not as late as the share asks
                 self._plan_memo = cached[:3] + (min(cached[3], cached[4] + self.refresh),) + cached[4:]
-            memo = (shape.key, shape.depth, shape.budget)
-            self._nodes[memo] = _ema(self._nodes.get(memo), nodes, 0.2)
             if drafting and drafting[0] and shape.key in self._free:
                 # (the real nodes: a half-precision packed forward's filler rows are not the tree's)
+                memo = (shape.key, shape.depth, shape.budget)
                 self._extra[memo] = _ema(self._extra.get(memo), drafting[1] / drafting[0], 0.2)
         starts = [u[:3] for u in updates if len(u) > 3 and u[3]]  # (drafters, tokens, seconds, True)
         appends = [u for u in updates if not (len(u) > 3 and u[3])]

@@ -338,15 +338,14 @@ class TableGroup(HostLengths, DraftGroup):
         #: the drawn drafts' probs, one buffer rewritten each draft (a draft's probs are read before the next)
         self._probs: Optional[Tensor] = None
         #: the tails as an int64 array [B, order] (a tensor shares it), kept with each append; None: made at the next
-        #: draw (after a start, join or drop)
+        #: read (after a start, join or drop)
         self._ctx: Optional[np.ndarray] = None
         self._ctx_t: Optional[Tensor] = None
 
     @property
     def root_logits(self) -> Optional[Tensor]:
         if self._root is None and self.tail:
-            ctx = np.asarray(self.tail, dtype=np.int64)
-            self._root = self.d.table.logits(ctx, self.d.min_count).to(self.d._device)
+            self._root = self.d.table.logits(self._contexts(), self.d.min_count).to(self.d._device)
         return self._root
 
     @root_logits.setter
@@ -360,7 +359,8 @@ class TableGroup(HostLengths, DraftGroup):
             self._ctx[b] = self.tail[b]
 
     def _contexts(self) -> Tensor:
-        """The tails as an int64 CPU tensor [B, order] (what ngram_table_draw reads)."""
+        """The tails as an int64 CPU tensor [B, order] (what ngram_table_draw, the root's logits and the first level
+        of the expansion read)."""
         if self._ctx is None or len(self._ctx) != len(self.tail):
             self._ctx = np.asarray(self.tail, dtype=np.int64).reshape(len(self.tail), self.order)
             self._ctx_t = torch.from_numpy(self._ctx)
@@ -391,7 +391,7 @@ class TableGroup(HostLengths, DraftGroup):
         rows, k = tokens.shape
         toks = tokens.cpu().numpy()
         if level == 1 or self._front is None:
-            parent = np.broadcast_to(np.asarray(self.tail, dtype=np.int64)[:, None, :], (rows, k, self.order))
+            parent = np.broadcast_to(self._contexts().numpy()[:, None, :], (rows, k, self.order))
         else:
             slots = parent_slot.cpu().numpy()
             parent = np.take_along_axis(self._front, slots[:, :, None], axis=1)
@@ -415,11 +415,8 @@ class TableGroup(HostLengths, DraftGroup):
             uniforms = torch.rand((batch, count), generator=gen, device=None if gen is None else gen.device).cpu()
         else:
             uniforms = torch.stack([torch.rand(count, generator=g, device=g.device).cpu() for g in gens])
-        temp = sampler.temperature
-        if isinstance(temp, (int, float)):  # (made once per value and batch)
-            temp = taps_ops._per_request(temp, batch, torch.float32, torch.device("cpu"), "temperature")
-        else:
-            temp = torch.as_tensor(temp, dtype=torch.float32).cpu().reshape(-1).expand(batch).contiguous()
+        # (a number's tensor made once per value and batch)
+        temp = taps_ops._per_request(sampler.temperature, batch, torch.float32, torch.device("cpu"), "temperature")
         table = self.d.table
         shape = (batch, 1 + count, table.vocab_size)
         if self._probs is None or self._probs.shape != shape:
