@@ -329,6 +329,7 @@ BAD_PACKED = {
                                "write_positions must be int64 [M"),
     "write_positions past the cache": (lambda a: a.update(write_positions=torch.full_like(a["write_positions"], 99)),
                                        "out of bounds"),
+    "write_positions negative": (lambda a: a["write_positions"].__setitem__(0, -1), "out of bounds"),
     "tree_mask 2-D": (lambda a: a.update(tree_mask=a["tree_mask"][0]), "tree_mask must be [R, T, W]"),
     "tree_mask rows": (lambda a: a.update(tree_mask=a["tree_mask"][:2]), "tree_mask must be [R, T, W]"),
     "G = 2": (lambda a: a.update(x=a["x"].expand(2, -1, -1)), "single weight set"),
@@ -388,6 +389,7 @@ BAD = {
     "write_positions dtype": (lambda a: a.update(write_positions=torch.zeros(2, 3, dtype=torch.int32)),
                               "write_positions must be int64"),
     "write_positions past the cache": (lambda a: a.update(write_positions=torch.full((2, 3), 99)), "out of bounds"),
+    "write_positions negative": (lambda a: a.update(write_positions=torch.full((2, 3), -1)), "out of bounds"),
     "emb without hidden_norm": (lambda a: a.update(emb=a["x"].clone()), "hidden_norm are required"),
 }
 
@@ -436,6 +438,25 @@ def test_bad_inputs_raise_clear_errors(table, case, monkeypatch):
     with pytest.raises((RuntimeError, ValueError, IndexError), match=re.escape(message)):
         with torch.no_grad():
             _call(args)
+
+
+@pytest.mark.parametrize("table", ["grid", "packed"])
+@torch.no_grad()
+def test_a_bad_write_position_writes_nothing(table):
+    """Every write position is checked before the first K/V row is written: a call with one column past the
+    cache raises and leaves both caches as they were (the other columns valid)."""
+    args = BAD_TABLES[table][0]()
+    if table == "grid":
+        start = args["write_start"]
+        args["write_positions"] = start + torch.arange(3).repeat(2, 1)
+        args["write_positions"][1, 2] = args["keys"].shape[2]
+    else:
+        args["write_positions"] = args["write_positions"].clone()
+        args["write_positions"][-1] = args["keys"].shape[2]
+    keys, values = args["keys"].clone(), args["values"].clone()
+    with pytest.raises(IndexError, match="out of bounds"):
+        _call(args)
+    assert torch.equal(args["keys"], keys) and torch.equal(args["values"], values)
 
 
 def _torch_ops_call(args):
