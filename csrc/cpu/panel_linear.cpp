@@ -53,7 +53,8 @@ struct Problem {
   const void* panels;   // [out / 16, in, 16] float32, or bfloat16 (bf16) [out / 16, ceil(in / 2), 16, 2]; panel p at
                         // panels + p * panel_stride elements
   const float* bias;    // [out] or nullptr
-  float* y;             // [rows, out] contiguous
+  float* y;             // [rows, out] contiguous (nullptr where the kernel writes yh instead)
+  uint16_t* yh;         // the AMX kernel's output: [rows, out] bfloat16, sums plus bias rounded once (else nullptr)
   int64_t rows, in, out, panel_stride;
   bool bf16;
   int64_t ahead;        // software prefetch distance of the first row block, in cache lines; 0: no prefetches
@@ -400,6 +401,21 @@ inline void panels(const uint16_t* x, int64_t ldx, const uint16_t* w, int64_t st
   if constexpr (NP > 1) _tile_stored(1, y + kPanelWidth, ldy);
 }
 
+// The C tiles' sums (`rows` rows of NP panels in scratch, row stride kScratch floats) plus the bias, rounded to
+// bfloat16 into the output rows (stride `out`) at column `col`: the bits of the float32 output's y += bias and the
+// rounding pass after it (round_to_bf16_avx512 per row), with no float32 [rows, out] between (at 32 rows of the
+// shipped head a 1 MiB buffer written, then read back and rounded: ~100 us of the product's ~350).
+constexpr int64_t kScratch = 2 * kPanelWidth;
+template <int NP>
+inline void round_out(float* scratch, int rows, const float* bias, int64_t col, uint16_t* yh, int64_t out) {
+  for (int r = 0; r < rows; ++r) {
+    float* row = scratch + r * kScratch;
+    if (bias != nullptr)
+      for (int j = 0; j < NP * kPanelWidth; ++j) row[j] += bias[col + j];
+    round_to_bf16_avx512(row, yh + r * out + col, NP * kPanelWidth);
+  }
+}
+
 // Two row blocks at once (17-32 rows): each B tile multiplied into both, half the weight loads a product. Tiles: C
 // 0-1 (first block's rows, `first`), C 2-3 (the second's, `second`), A 4 / 5, B 6-7.
 inline void configure_two(int first, int second) {
@@ -446,35 +462,42 @@ inline void panels_two(const uint16_t* x, const uint16_t* x2, int64_t ldx, const
 inline void run(const Problem& p, int64_t panel_lo, int64_t panel_hi) {
   const auto* w = static_cast<const uint16_t*>(p.panels);
   const int64_t steps = p.in / 32;
-  const int64_t ldx = p.in * 2, ldy = p.out * 4;
+  const int64_t ldx = p.in * 2, lds = kScratch * 4;
+  alignas(64) float scratch[32 * kScratch];   // the C tiles of up to 32 rows x 2 panels
+  float* const s2 = scratch + 16 * kScratch;
   int configured = 0;   // rows of the configured blocks: first + 32 * second (0: none yet)
   for (int64_t r = 0; r < p.rows;) {
     const int rb = static_cast<int>(std::min<int64_t>(16, p.rows - r));
     const int rb2 = static_cast<int>(std::min<int64_t>(16, p.rows - r - rb));
     const uint16_t* x = p.xh + r * p.in;
-    float* y = p.y + r * p.out;
+    uint16_t* yh = p.yh + r * p.out;
     int64_t v = panel_lo;
     if (rb2 > 0) {
       if (configured != rb + 32 * rb2) configure_two(rb, rb2), configured = rb + 32 * rb2;
       const uint16_t* x2 = x + 16 * p.in;
-      float* y2 = y + 16 * p.out;
-      for (; v + 2 <= panel_hi; v += 2)
-        panels_two<2>(x, x2, ldx, w + v * p.panel_stride, p.panel_stride, steps, y + v * kPanelWidth,
-                      y2 + v * kPanelWidth, ldy);
-      if (v < panel_hi)
-        panels_two<1>(x, x2, ldx, w + v * p.panel_stride, p.panel_stride, steps, y + v * kPanelWidth,
-                      y2 + v * kPanelWidth, ldy);
+      uint16_t* yh2 = yh + 16 * p.out;
+      for (; v + 2 <= panel_hi; v += 2) {
+        panels_two<2>(x, x2, ldx, w + v * p.panel_stride, p.panel_stride, steps, scratch, s2, lds);
+        round_out<2>(scratch, rb, p.bias, v * kPanelWidth, yh, p.out);
+        round_out<2>(s2, rb2, p.bias, v * kPanelWidth, yh2, p.out);
+      }
+      if (v < panel_hi) {
+        panels_two<1>(x, x2, ldx, w + v * p.panel_stride, p.panel_stride, steps, scratch, s2, lds);
+        round_out<1>(scratch, rb, p.bias, v * kPanelWidth, yh, p.out);
+        round_out<1>(s2, rb2, p.bias, v * kPanelWidth, yh2, p.out);
+      }
     } else {
       if (configured != rb) configure(rb), configured = rb;
-      for (; v + 2 <= panel_hi; v += 2)
-        panels<2>(x, ldx, w + v * p.panel_stride, p.panel_stride, steps, y + v * kPanelWidth, ldy);
-      if (v < panel_hi) panels<1>(x, ldx, w + v * p.panel_stride, p.panel_stride, steps, y + v * kPanelWidth, ldy);
+      for (; v + 2 <= panel_hi; v += 2) {
+        panels<2>(x, ldx, w + v * p.panel_stride, p.panel_stride, steps, scratch, lds);
+        round_out<2>(scratch, rb, p.bias, v * kPanelWidth, yh, p.out);
+      }
+      if (v < panel_hi) {
+        panels<1>(x, ldx, w + v * p.panel_stride, p.panel_stride, steps, scratch, lds);
+        round_out<1>(scratch, rb, p.bias, v * kPanelWidth, yh, p.out);
+      }
     }
-    const int done = rb + rb2;
-    if (p.bias != nullptr)
-      for (int64_t i = 0; i < done; ++i)
-        for (int64_t o = panel_lo * kPanelWidth; o < panel_hi * kPanelWidth; ++o) y[i * p.out + o] += p.bias[o];
-    r += done;
+    r += rb + rb2;
   }
   _tile_release();
 }
@@ -679,9 +702,13 @@ at::Tensor panel_linear_cpu(const at::Tensor& x_in, const at::Tensor& panels, co
       for (int64_t j = 0; j < pairs; ++j)
         swapped[r * pairs + j] = static_cast<uint32_t>(xh[r * in + 2 * j + 1]) | (static_cast<uint32_t>(xh[r * in + 2 * j]) << 16);
   }
+  // AMX tiles write the bfloat16 result themselves (panel_cpu::amx::round_out)
+  at::Tensor h;
+  if (tiles) h = at::empty(shape, x_in.options().dtype(at::kBFloat16).memory_format(at::MemoryFormat::Contiguous));
   const panel_cpu::Problem p{keep_half ? nullptr : x.data_ptr<float>(), xh, dot ? swapped.data() : nullptr,
-                            panels.data_ptr(), bias_ptr, y.data_ptr<float>(), rows, in, out, panels.stride(0), bf16,
-                            ahead};
+                            panels.data_ptr(), bias_ptr, tiles ? nullptr : y.data_ptr<float>(),
+                            tiles ? reinterpret_cast<uint16_t*>(h.data_ptr<at::BFloat16>()) : nullptr, rows, in, out,
+                            panels.stride(0), bf16, ahead};
   const int64_t panel_bytes = panels.stride(0) * element;
   const int64_t block = panel_cpu::block_panels(panel_bytes);
   const int64_t blocks = (num_panels + block - 1) / block;
@@ -726,7 +753,7 @@ at::Tensor panel_linear_cpu(const at::Tensor& x_in, const at::Tensor& panels, co
       panel_cpu::generic::panel::run(p, p_lo, p_hi, next_first, next_last);
     }
   });
-  return result();
+  return tiles ? h : result();
 }
 
 }  // namespace
