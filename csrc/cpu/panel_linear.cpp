@@ -209,19 +209,20 @@ struct S {
 
 // round_to_bf16 in 16 / 8 lanes: the same integer operations, so the same bits.
 namespace panel_cpu {
+// 16 floats rounded to bfloat16 into dst (round_to_bf16's operations)
+TAPS_TARGET_AVX512 __attribute__((always_inline)) inline void round16_avx512(__m512 value, uint16_t* dst) {
+  const __m512i bits = _mm512_castps_si512(value);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  __m512i r = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(bits, _mm512_set1_epi32(0x7FFF)), lsb), 16);
+  const __mmask16 nan =
+      _mm512_cmpgt_epu32_mask(_mm512_and_si512(bits, _mm512_set1_epi32(0x7FFFFFFF)), _mm512_set1_epi32(0x7F800000));
+  r = _mm512_mask_mov_epi32(r, nan, _mm512_set1_epi32(0x7FC0));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst), _mm512_cvtepi32_epi16(r));
+}
+
 TAPS_TARGET_AVX512 void round_to_bf16_avx512(const float* src, uint16_t* dst, int64_t n) {
-  const __m512i one = _mm512_set1_epi32(1), half = _mm512_set1_epi32(0x7FFF);
-  const __m512i abs_mask = _mm512_set1_epi32(0x7FFFFFFF), inf = _mm512_set1_epi32(0x7F800000);
-  const __m512i qnan = _mm512_set1_epi32(0x7FC0);
   int64_t i = 0;
-  for (; i + 16 <= n; i += 16) {
-    const __m512i bits = _mm512_loadu_si512(src + i);
-    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), one);
-    __m512i r = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(bits, half), lsb), 16);
-    const __mmask16 nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(bits, abs_mask), inf);
-    r = _mm512_mask_mov_epi32(r, nan, qnan);
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + i), _mm512_cvtepi32_epi16(r));
-  }
+  for (; i + 16 <= n; i += 16) round16_avx512(_mm512_loadu_ps(src + i), dst + i);
   round_to_bf16(src + i, dst + i, n - i);
 }
 
@@ -363,7 +364,7 @@ inline void run(const Problem& p, int64_t panel_lo, int64_t panel_hi, const char
 // the row's position or the threads), so a draft tree's products at this level give a plain step's bits. Work per B
 // tile: 16 x 32 x rows multiply-adds for 1 KiB of weight: bound by reading the weight at any row count up to 16.
 #pragma GCC push_options
-#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,amx-tile,amx-bf16")
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c,amx-tile,amx-bf16")
 namespace panel_cpu::amx {
 
 struct alignas(64) TileConfig {
@@ -403,17 +404,19 @@ inline void panels(const uint16_t* x, int64_t ldx, const uint16_t* w, int64_t st
 
 // The C tiles' sums (`rows` rows of NP panels in scratch, row stride kScratch floats) plus the bias, rounded to
 // bfloat16 into the output rows (stride `out`) at column `col`: the bits of the float32 output's y += bias and the
-// rounding pass after it (round_to_bf16_avx512 per row), with no float32 [rows, out] between (at 32 rows of the
+// rounding pass after it (round16_avx512), with no float32 [rows, out] between (at 32 rows of the
 // shipped head a 1 MiB buffer written, then read back and rounded: ~100 us of the product's ~350).
 constexpr int64_t kScratch = 2 * kPanelWidth;
 template <int NP>
-inline void round_out(float* scratch, int rows, const float* bias, int64_t col, uint16_t* yh, int64_t out) {
-  for (int r = 0; r < rows; ++r) {
-    float* row = scratch + r * kScratch;
-    if (bias != nullptr)
-      for (int j = 0; j < NP * kPanelWidth; ++j) row[j] += bias[col + j];
-    round_to_bf16_avx512(row, yh + r * out + col, NP * kPanelWidth);
-  }
+inline void round_out(const float* scratch, int rows, const float* bias, int64_t col, uint16_t* yh, int64_t out) {
+  __m512 b[NP];
+  for (int j = 0; j < NP; ++j) b[j] = bias != nullptr ? _mm512_loadu_ps(bias + col + j * kPanelWidth) : _mm512_setzero_ps();
+  for (int r = 0; r < rows; ++r)
+    for (int j = 0; j < NP; ++j) {
+      const __m512 sum = _mm512_load_ps(scratch + r * kScratch + j * kPanelWidth);
+      // (no bias: the sums as they are; adding zeros would turn a -0 sum into +0)
+      round16_avx512(bias != nullptr ? _mm512_add_ps(sum, b[j]) : sum, yh + r * out + col + j * kPanelWidth);
+    }
 }
 
 // Two row blocks at once (17-32 rows): each B tile multiplied into both, half the weight loads a product. Tiles: C
