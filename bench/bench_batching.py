@@ -133,7 +133,7 @@ def main(argv=None) -> int:
     cfg = ServeConfig(dtype=args.dtype)
     models = load_models(cfg)
     strategy = args.strategy or cfg.strategy
-    sets = [s.split(",") for s in args.drafters.split(";")] if args.drafters else [list(cfg.default_drafters or models.drafters)]
+    sets = [s.split(",") for s in args.drafters.split(";")] if args.drafters else [cfg.request_drafters()]
     for names in sets:
         unknown = [n for n in names if n not in models.drafters]
         if unknown:

@@ -20,6 +20,7 @@ import openai
 import pytest
 
 from taps.data import REPO_ROOT
+from taps.models import models_dir
 from taps.serve import BackgroundServer, ServeConfig
 from taps.serve.engine import load_models
 
@@ -107,7 +108,7 @@ def test_greedy_answers_equal_generate(server, models, strategy, drafters):
     taps = {"strategy": strategy, **({"drafters": drafters} if drafters else {})}
     reply = client.chat.completions.create(model="taps-mini", messages=QUESTION, max_tokens=40, temperature=0,
                                            extra_body={"taps": taps})
-    used = [] if strategy == "autoregressive" else drafters or ["math", "chat", "lookup"]
+    used = [] if strategy == "autoregressive" else drafters or ["table"]  # (the shipped defaults' request drafters)
     tokens, text = reference(models, models.encode_chat(QUESTION), strategy, used, "auto", 40)
     choice = reply.choices[0]
     assert choice.message.role == "assistant" and choice.message.content == text
@@ -400,7 +401,10 @@ def test_models_health_and_metrics(server):
     listed = client.models.list().data
     assert [m.id for m in listed] == ["taps-mini"]
     info = extra(listed[0], "taps")
-    assert info["drafters"] == {"math": "shipped:hass-math", "chat": "shipped:hass-chat", "lookup": "lookup"}
+    table = models_dir() / "tables" / "sampled" / "table.npz"
+    assert info["drafters"] == {"math": "shipped:hass-math", "chat": "shipped:hass-chat", "lookup": "lookup",
+                                "table": f"table:{table}"}
+    assert info["default_drafters"] == ["table"]
     assert info["default_strategy"] == "merged-budget" and info["context_length"] == 2048
     assert info["engine"] == server.engine and info["dtype"] == "float32" and info["device"] == "cpu"
     assert client.models.retrieve("taps-mini").id == "taps-mini"

@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from taps import cli
+from taps import cli, models
 from taps.serve.config import DrafterSpec, ServeConfig, config_from_args
 
 
@@ -26,11 +26,24 @@ def model_folder(path):
 def test_defaults_serve_the_shipped_models():
     cfg = config_from_args(cli.build_parser().parse_args(["serve"]))
     assert cfg.target is None and cfg.strategy == "merged-budget" and cfg.budget == "auto"
+    table = str(models.models_dir() / "tables" / "sampled" / "table.npz")
     assert cfg.drafters == {"math": DrafterSpec("shipped", "hass-math"), "chat": DrafterSpec("shipped", "hass-chat"),
-                            "lookup": DrafterSpec("lookup")}
-    assert cfg.request_drafters() == ["math", "chat", "lookup"]
+                            "lookup": DrafterSpec("lookup"), "table": DrafterSpec("table", table)}
+    # a request that names none drafts with the shipped n-gram table alone (the others stay for requests that name them)
+    assert cfg.default_drafters is None and cfg.request_drafters() == ["table"]
     assert (cfg.host, cfg.port, cfg.max_batch, cfg.max_queue, cfg.timeout) == ("127.0.0.1", 8000, 16, 64, 600.0)
     assert ServeConfig().drafters == cfg.drafters
+
+
+def test_request_drafters_of_the_shipped_defaults(tmp_path):
+    """The table alone only where the server has the shipped defaults and no default drafters of its own: named
+    default drafters win, and a server given its own drafters drafts with all of them."""
+    assert settings(tmp_path, ["--default-drafters", "math,chat,lookup"]).request_drafters() == ["math", "chat", "lookup"]
+    assert settings(tmp_path, ["--default-drafters", "none", "--strategy", "autoregressive"]).request_drafters() == []
+    assert settings(tmp_path, ["--drafter", "lookup=lookup", "--drafter", "chat=shipped:hass-chat"]).request_drafters() == \
+        ["lookup", "chat"]
+    assert settings(tmp_path, ["--strategy", "route-confidence", "--default-drafters", "math,chat"]).request_drafters() == \
+        ["math", "chat"]
 
 
 TOML = """

@@ -35,8 +35,9 @@ shipped target), ``eagle`` (an EAGLE-1/2, HASS or EAGLE-3 checkpoint folder:
 target's, or a path to a store folder or .npz file; ``taps train store``) and ``store_ngram``), ``table`` (PATH is an
 n-gram table of the target's distributions, a .npz file or a folder holding table.npz, ``taps train table``:
 ``NgramTableDrafter``, drawn drafts where a request samples; option ``min_count``). Without drafters named, the
-shipped target gets ``math`` (``shipped:hass-math``), ``chat``
-(``shipped:hass-chat``) and ``lookup``; another target gets ``lookup``.
+shipped target gets ``math`` (``shipped:hass-math``), ``chat`` (``shipped:hass-chat``), ``lookup`` and ``table``
+(the shipped n-gram table, models/tables/sampled), and a request that names none drafts with ``table`` alone
+(unless ``default_drafters`` says otherwise); another target gets ``lookup``.
 
 Every value is checked here, before a model loads: a bad one raises ValueError with one line naming
 the flag or the file's key.
@@ -154,8 +155,14 @@ class ServeConfig:
         return list(self.drafters)
 
     def request_drafters(self) -> List[str]:
-        """A request's drafters when it names none."""
-        return list(self.default_drafters) if self.default_drafters is not None else list(self.drafters)
+        """A request's drafters when it names none: :attr:`default_drafters`; unset, every drafter, except on a
+        server of the shipped target's default drafters (:data:`SHIPPED_REQUEST_DRAFTERS`: the n-gram table)."""
+        if self.default_drafters is not None:
+            return list(self.default_drafters)
+        if self.shipped_target and self.drafters == default_drafters(True) and \
+                set(SHIPPED_REQUEST_DRAFTERS) <= set(self.drafters):
+            return list(SHIPPED_REQUEST_DRAFTERS)
+        return list(self.drafters)
 
 
 def strategy_problem(strategy: Any, drafters: List[str]) -> Optional[str]:
@@ -180,10 +187,31 @@ def strategy_problem(strategy: Any, drafters: List[str]) -> Optional[str]:
 
 
 def default_drafters(shipped_target: bool) -> Dict[str, DrafterSpec]:
+    """The drafters a server has when none are named: for the shipped target its two HASS heads, prompt lookup
+    and the shipped n-gram table (``models/tables/sampled``, where it is); for another target prompt lookup."""
     if shipped_target:
-        return {"math": DrafterSpec("shipped", "hass-math"), "chat": DrafterSpec("shipped", "hass-chat"),
-                "lookup": DrafterSpec("lookup")}
+        out = {"math": DrafterSpec("shipped", "hass-math"), "chat": DrafterSpec("shipped", "hass-chat"),
+               "lookup": DrafterSpec("lookup")}
+        table = _shipped_table()
+        if table is not None:
+            out["table"] = DrafterSpec("table", table)
+        return out
     return {"lookup": DrafterSpec("lookup")}
+
+
+def _shipped_table() -> Optional[str]:
+    from ..models import models_dir
+
+    folder = models_dir() / "tables" / "sampled"
+    return str(folder / "table.npz") if (folder / "table.npz").is_file() else None
+
+
+#: a request's drafters, when it names none, on a server of the shipped target's default drafters: the n-gram table
+#: alone. Measured (AMX Xeon, bf16, 1 thread, ``bench/bench_serve.py`` and ``bench/bench_batching.py``: 64 chat
+#: requests, 8 at a time): the heads and prompt lookup merged served at 0.88x the autoregressive server at mixed
+#: temperatures (their upkeep per request; the tuner chose plain steps) and 0.98x greedy, the table at 0.99-1.00x
+#: and 1.07x (bench/RESULTS.md).
+SHIPPED_REQUEST_DRAFTERS = ["table"]
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -409,14 +437,15 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                    help="a drafter requests may name (repeat the flag); kinds: shipped:<family>-<data> (e.g. "
                         "shipped:hass-math), eagle:PATH (EAGLE / HASS / EAGLE-3 checkpoint), model:PATH (a small LM "
                         "sharing the tokenizer), lookup (prompt lookup), table:PATH (an n-gram table, taps train table). "
-                        "Default: math, chat and lookup for the "
+                        "Default: math, chat, lookup and table for the "
                         "shipped target, lookup for another")
     g.add_argument("--draft-vocab", type=int_at_least(0), metavar="N",
                    help="shipped drafters propose only the N most frequent tokens (default 1024; 0: all)")
     g = p.add_argument_group("decoding (a request may choose its own strategy and drafters)")
     g.add_argument("--strategy", metavar="NAME", help="default strategy (default merged-budget; any of taps' strategies)")
     g.add_argument("--default-drafters", type=name_list(), metavar="A,B",
-                   help="drafters of a request that names none (default: all); 'none' for none")
+                   help="drafters of a request that names none (default: all; the shipped target's default "
+                        "drafters: table); 'none' for none")
     g.add_argument("--depth", type=int_at_least(1), metavar="N", help="tree depth (default: SpeculativeDecoder's for the device)")
     g.add_argument("--top-k", type=int_at_least(1), metavar="K", help="children per node (default: SpeculativeDecoder's)")
     g.add_argument("--budget", type=or_auto(int_at_least(2)), metavar="N|auto",
