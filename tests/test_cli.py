@@ -100,7 +100,7 @@ BAD_ARGUMENTS = [
     (["serve", "--drafter", "lookup"], "NAME=KIND"),
     (["serve", "--target", "/nonexistent/model"], "/nonexistent/model"),
     (["serve", "--strategy", "nope"], "nope"),
-    (["serve", "--strategy", "single"], "exactly one drafter"),
+    (["serve", "--strategy", "single", "--default-drafters", "math,chat"], "exactly one drafter"),
     (["serve", "--default-drafters", "math,nope"], "nope"),
     (["serve", "--config", "/nonexistent/serve.toml"], "serve.toml"),
     (["train"], "train_command"),
