@@ -404,8 +404,8 @@ inline void panels(const uint16_t* x, int64_t ldx, const uint16_t* w, int64_t st
 
 // The C tiles' sums (`rows` rows of NP panels in scratch, row stride kScratch floats) plus the bias, rounded to
 // bfloat16 into the output rows (stride `out`) at column `col`: the bits of the float32 output's y += bias and the
-// rounding pass after it (round16_avx512), with no float32 [rows, out] between (at 32 rows of the
-// shipped head a 1 MiB buffer written, then read back and rounded: ~100 us of the product's ~350).
+// rounding pass after it (round16_avx512), with no float32 [rows, out] between (at 32 rows of the shipped head a 1 MiB
+// buffer had been written, then read back and rounded: the product took 350 us with it, ~300 without, bench/RESULTS.md).
 constexpr int64_t kScratch = 2 * kPanelWidth;
 template <int NP>
 inline void round_out(const float* scratch, int rows, const float* bias, int64_t col, uint16_t* yh, int64_t out) {
@@ -466,7 +466,7 @@ inline void run(const Problem& p, int64_t panel_lo, int64_t panel_hi) {
   const auto* w = static_cast<const uint16_t*>(p.panels);
   const int64_t steps = p.in / 32;
   const int64_t ldx = p.in * 2, lds = kScratch * 4;
-  alignas(64) float scratch[32 * kScratch];   // the C tiles of up to 32 rows x 2 panels
+  alignas(64) float scratch[32 * kScratch];   // the C tiles of up to 32 rows x 2 panels (4 KiB)
   float* const s2 = scratch + 16 * kScratch;
   int configured = 0;   // rows of the configured blocks: first + 32 * second (0: none yet)
   for (int64_t r = 0; r < p.rows;) {
