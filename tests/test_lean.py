@@ -17,7 +17,7 @@ transformers = pytest.importorskip("transformers")
 
 import taps_ops  # noqa: E402
 from taps import hf  # noqa: E402
-from taps.forward import TargetForward  # noqa: E402
+from taps.forward import PACK_ONE_MAX, TargetForward  # noqa: E402
 from taps.kv import cache_attend, causal_append  # noqa: E402
 from taps.lean import LeanCausalLM, lean_support  # noqa: E402
 
@@ -115,11 +115,11 @@ def test_half_precision_prefill_runs_whole_blocks_of_tokens(monkeypatch):
 @pytest.mark.parametrize("arch", ARCHS)
 @torch.no_grad()
 def test_packed_prefill_equals_the_padded_one(arch, dtype):
-    """Several prompts into empty caches with their lengths on the host (TargetForward.prefill host_lengths)
-    run packed, each prompt a causal chain of a packed tree forward: the logits after each prompt, the hidden
-    states and captured layers at its tokens (fp32: zeros at the padding) and its tokens' K/V are the padded
-    prefill's (fp32 to 1e-5; bf16 within its rounding), for ragged, equal and one-token prompts; one prompt,
-    or caches that hold entries already, run as before."""
+    """Prompts into empty caches with their lengths on the host (TargetForward.prefill host_lengths) run packed,
+    each prompt a causal chain of a packed tree forward: the logits after each prompt, the hidden states and
+    captured layers at its tokens (fp32: zeros at the padding) and its tokens' K/V are the padded prefill's
+    (fp32 to 1e-5; bf16 within its rounding), for ragged, equal, one-token and single prompts; caches that hold
+    entries already, and in half precision a single prompt past PACK_ONE_MAX tokens, run as before."""
     model = hf.use_taps_attention(_model(arch, dtype=dtype))
     gen = torch.Generator().manual_seed(5)
     fwd = TargetForward(model, lean=True)
@@ -127,9 +127,10 @@ def test_packed_prefill_equals_the_padded_one(arch, dtype):
     def close(x, y):
         if dtype == torch.float32:
             torch.testing.assert_close(x, y, atol=1e-5, rtol=1e-5)
-        else:  # bf16: other rounding along the way (another attention kernel, other row blocks); 2% of the norm
-            assert float((x.float() - y.float()).norm()) <= 0.02 * float(y.float().norm()) + 1e-3
-    for lengths in ([13, 4, 1, 9, 13], [7, 7, 7], [1, 70]):
+        else:  # bf16: other rounding along the way (another attention kernel, other row blocks); 3% of the norm
+            # (each path's logits are 1-4% of the norm from the float32 model's on these random models, alike)
+            assert float((x.float() - y.float()).norm()) <= 0.03 * float(y.float().norm()) + 1e-3
+    for lengths in ([11], [13, 4, 1, 9, 13], [7, 7, 7], [1, 70]):
         width = max(lengths)
         ids = torch.zeros(len(lengths), width, dtype=torch.int64)
         for b, n in enumerate(lengths):
@@ -158,12 +159,19 @@ def test_packed_prefill_equals_the_padded_one(arch, dtype):
             for r, n in enumerate(lengths):
                 close(la.keys[r, :, :n], lb.keys[r, :, :n])
                 close(la.values[r, :, :n], lb.values[r, :, :n])
-    # one prompt, or caches holding entries: the prefill as before (no tree forward)
+    # caches holding entries, or (half precision) one prompt past PACK_ONE_MAX: the prefill as before (no tree forward)
     calls = []
     tree = fwd.tree
     fwd.tree = lambda *a, **k: (calls.append(1), tree(*a, **k))[1]
     cache = fwd.new_cache(1, 20)
     fwd.prefill(cache, ids[:1, :3], torch.tensor([3]), 0, host_lengths=[3])
+    assert calls == [1]  # one short prompt: packed
+    calls.clear()
+    n = PACK_ONE_MAX + 1
+    fwd.prefill(fwd.new_cache(1, n + 4), torch.randint(0, 97, (1, n), generator=gen), torch.tensor([n]), 0,
+                host_lengths=[n])
+    assert calls == ([1] if dtype == torch.float32 else [])
+    calls.clear()
     cache = fwd.new_cache(2, 20)
     fwd.prefill(cache, ids[:2, :3], torch.tensor([3, 2]), 0)
     fwd.prefill(cache, ids[:2, :2], torch.tensor([2, 1]), 3, host_lengths=[2, 1])

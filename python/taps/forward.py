@@ -57,6 +57,11 @@ PACK_HALF_ROWS = 8
 #: length at nearly every admission (a 60-token prefill of the shipped target: 6.3 ms the first time, 2.8 ms
 #: after, AMX Xeon)
 PREFILL_HALF_ROWS = 16
+#: a single prompt into an empty cache runs packed too (a causal chain of a packed tree forward: tree_attention, not
+#: SDPA, and no padding rows) up to this many tokens in half precision, at any length in float32. Measured on an AMX
+#: Xeon (1 thread, shipped target, bench/RESULTS.md): bf16 20-300 tokens 9-21% faster packed, 600-1000 tokens 2-5%
+#: slower; fp32 14-27% faster at 20-1000 tokens.
+PACK_ONE_MAX = 512
 
 
 def prefill_rows(num: int, dtype: torch.dtype, device: torch.device) -> int:
@@ -155,8 +160,9 @@ class TargetForward:
         when asked, the final hidden states [B, T, H] and the inputs of ``capture_layers`` ([B, T, H]
         each); cache.lengths advances by num_new.
 
-        ``host_lengths`` (num_new as host ints): on the lean path, several prompts into empty caches run packed:
-        only their real tokens are computed, each row's a causal chain of a packed tree forward (each row's
+        ``host_lengths`` (num_new as host ints): on the lean path, several prompts into empty caches run packed (one
+        prompt too, up to :data:`PACK_ONE_MAX` tokens in half precision, any length in float32): only their real
+        tokens are computed, each row's a causal chain of a packed tree forward (each row's
         queries over its own keys only). The states returned at padding positions are then zeros (in half
         precision, a filler slot's, see :func:`packed_slots`: no real token's). (Shipped target, 8 prompts of
         37-76 tokens, Zen 4: 23.5 ms against 33.0 padded in bf16, 34.1 against 45.7 in fp32; 8 prompts of 58
@@ -174,7 +180,8 @@ class TargetForward:
             raise ValueError(f"TargetForward.prefill: host_lengths {list(host_lengths)} are not num_new "
                              f"{num_new.tolist()}")
         real = num
-        if longest == 0 and host_lengths is not None and len(host_lengths) > 1:
+        if longest == 0 and host_lengths is not None and (len(host_lengths) > 1 or num <= PACK_ONE_MAX
+                                                           or self.lean.dtype == torch.float32):
             device = input_ids.device
             chain = causal_bits(num, device).unsqueeze(0).expand(batch, num, -1)
             depth = torch.arange(num, device=device).unsqueeze(0).expand(batch, num)
