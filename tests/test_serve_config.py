@@ -46,6 +46,14 @@ def test_request_drafters_of_the_shipped_defaults(tmp_path):
         ["math", "chat"]
 
 
+def test_shipped_defaults_without_the_table(monkeypatch, tmp_path):
+    """Where the shipped table is missing (a models folder without tables/sampled/table.npz), the shipped target's
+    server has its other drafters and a request that names none drafts with all of them, as before the table."""
+    monkeypatch.setattr(models, "models_dir", lambda: tmp_path)
+    cfg = ServeConfig()
+    assert list(cfg.drafters) == ["math", "chat", "lookup"] and cfg.request_drafters() == ["math", "chat", "lookup"]
+
+
 TOML = """
 target = "llama"              # relative to the file's folder
 dtype = "bf16"
