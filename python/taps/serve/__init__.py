@@ -1,7 +1,8 @@
 """``taps serve``: an OpenAI-compatible HTTP server (FastAPI + uvicorn) over taps' speculative decoding.
 
-The shipped models by default (the target, the HASS math and chat drafters and prompt lookup, named
-``math``, ``chat`` and ``lookup``), or any Hugging Face target with EAGLE / small-LM drafters and prompt
+The shipped models by default (the target, the HASS math and chat drafters, prompt lookup and the shipped
+n-gram table, named ``math``, ``chat``, ``lookup`` and ``table``; a request that names none drafts with ``table``),
+or any Hugging Face target with EAGLE / small-LM drafters and prompt
 lookup (:mod:`taps.serve.config`). Requests join the running batch between decoding steps and leave
 when they finish (:mod:`taps.serve.engine`); each may choose its strategy and drafters with a ``taps``
 extra, and every answer reports tau, the drafters' shares and the draft shapes (:mod:`taps.serve.protocol`).
