@@ -58,9 +58,9 @@ PACK_HALF_ROWS = 8
 #: after, AMX Xeon)
 PREFILL_HALF_ROWS = 16
 #: a single prompt into an empty cache runs packed too (a causal chain of a packed tree forward: tree_attention, not
-#: SDPA, and no padding rows) up to this many tokens in half precision, at any length in float32. Measured on an AMX
-#: Xeon (1 thread, shipped target, bench/RESULTS.md): bf16 20-300 tokens 9-21% faster packed, 600-1000 tokens 2-5%
-#: slower; fp32 14-27% faster at 20-1000 tokens.
+#: SDPA, and no padding rows) up to this many tokens. Measured on an AMX Xeon (1 thread, shipped target,
+#: bench/RESULTS.md): bf16 20-300 tokens 9-21% faster packed, 600-1000 tokens 2-5% slower; fp32 14-27% faster at
+#: 20-300 tokens, 7-14% at 600-1000 (longer prompts, and larger models' long ones, unmeasured: the padded path).
 PACK_ONE_MAX = 512
 
 
@@ -161,7 +161,7 @@ class TargetForward:
         each); cache.lengths advances by num_new.
 
         ``host_lengths`` (num_new as host ints): on the lean path, several prompts into empty caches run packed (one
-        prompt too, up to :data:`PACK_ONE_MAX` tokens in half precision, any length in float32): only their real
+        prompt too, up to :data:`PACK_ONE_MAX` tokens): only their real
         tokens are computed, each row's a causal chain of a packed tree forward (each row's
         queries over its own keys only). The states returned at padding positions are then zeros (in half
         precision, a filler slot's, see :func:`packed_slots`: no real token's). (Shipped target, 8 prompts of
@@ -180,8 +180,7 @@ class TargetForward:
             raise ValueError(f"TargetForward.prefill: host_lengths {list(host_lengths)} are not num_new "
                              f"{num_new.tolist()}")
         real = num
-        if longest == 0 and host_lengths is not None and (len(host_lengths) > 1 or num <= PACK_ONE_MAX
-                                                           or self.lean.dtype == torch.float32):
+        if longest == 0 and host_lengths is not None and (len(host_lengths) > 1 or num <= PACK_ONE_MAX):
             device = input_ids.device
             chain = causal_bits(num, device).unsqueeze(0).expand(batch, num, -1)
             depth = torch.arange(num, device=device).unsqueeze(0).expand(batch, num)
