@@ -681,13 +681,21 @@ def test_calibration_of_an_expensive_target_is_short():
     calls = []
     tuner = Tuner(CostModel(), calibration_budget=1e-9)  # its own cost model: nothing calibrated yet
     dec = SpeculativeDecoder(m["target"], [m["eagle"]], strategy="single", depth=3, top_k=3, tuner=tuner)
-    forward = dec.forward.tree
+    forward, prefill, prefilling = dec.forward.tree, dec.forward.prefill, []
 
     def counted(*args, **kwargs):
-        calls.append(1)
+        if not prefilling:  # (a prompt's packed prefill is a tree forward too: not the calibration's)
+            calls.append(1)
         return forward(*args, **kwargs)
 
-    dec.forward.tree = counted
+    def flagged(*args, **kwargs):
+        prefilling.append(1)
+        try:
+            return prefill(*args, **kwargs)
+        finally:
+            prefilling.pop()
+
+    dec.forward.tree, dec.forward.prefill = counted, flagged
     dec.generate([[5, 17, 42, 8, 61, 3]], max_new_tokens=1)
     assert len(calls) == 2 * len(node_grid(dec.strategy.num_nodes))
     with pytest.raises(ValueError, match="calibration_budget"):
