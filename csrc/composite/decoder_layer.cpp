@@ -18,6 +18,7 @@
 #include <torch/library.h>
 
 #include <cstring>
+#include <utility>
 #include <optional>
 #include <string>
 #include <vector>
@@ -314,38 +315,44 @@ void copy_rows_transposed(const at::Tensor& src, const at::Tensor& dst) {
                     s + (a * src.stride(0) + b * src.stride(1) + c * src.stride(2)) * es, static_cast<size_t>(bytes));
 }
 
-// Whether the new K/V src [..., Hkv, D] (last dimension contiguous) can be scattered into the cache dst [R, Hkv, S, D]
-// by scatter_rows below (CPU tensors of one float32 / bfloat16 dtype, int64 CPU positions).
-bool scatter_ok(const at::Tensor& src, const at::Tensor& dst, const at::Tensor& positions) {
-  return src.is_cpu() && dst.is_cpu() && positions.is_cpu() && positions.scalar_type() == at::kLong &&
-         dst.dim() == 4 && src.scalar_type() == dst.scalar_type() &&
-         (src.scalar_type() == at::kFloat || src.scalar_type() == at::kBFloat16) && src.stride(-1) == 1 &&
-         dst.stride(3) == 1 && src.size(-1) == dst.size(3) && src.size(-2) == dst.size(1);
+// Whether the new K and V [..., Hkv, D] (last dimension contiguous) can be scattered into the caches keys / values
+// [R, Hkv, S, D] by scatter_kv below (CPU tensors of one float32 / bfloat16 dtype, int64 CPU positions).
+bool scatter_ok(const at::Tensor& k, const at::Tensor& v, const at::Tensor& keys, const at::Tensor& values,
+                const at::Tensor& positions) {
+  const auto fits = [](const at::Tensor& src, const at::Tensor& dst) {
+    return src.is_cpu() && dst.is_cpu() && dst.dim() == 4 && src.scalar_type() == dst.scalar_type() &&
+           (src.scalar_type() == at::kFloat || src.scalar_type() == at::kBFloat16) && src.stride(-1) == 1 &&
+           dst.stride(3) == 1 && src.size(-1) == dst.size(3) && src.size(-2) == dst.size(1);
+  };
+  return positions.is_cpu() && positions.scalar_type() == at::kLong && fits(k, keys) && fits(v, values);
 }
 
-// dst[row(n), h, positions[n], :] = src[n, h, :] for the N new tokens n (src viewed [N, Hkv, D] by `token`: its
-// element offset), one memcpy of D elements each: what index_put_({rows, Slice(), positions}, src) does (the
-// ragged rows' and the packed tokens' K/V to their cache columns), without advanced indexing's setup (13-22 us a
-// call at a batch of 8, two a layer: bench/RESULTS.md). Every column is checked before anything is written: one
-// outside [0, S) raises (index_put_ would wrap a negative one; no cache column is negative).
-template <typename RowOf, typename TokenAt>
-void scatter_rows(int64_t count, RowOf row_of, TokenAt token, const at::Tensor& src, const at::Tensor& dst,
-                  const at::Tensor& positions) {
+// keys[row(n), h, positions[n], :] = k[n, h, :] and the same for values, for the N new tokens n (`offset(src, n)`:
+// token n's element offset in k or v, viewed [N, Hkv, D]), one memcpy of D elements each: what
+// index_put_({rows, Slice(), positions}, k) and its twin for v do (the ragged rows' and the packed tokens' K/V to
+// their cache columns), without advanced indexing's setup (13-22 us a call at a batch of 8, two a layer:
+// bench/RESULTS.md). Every column is checked, once for both caches, before anything is written: one outside [0, S)
+// raises (index_put_ would wrap a negative one; no cache column is negative).
+template <typename RowOf, typename Offset>
+void scatter_kv(int64_t count, RowOf row_of, Offset offset, const at::Tensor& k, const at::Tensor& v,
+                const at::Tensor& keys, const at::Tensor& values, const at::Tensor& positions) {
   const at::Tensor pos = positions.contiguous();
   const int64_t* p = pos.data_ptr<int64_t>();
-  const int64_t columns = dst.size(2);
+  const int64_t columns = keys.size(2);
   for (int64_t n = 0; n < count; ++n)
     TORCH_CHECK_INDEX(p[n] >= 0 && p[n] < columns, "taps_ops: decoder_layer: write position ", p[n],
                       " is out of bounds for the cache's ", columns, " columns");
-  const int64_t es = src.element_size(), heads = dst.size(1);
-  const size_t bytes = static_cast<size_t>(dst.size(3) * es);
-  const char* s = static_cast<const char*>(src.data_ptr());
-  char* d = static_cast<char*>(dst.data_ptr());
-  for (int64_t n = 0; n < count; ++n) {
-    const char* from = s + token(n) * es;
-    char* to = d + (row_of(n) * dst.stride(0) + p[n] * dst.stride(2)) * es;
-    for (int64_t h = 0; h < heads; ++h)
-      std::memcpy(to + h * dst.stride(1) * es, from + h * src.stride(-2) * es, bytes);
+  const int64_t es = k.element_size(), heads = keys.size(1);
+  const size_t bytes = static_cast<size_t>(keys.size(3) * es);
+  for (const auto& [src, dst] : {std::pair<const at::Tensor&, const at::Tensor&>{k, keys}, {v, values}}) {
+    const char* s = static_cast<const char*>(src.data_ptr());
+    char* d = static_cast<char*>(dst.data_ptr());
+    for (int64_t n = 0; n < count; ++n) {
+      const char* from = s + offset(src, n) * es;
+      char* to = d + (row_of(n) * dst.stride(0) + p[n] * dst.stride(2)) * es;
+      for (int64_t h = 0; h < heads; ++h)
+        std::memcpy(to + h * dst.stride(1) * es, from + h * src.stride(-2) * es, bytes);
+    }
   }
 }
 
@@ -507,12 +514,12 @@ at::Tensor decoder_layer(const at::Tensor& x, const OptTensor& emb_in, const c10
     // to its last packed slot only (live_queries); the packed rows of its output (taps.kv.TreeAttend's packed
     // path, the reference, does the same operators)
     const at::Tensor& rows = *rows_in;
-    if (scatter_ok(k, keys, *write_positions) && scatter_ok(v, values, *write_positions) && rows.is_cpu()) {
+    if (scatter_ok(k, v, keys, values, *write_positions) && rows.is_cpu()) {
       const at::Tensor r = rows.contiguous();
       const int64_t* slot = r.data_ptr<int64_t>();  // (checked above: strictly increasing, in [0, R * T))
-      const auto row_of = [&](int64_t n) { return slot[n] / slots_per_row; };
-      scatter_rows(r.size(0), row_of, [&](int64_t n) { return n * k.stride(1); }, k, keys, *write_positions);
-      scatter_rows(r.size(0), row_of, [&](int64_t n) { return n * v.stride(1); }, v, values, *write_positions);
+      scatter_kv(r.size(0), [&](int64_t n) { return slot[n] / slots_per_row; },
+                 [](const at::Tensor& src, int64_t n) { return n * src.stride(1); }, k, v, keys, values,
+                 *write_positions);
     } else {
       const at::Tensor cache_rows = rows.div(slots_per_row, "floor");
       at::Tensor(keys).index_put_({cache_rows, Slice(), *write_positions}, k[0]);
@@ -525,13 +532,11 @@ at::Tensor decoder_layer(const at::Tensor& x, const OptTensor& emb_in, const c10
     attn = out.transpose(1, 2).reshape({gb * slots_per_row, heads * head_dim}).index_select(0, rows)
                .view({1, x.size(1), heads * head_dim});
   } else {
-    if (ragged && scatter_ok(k, keys, *write_positions) && scatter_ok(v, values, *write_positions)) {
+    if (ragged && scatter_ok(k, v, keys, values, *write_positions)) {
       // keys[rows, :, positions] = k, as taps.lean.kv_writer scatters (row r's token t is n = r * T + t)
-      const auto row_of = [&](int64_t n) { return n / tokens; };
-      scatter_rows(gb * tokens, row_of, [&](int64_t n) { return (n / tokens) * k.stride(0) + (n % tokens) * k.stride(1); },
-                   k, keys, *write_positions);
-      scatter_rows(gb * tokens, row_of, [&](int64_t n) { return (n / tokens) * v.stride(0) + (n % tokens) * v.stride(1); },
-                   v, values, *write_positions);
+      scatter_kv(gb * tokens, [&](int64_t n) { return n / tokens; },
+                 [&](const at::Tensor& src, int64_t n) { return (n / tokens) * src.stride(0) + (n % tokens) * src.stride(1); },
+                 k, v, keys, values, *write_positions);
     } else if (ragged) {  // (other devices: index_put_ checks the range)
       const at::Tensor rows = at::arange(gb, write_positions->options()).unsqueeze(1);
       at::Tensor(keys).index_put_({rows, Slice(), *write_positions}, k);  // (a handle: the op's in-place arguments)
