@@ -1961,7 +1961,9 @@ def test_a_coasting_step_ends_when_prompt_lookup_has_a_match(batch, monkeypatch)
         steps.append((matched, coasted) + (planned[0] if planned else (False, False)))
     monkeypatch.setattr(SpeculativeDecoder, "_plan", spy_plan)
     monkeypatch.setattr(SpeculativeDecoder, "step", spy_step)
-    tuner = Tuner(FixedCosts(lambda n, b: 1e-3 + 1e-6 * n, lambda g, d, b: 1e-6), explore=0.0)
+    # (a step's cost in proportion to its requests: a request's tokens are then worth as much wherever it stands
+    # in the batch, also by the batch's end, Tuner.finish_time)
+    tuner = Tuner(FixedCosts(lambda n, b: b * (1e-3 + 1e-6 * n), lambda g, d, b: 1e-6), explore=0.0)
     dec = SpeculativeDecoder(m["target"], [PromptLookupDrafter()], strategy="single", depth=3, top_k=1, budget=4,
                              tuner=tuner)
     out = dec.generate(prompts, max_new_tokens=40)
@@ -2244,3 +2246,72 @@ def test_drafted_steps_of_a_kept_current_group_repeat_without_planning(monkeypat
     # a batch whose requests finish apart: repeats end at each finish, and every request's output is its greedy one
     out = dec.generate(prompts, max_new_tokens=40)
     assert out.tokens == ref.tokens
+
+
+def _finish_tuner(finish=True):
+    """A tuner over one drafter and a batch of 2, where request 0's drafts of 3 are all accepted and request 1's
+    never (observed 20 steps); a step costs 1 ms plus 0.1 ms a row and node, so a request's row is a tenth of
+    a plain step's cost at a batch of 1."""
+    tuner = Tuner(FixedCosts(lambda n, b: 1e-3 + 1e-4 * b * n, lambda g, d, b: 1e-5 * d), budgets=(), chains=False,
+                  explore=0.0, refresh=1, finish_time=finish)
+    tuner.begin(2, False)
+    for _ in range(20):
+        _plan_left(tuner, None)
+        tuner.observe(Shape((0,), 3, 4), [3, 0], 3, 4.0, 2, 1.8e-3, {}, [])
+    return tuner
+
+
+def _plan_left(tuner, left):
+    return tuner.plan([(0,)], lambda g, d: d, [0], [0, 1], 2, 3, 4, left=left)
+
+
+@pytest.mark.parametrize("left,drafts", [([40, 40], False), ([2, 40], False), ([40, 2], True), ([3, 3], False)])
+def test_a_static_batch_is_valued_by_its_end(left, drafts):
+    """Where the batch ends with its last request (``plan(left=)``), a draft is valued by how much it shortens
+    that end: by tokens a draft that gives request 0 ~3.8 tokens a step pays (4.99 tokens for 1.8 ms against 2
+    for 1.2), but where request 1, whose drafts are never accepted, has as many tokens left or more, the batch
+    ends when it does and drafting only adds to every step's cost (no draft); where request 0 has the most
+    left, it does (draft); near the end, a request's tokens count up to those it has left (no draft)."""
+    tuner = _finish_tuner()
+    assert tuner.acceptance.expected(((0,), 4), 0, 3) > 2.5 and tuner.acceptance.expected(((0,), 4), 1, 3) < 0.3
+    assert bool(_plan_left(tuner, left).drafters) == drafts
+    # by tokens (no left, or finish_time off): a draft
+    assert _plan_left(_finish_tuner(), None).drafters == (0,)
+    assert _plan_left(_finish_tuner(finish=False), left).drafters == (0,)
+
+
+def test_generate_passes_the_tokens_left_and_a_continuous_batch_does_not():
+    """``generate`` (a batch no request joins) gives the tuner each active request's tokens left; a
+    :class:`ContinuousBatch` (rows refilled as requests finish) gives none."""
+    from taps.batching import ContinuousBatch, SamplingParams
+
+    m = em.greedy_models()
+    seen = []
+    plan = Tuner.plan
+
+    def spy(self, *args, left=None, **kw):
+        seen.append((tuple(args[3]), None if left is None else tuple(left)))
+        return plan(self, *args, left=left, **kw)
+
+    prompts = [m["seqs"][0, :5].tolist(), m["seqs"][1, :8].tolist()]
+    tuner = Tuner(FixedCosts(lambda n, b: 1e-3, lambda g, d, b: 1e-5 * d), refresh=1)
+    dec = SpeculativeDecoder(m["target"], [PromptLookupDrafter()], strategy="single", depth=3, top_k=1, budget=4,
+                             tuner=tuner)
+    import unittest.mock
+
+    with unittest.mock.patch.object(Tuner, "plan", spy):
+        out = dec.generate(prompts, max_new_tokens=12)
+        assert seen and all(left is not None and len(left) == len(active) for active, left in seen)
+        assert seen[0][1] == (11, 11) and all(0 < x <= 11 for _, left in seen for x in left)
+        assert out.tokens == SpeculativeDecoder(m["target"], [], strategy="autoregressive").generate(
+            prompts, max_new_tokens=12).tokens
+        seen.clear()
+        batch = ContinuousBatch(dec, max_batch=2)
+        for i, p in enumerate(prompts):
+            batch.add(i, p, SamplingParams(max_new_tokens=9))
+        for _ in range(100):
+            if not batch:
+                break
+            batch.step()
+        assert not batch
+        assert seen and all(left is None for _, left in seen)

@@ -255,6 +255,7 @@ class ContinuousBatch:
                           on_tokens=self._on_tokens, fresh=fresh)
         if fresh:
             state.can_drop = False
+            state.closed = False
             self.state = state
         else:
             dec.join(self.state, state)

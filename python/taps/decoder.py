@@ -627,7 +627,8 @@ class SpeculativeDecoder:
                            [i for i in drawn if groups[i].draws_greedy],
                            candidates=lambda i, d: num_candidates(d, self.top_k), ready=ready,
                            starting=[state.pending.start_tokens(g) for g in groups],
-                           drawn_nodes=functools.partial(self._drawn_nodes, sampling=state.sampling))
+                           drawn_nodes=functools.partial(self._drawn_nodes, sampling=state.sampling),
+                           left=[state.requests[b].left for b in active] if state.closed else None)
         if not shape.drafters:  # a plain step (most steps where no draft pays: kept lean)
             # repeated without planning until a probe could come due, while the groups idle now stay idle
             token = tuner.coast_token()
@@ -1182,6 +1183,11 @@ class RequestState:
     length: int = 0
     done: bool = False
 
+    @property
+    def left(self) -> int:
+        """Tokens it may still emit (``max_new`` less those emitted; an EOS may end it sooner)."""
+        return self.max_new - len(self.tokens)
+
     def emit(self, new: Sequence[int]) -> List[int]:
         """Take `new` tokens up to ``max_new`` and the first EOS (kept); returns those taken."""
         if self.done:
@@ -1226,6 +1232,9 @@ class DecodeState:
         self.starts: Dict[int, tuple] = {}
         #: groups of drafters the strategy stops drafting with are dropped (False where requests join later)
         self.can_drop = True
+        #: no request joins: the batch ends with its last request (a tuner values steps by that end,
+        #: Tuner.plan's left); False where requests join later
+        self.closed = True
         #: some request samples (drafts may be drawn); per request, whether it is greedy
         #: (temperature 0: it draws no coins, :meth:`coins`)
         self.sampling, _, self.greedy_rows = _sample_modes(sample, len(requests))
