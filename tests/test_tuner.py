@@ -2315,3 +2315,17 @@ def test_generate_passes_the_tokens_left_and_a_continuous_batch_does_not():
             batch.step()
         assert not batch
         assert seen and all(left is None for _, left in seen)
+
+
+def test_finish_time_switched_on_after_plans_without_it():
+    """A tuner whose plans kept no per-request values (``finish_time`` off) and is then switched on values the
+    batch by its end from its current plan memo (no error, the same answer as one on from the start)."""
+    tuner = _finish_tuner(finish=False)
+    assert _plan_left(tuner, None).drafters == (0,)  # (values computed now, kept while no draft is observed)
+    memo = tuner._plan_memo
+    assert not memo[6]
+    tuner.finish_time = True
+    tuner._last_draft = None  # (not the last draft repeated unpriced: the candidates priced from the memo)
+    assert _plan_left(tuner, [2, 40]) == NONE
+    assert tuner._plan_memo[1] is memo[1] and memo[6]  # the same memo, its per-request values added
+    assert _plan_left(_finish_tuner(), [2, 40]) == NONE

@@ -1339,7 +1339,11 @@ class Tuner:
                 seconds = costs.forward(1.0 + below * len(rows) / batch, batch) * self._kind_scale(shape, batch)[1] \
                     + fixed
             elif finish:
-                values = self._plan_memo[6][shape]
+                per = self._plan_memo[6]
+                values = per.get(shape)
+                if values is None:  # (a memo made while finish_time was off)
+                    values = per[shape] = dict(self.acceptance.per_request(shape.key, tuple(active),
+                                                                           self._plan_memo[5][shape]))
                 gains.append([values[b] for b in active])
             extra = appends.get(members)
             if extra is None:
