@@ -1385,15 +1385,16 @@ class Tuner:
         1.11x for budgets of 4 or 8. The optimistic values are scaled as their estimates are."""
         n = len(active)
         costs, rest = self.costs, self.costs.rest(NONE.key)
-        steps = [costs.forward(1, k) + rest for k in range(1, n + 1)]
-        marginal = np.maximum(np.diff(np.array([0.0] + steps)), 0.0)
-        whole = float(marginal.sum())
+        # (~24 us at a batch of 8 and 30 options; the ends sorted up, the marginal costs reversed)
+        steps = [0.0] + [costs.forward(1, k) + rest for k in range(1, n + 1)]
+        marginal = [max(b - a, 0.0) for a, b in zip(steps, steps[1:])]
+        whole = sum(marginal)
         if whole <= 0:
             return options
-        lv = np.maximum(np.array(left, dtype=np.float64), 1.0)
-        rate = np.minimum(np.array([[1.0] * n] + gains), lv[None, :])  # (row 0: no draft)
-        ends = np.sort(lv[None, :] / rate, axis=1)[:, ::-1]
-        values = (float(lv.sum()) * whole / (ends @ marginal)).tolist()
+        lv = [max(float(x), 1.0) for x in left]
+        rate = np.array([[1.0] * n] + gains)  # (row 0: no draft)
+        ends = np.sort(np.array(lv) / np.minimum(rate, lv), axis=1)
+        values = (sum(lv) * whole / (ends @ np.array(marginal[::-1]))).tolist()
         out = [(options[0][0], values[0], options[0][2], values[0])]
         for (shape, value, seconds, upper), v in zip(options[1:], values[1:]):
             out.append((shape, v, seconds, upper * v / value if value > 0 else upper))
