@@ -295,6 +295,32 @@ def test_packed_tree_forward_equals_the_padded_one(arch):
         assert torch.equal(a.tokens, b.tokens) and torch.equal(a.num_accepted, b.num_accepted)
 
 
+@pytest.mark.parametrize("seed", range(6))
+def test_put_rows_writes_what_index_copy_writes(seed):
+    """``_put_rows`` (slice copies per run of consecutive rows, or one ``index_copy_``) writes each row where
+    ``index_copy_`` does, whatever the runs: few, many short ones, many long ones (a packed batch's slots), in
+    float32 and bfloat16; the rows outside are left as they were."""
+    from taps.forward import _put_rows
+
+    g = torch.Generator().manual_seed(seed)
+    total = 97
+    for dtype in (torch.float32, torch.bfloat16):
+        cases = [list(range(0, total, 2)),  # many runs of one row: index_copy_
+                 [b * 12 + i for b in range(8) for i in range(10)]]  # 8 runs of 10 (a packed batch): slices
+        for runs in (1, 3, 9, 30):
+            starts = sorted(torch.randperm(total - 8, generator=g)[:runs].tolist())
+            rows = sorted({r for a in starts for r in range(a, a + int(torch.randint(1, 9, (1,), generator=g)))})
+            cases.append([r for r in rows if r < total])
+        for rows in cases:
+            values = torch.randn(len(rows), 13, generator=g).to(dtype)
+            base = torch.randn(total, 13, generator=g).to(dtype)
+            want, got = base.clone(), base.clone()
+            index = torch.tensor(rows, dtype=torch.int64)
+            want.index_copy_(0, index, values)
+            _put_rows(got, rows, values, index)
+            assert torch.equal(got, want), (dtype, rows)
+
+
 def test_packed_slots_round_half_precision_rows_up_with_the_first_padding_slots():
     from taps.forward import PACK_HALF_ROWS, packed_slots
 
