@@ -10,8 +10,9 @@ function through a ``TreeAttend``, one call), the ratio, and the floor: the laye
 reads, once, at ``--gbps`` (default 20 GB/s for one core of the development CPU). Small layers are far
 from it: their time is the operators' fixed costs, which is what the op cuts. The op runs once per
 instruction-set level of the taps kernels (``--isa``, see bench/common.py: its rms_norm, rope_ and
-tree_attention; its linears are ATen's and oneDNN's, whose level ATEN_CPU_CAPABILITY and ONEDNN_MAX_CPU_ISA
-set), next to the Python body measured once (at the level in force when the benchmark starts).
+tree_attention; its linears are ATen's, oneDNN's and MKL's, whose level ATEN_CPU_CAPABILITY, ONEDNN_MAX_CPU_ISA
+and MKL_ENABLE_INSTRUCTIONS set), next to the Python body measured once (at the level in force when the benchmark
+starts).
 """
 
 from __future__ import annotations

@@ -53,6 +53,18 @@ def test_cpu_info_fields():
     if LEVELS.index(info["host_isa"]) >= LEVELS.index("avx512"):
         assert {"avx512f", "avx512bw", "avx512vl", "avx512dq"} <= set(info["features"])
     assert info["isa"] in info["summary"] and info["cpu"] in info["summary"]
+    assert info["mkl_instructions"] == (os.environ.get("MKL_ENABLE_INSTRUCTIONS") or None)
+    assert f"MKL: {info['mkl_instructions'] or 'host'}" in info["summary"]
+
+
+def test_cpu_info_reports_mkls_limit(monkeypatch):
+    """``MKL_ENABLE_INSTRUCTIONS`` (the limit of torch's float32 GEMMs, which the ATen and oneDNN switches leave
+    alone) is in cpu_info and its summary, so a benchmark run as an AVX2-only CPU shows whether MKL was limited too."""
+    monkeypatch.setenv("MKL_ENABLE_INSTRUCTIONS", "AVX2")
+    info = taps_ops.cpu_info()
+    assert info["mkl_instructions"] == "AVX2" and "MKL: AVX2" in info["summary"]
+    monkeypatch.delenv("MKL_ENABLE_INSTRUCTIONS")
+    assert taps_ops.cpu_info()["mkl_instructions"] is None and "MKL: host" in taps_ops.cpu_info()["summary"]
 
 
 @pytest.mark.parametrize("level", RUNNABLE)

@@ -148,7 +148,8 @@ def has_cuda_kernels() -> bool:
 CPU_ISA_LEVELS = ("scalar", "avx2", "avx512", "amx")
 
 # The highest level each CPU op has code for (the op runs at min(this, the level in force)). decoder_layer
-# runs ATen's and oneDNN's kernels (ATEN_CPU_CAPABILITY, ONEDNN_MAX_CPU_ISA) plus the ops above.
+# runs ATen's, oneDNN's and MKL's kernels (ATEN_CPU_CAPABILITY, ONEDNN_MAX_CPU_ISA, MKL_ENABLE_INSTRUCTIONS) plus
+# the ops above.
 _OP_MAX_ISA = {
     "verify_tree": "avx512",      # row passes (max, sum of exp): AVX-512 / AVX2 + FMA / scalar
     "tree_attention": "amx",      # micro-GEMMs AVX-512 (D % 16 == 0) / AVX2 + FMA (D % 8 == 0), Vec kernel
@@ -188,12 +189,15 @@ def cpu_info() -> dict:
     ``host_isa`` (the best this CPU runs), ``features`` (the CPU features the kernels look at, e.g.
     ``avx2``, ``avx512f``, ``avx512_bf16``, ``amx_bf16``), ``native_bf16`` (:func:`native_half_matmul` for
     bf16: bf16 matrix products in hardware, so bf16 models are worth running), ``aten_capability`` (PyTorch's own
-    CPU kernels' level, ``ATEN_CPU_CAPABILITY``), ``ops`` (the level each op uses) and ``summary`` (one line
-    of it all, which the benchmarks and ``taps demo`` print).
+    CPU kernels' level, ``ATEN_CPU_CAPABILITY``), ``mkl_instructions`` (``MKL_ENABLE_INSTRUCTIONS``, the limit of
+    MKL's float32 products; None: unset, the host's best), ``ops`` (the level each op uses) and ``summary`` (one
+    line of it all, which the benchmarks and ``taps demo`` print).
 
     The level is chosen when the library loads: the best the CPU runs, or ``TAPS_CPU_ISA``
     (scalar|avx2|avx512|amx) when set; :func:`set_cpu_isa` changes it later. Together with
-    ``ATEN_CPU_CAPABILITY=avx2`` and ``ONEDNN_MAX_CPU_ISA=AVX2`` an AVX-512 machine runs as an AVX2-only one.
+    ``ATEN_CPU_CAPABILITY=avx2``, ``ONEDNN_MAX_CPU_ISA=AVX2`` and ``MKL_ENABLE_INSTRUCTIONS=AVX2`` (MKL's float32
+    GEMMs, which torch's ``mm`` and ``linear`` call and which read neither of the others: without it they keep
+    AVX-512, 1.8x an AVX2 product at 16 rows on an AMX Xeon) an AVX-512 machine runs as an AVX2-only one.
     """
     isa = torch.ops.taps_ops._cpu_isa()
     features = list(torch.ops.taps_ops._cpu_features())
@@ -201,10 +205,11 @@ def cpu_info() -> dict:
     ops = {op: CPU_ISA_LEVELS[min(rank, CPU_ISA_LEVELS.index(top))] for op, top in _OP_MAX_ISA.items()}
     native_bf16 = native_half_matmul(torch.bfloat16)
     aten = torch.backends.cpu.get_cpu_capability() if hasattr(torch.backends.cpu, "get_cpu_capability") else "?"
+    mkl = os.environ.get("MKL_ENABLE_INSTRUCTIONS") or None
     info = dict(cpu=_cpu_model(), isa=isa, host_isa=torch.ops.taps_ops._cpu_host_isa(), features=features,
-                native_bf16=native_bf16, aten_capability=aten, ops=ops)
+                native_bf16=native_bf16, aten_capability=aten, mkl_instructions=mkl, ops=ops)
     info["summary"] = (f"{info['cpu']}; taps kernels: {isa} (host {info['host_isa']}); ATen: {aten}; "
-                       f"native bf16: {'yes' if native_bf16 else 'no'}")
+                       f"MKL: {mkl or 'host'}; native bf16: {'yes' if native_bf16 else 'no'}")
     return info
 
 
