@@ -19,21 +19,21 @@ much each part costs depends on the machine (ISA, dtype, threads, batch, a GPU o
   as the request's prior
   (itself drawn towards ``prior_rate``). Counting to the kind's nominal depth folds prompt lookup's match
   rate into its depth-1 rate (a step without a match is a miss at depth 1).
-- **Objective**: for every candidate, E[accepted + 1] summed over the active requests (E[accepted] =
-  sum over d of the product of the rates up to d, to the tree's depth) divided by its predicted step
-  time; the largest wins. Where the batch ends with its last request (``plan(left=)``, ``finish_time``),
-  by the time the batch would take to its end instead (:meth:`Tuner._finish`). Candidates: no draft (a plain one-token step), and for every allowed set of
-  drafter groups, every depth 1 .. the decoder's and every node budget of ``budgets`` below the
-  decoder's, and its own. Each kind not chosen is probed now and then at its full depth (every depth
-  observed at once; once tried, at most two levels past the deepest its drafters were ever accepted at, so
-  a drafter never accepted is probed at depth 1, its cheapest tree), with exponential back-off, only while
-  it could win with its rates at an upper confidence bound (each raised by 1 / sqrt(1 + trials); a kind's
-  chance to reach each depth at most that of a wider kind of the same drafters observed since, whose tree
-  holds its best nodes, and its estimate at least that of a narrower one observed since), and only as far as an
-  exploration credit covers its predicted loss (the credit grows by a share ``explore`` of each step's
-  predicted time; an observed probe also spends what it lost beyond that), so probes lose about that share
-  at most, however many kinds there are, whatever a tree costs at the batch size and however wrong the
-  predictions, and useless drafters cost a vanishing share of the steps.
+- **Objective**: for every candidate, E[accepted + 1] summed over the active requests (E[accepted] = sum
+  over d of the product of the rates up to d, to the tree's depth) divided by its predicted step time; the
+  largest wins. Where the batch ends with its last request (``plan(left=)``, ``finish_time``), by the time
+  the batch would take to its end instead (:meth:`Tuner._finish`). Candidates: no draft (a plain one-token
+  step), and for every allowed set of drafter groups, every depth 1 .. the decoder's and every node budget
+  of ``budgets`` below the decoder's, and its own. Each kind not chosen is probed now and then at its full
+  depth (every depth observed at once; once tried, at most two levels past the deepest its drafters were
+  ever accepted at, so a drafter never accepted is probed at depth 1, its cheapest tree), with exponential
+  back-off, only while it could win with its rates at an upper confidence bound (each raised by 1 / sqrt(1 +
+  trials); a kind's chance to reach each depth at most that of a wider kind of the same drafters observed
+  since, whose tree holds its best nodes, and its estimate at least that of a narrower one observed since),
+  and only as far as an exploration credit covers its predicted loss (the credit grows by a share
+  ``explore`` of each step's predicted time; an observed probe also spends what it lost beyond that), so
+  probes lose about that share at most, however many kinds there are, whatever a tree costs at the batch
+  size and however wrong the predictions, and useless drafters cost a vanishing share of the steps.
 
 A group whose draft runs no model (prompt lookup) is asked before each plan whether it has anything to
 propose, and left out of the step's kinds when it has not (``plan(idle=)``).
@@ -922,6 +922,7 @@ class Tuner:
         self._sampling = False
         self._version = 0  # counts observations of drafts (the plan's cached part depends on them)
         self._plain_until = 0  # while no draft is best: the clock of the next probe that could win
+        self._requests: Optional[int] = None  # the active requests of the plan being made (see choose)
         self.explore = float(explore)
         self._credit: Optional[float] = None  # seconds the probes may still lose (see choose)
         self._charge: Optional[tuple] = None  # the last probe's charge, until it is observed (see observe)
@@ -1029,9 +1030,10 @@ class Tuner:
         shape, loss = due[key]
         self._credit -= loss
         self.probing = True
-        # what the probe was charged, the best shape's tokens per second, the active requests: its observation
+        # what the probe was charged, the best shape's tokens per second, the active requests (those plan() was
+        # given; else no draft's value, its tokens, one a request): its observation
         # charges what it lost instead (see observe)
-        self._charge = (shape, loss, rate, options[0][1])
+        self._charge = (shape, loss, rate, self._requests if self._requests is not None else options[0][1])
         interval = min(probe.get(key, (0, 1))[1] * 2, self.max_probe_interval)
         probe[key] = (clock + interval, interval)
         for other in {o[0].key for o in options}:
@@ -1192,6 +1194,7 @@ class Tuner:
         self.recomputed = 0.0
         groups = tuple(groups)
         finish = self.finish_time and left is not None and len(active) > 1
+        self._requests = len(active)
         idle = frozenset(idle) if not single else frozenset()
         counts: Dict[int, int] = {}  # per group that proposes for some requests only: how many now
         if ready is not None:
