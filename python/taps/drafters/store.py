@@ -25,12 +25,15 @@ from typing import Iterable, List, Optional, Sequence, Tuple, Union
 import numpy as np
 import torch
 
-import taps_ops
+import taps_ops  # noqa: F401  (loads the ops: _CONTINUATION_OP below)
 
 __all__ = ["TokenStore"]
 
 #: the most tokens a continuation holds (the sequences are padded with this many separators)
 MAX_DEPTH = 64
+#: the op itself, on the store's own arrays (made and checked here; the op checks its reads in C++): the wrapper's
+#: Python checks of them cost 2.5 of a search's 4.7 us, paid by every request on every step with a store
+_CONTINUATION_OP = torch.ops.taps_ops.token_store_continuation.default
 _FORMAT = 1
 
 
@@ -113,19 +116,18 @@ class TokenStore:
     def match(self, context: Sequence[int]) -> Tuple[int, int, int]:
         """The longest suffix of `context` (up to ``max_ngram`` tokens) found in the store: (its length, the
         range lo, hi of the matching positions in the index); length 0 when the last token is absent."""
-        n, lo, hi, _ = taps_ops.token_store_continuation(self._tokens_t, self._ends_t, self._cols_t,
-                                                         [int(t) for t in context[-self.max_ngram:]], 0, 0, self.vote)
-        return n, lo, hi
+        got = _CONTINUATION_OP(self._tokens_t, self._ends_t, self._cols_t, [int(t) for t in context[-self.max_ngram:]],
+                               0, 0, self.vote)
+        return got[0], got[1], got[2]
 
     def continuation(self, context: Sequence[int], depth: int, min_ngram: int = 2) -> Tuple[List[int], int]:
         """The voted continuation (up to `depth` tokens, <= MAX_DEPTH) after the longest suffix of `context`
         found in the store, and that suffix's length; ([], n) when it is shorter than `min_ngram`.
         (One ``taps_ops.token_store_continuation`` call: the search and the vote in C++, 7-9 us; the same
         in Python cost 50-200 us a draft on the shipped models.)"""
-        n, _, _, cont = taps_ops.token_store_continuation(
-            self._tokens_t, self._ends_t, self._cols_t, [int(t) for t in context[-self.max_ngram:]],
-            max(0, min(int(depth), MAX_DEPTH)), max(int(min_ngram), 1), self.vote)
-        return cont, n
+        got = _CONTINUATION_OP(self._tokens_t, self._ends_t, self._cols_t, [int(t) for t in context[-self.max_ngram:]],
+                               max(0, min(int(depth), MAX_DEPTH)), max(int(min_ngram), 1), self.vote)
+        return got[3:], got[0]
 
     # -- files
     def save(self, path: Union[str, Path]) -> Path:
