@@ -659,30 +659,34 @@ at::Tensor panel_linear_cpu(const at::Tensor& x_in, const at::Tensor& panels, co
   int64_t total = 1;
   for (const int64_t d : shape) total *= d;
   thread_local std::vector<float> scratch;
-  at::Tensor y;
-  if (half_x && total <= kScratchKeep) {
+  const cpu::Isa level = cpu::isa();
+  // bfloat16 x: AVX512-BF16's dot products where the level and the host allow, else x widened (the same bits)
+  // (at the amx level, `in` a multiple of 32: AMX tiles, the same x, which write the bfloat16 result themselves,
+  // panel_cpu::amx::round_out: no float32 sums to hold)
+  const bool tiles = half_x && in > 0 && in % 32 == 0 && level == cpu::Isa::kAmx && panel_cpu::amx_enabled() &&
+                     cpu::amx_tiles_ready();
+  at::Tensor y, h;
+  if (tiles) {
+    h = at::empty(shape, x_in.options().dtype(at::kBFloat16).memory_format(at::MemoryFormat::Contiguous));
+  } else if (half_x && total <= kScratchKeep) {
     if (static_cast<int64_t>(scratch.size()) < std::max<int64_t>(total, 1)) scratch.resize(static_cast<size_t>(std::max<int64_t>(total, 1)));
     y = at::from_blob(scratch.data(), shape, at::TensorOptions().dtype(at::kFloat));
   } else {
     y = at::empty(shape, x_in.options().dtype(at::kFloat).memory_format(at::MemoryFormat::Contiguous));
   }
   const auto result = [&] {
+    if (tiles) return h;
     if (!half_x) return y;
-    at::Tensor h = at::empty(shape, x_in.options().dtype(at::kBFloat16).memory_format(at::MemoryFormat::Contiguous));
-    panel_cpu::round_bf16(y.data_ptr<float>(), reinterpret_cast<uint16_t*>(h.data_ptr<at::BFloat16>()), y.numel());
-    return h;
+    at::Tensor rounded = at::empty(shape, x_in.options().dtype(at::kBFloat16).memory_format(at::MemoryFormat::Contiguous));
+    panel_cpu::round_bf16(y.data_ptr<float>(), reinterpret_cast<uint16_t*>(rounded.data_ptr<at::BFloat16>()), y.numel());
+    return rounded;
   };
-  const int64_t rows = in > 0 ? x_in.numel() / in : y.numel() / std::max<int64_t>(out, 1);
+  const int64_t rows = in > 0 ? x_in.numel() / in : y.numel() / std::max<int64_t>(out, 1);  // (in == 0: no tiles)
   if (rows == 0 || out == 0) return result();
   if (in == 0) {  // empty sums
     if (bias_ptr != nullptr) y.copy_(b.expand_as(y)); else y.zero_();
     return result();
   }
-  const cpu::Isa level = cpu::isa();
-  // bfloat16 x: AVX512-BF16's dot products where the level and the host allow, else x widened (the same bits)
-  // (at the amx level, `in` a multiple of 32: AMX tiles, the same x)
-  const bool tiles = half_x && in % 32 == 0 && level == cpu::Isa::kAmx && panel_cpu::amx_enabled() &&
-                     cpu::amx_tiles_ready();
   const bool dot = !tiles && half_x && panel_cpu::dot_enabled() &&
                    static_cast<int>(level) >= static_cast<int>(cpu::Isa::kAvx512) && cpu::host_avx512_bf16();
   const bool keep_half = dot || tiles;  // x read as bfloat16 (else widened to float32 here)
@@ -705,9 +709,6 @@ at::Tensor panel_linear_cpu(const at::Tensor& x_in, const at::Tensor& panels, co
       for (int64_t j = 0; j < pairs; ++j)
         swapped[r * pairs + j] = static_cast<uint32_t>(xh[r * in + 2 * j + 1]) | (static_cast<uint32_t>(xh[r * in + 2 * j]) << 16);
   }
-  // AMX tiles write the bfloat16 result themselves (panel_cpu::amx::round_out)
-  at::Tensor h;
-  if (tiles) h = at::empty(shape, x_in.options().dtype(at::kBFloat16).memory_format(at::MemoryFormat::Contiguous));
   const panel_cpu::Problem p{keep_half ? nullptr : x.data_ptr<float>(), xh, dot ? swapped.data() : nullptr,
                             panels.data_ptr(), bias_ptr, tiles ? nullptr : y.data_ptr<float>(),
                             tiles ? reinterpret_cast<uint16_t*>(h.data_ptr<at::BFloat16>()) : nullptr, rows, in, out,
@@ -756,7 +757,7 @@ at::Tensor panel_linear_cpu(const at::Tensor& x_in, const at::Tensor& panels, co
       panel_cpu::generic::panel::run(p, p_lo, p_hi, next_first, next_last);
     }
   });
-  return tiles ? h : result();
+  return result();
 }
 
 }  // namespace
