@@ -1307,7 +1307,7 @@ class Tuner:
                 base.append((shape, acceptance.total(key, rows, cap), seconds,
                              acceptance.total(key, rows, cap, optimistic=True), index))
                 caps_of[shape] = cap
-                if self.finish_time:  # each request's E[accepted + 1], for the values by the batch's end (_finish)
+                if finish:  # each request's E[accepted + 1], for the values by the batch's end (_finish)
                     per_request[shape] = dict(acceptance.per_request(key, rows, cap))
             # the next recomputation waits until the steps between make this one's time their recompute_share
             # (injected costs are not in the timer's seconds: with them the values are recomputed every `refresh`)
@@ -1344,7 +1344,7 @@ class Tuner:
             elif finish:
                 per = self._plan_memo[6]
                 values = per.get(shape)
-                if values is None:  # (a memo made while finish_time was off)
+                if values is None:  # (a memo made by a plan that did not value by the end: no left, or one request)
                     values = per[shape] = dict(self.acceptance.per_request(shape.key, tuple(active),
                                                                            self._plan_memo[5][shape]))
                 gains.append([values[b] for b in active])
