@@ -420,6 +420,47 @@ def test_lazy_head_verification_equals_the_full_logits(sample):
 
 
 @torch.no_grad()
+def test_greedy_verification_of_drawn_drafts_reads_the_argmax_only(monkeypatch):
+    """At temperature 0 verification reads no proposal (the walk takes each row's argmax): a drawn draft (an n-gram
+    table's chains of its modes, with their draft_probs) is verified from the head's argmax like a top-k one, not
+    from the full logits, and gives verify_tree's result on the full logits, ragged trees and a mixed batch's
+    tensor of zero temperatures included."""
+    model = hf.use_taps_attention(_model("llama", vocab=112))
+    fwd = TargetForward(model)
+    fwd.new_cache(1, 8)
+    fwd.head.panels = taps_ops.pack_panels(fwd.head.weight.detach())  # (a large head's layout: the argmax screen)
+    gen = torch.Generator().manual_seed(5)
+    batch, num = 3, 7
+    hidden = torch.randn(batch, num, 32, generator=gen) * 4
+    logits = fwd.logits(hidden)
+    parents = torch.arange(-1, num - 1).repeat(batch, 1)  # chains
+    tokens = logits.argmax(-1).roll(1, 1)  # node i: the argmax of node i - 1's row (accepted at T = 0)
+    tokens[1, 3] = (tokens[1, 3] + 1) % 112  # request 1 is rejected at node 3
+    tokens[2, 5:] = -1  # request 2's tree is ragged
+    parents[2, 5:] = -1
+    probs = torch.rand(batch, num, 112, generator=gen)
+    probs /= probs.sum(-1, keepdim=True)
+    uniforms = torch.rand(batch, num, generator=gen)
+    calls, head = [], fwd.logits
+    monkeypatch.setattr(fwd, "logits", lambda h: calls.append(h.shape) or head(h))
+    screens = fwd.head.screens(hidden)
+    for temperature in (0.0, torch.zeros(batch)):
+        calls.clear()
+        got = fwd.verify(hidden, tokens, parents, draft_probs=probs, temperature=temperature, uniforms=uniforms)
+        want = taps_ops.verify_tree(logits, tokens, parents, draft_probs=probs, temperature=temperature,
+                                    uniforms=uniforms)
+        for a, b in zip(got, want):
+            assert torch.equal(a, b), (got, want)
+        assert got.num_accepted.tolist() == [num - 1, 2, 4]
+        if screens:  # (not at the scalar level, where the head has no argmax screen)
+            assert calls == [], calls
+    # at temperature > 0 the proposal is read: the full logits
+    calls.clear()
+    fwd.verify(hidden, tokens, parents, draft_probs=probs, temperature=1.0, uniforms=uniforms)
+    assert calls
+
+
+@torch.no_grad()
 def test_lazy_head_by_default_only_where_first_child_chains_are_short(monkeypatch):
     """The default (lazy=None, a head counted large): a chain (every node on the first-child chain) gets one
     product over all its rows; a bushy tree gets its first-child chain's rows first; both give the full

@@ -328,7 +328,7 @@ class TargetForward:
                     and not self.head.tiles(hidden))
         if uniforms is None:
             uniforms = torch.rand((batch, num), generator=generator, device=hidden.device, dtype=torch.float32)
-        # greedy (temperature 0, no drawn draft): the head's argmax per row is all the walk reads
+        # greedy (temperature 0, drawn drafts or not): the head's argmax per row is all the walk reads
         greedy = _greedy(sample) and self.head.screens(hidden if packed is None else packed[1])
         if lazy and num > 1:
             ver = self._lazy_verify(hidden, tokens, parents, uniforms, sample, auto, greedy)
@@ -435,9 +435,9 @@ class TargetForward:
 
 def _greedy(sample: dict) -> bool:
     """Whether verification with these settings is greedy: temperature 0 for every request (a scalar, or a CPU
-    tensor of zeros) and no drawn draft."""
-    if sample.get("draft_probs") is not None:
-        return False
+    tensor of zeros). Drawn drafts (``draft_probs``) too: at temperature 0 the walk takes the argmax and reads no
+    proposal (an n-gram table's drafts are drawn at T = 0; their full head cost 0.56 ms a step at a batch of 8 x 4
+    nodes, fp32, against 0.22 for the argmax)."""
     temperature = sample.get("temperature", 0.0)
     if isinstance(temperature, Tensor):
         return temperature.device.type == "cpu" and not bool(temperature.any())
