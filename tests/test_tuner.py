@@ -2119,11 +2119,12 @@ def test_a_drawn_draft_is_priced_by_its_own_calibration():
     assert costs.draft((0,), 3, 1, drawn=True) > 4e-5 and costs.draft((0,), 3, 1) == pytest.approx(3e-4)
 
 
-def test_a_probe_after_another_kind_corrects_no_cost():
-    """Tuner.observe(switched=True) of a probe that took longer than its price: the kind's acceptance is learned,
-    its costs are not (a probe among plain steps runs code and data they evicted), and what it lost beyond its
-    charge is still spent from the credit; one that took less than its price corrects them (cold as it ran, the
-    kind costs at most that), as do a chosen kind's step after a switch and a probe after a step of its own kind."""
+def test_a_step_after_another_kind_corrects_no_cost_and_prices_the_switch():
+    """Tuner.observe(switched=True) of a step that took longer than its price, a probe or a chosen kind's: the
+    kind's acceptance is learned, its costs are not (it ran code and data the steps before evicted), what it took
+    beyond its price becomes the kind's switch cost, and what a probe lost beyond its charge is still spent from
+    the credit; one that took less than its price corrects them (cold as it ran, the kind costs at most that), as
+    does a step after a step of its own kind."""
     shape = Shape((0,), 3, 4)
     parts = {("forward", 1, 4): (3e-3, 1.2e-3), ("draft", (0,), 3, 1): (9e-4, 3e-4)}
 
@@ -2138,11 +2139,43 @@ def test_a_probe_after_another_kind_corrects_no_cost():
         tuner.observe(shape, [1], 3, 4.0, 1, 4e-3, dict(parts), [], switched=switched)
         assert tuner.acceptance.trials(shape.key, 0, 1) > 0
         assert tuner._credit < 1.0  # (4 ms for 2 tokens at 1,000 tokens/s: 2 ms lost)
+        switch = tuner._switch.get(shape.key, 0.0)
+        # (the switch: 4 ms against a price of 2: 2 ms, a running mean from 0)
+        assert switch == (pytest.approx(tuner.costs.alpha * (4e-3 - price)) if switched and price < 4e-3 else 0.0)
         return (tuner.costs.state_dict(), tuner._fix) != before
 
     assert not observed(probing=True, switched=True)
+    assert not observed(probing=False, switched=True)
     assert observed(probing=True, switched=True, price=5e-3)
-    assert observed(probing=False, switched=True) and observed(probing=True, switched=False)
+    assert observed(probing=True, switched=False) and observed(probing=False, switched=False)
+    # a plain step after a draft corrects the plain price and learns no switch cost
+    tuner = Tuner(_measured())
+    tuner.begin(1, False)
+    tuner._priced = (NONE, 1, 1e-3, 1.0)
+    before = copy.deepcopy((tuner.costs.state_dict(), tuner._fix))
+    tuner.observe(NONE, [None], 0, 1.0, 1, 2e-3, {("forward", 1, 1): (1.8e-3, 1e-3)}, [], switched=True)
+    assert (tuner.costs.state_dict(), tuner._fix) != before and not tuner._switch
+
+
+def test_a_switch_costs_its_kind_where_the_step_before_was_another():
+    """plan(previous=): a kind other than the step before's is priced with its switch cost (Tuner._switch): a
+    draft that pays in a run of drafts is not switched to from plain steps when switching costs more than it
+    gains, and is kept where the step before was one of its own."""
+    def tuner_and_plan(previous, switch):
+        tuner = Tuner(FixedCosts(lambda n, b: 1e-3 + 1e-4 * b * n, lambda g, d, b: 1e-5 * d), budgets=(),
+                      chains=False, explore=0.0, refresh=1)
+        tuner.begin(1, False)
+        shape = Shape((0,), 3, 4)
+        for _ in range(20):  # every draft of 3 accepted: 4 tokens a step for ~1.4 ms against 1 for 1.1
+            tuner.observe(shape, [3], 3, 4.0, 1, 1.4e-3, {}, [])
+        tuner._switch = {shape.key: switch}
+        return shape, tuner.plan([(0,)], lambda g, d: d, [0], [0], 1, 3, 4, previous=previous)
+
+    shape, chosen = tuner_and_plan(NONE.key, 0.0)
+    assert chosen == shape
+    assert tuner_and_plan(NONE.key, 10e-3)[1] == NONE  # 4 tokens in 11.4 ms against 1 in 1.1
+    assert tuner_and_plan(shape.key, 10e-3)[1] == shape
+    assert tuner_and_plan(None, 10e-3)[1] == shape  # (no step before known: no switch)
 
 
 def test_the_decoder_calibrates_drawn_drafts_and_reports_switches(monkeypatch):
@@ -2171,7 +2204,8 @@ def test_the_decoder_calibrates_drawn_drafts_and_reports_switches(monkeypatch):
     first = run(tuner)
     assert ((0, DRAWN), 2) in tuner.costs.draft_points and ((0,), 2) in tuner.costs.draft_points
     kinds = [k for k, _ in calls]
-    assert [w for _, w in calls] == [True] + [a != b for a, b in zip(kinds, kinds[1:])]
+    # (before the first step: as after a plain one)
+    assert [w for _, w in calls] == [kinds[0] != NONE.key] + [a != b for a, b in zip(kinds, kinds[1:])]
     assert True in [w for _, w in calls[1:]] and False in [w for _, w in calls]
     calibrated = Cycling()
     calibrated.costs = copy.deepcopy(tuner.costs)
@@ -2329,3 +2363,30 @@ def test_finish_time_switched_on_after_plans_without_it():
     assert _plan_left(tuner, [2, 40]) == NONE
     assert tuner._plan_memo[1] is memo[1] and memo[6]  # the same memo, its per-request values added
     assert _plan_left(_finish_tuner(), [2, 40]) == NONE
+
+
+def test_the_decoder_passes_the_kind_of_the_step_before():
+    """The decoder's plans get ``previous``: the kind of the step before (a plain step's at the first plan and
+    after coasting plain steps), the drafted kind after a drafted step."""
+    m = em.greedy_models()
+    seen = []
+    plan = Tuner.plan
+
+    def spy(self, *args, previous=None, **kw):
+        shape = plan(self, *args, previous=previous, **kw)
+        seen.append((previous, shape.key))
+        return shape
+
+    tuner = Tuner(FixedCosts(lambda n, b: 1e-3, lambda g, d, b: 1e-5 * d), refresh=1)
+    dec = SpeculativeDecoder(m["target"], [PromptLookupDrafter()], strategy="single", depth=3, top_k=1, budget=4,
+                             tuner=tuner)
+    import unittest.mock
+
+    with unittest.mock.patch.object(Tuner, "plan", spy):
+        dec.generate([m["seqs"][0, :6].tolist()], max_new_tokens=16)
+    assert seen and seen[0][0] == NONE.key
+    assert all(prev is not None for prev, _ in seen)
+    drafted = [i for i, (_, kind) in enumerate(seen[:-1]) if kind != NONE.key]
+    assert drafted, seen
+    # a plan right after a drafted step's plan (no step between them) is told that step's kind
+    assert any(seen[i + 1][0] == seen[i][1] for i in drafted), seen

@@ -628,7 +628,8 @@ class SpeculativeDecoder:
                            candidates=lambda i, d: num_candidates(d, self.top_k), ready=ready,
                            starting=[state.pending.start_tokens(g) for g in groups],
                            drawn_nodes=functools.partial(self._drawn_nodes, sampling=state.sampling),
-                           left=[state.requests[b].left for b in active] if state.closed else None)
+                           left=[state.requests[b].left for b in active] if state.closed else None,
+                           previous=NONE.key if state.last_kind is None else state.last_kind)
         if not shape.drafters:  # a plain step (most steps where no draft pays: kept lean)
             # repeated without planning until a probe could come due, while the groups idle now stay idle
             token = tuner.coast_token()
@@ -1001,7 +1002,7 @@ class SpeculativeDecoder:
             # (a probe after a step of another kind corrects no cost: Tuner.observe's switched)
             tuner.observe(plan.shape, observed, cap, nodes, state.batch, seconds,
                           plan.parts, plan.updates, costs=not first, drafting=(drafting, below),
-                          switched=state.last_kind != plan.shape.key)
+                          switched=(NONE.key if state.last_kind is None else state.last_kind) != plan.shape.key)
         state.last_kind = None if plan.shape is None else plan.shape.key
 
     # -- requests joining and leaving a running batch --------------------------------------------------

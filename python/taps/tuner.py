@@ -926,6 +926,9 @@ class Tuner:
         self.explore = float(explore)
         self._credit: Optional[float] = None  # seconds the probes may still lose (see choose)
         self._charge: Optional[tuple] = None  # the last probe's charge, until it is observed (see observe)
+        #: per kind key: the running mean of the seconds a step of it took beyond its price where the step before
+        #: was of another kind (see observe); plan adds it to such a step's price
+        self._switch: Dict[tuple, float] = {}
         self._accrual = 0.0  # the credit one step adds
         #: while plain steps run with no probe near, one in this many is observed (see observes)
         self.plain_sample = 16
@@ -1048,7 +1051,7 @@ class Tuner:
     # -- what it learned, across processes -------------------------------------------------------------
     #: the attributes :meth:`state_dict` holds besides the cost model and the acceptance models
     _STATE = ("clock", "_probe", "_nodes", "_extra", "_free", "_plain_until", "_credit", "_accrual", "_fix",
-              "_fix_set")
+              "_fix_set", "_switch")
 
     def state_dict(self) -> dict:
         """What the tuner measured and learned (its cost model, the pooled acceptance of each verification mode,
@@ -1145,7 +1148,7 @@ class Tuner:
              ready: Optional[Sequence[Optional[Sequence[int]]]] = None,
              starting: Optional[Sequence[int]] = None,
              drawn_nodes: Optional[Callable[[int, int], int]] = None,
-             left: Optional[Sequence[int]] = None) -> Shape:
+             left: Optional[Sequence[int]] = None, previous: Optional[tuple] = None) -> Shape:
         """This step's draft.
 
         Args:
@@ -1187,6 +1190,8 @@ class Tuner:
                 last request (no request joins it: :meth:`SpeculativeDecoder.generate`); with
                 :attr:`finish_time`, each candidate is then valued by how much it shortens the batch's end
                 (:meth:`_finish`). None: by its tokens (a server's rows are refilled as requests finish).
+            previous: the kind (:attr:`Shape.key`) of the step before this one (None: none known): a kind other
+                than it is priced with its switch cost (:meth:`observe`).
         """
         costs = self.costs
         self.probing = self._every_idle = False
@@ -1356,7 +1361,15 @@ class Tuner:
             options.append((shape, value, (max(seconds, plain) + extra) * fix(shape.key), upper))
         if finish and len(options) > 1:
             options = self._finish(options, gains, active, left)
-        shape = self.choose(options)
+        switch = self._switch
+        if switch and previous is not None:
+            # a step of another kind than the one before costs its switch too (see observe); the steady prices
+            # stay what observe compares a step with
+            ranked = [o if o[0].key == previous else (o[0], o[1], o[2] + switch.get(o[0].key, 0.0)) + o[3:]
+                      for o in options]
+        else:
+            ranked = options
+        shape = self.choose(ranked)
         if learns:  # what the choice was priced at, before its correction (observe compares the step with it)
             chosen = next(o for o in options if o[0] is shape)
             self._priced = (shape, batch, chosen[2] / fix(shape.key), self._set_fix(shape.key))
@@ -1572,12 +1585,11 @@ class Tuner:
         seconds, its timed parts ({part: (measured, predicted)}) and group updates ((drafters, tokens,
         seconds)); ``costs=False``: the times correct no cost (a step that paid one-off costs, e.g. a kernel
         built for a new shape); ``drafting``: (the requests whose tree held more than its root, their nodes
-        below the roots); ``switched``: the step followed a step of another kind. A probe that did corrects no
-        cost (it ran code and data the steps before it evicted: on the CPU a drawn table chain probed among plain
-        steps took ~1.4x what it takes in a run of them, and a kind priced by its probes alone was never chosen to
-        show it), while what it lost still counts against the exploration credit; a chosen kind's steps correct its
-        costs, its first after a switch too (a kind whose runs are short, prompt lookup's at T = 1, pays the switch
-        on many of its steps)."""
+        below the roots); ``switched``: the step followed a step of another kind. A drafted step (or a probe) that
+        did corrects no cost (it ran code and data the steps before it evicted: on the CPU a drawn table chain
+        after plain steps took ~1.4x what it takes in a run of them), while what a probe lost still counts against
+        the exploration credit; what it took beyond its price is its kind's switch cost, which :meth:`plan` adds
+        where the step before was of another kind (``previous``). A plain step after a draft corrects as before."""
         if shape.drafters:
             self.observe_accepted(shape, accepted, cap, nodes)
             cached = self._plan_memo
@@ -1610,11 +1622,23 @@ class Tuner:
             gave = sum(a + 1 for a in took) + max(active - len(took), 0)
             self._credit -= max(total - gave / rate - charged, 0.0)
         priced = self._priced
-        if switched and self.probing and (priced is None or priced[0] != shape or priced[1] != batch or
-                                          total >= priced[2] * priced[3] * self._fix.get(shape.key, 1.0)):
-            # (a probe that took less than its price, cold as it ran, corrects it: a kind priced out by a few slow
-            # steps, then only probed among plain steps, kept its price; at a batch of 8 the table's drawn chains,
-            # 12% above a plain step's tokens per second, stayed priced out for whole loads)
+        if switched and (shape.drafters or self.probing) and (
+                priced is None or priced[0] != shape or priced[1] != batch or
+                total >= priced[2] * priced[3] * self._fix.get(shape.key, 1.0)):
+            # a drafted step (or a probe) after one of another kind corrects no price: its code and data were cold
+            # (the steps before it evicted them). What it took beyond its kind's price is the kind's switch cost,
+            # which plan adds to the kind where the step before was of another kind. (bf16, a batch of 8, the
+            # table's drawn chains: 2.81 ms a step after a plain step against 1.92 in a run of them; their prices
+            # corrected by such steps had the tuner choose plain steps, 0.90x taps AR, where a run of chains gives
+            # 1.19x.) Not a plain step after a draft: a switch cost priced into plain steps kept prompt lookup
+            # drafting at T = 1 (its store's row at batch 1 0.97 -> 0.88x). One that took less than its price,
+            # cold as it ran, corrects it: a kind priced out by a few slow steps, then only probed among plain
+            # steps, kept its price; at a batch of 8 the table's drawn chains, 12% above a plain step's tokens
+            # per second, stayed priced out for whole loads
+            if priced is not None and priced[0] == shape and priced[1] == batch and priced[2] > 0:
+                key = shape.key
+                steady = priced[2] * priced[3] * self._fix.get(key, 1.0)
+                self._switch[key] = _ema(self._switch.get(key, 0.0), max(total - steady, 0.0), self.costs.alpha)
             return
         predicted = sum(p for _, p in parts.values()) + sum(self.costs.update(g, t, batch) for g, t, _ in appends) \
             + sum(self.costs.start(g, t, batch) for g, t, _ in starts)
