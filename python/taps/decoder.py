@@ -629,7 +629,7 @@ class SpeculativeDecoder:
                            starting=[state.pending.start_tokens(g) for g in groups],
                            drawn_nodes=functools.partial(self._drawn_nodes, sampling=state.sampling),
                            left=[state.requests[b].left for b in active] if state.closed else None,
-                           previous=NONE.key if state.last_kind is None else state.last_kind)
+                           previous=state.last_kind)
         if not shape.drafters:  # a plain step (most steps where no draft pays: kept lean)
             # repeated without planning until a probe could come due, while the groups idle now stay idle
             token = tuner.coast_token()
@@ -1002,8 +1002,8 @@ class SpeculativeDecoder:
             # (a probe after a step of another kind corrects no cost: Tuner.observe's switched)
             tuner.observe(plan.shape, observed, cap, nodes, state.batch, seconds,
                           plan.parts, plan.updates, costs=not first, drafting=(drafting, below),
-                          switched=(NONE.key if state.last_kind is None else state.last_kind) != plan.shape.key)
-        state.last_kind = None if plan.shape is None else plan.shape.key
+                          switched=state.last_kind != plan.shape.key)
+        state.last_kind = NONE.key if plan.shape is None else plan.shape.key
 
     # -- requests joining and leaving a running batch --------------------------------------------------
     def join(self, state: "DecodeState", other: "DecodeState") -> None:
@@ -1244,8 +1244,9 @@ class DecodeState:
         self.draft_probs: Optional[tuple] = None
         #: this step's tree is one drawn chain a request (its accepted paths are prefixes: nothing to compact)
         self.chain = False
-        #: the last step's draft kind (Shape.key; None before the first or with fixed settings)
-        self.last_kind: Optional[tuple] = None
+        #: the last step's draft kind (Shape.key; a plain step's before the first, after a coasting step and with
+        #: fixed settings): what the tuner's plan and observation compare a step's kind with
+        self.last_kind: tuple = NONE.key
         #: counts the changes a tuner's plan depends on (requests finishing, joining or leaving, groups
         #: dropped); coast: (the tuner's coast token, epoch) after a plan of no draft
         self.epoch = 0
