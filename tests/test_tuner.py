@@ -2390,3 +2390,42 @@ def test_the_decoder_passes_the_kind_of_the_step_before():
     assert drafted, seen
     # a plan right after a drafted step's plan (no step between them) is told that step's kind
     assert any(seen[i + 1][0] == seen[i][1] for i in drafted), seen
+
+
+def test_coasting_plain_steps_are_reported_as_runs():
+    """Coasting plain steps are timed as runs (SpeculativeDecoder.coast_block): the tuner is told of them as
+    plain steps of the run's mean time (a clock read at a run's start and end, none between), at most one
+    report per coast_block steps; coast_block None times one coasting step on its own as before. The output is
+    the target's greedy output either way."""
+    m = em.greedy_models()
+    prompt = [5, 17, 42, 8, 61, 3, 9]
+    ref = SpeculativeDecoder(m["target"], [], strategy="autoregressive").generate([prompt], max_new_tokens=120)
+    for block in (4, None):
+        reads = []
+        tuner = Tuner(FixedCosts(lambda n, b: 1e-3 + 1e-2 * (n - 1), lambda g, d, b: 1e-2),
+                      timer=lambda: reads.append(1) or float(len(reads)))
+        runs, plain, inside = [], [], [False]
+        observe = tuner.observe
+        tuner.observe = lambda shape, *a, **k: ((plain if not shape.drafters else []).append((a[4], inside[0])),
+                                                observe(shape, *a, **k))[1]
+        dec = SpeculativeDecoder(m["target"], [m["eagle"]], strategy="single", depth=3, top_k=2, budget=8,
+                                 tuner=tuner)
+        dec.coast_block = block
+        report = dec._observe_coast
+
+        def spy(state):
+            runs.append(state.coast_block[1])
+            inside[0] = True
+            report(state)
+            inside[0] = False
+        dec._observe_coast = spy
+        out = dec.generate([prompt], max_new_tokens=120)
+        assert out.tokens[0] == ref.tokens[0]
+        if block is None:
+            assert not runs and plain and not any(i for _, i in plain)
+            continue
+        assert runs and min(runs) >= block, runs
+        # each run's mean: this clock counts reads, and a run reads it at its start and its end only (the end the
+        # next run's start)
+        means = [t for t, i in plain if i]
+        assert means == [pytest.approx(1.0 / n) for n in runs], (means, runs)
