@@ -5,7 +5,9 @@
 // load_low / load_high(p) read S::L 32-bit lanes of two bfloat16 each (bfloat16 panels) and widen the low /
 // the high halves to float32, exactly (the weight type WT: float, or uint16_t for bfloat16 panels).
 // Register blocks: S::kMaxRows rows at most (6 or 8), S::vecs(rows) output vectors for a block of that many rows
-// (each must divide kBlockPanels panels' vectors, so that full output blocks take no one-vector tail).
+// (each must divide kBlockPanels panels' vectors, so that full output blocks take no one-vector tail). bfloat16
+// panels: a pair's two halves from one load in every block with S::kPairsAtOnce, else in blocks of at most
+// S::kPairRows rows.
 //
 // y[r][o] = (sum over i of x[r][i] * W[o][i]) + bias[o], the sum accumulated in float32 from i = 0 up, one
 // fused multiply-add per term. Every level does the same operations on each output in the same order, so
@@ -96,7 +98,7 @@ inline void block(const float* x, int64_t ldx, const float* panels, int64_t stri
 // The same over bfloat16 panels [P, in / 2, 16, 2] (inputs in pairs, each output's two weights in one 32-bit
 // lane): input 2j's weights are the lanes shifted up by 16 bits, input 2j + 1's the lanes with the low 16
 // bits masked off (one operation per vector, exact widening), then the same FMAs in the same order as
-// float32 panels (so the same bits for either loop below, S::kPairsAtOnce). An odd `in` reads the low half
+// float32 panels (so the same bits for any loop below: S::kPairsAtOnce, S::kPairRows). An odd `in` reads the low half
 // of its last pair only (x has no input `in`).
 template <int RB, int KV, bool PF>
 inline void block(const float* x, int64_t ldx, const uint16_t* panels, int64_t stride, int64_t in, float* y,
@@ -119,6 +121,39 @@ inline void block(const float* x, int64_t ldx, const uint16_t* panels, int64_t s
       }
       rank1<RB, KV>(acc, x, ldx, 2 * j, lo);
       rank1<RB, KV>(acc, x, ldx, 2 * j + 1, hi);
+    }
+    if (in % 2 != 0) {
+      F lo[KV];
+#pragma GCC unroll 8
+      for (int v = 0; v < KV; ++v) lo[v] = S::load_low(w[v] + pairs * 2 * kPanelWidth);
+      rank1<RB, KV>(acc, x, ldx, in - 1, lo);
+    }
+  } else if constexpr (RB <= S::kPairRows) {
+    // few rows: each output vector's pair lanes loaded once and both halves multiplied in at once (the sums,
+    // the rows' two inputs and one vector's halves fit the registers); each sum gets the same FMAs in the same
+    // order as in the loop below (input 2j, then 2j + 1), half the loads (AVX2, one row: 8 loads of 8 lanes
+    // for 16 multiply-adds a lane, not 16)
+    const int64_t pairs = in / 2;
+    for (int64_t j = 0; j < pairs; ++j) {
+      nb.step();  // (two a pair: the steps of a block() of the loop below, rows_times_block's per_call)
+      nb.step();
+      if constexpr (PF) prefetch<KV>(w, j * 2 * kPanelWidth + shift);
+      F a0[RB], a1[RB];
+#pragma GCC unroll 8
+      for (int r = 0; r < RB; ++r) {
+        a0[r] = S::set1(x[r * ldx + 2 * j]);
+        a1[r] = S::set1(x[r * ldx + 2 * j + 1]);
+      }
+#pragma GCC unroll 8
+      for (int v = 0; v < KV; ++v) {
+        const F lo = S::load_low(w[v] + j * 2 * kPanelWidth);
+        const F hi = S::load_high(w[v] + j * 2 * kPanelWidth);
+#pragma GCC unroll 8
+        for (int r = 0; r < RB; ++r) {
+          acc[r][v] = S::fmadd(a0[r], lo, acc[r][v]);
+          acc[r][v] = S::fmadd(a1[r], hi, acc[r][v]);
+        }
+      }
     }
     if (in % 2 != 0) {
       F lo[KV];
