@@ -518,10 +518,12 @@ struct S {
   static constexpr int kMaxRows = 6;
   static constexpr int vecs(int rows) { return rows == 1 ? 8 : rows <= 3 ? 4 : 2; }
   static constexpr bool kPairsAtOnce = false;  // 16 registers: one half at a time keeps float32's register count
-  // bf16 panels, blocks of 1-2 rows: a pair's lanes loaded once, both halves multiplied in at once (1 row: 8 sums,
-  // 2 broadcasts, 3 temporaries; 2 rows: 8 + 4 + 3). Measured (emulated AVX2 on a Zen 4, bench_panel_linear
-  // --bf16-x): one row of the shipped target's products 28-36% faster, two rows 20-30%
-  static constexpr int kPairRows = 2;
+  // bf16 panels, blocks of 1-3 rows: a pair's lanes loaded once, both halves multiplied in at once (1 row: 8 sums,
+  // 2 broadcasts, 3 temporaries; 2 rows: 8 + 4 + 3; 3 rows: 12 + 6 + 3, a few spilled). Measured (emulated AVX2
+  // on a Zen 4, bench_panel_linear --bf16-x), against the loop that loads each half on its own: the shipped
+  // target's products 28-36% faster at one row, 20-30% at two, 20-30% at three; at 4-6 rows (2 vectors of sums)
+  // 1.5-1.9x slower (the rows' 8-12 broadcasts spill), so those blocks keep that loop
+  static constexpr int kPairRows = 3;
   static F load(const float* p) { return _mm256_loadu_ps(p); }
   // 8 lanes of two bfloat16 each
   static F load_low(const uint16_t* p) {
