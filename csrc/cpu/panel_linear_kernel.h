@@ -107,51 +107,42 @@ inline void block(const float* x, int64_t ldx, const uint16_t* panels, int64_t s
   streams<KV>(w, panels, stride, v0);
   F acc[RB][KV];
   zero(acc);
-  if constexpr (S::kPairsAtOnce) {
-    // both halves of a pair's vectors from one load each (2 * KV weight registers: AVX-512's 32 hold them)
+  if constexpr (S::kPairsAtOnce || RB <= S::kPairRows) {
+    // both halves of a pair's vectors from one load each: with S::kPairsAtOnce every vector's halves first, then
+    // the rows (2 * KV weight registers: AVX-512's 32 hold them); else (blocks of at most S::kPairRows rows) one
+    // vector's halves at a time, multiplied into every row (the sums, the rows' two inputs and one vector's halves
+    // fit AVX2's 16 registers: half the loads of the loop below). Each sum gets the same FMAs in the same order as
+    // in that loop (input 2j, then 2j + 1).
     const int64_t pairs = in / 2;
     for (int64_t j = 0; j < pairs; ++j) {
       nb.step();
-      F lo[KV], hi[KV];
+      if constexpr (!S::kPairsAtOnce) nb.step();  // (rows_times_block's per_call counts a step an input there)
       if constexpr (PF) prefetch<KV>(w, j * 2 * kPanelWidth + shift);
+      if constexpr (S::kPairsAtOnce) {
+        F lo[KV], hi[KV];
 #pragma GCC unroll 8
-      for (int v = 0; v < KV; ++v) {
-        lo[v] = S::load_low(w[v] + j * 2 * kPanelWidth);
-        hi[v] = S::load_high(w[v] + j * 2 * kPanelWidth);
-      }
-      rank1<RB, KV>(acc, x, ldx, 2 * j, lo);
-      rank1<RB, KV>(acc, x, ldx, 2 * j + 1, hi);
-    }
-    if (in % 2 != 0) {
-      F lo[KV];
-#pragma GCC unroll 8
-      for (int v = 0; v < KV; ++v) lo[v] = S::load_low(w[v] + pairs * 2 * kPanelWidth);
-      rank1<RB, KV>(acc, x, ldx, in - 1, lo);
-    }
-  } else if constexpr (RB <= S::kPairRows) {
-    // few rows: each output vector's pair lanes loaded once and both halves multiplied in at once (the sums,
-    // the rows' two inputs and one vector's halves fit the registers); each sum gets the same FMAs in the same
-    // order as in the loop below (input 2j, then 2j + 1), half the loads (AVX2, one row: 8 loads of 8 lanes
-    // for 16 multiply-adds a lane, not 16)
-    const int64_t pairs = in / 2;
-    for (int64_t j = 0; j < pairs; ++j) {
-      nb.step();  // (two a pair: the steps of a block() of the loop below, rows_times_block's per_call)
-      nb.step();
-      if constexpr (PF) prefetch<KV>(w, j * 2 * kPanelWidth + shift);
-      F a0[RB], a1[RB];
-#pragma GCC unroll 8
-      for (int r = 0; r < RB; ++r) {
-        a0[r] = S::set1(x[r * ldx + 2 * j]);
-        a1[r] = S::set1(x[r * ldx + 2 * j + 1]);
-      }
-#pragma GCC unroll 8
-      for (int v = 0; v < KV; ++v) {
-        const F lo = S::load_low(w[v] + j * 2 * kPanelWidth);
-        const F hi = S::load_high(w[v] + j * 2 * kPanelWidth);
+        for (int v = 0; v < KV; ++v) {
+          lo[v] = S::load_low(w[v] + j * 2 * kPanelWidth);
+          hi[v] = S::load_high(w[v] + j * 2 * kPanelWidth);
+        }
+        rank1<RB, KV>(acc, x, ldx, 2 * j, lo);
+        rank1<RB, KV>(acc, x, ldx, 2 * j + 1, hi);
+      } else {
+        F a0[RB], a1[RB];
 #pragma GCC unroll 8
         for (int r = 0; r < RB; ++r) {
-          acc[r][v] = S::fmadd(a0[r], lo, acc[r][v]);
-          acc[r][v] = S::fmadd(a1[r], hi, acc[r][v]);
+          a0[r] = S::set1(x[r * ldx + 2 * j]);
+          a1[r] = S::set1(x[r * ldx + 2 * j + 1]);
+        }
+#pragma GCC unroll 8
+        for (int v = 0; v < KV; ++v) {
+          const F lo = S::load_low(w[v] + j * 2 * kPanelWidth);
+          const F hi = S::load_high(w[v] + j * 2 * kPanelWidth);
+#pragma GCC unroll 8
+          for (int r = 0; r < RB; ++r) {
+            acc[r][v] = S::fmadd(a0[r], lo, acc[r][v]);
+            acc[r][v] = S::fmadd(a1[r], hi, acc[r][v]);
+          }
         }
       }
     }
