@@ -48,6 +48,7 @@ from . import hf
 from .drafters import DraftGroup, Drafter, make_groups, target_vocab_size
 from .expansion import DraftSampler, num_candidates, scratch_positions, target_probs
 from .forward import TargetForward
+from .judge import GenerationJudge
 from .kv import pack_bits
 from .lean import stack_key
 from .stats import Profiler, RequestStats, summarize
@@ -193,6 +194,10 @@ class SpeculativeDecoder:
         #: with a tuner: coasting plain steps (no draft chosen, nothing changed) are reported to it as runs of at
         #: least this many (:meth:`_observe_coast`); None: one in the tuner's plain_sample timed on its own
         self.coast_block: Optional[int] = COAST_BLOCK
+        #: with a tuner: judges :meth:`generate`'s generations against this decoder's own autoregressive decoding
+        #: and runs the next ones of a batch size plain where drafting lost (:class:`taps.judge.GenerationJudge`);
+        #: None: every generation tuned
+        self.judge: Optional[GenerationJudge] = GenerationJudge() if tuner is not None else None
         #: with a tuner: a drafter group that runs a model and that the tuner chose (its probes apart) on at
         #: most one step in IDLE_SHARE of :meth:`generate`'s for this many generations in a row (of one
         #: verification mode: greedy or sampled; generations of MIN_VERDICT_STEPS steps or more) is left out of
@@ -368,24 +373,46 @@ class SpeculativeDecoder:
             for r in requests:
                 r.stats.finish_reason = "length"
         left_out: List[int] = []
+        judged_plain = False
         if max_new_tokens > 0:
             groups = self._draft_groups()
             tuner = self.tuner
             # prompt lookup is judged only where every request samples (see __init__)
             sampling, free_judged, _ = _sample_modes(sample, len(requests))
-            kept = self._leave_out(groups, sampling, free_judged)
-            left_out = sorted(t for g in groups if g not in kept for t in g.members)
+            # (a tuner of injected costs chooses by them: not judged)
+            judge = self.judge if (tuner is not None and groups and tuner._learns_fix()
+                                   and self.judge is not None and self.judge.judges(len(requests))) else None
+            verdict = (sampling, len(requests))
+            # a generation the judge runs plain: its decoder's own autoregressive decoding (no group started)
+            judged_plain = judge is not None and judge.plain(verdict)
+            kept = [] if judged_plain else self._leave_out(groups, sampling, free_judged)
+            if not judged_plain:
+                left_out = sorted(t for g in groups if g not in kept for t in g.members)
             if tuner is not None and not kept:
                 self.tuner = None  # every group left out: the generation's steps are autoregressive ones
             try:
                 state = self.start(rows, requests, sample, kept, prof, generator=generator, on_tokens=on_tokens)
+                clock = tuner.timer if judge is not None else None
+                began = clock() if clock is not None else 0.0
+                steps: List[Tuple[int, float]] = []
                 while not state.finished:
+                    if judged_plain:
+                        t0, batch = clock(), state.batch
+                        self.step(state)
+                        self._drop_finished(state)
+                        steps.append((batch, clock() - t0))
+                        continue
                     self.step(state)
                     self._drop_finished(state)
+                decoded = clock() - began if clock is not None else 0.0
             finally:
                 self.tuner = tuner
                 for g in groups:
                     g.release()
+            if judged_plain:
+                judge.reference(verdict, steps)
+            elif judge is not None and kept:
+                judge.tuned(verdict, decoded, [len(r.tokens) for r in requests])
             if tuner is not None and kept:
                 self._judge_idle(kept, state, prof.steps, sampling, free_judged)
             elif tuner is not None:  # (each step a plain one: what a tuner's statistics call it)
@@ -399,6 +426,7 @@ class SpeculativeDecoder:
         summary = summarize(stats)
         if self.tuner is not None:
             summary["left_out"] = left_out
+            summary["judged_plain"] = judged_plain
         return GenerateOutput(tokens, text, stats, summary, prof.per_step() if profile else None, prof.steps)
 
     def _leave_out(self, groups: List[DraftGroup], sampling: bool, free_judged: bool) -> List[DraftGroup]:

@@ -1,0 +1,218 @@
+"""The generation judge (taps.judge): its counterfactual replays the decoder's own plain steps, its verdicts run
+losing generations plain (1, 2, 4, ... in a row) and keep winning ones tuned, and a judged-plain generation is the
+decoder's autoregressive decoding (greedy tokens equal, sampled tokens the target's distribution)."""
+
+import time
+
+import pytest
+import torch
+
+from taps import SpeculativeDecoder, Tuner
+from taps import judge as judge_module
+from taps.judge import GenerationJudge
+from taps.tuner import NONE, CostModel
+
+import engine_models as em
+from test_engine_sampling import PROMPT, STEPS, assert_samples_follow
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+KEY = (False, 2)
+
+
+def _reference(judge, key=KEY, rows_seconds=((2, 2.0), (1, 1.0))):
+    judge.reference(key, [(r, s) for r, s in rows_seconds for _ in range(3)])
+
+
+def test_the_replay_counts_steps_rows_and_drops_as_the_decoder():
+    """Autoregressive steps for the emitted token counts: one a token after the prefill's, over the unfinished
+    requests' rows, the finished dropped once they are a quarter of the rows; row counts between the measured
+    ones interpolated, beyond them the nearest."""
+    ref = {1: [1.0, 1], 2: [2.0, 1], 4: [4.0, 1]}
+    # [3, 1]: two steps; request 1 done from the start, dropped after step 1 (1 of 2 rows)
+    assert judge_module._replay(ref, [3, 1]) == pytest.approx(2.0 + 1.0)
+    assert judge_module._replay(ref, [1, 1]) == 0.0
+    # five rows of eight: 8 requests, one ends after 2 tokens (1 of 8: kept), two more after 3 (3 of 8: dropped)
+    assert judge_module._replay({2: [2.0, 1], 8: [5.0, 1]}, [2, 3, 3, 5, 5, 5, 5, 5]) == \
+        pytest.approx(5.0 + 5.0 + 3.5 + 3.5)
+    assert judge_module._replay({3: [3.0, 1]}, [4] * 8) == pytest.approx(9.0)  # (beyond: the nearest)
+
+
+def test_the_replay_matches_a_real_plain_generation(monkeypatch):
+    """A judged-plain generation's steps (rows per step) are those the replay of its emitted counts walks: the
+    same number of steps over the same rows (ragged prompts, requests ending at an EOS at different steps)."""
+    m = em.greedy_models()
+    prompts = [m["seqs"][i, : 4 + i].tolist() for i in range(6)]
+    ref = SpeculativeDecoder(m["target"], [], strategy="autoregressive").generate(prompts, max_new_tokens=30)
+    # an EOS that ends three or more requests at different steps
+    eos = next(t for t in range(96) if len({row.index(t) if t in row else 30 for row in ref.tokens}) >= 4)
+    walked = []
+    monkeypatch.setattr(GenerationJudge, "plain", lambda self, key: True)
+    monkeypatch.setattr(GenerationJudge, "reference", lambda self, key, steps: walked.append([r for r, _ in steps]))
+    dec = SpeculativeDecoder(m["target"], [m["eagle"]], strategy="single", depth=2, top_k=2, budget=5,
+                             tuner=Tuner(CostModel()))
+    out = dec.generate(prompts, max_new_tokens=30, eos_token_id=eos)
+    lengths = [len(t) for t in out.tokens]
+    assert len(set(lengths)) > 2, lengths
+    assert walked == [judge_module._replay_rows(lengths)], (walked, lengths)
+
+
+def test_losing_generations_run_plain_one_two_four_up_to_most():
+    """Tuned generations at twice their counterfactual: each verdict runs 1, 2, 4, then `most` plain ones; the
+    first tuned one is not judged (its one-off costs), and the first reference follows it; by default the first
+    verdict waits for two judged generations."""
+    judge = GenerationJudge(most=4, min_judged=1)
+    assert not judge.plain(KEY)
+    assert judge.tuned(KEY, 100.0, [5, 5]) is None  # (warm-up)
+    assert judge.plain(KEY)  # the first reference
+    _reference(judge)
+    lengths = [5, 5]  # four steps over 2 rows: 8 seconds
+    assert judge.counterfactual(KEY, lengths) == pytest.approx(8.0)
+    runs = []
+    for _ in range(5):
+        assert not judge.plain(KEY)
+        assert judge.tuned(KEY, 16.0, lengths) == pytest.approx(2.0)
+        n = 0
+        while judge.plain(KEY):
+            n += 1
+            _reference(judge)
+        runs.append(n)
+    assert runs == [1, 2, 4, 4, 4]
+    judge = GenerationJudge()
+    judge.tuned(KEY, 100.0, [5, 5])
+    assert judge.plain(KEY)
+    _reference(judge)
+    assert judge.tuned(KEY, 16.0, [5, 5]) == pytest.approx(2.0) and not judge.plain(KEY)
+    judge.tuned(KEY, 16.0, [5, 5])
+    assert judge.plain(KEY) and not judge.plain(KEY)
+
+
+def test_winning_generations_stay_tuned_with_rarer_references():
+    """Tuned generations at half their counterfactual stay tuned; a reference comes after `refresh` of them,
+    the interval doubling (up to `most_refresh`) while they win by more than `clear_win`; one at the
+    counterfactual's time (no clear win) brings the interval back to `refresh`."""
+    judge = GenerationJudge(refresh=2, most_refresh=8, min_judged=1)
+    judge.tuned(KEY, 1.0, [5, 5])
+    assert judge.plain(KEY)
+    _reference(judge)
+    gaps, n = [], 0
+    for _ in range(30):
+        if judge.plain(KEY):
+            gaps.append(n)
+            n = 0
+            _reference(judge)
+        judge.tuned(KEY, 4.0, [5, 5])
+        n += 1
+    assert gaps[:3] == [4, 8, 8], gaps
+    for _ in range(3):
+        judge.tuned(KEY, 8.0, [5, 5])  # (the running ratio back above 1 - clear_win)
+    assert judge.tracks[KEY].refresh == 2 and judge.tracks[KEY].plain_left == 0
+
+
+def test_tuned_generations_before_the_first_reference_are_judged_with_it():
+    judge = GenerationJudge(min_judged=1)
+    judge.tuned(KEY, 1.0, [5, 5])
+    judge.tuned(KEY, 30.0, [5, 5])  # (no reference yet: waits)
+    assert judge.tracks[KEY].plain_left == 0
+    _reference(judge)
+    assert judge.tracks[KEY].plain_left == 1 and judge.tracks[KEY].ratio == pytest.approx(30.0 / 8.0)
+    assert judge.state(KEY)["reference"] == {1: 1.0, 2: 2.0}
+    assert judge.state((True, 2)) == {} and judge.counterfactual((True, 2), [3]) is None
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(most=0), "most must be an integer >= 1"), (dict(refresh=1.5), "refresh must be an integer"),
+    (dict(most_refresh=True), "most_refresh must be an integer"), (dict(alpha=0), "alpha must be in"),
+    (dict(alpha=float("nan")), "alpha must be in"), (dict(alpha_reference=1.5), "alpha_reference must be in"),
+    (dict(margin=-0.1), "margin and clear_win must be in"), (dict(clear_win=1.0), "margin and clear_win must be in"),
+    (dict(min_batch=0), "min_batch must be an integer >= 1"), (dict(min_judged=0), "min_judged must be an integer")])
+def test_bad_settings_are_refused(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        GenerationJudge(**kwargs)
+
+
+class _AlwaysDraft(Tuner):
+    """Measured costs (the judge needs them; its own cost model, not the one shared by the decoders of these
+    models: the slow drafts below must not price theirs), but a draft chosen at every step whatever it costs."""
+
+    def __init__(self):
+        super().__init__(CostModel())
+
+    def choose(self, options):
+        super().choose(options)
+        self.probing = False
+        return max((o for o in options if o[0].drafters), key=lambda o: o[0].budget)[0]
+
+
+def _slow(dec, delay=0.004):
+    """`dec` with every draft of its drafter groups spinning `delay` seconds more."""
+    for group in dec._draft_groups():
+        draft = group.draft
+
+        def slow(*args, draft=draft, **kwargs):
+            end = time.perf_counter() + delay
+            while time.perf_counter() < end:
+                pass
+            return draft(*args, **kwargs)
+        group.draft = slow
+    return dec
+
+
+def test_a_decoder_whose_drafts_lose_runs_its_next_generations_plain(monkeypatch):
+    """A tuner that drafts every step with a drafter several plain steps slow: after the warm-up generation and
+    the first reference, two tuned generations are judged a loss, then each one, and the next 1, 2, 4 ones run
+    plain: no group
+    started, every step a plain one, the greedy output the target's; a decoder with ``judge=None`` drafts on."""
+    m = em.greedy_models()
+    prompts = [m["seqs"][i, :6].tolist() for i in range(2)]
+    ref = SpeculativeDecoder(m["target"], [], strategy="autoregressive").generate(prompts, max_new_tokens=20)
+    dec = _slow(SpeculativeDecoder(m["target"], [m["eagle"]], strategy="single", depth=2, top_k=2, budget=4,
+                                   tuner=_AlwaysDraft()))
+    plain = []
+    for i in range(11):
+        out = dec.generate(prompts, max_new_tokens=20)
+        assert out.tokens == ref.tokens, i
+        plain.append(out.summary["judged_plain"])
+        if plain[-1]:
+            assert out.summary["shape_histogram"] == {"none": out.steps * 2} and out.summary["left_out"] == []
+            assert out.summary["tau"] == 1.0
+        else:
+            assert "none" not in out.summary["shape_histogram"]
+    assert plain == [False, True, False, False, True, False, True, True, False, True, True], plain
+    assert dec.judge.state(KEY)["ratio"] > 1.5
+    dec.judge = None
+    assert not any(dec.generate(prompts, max_new_tokens=20).summary["judged_plain"] for _ in range(3))
+
+
+def test_a_single_request_is_not_judged():
+    """At a batch of 1 (below min_batch) drafts that lose are not judged: every generation tuned."""
+    m = em.greedy_models()
+    dec = _slow(SpeculativeDecoder(m["target"], [m["eagle"]], strategy="single", depth=2, top_k=2, budget=4,
+                                   tuner=_AlwaysDraft()))
+    outs = [dec.generate([m["seqs"][0, :6].tolist()], max_new_tokens=12) for _ in range(5)]
+    assert not any(o.summary["judged_plain"] for o in outs) and dec.judge.tracks == {}
+    assert not dec.judge.judges(1) and dec.judge.judges(2)
+
+
+def test_injected_costs_are_not_judged():
+    """A tuner of injected costs (FixedCosts) chooses by them: its generations are never judged plain."""
+    from taps.tuner import FixedCosts
+
+    m = em.greedy_models()
+    prompts = [m["seqs"][i, :6].tolist() for i in range(2)]
+    dec = _slow(SpeculativeDecoder(m["target"], [m["eagle"]], strategy="single", depth=2, top_k=2, budget=4,
+                                   tuner=Tuner(FixedCosts(lambda n, b: 1e-3, lambda g, d, b: 1e-6))))
+    outs = [dec.generate(prompts, max_new_tokens=12) for _ in range(6)]
+    assert not any(o.summary["judged_plain"] for o in outs) and dec.judge.tracks == {}
+
+
+def test_a_judged_plain_generation_samples_the_target(monkeypatch):
+    """A sampled generation the judge runs plain follows the target's distribution (chi-square)."""
+    monkeypatch.setattr(GenerationJudge, "plain", lambda self, key: True)
+    m = em.sampling_models()
+    dec = SpeculativeDecoder(m["target"], [m["eagle"]], strategy="single", depth=3, top_k=2, budget=6,
+                             tuner=Tuner(CostModel()))
+    out = dec.generate([PROMPT] * 2000, max_new_tokens=STEPS, temperature=1.0, seed=79)
+    assert out.summary["judged_plain"] and out.summary["shape_histogram"] == {"none": 2000 * (STEPS - 1)}
+    assert_samples_follow(out.tokens, PROMPT, 1.0, 0, 1.0, what="judged plain: ")
+    assert NONE.label == "none"
