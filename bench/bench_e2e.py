@@ -27,8 +27,13 @@ prompt): a difference inside the control row's range is noise.
 Table 1b (``--batch N``): the prompts (the GSM8K ones first, then the MT-Bench ones) decoded as one ragged
 batch of N (``--prompts`` per benchmark defaults to N / 2 here), every row's tokens/s against taps
 autoregressive decoding of the same batch (HF ``generate`` is not run; a second autoregressive decoder, the
-control row, shows the measurement's noise); rows in interleaved rounds, each row's median and fastest round; whether each row's output equals autoregressive decoding token for token
-(at T=0); for the auto rows the draft shapes chosen most often. Tree forwards of ragged trees run packed (each
+control row, shows the measurement's noise); rows in interleaved rounds, each row's median round, all its rounds
+together (its tokens over its time) and its fastest round; whether each row's output equals autoregressive
+decoding token for token
+(at T=0); for the auto rows how many rounds their generation judge ran plain (``taps.judge``: a batch size where
+drafting lost runs its next generations as the decoder's autoregressive decoding, so the median round of a row
+that loses is a plain one; the warm-up generation counts towards the judge's schedule) and the draft shapes
+chosen most often in the last round. Tree forwards of ragged trees run packed (each
 request's real nodes only, ``SpeculativeDecoder.pack_trees``); ``--no-pack`` runs them over the padded grid.
 
 Table 2 (``--profile``, one per temperature): where a taps step's time goes (``generate(profile=True)``), ms per
@@ -321,10 +326,14 @@ def batch_table(args, device, dtype) -> None:
             if not auto and args.batch_auto_only:
                 continue
             own = row_settings(row, settings, args)
-            kw = dict(own, tuner=Tuner(timer=tuner_clock(args, clock))) if auto else own
-            dec = SpeculativeDecoder(target, make_drafters(names, drafters, args, models), strategy=strategy, **kw)
-            dec.pack_trees = not args.no_pack
-            decoders[f"{row} auto" if auto else row] = dec
+            # with --judge both, each auto row twice: with its generation judge and without (taps.judge)
+            for judged in ((True, False) if auto and args.judge == "both" else (args.judge != "off",)):
+                kw = dict(own, tuner=Tuner(timer=tuner_clock(args, clock))) if auto else own
+                dec = SpeculativeDecoder(target, make_drafters(names, drafters, args, models), strategy=strategy, **kw)
+                dec.pack_trees = not args.no_pack
+                if not judged:
+                    dec.judge = None
+                decoders[(f"{row} auto" if auto else row) + ("" if judged or not auto else ", no judge")] = dec
     print(f"device {device}, {torch.get_num_threads()} thread(s), {str(dtype).replace('torch.', '')}; "
           f"shipped target + {args.family} drafters; one ragged batch of {len(prompts)} prompts (prompt lengths "
           f"{[len(p) for p in prompts]}), {args.new_tokens} new tokens; draft vocabulary {args.draft_vocab or 'full'}")
@@ -335,6 +344,7 @@ def batch_table(args, device, dtype) -> None:
         for dec in decoders.values():  # warm-up (a tuner calibrates here)
             run(dec)
         times = {n: [] for n in decoders}
+        plain = {n: 0 for n in decoders}  # rounds the generation judge ran plain (taps.judge)
         outputs = {}
         items = list(decoders.items())
         for rnd in range(args.repeats):
@@ -345,11 +355,13 @@ def batch_table(args, device, dtype) -> None:
                 out = run(dec)
                 _sync()
                 times[name].append(clock() - t0)
+                plain[name] += bool(out.summary.get("judged_plain"))
                 outputs[name] = out
         ref = outputs["autoregressive"].tokens
         tokens = {n: sum(len(t) for t in o.tokens) for n, o in outputs.items()}
         base_med = tokens["autoregressive"] / statistics.median(times["autoregressive"])
         base_best = tokens["autoregressive"] / min(times["autoregressive"])
+        base_all = tokens["autoregressive"] * args.repeats / sum(times["autoregressive"])
         rows = []
         for name, out in outputs.items():
             med = tokens[name] / statistics.median(times[name])
@@ -364,10 +376,15 @@ def batch_table(args, device, dtype) -> None:
             same = "-"
             if temperature == 0:
                 same = "yes" if out.tokens == ref else f"NO ({sum(a != b for a, b in zip(out.tokens, ref))} differ)"
-            rows.append([name, f"{med:.0f}", f"{med / base_med:.3f}x", f"{best / base_best:.3f}x", f"{paired:.3f}x",
-                         f"{out.summary.get('tau', 0):.2f}", out.steps, same, shapes])
-        print_table(["row", "tokens/s (median)", "vs AR (medians)", "vs AR (fastest)", "vs AR (paired rounds)",
-                     "tau", "steps", "= AR", "auto: top shapes"], rows,
+            # every round's tokens over every round's time (what a user running the row this long gets)
+            whole = tokens[name] * args.repeats / sum(times[name]) / base_all
+            rows.append([name, f"{med:.0f}", f"{med / base_med:.3f}x", f"{whole:.3f}x", f"{best / base_best:.3f}x",
+                         f"{paired:.3f}x",
+                         f"{out.summary.get('tau', 0):.2f}", out.steps, same,
+                         f"{plain[name]}/{args.repeats}" if decoders[name].judge is not None else "-", shapes])
+        print_table(["row", "tokens/s (median)", "vs AR (medians)", "vs AR (all rounds)", "vs AR (fastest)",
+                     "vs AR (paired rounds)",
+                     "tau", "steps", "= AR", "judged plain", "auto: top shapes (last round)"], rows,
                     title=f"Ragged batch of {len(prompts)}, T={temperature:g} ({args.repeats} interleaved rounds; "
                           f"{args.clock} time)")
 
@@ -491,6 +508,9 @@ def main() -> None:
                     help="N > 0: the ragged-batch table instead (GSM8K then MT-Bench prompts as one batch of N, "
                          "every row against taps autoregressive)")
     ap.add_argument("--batch-auto-only", action="store_true", help="batch table: the auto rows only")
+    ap.add_argument("--judge", choices=("on", "off", "both"), default="on",
+                    help="batch table: the auto rows' generation judge (taps.judge; on: the default decoder), off, "
+                         "or both side by side (each auto row twice)")
     ap.add_argument("--no-pack", action="store_true",
                     help="batch table: tree forwards over the padded [B, N] grid (SpeculativeDecoder.pack_trees "
                          "off), to compare with the packed default")
