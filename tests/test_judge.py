@@ -9,7 +9,7 @@ import torch
 
 from taps import SpeculativeDecoder, Tuner
 from taps import judge as judge_module
-from taps.judge import GenerationJudge
+from taps.judge import GenerationJudge, WindowJudge
 from taps.tuner import NONE, CostModel
 
 import engine_models as em
@@ -144,17 +144,18 @@ class _AlwaysDraft(Tuner):
         return max((o for o in options if o[0].drafters), key=lambda o: o[0].budget)[0]
 
 
-def _slow(dec, delay=0.004):
-    """`dec` with every draft of its drafter groups spinning `delay` seconds more."""
-    for group in dec._draft_groups():
-        draft = group.draft
+def _slow(dec, monkeypatch, delay=0.004):
+    """`dec` with every draft of its drafter groups' class spinning `delay` seconds more (patched on the class: a
+    continuous batch drafts with groups spawned from the decoder's)."""
+    cls = type(dec._draft_groups()[0])
+    draft = cls.draft
 
-        def slow(*args, draft=draft, **kwargs):
-            end = time.perf_counter() + delay
-            while time.perf_counter() < end:
-                pass
-            return draft(*args, **kwargs)
-        group.draft = slow
+    def slow(self, *args, **kwargs):
+        end = time.perf_counter() + delay
+        while time.perf_counter() < end:
+            pass
+        return draft(self, *args, **kwargs)
+    monkeypatch.setattr(cls, "draft", slow)
     return dec
 
 
@@ -167,7 +168,7 @@ def test_a_decoder_whose_drafts_lose_runs_its_next_generations_plain(monkeypatch
     prompts = [m["seqs"][i, :6].tolist() for i in range(2)]
     ref = SpeculativeDecoder(m["target"], [], strategy="autoregressive").generate(prompts, max_new_tokens=20)
     dec = _slow(SpeculativeDecoder(m["target"], [m["eagle"]], strategy="single", depth=2, top_k=2, budget=4,
-                                   tuner=_AlwaysDraft()))
+                                   tuner=_AlwaysDraft()), monkeypatch)
     plain = []
     for i in range(11):
         out = dec.generate(prompts, max_new_tokens=20)
@@ -184,24 +185,24 @@ def test_a_decoder_whose_drafts_lose_runs_its_next_generations_plain(monkeypatch
     assert not any(dec.generate(prompts, max_new_tokens=20).summary["judged_plain"] for _ in range(3))
 
 
-def test_a_single_request_is_not_judged():
+def test_a_single_request_is_not_judged(monkeypatch):
     """At a batch of 1 (below min_batch) drafts that lose are not judged: every generation tuned."""
     m = em.greedy_models()
     dec = _slow(SpeculativeDecoder(m["target"], [m["eagle"]], strategy="single", depth=2, top_k=2, budget=4,
-                                   tuner=_AlwaysDraft()))
+                                   tuner=_AlwaysDraft()), monkeypatch)
     outs = [dec.generate([m["seqs"][0, :6].tolist()], max_new_tokens=12) for _ in range(5)]
     assert not any(o.summary["judged_plain"] for o in outs) and dec.judge.tracks == {}
     assert not dec.judge.judges(1) and dec.judge.judges(2)
 
 
-def test_injected_costs_are_not_judged():
+def test_injected_costs_are_not_judged(monkeypatch):
     """A tuner of injected costs (FixedCosts) chooses by them: its generations are never judged plain."""
     from taps.tuner import FixedCosts
 
     m = em.greedy_models()
     prompts = [m["seqs"][i, :6].tolist() for i in range(2)]
     dec = _slow(SpeculativeDecoder(m["target"], [m["eagle"]], strategy="single", depth=2, top_k=2, budget=4,
-                                   tuner=Tuner(FixedCosts(lambda n, b: 1e-3, lambda g, d, b: 1e-6))))
+                                   tuner=Tuner(FixedCosts(lambda n, b: 1e-3, lambda g, d, b: 1e-6))), monkeypatch)
     outs = [dec.generate(prompts, max_new_tokens=12) for _ in range(6)]
     assert not any(o.summary["judged_plain"] for o in outs) and dec.judge.tracks == {}
 
@@ -216,3 +217,167 @@ def test_a_judged_plain_generation_samples_the_target(monkeypatch):
     assert out.summary["judged_plain"] and out.summary["shape_histogram"] == {"none": 2000 * (STEPS - 1)}
     assert_samples_follow(out.tokens, PROMPT, 1.0, 0, 1.0, what="judged plain: ")
     assert NONE.label == "none"
+
+
+# -- a continuous batch's windows (WindowJudge) ---------------------------------------------------------------------
+
+def _window_steps(judge, steps, tuned_seconds, plain_seconds=1.0, rows=2, tokens=4):
+    """Run `steps` steps through `judge`: a plain step over `rows` rows emits one token each in `plain_seconds`, a
+    tuned one `tokens` in `tuned_seconds`; the kinds of the steps."""
+    kinds = []
+    for _ in range(steps):
+        plain = judge.plain()
+        kinds.append("p" if plain else "t")
+        judge.record(rows, rows, rows if plain else tokens, plain_seconds if plain else tuned_seconds)
+    return "".join(kinds)
+
+
+def test_windows_that_lose_run_plain_windows_one_two_four():
+    """Windows of 2 steps: the first tuned window is not judged, the next is a reference; tuned windows at twice
+    the seconds of plain steps for their tokens (4 tokens in 4 s against 2 in 1 s) are judged losses from the
+    second, then 1, 2, 4 plain windows follow each."""
+    judge = WindowJudge(window=2)
+    kinds = _window_steps(judge, 40, tuned_seconds=4.0)
+    assert kinds == "tt" "pp" "tt" "tt" "pp" "tt" "pppp" "tt" "pppppppp" "tt" + "p" * 12, kinds
+    assert judge.state()["ratio"] == pytest.approx(2.0) and judge.state()["reference"] == {2: 1.0}
+    assert judge.windows == {"plain": 14, "tuned": 6}
+
+
+def test_windows_that_win_stay_tuned():
+    """Tuned windows at half the seconds of plain steps for their tokens: references after 8, then 16 tuned
+    windows (the interval, 4, doubling at the first verdict after each reference while they win clearly)."""
+    judge = WindowJudge(window=1)
+    kinds = _window_steps(judge, 40, tuned_seconds=1.0)
+    assert kinds == "tp" + "t" * 8 + "p" + "t" * 16 + "p" + "t" * 12, kinds
+
+
+def test_window_judge_settings_are_checked():
+    for kwargs in (dict(window=0), dict(window=2.5), dict(most=0), dict(alpha=2)):
+        with pytest.raises(ValueError, match="WindowJudge"):
+            WindowJudge(**kwargs)
+
+
+def test_a_continuous_batch_whose_drafts_lose_runs_plain_windows(monkeypatch):
+    """A continuous batch over a decoder that drafts every step with a drafter several plain steps slow: its
+    window judge runs plain windows (their steps plain: no draft, tau 1 on them), and every request's tokens are
+    its greedy decoding; ``judge=None`` drafts every step; the default judge exists only for a tuner that measures
+    its costs."""
+    from taps.batching import ContinuousBatch, SamplingParams
+    from taps.tuner import FixedCosts
+
+    m = em.greedy_models()
+    prompts = [m["seqs"][i, :6].tolist() for i in range(6)]
+    ref = SpeculativeDecoder(m["target"], [], strategy="autoregressive").generate(prompts, max_new_tokens=24)
+    for judge in (WindowJudge(window=4), None):
+        dec = _slow(SpeculativeDecoder(m["target"], [m["eagle"]], strategy="single", depth=2, top_k=2, budget=4,
+                                       tuner=_AlwaysDraft()), monkeypatch)
+        batch = ContinuousBatch(dec, max_batch=2, judge=judge)
+        tokens, shapes = {}, {}
+        for i in range(24):
+            batch.add(i, prompts[i % 6], SamplingParams(max_new_tokens=24))
+        while batch:
+            for ev in batch.step():
+                tokens.setdefault(ev.request_id, []).extend(ev.tokens)
+                if ev.finish_reason is not None:
+                    shapes[ev.request_id] = ev.stats.draft_shapes
+        assert all(tokens[i] == ref.tokens[i % 6] for i in range(24))
+        plain = sum(s.count("none") for s in shapes.values())
+        if judge is None:
+            assert plain == 0
+        else:
+            assert judge.windows["plain"] >= 4 and judge.windows["plain"] > judge.windows["tuned"] - 3, judge.windows
+            assert plain >= 4 * 4, plain
+            assert judge.state()["ratio"] > 1.5
+    assert isinstance(ContinuousBatch(dec).judge, WindowJudge)
+    fixed = SpeculativeDecoder(m["target"], [m["eagle"]], strategy="single", depth=2, top_k=2, budget=4,
+                               tuner=Tuner(FixedCosts(lambda n, b: 1e-3, lambda g, d, b: 1e-6)))
+    assert ContinuousBatch(fixed).judge is None
+    assert ContinuousBatch(SpeculativeDecoder(m["target"], [], strategy="autoregressive")).judge is None
+    for bad in ("on", 3, GenerationJudge()):
+        with pytest.raises(ValueError, match="judge must be 'auto', None or a taps.judge.WindowJudge"):
+            ContinuousBatch(dec, judge=bad)
+
+
+class _Alternating(WindowJudge):
+    """A window judge that makes every other step a plain one (whatever the steps' times)."""
+
+    def __init__(self):
+        super().__init__(window=1)
+        self.count = 0
+
+    def plain(self):
+        self.count += 1
+        self._plain = self.count % 2 == 0
+        return self._plain
+
+    def record(self, rows, active, tokens, seconds):
+        pass
+
+
+def test_plain_steps_between_drawn_drafts_sample_the_target():
+    """A continuous batch of seeded sampled requests joining at different steps, whose steps alternate between a
+    tuner's random shapes (drawn trees among them: their distributions must not reach the plain step after) and
+    plain ones: every request's tokens follow the target's distribution (chi-square)."""
+    from collections import Counter
+
+    from sampling_checks import assert_counts, spec_probs
+    from taps.batching import ContinuousBatch, SamplingParams
+    from test_tuner import Cycling
+
+    m = em.sampling_models()
+    steps, temperature = 3, 1.0
+    tuner = Cycling()
+    dec = SpeculativeDecoder(m["target"], [m["eagle"]], strategy="single", depth=3, top_k=3, budget=10, tuner=tuner)
+    batch = ContinuousBatch(dec, max_batch=24, judge=_Alternating())
+    prompt, samples = [3, 9, 1, 30], 1500
+    tokens, added, step = {}, 0, 0
+    while added < samples or batch:
+        for _ in range(20 if added < samples else 0):
+            batch.add(added, prompt, SamplingParams(steps, temperature, seed=added, eos_token_id=[]))
+            added += 1
+        for ev in batch.step():
+            tokens.setdefault(ev.request_id, []).extend(ev.tokens)
+        step += 1
+    assert any(s.drawn for s in tuner.seen) and batch.judge.count > 100
+    joint = em.exact_joint(m["target"], prompt, steps, lambda row: spec_probs(row, temperature, 0, 1.0))
+    counts = Counter(tuple(tokens[i]) for i in range(samples))
+    assert not [s for s in counts if s not in joint]
+    cells = list(joint)
+    assert_counts([counts.get(c, 0) for c in cells], [joint[c] for c in cells], what="plain steps between drafts: ")
+
+
+class _Script(WindowJudge):
+    """A window judge whose steps follow `kinds` ("t" tuned, "p" plain), then tuned."""
+
+    def __init__(self, kinds):
+        super().__init__(window=1)
+        self.kinds = list(kinds)
+
+    def plain(self):
+        self._plain = bool(self.kinds) and self.kinds.pop(0) == "p"
+        return self._plain
+
+    def record(self, rows, active, tokens, seconds):
+        pass
+
+
+def test_a_plain_step_after_a_drawn_draft_and_a_drop():
+    """A drawn tree's distributions stay with its step: a request that ends in it leaves the batch, and the plain
+    step after (one row fewer) verifies without them (a load test's server had failed there: draft_probs of 8 rows
+    against logits of 7)."""
+    from taps.batching import ContinuousBatch, SamplingParams
+    from test_tuner import _WideRoot
+
+    m = em.sampling_models()
+    dec = SpeculativeDecoder(m["target"], [m["eagle"]], strategy="single", depth=3, top_k=3, budget=10,
+                             tuner=_WideRoot())
+    batch = ContinuousBatch(dec, max_batch=4, judge=_Script("tpp"))
+    batch.add("short", PROMPT, SamplingParams(2, 1.0, seed=1, eos_token_id=[]))
+    batch.add("long", PROMPT, SamplingParams(6, 1.0, seed=2, eos_token_id=[]))
+    tokens, rows = {}, []
+    while batch:
+        rows.append(batch.num_running)
+        for ev in batch.step():
+            tokens.setdefault(ev.request_id, []).extend(ev.tokens)
+    assert len(tokens["short"]) == 2 and len(tokens["long"]) == 6
+    assert rows[:2] == [0, 1], rows  # (both admitted at the first step, the short one gone after it)

@@ -679,6 +679,17 @@ def test_retire_after_reaches_the_decoders(models, setting, want):
     assert decoder.retire_after == (RETIRE_AFTER if want == "default" else want)
 
 
+@pytest.mark.parametrize("setting,want", [(None, 32), ("never", None), (5, 5)])
+def test_judge_window_reaches_the_batches(models, setting, want):
+    """ServeConfig.judge_window (--judge-window) gives each tuned batch a WindowJudge of that many steps, none for
+    "never"."""
+    config = ServeConfig(dtype="fp32") if setting is None else ServeConfig(dtype="fp32", judge_window=setting)
+    with BackgroundServer(config, models=models) as s:
+        client_of(s).chat.completions.create(model="taps-mini", messages=QUESTION, max_tokens=4)
+        (batch,) = s.service.engine._batches.values()
+    assert (None if batch.judge is None else batch.judge.window) == want
+
+
 def test_engine_kind():
     """Where the decoding loop runs: "auto" is a process unless the caller passes loaded models; "process"
     with loaded models is refused (a child process cannot share them)."""

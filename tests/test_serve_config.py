@@ -221,6 +221,24 @@ def test_retire_after(tmp_path):
         settings(tmp_path, ["--retire-after", "0"])
 
 
+def test_judge_window(tmp_path):
+    from taps.judge import WindowJudge
+
+    cfg = settings(tmp_path, [])
+    assert cfg.judge_window == 32 and isinstance(cfg.judge, WindowJudge) and cfg.judge.window == 32
+    assert cfg.judge is not cfg.judge  # (a judge per batch)
+    assert settings(tmp_path, ["--judge-window", "8"]).judge.window == 8
+    assert settings(tmp_path, ["--judge-window", "never"]).judge is None
+    assert settings(tmp_path, [], 'judge_window = "never"').judge_window == "never"
+    assert settings(tmp_path, [], "judge_window = 64").judge_window == 64
+    with pytest.raises(ValueError, match="judge_window .or 'never'. must be"):
+        settings(tmp_path, [], "judge_window = 0")
+    with pytest.raises(ValueError, match="judge_window"):
+        settings(tmp_path, [], 'judge_window = "later"')
+    with pytest.raises(SystemExit):
+        settings(tmp_path, ["--judge-window", "-1"])
+
+
 def test_engine(tmp_path):
     assert settings(tmp_path, []).engine == "auto"
     assert settings(tmp_path, ["--engine", "thread"]).engine == "thread"

@@ -15,7 +15,9 @@ Each :meth:`ContinuousBatch.step`:
    joins after the running rows (:meth:`SpeculativeDecoder.join`; caches of different capacity are joined
    at the larger one);
 3. runs one verification step (:meth:`SpeculativeDecoder.step`) over every running request, and drops
-   the ones that finished (EOS, ``max_new_tokens``).
+   the ones that finished (EOS, ``max_new_tokens``). With a tuner that measures its costs, a
+   :class:`taps.judge.WindowJudge` (``judge=``) runs windows of steps plain (:meth:`SpeculativeDecoder.plain_step`)
+   where the tuner's windows gave fewer tokens a second than plain ones.
 
 It returns an event per request that received tokens or finished in that call. Verification is per
 request, so every request's output distribution is the target's own whatever its neighbours: at
@@ -41,6 +43,7 @@ from typing import Deque, Dict, Hashable, List, Optional, Sequence, Union
 import torch
 
 from .decoder import DecodeState, RequestState, SpeculativeDecoder, check_max_new_tokens
+from .judge import WindowJudge
 from .stats import Profiler, RequestStats
 
 __all__ = ["SamplingParams", "StepEvent", "ContinuousBatch"]
@@ -100,11 +103,18 @@ class ContinuousBatch:
         max_batch: requests running at once (the others wait).
     """
 
-    def __init__(self, decoder: SpeculativeDecoder, max_batch: int = 16):
+    def __init__(self, decoder: SpeculativeDecoder, max_batch: int = 16, judge: Union[WindowJudge, None, str] = "auto"):
         if isinstance(max_batch, bool) or not isinstance(max_batch, int) or max_batch < 1:
             raise ValueError(f"max_batch must be an integer >= 1, got {max_batch!r}")
         self.decoder = decoder
         self.max_batch = max_batch
+        if isinstance(judge, str) and judge != "auto" or not (judge is None or isinstance(judge, (str, WindowJudge))):
+            raise ValueError(f"judge must be 'auto', None or a taps.judge.WindowJudge, got {judge!r}")
+        if judge == "auto":  # a decoder whose tuner measures its costs (not injected ones)
+            tuner = decoder.tuner
+            judge = WindowJudge() if tuner is not None and tuner._learns_fix() else None
+        #: windows of steps judged against plain ones (taps.judge.WindowJudge; None: every step the tuner's)
+        self.judge: Optional[WindowJudge] = judge
         self.state: Optional[DecodeState] = None
         self._waiting: Deque[tuple] = deque()
         self._known: Dict[Hashable, str] = {}  # request id -> "waiting" | "running"
@@ -164,7 +174,21 @@ class ContinuousBatch:
         self._admit()
         state = self.state
         if state is not None and not state.finished:
-            self.decoder.step(state)
+            judge = self.judge
+            if judge is None or self.decoder.tuner is None:
+                self.decoder.step(state)
+            else:
+                # (the clock read around the step alone: admissions' prefills are no step's cost)
+                plain, clock = judge.plain(), self.decoder.tuner.timer
+                rows, active = state.batch, len(state.active())
+                before = sum(len(r.tokens) for r in state.requests)
+                t0 = clock()
+                if plain:
+                    self.decoder.plain_step(state)
+                else:
+                    self.decoder.step(state)
+                seconds = clock() - t0
+                judge.record(rows, active, sum(len(r.tokens) for r in state.requests) - before, seconds)
         self._drop_finished()
         return list(self._events.values())
 

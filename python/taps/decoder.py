@@ -731,11 +731,23 @@ class SpeculativeDecoder:
         tuner.observe(NONE, [None] * state.batch, 0, 1.0, state.batch, mean,
                       {part: (max(mean - tuner.costs.rest(NONE.key), 0.0), predicted)}, [], drafting=(0, 0))
 
+    def plain_step(self, state: "DecodeState") -> None:
+        """A plain step of every unfinished request of `state` outside the tuner's plans (a
+        :class:`taps.judge.WindowJudge`'s plain window): the target's one-token forward and verification, the
+        commit, the tokens read back, the groups' appends queued (or kept current: a drafted step later resumes
+        where they are), the statistics; no plan, draft or tuner observation (a run of coasting steps the tuner
+        times starts over after it)."""
+        state.prof.steps += 1
+        state.coast_block = None
+        self._plain_step(state)
+
     def _plain_step(self, state: "DecodeState") -> None:
         """A coasting step the tuner does not time (:meth:`_coasts`, :meth:`Tuner.observes`): what
         :meth:`step` does for a plain step, without the phases that do nothing in it (retiring, drafting,
         a tree, timing): the target's one-token forward and verification, the commit, the tokens read back,
         the groups' queued appends, the statistics."""
+        # (no draft's distributions nor a drawn chain's layout carried over from a drafted step before it)
+        state.draft_probs, state.chain = None, False
         tree = root_tree(state.root)
         nodes = [1] * state.batch
         fwd, ver = self._verify(state, tree, nodes)

@@ -7,7 +7,8 @@ the tuned rows ran at 0.86-0.95x the decoder's autoregressive throughput while t
 steps by their tuner ran at 0.94-0.98x (bf16, Zen 4; bench/RESULTS.md). The judge measures what no prediction
 gives: how long a generation took against how long plain steps would have taken for the same tokens, and runs
 the next generations of that batch size as autoregressive ones (no drafter started or kept current: the
-decoder's lean plain steps) where drafting lost.
+decoder's lean plain steps) where drafting lost. :class:`WindowJudge` does the same for a continuous batch
+(``taps.batching.ContinuousBatch``, the server's) over windows of steps.
 """
 
 from __future__ import annotations
@@ -16,27 +17,121 @@ import bisect
 from dataclasses import dataclass, field
 from typing import Dict, Hashable, List, Optional, Sequence, Tuple
 
-__all__ = ["GenerationJudge"]
+__all__ = ["GenerationJudge", "WindowJudge"]
 
 
 @dataclass
 class _Track:
-    """One (verification mode, batch size)'s judgement: see :class:`GenerationJudge`."""
+    """One judgement's state (a GenerationJudge keeps one per verification mode and batch size, a WindowJudge one)."""
 
-    #: plain step seconds by rows, from the reference generations: rows -> [weighted seconds, weight]
+    #: plain step seconds by rows, from the reference runs: rows -> [running mean seconds, steps measured]
     reference: Dict[int, List[float]] = field(default_factory=dict)
-    ratio: Optional[float] = None  # running ratio of tuned generations' seconds to their plain counterfactual
-    plain_left: int = 0  # plain generations to run before the next tuned one
-    losses: int = 0  # judgements in a row that drafting lost (the plain run doubles with each)
-    tuned: int = 0  # tuned generations since the last reference generation
-    refresh: int = 0  # tuned generations between reference generations (0: the judge's own refresh)
-    waiting: List[Tuple[float, Tuple[int, ...]]] = field(default_factory=list)  # tuned ones not judged yet
-    warm: bool = False  # a tuned generation ran (the first is not judged: see GenerationJudge.tuned)
+    ratio: Optional[float] = None  # running ratio of tuned runs' seconds to their plain counterfactual
+    plain_left: int = 0  # plain runs to make before the next tuned one
+    losses: int = 0  # verdicts in a row that drafting lost (the plain run doubles with each)
+    tuned: int = 0  # tuned runs since the last reference
+    refresh: int = 0  # tuned runs between references
+    waiting: List[Tuple[float, Dict[int, float]]] = field(default_factory=list)  # tuned runs not judged yet
+    warm: bool = False  # a tuned run was made (the first is not judged: it pays one-off costs)
     doubled: bool = False  # the refresh interval doubled since the last reference
-    judged: int = 0  # tuned generations judged
+    judged: int = 0  # tuned runs judged
 
 
-class GenerationJudge:
+class _Judge:
+    """The verdicts both judges reach over their *runs* (whole generations, or windows of steps): see
+    :class:`GenerationJudge`."""
+
+    def __init__(self, margin: float = 0.02, most: int = 16, refresh: int = 4, most_refresh: int = 64,
+                 clear_win: float = 0.15, alpha: float = 0.5, alpha_reference: float = 0.3, min_judged: int = 2):
+        for name, value, low in (("most", most, 1), ("refresh", refresh, 1), ("most_refresh", most_refresh, 1),
+                                 ("min_judged", min_judged, 1)):
+            _check_int(name, value, low, type(self).__name__)
+        for name, value in (("alpha", alpha), ("alpha_reference", alpha_reference)):
+            if not 0 < value <= 1:
+                raise ValueError(f"{type(self).__name__}: {name} must be in (0, 1], got {value!r}")
+        if not 0 <= margin < 1 or not 0 <= clear_win < 1:
+            raise ValueError(f"{type(self).__name__}: margin and clear_win must be in [0, 1), got {margin!r}, "
+                             f"{clear_win!r}")
+        self.margin, self.most, self.refresh = float(margin), int(most), int(refresh)
+        self.most_refresh, self.clear_win = max(int(most_refresh), int(refresh)), float(clear_win)
+        self.alpha, self.alpha_reference, self.min_judged = float(alpha), float(alpha_reference), int(min_judged)
+
+    def _new_track(self) -> _Track:
+        return _Track(refresh=self.refresh)
+
+    def _next_plain(self, track: _Track) -> bool:
+        """Whether the next run is plain (a reference): while a verdict's plain runs last; the first reference after
+        the first tuned run (a single run stays tuned), then one every `refresh` tuned ones."""
+        if track.plain_left > 0:
+            track.plain_left -= 1
+            return True
+        return track.tuned >= (1 if not track.reference else track.refresh)
+
+    def _tuned(self, track: _Track, seconds: float, weights: Dict[int, float]) -> Optional[float]:
+        """A tuned run took `seconds` for what plain steps would have done in ``weights[rows]`` steps over each
+        number of rows: its ratio to that counterfactual, or None (the first run; no reference yet: judged when one
+        comes)."""
+        track.tuned += 1
+        if not track.warm:
+            # the first is not judged: its steps paid the one-off costs (the drafters' starts and calibration, the
+            # kernels a CPU library builds for each new product shape: 3x the later generations' decoding here)
+            track.warm = True
+            return None
+        if not track.reference:
+            track.waiting = (track.waiting + [(float(seconds), dict(weights))])[-4:]
+            return None
+        return self._judge(track, seconds, weights)
+
+    def _reference(self, track: _Track, steps: Sequence[Tuple[int, float]]) -> None:
+        """A plain run's steps: (rows, seconds) each."""
+        track.tuned = 0
+        track.doubled = False
+        sums: Dict[int, List[float]] = {}
+        for rows, seconds in steps:
+            total = sums.setdefault(int(rows), [0.0, 0])
+            total[0] += seconds
+            total[1] += 1
+        for rows, (total, count) in sums.items():
+            mean = total / count
+            old = track.reference.get(rows)
+            track.reference[rows] = [mean, count] if old is None else \
+                [old[0] + self.alpha_reference * (mean - old[0]), old[1] + count]
+        waiting, track.waiting = track.waiting, []
+        for seconds, weights in waiting:
+            self._judge(track, seconds, weights)
+
+    def _judge(self, track: _Track, seconds: float, weights: Dict[int, float]) -> Optional[float]:
+        plain = sum(_cost(track.reference, rows) * w for rows, w in weights.items())
+        if plain <= 0:
+            return None
+        ratio = seconds / plain
+        track.ratio = ratio if track.ratio is None else track.ratio + self.alpha * (ratio - track.ratio)
+        track.judged += 1
+        if track.judged < self.min_judged:
+            return ratio
+        if track.ratio > 1.0 - self.margin:
+            track.plain_left = min(2 ** track.losses, self.most)
+            track.losses += 1
+            track.refresh = self.refresh
+        else:
+            track.losses = 0
+            if track.ratio < 1.0 - self.clear_win:
+                if not track.doubled:  # (once per reference)
+                    track.refresh = min(track.refresh * 2, self.most_refresh)
+                    track.doubled = True
+            else:
+                track.refresh = self.refresh
+        return ratio
+
+    @staticmethod
+    def _state(track: Optional[_Track]) -> dict:
+        if track is None:
+            return {}
+        return {"ratio": track.ratio, "plain_left": track.plain_left, "refresh": track.refresh,
+                "reference": {rows: v[0] for rows, v in sorted(track.reference.items())}}
+
+
+class GenerationJudge(_Judge):
     """Judges a decoder's tuned generations (``SpeculativeDecoder.generate`` with a tuner) against its own
     autoregressive decoding, per verification mode (greedy, sampled) and batch size (of `min_batch` requests or
     more).
@@ -76,19 +171,9 @@ class GenerationJudge:
     def __init__(self, margin: float = 0.02, most: int = 16, refresh: int = 4, most_refresh: int = 64,
                  clear_win: float = 0.15, alpha: float = 0.5, alpha_reference: float = 0.3, min_batch: int = 2,
                  min_judged: int = 2):
-        for name, value, low in (("most", most, 1), ("refresh", refresh, 1), ("most_refresh", most_refresh, 1),
-                                 ("min_batch", min_batch, 1), ("min_judged", min_judged, 1)):
-            if isinstance(value, bool) or int(value) != value or value < low:
-                raise ValueError(f"GenerationJudge: {name} must be an integer >= {low}, got {value!r}")
-        for name, value in (("alpha", alpha), ("alpha_reference", alpha_reference)):
-            if not 0 < value <= 1:
-                raise ValueError(f"GenerationJudge: {name} must be in (0, 1], got {value!r}")
-        if not 0 <= margin < 1 or not 0 <= clear_win < 1:
-            raise ValueError(f"GenerationJudge: margin and clear_win must be in [0, 1), got {margin!r}, {clear_win!r}")
-        self.margin, self.most, self.refresh = float(margin), int(most), int(refresh)
-        self.most_refresh, self.clear_win = max(int(most_refresh), int(refresh)), float(clear_win)
-        self.alpha, self.alpha_reference, self.min_batch = float(alpha), float(alpha_reference), int(min_batch)
-        self.min_judged = int(min_judged)
+        super().__init__(margin, most, refresh, most_refresh, clear_win, alpha, alpha_reference, min_judged)
+        _check_int("min_batch", min_batch, 1, type(self).__name__)
+        self.min_batch = int(min_batch)
         self.tracks: Dict[Hashable, _Track] = {}
 
     def judges(self, batch: int) -> bool:
@@ -98,54 +183,23 @@ class GenerationJudge:
     def _track(self, key: Hashable) -> _Track:
         track = self.tracks.get(key)
         if track is None:
-            track = self.tracks[key] = _Track(refresh=self.refresh)
+            track = self.tracks[key] = self._new_track()
         return track
 
     def plain(self, key: Hashable) -> bool:
         """Whether the next generation of `key` (verification mode, batch size) runs plain (a reference); call once
         per generation, before it runs."""
-        track = self._track(key)
-        if track.plain_left > 0:
-            track.plain_left -= 1
-            return True
-        # the first reference after the first tuned generation (a single generate() call stays tuned), then one
-        # every `refresh` tuned ones
-        return track.tuned >= (1 if not track.reference else track.refresh)
+        return self._next_plain(self._track(key))
 
     def tuned(self, key: Hashable, seconds: float, lengths: Sequence[int]) -> Optional[float]:
         """A tuned generation of `key` took `seconds` to decode its requests' `lengths` tokens (each request's
-        emitted tokens, the prefill's first one included). Returns its ratio to the counterfactual, or None while
-        there is no reference yet (it is judged when one comes)."""
-        track = self._track(key)
-        track.tuned += 1
-        if not track.warm:
-            # the first is not judged: its steps paid the one-off costs (the drafters' starts and calibration, the
-            # kernels a CPU library builds for each new product shape: 3x its later generations' decoding here)
-            track.warm = True
-            return None
-        if not track.reference:
-            track.waiting = (track.waiting + [(float(seconds), tuple(int(n) for n in lengths))])[-4:]
-            return None
-        return self._judge(track, seconds, lengths)
+        emitted tokens, the prefill's first one included). Returns its ratio to the counterfactual, or None (the
+        first generation of `key`; no reference yet: it is judged when one comes)."""
+        return self._tuned(self._track(key), seconds, _step_counts(lengths))
 
     def reference(self, key: Hashable, steps: Sequence[Tuple[int, float]]) -> None:
         """A plain generation of `key` ran `steps`: (rows, seconds) per step."""
-        track = self._track(key)
-        track.tuned = 0
-        track.doubled = False
-        sums: Dict[int, List[float]] = {}
-        for rows, seconds in steps:
-            s = sums.setdefault(int(rows), [0.0, 0])
-            s[0] += seconds
-            s[1] += 1
-        for rows, (total, count) in sums.items():
-            mean = total / count
-            old = track.reference.get(rows)
-            track.reference[rows] = [mean, count] if old is None else \
-                [old[0] + self.alpha_reference * (mean - old[0]), old[1] + count]
-        waiting, track.waiting = track.waiting, []
-        for seconds, lengths in waiting:
-            self._judge(track, seconds, lengths)
+        self._reference(self._track(key), steps)
 
     def counterfactual(self, key: Hashable, lengths: Sequence[int]) -> Optional[float]:
         """Seconds the plain steps of `key`'s reference would take to emit `lengths` tokens (None: no reference)."""
@@ -154,36 +208,100 @@ class GenerationJudge:
             return None
         return _replay(track.reference, lengths)
 
-    def _judge(self, track: _Track, seconds: float, lengths: Sequence[int]) -> Optional[float]:
-        plain = _replay(track.reference, lengths)
-        if plain <= 0:
-            return None
-        ratio = seconds / plain
-        track.ratio = ratio if track.ratio is None else track.ratio + self.alpha * (ratio - track.ratio)
-        track.judged += 1
-        if track.judged < self.min_judged:
-            return ratio
-        if track.ratio > 1.0 - self.margin:
-            track.plain_left = min(2 ** track.losses, self.most)
-            track.losses += 1
-            track.refresh = self.refresh
-        else:
-            track.losses = 0
-            if track.ratio < 1.0 - self.clear_win:
-                if not track.doubled:  # (once per reference)
-                    track.refresh = min(track.refresh * 2, self.most_refresh)
-                    track.doubled = True
-            else:
-                track.refresh = self.refresh
-        return ratio
-
     def state(self, key: Hashable) -> dict:
         """What the judge holds for `key`: the running ratio, the plain generations left, the reference rows."""
-        track = self.tracks.get(key)
-        if track is None:
-            return {}
-        return {"ratio": track.ratio, "plain_left": track.plain_left, "refresh": track.refresh,
-                "reference": {rows: v[0] for rows, v in sorted(track.reference.items())}}
+        return self._state(self.tracks.get(key))
+
+
+class WindowJudge(_Judge):
+    """A continuous batch's judge (``taps.batching.ContinuousBatch(judge=)``; the server's): :class:`GenerationJudge`'s
+    verdicts over *windows* of `window` steps instead of generations. In a plain window every step is a plain one
+    outside the tuner's plans (``SpeculativeDecoder.plain_step``: the groups' appends still queued or kept
+    current, so that a tuned window resumes where it left); its steps' seconds by rows are the reference. A tuned
+    window's counterfactual is what plain steps would take for the tokens it emitted: each step's tokens at the
+    reference's seconds for its rows over its requests (a plain step emits one token for each). Requests join and
+    leave a continuous batch between steps, so tokens a second is the measure (no batch ends with its last
+    request). The first tuned window is not judged (calibration, the groups' starts).
+
+    Args:
+        window: steps a window.
+        (the others: :class:`GenerationJudge`'s)
+    """
+
+    def __init__(self, window: int = 32, margin: float = 0.02, most: int = 16, refresh: int = 4,
+                 most_refresh: int = 64, clear_win: float = 0.15, alpha: float = 0.5, alpha_reference: float = 0.3,
+                 min_judged: int = 2):
+        super().__init__(margin, most, refresh, most_refresh, clear_win, alpha, alpha_reference, min_judged)
+        _check_int("window", window, 1, type(self).__name__)
+        self.window = int(window)
+        self.track = self._new_track()
+        self._plain = False  # the current window's kind
+        self._left = 0  # its steps still to run
+        self._steps: List[Tuple[int, float]] = []  # a plain window's (rows, seconds)
+        self._seconds = 0.0  # a tuned window's seconds
+        self._weights: Dict[int, float] = {}  # a tuned window's plain-step equivalents per rows
+        #: windows run plain and tuned so far
+        self.windows = {"plain": 0, "tuned": 0}
+
+    def plain(self) -> bool:
+        """Whether the next step is a plain one (call once per step, then :meth:`record` it)."""
+        if self._left <= 0:
+            self._plain = self._next_plain(self.track)
+            self._left = self.window
+        return self._plain
+
+    def record(self, rows: int, active: int, tokens: int, seconds: float) -> None:
+        """The step :meth:`plain` was asked for ran over `rows` rows with `active` unfinished requests, emitted
+        `tokens` tokens and took `seconds`."""
+        if self._plain:
+            self._steps.append((rows, seconds))
+        else:
+            self._seconds += seconds
+            if active > 0:
+                self._weights[rows] = self._weights.get(rows, 0.0) + tokens / active
+        self._left -= 1
+        if self._left > 0:
+            return
+        if self._plain:
+            self._reference(self.track, self._steps)
+            self.windows["plain"] += 1
+        else:
+            self._tuned(self.track, self._seconds, self._weights)
+            self.windows["tuned"] += 1
+        self._steps, self._seconds, self._weights = [], 0.0, {}
+
+    def state(self) -> dict:
+        """The running ratio, the plain windows left, the reference rows, the windows run of each kind."""
+        return dict(self._state(self.track), windows=dict(self.windows))
+
+
+def _check_int(name: str, value, low: int, owner: str = "judge") -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or int(value) != value or value < low:
+        raise ValueError(f"{owner}: {name} must be an integer >= {low}, got {value!r}")
+
+
+def _step_counts(lengths: Sequence[int]) -> Dict[int, float]:
+    """Autoregressive steps per rows for requests that emit `lengths` tokens each (:func:`_replay_rows`)."""
+    counts: Dict[int, float] = {}
+    for rows in _replay_rows(lengths):
+        counts[rows] = counts.get(rows, 0.0) + 1.0
+    return counts
+
+
+def _cost(reference: Dict[int, List[float]], rows: int) -> float:
+    """The reference's seconds for a plain step over `rows` rows: interpolated between the measured row counts, the
+    nearest beyond them."""
+    measured = sorted(reference)
+    i = bisect.bisect_left(measured, rows)
+    if i < len(measured) and measured[i] == rows:
+        return reference[rows][0]
+    if i == 0:
+        return reference[measured[0]][0]
+    if i == len(measured):
+        return reference[measured[-1]][0]
+    r0, r1 = measured[i - 1], measured[i]
+    t0, t1 = reference[r0][0], reference[r1][0]
+    return t0 + (t1 - t0) * (rows - r0) / (r1 - r0)
 
 
 def _replay_rows(lengths: Sequence[int]) -> List[int]:
@@ -207,20 +325,5 @@ def _replay_rows(lengths: Sequence[int]) -> List[int]:
 
 def _replay(reference: Dict[int, List[float]], lengths: Sequence[int]) -> float:
     """Autoregressive decoding's seconds for requests that emit `lengths` tokens each: its steps
-    (:func:`_replay_rows`), each at the reference's seconds for its rows (interpolated between the measured row
-    counts, the nearest beyond them)."""
-    measured = sorted(reference)
-    seconds = [reference[r][0] for r in measured]
-
-    def cost(rows: int) -> float:
-        i = bisect.bisect_left(measured, rows)
-        if i < len(measured) and measured[i] == rows:
-            return seconds[i]
-        if i == 0:
-            return seconds[0]
-        if i == len(measured):
-            return seconds[-1]
-        r0, r1 = measured[i - 1], measured[i]
-        return seconds[i - 1] + (seconds[i] - seconds[i - 1]) * (rows - r0) / (r1 - r0)
-
-    return sum(cost(rows) for rows in _replay_rows(lengths))
+    (:func:`_replay_rows`), each at the reference's seconds for its rows (:func:`_cost`)."""
+    return sum(_cost(reference, rows) for rows in _replay_rows(lengths))

@@ -10,6 +10,7 @@ from the file's folder)::
     budget = "auto"                              # nodes of one drafter's tree, or auto (taps.Tuner)
     tuner_dir = "tuners"                         # the tuners' state kept between runs (default: none)
     retire_after = "never"                       # steps a drafter the tuner never chooses stays (default 32)
+    judge_window = 32                            # steps a window of the batch's judge (taps.judge), or "never"
     engine = "process"                           # where the decoding loop runs: process (default), thread
     depth = 5
     top_k = 8
@@ -65,7 +66,7 @@ _KIND_OPTIONS = {"shipped": {"draft_vocab"}, "eagle": set(), "model": set(),
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
 _TOP_KEYS = {"target", "dtype", "device", "model_name", "host", "port", "strategy", "default_drafters", "depth",
              "top_k", "budget", "threads", "draft_vocab", "drafters", "limits", "log_level", "tuner_dir",
-             "retire_after", "engine"}
+             "retire_after", "judge_window", "engine"}
 _LIMIT_KEYS = {"max_batch", "max_queue", "timeout", "default_max_tokens", "max_tokens"}
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
 #: where the decoding loop runs (ServeConfig.engine; "auto" besides)
@@ -113,6 +114,8 @@ class ServeConfig:
     tuner_dir: Optional[str] = None
     #: SpeculativeDecoder.retire_after of the tuned decoders: steps (taps.decoder.RETIRE_AFTER), or "never"
     retire_after: Union[int, str] = 32
+    #: the tuned batches' taps.judge.WindowJudge: steps a window, or "never" (every step the tuner's)
+    judge_window: Union[int, str] = 32
     #: where the decoding loop runs: "process" (a child process that loads its own copy of the models:
     #: the event loop's HTTP work no longer holds up its steps), "thread" (a thread of the server's
     #: process), "auto" (process when the server loads the models from this config, thread when a caller
@@ -131,6 +134,16 @@ class ServeConfig:
     def retire_steps(self) -> Optional[int]:
         """:attr:`retire_after` as ``SpeculativeDecoder.retire_after`` takes it (None for "never")."""
         return None if self.retire_after == "never" else int(self.retire_after)
+
+    @property
+    def judge(self):
+        """``ContinuousBatch(judge=)`` of a tuned batch: a new :class:`taps.judge.WindowJudge` of
+        :attr:`judge_window` steps ("auto" for the default one), or None for "never"."""
+        if self.judge_window == "never":
+            return None
+        from ..judge import WindowJudge
+
+        return WindowJudge(window=int(self.judge_window))
 
     def check(self) -> "ServeConfig":
         """ValueError unless the drafters, the default drafters and the strategy go together."""
@@ -459,6 +472,10 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                    help="a drafter that runs a model and that the tuner has not chosen for N steps leaves the "
                         "running batch until it empties (default 32): its upkeep at every join, drop and plan "
                         "stops; 'never' keeps every drafter (a load whose mix of requests changes)")
+    g.add_argument("--judge-window", type=or_never(int_at_least(1)), metavar="N|never",
+                   help="a tuned batch's steps run in windows of N (default 32), each judged against plain "
+                        "steps: where the tuner's windows gave fewer tokens a second, the next 1, 2, 4 ... 16 run "
+                        "plain (taps.judge.WindowJudge); 'never': every step the tuner's")
     g = p.add_argument_group("server and limits")
     g.add_argument("--host", metavar="ADDRESS", help="address to listen on (default 127.0.0.1; 0.0.0.0 for every interface)")
     g.add_argument("--port", type=int_at_least(0, 65535), metavar="PORT", help="port (default 8000; 0: a free one)")
@@ -481,7 +498,7 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
 
 
 _FLAT = ("target", "dtype", "device", "model_name", "host", "port", "strategy", "default_drafters", "depth", "top_k",
-         "budget", "threads", "draft_vocab", "log_level", "tuner_dir", "retire_after", "engine")
+         "budget", "threads", "draft_vocab", "log_level", "tuner_dir", "retire_after", "judge_window", "engine")
 
 
 def config_from_args(args: argparse.Namespace) -> ServeConfig:
@@ -550,6 +567,9 @@ def config_from_args(args: argparse.Namespace) -> ServeConfig:
     if "retire_after" in settings:
         steps = settings["retire_after"]
         cfg.retire_after = steps if steps == "never" else _check_int(steps, where["retire_after"] + " (or 'never')", 1)
+    if "judge_window" in settings:
+        steps = settings["judge_window"]
+        cfg.judge_window = steps if steps == "never" else _check_int(steps, where["judge_window"] + " (or 'never')", 1)
     if "engine" in settings:
         if settings["engine"] not in ENGINES + ("auto",):
             raise ValueError(f"{where['engine']} must be one of {', '.join(ENGINES + ('auto',))}, "

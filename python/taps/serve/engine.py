@@ -391,7 +391,8 @@ class Engine:
                                      budget="auto" if key.auto else None if cfg.budget == "auto" else cfg.budget,
                                      tokenizer=self.models.tokenizer)
         decoder.retire_after = cfg.retire_steps
-        batch = self._batches[key] = ContinuousBatch(decoder, max_batch=cfg.max_batch)
+        batch = self._batches[key] = ContinuousBatch(decoder, max_batch=cfg.max_batch,
+                                                     judge=cfg.judge if decoder.tuner is not None else None)
         self._decoders[key] = decoder
         path = self._tuner_path(key)
         if path is not None and path.is_file():
