@@ -101,9 +101,12 @@ class ContinuousBatch:
     Args:
         decoder: the decoder (its strategy, drafters, settings and tuner).
         max_batch: requests running at once (the others wait).
+        judge: a :class:`taps.judge.WindowJudge` over the steps of a tuned decoder (``"auto"``: a new one where the
+            decoder's tuner measures its costs, none where they are injected or there is no tuner; None: none).
     """
 
-    def __init__(self, decoder: SpeculativeDecoder, max_batch: int = 16, judge: Union[WindowJudge, None, str] = "auto"):
+    def __init__(self, decoder: SpeculativeDecoder, max_batch: int = 16,
+                 judge: Union[WindowJudge, None, str] = "auto"):
         if isinstance(max_batch, bool) or not isinstance(max_batch, int) or max_batch < 1:
             raise ValueError(f"max_batch must be an integer >= 1, got {max_batch!r}")
         self.decoder = decoder
