@@ -87,6 +87,26 @@ def test_losing_generations_run_plain_one_two_four_up_to_most():
     assert judge.plain(KEY) and not judge.plain(KEY)
 
 
+def test_ties_and_small_losses_run_one_plain_generation_each():
+    """Tuned generations at 1.03x their counterfactual (a loss under clear_loss): one plain generation after each
+    verdict, never a doubling run; at 1.10x the runs double."""
+    for seconds, want in ((8.24, [1, 1, 1, 1]), (8.8, [1, 2, 4, 8])):
+        judge = GenerationJudge(min_judged=1)
+        judge.tuned(KEY, 1.0, [5, 5])
+        assert judge.plain(KEY)
+        _reference(judge)
+        runs = []
+        for _ in range(4):
+            assert not judge.plain(KEY)
+            judge.tuned(KEY, seconds, [5, 5])
+            n = 0
+            while judge.plain(KEY):
+                n += 1
+                _reference(judge)
+            runs.append(n)
+        assert runs == want, (seconds, runs)
+
+
 def test_winning_generations_stay_tuned_with_rarer_references():
     """Tuned generations at half their counterfactual stay tuned; a reference comes after `refresh` of them,
     the interval doubling (up to `most_refresh`) while they win by more than `clear_win`; one at the
@@ -124,7 +144,9 @@ def test_tuned_generations_before_the_first_reference_are_judged_with_it():
     (dict(most=0), "most must be an integer >= 1"), (dict(refresh=1.5), "refresh must be an integer"),
     (dict(most_refresh=True), "most_refresh must be an integer"), (dict(alpha=0), "alpha must be in"),
     (dict(alpha=float("nan")), "alpha must be in"), (dict(alpha_reference=1.5), "alpha_reference must be in"),
-    (dict(margin=-0.1), "margin and clear_win must be in"), (dict(clear_win=1.0), "margin and clear_win must be in"),
+    (dict(margin=-0.1), "margin, clear_win and clear_loss must be in"),
+    (dict(clear_win=1.0), "margin, clear_win and clear_loss must be in"),
+    (dict(clear_loss=-0.5), "margin, clear_win and clear_loss must be in"),
     (dict(min_batch=0), "min_batch must be an integer >= 1"), (dict(min_judged=0), "min_judged must be an integer")])
 def test_bad_settings_are_refused(kwargs, match):
     with pytest.raises(ValueError, match=match):

@@ -42,19 +42,21 @@ class _Judge:
     :class:`GenerationJudge`."""
 
     def __init__(self, margin: float = 0.02, most: int = 16, refresh: int = 4, most_refresh: int = 64,
-                 clear_win: float = 0.15, alpha: float = 0.5, alpha_reference: float = 0.3, min_judged: int = 2):
+                 clear_win: float = 0.15, alpha: float = 0.5, alpha_reference: float = 0.3, min_judged: int = 2,
+                 clear_loss: float = 0.05):
         for name, value, low in (("most", most, 1), ("refresh", refresh, 1), ("most_refresh", most_refresh, 1),
                                  ("min_judged", min_judged, 1)):
             _check_int(name, value, low, type(self).__name__)
         for name, value in (("alpha", alpha), ("alpha_reference", alpha_reference)):
             if not 0 < value <= 1:
                 raise ValueError(f"{type(self).__name__}: {name} must be in (0, 1], got {value!r}")
-        if not 0 <= margin < 1 or not 0 <= clear_win < 1:
-            raise ValueError(f"{type(self).__name__}: margin and clear_win must be in [0, 1), got {margin!r}, "
-                             f"{clear_win!r}")
+        if not 0 <= margin < 1 or not 0 <= clear_win < 1 or not 0 <= clear_loss < 1:
+            raise ValueError(f"{type(self).__name__}: margin, clear_win and clear_loss must be in [0, 1), got "
+                             f"{margin!r}, {clear_win!r}, {clear_loss!r}")
         self.margin, self.most, self.refresh = float(margin), int(most), int(refresh)
         self.most_refresh, self.clear_win = max(int(most_refresh), int(refresh)), float(clear_win)
         self.alpha, self.alpha_reference, self.min_judged = float(alpha), float(alpha_reference), int(min_judged)
+        self.clear_loss = float(clear_loss)
 
     def _new_track(self) -> _Track:
         return _Track(refresh=self.refresh)
@@ -111,7 +113,8 @@ class _Judge:
             return ratio
         if track.ratio > 1.0 - self.margin:
             track.plain_left = min(2 ** track.losses, self.most)
-            track.losses += 1
+            if track.ratio > 1.0 + self.clear_loss:  # (a tie or a small loss: one plain run, then a tuned one again)
+                track.losses += 1
             track.refresh = self.refresh
         else:
             track.losses = 0
@@ -146,8 +149,9 @@ class GenerationJudge(_Judge):
     wins by more than `clear_win`); each row count's seconds are a running mean over them (weight `alpha_reference`
     for the newest). The ratio (tuned / counterfactual) is a running mean too (weight `alpha`); from the
     `min_judged`-th judged generation on, unless it is below ``1 - margin`` (drafting won by more than `margin`),
-    drafting lost, and the next 1, 2, 4, ... up to `most`
-    generations of that batch size run plain (each a reference too), then a tuned one is judged again.
+    drafting lost, and the next generation of that batch size runs plain (a reference too); where it lost by more
+    than `clear_loss`, the next 1, 2, 4, ... up to `most` in a row (doubling with each such verdict), then a tuned
+    one is judged again.
 
     Whole generations on a shared machine vary by ~10% from one to the next: a verdict rests on running means,
     a draw that loses runs as plain (a tie is no reason to pay for drafting), and a loss costs one plain
@@ -164,14 +168,18 @@ class GenerationJudge(_Judge):
         alpha_reference: the weight of the newest reference in each row count's plain step seconds.
         min_batch: the smallest batch judged (at a batch of 1 the tuner's plain steps and drafts are priced well
             enough, and a reference generation costs the drafts' whole gain: prompt lookup's 1.5-1.7x).
+        clear_loss: a running ratio above ``1 + clear_loss`` doubles the plain run at each verdict (a tie or a
+            smaller loss runs one plain generation: fp32 prompt lookup, 1.01-1.03x taps autoregressive, had run 26
+            of 32 rounds plain, at 0.95x).
         min_judged: tuned generations judged before the first verdict (one generation's ratio alone misjudged
             both ways in some runs: prompt lookup at 1.1x autoregressive as a loss, the store at 0.9x as a win).
     """
 
     def __init__(self, margin: float = 0.02, most: int = 16, refresh: int = 4, most_refresh: int = 64,
                  clear_win: float = 0.15, alpha: float = 0.5, alpha_reference: float = 0.3, min_batch: int = 2,
-                 min_judged: int = 2):
-        super().__init__(margin, most, refresh, most_refresh, clear_win, alpha, alpha_reference, min_judged)
+                 min_judged: int = 2, clear_loss: float = 0.05):
+        super().__init__(margin, most, refresh, most_refresh, clear_win, alpha, alpha_reference, min_judged,
+                         clear_loss)
         _check_int("min_batch", min_batch, 1, type(self).__name__)
         self.min_batch = int(min_batch)
         self.tracks: Dict[Hashable, _Track] = {}
@@ -230,8 +238,9 @@ class WindowJudge(_Judge):
 
     def __init__(self, window: int = 32, margin: float = 0.02, most: int = 16, refresh: int = 4,
                  most_refresh: int = 64, clear_win: float = 0.15, alpha: float = 0.5, alpha_reference: float = 0.3,
-                 min_judged: int = 2):
-        super().__init__(margin, most, refresh, most_refresh, clear_win, alpha, alpha_reference, min_judged)
+                 min_judged: int = 2, clear_loss: float = 0.05):
+        super().__init__(margin, most, refresh, most_refresh, clear_win, alpha, alpha_reference, min_judged,
+                         clear_loss)
         _check_int("window", window, 1, type(self).__name__)
         self.window = int(window)
         self.track = self._new_track()
