@@ -2,6 +2,7 @@
 losing generations plain (1, 2, 4, ... in a row) and keep winning ones tuned, and a judged-plain generation is the
 decoder's autoregressive decoding (greedy tokens equal, sampled tokens the target's distribution)."""
 
+import itertools
 import time
 
 import pytest
@@ -320,16 +321,17 @@ def test_a_continuous_batch_whose_drafts_lose_runs_plain_windows(monkeypatch):
             ContinuousBatch(dec, judge=bad)
 
 
-class _Alternating(WindowJudge):
-    """A window judge that makes every other step a plain one (whatever the steps' times)."""
+class _Script(WindowJudge):
+    """A window judge whose steps follow `kinds` ("t" tuned, "p" plain; any iterable), then tuned, whatever their
+    times; `steps` counts them."""
 
-    def __init__(self):
+    def __init__(self, kinds):
         super().__init__(window=1)
-        self.count = 0
+        self.kinds, self.steps = iter(kinds), 0
 
     def plain(self):
-        self.count += 1
-        self._plain = self.count % 2 == 0
+        self.steps += 1
+        self._plain = next(self.kinds, "t") == "p"
         return self._plain
 
     def record(self, rows, active, tokens, seconds):
@@ -350,7 +352,7 @@ def test_plain_steps_between_drawn_drafts_sample_the_target():
     steps, temperature = 3, 1.0
     tuner = Cycling()
     dec = SpeculativeDecoder(m["target"], [m["eagle"]], strategy="single", depth=3, top_k=3, budget=10, tuner=tuner)
-    batch = ContinuousBatch(dec, max_batch=24, judge=_Alternating())
+    batch = ContinuousBatch(dec, max_batch=24, judge=_Script(itertools.cycle("tp")))
     prompt, samples = [3, 9, 1, 30], 1500
     tokens, added, step = {}, 0, 0
     while added < samples or batch:
@@ -360,27 +362,12 @@ def test_plain_steps_between_drawn_drafts_sample_the_target():
         for ev in batch.step():
             tokens.setdefault(ev.request_id, []).extend(ev.tokens)
         step += 1
-    assert any(s.drawn for s in tuner.seen) and batch.judge.count > 100
+    assert any(s.drawn for s in tuner.seen) and batch.judge.steps > 100
     joint = em.exact_joint(m["target"], prompt, steps, lambda row: spec_probs(row, temperature, 0, 1.0))
     counts = Counter(tuple(tokens[i]) for i in range(samples))
     assert not [s for s in counts if s not in joint]
     cells = list(joint)
     assert_counts([counts.get(c, 0) for c in cells], [joint[c] for c in cells], what="plain steps between drafts: ")
-
-
-class _Script(WindowJudge):
-    """A window judge whose steps follow `kinds` ("t" tuned, "p" plain), then tuned."""
-
-    def __init__(self, kinds):
-        super().__init__(window=1)
-        self.kinds = list(kinds)
-
-    def plain(self):
-        self._plain = bool(self.kinds) and self.kinds.pop(0) == "p"
-        return self._plain
-
-    def record(self, rows, active, tokens, seconds):
-        pass
 
 
 def test_a_plain_step_after_a_drawn_draft_and_a_drop():

@@ -396,14 +396,11 @@ class SpeculativeDecoder:
                 began = clock() if clock is not None else 0.0
                 steps: List[Tuple[int, float]] = []
                 while not state.finished:
-                    if judged_plain:
-                        t0, batch = clock(), state.batch
-                        self.step(state)
-                        self._drop_finished(state)
-                        steps.append((batch, clock() - t0))
-                        continue
+                    t0, batch = (clock(), state.batch) if judged_plain else (0.0, 0)
                     self.step(state)
                     self._drop_finished(state)
+                    if judged_plain:
+                        steps.append((batch, clock() - t0))
                 decoded = clock() - began if clock is not None else 0.0
             finally:
                 self.tuner = tuner

@@ -103,7 +103,7 @@ class _Judge:
             self._judge(track, seconds, weights)
 
     def _judge(self, track: _Track, seconds: float, weights: Dict[int, float]) -> Optional[float]:
-        plain = sum(_cost(track.reference, rows) * w for rows, w in weights.items())
+        plain = _plain_seconds(track.reference, weights)
         if plain <= 0:
             return None
         ratio = seconds / plain
@@ -175,11 +175,8 @@ class GenerationJudge(_Judge):
             both ways in some runs: prompt lookup at 1.1x autoregressive as a loss, the store at 0.9x as a win).
     """
 
-    def __init__(self, margin: float = 0.02, most: int = 16, refresh: int = 4, most_refresh: int = 64,
-                 clear_win: float = 0.15, alpha: float = 0.5, alpha_reference: float = 0.3, min_batch: int = 2,
-                 min_judged: int = 2, clear_loss: float = 0.05):
-        super().__init__(margin, most, refresh, most_refresh, clear_win, alpha, alpha_reference, min_judged,
-                         clear_loss)
+    def __init__(self, min_batch: int = 2, **settings):
+        super().__init__(**settings)  # (the settings above but min_batch: _Judge's, its defaults)
         _check_int("min_batch", min_batch, 1, type(self).__name__)
         self.min_batch = int(min_batch)
         self.tracks: Dict[Hashable, _Track] = {}
@@ -236,11 +233,8 @@ class WindowJudge(_Judge):
         (the others: :class:`GenerationJudge`'s)
     """
 
-    def __init__(self, window: int = 32, margin: float = 0.02, most: int = 16, refresh: int = 4,
-                 most_refresh: int = 64, clear_win: float = 0.15, alpha: float = 0.5, alpha_reference: float = 0.3,
-                 min_judged: int = 2, clear_loss: float = 0.05):
-        super().__init__(margin, most, refresh, most_refresh, clear_win, alpha, alpha_reference, min_judged,
-                         clear_loss)
+    def __init__(self, window: int = 32, **settings):
+        super().__init__(**settings)  # (GenerationJudge's settings but min_batch)
         _check_int("window", window, 1, type(self).__name__)
         self.window = int(window)
         self.track = self._new_track()
@@ -332,7 +326,13 @@ def _replay_rows(lengths: Sequence[int]) -> List[int]:
     return out
 
 
+def _plain_seconds(reference: Dict[int, List[float]], weights: Dict[int, float]) -> float:
+    """Seconds of ``weights[rows]`` plain steps over each number of rows, at the reference's seconds for them
+    (:func:`_cost`)."""
+    return sum(_cost(reference, rows) * w for rows, w in weights.items())
+
+
 def _replay(reference: Dict[int, List[float]], lengths: Sequence[int]) -> float:
     """Autoregressive decoding's seconds for requests that emit `lengths` tokens each: its steps
-    (:func:`_replay_rows`), each at the reference's seconds for its rows (:func:`_cost`)."""
-    return sum(_cost(reference, rows) for rows in _replay_rows(lengths))
+    (:func:`_replay_rows`), each at the reference's seconds for its rows."""
+    return _plain_seconds(reference, _step_counts(lengths))
