@@ -110,24 +110,25 @@ def _tiles(level, inner):
 @pytest.mark.parametrize("shape", [(16, 1), (32, 7), (48, 64), (272, 129), (1024, 256), (160, 2)])
 def test_bf16_x_over_bf16_panels(shape, restore_level):
     """bfloat16 x over bfloat16 panels: the float32 sums of x widened, rounded to bfloat16 once (+ bias before
-    the rounding), the same bits at every level, row count (1-19: every row block of AVX512-BF16's dot-product
-    kernel, which the avx512 level runs on a CPU that has it) and position; within bfloat16 rounding of the
+    the rounding), the same bits at every level, row count (1-40: every row block of AVX512-BF16's dot-product
+    kernel, which the avx512 level runs on a CPU that has it, and calls of one, two and four blocks of 12 rows,
+    whose first block keeps the rotated panels for the others) and position; within bfloat16 rounding of the
     float64 product. At the amx level with `in` a multiple of 32 the AMX tiles' own sums: the same bits for any
     row count, position and thread count, not the other levels' (tdpbf16ps sums each 32 inputs its own way)."""
     gen = torch.Generator().manual_seed(shape[1] + 1)
     weight, bias = torch.randn(*shape, generator=gen), torch.randn(shape[0], generator=gen)
     half = taps_ops.pack_panels(weight, torch.bfloat16)
-    x = torch.randn(19, shape[1], generator=gen).bfloat16()
+    x = torch.randn(40, shape[1], generator=gen).bfloat16()
     first = None
     for level in RUNNABLE:
         taps_ops.set_cpu_isa(level)
         for b in (None, bias):
             y = taps_ops.panel_linear(x, half, b)
-            assert y.dtype == torch.bfloat16 and y.shape == (19, shape[0])
+            assert y.dtype == torch.bfloat16 and y.shape == (40, shape[0])
             if not _tiles(level, shape[1]):
                 assert torch.equal(y, taps_ops.panel_linear(x.float(), half, b).bfloat16()), level
-            for rows in range(1, 10):
-                for start in (0, 19 - rows):
+            for rows in (*range(1, 10), 12, 13, 16, 19, 24, 25, 31):
+                for start in (0, 40 - rows):
                     assert torch.equal(taps_ops.panel_linear(x[start:start + rows], half, b), y[start:start + rows])
             ref = panel_linear_ref(x.float(), half, b)
             torch.testing.assert_close(y.double(), ref, rtol=2 ** -7, atol=1e-5 * shape[1])

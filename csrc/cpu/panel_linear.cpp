@@ -38,6 +38,15 @@ constexpr int64_t kPanelWidth = 16;              // outputs per panel (taps_ops.
 constexpr int64_t kBlockBytes = 192 * 1024;      // weight bytes per output block: stays in L2 across row blocks
 constexpr int64_t kBlockPanels = 8;              // output blocks are whole multiples of this many panels
 constexpr int kPrefetchLocality = 2;             // __builtin_prefetch's: 2 = into L2 (prefetcht1)
+constexpr int kDotRows = 12;                      // the most rows a block of the AVX512-BF16 kernel
+
+// The rows of the AVX512-BF16 kernel's block after the first `done` of `rows`: the rows left in as few blocks of
+// at most kDotRows as hold them, as even as they go (16 rows: 8 + 8, not 12 + 4, whose 4-row block takes 4
+// broadcasts and 4 weight loads a 16 dot products). Problem::xs is laid out by these blocks.
+inline int64_t dot_block_rows(int64_t rows, int64_t done) {
+  const int64_t left = rows - done, blocks = (left + kDotRows - 1) / kDotRows;
+  return (left + blocks - 1) / blocks;
+}
 
 inline float ScalarWiden(uint16_t h) {   // a bfloat16's float32 value (exact)
   const uint32_t bits = static_cast<uint32_t>(h) << 16;
@@ -49,7 +58,8 @@ inline float ScalarWiden(uint16_t h) {   // a bfloat16's float32 value (exact)
 struct Problem {
   const float* x;       // [rows, in] contiguous
   const uint16_t* xh;   // the same rows as bfloat16 (bfloat16 x over bfloat16 panels, dot-product path) or nullptr
-  const uint32_t* xs;   // with xh: each row's pairs (x[2j], x[2j + 1]) as 32-bit lanes, halves swapped [rows, in / 2]
+  const uint32_t* xs;   // with xh: each row's pairs (x[2j], x[2j + 1]) as 32-bit lanes, halves swapped, by the
+                        // kernel's blocks of rb rows (dot_block_rows): a block's pair j of its row r at j * rb + r
   const void* panels;   // [out / 16, in, 16] float32, or bfloat16 (bf16) [out / 16, ceil(in / 2), 16, 2]; panel p at
                         // panels + p * panel_stride elements
   const float* bias;    // [out] or nullptr
@@ -115,14 +125,17 @@ struct NextBlock {
 // The NextBlock of a call of `rows` rows over `vectors` output vectors whose next output block is the bytes
 // [first, last) (none below kNextMinRows rows or without a next block): its lines spread over the block() calls of
 // the row blocks after the first (max_rows rows a block; vecs(rows of a block) vectors a call, as the kernels'
-// row_block makes them, one vector at a time past the last whole group), `per_call` steps each.
+// row_block makes them, one vector at a time past the last whole group), `per_call` steps each. `block_rows`: the
+// rows of the block after the first `done` (default: max_rows, the last fewer).
 inline NextBlock next_block(const char* first, const char* last, int64_t rows, int64_t vectors, int64_t per_call,
-                            int max_rows, int (*vecs)(int)) {
+                            int max_rows, int (*vecs)(int), int64_t (*block_rows)(int64_t, int64_t) = nullptr) {
   NextBlock nb;
   if (last <= first || rows < kNextMinRows) return nb;
   int64_t steps = 0;
-  for (int64_t r = max_rows; r < rows; r += max_rows) {
-    const int64_t kv = vecs(static_cast<int>(std::min<int64_t>(max_rows, rows - r)));
+  for (int64_t r = 0, rb = 0; r < rows; r += rb) {
+    rb = block_rows != nullptr ? block_rows(rows, r) : std::min<int64_t>(max_rows, rows - r);
+    if (r == 0) continue;  // (the first block asks nothing)
+    const int64_t kv = vecs(static_cast<int>(rb));
     steps += (vectors / kv + vectors % kv) * per_call;
   }
   nb.start(first, last, steps);
@@ -258,73 +271,117 @@ TAPS_TARGET_AVX2_FMA void round_to_bf16_avx2(const float* src, uint16_t* dst, in
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,avx2,fma")
 namespace panel_cpu::avx512_bf16 {
-using avx512::S;
+struct S : avx512::S {
+  static constexpr int kMaxRows = kDotRows;
+  static constexpr int vecs(int rows) { return rows <= 2 ? 8 : rows <= 6 ? 4 : 2; }
+};
 
-template <int RB, int KV, bool PF>
-inline void block(const uint32_t* xs, const uint16_t* x, int64_t ldx, const uint16_t* panels, int64_t stride,
-                  int64_t in, float* y, int64_t ldy, const float* bias, int64_t v0, int64_t shift, NextBlock& nb) {
+// How a block reads its weight vectors. A panel lane holds (w[2j], w[2j + 1]) and the dot product wants them
+// swapped: a rotation per vector loaded, an instruction on the ports of the dot products (Zen 4, 12 x 2 blocks: 2
+// rotations a 24 dot products cost ~10%). A call of one row block rotates as it loads (kRotate); in a call of
+// several, the first row block also stores the rotated vectors into a scratch copy of the output block's panels
+// (kRotateKeep; the lines past the pairs, an odd `in`'s last, copied as they are) and the others read that copy
+// (kKept): one rotation per weight vector instead of one per row block, the first block's loads still overlapped
+// with its products (a separate copy pass waited on memory: the head 5-15% slower).
+enum Read { kRotate, kRotateKeep, kKept };
+
+// `panels`: the source (p.panels) or the kept copy; `v0` counts panels from it, and output vectors from `y0` (the
+// output vector of panels[0]). `keep`: kRotateKeep's copy, laid out as `panels`.
+template <int RB, int KV, bool PF, Read R>
+inline void block(const uint32_t* xs, const uint16_t* x, int64_t ldx, const uint16_t* panels, uint16_t* keep,
+                  int64_t stride, int64_t in, float* y, int64_t ldy, const float* bias, int64_t v0, int64_t y0,
+                  int64_t shift, NextBlock& nb) {
   const int64_t pairs = in / 2;
   const uint16_t* w[KV];
-#pragma GCC unroll 8
+#pragma GCC unroll 16
   for (int v = 0; v < KV; ++v) w[v] = panels + (v0 + v) * stride;   // one 16-lane vector = one panel
   __m512 acc[RB][KV];
-#pragma GCC unroll 8
+#pragma GCC unroll 16
   for (int r = 0; r < RB; ++r)
-#pragma GCC unroll 8
+#pragma GCC unroll 16
     for (int v = 0; v < KV; ++v) acc[r][v] = _mm512_setzero_ps();
   for (int64_t j = 0; j < pairs; ++j) {
     nb.step();
     __m512i b[KV];
-#pragma GCC unroll 8
+#pragma GCC unroll 16
     for (int v = 0; v < KV; ++v) {
       if constexpr (PF) __builtin_prefetch(w[v] + j * 2 * kPanelWidth + shift, 0, kPrefetchLocality);
-      b[v] = _mm512_rol_epi32(_mm512_loadu_si512(w[v] + j * 2 * kPanelWidth), 16);
+      const __m512i line = _mm512_loadu_si512(w[v] + j * 2 * kPanelWidth);
+      b[v] = R == kKept ? line : _mm512_rol_epi32(line, 16);
+      if constexpr (R == kRotateKeep) _mm512_storeu_si512(keep + (v0 + v) * stride + j * 2 * kPanelWidth, b[v]);
     }
-#pragma GCC unroll 8
+#pragma GCC unroll 16
     for (int r = 0; r < RB; ++r) {
-      const __m512bh a = (__m512bh)_mm512_set1_epi32(static_cast<int>(xs[r * pairs + j]));
-#pragma GCC unroll 8
+      const __m512bh a = (__m512bh)_mm512_set1_epi32(static_cast<int>(xs[j * RB + r]));
+#pragma GCC unroll 16
       for (int v = 0; v < KV; ++v) acc[r][v] = _mm512_dpbf16_ps(acc[r][v], a, (__m512bh)b[v]);
     }
   }
+  if constexpr (R == kRotateKeep) {
+    const int64_t tail = stride - pairs * 2 * kPanelWidth;
+    if (tail > 0)
+      for (int v = 0; v < KV; ++v)
+        std::memcpy(keep + (v0 + v) * stride + pairs * 2 * kPanelWidth, w[v] + pairs * 2 * kPanelWidth,
+                    static_cast<size_t>(tail) * sizeof(uint16_t));
+  }
   if (in % 2 != 0) {
     __m512 lo[KV];
-#pragma GCC unroll 8
+#pragma GCC unroll 16
     for (int v = 0; v < KV; ++v) lo[v] = S::load_low(w[v] + pairs * 2 * kPanelWidth);
-#pragma GCC unroll 8
+#pragma GCC unroll 16
     for (int r = 0; r < RB; ++r) {
       const __m512 a = _mm512_set1_ps(ScalarWiden(x[r * ldx + in - 1]));
-#pragma GCC unroll 8
+#pragma GCC unroll 16
       for (int v = 0; v < KV; ++v) acc[r][v] = _mm512_fmadd_ps(a, lo[v], acc[r][v]);
     }
   }
-#pragma GCC unroll 8
+#pragma GCC unroll 16
   for (int r = 0; r < RB; ++r)
-#pragma GCC unroll 8
+#pragma GCC unroll 16
     for (int v = 0; v < KV; ++v) {
       __m512 out = acc[r][v];
-      if (bias != nullptr) out = _mm512_add_ps(out, _mm512_loadu_ps(bias + (v0 + v) * kPanelWidth));
-      _mm512_storeu_ps(y + r * ldy + (v0 + v) * kPanelWidth, out);
+      const int64_t o = (y0 + v0 + v) * kPanelWidth;
+      if (bias != nullptr) out = _mm512_add_ps(out, _mm512_loadu_ps(bias + o));
+      _mm512_storeu_ps(y + r * ldy + o, out);
     }
 }
 
-template <int RB, bool PF>
-inline void row_block(const Problem& p, int64_t r, int64_t v_lo, int64_t v_hi, int64_t shift, NextBlock& nb) {
+// Rows [r, r + RB) times the panels [v_lo, v_hi) (counted from `panels`, whose first is output vector y0).
+template <int RB, bool PF, Read R>
+inline void row_block(const Problem& p, const uint16_t* panels, uint16_t* keep, int64_t y0, int64_t r, int64_t v_lo,
+                      int64_t v_hi, int64_t shift, NextBlock& nb) {
   constexpr int KV = S::vecs(RB);
   const uint32_t* xs = p.xs + r * (p.in / 2);
   const uint16_t* x = p.xh + r * p.in;
-  const auto* panels = static_cast<const uint16_t*>(p.panels);
   float* y = p.y + r * p.out;
+  const int64_t st = p.panel_stride;
   int64_t v = v_lo;
   for (; v + KV <= v_hi; v += KV)
-    block<RB, KV, PF>(xs, x, p.in, panels, p.panel_stride, p.in, y, p.out, p.bias, v, shift, nb);
-  for (; v < v_hi; ++v) block<RB, 1, PF>(xs, x, p.in, panels, p.panel_stride, p.in, y, p.out, p.bias, v, shift, nb);
+    block<RB, KV, PF, R>(xs, x, p.in, panels, keep, st, p.in, y, p.out, p.bias, v, y0, shift, nb);
+  for (; v < v_hi; ++v) block<RB, 1, PF, R>(xs, x, p.in, panels, keep, st, p.in, y, p.out, p.bias, v, y0, shift, nb);
 }
 
+// Rows [r, r + RB) times the panels [panel_lo, panel_hi): from the source (`kept` null: one row block, or the
+// first of several, which fills `keep`), or from the kept copy `kept` of those panels.
 template <int RB>
-inline void rows_block(const Problem& p, int64_t r, int64_t v_lo, int64_t v_hi, int64_t shift, NextBlock& nb) {
-  if (shift > 0) row_block<RB, true>(p, r, v_lo, v_hi, shift, nb);
-  else row_block<RB, false>(p, r, v_lo, v_hi, 0, nb);
+inline void rows_block(const Problem& p, uint16_t* keep, const uint16_t* kept, int64_t panel_lo, int64_t panel_hi,
+                       int64_t r, int64_t shift, NextBlock& nb) {
+  const auto* source = static_cast<const uint16_t*>(p.panels) + panel_lo * p.panel_stride;
+  const int64_t n = panel_hi - panel_lo;
+  if (kept != nullptr) return row_block<RB, false, kKept>(p, kept, nullptr, panel_lo, r, 0, n, 0, nb);
+  if (keep != nullptr) {
+    if (shift > 0) return row_block<RB, true, kRotateKeep>(p, source, keep, panel_lo, r, 0, n, shift, nb);
+    return row_block<RB, false, kRotateKeep>(p, source, keep, panel_lo, r, 0, n, 0, nb);
+  }
+  if (shift > 0) return row_block<RB, true, kRotate>(p, source, nullptr, panel_lo, r, 0, n, shift, nb);
+  row_block<RB, false, kRotate>(p, source, nullptr, panel_lo, r, 0, n, 0, nb);
+}
+
+// This thread's scratch for the kept copy of an output block's panels (`elements` bfloat16).
+inline uint16_t* keep_scratch(int64_t elements) {
+  thread_local std::vector<uint16_t> scratch;
+  if (scratch.size() < static_cast<size_t>(elements)) scratch.resize(static_cast<size_t>(elements));
+  return scratch.data();
 }
 
 // Every row of x times the panels [panel_lo, panel_hi), as the other levels' rows_times_block (the row blocks
@@ -332,20 +389,28 @@ inline void rows_block(const Problem& p, int64_t r, int64_t v_lo, int64_t v_hi, 
 inline void run(const Problem& p, int64_t panel_lo, int64_t panel_hi, const char* next_first, const char* next_last) {
   constexpr int64_t kLine = 32;  // bfloat16 elements of a cache line
   NextBlock none, nb = next_block(next_first, next_last, p.rows, panel_hi - panel_lo, p.in / 2, S::kMaxRows,
-                                  &S::vecs);  // (a vector is a panel here)
+                                  &S::vecs, &dot_block_rows);  // (a vector is a panel here)
+  // more than one row block: the first keeps the rotated panels, the others read them (Read)
+  uint16_t* keep = p.rows > S::kMaxRows ? keep_scratch((panel_hi - panel_lo) * p.panel_stride) : nullptr;
   for (int64_t r = 0; r < p.rows;) {
-    const int64_t rb = std::min<int64_t>(S::kMaxRows, p.rows - r);
+    const int64_t rb = dot_block_rows(p.rows, r);
     const int64_t shift = r == 0 ? p.ahead * kLine : 0;
     NextBlock& f = r == 0 ? none : nb;
+    uint16_t* fill = r == 0 ? keep : nullptr;
+    const uint16_t* kept = r == 0 ? nullptr : keep;
     switch (rb) {
-      case 1: rows_block<1>(p, r, panel_lo, panel_hi, shift, f); break;
-      case 2: rows_block<2>(p, r, panel_lo, panel_hi, shift, f); break;
-      case 3: rows_block<3>(p, r, panel_lo, panel_hi, shift, f); break;
-      case 4: rows_block<4>(p, r, panel_lo, panel_hi, shift, f); break;
-      case 5: rows_block<5>(p, r, panel_lo, panel_hi, shift, f); break;
-      case 6: rows_block<6>(p, r, panel_lo, panel_hi, shift, f); break;
-      case 7: rows_block<7>(p, r, panel_lo, panel_hi, shift, f); break;
-      default: rows_block<8>(p, r, panel_lo, panel_hi, shift, f); break;
+      case 1: rows_block<1>(p, fill, kept, panel_lo, panel_hi, r, shift, f); break;
+      case 2: rows_block<2>(p, fill, kept, panel_lo, panel_hi, r, shift, f); break;
+      case 3: rows_block<3>(p, fill, kept, panel_lo, panel_hi, r, shift, f); break;
+      case 4: rows_block<4>(p, fill, kept, panel_lo, panel_hi, r, shift, f); break;
+      case 5: rows_block<5>(p, fill, kept, panel_lo, panel_hi, r, shift, f); break;
+      case 6: rows_block<6>(p, fill, kept, panel_lo, panel_hi, r, shift, f); break;
+      case 7: rows_block<7>(p, fill, kept, panel_lo, panel_hi, r, shift, f); break;
+      case 8: rows_block<8>(p, fill, kept, panel_lo, panel_hi, r, shift, f); break;
+      case 9: rows_block<9>(p, fill, kept, panel_lo, panel_hi, r, shift, f); break;
+      case 10: rows_block<10>(p, fill, kept, panel_lo, panel_hi, r, shift, f); break;
+      case 11: rows_block<11>(p, fill, kept, panel_lo, panel_hi, r, shift, f); break;
+      default: rows_block<12>(p, fill, kept, panel_lo, panel_hi, r, shift, f); break;
     }
     r += rb;
   }
@@ -713,9 +778,13 @@ at::Tensor panel_linear_cpu(const at::Tensor& x_in, const at::Tensor& panels, co
   if (dot) {
     const int64_t pairs = in / 2;
     swapped.resize(static_cast<size_t>(rows * pairs));
-    for (int64_t r = 0; r < rows; ++r)
-      for (int64_t j = 0; j < pairs; ++j)
-        swapped[r * pairs + j] = static_cast<uint32_t>(xh[r * in + 2 * j + 1]) | (static_cast<uint32_t>(xh[r * in + 2 * j]) << 16);
+    for (int64_t r0 = 0, rb = 0; r0 < rows; r0 += rb) {
+      rb = panel_cpu::dot_block_rows(rows, r0);
+      for (int64_t r = r0; r < r0 + rb; ++r)
+        for (int64_t j = 0; j < pairs; ++j)
+          swapped[r0 * pairs + j * rb + (r - r0)] =
+              static_cast<uint32_t>(xh[r * in + 2 * j + 1]) | (static_cast<uint32_t>(xh[r * in + 2 * j]) << 16);
+    }
   }
   const panel_cpu::Problem p{keep_half ? nullptr : x.data_ptr<float>(), xh, dot ? swapped.data() : nullptr,
                             panels.data_ptr(), bias_ptr, tiles ? nullptr : y.data_ptr<float>(),
