@@ -82,20 +82,31 @@ def test_panels_are_padded_to_an_odd_line_stride(inner, dtype):
 @pytest.mark.parametrize("shape", [(16, 1), (32, 7), (48, 64), (272, 129), (1024, 256)])
 def test_bf16_panels_are_float32_panels_of_the_same_values(shape, restore_level):
     """bfloat16 panels are widened as read: the bits of float32 panels holding the (rounded) weight, at every
-    level, row count and position; packed from a float32 weight (rounded to nearest even) or a bfloat16 one."""
+    level, row count and position, 1-3 threads; packed from a float32 weight (rounded to nearest even) or a
+    bfloat16 one. Row counts past one register block too (from 48 rows the avx2 level widens each output block once
+    into a float32 copy that its other row blocks read), with and without a bias."""
     gen = torch.Generator().manual_seed(shape[1])
     weight, bias = torch.randn(*shape, generator=gen), torch.randn(shape[0], generator=gen)
     half = taps_ops.pack_panels(weight, torch.bfloat16)
     assert torch.equal(half, taps_ops.pack_panels(weight.bfloat16()))
     wide = taps_ops.pack_panels(weight.bfloat16().float())
-    x = torch.randn(19, shape[1], generator=gen)
+    x = torch.randn(60, shape[1], generator=gen)
     first = None
     for level in RUNNABLE:
         taps_ops.set_cpu_isa(level)
-        y = taps_ops.panel_linear(x, half, bias)
-        assert torch.equal(y, taps_ops.panel_linear(x, wide, bias)), level
-        for rows, start in ((1, 0), (3, 7), (8, 11)):
-            assert torch.equal(taps_ops.panel_linear(x[start:start + rows], half, bias), y[start:start + rows])
+        for b in (None, bias):   # (y with the bias last: the comparisons below)
+            y = taps_ops.panel_linear(x, half, b)
+            assert torch.equal(y, taps_ops.panel_linear(x, wide, b)), level
+            for rows, start in ((1, 0), (3, 7), (8, 11), (7, 33), (13, 2), (19, 21), (31, 9), (48, 12), (53, 0)):
+                part = taps_ops.panel_linear(x[start:start + rows], half, b)
+                assert torch.equal(part, y[start:start + rows]), (level, rows, start)
+            threads = torch.get_num_threads()
+            try:
+                for n in (2, 3):   # the output blocks split between threads: the same bits
+                    torch.set_num_threads(n)
+                    assert torch.equal(taps_ops.panel_linear(x, half, b), y), (level, n)
+            finally:
+                torch.set_num_threads(threads)
         first = y if first is None else first
         assert torch.equal(y, first), level
         _close(y, panel_linear_ref(x, half, bias), shape[1])

@@ -48,6 +48,23 @@ inline int64_t dot_block_rows(int64_t rows, int64_t done) {
   return (left + blocks - 1) / blocks;
 }
 
+// This thread's scratch of at least `elements` T (a kept copy of an output block's panels: the AVX512-BF16
+// kernel's rotated ones, the avx2 level's widened ones), kept for the next call.
+template <typename T>
+inline T* thread_scratch(int64_t elements) {
+  thread_local std::vector<T> scratch;
+  if (scratch.size() < static_cast<size_t>(elements)) scratch.resize(static_cast<size_t>(elements));
+  return scratch.data();
+}
+
+// The avx2 level's most rows a register block. A bfloat16 product of kKeepWidenedRows rows or more widens each output
+// block's panels once, into a float32 copy the row blocks after the first read (S::kKeepWidened,
+// panel_linear_kernel.h), over output blocks of half the weight bytes (the copy then takes a float32 block's L2).
+// Emulated AVX2 on a Zen 4 (bench_panel_linear --bf16 --isa avx2), against widening in every row block: 64-128
+// rows 4-12% faster (the 256 x 256 projection 3% slower), 32 rows -7% to +7%, 8 rows (6 + 2) 18-31% slower.
+constexpr int kAvx2Rows = 6;
+constexpr int64_t kKeepWidenedRows = 48;
+
 inline float ScalarWiden(uint16_t h) {   // a bfloat16's float32 value (exact)
   const uint32_t bits = static_cast<uint32_t>(h) << 16;
   float f;
@@ -205,6 +222,7 @@ struct S {
   static constexpr int vecs(int rows) { return rows <= 2 ? 8 : rows <= 6 ? 4 : 2; }
   static constexpr bool kPairsAtOnce = true;  // bf16 panels: a pair's two halves at once (measured faster here)
   static constexpr int kPairRows = 0;
+  static constexpr bool kKeepWidened = false;  // (one load and two widenings a pair: about float32 panels' speed)
   static F load(const float* p) { return _mm512_loadu_ps(p); }
   // 16 lanes of two bfloat16 each; a bfloat16 is the high half of a float's bits
   static F load_low(const uint16_t* p) { return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_loadu_si512(p), 16)); }
@@ -377,13 +395,6 @@ inline void rows_block(const Problem& p, uint16_t* keep, const uint16_t* kept, i
   row_block<RB, false, kRotate>(p, source, nullptr, panel_lo, r, 0, n, 0, nb);
 }
 
-// This thread's scratch for the kept copy of an output block's panels (`elements` bfloat16).
-inline uint16_t* keep_scratch(int64_t elements) {
-  thread_local std::vector<uint16_t> scratch;
-  if (scratch.size() < static_cast<size_t>(elements)) scratch.resize(static_cast<size_t>(elements));
-  return scratch.data();
-}
-
 // Every row of x times the panels [panel_lo, panel_hi), as the other levels' rows_times_block (the row blocks
 // after the first ask the bytes [next_first, next_last), the next output block's, into L2).
 inline void run(const Problem& p, int64_t panel_lo, int64_t panel_hi, const char* next_first, const char* next_last) {
@@ -391,7 +402,7 @@ inline void run(const Problem& p, int64_t panel_lo, int64_t panel_hi, const char
   NextBlock none, nb = next_block(next_first, next_last, p.rows, panel_hi - panel_lo, p.in / 2, S::kMaxRows,
                                   &S::vecs, &dot_block_rows);  // (a vector is a panel here)
   // more than one row block: the first keeps the rotated panels, the others read them (Read)
-  uint16_t* keep = p.rows > S::kMaxRows ? keep_scratch((panel_hi - panel_lo) * p.panel_stride) : nullptr;
+  uint16_t* keep = p.rows > S::kMaxRows ? thread_scratch<uint16_t>((panel_hi - panel_lo) * p.panel_stride) : nullptr;
   for (int64_t r = 0; r < p.rows;) {
     const int64_t rb = dot_block_rows(p.rows, r);
     const int64_t shift = r == 0 ? p.ahead * kLine : 0;
@@ -580,7 +591,7 @@ struct S {
   using F = __m256;
   static constexpr int L = 8;
   // rows x vectors of sums: 1 x 8, 2-3 x 4, 4-6 x 2 (at most 12 of the 16 registers)
-  static constexpr int kMaxRows = 6;
+  static constexpr int kMaxRows = kAvx2Rows;
   static constexpr int vecs(int rows) { return rows == 1 ? 8 : rows <= 3 ? 4 : 2; }
   static constexpr bool kPairsAtOnce = false;  // 16 registers: one half at a time keeps float32's register count
   // bf16 panels, blocks of 1-3 rows: a pair's lanes loaded once, both halves multiplied in at once (1 row: 8 sums,
@@ -589,6 +600,10 @@ struct S {
   // target's products 28-36% faster at one row, 20-30% at two, 20-30% at three; at 4-6 rows (2 vectors of sums)
   // 1.5-1.9x slower (the rows' 8-12 broadcasts spill), so those blocks keep that loop
   static constexpr int kPairRows = 3;
+  // bf16 panels, more than kMaxRows rows: the first row block keeps the widened panels, the others read them as
+  // float32 panels (their blocks of 4-6 rows load each line twice and widen it twice: 5-15% slower than float32
+  // panels at 64-128 rows, emulated AVX2 on a Zen 4)
+  static constexpr bool kKeepWidened = true;
   static F load(const float* p) { return _mm256_loadu_ps(p); }
   // 8 lanes of two bfloat16 each
   static F load_low(const uint16_t* p) {
@@ -623,6 +638,7 @@ struct ScalarS {
   static constexpr int vecs(int rows) { return rows <= 2 ? 8 : 4; }
   static constexpr bool kPairsAtOnce = false;
   static constexpr int kPairRows = 0;
+  static constexpr bool kKeepWidened = false;
   static F load(const float* p) { return *p; }
   static F load_low(const uint16_t* p) { return widen(p[0]); }   // the lane's low half: the first bfloat16
   static F load_high(const uint16_t* p) { return widen(p[1]); }
@@ -791,7 +807,10 @@ at::Tensor panel_linear_cpu(const at::Tensor& x_in, const at::Tensor& panels, co
                             tiles ? reinterpret_cast<uint16_t*>(h.data_ptr<at::BFloat16>()) : nullptr, rows, in, out,
                             panels.stride(0), bf16, ahead};
   const int64_t panel_bytes = panels.stride(0) * element;
-  const int64_t block = panel_cpu::block_panels(panel_bytes);
+  // (the avx2 level's bfloat16 products of more than one row block keep a float32 copy of each output block's
+  // panels: blocks of half the bytes, so that the copy takes a float32 block's L2)
+  const bool keeps_widened = bf16 && !dot && !tiles && level == cpu::Isa::kAvx2 && rows >= panel_cpu::kKeepWidenedRows;
+  const int64_t block = panel_cpu::block_panels(keeps_widened ? 2 * panel_bytes : panel_bytes);
   const int64_t blocks = (num_panels + block - 1) / block;
   const char* const base = static_cast<const char*>(panels.data_ptr());
   const bool ask_next = panel_cpu::next_enabled();  // (one setting for the whole call)

@@ -4,6 +4,9 @@
 // S: F (S::L floats), load / store / set1 / zero / add / fmadd (fmadd(a, b, c) = a * b + c rounded once);
 // load_low / load_high(p) read S::L 32-bit lanes of two bfloat16 each (bfloat16 panels) and widen the low /
 // the high halves to float32, exactly (the weight type WT: float, or uint16_t for bfloat16 panels).
+// S::kKeepWidened: a bfloat16 product of kKeepWidenedRows rows or more widens each output block's panels once (its
+// first row block stores the widened vectors into a float32 copy, thread_scratch) and runs the other row blocks
+// over that copy as float32 panels: the same values, the same FMAs in the same order, so the same bits.
 // Register blocks: S::kMaxRows rows at most (6 or 8), S::vecs(rows) output vectors for a block of that many rows
 // (each must divide kBlockPanels panels' vectors, so that full output blocks take no one-vector tail). bfloat16
 // panels: a pair's two halves from one load in every block with S::kPairsAtOnce, else in blocks of at most
@@ -100,11 +103,22 @@ inline void block(const float* x, int64_t ldx, const float* panels, int64_t stri
 // bits masked off (one operation per vector, exact widening), then the same FMAs in the same order as
 // float32 panels (so the same bits for any loop below: S::kPairsAtOnce, S::kPairRows). An odd `in` reads the low half
 // of its last pair only (x has no input `in`).
-template <int RB, int KV, bool PF>
+// KEEP: every widened vector also stored into `keep`, float32 panels [.., in, 16] whose first panel holds output
+// vector `keep_v0` (kKeepWidened's copy).
+template <int RB, int KV, bool PF, bool KEEP = false>
 inline void block(const float* x, int64_t ldx, const uint16_t* panels, int64_t stride, int64_t in, float* y,
-                  int64_t ldy, const float* bias, int64_t v0, int64_t shift, NextBlock& nb) {
+                  int64_t ldy, const float* bias, int64_t v0, int64_t shift, NextBlock& nb, float* keep = nullptr,
+                  int64_t keep_v0 = 0) {
   const uint16_t* w[KV];
   streams<KV>(w, panels, stride, v0);
+  float* kw[KV];  // (KEEP) each vector's stream in the copy, laid out as float32 panels (streams)
+  if constexpr (KEEP) {
+#pragma GCC unroll 8
+    for (int v = 0; v < KV; ++v) {
+      const int64_t k = v0 - keep_v0 + v;
+      kw[v] = keep + (k / kVecsPerPanel) * in * kPanelWidth + (k % kVecsPerPanel) * L;
+    }
+  }
   F acc[RB][KV];
   zero(acc);
   if constexpr (S::kPairsAtOnce || RB <= S::kPairRows) {
@@ -124,6 +138,10 @@ inline void block(const float* x, int64_t ldx, const uint16_t* panels, int64_t s
         for (int v = 0; v < KV; ++v) {
           lo[v] = S::load_low(w[v] + j * 2 * kPanelWidth);
           hi[v] = S::load_high(w[v] + j * 2 * kPanelWidth);
+          if constexpr (KEEP) {
+            S::store(kw[v] + 2 * j * kPanelWidth, lo[v]);
+            S::store(kw[v] + (2 * j + 1) * kPanelWidth, hi[v]);
+          }
         }
         rank1<RB, KV>(acc, x, ldx, 2 * j, lo);
         rank1<RB, KV>(acc, x, ldx, 2 * j + 1, hi);
@@ -138,6 +156,10 @@ inline void block(const float* x, int64_t ldx, const uint16_t* panels, int64_t s
         for (int v = 0; v < KV; ++v) {
           const F lo = S::load_low(w[v] + j * 2 * kPanelWidth);
           const F hi = S::load_high(w[v] + j * 2 * kPanelWidth);
+          if constexpr (KEEP) {
+            S::store(kw[v] + 2 * j * kPanelWidth, lo);
+            S::store(kw[v] + (2 * j + 1) * kPanelWidth, hi);
+          }
 #pragma GCC unroll 8
           for (int r = 0; r < RB; ++r) {
             acc[r][v] = S::fmadd(a0[r], lo, acc[r][v]);
@@ -149,7 +171,10 @@ inline void block(const float* x, int64_t ldx, const uint16_t* panels, int64_t s
     if (in % 2 != 0) {
       F lo[KV];
 #pragma GCC unroll 8
-      for (int v = 0; v < KV; ++v) lo[v] = S::load_low(w[v] + pairs * 2 * kPanelWidth);
+      for (int v = 0; v < KV; ++v) {
+        lo[v] = S::load_low(w[v] + pairs * 2 * kPanelWidth);
+        if constexpr (KEEP) S::store(kw[v] + (in - 1) * kPanelWidth, lo[v]);
+      }
       rank1<RB, KV>(acc, x, ldx, in - 1, lo);
     }
   } else {
@@ -166,6 +191,10 @@ inline void block(const float* x, int64_t ldx, const uint16_t* panels, int64_t s
 #pragma GCC unroll 8
         for (int v = 0; v < KV; ++v) b[v] = S::load_high(w[v] + pair);
       }
+      if constexpr (KEEP) {
+#pragma GCC unroll 8
+        for (int v = 0; v < KV; ++v) S::store(kw[v] + i * kPanelWidth, b[v]);
+      }
       rank1<RB, KV>(acc, x, ldx, i, b);
     }
   }
@@ -181,6 +210,17 @@ inline void row_block(const float* x, int64_t ldx, const WT* panels, int64_t str
   for (; v < v_hi; ++v) block<RB, 1, PF>(x, ldx, panels, stride, in, y, ldy, bias, v, shift, nb);
 }
 
+// The same over bfloat16 panels, storing the widened vectors [v_lo, v_hi) into `keep` (kKeepWidened's copy).
+template <int RB, int KV, bool PF>
+inline void keeping_row_block(const float* x, int64_t ldx, const uint16_t* panels, int64_t stride, int64_t in,
+                              float* y, int64_t ldy, const float* bias, int64_t v_lo, int64_t v_hi, int64_t shift,
+                              NextBlock& nb, float* keep) {
+  int64_t v = v_lo;
+  for (; v + KV <= v_hi; v += KV)
+    block<RB, KV, PF, true>(x, ldx, panels, stride, in, y, ldy, bias, v, shift, nb, keep, v_lo);
+  for (; v < v_hi; ++v) block<RB, 1, PF, true>(x, ldx, panels, stride, in, y, ldy, bias, v, shift, nb, keep, v_lo);
+}
+
 // Rows x[0 .. RB) times the output vectors [v_lo, v_hi) with RB's register block (RB <= S::kMaxRows).
 // With a prefetch shift (elements of WT past each weight stream's read; 0: none) or without.
 template <typename WT, int RB>
@@ -191,6 +231,27 @@ inline void rows_block(const Problem& p, int64_t r, int64_t v_lo, int64_t v_hi, 
   else
     row_block<WT, RB, S::vecs(RB), false>(p.x + r * p.in, p.in, static_cast<const WT*>(p.panels), p.panel_stride,
                                           p.in, p.y + r * p.out, p.out, p.bias, v_lo, v_hi, 0, nb);
+}
+
+// kKeepWidened: rows [r, r + RB) of a bfloat16 product of several row blocks; the first (r == 0) widens the output
+// vectors [v_lo, v_hi) into `keep` as it multiplies them, the others multiply `keep` as float32 panels.
+template <int RB>
+inline void kept_rows_block(const Problem& p, int64_t r, int64_t v_lo, int64_t v_hi, int64_t shift, NextBlock& nb,
+                            float* keep) {
+  constexpr int KV = S::vecs(RB);
+  const float* x = p.x + r * p.in;
+  float* y = p.y + r * p.out;
+  if (r == 0) {
+    const auto* panels = static_cast<const uint16_t*>(p.panels);
+    if (shift > 0)
+      keeping_row_block<RB, KV, true>(x, p.in, panels, p.panel_stride, p.in, y, p.out, p.bias, v_lo, v_hi, shift, nb, keep);
+    else
+      keeping_row_block<RB, KV, false>(x, p.in, panels, p.panel_stride, p.in, y, p.out, p.bias, v_lo, v_hi, 0, nb, keep);
+    return;
+  }
+  // (the copy's vectors counted from v_lo: y and the bias from there too)
+  row_block<float, RB, KV, false>(x, p.in, keep, p.in * kPanelWidth, p.in, y + v_lo * L, p.out,
+                                  p.bias == nullptr ? nullptr : p.bias + v_lo * L, 0, v_hi - v_lo, 0, nb);
 }
 
 // Every row of x times the output vectors [v_lo, v_hi) (a block that stays in L2 while the row blocks
@@ -204,6 +265,26 @@ inline void rows_times_block(const Problem& p, int64_t v_lo, int64_t v_hi, const
   constexpr int64_t kLine = 64 / sizeof(WT);  // elements of a cache line: one step of a stream
   const int64_t per_call = S::kPairsAtOnce && sizeof(WT) == 2 ? p.in / 2 : p.in;  // NextBlock steps of a block()
   NextBlock none, nb = next_block(next_first, next_last, p.rows, v_hi - v_lo, per_call, S::kMaxRows, &S::vecs);
+  if constexpr (S::kKeepWidened && sizeof(WT) == 2) {
+    if (p.rows >= kKeepWidenedRows && p.rows > S::kMaxRows) {
+      float* keep = thread_scratch<float>((v_hi - v_lo) * L * p.in);
+      for (int64_t r = 0; r < p.rows;) {
+        const int64_t rb = std::min<int64_t>(S::kMaxRows, p.rows - r);
+        const int64_t shift = r == 0 ? p.ahead * kLine : 0;
+        NextBlock& f = r == 0 ? none : nb;
+        switch (rb) {
+          case 1: kept_rows_block<1>(p, r, v_lo, v_hi, shift, f, keep); break;
+          case 2: kept_rows_block<2>(p, r, v_lo, v_hi, shift, f, keep); break;
+          case 3: kept_rows_block<3>(p, r, v_lo, v_hi, shift, f, keep); break;
+          case 4: kept_rows_block<4>(p, r, v_lo, v_hi, shift, f, keep); break;
+          case 5: kept_rows_block<5>(p, r, v_lo, v_hi, shift, f, keep); break;
+          default: if constexpr (S::kMaxRows >= 6) kept_rows_block<6>(p, r, v_lo, v_hi, shift, f, keep); break;
+        }
+        r += rb;
+      }
+      return;
+    }
+  }
   for (int64_t r = 0; r < p.rows;) {
     const int64_t rb = std::min<int64_t>(S::kMaxRows, p.rows - r);
     const int64_t shift = r == 0 ? p.ahead * kLine : 0;
