@@ -100,16 +100,21 @@ def test_bf16_panels_are_float32_panels_of_the_same_values(shape, restore_level)
             for rows, start in ((1, 0), (3, 7), (8, 11), (7, 33), (13, 2), (19, 21), (31, 9), (48, 12), (53, 0)):
                 part = taps_ops.panel_linear(x[start:start + rows], half, b)
                 assert torch.equal(part, y[start:start + rows]), (level, rows, start)
-            threads = torch.get_num_threads()
-            try:
-                for n in (2, 3):   # the output blocks split between threads: the same bits
-                    torch.set_num_threads(n)
-                    assert torch.equal(taps_ops.panel_linear(x, half, b), y), (level, n)
-            finally:
-                torch.set_num_threads(threads)
+            _same_across_threads(x, half, b, y, level)
         first = y if first is None else first
         assert torch.equal(y, first), level
         _close(y, panel_linear_ref(x, half, bias), shape[1])
+
+
+def _same_across_threads(x, panels, bias, y, level):
+    """panel_linear at 2 and 3 threads (the output blocks split between them) gives `y`'s bits."""
+    threads = torch.get_num_threads()
+    try:
+        for n in (2, 3):
+            torch.set_num_threads(n)
+            assert torch.equal(taps_ops.panel_linear(x, panels, bias), y), (level, n)
+    finally:
+        torch.set_num_threads(threads)
 
 
 def _tiles(level, inner):
@@ -146,13 +151,7 @@ def test_bf16_x_over_bf16_panels(shape, restore_level):
         if not _tiles(level, shape[1]):
             first = y if first is None else first
             assert torch.equal(y, first), level
-        threads = torch.get_num_threads()
-        try:
-            for n in (2, 3):   # the output blocks split between threads: the same bits
-                torch.set_num_threads(n)
-                assert torch.equal(taps_ops.panel_linear(x, half, bias), y), (level, n)
-        finally:
-            torch.set_num_threads(threads)
+        _same_across_threads(x, half, bias, y, level)
     assert taps_ops.panel_linear(torch.randn(0, shape[1]).bfloat16(), half).dtype == torch.bfloat16
     empty = taps_ops.pack_panels(torch.randn(32, 0), torch.bfloat16)
     assert torch.equal(taps_ops.panel_linear(torch.randn(3, 0).bfloat16(), empty, bias[:32] if shape[0] >= 32 else None),
