@@ -79,7 +79,7 @@ def test_panels_are_padded_to_an_odd_line_stride(inner, dtype):
     assert panels.stride(0) >= inner * 16
 
 
-@pytest.mark.parametrize("shape", [(16, 1), (32, 7), (48, 64), (272, 129), (1024, 256)])
+@pytest.mark.parametrize("shape", [(16, 1), (32, 7), (48, 64), (272, 129), (1024, 256), (160, 3074)])
 def test_bf16_panels_are_float32_panels_of_the_same_values(shape, restore_level):
     """bfloat16 panels are widened as read: the bits of float32 panels holding the (rounded) weight, at every
     level, row count and position, 1-3 threads; packed from a float32 weight (rounded to nearest even) or a
@@ -123,7 +123,7 @@ def _tiles(level, inner):
     return level == "amx" and inner % 32 == 0 and inner > 0
 
 
-@pytest.mark.parametrize("shape", [(16, 1), (32, 7), (48, 64), (272, 129), (1024, 256), (160, 2)])
+@pytest.mark.parametrize("shape", [(16, 1), (32, 7), (48, 64), (272, 129), (1024, 256), (160, 2), (160, 3074)])
 def test_bf16_x_over_bf16_panels(shape, restore_level):
     """bfloat16 x over bfloat16 panels: the float32 sums of x widened, rounded to bfloat16 once (+ bias before
     the rounding), the same bits at every level, row count (1-40: every row block of AVX512-BF16's dot-product

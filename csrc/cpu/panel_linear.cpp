@@ -64,6 +64,10 @@ inline T* thread_scratch(int64_t elements) {
 // rows 4-12% faster (the 256 x 256 projection 3% slower), 32 rows -7% to +7%, 8 rows (6 + 2) 18-31% slower.
 constexpr int kAvx2Rows = 6;
 constexpr int64_t kKeepWidenedRows = 48;
+// the largest kept copy of an output block (bytes): blocks are ~kBlockBytes but at least kBlockPanels panels (the
+// shipped target's 768-input down projection: a 393 KB float32 copy at avx2; a 4096-input weight's 8 panels 1 MB
+// of bf16, still 6-8% faster at 64-128 rows with the copy than without it on a Zen 4 with 1 MB of L2)
+constexpr int64_t kKeepMostBytes = 2 << 20;
 
 inline float ScalarWiden(uint16_t h) {   // a bfloat16's float32 value (exact)
   const uint32_t bits = static_cast<uint32_t>(h) << 16;
@@ -401,8 +405,11 @@ inline void run(const Problem& p, int64_t panel_lo, int64_t panel_hi, const char
   constexpr int64_t kLine = 32;  // bfloat16 elements of a cache line
   NextBlock none, nb = next_block(next_first, next_last, p.rows, panel_hi - panel_lo, p.in / 2, S::kMaxRows,
                                   &S::vecs, &dot_block_rows);  // (a vector is a panel here)
-  // more than one row block: the first keeps the rotated panels, the others read them (Read)
-  uint16_t* keep = p.rows > S::kMaxRows ? thread_scratch<uint16_t>((panel_hi - panel_lo) * p.panel_stride) : nullptr;
+  // more than one row block: the first keeps the rotated panels, the others read them (Read); not for an output
+  // block of more than kKeepMostBytes (a long `in`: 8 panels of 11008 inputs are 2.8 MB, in every thread)
+  const int64_t kept_elements = (panel_hi - panel_lo) * p.panel_stride;
+  uint16_t* keep = p.rows > S::kMaxRows && kept_elements * 2 <= kKeepMostBytes
+                       ? thread_scratch<uint16_t>(kept_elements) : nullptr;
   for (int64_t r = 0; r < p.rows;) {
     const int64_t rb = dot_block_rows(p.rows, r);
     const int64_t shift = r == 0 ? p.ahead * kLine : 0;

@@ -266,7 +266,8 @@ inline void rows_times_block(const Problem& p, int64_t v_lo, int64_t v_hi, const
   const int64_t per_call = S::kPairsAtOnce && sizeof(WT) == 2 ? p.in / 2 : p.in;  // NextBlock steps of a block()
   NextBlock none, nb = next_block(next_first, next_last, p.rows, v_hi - v_lo, per_call, S::kMaxRows, &S::vecs);
   if constexpr (S::kKeepWidened && sizeof(WT) == 2) {
-    if (p.rows >= kKeepWidenedRows && p.rows > S::kMaxRows) {
+    // (not where the float32 copy would pass kKeepMostBytes: a long `in`)
+    if (p.rows >= kKeepWidenedRows && p.rows > S::kMaxRows && (v_hi - v_lo) * L * p.in * 4 <= kKeepMostBytes) {
       float* keep = thread_scratch<float>((v_hi - v_lo) * L * p.in);
       for (int64_t r = 0; r < p.rows;) {
         const int64_t rb = std::min<int64_t>(S::kMaxRows, p.rows - r);
