@@ -89,6 +89,8 @@ struct Problem {
   int64_t rows, in, out, panel_stride;
   bool bf16;
   int64_t ahead;        // software prefetch distance of the first row block, in cache lines; 0: no prefetches
+  bool keep_widened;    // bf16 panels at the avx2 level, kKeepWidenedRows rows or more: widened once per output
+                        // block (S::kKeepWidened; the op decides it once, as it sizes the output blocks by it)
 };
 
 // float32 -> bfloat16, round to nearest even, NaN -> 0x7FC0: c10::BFloat16's conversion (what at::to does), bit for
@@ -809,14 +811,14 @@ at::Tensor panel_linear_cpu(const at::Tensor& x_in, const at::Tensor& panels, co
               static_cast<uint32_t>(xh[r * in + 2 * j + 1]) | (static_cast<uint32_t>(xh[r * in + 2 * j]) << 16);
     }
   }
+  // (the avx2 level's bfloat16 products of kKeepWidenedRows rows or more keep a float32 copy of each output block's
+  // panels: blocks of half the bytes, so that the copy takes a float32 block's L2)
+  const bool keeps_widened = bf16 && !dot && !tiles && level == cpu::Isa::kAvx2 && rows >= panel_cpu::kKeepWidenedRows;
   const panel_cpu::Problem p{keep_half ? nullptr : x.data_ptr<float>(), xh, dot ? swapped.data() : nullptr,
                             panels.data_ptr(), bias_ptr, tiles ? nullptr : y.data_ptr<float>(),
                             tiles ? reinterpret_cast<uint16_t*>(h.data_ptr<at::BFloat16>()) : nullptr, rows, in, out,
-                            panels.stride(0), bf16, ahead};
+                            panels.stride(0), bf16, ahead, keeps_widened};
   const int64_t panel_bytes = panels.stride(0) * element;
-  // (the avx2 level's bfloat16 products of more than one row block keep a float32 copy of each output block's
-  // panels: blocks of half the bytes, so that the copy takes a float32 block's L2)
-  const bool keeps_widened = bf16 && !dot && !tiles && level == cpu::Isa::kAvx2 && rows >= panel_cpu::kKeepWidenedRows;
   const int64_t block = panel_cpu::block_panels(keeps_widened ? 2 * panel_bytes : panel_bytes);
   const int64_t blocks = (num_panels + block - 1) / block;
   const char* const base = static_cast<const char*>(panels.data_ptr());

@@ -4,9 +4,10 @@
 // S: F (S::L floats), load / store / set1 / zero / add / fmadd (fmadd(a, b, c) = a * b + c rounded once);
 // load_low / load_high(p) read S::L 32-bit lanes of two bfloat16 each (bfloat16 panels) and widen the low /
 // the high halves to float32, exactly (the weight type WT: float, or uint16_t for bfloat16 panels).
-// S::kKeepWidened: a bfloat16 product of kKeepWidenedRows rows or more widens each output block's panels once (its
-// first row block stores the widened vectors into a float32 copy, thread_scratch) and runs the other row blocks
-// over that copy as float32 panels: the same values, the same FMAs in the same order, so the same bits.
+// S::kKeepWidened: a bfloat16 product with p.keep_widened (kKeepWidenedRows rows or more) widens each output
+// block's panels once (its first row block stores the widened vectors into a float32 copy, thread_scratch) and runs
+// the other row blocks over that copy as float32 panels: the same values, the same FMAs in the same order, so the
+// same bits.
 // Register blocks: S::kMaxRows rows at most (6 or 8), S::vecs(rows) output vectors for a block of that many rows
 // (each must divide kBlockPanels panels' vectors, so that full output blocks take no one-vector tail). bfloat16
 // panels: a pair's two halves from one load in every block with S::kPairsAtOnce, else in blocks of at most
@@ -266,8 +267,8 @@ inline void rows_times_block(const Problem& p, int64_t v_lo, int64_t v_hi, const
   const int64_t per_call = S::kPairsAtOnce && sizeof(WT) == 2 ? p.in / 2 : p.in;  // NextBlock steps of a block()
   NextBlock none, nb = next_block(next_first, next_last, p.rows, v_hi - v_lo, per_call, S::kMaxRows, &S::vecs);
   if constexpr (S::kKeepWidened && sizeof(WT) == 2) {
-    // (not where the float32 copy would pass kKeepMostBytes: a long `in`)
-    if (p.rows >= kKeepWidenedRows && p.rows > S::kMaxRows && (v_hi - v_lo) * L * p.in * 4 <= kKeepMostBytes) {
+    // (p.keep_widened: the op's decision; not where the float32 copy would pass kKeepMostBytes: a long `in`)
+    if (p.keep_widened && (v_hi - v_lo) * L * p.in * 4 <= kKeepMostBytes) {
       float* keep = thread_scratch<float>((v_hi - v_lo) * L * p.in);
       for (int64_t r = 0; r < p.rows;) {
         const int64_t rb = std::min<int64_t>(S::kMaxRows, p.rows - r);
