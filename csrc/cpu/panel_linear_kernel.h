@@ -8,7 +8,9 @@
 // block's panels once (its first row block stores the widened vectors into a float32 copy, thread_scratch) and runs
 // the other row blocks over that copy as float32 panels: the same values, the same FMAs in the same order, so the
 // same bits.
-// Register blocks: S::kMaxRows rows at most (6 or 8), S::vecs(rows) output vectors for a block of that many rows
+// Register blocks: S::kMaxRows rows at most (4 or 6; S::kEvenRows: split evenly; S::kInterleaveX: float32 x read
+// interleaved by block where the op laid it out so, Problem::xi), S::vecs(rows) output vectors for a block of that
+// many rows
 // (each must divide kBlockPanels panels' vectors, so that full output blocks take no one-vector tail). bfloat16
 // panels: a pair's two halves from one load in every block with S::kPairsAtOnce, else in blocks of at most
 // S::kPairRows rows.
@@ -80,8 +82,9 @@ inline void finish(F (&acc)[RB][KV], float* y, int64_t ldy, const float* bias, i
     }
 }
 
-// Rows x[0 .. RB) times output vectors v0 .. v0 + KV (each of L outputs), float32 panels.
-template <int RB, int KV, bool PF>
+// Rows x[0 .. RB) times output vectors v0 .. v0 + KV (each of L outputs), float32 panels. IX: x interleaved by the
+// block's rows (input i of its row r at x[i * RB + r], Problem::xi): one pointer for every row's broadcasts.
+template <int RB, int KV, bool PF, bool IX = false>
 inline void block(const float* x, int64_t ldx, const float* panels, int64_t stride, int64_t in, float* y, int64_t ldy,
                   const float* bias, int64_t v0, int64_t shift, NextBlock& nb) {
   const float* w[KV];
@@ -94,7 +97,10 @@ inline void block(const float* x, int64_t ldx, const float* panels, int64_t stri
     if constexpr (PF) prefetch<KV>(w, i * kPanelWidth + shift);
 #pragma GCC unroll 8
     for (int v = 0; v < KV; ++v) b[v] = S::load(w[v] + i * kPanelWidth);
-    rank1<RB, KV>(acc, x, ldx, i, b);
+    if constexpr (IX)
+      rank1<RB, KV>(acc, x + i * RB, 1, 0, b);
+    else
+      rank1<RB, KV>(acc, x, ldx, i, b);
   }
   finish<RB, KV>(acc, y, ldy, bias, v0);
 }
@@ -203,12 +209,17 @@ inline void block(const float* x, int64_t ldx, const uint16_t* panels, int64_t s
 }
 
 // Rows x[0 .. RB) times the output vectors [v_lo, v_hi): KV at a time, the rest one by one.
-template <typename WT, int RB, int KV, bool PF>
+template <typename WT, int RB, int KV, bool PF, bool IX = false>
 inline void row_block(const float* x, int64_t ldx, const WT* panels, int64_t stride, int64_t in, float* y,
                       int64_t ldy, const float* bias, int64_t v_lo, int64_t v_hi, int64_t shift, NextBlock& nb) {
   int64_t v = v_lo;
-  for (; v + KV <= v_hi; v += KV) block<RB, KV, PF>(x, ldx, panels, stride, in, y, ldy, bias, v, shift, nb);
-  for (; v < v_hi; ++v) block<RB, 1, PF>(x, ldx, panels, stride, in, y, ldy, bias, v, shift, nb);
+  if constexpr (IX) {
+    for (; v + KV <= v_hi; v += KV) block<RB, KV, PF, true>(x, ldx, panels, stride, in, y, ldy, bias, v, shift, nb);
+    for (; v < v_hi; ++v) block<RB, 1, PF, true>(x, ldx, panels, stride, in, y, ldy, bias, v, shift, nb);
+  } else {
+    for (; v + KV <= v_hi; v += KV) block<RB, KV, PF>(x, ldx, panels, stride, in, y, ldy, bias, v, shift, nb);
+    for (; v < v_hi; ++v) block<RB, 1, PF>(x, ldx, panels, stride, in, y, ldy, bias, v, shift, nb);
+  }
 }
 
 // The same over bfloat16 panels, storing the widened vectors [v_lo, v_hi) into `keep` (kKeepWidened's copy).
@@ -226,6 +237,19 @@ inline void keeping_row_block(const float* x, int64_t ldx, const uint16_t* panel
 // With a prefetch shift (elements of WT past each weight stream's read; 0: none) or without.
 template <typename WT, int RB>
 inline void rows_block(const Problem& p, int64_t r, int64_t v_lo, int64_t v_hi, int64_t shift, NextBlock& nb) {
+  if constexpr (S::kInterleaveX && sizeof(WT) == 4) {
+    if (p.xi != nullptr) {  // (x interleaved by the register blocks: Problem::xi)
+      if (shift > 0)
+        row_block<WT, RB, S::vecs(RB), true, true>(p.xi + r * p.in, 0, static_cast<const WT*>(p.panels),
+                                                   p.panel_stride, p.in, p.y + r * p.out, p.out, p.bias, v_lo, v_hi,
+                                                   shift, nb);
+      else
+        row_block<WT, RB, S::vecs(RB), false, true>(p.xi + r * p.in, 0, static_cast<const WT*>(p.panels),
+                                                    p.panel_stride, p.in, p.y + r * p.out, p.out, p.bias, v_lo, v_hi,
+                                                    0, nb);
+      return;
+    }
+  }
   if (shift > 0)
     row_block<WT, RB, S::vecs(RB), true>(p.x + r * p.in, p.in, static_cast<const WT*>(p.panels), p.panel_stride, p.in,
                                          p.y + r * p.out, p.out, p.bias, v_lo, v_hi, shift, nb);
@@ -255,6 +279,13 @@ inline void kept_rows_block(const Problem& p, int64_t r, int64_t v_lo, int64_t v
                                   p.bias == nullptr ? nullptr : p.bias + v_lo * L, 0, v_hi - v_lo, 0, nb);
 }
 
+// The rows of the register block after the first `done` of `rows`: S::kMaxRows (the last fewer), or with
+// S::kEvenRows as even as they go (Problem::xi is laid out by these blocks).
+inline int64_t block_rows(int64_t rows, int64_t done) {
+  if constexpr (S::kEvenRows) return even_block_rows(rows, done, S::kMaxRows);
+  return std::min<int64_t>(S::kMaxRows, rows - done);
+}
+
 // Every row of x times the output vectors [v_lo, v_hi) (a block that stays in L2 while the row blocks
 // pass over it): blocks of S::kMaxRows rows, then one block of the rest, so that up to kMaxRows rows
 // read the weight once. The first row block reads the block's panels from memory: with p.ahead > 0 it
@@ -265,13 +296,14 @@ template <typename WT>
 inline void rows_times_block(const Problem& p, int64_t v_lo, int64_t v_hi, const char* next_first, const char* next_last) {
   constexpr int64_t kLine = 64 / sizeof(WT);  // elements of a cache line: one step of a stream
   const int64_t per_call = S::kPairsAtOnce && sizeof(WT) == 2 ? p.in / 2 : p.in;  // NextBlock steps of a block()
-  NextBlock none, nb = next_block(next_first, next_last, p.rows, v_hi - v_lo, per_call, S::kMaxRows, &S::vecs);
+  NextBlock none, nb = next_block(next_first, next_last, p.rows, v_hi - v_lo, per_call, S::kMaxRows, &S::vecs,
+                                  &block_rows);
   if constexpr (S::kKeepWidened && sizeof(WT) == 2) {
     // (p.keep_widened: the op's decision; not where the float32 copy would pass kKeepMostBytes: a long `in`)
     if (p.keep_widened && (v_hi - v_lo) * L * p.in * 4 <= kKeepMostBytes) {
       float* keep = thread_scratch<float>((v_hi - v_lo) * L * p.in);
       for (int64_t r = 0; r < p.rows;) {
-        const int64_t rb = std::min<int64_t>(S::kMaxRows, p.rows - r);
+        const int64_t rb = block_rows(p.rows, r);
         const int64_t shift = r == 0 ? p.ahead * kLine : 0;
         NextBlock& f = r == 0 ? none : nb;
         switch (rb) {
@@ -288,7 +320,7 @@ inline void rows_times_block(const Problem& p, int64_t v_lo, int64_t v_hi, const
     }
   }
   for (int64_t r = 0; r < p.rows;) {
-    const int64_t rb = std::min<int64_t>(S::kMaxRows, p.rows - r);
+    const int64_t rb = block_rows(p.rows, r);
     const int64_t shift = r == 0 ? p.ahead * kLine : 0;
     NextBlock& f = r == 0 ? none : nb;
     switch (rb) {
