@@ -119,7 +119,8 @@ struct Problem {
                         // panels + p * panel_stride elements
   const float* bias;    // [out] or nullptr
   float* y;             // [rows, out] contiguous (nullptr where the kernel writes yh instead)
-  uint16_t* yh;         // the AMX kernel's output: [rows, out] bfloat16, sums plus bias rounded once (else nullptr)
+  uint16_t* yh;         // the AMX and AVX512-BF16 kernels' output: [rows, out] bfloat16, sums plus bias rounded once
+                        // (else nullptr)
   int64_t rows, in, out, panel_stride;
   bool bf16;
   int64_t ahead;        // software prefetch distance of the first row block, in cache lines; 0: no prefetches
@@ -332,7 +333,7 @@ TAPS_TARGET_AVX2_FMA void round_to_bf16_avx2(const float* src, uint16_t* dst, in
 // a float32 denormal, from twice the multiply-adds per instruction of the float32 kernels. Blocks of rows and
 // vectors as the avx512 level's (S::vecs); an odd `in`'s last input by one fused multiply-add, last, as there.
 #pragma GCC push_options
-#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,avx2,fma")
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,avx2,fma,f16c")
 namespace panel_cpu::avx512_bf16 {
 struct S : avx512::S {
   static constexpr int kMaxRows = kDotRows;
@@ -352,8 +353,8 @@ enum Read { kRotate, kRotateKeep, kKept };
 // output vector of panels[0]). `keep`: kRotateKeep's copy, laid out as `panels`.
 template <int RB, int KV, bool PF, Read R>
 inline void block(const uint32_t* xs, const uint16_t* x, int64_t ldx, const uint16_t* panels, uint16_t* keep,
-                  int64_t stride, int64_t in, float* y, int64_t ldy, const float* bias, int64_t v0, int64_t y0,
-                  int64_t shift, NextBlock& nb) {
+                  int64_t stride, int64_t in, float* y, uint16_t* yh, int64_t ldy, const float* bias, int64_t v0,
+                  int64_t y0, int64_t shift, NextBlock& nb) {
   const int64_t pairs = in / 2;
   const uint16_t* w[KV];
 #pragma GCC unroll 16
@@ -405,7 +406,10 @@ inline void block(const uint32_t* xs, const uint16_t* x, int64_t ldx, const uint
       __m512 out = acc[r][v];
       const int64_t o = (y0 + v0 + v) * kPanelWidth;
       if (bias != nullptr) out = _mm512_add_ps(out, _mm512_loadu_ps(bias + o));
-      _mm512_storeu_ps(y + r * ldy + o, out);
+      if (yh != nullptr)  // (the bfloat16 result rounded here: round_to_bf16's operations, no float32 pass after)
+        round16_avx512(out, yh + r * ldy + o);
+      else
+        _mm512_storeu_ps(y + r * ldy + o, out);
     }
 }
 
@@ -416,12 +420,14 @@ inline void row_block(const Problem& p, const uint16_t* panels, uint16_t* keep, 
   constexpr int KV = S::vecs(RB);
   const uint32_t* xs = p.xs + r * (p.in / 2);
   const uint16_t* x = p.xh + r * p.in;
-  float* y = p.y + r * p.out;
+  float* y = p.y == nullptr ? nullptr : p.y + r * p.out;
+  uint16_t* yh = p.yh == nullptr ? nullptr : p.yh + r * p.out;
   const int64_t st = p.panel_stride;
   int64_t v = v_lo;
   for (; v + KV <= v_hi; v += KV)
-    block<RB, KV, PF, R>(xs, x, p.in, panels, keep, st, p.in, y, p.out, p.bias, v, y0, shift, nb);
-  for (; v < v_hi; ++v) block<RB, 1, PF, R>(xs, x, p.in, panels, keep, st, p.in, y, p.out, p.bias, v, y0, shift, nb);
+    block<RB, KV, PF, R>(xs, x, p.in, panels, keep, st, p.in, y, yh, p.out, p.bias, v, y0, shift, nb);
+  for (; v < v_hi; ++v)
+    block<RB, 1, PF, R>(xs, x, p.in, panels, keep, st, p.in, y, yh, p.out, p.bias, v, y0, shift, nb);
 }
 
 // Rows [r, r + RB) times the panels [panel_lo, panel_hi): from the source (`kept` null: one row block, or the
@@ -806,8 +812,13 @@ at::Tensor panel_linear_cpu(const at::Tensor& x_in, const at::Tensor& panels, co
   // panel_cpu::amx::round_out: no float32 sums to hold)
   const bool tiles = half_x && in > 0 && in % 32 == 0 && level == cpu::Isa::kAmx && panel_cpu::amx_enabled() &&
                      cpu::amx_tiles_ready();
+  // (the dot products round each sum into the bfloat16 result as they store it, avx512_bf16::block: no float32 sums
+  // to hold either)
+  const bool dot = !tiles && half_x && in > 0 && panel_cpu::dot_enabled() &&
+                   static_cast<int>(level) >= static_cast<int>(cpu::Isa::kAvx512) && cpu::host_avx512_bf16();
+  const bool direct = tiles || dot;  // the kernel writes the bfloat16 result itself (Problem::yh)
   at::Tensor y, h;
-  if (tiles) {
+  if (direct) {
     h = at::empty(shape, x_in.options().dtype(at::kBFloat16).memory_format(at::MemoryFormat::Contiguous));
   } else if (half_x && total <= kScratchKeep) {
     if (static_cast<int64_t>(scratch.size()) < std::max<int64_t>(total, 1)) scratch.resize(static_cast<size_t>(std::max<int64_t>(total, 1)));
@@ -816,7 +827,7 @@ at::Tensor panel_linear_cpu(const at::Tensor& x_in, const at::Tensor& panels, co
     y = at::empty(shape, x_in.options().dtype(at::kFloat).memory_format(at::MemoryFormat::Contiguous));
   }
   const auto result = [&] {
-    if (tiles) return h;
+    if (direct) return h;
     if (!half_x) return y;
     at::Tensor rounded = at::empty(shape, x_in.options().dtype(at::kBFloat16).memory_format(at::MemoryFormat::Contiguous));
     panel_cpu::round_bf16(y.data_ptr<float>(), reinterpret_cast<uint16_t*>(rounded.data_ptr<at::BFloat16>()), y.numel());
@@ -828,8 +839,6 @@ at::Tensor panel_linear_cpu(const at::Tensor& x_in, const at::Tensor& panels, co
     if (bias_ptr != nullptr) y.copy_(b.expand_as(y)); else y.zero_();
     return result();
   }
-  const bool dot = !tiles && half_x && panel_cpu::dot_enabled() &&
-                   static_cast<int>(level) >= static_cast<int>(cpu::Isa::kAvx512) && cpu::host_avx512_bf16();
   const bool keep_half = dot || tiles;  // x read as bfloat16 (else widened to float32 here)
   const at::Tensor x = half_x && !keep_half ? x_in.to(at::kFloat, /*non_blocking=*/false, /*copy=*/false,
                                                       at::MemoryFormat::Contiguous)
@@ -874,8 +883,8 @@ at::Tensor panel_linear_cpu(const at::Tensor& x_in, const at::Tensor& panels, co
   }
   const bool keeps_widened = bf16 && !dot && !tiles && level == cpu::Isa::kAvx2 && rows >= panel_cpu::kKeepWidenedRows;
   const panel_cpu::Problem p{keep_half ? nullptr : x.data_ptr<float>(), xh, dot ? swapped.data() : nullptr,
-                            panels.data_ptr(), bias_ptr, tiles ? nullptr : y.data_ptr<float>(),
-                            tiles ? reinterpret_cast<uint16_t*>(h.data_ptr<at::BFloat16>()) : nullptr, rows, in, out,
+                            panels.data_ptr(), bias_ptr, direct ? nullptr : y.data_ptr<float>(),
+                            direct ? reinterpret_cast<uint16_t*>(h.data_ptr<at::BFloat16>()) : nullptr, rows, in, out,
                             panels.stride(0), bf16, ahead, interleaved, keeps_widened};
   const int64_t panel_bytes = panels.stride(0) * element;
   const int64_t block = panel_cpu::block_panels(keeps_widened ? 2 * panel_bytes : panel_bytes);
