@@ -158,7 +158,8 @@ std::atomic<bool> next_setting{[] {
 inline bool next_enabled() { return next_setting.load(std::memory_order_relaxed); }
 
 // The fewest rows whose later row blocks ask for the next output block: three row blocks at avx512 (6 + 5 + 5;
-// two of 8 when it was set, still 4-13% faster at 16 rows with 6-row blocks: --cold, session 44), three at avx2 (6). Measured with weights read from memory (bench_panel_linear.py --cold and a /tmp
+// two of 8 when it was set, still 4-13% faster at 16 rows with 6-row blocks: --cold, session 44), three at avx2
+// (6). Measured with weights read from memory (bench_panel_linear.py --cold and a /tmp
 // harness, Zen 4): 16-32 rows 5-22% faster on the shipped target's head and MLP at avx512 (bf16 dot products and
 // float32), 4-12% at avx2 (float32); 12 rows at avx2 (two blocks of 6) ~18% slower on the head, 9-12 rows at avx512
 // (a row block of 1-4 rows after the first) -8% to +14%: the rows after the first must compute long enough to
