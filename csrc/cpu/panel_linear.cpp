@@ -864,24 +864,22 @@ at::Tensor panel_linear_cpu(const at::Tensor& x_in, const at::Tensor& panels, co
               static_cast<uint32_t>(xh[r * in + 2 * j + 1]) | (static_cast<uint32_t>(xh[r * in + 2 * j]) << 16);
     }
   }
-  // (the avx2 level's bfloat16 products of kKeepWidenedRows rows or more keep a float32 copy of each output block's
-  // panels: blocks of half the bytes, so that the copy takes a float32 block's L2)
   // float32 x over float32 panels at the avx512 level: x interleaved by its register blocks (Problem::xi), in this
   // thread's scratch up to kScratchKeep floats (a larger x, a long prefill's, in a temporary)
   thread_local std::vector<float> interleaved_scratch;
   std::vector<float> interleaved_large;
   float* interleaved = nullptr;
+#if defined(TAPS_CPU_X86)
   if (!bf16 && !half_x && static_cast<int>(level) >= static_cast<int>(cpu::Isa::kAvx512) &&
       rows >= panel_cpu::kInterleaveMinRows) {
     std::vector<float>& buffer = rows * in <= kScratchKeep ? interleaved_scratch : interleaved_large;
     if (static_cast<int64_t>(buffer.size()) < rows * in) buffer.resize(static_cast<size_t>(rows * in));
     interleaved = buffer.data();
-    const float* xf = x.data_ptr<float>();
-    for (int64_t r0 = 0, rb = 0; r0 < rows; r0 += rb) {
-      rb = panel_cpu::even_block_rows(rows, r0, panel_cpu::kAvx512Rows);  // (the level's blocks: S::kEvenRows)
-      panel_cpu::interleave_rows(xf + r0 * in, in, rb, interleaved + r0 * in);
-    }
+    panel_cpu::avx512::panel::interleave_x(x.data_ptr<float>(), rows, in, interleaved);
   }
+#endif
+  // (the avx2 level's bfloat16 products of kKeepWidenedRows rows or more keep a float32 copy of each output block's
+  // panels: blocks of half the bytes, so that the copy takes a float32 block's L2)
   const bool keeps_widened = bf16 && !dot && !tiles && level == cpu::Isa::kAvx2 && rows >= panel_cpu::kKeepWidenedRows;
   const panel_cpu::Problem p{keep_half ? nullptr : x.data_ptr<float>(), xh, dot ? swapped.data() : nullptr,
                             panels.data_ptr(), bias_ptr, direct ? nullptr : y.data_ptr<float>(),

@@ -209,17 +209,14 @@ inline void block(const float* x, int64_t ldx, const uint16_t* panels, int64_t s
 }
 
 // Rows x[0 .. RB) times the output vectors [v_lo, v_hi): KV at a time, the rest one by one.
+// IX: x interleaved (float32 panels only; bfloat16 panels' block takes KEEP in that place, false here).
 template <typename WT, int RB, int KV, bool PF, bool IX = false>
 inline void row_block(const float* x, int64_t ldx, const WT* panels, int64_t stride, int64_t in, float* y,
                       int64_t ldy, const float* bias, int64_t v_lo, int64_t v_hi, int64_t shift, NextBlock& nb) {
+  static_assert(!IX || sizeof(WT) == 4, "interleaved x: float32 panels only");
   int64_t v = v_lo;
-  if constexpr (IX) {
-    for (; v + KV <= v_hi; v += KV) block<RB, KV, PF, true>(x, ldx, panels, stride, in, y, ldy, bias, v, shift, nb);
-    for (; v < v_hi; ++v) block<RB, 1, PF, true>(x, ldx, panels, stride, in, y, ldy, bias, v, shift, nb);
-  } else {
-    for (; v + KV <= v_hi; v += KV) block<RB, KV, PF>(x, ldx, panels, stride, in, y, ldy, bias, v, shift, nb);
-    for (; v < v_hi; ++v) block<RB, 1, PF>(x, ldx, panels, stride, in, y, ldy, bias, v, shift, nb);
-  }
+  for (; v + KV <= v_hi; v += KV) block<RB, KV, PF, IX>(x, ldx, panels, stride, in, y, ldy, bias, v, shift, nb);
+  for (; v < v_hi; ++v) block<RB, 1, PF, IX>(x, ldx, panels, stride, in, y, ldy, bias, v, shift, nb);
 }
 
 // The same over bfloat16 panels, storing the widened vectors [v_lo, v_hi) into `keep` (kKeepWidened's copy).
@@ -235,27 +232,24 @@ inline void keeping_row_block(const float* x, int64_t ldx, const uint16_t* panel
 
 // Rows x[0 .. RB) times the output vectors [v_lo, v_hi) with RB's register block (RB <= S::kMaxRows).
 // With a prefetch shift (elements of WT past each weight stream's read; 0: none) or without.
+template <typename WT, int RB, bool IX>
+inline void rows_block_of(const Problem& p, const float* x, int64_t ldx, int64_t r, int64_t v_lo, int64_t v_hi,
+                          int64_t shift, NextBlock& nb) {
+  if (shift > 0)
+    row_block<WT, RB, S::vecs(RB), true, IX>(x, ldx, static_cast<const WT*>(p.panels), p.panel_stride, p.in,
+                                             p.y + r * p.out, p.out, p.bias, v_lo, v_hi, shift, nb);
+  else
+    row_block<WT, RB, S::vecs(RB), false, IX>(x, ldx, static_cast<const WT*>(p.panels), p.panel_stride, p.in,
+                                              p.y + r * p.out, p.out, p.bias, v_lo, v_hi, 0, nb);
+}
+
 template <typename WT, int RB>
 inline void rows_block(const Problem& p, int64_t r, int64_t v_lo, int64_t v_hi, int64_t shift, NextBlock& nb) {
   if constexpr (S::kInterleaveX && sizeof(WT) == 4) {
-    if (p.xi != nullptr) {  // (x interleaved by the register blocks: Problem::xi)
-      if (shift > 0)
-        row_block<WT, RB, S::vecs(RB), true, true>(p.xi + r * p.in, 0, static_cast<const WT*>(p.panels),
-                                                   p.panel_stride, p.in, p.y + r * p.out, p.out, p.bias, v_lo, v_hi,
-                                                   shift, nb);
-      else
-        row_block<WT, RB, S::vecs(RB), false, true>(p.xi + r * p.in, 0, static_cast<const WT*>(p.panels),
-                                                    p.panel_stride, p.in, p.y + r * p.out, p.out, p.bias, v_lo, v_hi,
-                                                    0, nb);
-      return;
-    }
+    if (p.xi != nullptr)  // (x interleaved by the register blocks: Problem::xi, interleave_x)
+      return rows_block_of<WT, RB, true>(p, p.xi + r * p.in, 0, r, v_lo, v_hi, shift, nb);
   }
-  if (shift > 0)
-    row_block<WT, RB, S::vecs(RB), true>(p.x + r * p.in, p.in, static_cast<const WT*>(p.panels), p.panel_stride, p.in,
-                                         p.y + r * p.out, p.out, p.bias, v_lo, v_hi, shift, nb);
-  else
-    row_block<WT, RB, S::vecs(RB), false>(p.x + r * p.in, p.in, static_cast<const WT*>(p.panels), p.panel_stride,
-                                          p.in, p.y + r * p.out, p.out, p.bias, v_lo, v_hi, 0, nb);
+  rows_block_of<WT, RB, false>(p, p.x + r * p.in, p.in, r, v_lo, v_hi, shift, nb);
 }
 
 // kKeepWidened: rows [r, r + RB) of a bfloat16 product of several row blocks; the first (r == 0) widens the output
@@ -284,6 +278,15 @@ inline void kept_rows_block(const Problem& p, int64_t r, int64_t v_lo, int64_t v
 inline int64_t block_rows(int64_t rows, int64_t done) {
   if constexpr (S::kEvenRows) return even_block_rows(rows, done, S::kMaxRows);
   return std::min<int64_t>(S::kMaxRows, rows - done);
+}
+
+// Problem::xi of float32 x [rows, in] (S::kInterleaveX): each register block of rows (block_rows) from row r0 at
+// out + r0 * in, its row r's input i at i * rb + r: the layout the blocks above read, made from the same split.
+inline void interleave_x(const float* x, int64_t rows, int64_t in, float* out) {
+  for (int64_t r0 = 0, rb = 0; r0 < rows; r0 += rb) {
+    rb = block_rows(rows, r0);
+    interleave_rows(x + r0 * in, in, rb, out + r0 * in);
+  }
 }
 
 // Every row of x times the output vectors [v_lo, v_hi) (a block that stays in L2 while the row blocks
