@@ -1937,11 +1937,13 @@ def test_a_coasting_step_ends_when_prompt_lookup_has_a_match(batch, monkeypatch)
     """Where prompt lookup's drafts pay (a node costs a thousandth of a forward), a plain step that repeats
     a plan of no draft (coasting, with the checks listed when that plan chose) ends at the first step where
     the lookup has a match for more requests than at that plan: every step with a match drafts, every step
-    without coasts or plans no draft; the output is the target's greedy output."""
+    without coasts or plans no draft; a drafted step that repeats the last draft without planning
+    (SpeculativeDecoder._coasts_draft) does so only while the lookup has a match for the same requests as at
+    that draft's plan; the output is the target's greedy output."""
     m = em.greedy_models()
     prompts = [[5, 17, 42, 8, 61, 3, 5, 17, 42, 8, 61, 3, 5, 17], [9, 31, 4, 77, 20, 13, 2, 58]][:batch]
     ref = SpeculativeDecoder(m["target"], [], strategy="autoregressive").generate(prompts, max_new_tokens=40)
-    steps, planned = [], []
+    steps, planned, drafts_again = [], [], []
     plan_of, step_of = SpeculativeDecoder._plan, SpeculativeDecoder.step
 
     def spy_plan(self, state):
@@ -1953,12 +1955,16 @@ def test_a_coasting_step_ends_when_prompt_lookup_has_a_match(batch, monkeypatch)
         lookup = state.groups[0]
         started = state.pending.started(lookup)
         matched = sum(lookup.has_draft(b) for b in state.active()) if started else None
-        token = state.coast
+        token, repeat = state.coast, state.coast_draft
         planned.clear()
         step_of(self, state)
         coasted = token is not None and state.coast is token  # (repeated without planning)
-        assert coasted != bool(planned)
-        steps.append((matched, coasted) + (planned[0] if planned else (False, False)))
+        # (the last draft repeated without planning)
+        again = repeat is not None and state.coast_draft is not None and state.coast_draft[0] is repeat[0] \
+            and state.coast_draft[2] == repeat[2] + 1
+        assert coasted + again + bool(planned) == 1
+        drafts_again.append(again)
+        steps.append((matched, coasted) + (planned[0] if planned else (again, False)))
     monkeypatch.setattr(SpeculativeDecoder, "_plan", spy_plan)
     monkeypatch.setattr(SpeculativeDecoder, "step", spy_step)
     # (a step's cost in proportion to its requests: a request's tokens are then worth as much wherever it stands
@@ -1970,6 +1976,7 @@ def test_a_coasting_step_ends_when_prompt_lookup_has_a_match(batch, monkeypatch)
     assert out.tokens == ref.tokens
     known = [s for s in steps if s[0] is not None]
     assert any(s[1] for s in known) and any(s[2] for s in known), steps  # both coasting and drafting happened
+    assert any(drafts_again), steps  # and drafts repeated without planning
     for matched, coasted, drafted, probing in known:
         assert drafted == (matched > 0) or probing, steps
         assert not (coasted and matched)

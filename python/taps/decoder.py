@@ -562,9 +562,10 @@ class SpeculativeDecoder:
                 state.coast_draft = None
                 tuner = self.tuner
                 if (tuner is not None and plan.drafting and not tuner.probing and tuner.repeats(plan.shape)
-                        and all(g.kept_current and not g.free_draft for g in plan.drafting)
-                        and not any(g.free_draft for g in state.groups)):
-                    state.coast_draft = (plan, state.epoch, 0)
+                        and all(g.kept_current for g in plan.drafting)):
+                    ready = self._free_ready(state)
+                    if ready is not None:
+                        state.coast_draft = (plan, state.epoch, 0, ready)
             self._retire(state, plan)
             if plan.drafting and plan.shape is not None and not self.tuner.probing:
                 for g in plan.drafting:  # (what the tuner chose, for _judge_idle)
@@ -685,16 +686,32 @@ class SpeculativeDecoder:
         (:data:`DRAFT_COAST` steps in a row at most, then a step that plans and is timed): no request joined,
         finished or left since, and the tuner would repeat that draft unpriced (:meth:`Tuner.repeats`; its
         values stand). Only where the drafting groups are kept current (an n-gram table: nothing queued, whose
-        appends would be priced) and no group is asked for matches (prompt lookup's change a plan's inputs).
-        Their acceptance is still observed every step (:meth:`Tuner.observe_accepted`). Why: a drawn table
-        chain's step took ~0.1 ms longer under a tuner than with fixed settings (bf16, 1.11 against 1.02 ms),
-        the plan, the clock reads and the observation's bookkeeping."""
-        plan, epoch, count = state.coast_draft
-        if epoch != state.epoch or count >= DRAFT_COAST or not self.tuner.repeats(plan.shape, step=True):
+        appends would be priced) and the groups asked for matches (prompt lookup, kept current) have a match for the
+        same requests as at that plan (:meth:`_free_ready`: the matches are a plan's inputs). Their acceptance is
+        still observed every step (:meth:`Tuner.observe_accepted`). Why: a drawn table chain's step took ~0.1 ms
+        longer under a tuner than with fixed settings (bf16, 1.11 against 1.02 ms), the plan, the clock reads and
+        the observation's bookkeeping; prompt lookup's drafted steps from the shipped store ~0.1 ms each too (fp32,
+        batch 1: 2.40 against 2.29 ms), most of them plans that repeat the last draft unpriced (Tuner.plan)."""
+        plan, epoch, count, ready = state.coast_draft
+        if (epoch != state.epoch or count >= DRAFT_COAST or (ready and self._free_ready(state) != ready)
+                or not self.tuner.repeats(plan.shape, step=True)):
             state.coast_draft = None
             return False
-        state.coast_draft = (plan, epoch, count + 1)
+        state.coast_draft = (plan, epoch, count + 1, ready)
         return True
+
+    @staticmethod
+    def _free_ready(state: "DecodeState") -> Optional[Tuple[Tuple[int, ...], ...]]:
+        """Per group asked for matches (prompt lookup), the active requests it has a match for (:meth:`_ready`);
+        () with no such group; None while one of them has not started (no matches to ask: only a plan starts
+        it)."""
+        free = [g for g in state.groups if g.free_draft]
+        if not free:
+            return ()
+        if state.pending is not None and not all(state.pending.started(g) for g in free):
+            return None
+        active = state.active()
+        return tuple(tuple(b for b in active if g.has_draft(b)) for g in free)
 
     def _coasts(self, state: "DecodeState") -> bool:
         """Whether this step repeats the last plan's answer, no draft, without planning (the tuner's clock
@@ -1324,8 +1341,8 @@ class DecodeState:
         #: while coasting: [the tuner's clock when the run's report period began, plain steps since]
         #: (SpeculativeDecoder._observe_coast)
         self.coast_block: Optional[list] = None
-        #: after a drafted step the tuner chose (not a probe) where no group is asked for matches and the drafting
-        #: groups are kept current: (its plan, epoch, steps repeated since) (SpeculativeDecoder._coasts_draft)
+        #: after a drafted step the tuner chose (not a probe) where the drafting groups are kept current: (its plan,
+        #: epoch, steps repeated since, the matches of the groups asked for them then) (SpeculativeDecoder._coasts_draft)
         self.coast_draft: Optional[tuple] = None
         #: with a tuner: per group, the steps since the tuner last chose it (SpeculativeDecoder._retire); the
         #: drafters (indices) of the groups retired so far
