@@ -835,9 +835,11 @@ class SpeculativeDecoder:
         else:
             sampled = (len(plan.drafting) == 1 and (self.sampled_drafts is True or plan.drafting[0].draws_greedy)
                        and self._may_draw(state, plan.drafting[0]))
+        # (a repeated plan is not timed: no part's cost to correct, see step)
+        timed = plan.shape is not None and not plan.coasted
         for g in plan.drafting:
             g.alone = alone
-            t0 = self._now()
+            t0 = self._now() if timed else 0.0
             if sampled:
                 width = self._drawn_width(self.budget if plan.shape is None else plan.shape.budget, plan.depth,
                                           state.sampling)
@@ -846,7 +848,7 @@ class SpeculativeDecoder:
                 drafted.append(draft.candidates)
             else:
                 drafted.append(g.draft(plan.depth, self.top_k, state.prof, self.strategy.needs_entropy))
-            if plan.shape is not None:
+            if timed:
                 costs, members = self.tuner.costs, tuple(g.members)
                 key = costs.draft_key(members, state.batch, sampled)
                 plan.parts[("draft", key, plan.depth, state.batch)] = (
