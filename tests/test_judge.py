@@ -390,3 +390,75 @@ def test_a_plain_step_after_a_drawn_draft_and_a_drop():
             tokens.setdefault(ev.request_id, []).extend(ev.tokens)
     assert len(tokens["short"]) == 2 and len(tokens["long"]) == 6
     assert rows[:2] == [0, 1], rows  # (both admitted at the first step, the short one gone after it)
+
+
+def _through_json(state):
+    """`state` as Tuner.save writes it and Tuner.load reads it back."""
+    import json
+
+    from taps.tuner import _from_json, _to_json
+
+    return _from_json(json.loads(json.dumps(_to_json(state))))
+
+
+def test_a_generation_judge_state_goes_on_in_a_new_judge():
+    """state_dict / load_state_dict (through JSON, as save_tuner writes it): the new judge holds the same reference,
+    ratio and schedule for each track and runs the same plain generations after; its next tuned generation is not
+    judged (a new process's one-off costs), the one after is, against the loaded reference."""
+    judge = GenerationJudge(most=4, min_judged=1)
+    other = (True, 3)
+    judge.tuned(KEY, 100.0, [5, 5])
+    assert judge.plain(KEY)
+    _reference(judge)
+    judge.tuned(KEY, 16.0, [5, 5])  # lost: 1 plain run
+    assert judge.plain(KEY)
+    _reference(judge)
+    judge.tuned(KEY, 16.0, [5, 5])  # lost again: 2 plain runs
+    for _ in range(2):  # (a track with a waiting run and no reference; the first is its warm-up)
+        judge.tuned(other, 1.0, [3, 3, 3])
+    new = GenerationJudge(most=4, min_judged=1)
+    new.load_state_dict(_through_json(judge.state_dict()))
+    assert set(new.tracks) == {KEY, other}
+    for key in (KEY, other):
+        assert new.state(key) == judge.state(key)
+    assert new.tracks[other].waiting == [(1.0, {3: 2.0})]
+    assert new.counterfactual(KEY, [5, 5]) == judge.counterfactual(KEY, [5, 5]) == pytest.approx(8.0)
+    for j in (judge, new):
+        assert j.plain(KEY) and j.plain(KEY) and not j.plain(KEY)  # the two plain runs it had left
+        for _ in range(2):
+            _reference(j)
+    assert judge.tuned(KEY, 16.0, [5, 5]) == pytest.approx(2.0)
+    assert new.tuned(KEY, 16.0, [5, 5]) is None  # (not judged: warm-up of the new process)
+    assert new.tuned(KEY, 16.0, [5, 5]) == pytest.approx(2.0)
+    # the settings are the new judge's own
+    assert GenerationJudge(most=2).state_dict() == {"tracks": {}}
+
+
+def test_a_window_judge_state_goes_on_in_a_new_judge():
+    """A WindowJudge's track (not the window under way) goes on in a new judge: the same plain windows after."""
+    judge = WindowJudge(window=2)
+    kinds = _window_steps(judge, 13, tuned_seconds=4.0)  # a verdict of 2 plain windows, one step into them
+    assert kinds.endswith("ttp"), kinds
+    new = WindowJudge(window=2)
+    new.load_state_dict(_through_json(judge.state_dict()))
+    assert {k: v for k, v in new.state().items() if k != "windows"} == \
+        {k: v for k, v in judge.state().items() if k != "windows"}
+    # the old judge finishes its window, then one more plain window; the new one starts its last plain window
+    assert _window_steps(judge, 3, tuned_seconds=4.0) == "ppp"
+    assert _window_steps(new, 2, tuned_seconds=4.0) == "pp"
+    assert _window_steps(new, 2, tuned_seconds=4.0) == "tt" and new.track.judged == judge.track.judged  # not judged
+
+
+@pytest.mark.parametrize("state,match", [
+    (None, "not a judge state"), ({}, "not a judge state"), ({"tracks": [1]}, "not a judge state"),
+    ({"tracks": {KEY: 3}}, "must be a dict"), ({"tracks": {KEY: {"reference": {2: "x"}}}}, "wrong kind"),
+    ({"tracks": {KEY: {"plain_left": "many"}}}, "wrong kind"), ({"tracks": {KEY: {"waiting": [1]}}}, "wrong kind"),
+])
+def test_bad_judge_states_are_refused(state, match):
+    judge = GenerationJudge()
+    judge.tuned(KEY, 1.0, [2, 2])
+    with pytest.raises(ValueError, match=match):
+        judge.load_state_dict(state)
+    assert set(judge.tracks) == {KEY}  # (this judge's own, untouched)
+    with pytest.raises(ValueError, match="not a window judge state"):
+        WindowJudge().load_state_dict({"tracks": {}})

@@ -585,22 +585,30 @@ def test_facts_only_load_matches_the_full_one(tmp_path, models):
 
 
 def test_tuner_state_kept_between_runs(models, tmp_path, caplog):
-    """--tuner-dir: a server saves each decoder's tuner state when it stops; the next one loads it when it makes
-    that decoder (its tuner goes on from the first's clock); a state of another setup is skipped with a log line."""
+    """--tuner-dir: a server saves each decoder's tuner state (and its batch's window judge) when it stops; the next
+    one loads it when it makes that decoder (its tuner goes on from the first's clock, its judge from the first's
+    verdict); a state of another setup is skipped with a log line."""
     import logging
 
     config = ServeConfig(dtype="fp32", tuner_dir=str(tmp_path))
     with BackgroundServer(config, models=models) as s:
         client_of(s).chat.completions.create(model="taps-mini", messages=QUESTION, max_tokens=16)
         (decoder,) = s.service.engine._decoders.values()
+        (batch,) = s.service.engine._batches.values()
         wait_health(s)
+        # (a verdict as a window judge reaches it after windows that lost: 5 plain windows to run)
+        batch.judge.track.ratio, batch.judge.track.plain_left = 1.25, 5
     clock = decoder.tuner.clock
     (saved,) = tmp_path.glob("tuner-*.json")
     assert clock > 0
     with BackgroundServer(config, models=models) as s:
         client_of(s).chat.completions.create(model="taps-mini", messages=QUESTION, max_tokens=4)
         (decoder,) = s.service.engine._decoders.values()
-        assert decoder.tuner.clock > clock  # went on from the saved state
+        (batch,) = s.service.engine._batches.values()
+        # the judge went on from its verdict: the request's steps (its first window) one of the 5 plain ones, which
+        # the tuner does not plan (its clock the saved one: a new tuner's would be 0)
+        assert batch.judge.track.ratio == 1.25 and batch.judge.track.plain_left == 4
+        assert decoder.tuner.clock == clock
     import re
 
     saved.write_text(re.sub(r'"threads": \d+', '"threads": 1000', saved.read_text()))  # measured elsewhere

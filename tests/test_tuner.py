@@ -1778,11 +1778,17 @@ def test_a_saved_tuner_is_loaded_by_a_new_decoder(tmp_path):
     prompts = [[5, 17, 42, 8, 61, 3], [3, 3, 90, 12, 7, 64, 90, 2, 33, 41, 11]]
     first.generate(prompts, max_new_tokens=24)
     assert first.tuner.acceptance.pooled and first.tuner.costs.forward_points  # something learned
+    key = (False, 2)
+    first.generate(prompts, max_new_tokens=24)  # (the judge's first reference, a plain generation)
+    assert first.judge.tracks[key].reference
     first.save_tuner(tmp_path / "tuner.json")
     second = _tuned()
     assert second.tuner.costs is None
     second.load_tuner(tmp_path / "tuner.json")
     assert _to_json(second.tuner.state_dict()) == _to_json(first.tuner.state_dict())
+    # the generation judge's tracks too, each one's next tuned generation not judged (a new process's warm-up)
+    assert second.judge.state(key) == first.judge.state(key) and second.judge.tracks[key].reference
+    assert first.judge.tracks[key].warm and not second.judge.tracks[key].warm
     assert not second.tuner.costs.needs_forward(2)
     measured = []
     second.tuner.costs.set_forward = lambda batch, points: measured.append(batch)

@@ -48,7 +48,7 @@ from . import hf
 from .drafters import DraftGroup, Drafter, make_groups, target_vocab_size
 from .expansion import DraftSampler, num_candidates, scratch_positions, target_probs
 from .forward import TargetForward
-from .judge import GenerationJudge
+from .judge import GenerationJudge, WindowJudge
 from .kv import pack_bits
 from .lean import stack_key
 from .stats import Profiler, RequestStats, summarize
@@ -252,21 +252,36 @@ class SpeculativeDecoder:
                 "dtype": str(p.dtype).replace("torch.", ""), "threads": torch.get_num_threads(),
                 "cpu": taps_ops.cpu_info()["summary"]}
 
-    def save_tuner(self, path) -> None:
-        """Write what the tuner measured and learned (its costs, pooled acceptance, probe schedule) to `path`
-        (JSON), for :meth:`load_tuner` in a later process: a new decoder then starts where this one is, not
-        with a calibration and a tuner's first tries of each draft (a short first answer of a fresh tuner read
-        0.62x taps autoregressive on the shipped models)."""
+    def save_tuner(self, path, window_judge: Optional[WindowJudge] = None) -> None:
+        """Write what the tuner measured and learned (its costs, pooled acceptance, probe schedule) and what the
+        generation judge holds (:attr:`judge`: per batch size, whether drafting lost against this decoder's
+        autoregressive decoding, and its plain steps' times) to `path` (JSON), for :meth:`load_tuner` in a later
+        process: a new decoder then starts where this one is, not with a calibration, a tuner's first tries of
+        each draft (a short first answer of a fresh tuner read 0.62x taps autoregressive on the shipped models)
+        and the tuned generations a judge runs before its first verdict (at a batch of 8 where drafting loses,
+        the 5-7 of a bench's first 32 rounds that cost such a row 3-5%). `window_judge`: a continuous batch's
+        judge of this decoder's steps (``taps.batching.ContinuousBatch.judge``, the server's), kept too."""
         if self.tuner is None:
             raise ValueError("save_tuner: this decoder has no tuner (budget='auto' or tuner=...)")
-        self.tuner.save(path, self.tuner_fingerprint())
+        judges = {}
+        if self.judge is not None:
+            judges["generation"] = self.judge.state_dict()
+        if window_judge is not None:
+            judges["window"] = window_judge.state_dict()
+        self.tuner.save(path, self.tuner_fingerprint(), judges=judges)
 
-    def load_tuner(self, path) -> None:
-        """Take the state :meth:`save_tuner` wrote; ValueError when it was saved by a decoder of another
-        target, drafters, settings, device, dtype, thread count or CPU (naming what differs)."""
+    def load_tuner(self, path, window_judge: Optional[WindowJudge] = None) -> None:
+        """Take the state :meth:`save_tuner` wrote (and the judges' states it holds: this decoder's generation
+        judge, and `window_judge`'s when given and saved); ValueError when it was saved by a decoder of another
+        target, drafters, settings, device, dtype, thread count or CPU (naming what differs), or holds a judge
+        state that is not one."""
         if self.tuner is None:
             raise ValueError("load_tuner: this decoder has no tuner (budget='auto' or tuner=...)")
-        self.tuner.load(path, self.tuner_fingerprint())
+        judges = self.tuner.load(path, self.tuner_fingerprint()) or {}
+        if self.judge is not None and "generation" in judges:
+            self.judge.load_state_dict(judges["generation"])
+        if window_judge is not None and "window" in judges:
+            window_judge.load_state_dict(judges["window"])
 
     # ---------------------------------------------------------------------------------------------
     def prompt_ids(self, inputs) -> List[List[int]]:

@@ -14,7 +14,7 @@ decoder's lean plain steps) where drafting lost. :class:`WindowJudge` does the s
 from __future__ import annotations
 
 import bisect
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from typing import Dict, Hashable, List, Optional, Sequence, Tuple
 
 __all__ = ["GenerationJudge", "WindowJudge"]
@@ -133,6 +133,35 @@ class _Judge:
         return {"ratio": track.ratio, "plain_left": track.plain_left, "refresh": track.refresh,
                 "reference": {rows: v[0] for rows, v in sorted(track.reference.items())}}
 
+    @staticmethod
+    def _saved(track: _Track) -> dict:
+        """A track as plain values (:meth:`GenerationJudge.state_dict`)."""
+        out = asdict(track)
+        out["reference"] = {int(rows): [float(v[0]), int(v[1])] for rows, v in track.reference.items()}
+        out["waiting"] = [[float(t), {int(r): float(w) for r, w in weights.items()}] for t, weights in track.waiting]
+        return out
+
+    @staticmethod
+    def _loaded(values: dict) -> _Track:
+        """A track from :meth:`_saved`'s values, its next tuned run not judged (``warm`` False: a new process pays
+        the one-off costs again, the drafters' starts and the kernels built for each product shape); a value it
+        lacks keeps its default. ValueError for values of the wrong kind."""
+        if not isinstance(values, dict):
+            raise ValueError(f"judge state: a track must be a dict, got {type(values).__name__}")
+        known = {f.name for f in fields(_Track)}
+        track = _Track(**{k: v for k, v in values.items() if k in known})
+        try:
+            track.reference = {int(rows): [float(v[0]), int(v[1])] for rows, v in dict(track.reference).items()}
+            track.waiting = [(float(t), {int(r): float(w) for r, w in dict(weights).items()})
+                             for t, weights in track.waiting]
+            track.ratio = None if track.ratio is None else float(track.ratio)
+            for name in ("plain_left", "losses", "tuned", "refresh", "judged"):
+                setattr(track, name, int(getattr(track, name)))
+        except (TypeError, ValueError, IndexError) as e:
+            raise ValueError(f"judge state: a track holds a value of the wrong kind ({e})") from None
+        track.warm = False
+        return track
+
 
 class GenerationJudge(_Judge):
     """Judges a decoder's tuned generations (``SpeculativeDecoder.generate`` with a tuner) against its own
@@ -217,6 +246,21 @@ class GenerationJudge(_Judge):
         """What the judge holds for `key`: the running ratio, the plain generations left, the reference rows."""
         return self._state(self.tracks.get(key))
 
+    def state_dict(self) -> dict:
+        """Every track (verification mode and batch size: its reference, running ratio and schedule) as plain
+        values, for :meth:`load_state_dict` in a later process (``SpeculativeDecoder.save_tuner`` keeps it beside
+        the tuner's state): a decoder that starts from it does not learn again, at the cost of tuned generations,
+        that drafting loses at a batch size."""
+        return {"tracks": {key: self._saved(track) for key, track in self.tracks.items()}}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Take what :meth:`state_dict` gave: its tracks replace this judge's (the settings given to the
+        constructor stay); each one's next tuned generation is not judged (see :meth:`_loaded`)."""
+        tracks = state.get("tracks") if isinstance(state, dict) else None
+        if not isinstance(tracks, dict):
+            raise ValueError("GenerationJudge.load_state_dict: not a judge state (no tracks)")
+        self.tracks = {key: self._loaded(values) for key, values in tracks.items()}
+
 
 class WindowJudge(_Judge):
     """A continuous batch's judge (``taps.batching.ContinuousBatch(judge=)``; the server's): :class:`GenerationJudge`'s
@@ -276,6 +320,20 @@ class WindowJudge(_Judge):
     def state(self) -> dict:
         """The running ratio, the plain windows left, the reference rows, the windows run of each kind."""
         return dict(self._state(self.track), windows=dict(self.windows))
+
+    def state_dict(self) -> dict:
+        """The track (reference, running ratio, schedule) as plain values, for :meth:`load_state_dict` in a later
+        process (``taps serve --tuner-dir`` keeps it with the decoder's tuner); the window under way is not
+        kept."""
+        return {"track": self._saved(self.track)}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Take what :meth:`state_dict` gave; the next window starts afresh, and a tuned one is not judged (the
+        new process's one-off costs, :meth:`GenerationJudge.load_state_dict`)."""
+        if not isinstance(state, dict) or "track" not in state:
+            raise ValueError("WindowJudge.load_state_dict: not a window judge state (no track)")
+        self.track = self._loaded(state["track"])
+        self._plain, self._left, self._steps, self._seconds, self._weights = False, 0, [], 0.0, {}
 
 
 def _check_int(name: str, value, low: int, owner: str = "judge") -> None:

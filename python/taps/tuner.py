@@ -1085,23 +1085,27 @@ class Tuner:
         self._fresh = {}
         self._version += 1
 
-    def save(self, path, fingerprint: Optional[dict] = None) -> None:
+    def save(self, path, fingerprint: Optional[dict] = None, judges: Optional[dict] = None) -> None:
         """Write :meth:`state_dict` to `path` (JSON), with `fingerprint` (what it was measured on:
-        :meth:`SpeculativeDecoder.tuner_fingerprint`), which :meth:`load` checks."""
+        :meth:`SpeculativeDecoder.tuner_fingerprint`), which :meth:`load` checks, and `judges` (plain values: the
+        states of the judges of the same decoder's runs, :mod:`taps.judge`), which :meth:`load` returns."""
         import json
         import os
 
         data = {"format": "taps.Tuner", "version": _STATE_VERSION, "fingerprint": fingerprint,
                 "state": _to_json(self.state_dict())}
+        if judges is not None:
+            data["judges"] = _to_json(judges)
         tmp = f"{path}.tmp{os.getpid()}"
         with open(tmp, "w") as f:
             json.dump(data, f)
         os.replace(tmp, path)  # a reader never sees half a file
 
-    def load(self, path, fingerprint: Optional[dict] = None) -> None:
-        """Take the state :meth:`save` wrote to `path`. ValueError when it is not such a file, or was saved with
-        another fingerprint than `fingerprint` (another model, drafters, device, dtype, thread count or CPU:
-        its costs and acceptance would mislead), naming what differs."""
+    def load(self, path, fingerprint: Optional[dict] = None) -> Optional[dict]:
+        """Take the state :meth:`save` wrote to `path`; returns the judges' states saved with it (None: none).
+        ValueError when it is not such a file, or was saved with another fingerprint than `fingerprint` (another
+        model, drafters, device, dtype, thread count or CPU: its costs and acceptance would mislead), naming what
+        differs."""
         import json
 
         with open(path) as f:
@@ -1120,7 +1124,11 @@ class Tuner:
             diff = [f"{k}: {(saved or {}).get(k)!r} there, {fingerprint.get(k)!r} here" for k in keys
                     if (saved or {}).get(k) != fingerprint.get(k)]
             raise ValueError(f"Tuner.load: {path} was measured on another setup ({'; '.join(diff)})")
+        judges = _from_json(data.get("judges"))
+        if judges is not None and not isinstance(judges, dict):
+            raise ValueError(f"Tuner.load: {path} holds judge states that are not a dict")
         self.load_state_dict(_from_json(data["state"]))
+        return judges
 
     def begin(self, batch: int, sampling: bool) -> None:
         """A generation of `batch` requests starts; ``sampling``: verification samples (temperature > 0),

@@ -465,7 +465,7 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                    help="nodes of one drafter's tree, root included, or auto (default): taps.Tuner chooses "
                         "each step's drafters, depth and nodes, down to no draft, by measured costs")
     g.add_argument("--tuner-dir", metavar="DIR",
-                   help="keep each decoder's tuner state (measured costs, acceptance) in DIR between runs: loaded "
+                   help="keep each decoder's tuner state (measured costs, acceptance, the window judge's verdicts) in DIR between runs: loaded "
                         "when the decoder is made (state measured on another model, CPU, dtype or thread count is "
                         "skipped), saved when the server stops; a restarted server does not learn again")
     g.add_argument("--retire-after", type=or_never(int_at_least(1)), metavar="N|never",

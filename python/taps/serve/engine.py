@@ -397,7 +397,7 @@ class Engine:
         path = self._tuner_path(key)
         if path is not None and path.is_file():
             try:
-                decoder.load_tuner(path)
+                decoder.load_tuner(path, window_judge=batch.judge)
                 log.info("taps serve: %s: the tuner's state from %s", key, path)
             except (ValueError, OSError) as e:  # measured on another setup, or unreadable: start afresh
                 log.warning("taps serve: %s: not using %s: %s", key, path, e)
@@ -422,9 +422,10 @@ class Engine:
         decoder = self._decoders.get(key)
         if path is None or decoder is None or decoder.tuner is None:
             return
+        batch = self._batches.get(key)
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
-            decoder.save_tuner(path)
+            decoder.save_tuner(path, window_judge=None if batch is None else batch.judge)
         except OSError as e:
             log.warning("taps serve: %s: could not save the tuner's state to %s: %s", key, path, e)
 
