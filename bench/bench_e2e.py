@@ -36,6 +36,11 @@ that loses is a plain one; the warm-up generation counts towards the judge's sch
 chosen most often in the last round. Tree forwards of ragged trees run packed (each
 request's real nodes only, ``SpeculativeDecoder.pack_trees``); ``--no-pack`` runs them over the padded grid.
 
+``--tuner-dir DIR`` (either table): each auto row starts from the tuner and judge state a previous run with the same
+DIR saved for it (``SpeculativeDecoder.save_tuner`` / ``load_tuner``: what a process that keeps them, a restarted
+``taps serve --tuner-dir``, starts from, instead of learning again) and saves its own there at the end; without it
+every auto row starts fresh (the first run's rows pay for what their tuners and judges learn).
+
 Table 2 (``--profile``, one per temperature): where a taps step's time goes (``generate(profile=True)``), ms per
 step and phase, and the tokens a step emitted.
 
@@ -160,6 +165,44 @@ def tuner_clock(args, clock):
             "thread": time.thread_time}[args.tuner_clock]
 
 
+def _tuner_path(args, table: str, name: str):
+    """--tuner-dir: the file where the auto row `name` of `table` keeps its tuner's (and judge's) state."""
+    import re
+    from pathlib import Path
+
+    return Path(args.tuner_dir) / f"{table}-{re.sub(r'[^A-Za-z0-9+.-]+', '_', name)}.json"
+
+
+def load_tuner_state(args, table: str, name: str, dec) -> None:
+    """--tuner-dir: an auto row's decoder starts from the state an earlier run of the same row left
+    (``SpeculativeDecoder.load_tuner``: its tuner's costs and acceptance and its generation judge's verdicts, what a
+    process that loads them, a restarted ``taps serve --tuner-dir``, starts from); a state measured on another
+    setup is skipped, and said so."""
+    if not args.tuner_dir or dec.tuner is None:
+        return
+    path = _tuner_path(args, table, name)
+    if not path.is_file():
+        print(f"{name}: no saved state at {path} (a fresh tuner; saved there at the end)")
+        return
+    try:
+        dec.load_tuner(path)
+        print(f"{name}: tuner and judge state from {path}")
+    except ValueError as e:
+        print(f"{name}: not using {path}: {e}")
+
+
+def save_tuner_states(args, table: str, decoders) -> None:
+    """--tuner-dir: every auto row's state, for the next run (:func:`load_tuner_state`)."""
+    if not args.tuner_dir:
+        return
+    import os
+
+    os.makedirs(args.tuner_dir, exist_ok=True)
+    for name, dec in decoders.items():
+        if dec.tuner is not None:
+            dec.save_tuner(_tuner_path(args, table, name))
+
+
 def shipped_tables(args, device, dtype) -> None:
     from taps import SpeculativeDecoder, Tuner, models
     from taps.data import load_eval_prompts
@@ -188,6 +231,7 @@ def shipped_tables(args, device, dtype) -> None:
             dec = SpeculativeDecoder(target, make_drafters(names, drafters, args, models), strategy=strategy, **kw)
             name = f"{row} auto" if auto else row
             decoders[name] = dec
+            load_tuner_state(args, "batch1", name, dec)
             runners[f"taps {name}"] = TapsRunner(dec, tok.eos_id)
             if row == "autoregressive":  # a second one: its ratio to the first is the run's noise
                 runners["taps autoregressive (control)"] = TapsRunner(
@@ -274,6 +318,8 @@ def shipped_tables(args, device, dtype) -> None:
                     title=f"Shipped models, T={temperature:g} ({args.repeats} rounds, rows interleaved per prompt, "
                           f"in reverse every other round, fastest per row and prompt; {args.clock} time)")
 
+    save_tuner_states(args, "batch1", decoders)
+
     for temperature in (args.temperatures if args.profile else ()):  # a table per temperature
         rows = []
         for row, dec in decoders.items():
@@ -333,7 +379,9 @@ def batch_table(args, device, dtype) -> None:
                 dec.pack_trees = not args.no_pack
                 if not judged:
                     dec.judge = None
-                decoders[(f"{row} auto" if auto else row) + ("" if judged or not auto else ", no judge")] = dec
+                name = (f"{row} auto" if auto else row) + ("" if judged or not auto else ", no judge")
+                decoders[name] = dec
+                load_tuner_state(args, f"batch{args.batch}", name, dec)
     print(f"device {device}, {torch.get_num_threads()} thread(s), {str(dtype).replace('torch.', '')}; "
           f"shipped target + {args.family} drafters; one ragged batch of {len(prompts)} prompts (prompt lengths "
           f"{[len(p) for p in prompts]}), {args.new_tokens} new tokens; draft vocabulary {args.draft_vocab or 'full'}")
@@ -387,6 +435,7 @@ def batch_table(args, device, dtype) -> None:
                      "tau", "steps", "= AR", "judged plain", "auto: top shapes (last round)"], rows,
                     title=f"Ragged batch of {len(prompts)}, T={temperature:g} ({args.repeats} interleaved rounds; "
                           f"{args.clock} time)")
+    save_tuner_states(args, f"batch{args.batch}", decoders)
 
 
 def overhead_table(args, device) -> None:
@@ -508,6 +557,10 @@ def main() -> None:
                     help="N > 0: the ragged-batch table instead (GSM8K then MT-Bench prompts as one batch of N, "
                          "every row against taps autoregressive)")
     ap.add_argument("--batch-auto-only", action="store_true", help="batch table: the auto rows only")
+    ap.add_argument("--tuner-dir", metavar="DIR", default=None,
+                    help="each auto row starts from the tuner and judge state an earlier run with this DIR saved "
+                         "(SpeculativeDecoder.load_tuner; what a restarted `taps serve --tuner-dir` starts from), "
+                         "and saves its own there at the end (default: fresh tuners, nothing saved)")
     ap.add_argument("--judge", choices=("on", "off", "both"), default="on",
                     help="batch table: the auto rows' generation judge (taps.judge; on: the default decoder), off, "
                          "or both side by side (each auto row twice)")

@@ -92,13 +92,21 @@ def test_bench_e2e_shipped_table_row():
     assert sum("table" in r for r in table_rows(out, "Shipped models, T=1")) == 2
 
 
-def test_bench_e2e_ragged_batch():
-    out = run_bench("bench_e2e.py", "--batch", "4", "--rows", "merged-budget", "lookup", "--new-tokens", "8",
-                    "--repeats", "1", "--temperatures", "0", "--dtype", "fp32", "--clock", "process")
+def test_bench_e2e_ragged_batch(tmp_path):
+    args = ("bench_e2e.py", "--batch", "4", "--rows", "merged-budget", "lookup", "--new-tokens", "8", "--repeats", "1",
+            "--temperatures", "0", "--dtype", "fp32", "--clock", "process", "--tuner-dir", str(tmp_path / "tuners"))
+    out = run_bench(*args)
     rows = table_rows(out, "Ragged batch of 4, T=0")
     # autoregressive, its control, and each row fixed and auto; every output equal to autoregressive decoding
     assert len(rows) == 6 and all(" yes " in r for r in rows), rows
     assert sum(" auto " in r for r in rows) == 2
+    # --tuner-dir: the auto rows' states saved, and a second run starts from them
+    saved = sorted(p.name for p in (tmp_path / "tuners").iterdir())
+    assert saved == ["batch4-lookup_auto.json", "batch4-merged-budget_auto.json"], saved
+    assert "no saved state" in out
+    out = run_bench(*args)
+    assert out.count("tuner and judge state from") == 2, out
+    assert all(" yes " in r for r in table_rows(out, "Ragged batch of 4, T=0"))
 
 
 @pytest.mark.parametrize("vocab", [[], ["--draft-vocab", "100"]], ids=["full-vocab", "draft-vocab"])
