@@ -547,10 +547,9 @@ class SpeculativeDecoder:
         prof = state.prof
         prof.steps += 1
         with prof.section("step"):
-            # the clock is read only for a step the tuner observes: a run of coasting plain steps reads it where
-            # it starts and where it is reported (_observe_coast), none between (a CPU-time clock can cost 100 us
-            # a read inside a VM); a plan that stops coasting reads it when it does (_plan)
-            start = self._now() if self.tuner is not None and state.coast is None else None
+            # the clock is read only for a step the tuner observes (from after its plan, below): a run of coasting
+            # plain steps reads it where it starts and where it is reported (_observe_coast), none between (a
+            # CPU-time clock can cost 100 us a read inside a VM)
             self._route(state)
             if state.coast is not None and self._coasts(state):
                 if self.coast_block is not None:
@@ -587,14 +586,17 @@ class SpeculativeDecoder:
                     key = tuple(g.members)
                     state.chosen[key] = state.chosen.get(key, 0) + 1
             timed = plan.shape is not None and not plan.coasted and self.tuner.observes(plan.shape)
-            if timed and not plan.shape.drafters:
-                # a plain step is timed from after its plan: the plan's own work (a recomputation after a request
-                # joined or finished, ~1 ms at a batch of 8) is no cost of a plain step, whose price the tuner
-                # compares drafts with (plain steps that coast, most of them, plan nothing: in a server load the
-                # price had stood 18-28% above their time, within 3% since)
+            if timed:
+                # a step is timed from after its plan: the plan's own work (a recomputation after a request joined
+                # or finished, ~1 ms at a batch of 8; the plan that repeats the last draft unpriced, ~0.1 ms at a
+                # batch of 1) is the same whichever shape it chooses, and the steps that coast, plain or drafted
+                # (most of them), plan nothing. Plain steps: their price had stood 18-28% above their time in a
+                # server load, within 3% since. Drafted ones: an n-gram table's drawn chains, timed with their
+                # plans, were priced 1.2-1.7x what their steps take (fp32, batch 1), and whole answers ran plain.
+                # (A drafted step's catch-ups of the groups asked for matches, run by its plan, stay its own.)
                 start = self._now()
-            elif timed and start is None:
-                start = plan.started if plan.started is not None else self._now()
+                if plan.shape.drafters:
+                    start -= sum(u[2] for u in plan.updates)
             with prof.section("draft"):
                 drafted = self._draft(state, plan)
             with prof.section("tree"):
@@ -612,7 +614,7 @@ class SpeculativeDecoder:
             with prof.section("draft_update"):
                 self._advance_drafters(state, plan, fwd, ver, path, num_new, record)
             self._record(state, plan, tree, record, forward_seconds,
-                         self._now() - start - plan.recomputed if timed else 0.0, timed, first, rows)
+                         self._now() - start if timed else 0.0, timed, first, rows)
 
     def _first_shape(self, rows: int, batch: int, width: int) -> bool:
         """Whether this step's target forward ran a shape (rows computed, requests, tree width) this decoder
@@ -665,8 +667,6 @@ class SpeculativeDecoder:
                 groups = [g for g in groups if not g.free_draft or any(g.has_draft(b) for b in active)]
             return _Plan(None, groups, self.depth)
         groups = state.groups
-        # a step that was coasting (and stops: _coasts) read no clock in step(): its time starts here
-        started = self._now() if state.coast is not None else None
         state.coast = None
         active = state.active()
         # groups whose draft runs no model (prompt lookup) catch up now (once started they are kept
@@ -682,7 +682,7 @@ class SpeculativeDecoder:
                            drawn=drawn, drawn_only=True if self.sampled_drafts is True else
                            [i for i in drawn if groups[i].draws_greedy],
                            candidates=lambda i, d: num_candidates(d, self.top_k), ready=ready,
-                           starting=[state.pending.start_tokens(g) for g in groups],
+                           starting=[self._starting(state, g) for g in groups],
                            drawn_nodes=functools.partial(self._drawn_nodes, sampling=state.sampling),
                            left=[state.requests[b].left for b in active] if state.closed else None,
                            previous=state.last_kind)
@@ -691,10 +691,24 @@ class SpeculativeDecoder:
             token = tuner.coast_token()
             if token is not None:
                 state.coast = (token, state.epoch) + self._coast_checks(token, groups, active)
-            return _Plan(shape, [], 0, updates=updates, started=started)
+            return _Plan(shape, [], 0, updates=updates)
         chosen = set(shape.drafters)
-        return _Plan(shape, [g for g in groups if chosen.issuperset(g.members)], shape.depth, updates=updates,
-                     started=started, recomputed=tuner.recomputed)
+        return _Plan(shape, [g for g in groups if chosen.issuperset(g.members)], shape.depth, updates=updates)
+
+    @staticmethod
+    def _starting(state: "DecodeState", group: DraftGroup) -> int:
+        """Of the tokens `group` has yet to append (``state.pending.count``), those the tuner prices as its start
+        (:meth:`taps.tuner.CostModel.start`, its measured seconds per token): a group not started yet starts on its
+        prompts (and the steps folded into them), and appends the steps queued since; a host drafter kept current once
+        started (prompt lookup, an n-gram table) starts on all of them, each appended as cheaply as its start
+        indexes a prompt's token. (Its appends are never timed once it runs, so the append price stayed the
+        calibration's guess for a drafter that runs a model, one expansion level: the n-gram table's 0.13 ms + 8 us a
+        token, fp32, batch 1, against ~1 us a token measured; a generation that had not drafted yet priced its first
+        draft higher with each step, and decoded its whole answer plain where the table's chains give 1.5x.)"""
+        pending = state.pending
+        if group.kept_current and not pending.started(group):
+            return pending.count(group)
+        return pending.start_tokens(group)
 
     def _coasts_draft(self, state: "DecodeState") -> bool:
         """Whether this step repeats the last drafted step's plan without planning or timing
@@ -1418,17 +1432,13 @@ class DecodeState:
 @dataclass
 class _Plan:
     """A step's draft: the tuner's shape (None: the fixed settings), the groups that draft, the depth;
-    the timed parts and group appends the tuner is told of; when a coasting step planned."""
+    the timed parts and group appends the tuner is told of."""
 
     shape: Optional[Shape]
     drafting: List[DraftGroup]
     depth: int
     parts: Dict[tuple, Tuple[float, float]] = field(default_factory=dict)
     updates: list = field(default_factory=list)
-    #: the tuner's clock when a step that was coasting planned (its time starts there); None otherwise
-    started: Optional[float] = None
-    #: seconds the plan spent recomputing the tuner's values (Tuner.recomputed): not the step's own time
-    recomputed: float = 0.0
     #: a drafted step repeating the last one's plan unplanned and untimed (SpeculativeDecoder._coasts_draft)
     coasted: bool = False
 

@@ -29,7 +29,9 @@ much each part costs depends on the machine (ISA, dtype, threads, batch, a GPU o
   ever accepted at, so a drafter never accepted is probed at depth 1, its cheapest tree), with exponential
   back-off, only while it could win with its rates at an upper confidence bound (each raised by 1 / sqrt(1 +
   trials); a kind's chance to reach each depth at most that of a wider kind of the same drafters observed
-  since, whose tree holds its best nodes, and its estimate at least that of a narrower one observed since),
+  since, whose tree holds its best nodes, and its estimate at least that of a narrower one observed since)
+  and its price before the running ratio its steps' seconds set (see :meth:`Tuner.observe`: only the kind's
+  own steps correct that ratio),
   and only as far as an exploration credit covers its predicted loss (the credit grows by a share
   ``explore`` of each step's predicted time; an observed probe also spends what it lost beyond that), so
   probes lose about that share at most, however many kinds there are, whatever a tree costs at the batch
@@ -977,7 +979,8 @@ class Tuner:
         """The shape to run from (shape, value, predicted seconds, an optimistic value: its acceptance
         rates at an upper confidence bound) options (the first is no draft): the best value per second,
         unless a kind not chosen (no draft included) is due for a probe, could beat it with its optimistic
-        value, and its predicted loss is covered by the exploration credit (then its deepest such shape:
+        value (and its price before its running ratio, :meth:`_price_fix`), and its predicted loss is covered by
+        the exploration credit (then its deepest such shape:
         every depth observed at once, once tried no deeper than :meth:`AcceptanceModel.probe_depth`; of
         the widest such kind); a probed kind's interval doubles, and the narrower kinds of its drafters
         wait as long (its outcome bounds theirs).
@@ -1005,15 +1008,24 @@ class Tuner:
         credit, accrual = self._credit, self._accrual
         due: Dict[tuple, Tuple[Shape, float]] = {}
         ready = clock + self.max_probe_interval  # the first step some kind could be probed at
+        fix = self._price_fix if self._learns_fix() else None
         for shape, value, seconds, upper in options:
-            if upper <= rate * seconds:
+            # could it win: its acceptance at the upper bound, its price before its kind's running ratio (the
+            # steps' correction of the price as a whole, _fix): a ratio that early or unlucky steps pushed up is
+            # corrected only by the kind's own steps, and a kind it priced out was never chosen to correct it (the
+            # n-gram table at a batch of 1, fp32: prices 1.4-1.7x what its steps took, whole answers decoded plain
+            # where its chains give 1.5x)
+            optimistic = seconds / fix(shape.key) if fix is not None and shape.drafters else seconds
+            if upper <= rate * optimistic:
                 continue
             key = shape.key
             if key == best_key:
                 continue
             # a kind's first try is free (a new tuner tries every kind that could win once)
             tried = key in probe
-            loss = 0.0 if not tried else max(seconds - value / rate, 0.0) if rate > 0 else seconds
+            # (its charge too: at the optimistic price; once observed, a probe spends what it lost beyond its charge,
+            # so probes still lose about `explore` of the time whatever the prices say)
+            loss = 0.0 if not tried else max(optimistic - value / rate, 0.0) if rate > 0 else optimistic
             at = probe.get(key, (0, 1))[0]
             if loss > credit:
                 at = max(at, clock + (int((loss - credit) / accrual) + 1 if accrual > 0 else self.max_probe_interval))
