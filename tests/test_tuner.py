@@ -516,6 +516,9 @@ def test_a_kind_priced_out_by_its_running_ratio_is_still_probed():
     # a kind that could not win even before its ratio: no probe
     tuner, kind = tuner_with(1.0)
     assert tuner.choose([(NONE, 1.0, 1e-3, 1.0), (kind, 2.0, 3.6e-3, 2.5)]) == NONE and not tuner.probing
+    # a ratio below 1 probes no less: judged at its price (1.5 ms: 2.5 tokens at its upper bound beat 1.5)
+    tuner, kind = tuner_with(0.5)
+    assert tuner.choose([(NONE, 1.0, 1e-3, 1.0), (kind, 1.2, 1.5e-3, 2.5)]) == kind and tuner.probing
 
 
 def test_probes_lose_at_most_their_share():

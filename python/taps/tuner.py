@@ -1015,7 +1015,8 @@ class Tuner:
             # corrected only by the kind's own steps, and a kind it priced out was never chosen to correct it (the
             # n-gram table at a batch of 1, fp32: prices 1.4-1.7x what its steps took, whole answers decoded plain
             # where its chains give 1.5x)
-            optimistic = seconds / fix(shape.key) if fix is not None and shape.drafters else seconds
+            # (never above its price: a ratio below 1 is no reason to probe less)
+            optimistic = seconds / max(fix(shape.key), 1.0) if fix is not None and shape.drafters else seconds
             if upper <= rate * optimistic:
                 continue
             key = shape.key
