@@ -598,7 +598,7 @@ class SpeculativeDecoder:
                 if plan.shape.drafters:
                     start -= sum(u[2] for u in plan.updates)
             with prof.section("draft"):
-                drafted = self._draft(state, plan)
+                drafted = self._draft(state, plan, timed)
             with prof.section("tree"):
                 tree, nodes = self._tree(state, plan, drafted)
             t0 = self._now() if timed else 0.0
@@ -729,8 +729,8 @@ class SpeculativeDecoder:
         state.coast_draft = (plan, epoch, count + 1, ready)
         return True
 
-    @staticmethod
-    def _free_ready(state: "DecodeState") -> Optional[Tuple[Tuple[int, ...], ...]]:
+    @classmethod
+    def _free_ready(cls, state: "DecodeState") -> Optional[Tuple[Tuple[int, ...], ...]]:
         """Per group asked for matches (prompt lookup), the active requests it has a match for (:meth:`_ready`);
         () with no such group; None while one of them has not started (no matches to ask: only a plan starts
         it)."""
@@ -739,8 +739,7 @@ class SpeculativeDecoder:
             return ()
         if state.pending is not None and not all(state.pending.started(g) for g in free):
             return None
-        active = state.active()
-        return tuple(tuple(b for b in active if g.has_draft(b)) for g in free)
+        return tuple(cls._ready(free, state.active()))
 
     def _coasts(self, state: "DecodeState") -> bool:
         """Whether this step repeats the last plan's answer, no draft, without planning (the tuner's clock
@@ -849,9 +848,10 @@ class SpeculativeDecoder:
         (those with a match); None for the others (they always propose)."""
         return [tuple(b for b in active if g.has_draft(b)) if g.free_draft else None for g in groups]
 
-    def _draft(self, state: "DecodeState", plan: "_Plan") -> Optional[Candidates]:
+    def _draft(self, state: "DecodeState", plan: "_Plan", timed: bool = False) -> Optional[Candidates]:
         """The drafting groups' candidates (a group behind on appends catches up first), stacked in the
-        groups' member order; None when no group drafts."""
+        groups' member order; None when no group drafts. ``timed``: the step is timed for the tuner (each group's
+        draft then timed against its price, a part of the step)."""
         state.draft_probs = None
         if not plan.drafting:  # a plain step
             return None
@@ -864,8 +864,6 @@ class SpeculativeDecoder:
         else:
             sampled = (len(plan.drafting) == 1 and (self.sampled_drafts is True or plan.drafting[0].draws_greedy)
                        and self._may_draw(state, plan.drafting[0]))
-        # (a repeated plan is not timed: no part's cost to correct, see step)
-        timed = plan.shape is not None and not plan.coasted
         for g in plan.drafting:
             g.alone = alone
             t0 = self._now() if timed else 0.0
