@@ -135,11 +135,8 @@ class _Judge:
 
     @staticmethod
     def _saved(track: _Track) -> dict:
-        """A track as plain values (:meth:`GenerationJudge.state_dict`)."""
-        out = asdict(track)
-        out["reference"] = {int(rows): [float(v[0]), int(v[1])] for rows, v in track.reference.items()}
-        out["waiting"] = [[float(t), {int(r): float(w) for r, w in weights.items()}] for t, weights in track.waiting]
-        return out
+        """A track as plain values (:meth:`GenerationJudge.state_dict`; :meth:`_loaded` checks their kinds)."""
+        return asdict(track)
 
     @staticmethod
     def _loaded(values: dict) -> _Track:
